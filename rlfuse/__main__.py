@@ -1,0 +1,3 @@
+from rlfuse.cli import main
+
+raise SystemExit(main())

@@ -1,0 +1,344 @@
+"""Typed run configuration: one dataclass per section, loaded from YAML plus `section.field=value` overrides.
+
+Every field is validated eagerly in `validate()`; a bad value raises `ConfigError`, which names the field and the
+fix. The resolved config is saved into each run folder (`save_config`), so a run can always be reproduced.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import os
+import types
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Optional
+
+import yaml
+
+from rlfuse.errors import ConfigError
+
+DATA_KINDS = ("synthetic", "imdb", "hh_rlhf", "csv", "jsonl", "parquet")
+
+
+@dataclass
+class RunConfig:
+    dir: Optional[str] = None
+    """Run folder. Default: a new folder runs/<command>-<timestamp>."""
+    seed: int = 0
+    """Seed for data order, initialisation and sampling."""
+    device: str = "auto"
+    """auto | cpu | cuda."""
+    precision: str = "auto"
+    """auto (bf16 autocast on a GPU that supports it, fp32 on CPU) | fp32 | bf16 | fp16."""
+    quiet: bool = False
+    """No live progress bars, only periodic log lines (also the default when stderr is not a terminal)."""
+    threads: int = 0
+    """torch CPU threads; 0 leaves torch's default."""
+
+
+@dataclass
+class DataConfig:
+    kind: str = "synthetic"
+    """synthetic (the embedded default task) | imdb | hh_rlhf | csv | jsonl | parquet."""
+    path: Optional[str] = None
+    """Local file (csv/jsonl/jsonl.gz/parquet) or, for imdb and hh_rlhf, a hub data set name. Unused by synthetic."""
+    text_column: Optional[str] = None
+    """Generic files: column with the text to learn (SFT). Defaults per kind."""
+    label_column: Optional[str] = None
+    """Generic files: sentiment label column (positive/negative or 1/0), used to build preference pairs."""
+    prompt_column: Optional[str] = None
+    """Generic files: prompt column; with response_column SFT can be completion-only."""
+    response_column: Optional[str] = None
+    """Generic files: response column (completion-only SFT)."""
+    chosen_column: Optional[str] = None
+    """Generic files: preferred response column (reward model)."""
+    rejected_column: Optional[str] = None
+    """Generic files: dispreferred response column (reward model)."""
+    num_reviews: int = 6000
+    """Synthetic task: number of reviews in the corpus."""
+    max_examples: Optional[int] = None
+    """Use at most this many rows of a file (after skipping empty ones)."""
+    eval_fraction: float = 0.05
+    """Fraction of rows held out for validation."""
+    max_length: int = 192
+    """Tokens per training sequence; longer ones are truncated."""
+    prompt_words: int = 4
+    """Synthetic task: words of a held-out review used as an RL/eval prompt (2..prompt_words)."""
+
+
+@dataclass
+class ModelConfig:
+    name: str = "embedded"
+    """'embedded' (the default task's GPT-2, built locally), a hub name (distilgpt2) or a local model folder."""
+    n_layer: int = 4
+    """Embedded model: transformer layers."""
+    n_embd: int = 128
+    """Embedded model: hidden size."""
+    n_head: int = 4
+    """Embedded model: attention heads (must divide n_embd)."""
+    lora: bool = False
+    """Train LoRA adapters through peft instead of all weights."""
+    lora_r: int = 8
+    """LoRA rank."""
+    lora_alpha: int = 16
+    """LoRA scaling numerator."""
+    lora_targets: Optional[list] = None
+    """Module names for LoRA; default chosen per architecture (GPT-2: c_attn, c_proj, c_fc; Llama: q/k/v/o/gate/up/down)."""
+
+
+@dataclass
+class SFTConfig:
+    lr: float = 2e-3
+    """Peak learning rate (AdamW, linear warm-up then cosine decay)."""
+    steps: int = 500
+    """Optimiser steps."""
+    batch_size: int = 32
+    """Sequences per optimiser step."""
+    micro_batch_size: int = 32
+    """Sequences per forward/backward; batch_size must be a multiple (gradient accumulation)."""
+    warmup_steps: int = 30
+    """Linear warm-up steps."""
+    weight_decay: float = 0.01
+    """AdamW weight decay."""
+    grad_clip: float = 1.0
+    """Gradient-norm clipping (0 disables)."""
+    completion_only: bool = False
+    """Loss only on response tokens (needs prompt/response data); else the whole text."""
+    eval_every: int = 100
+    """Validation loss every this many steps (and at the end)."""
+    eval_samples: int = 64
+    """Synthetic task: generations sampled at the end to measure the grammatical rate."""
+
+
+@dataclass
+class RMConfig:
+    lr: float = 1e-3
+    """Peak learning rate."""
+    steps: int = 500
+    """Optimiser steps."""
+    batch_size: int = 32
+    """Preference pairs per optimiser step."""
+    micro_batch_size: int = 32
+    """Pairs per forward/backward; batch_size must be a multiple."""
+    warmup_steps: int = 30
+    """Linear warm-up steps."""
+    weight_decay: float = 0.01
+    """AdamW weight decay."""
+    grad_clip: float = 1.0
+    """Gradient-norm clipping (0 disables)."""
+    init: str = "sft"
+    """Backbone: sft (the SFT model of this run, or sft_path) | base (the model named in model.name)."""
+    sft_path: Optional[str] = None
+    """SFT model folder to start from when the run folder has none."""
+    num_pairs: int = 12000
+    """Synthetic/IMDb tasks: preference pairs to build."""
+    eval_every: int = 100
+    """Held-out accuracy every this many steps (and at the end)."""
+
+
+@dataclass
+class Config:
+    run: RunConfig = field(default_factory=RunConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    model: ModelConfig = field(default_factory=ModelConfig)
+    sft: SFTConfig = field(default_factory=SFTConfig)
+    rm: RMConfig = field(default_factory=RMConfig)
+
+
+# --------------------------------------------------------------------------------------------- loading
+
+
+def load_config(path: str | os.PathLike | None = None, overrides: list[str] | tuple = ()) -> Config:
+    """YAML file (optional) + `a.b=c` overrides -> validated Config. Raises ConfigError."""
+    raw: dict = {}
+    if path is not None:
+        p = Path(path)
+        if not p.is_file():
+            raise ConfigError("config", f"file {str(path)!r} not found", "pass an existing YAML file, e.g. configs/default.yaml")
+        try:
+            raw = yaml.safe_load(p.read_text(encoding="utf-8")) or {}
+        except yaml.YAMLError as e:
+            where = getattr(e, "problem_mark", None)
+            line = f" at line {where.line + 1}" if where else ""
+            raise ConfigError("config", f"{path} is not valid YAML{line}", "fix the YAML syntax") from None
+        if not isinstance(raw, dict):
+            raise ConfigError("config", f"{path} must hold a mapping of sections", "write e.g. 'sft:\\n  lr: 1e-4'")
+    for item in overrides:
+        key, sep, value = item.partition("=")
+        if not sep or not key or "." not in key:
+            raise ConfigError(item, "overrides take the form section.field=value", "e.g. sft.lr=1e-4 or run.dir=/tmp/x")
+        section, _, name = key.partition(".")
+        raw.setdefault(section, {})
+        if not isinstance(raw[section], dict):
+            raise ConfigError(section, "must be a mapping of fields", f"write it as '{section}:' with indented fields")
+        raw[section][name] = _parse_scalar(value)
+    cfg = _from_dict(Config, raw, prefix="")
+    validate(cfg)
+    return cfg
+
+
+def _parse_scalar(text: str) -> Any:
+    try:
+        return yaml.safe_load(text) if text != "" else None
+    except yaml.YAMLError:
+        return text
+
+
+def _from_dict(cls, raw: dict, prefix: str):
+    if not isinstance(raw, dict):
+        raise ConfigError(prefix.rstrip(".") or "config", "must be a mapping of fields", "indent its fields under it")
+    hints = typing.get_type_hints(cls)
+    known = {f.name for f in dataclasses.fields(cls)}
+    kwargs = {}
+    for key, value in raw.items():
+        name = f"{prefix}{key}"
+        if key not in known:
+            close = difflib.get_close_matches(str(key), sorted(known), n=1)
+            hint = f"did you mean {prefix}{close[0]}?" if close else f"known: {', '.join(sorted(known))}"
+            raise ConfigError(name, "unknown key", f"remove it ({hint})")
+        hint = hints[key]
+        if dataclasses.is_dataclass(hint):
+            kwargs[key] = _from_dict(hint, value if value is not None else {}, prefix=f"{name}.")
+        else:
+            kwargs[key] = _coerce(name, value, hint)
+    return cls(**kwargs)
+
+
+def _coerce(name: str, value: Any, hint) -> Any:
+    origin = typing.get_origin(hint)
+    if origin in (typing.Union, types.UnionType):
+        args = [a for a in typing.get_args(hint) if a is not type(None)]
+        if value is None:
+            return None
+        return _coerce(name, value, args[0])
+    if hint is bool:
+        if isinstance(value, bool):
+            return value
+        raise ConfigError(name, f"expected true or false, got {value!r}", f"set {name}=true or {name}=false")
+    if hint is int:
+        if isinstance(value, int) and not isinstance(value, bool):
+            return value
+        raise ConfigError(name, f"expected a whole number, got {value!r}", f"set e.g. {name}=8")
+    if hint is float:
+        if isinstance(value, (int, float)) and not isinstance(value, bool):
+            return float(value)
+        if isinstance(value, str):  # YAML 1.1 reads 1e-4 (no dot) as a string
+            try:
+                return float(value)
+            except ValueError:
+                pass
+        raise ConfigError(name, f"expected a number, got {value!r}", f"set e.g. {name}=1e-4")
+    if hint is str:
+        if isinstance(value, str):
+            return value
+        raise ConfigError(name, f"expected text, got {value!r}", f"quote it, e.g. {name}=\"...\"")
+    if hint is list or origin is list:
+        if isinstance(value, str):
+            return [v.strip() for v in value.split(",") if v.strip()]
+        if isinstance(value, list):
+            return value
+        raise ConfigError(name, f"expected a list, got {value!r}", f"write e.g. {name}=[a,b]")
+    return value
+
+
+# ------------------------------------------------------------------------------------------ validation
+
+
+def _positive(cfg_section, section: str, *names: str, allow_zero: bool = False):
+    for n in names:
+        v = getattr(cfg_section, n)
+        if v < 0 or (v == 0 and not allow_zero):
+            bound = ">= 0" if allow_zero else "> 0"
+            raise ConfigError(f"{section}.{n}", f"must be {bound}, got {v}", f"set {section}.{n} to a positive value")
+
+
+def _divides(section, name: str, batch: str = "batch_size", micro: str = "micro_batch_size"):
+    b, m = getattr(section, batch), getattr(section, micro)
+    if b % m:
+        raise ConfigError(
+            f"{name}.{batch}",
+            f"{b} is not a multiple of {name}.{micro}={m}",
+            f"set {name}.{batch} to a multiple of {m} (e.g. {m * max(1, b // m)}) or change {name}.{micro}",
+        )
+
+
+def _choice(value, section: str, choices):
+    if value not in choices:
+        close = difflib.get_close_matches(str(value), choices, n=1)
+        hint = f" (did you mean {close[0]}?)" if close else ""
+        raise ConfigError(section, f"{value!r} is not one of {', '.join(choices)}", f"pick one of them{hint}")
+
+
+def validate(cfg: Config) -> Config:
+    """Check every field now rather than an hour into training. Raises ConfigError."""
+    r, d, m = cfg.run, cfg.data, cfg.model
+    _choice(r.device, "run.device", ("auto", "cpu", "cuda"))
+    _choice(r.precision, "run.precision", ("auto", "fp32", "bf16", "fp16"))
+    _positive(r, "run", "threads", allow_zero=True)
+    _choice(d.kind, "data.kind", DATA_KINDS)
+    if d.kind in ("csv", "jsonl", "parquet") and not d.path:
+        raise ConfigError("data.path", f"data.kind={d.kind} needs a file", "set data.path=/path/to/file")
+    if d.path and d.kind != "synthetic" and not Path(d.path).exists() and _looks_like_path(d.path):
+        raise ConfigError("data.path", f"file {d.path!r} not found", "point data.path at an existing file")
+    _positive(d, "data", "num_reviews", "max_length", "prompt_words")
+    if d.prompt_words < 2:
+        raise ConfigError("data.prompt_words", f"must be >= 2, got {d.prompt_words}", "set data.prompt_words=4")
+    if d.max_examples is not None:
+        _positive(d, "data", "max_examples")
+    if not 0.0 < d.eval_fraction < 0.5:
+        raise ConfigError("data.eval_fraction", f"must be in (0, 0.5), got {d.eval_fraction}", "set data.eval_fraction=0.05")
+    if m.name != "embedded" and _looks_like_path(m.name) and not Path(m.name).exists():
+        raise ConfigError("model.name", f"folder {m.name!r} not found", "give an existing model folder or a hub name")
+    _positive(m, "model", "n_layer", "n_embd", "n_head", "lora_r", "lora_alpha")
+    if m.n_embd % m.n_head:
+        raise ConfigError("model.n_head", f"{m.n_head} does not divide model.n_embd={m.n_embd}", "pick a divisor, e.g. 4")
+    for name, s in (("sft", cfg.sft), ("rm", cfg.rm)):
+        _positive(s, name, "lr", "steps", "batch_size", "micro_batch_size", "eval_every")
+        _positive(s, name, "warmup_steps", "weight_decay", "grad_clip", allow_zero=True)
+        _divides(s, name)
+    _choice(cfg.rm.init, "rm.init", ("sft", "base"))
+    if cfg.rm.sft_path and not Path(cfg.rm.sft_path).exists():
+        raise ConfigError("rm.sft_path", f"folder {cfg.rm.sft_path!r} not found", "point it at an SFT run's sft/model folder")
+    _positive(cfg.rm, "rm", "num_pairs")
+    _positive(cfg.sft, "sft", "eval_samples", allow_zero=True)
+    if cfg.sft.completion_only and d.kind == "synthetic":
+        raise ConfigError("sft.completion_only", "the synthetic task has no prompt/response split", "set sft.completion_only=false")
+    return cfg
+
+
+def _looks_like_path(name: str) -> bool:
+    """Hub names look like 'org/name'; local paths start with . / ~ or end in a file suffix."""
+    return name.startswith((".", "/", "~")) or Path(name).suffix in (".csv", ".jsonl", ".gz", ".parquet", ".json")
+
+
+# ---------------------------------------------------------------------------------------------- saving
+
+
+def config_to_dict(cfg: Config) -> dict:
+    return dataclasses.asdict(cfg)
+
+
+def save_config(cfg: Config, run_dir: str | os.PathLike) -> Path:
+    """Write the resolved config as YAML into the run folder; `load_config` reads it back unchanged."""
+    path = Path(run_dir) / "config.yaml"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(".yaml.tmp")
+    tmp.write_text(yaml.safe_dump(config_to_dict(cfg), sort_keys=False), encoding="utf-8")
+    os.replace(tmp, path)
+    return path
+
+
+def field_docs(cls) -> dict[str, str]:
+    """Attribute docstrings of a config section, for `rlfuse validate --fields` and the docs."""
+    import ast
+    import inspect
+
+    tree = ast.parse(inspect.getsource(cls))
+    body = tree.body[0].body
+    docs = {}
+    for a, b in zip(body, body[1:]):
+        if isinstance(a, ast.AnnAssign) and isinstance(b, ast.Expr) and isinstance(getattr(b, "value", None), ast.Constant):
+            docs[a.target.id] = b.value.value
+    return docs

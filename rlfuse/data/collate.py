@@ -1,0 +1,61 @@
+"""Tokenisation and padding shared by every stage."""
+
+from __future__ import annotations
+
+import torch
+
+from rlfuse.data.sources import PreferencePair, TextExample
+
+
+def encode(tokenizer, text: str, bos: bool = True) -> list[int]:
+    """Token ids with the model's BOS in front once (GPT-2 tokenizers add none; Llama's add their own)."""
+    ids = tokenizer(text, add_special_tokens=True)["input_ids"]
+    b = tokenizer.bos_token_id
+    if bos and b is not None and (not ids or ids[0] != b):
+        ids = [b] + ids
+    return ids
+
+
+def encode_sft(tokenizer, ex: TextExample, max_length: int, completion_only: bool) -> tuple[list[int], list[int]]:
+    """(input ids, labels) with EOS after the response; labels are -100 where the loss does not apply."""
+    prompt = encode(tokenizer, ex.prompt) if ex.prompt else encode(tokenizer, "")
+    response = tokenizer(ex.response, add_special_tokens=False)["input_ids"] + [tokenizer.eos_token_id]
+    if ex.prompt and not ex.prompt.endswith((" ", "\n")) and not ex.response.startswith((" ", "\n")):
+        response = tokenizer(" " + ex.response, add_special_tokens=False)["input_ids"] + [tokenizer.eos_token_id]
+    ids = (prompt + response)[:max_length]
+    labels = ([-100] * len(prompt) if completion_only else list(prompt)) + response
+    return ids, labels[:max_length]
+
+
+def encode_reward_text(tokenizer, prompt: str, response: str, max_length: int) -> list[int]:
+    """Reward-model input: BOS + prompt + response + EOS (the score is read at the final EOS); truncation keeps the
+    end, so the EOS that the score is read at survives."""
+    text = f"{prompt} {response}".strip() if prompt and not prompt.endswith((" ", "\n")) else prompt + response
+    ids = encode(tokenizer, text) + [tokenizer.eos_token_id]
+    return ids[-max_length:]
+
+
+def pad(seqs: list[list[int]], value: int) -> torch.Tensor:
+    """(B, T) tensor right-padded to the longest sequence of this batch only."""
+    width = max(len(s) for s in seqs)
+    out = torch.full((len(seqs), width), value, dtype=torch.long)
+    for i, s in enumerate(seqs):
+        out[i, : len(s)] = torch.tensor(s, dtype=torch.long)
+    return out
+
+
+def sft_batch(items: list[tuple[list[int], list[int]]], pad_id: int) -> dict:
+    ids = pad([i for i, _ in items], pad_id)
+    return {"input_ids": ids, "attention_mask": pad([[1] * len(i) for i, _ in items], 0),
+            "labels": pad([l for _, l in items], -100)}
+
+
+def pair_batch(items: list[tuple[list[int], list[int]]], pad_id: int) -> dict:
+    """Chosen then rejected in one (2B, T) batch: one forward per micro-batch."""
+    seqs = [c for c, _ in items] + [r for _, r in items]
+    return {"input_ids": pad(seqs, pad_id), "attention_mask": pad([[1] * len(s) for s in seqs], 0)}
+
+
+def encode_pair(tokenizer, p: PreferencePair, max_length: int) -> tuple[list[int], list[int]]:
+    return (encode_reward_text(tokenizer, p.prompt, p.chosen, max_length),
+            encode_reward_text(tokenizer, p.prompt, p.rejected, max_length))

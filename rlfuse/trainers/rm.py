@@ -1,0 +1,112 @@
+"""Reward model: a scalar head on a causal-LM backbone (AutoModelForSequenceClassification, one label), trained with
+the Bradley-Terry pairwise loss; accuracy and margin logged on held-out pairs."""
+
+from __future__ import annotations
+
+import json
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from rlfuse.algos.losses import pairwise_reward_loss
+from rlfuse.config import Config
+from rlfuse.data.collate import encode_pair, pair_batch
+from rlfuse.data.stages import preference_pairs
+from rlfuse.errors import UserError
+from rlfuse.metrics.tracker import JsonlTracker
+from rlfuse.models.load import load_reward_model, load_tokenizer, save_model
+from rlfuse.progress import Progress
+from rlfuse.trainers.common import autocast, batch_indices, build_optimizer, clip_and_step, setup_runtime
+from rlfuse.trainers.sft import resolve_base_model
+
+
+@dataclass
+class RMResult:
+    model_dir: Path
+    accuracy: float
+    margin: float
+    seconds: float
+
+
+def pair_rewards(model, items, pad_id: int, device) -> tuple[torch.Tensor, torch.Tensor]:
+    """(r_chosen, r_rejected), each (B,), from one forward over the stacked pairs."""
+    b = {k: v.to(device) for k, v in pair_batch(items, pad_id).items()}
+    r = model(**b).logits.squeeze(-1).float()
+    return r[: len(items)], r[len(items):]
+
+
+@torch.no_grad()
+def evaluate_pairs(model, items, pad_id: int, micro: int, device, precision: str) -> dict:
+    model.eval()
+    correct, margin, loss, n = 0, 0.0, 0.0, 0
+    for s in range(0, len(items), micro):
+        with autocast(device, precision):
+            rc, rr = pair_rewards(model, items[s: s + micro], pad_id, device)
+        correct += int((rc > rr).sum())
+        margin += float((rc - rr).sum())
+        loss += float(pairwise_reward_loss(rc, rr)) * len(rc)
+        n += len(rc)
+    model.train()
+    return {"eval/accuracy": correct / n, "eval/margin": margin / n, "eval/loss": loss / n}
+
+
+def rm_backbone(cfg: Config, run_dir: Path, log=print) -> str:
+    """rm.init=sft: this run's SFT model (or rm.sft_path); rm.init=base: the model in model.name."""
+    if cfg.rm.init == "sft":
+        for cand in (cfg.rm.sft_path, run_dir / "sft" / "model"):
+            if cand and Path(cand).exists():
+                return str(cand)
+        raise UserError(f"config error: rm.init: sft, but {run_dir / 'sft' / 'model'} does not exist; "
+                        "run `rlfuse sft` into the same run.dir first, set rm.sft_path, or set rm.init=base")
+    name, _ = resolve_base_model(cfg, log)
+    return name
+
+
+def train_rm(cfg: Config, run_dir: Path, log=print) -> RMResult:
+    t0 = time.perf_counter()
+    device = setup_runtime(cfg.run)
+    _, task = resolve_base_model(cfg, log)
+    name = rm_backbone(cfg, run_dir, log)
+    tokenizer = load_tokenizer(name)
+    model = load_reward_model(name, cfg.model, pad_token_id=tokenizer.pad_token_id).to(device)
+    model.train()
+    train_pairs, eval_pairs = preference_pairs(cfg, task, log)
+    L = cfg.data.max_length
+    train_items = [encode_pair(tokenizer, p, L) for p in train_pairs]
+    eval_items = [encode_pair(tokenizer, p, L) for p in eval_pairs][:1024]
+    s = cfg.rm
+    opt, sched = build_optimizer(model, s.lr, s.weight_decay, s.warmup_steps, s.steps)
+    out = run_dir / "rm"
+    tracker = JsonlTracker(out / "metrics.jsonl")
+    log(f"[rm] {len(train_items)} train / {len(eval_items)} held-out pairs, backbone {name}")
+    acc = float("nan")
+    lengths = [max(len(c), len(r)) for c, r in train_items]
+    with Progress(s.steps, "rm", cfg.run.quiet) as bar:
+        for step, idx in enumerate(batch_indices(lengths, s.batch_size, s.steps, cfg.run.seed), 1):
+            batch = [train_items[i] for i in idx]
+            loss_sum, correct = 0.0, 0
+            for m in range(0, len(batch), s.micro_batch_size):
+                mb = batch[m: m + s.micro_batch_size]
+                with autocast(device, cfg.run.precision):
+                    rc, rr = pair_rewards(model, mb, tokenizer.pad_token_id, device)
+                loss = pairwise_reward_loss(rc, rr) * len(mb) / len(batch)
+                loss.backward()
+                loss_sum += float(loss.detach())
+                correct += int((rc > rr).sum())
+            grad_norm = clip_and_step(model, opt, sched, s.grad_clip)
+            row = {"train/loss": loss_sum, "train/accuracy": correct / len(batch), "train/grad_norm": grad_norm}
+            if step % s.eval_every == 0 or step == s.steps:
+                row.update(evaluate_pairs(model, eval_items, tokenizer.pad_token_id, s.micro_batch_size, device, cfg.run.precision))
+                acc = row["eval/accuracy"]
+            tracker.log(step, **row)
+            bar.update(loss=loss_sum, acc=acc)
+    final = evaluate_pairs(model, eval_items, tokenizer.pad_token_id, s.micro_batch_size, device, cfg.run.precision)
+    model_dir = save_model(model, tokenizer, out / "model")
+    result = RMResult(model_dir, final["eval/accuracy"], final["eval/margin"], time.perf_counter() - t0)
+    (out / "summary.json").write_text(json.dumps({"accuracy": result.accuracy, "margin": result.margin,
+                                                   "seconds": result.seconds, "model_dir": str(model_dir)}, indent=2))
+    tracker.close()
+    log(f"[rm] done in {result.seconds:.0f}s: held-out accuracy {result.accuracy:.3f}, margin {result.margin:.2f}")
+    return result

@@ -1,0 +1,121 @@
+"""Supervised fine-tuning: next-token loss on whole texts or on responses only, full weights or LoRA.
+
+Departures from common practice: none of note; the loss is normalised by the labelled tokens of the whole optimiser
+batch, so gradient accumulation gives the same gradient as one large batch.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from rlfuse.algos.losses import sft_loss
+from rlfuse.config import Config
+from rlfuse.data.collate import encode_sft, sft_batch
+from rlfuse.data.stages import rl_prompts, sft_examples
+from rlfuse.metrics.tracker import JsonlTracker
+from rlfuse.models.load import load_causal_lm, load_tokenizer, save_model
+from rlfuse.progress import Progress
+from rlfuse.trainers.common import autocast, batch_indices, build_optimizer, clip_and_step, setup_runtime
+
+
+@dataclass
+class SFTResult:
+    model_dir: Path
+    val_loss: float
+    perplexity: float
+    seconds: float
+    grammatical_rate: float | None = None
+    gold_positive_rate: float | None = None
+
+
+def resolve_base_model(cfg: Config, log=print):
+    """(model name or folder, embedded task or None). The embedded task is built and cached on first use."""
+    task = None
+    if cfg.data.kind == "synthetic" or cfg.model.name == "embedded":
+        from rlfuse.data.task import build_default_task
+
+        task = build_default_task(cfg.data.num_reviews, cfg.run.seed, cfg.model.n_layer, cfg.model.n_embd,
+                                  cfg.model.n_head, log=log)
+    name = str(task.model_dir) if cfg.model.name == "embedded" else cfg.model.name
+    return name, task
+
+
+@torch.no_grad()
+def validation_loss(model, items, pad_id: int, micro: int, device, precision: str) -> float:
+    model.eval()
+    total, count = 0.0, 0
+    for s in range(0, len(items), micro):
+        b = {k: v.to(device) for k, v in sft_batch(items[s: s + micro], pad_id).items()}
+        n = int((b["labels"][:, 1:] != -100).sum())
+        with autocast(device, precision):
+            logits = model(input_ids=b["input_ids"], attention_mask=b["attention_mask"]).logits
+        total += float(sft_loss(logits, b["labels"], normalizer=1.0))
+        count += n
+    model.train()
+    return total / max(1, count)
+
+
+def train_sft(cfg: Config, run_dir: Path, log=print) -> SFTResult:
+    t0 = time.perf_counter()
+    device = setup_runtime(cfg.run)
+    name, task = resolve_base_model(cfg, log)
+    tokenizer = load_tokenizer(name)
+    model = load_causal_lm(name, cfg.model).to(device)
+    model.train()
+    train_ex, eval_ex = sft_examples(cfg, task, log)
+    enc = lambda ex: encode_sft(tokenizer, ex, cfg.data.max_length, cfg.sft.completion_only)
+    train_items, eval_items = [enc(e) for e in train_ex], [enc(e) for e in eval_ex][:512]
+    s = cfg.sft
+    opt, sched = build_optimizer(model, s.lr, s.weight_decay, s.warmup_steps, s.steps)
+    out = run_dir / "sft"
+    tracker = JsonlTracker(out / "metrics.jsonl")
+    log(f"[sft] {len(train_items)} train / {len(eval_items)} held-out sequences, model {name}, device {device}")
+    val = float("nan")
+    with Progress(s.steps, "sft", cfg.run.quiet) as bar:
+        for step, idx in enumerate(batch_indices([len(i) for i, _ in train_items], s.batch_size, s.steps, cfg.run.seed), 1):
+            batch = [train_items[i] for i in idx]
+            n_tokens = sum(sum(1 for l in labels[1:] if l != -100) for _, labels in batch)
+            loss_sum = 0.0
+            for m in range(0, len(batch), s.micro_batch_size):
+                b = {k: v.to(device) for k, v in sft_batch(batch[m: m + s.micro_batch_size], tokenizer.pad_token_id).items()}
+                with autocast(device, cfg.run.precision):
+                    logits = model(input_ids=b["input_ids"], attention_mask=b["attention_mask"]).logits
+                loss = sft_loss(logits, b["labels"], normalizer=max(1, n_tokens))
+                loss.backward()
+                loss_sum += float(loss.detach())
+            grad_norm = clip_and_step(model, opt, sched, s.grad_clip)
+            row = {"train/loss": loss_sum, "train/grad_norm": grad_norm, "train/lr": sched.get_last_lr()[0]}
+            if step % s.eval_every == 0 or step == s.steps:
+                val = validation_loss(model, eval_items, tokenizer.pad_token_id, s.micro_batch_size, device, cfg.run.precision)
+                row["eval/loss"] = val
+            tracker.log(step, **row)
+            bar.update(loss=loss_sum, val=val)
+    model_dir = save_model(model, tokenizer, out / "model")
+    result = SFTResult(model_dir, val, math.exp(min(val, 50)), 0.0)
+    if task is not None and s.eval_samples:
+        from rlfuse.data.gold import complete_sentences, gold_score
+        from rlfuse.rollout.simple import sample_texts
+
+        _, held_prompts = rl_prompts(cfg, task)
+        prompts = held_prompts[: s.eval_samples]
+        samples = sample_texts(model, tokenizer, prompts, 128, seed=cfg.run.seed)
+        texts = [p + c for p, (c, _) in zip(prompts, samples)]
+        judged = [t if done else complete_sentences(t) for t, (_, done) in zip(texts, samples)]
+        result.grammatical_rate = sum(gold_score(t).grammatical_rate for t in judged) / len(judged)
+        result.gold_positive_rate = sum(gold_score(t).label == "positive" for t in texts) / len(texts)
+        (out / "samples.json").write_text(json.dumps(texts[:16], indent=1))
+    result.seconds = time.perf_counter() - t0
+    summary = {"val_loss": result.val_loss, "perplexity": result.perplexity, "seconds": result.seconds,
+               "grammatical_rate": result.grammatical_rate, "gold_positive_rate": result.gold_positive_rate,
+               "model_dir": str(model_dir)}
+    (out / "summary.json").write_text(json.dumps(summary, indent=2))
+    tracker.close()
+    log(f"[sft] done in {result.seconds:.0f}s: val loss {val:.3f}, perplexity {result.perplexity:.2f}"
+        + (f", grammatical rate {result.grammatical_rate:.3f}" if result.grammatical_rate is not None else ""))
+    return result

@@ -1,0 +1,86 @@
+import subprocess
+import sys
+from dataclasses import asdict
+
+import pytest
+
+from conftest import ROOT
+from rlfuse.cli import main
+from rlfuse.config import Config, load_config, save_config
+from rlfuse.errors import ConfigError
+
+SHIPPED = sorted((ROOT / "configs").glob("*.yaml"))
+
+
+def test_ships_the_three_configs():
+    assert {p.name for p in SHIPPED} >= {"default.yaml", "imdb_distilgpt2.yaml", "hh_rlhf.yaml"}
+
+
+@pytest.mark.parametrize("path", SHIPPED, ids=lambda p: p.name)
+def test_every_shipped_config_loads(path):
+    cfg = load_config(path)
+    assert isinstance(cfg, Config)
+
+
+def test_default_yaml_is_the_dataclass_default():
+    # `rlfuse run` with no config must do what configs/default.yaml says
+    assert asdict(load_config(ROOT / "configs" / "default.yaml")) == asdict(load_config(None))
+
+
+def test_overrides_apply_and_coerce():
+    cfg = load_config(None, ["sft.lr=1e-4", "run.dir=/tmp/x", "model.lora=true", "model.lora_targets=c_attn,c_fc"])
+    assert cfg.sft.lr == 1e-4 and cfg.run.dir == "/tmp/x" and cfg.model.lora is True
+    assert cfg.model.lora_targets == ["c_attn", "c_fc"]
+
+
+def test_saved_config_round_trips(tmp_path):
+    cfg = load_config(None, ["sft.lr=3e-4", "run.seed=7"])
+    path = save_config(cfg, tmp_path)
+    assert asdict(load_config(path)) == asdict(cfg)
+
+
+BAD = [
+    (["sft.lrr=1"], "sft.lrr", "did you mean sft.lr"),
+    (["bogus.x=1"], "bogus", "unknown key"),
+    (["sft.steps=abc"], "sft.steps", "whole number"),
+    (["sft.lr=fast"], "sft.lr", "expected a number"),
+    (["model.lora=maybe"], "model.lora", "true or false"),
+    (["sft.lr=-1e-4"], "sft.lr", "must be > 0"),
+    (["rm.lr=0"], "rm.lr", "must be > 0"),
+    (["sft.batch_size=30", "sft.micro_batch_size=8"], "sft.batch_size", "multiple of 8"),
+    (["data.kind=csv", "data.path=/no/such/file.csv"], "data.path", "not found"),
+    (["data.kind=csv"], "data.path", "needs a file"),
+    (["data.kind=imbd"], "data.kind", "did you mean imdb"),
+    (["model.name=/no/such/model"], "model.name", "not found"),
+    (["model.n_head=3"], "model.n_head", "does not divide"),
+    (["sft"], "sft", "section.field=value"),
+]
+
+
+@pytest.mark.parametrize("overrides,field,fix", BAD, ids=[b[1] + ":" + b[2] for b in BAD])
+def test_bad_config_names_field_and_fix(overrides, field, fix):
+    with pytest.raises(ConfigError) as err:
+        load_config(None, overrides)
+    msg = str(err.value)
+    assert err.value.field == field
+    assert fix in msg and "\n" not in msg
+
+
+def test_missing_config_file_is_one_line(capsys):
+    assert main(["sft", "no/such/config.yaml"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.count("\n") == 0 and "not found" in err and "configs/default.yaml" in err
+
+
+def test_cli_bad_value_exits_nonzero_without_traceback():
+    out = subprocess.run([sys.executable, "-m", "rlfuse", "sft", "sft.lr=-1"], capture_output=True, text=True)
+    assert out.returncode == 2
+    assert "Traceback" not in out.stderr
+    assert out.stderr.strip() == "rlfuse sft: config error: sft.lr: must be > 0, got -1.0; set sft.lr to a positive value"
+
+
+def test_bad_yaml_names_the_line(tmp_path):
+    p = tmp_path / "bad.yaml"
+    p.write_text("sft:\n  lr: [1,\n")
+    with pytest.raises(ConfigError, match="not valid YAML"):
+        load_config(p)
