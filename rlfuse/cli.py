@@ -47,31 +47,53 @@ def cmd_rm(cfg: Config) -> int:
     return 0
 
 
-def cmd_run(cfg: Config) -> int:
-    """The whole pipeline on one config: SFT, then the reward model on the SFT backbone."""
+def cmd_rl(cfg: Config, resume: str | None = None) -> int:
     from rlfuse.runs import make_run_dir
+    from rlfuse.trainers.rl import eval_table, train_rl
+
+    run_dir = Path(resume) if resume else make_run_dir(cfg, "rl")
+    result = train_rl(cfg, run_dir, log, resume=bool(resume))
+    print(eval_table(result))
+    print(f"run folder: {run_dir}")
+    return 0
+
+
+def cmd_run(cfg: Config, resume: str | None = None) -> int:
+    """The whole pipeline on one config: SFT, reward model on the SFT backbone, then RL. With --resume, finished
+    stages are kept and RL continues from its last checkpoint."""
+    from rlfuse.runs import make_run_dir
+    from rlfuse.trainers.rl import eval_table, train_rl
     from rlfuse.trainers.rm import train_rm
     from rlfuse.trainers.sft import train_sft
 
     t0 = time.perf_counter()
-    run_dir = make_run_dir(cfg, "run")
+    run_dir = Path(resume) if resume else make_run_dir(cfg, "run")
     log(f"[run] run folder: {run_dir}")
-    sft = train_sft(cfg, run_dir, log)
-    rm = train_rm(cfg, run_dir, log)
+    done = lambda stage: (run_dir / stage / "summary.json").exists()
+    sft = _summary(run_dir, "sft") if done("sft") else vars(train_sft(cfg, run_dir, log))
+    rm = _summary(run_dir, "rm") if done("rm") else vars(train_rm(cfg, run_dir, log))
+    rl = train_rl(cfg, run_dir, log, resume=bool(resume))
     total = time.perf_counter() - t0
-    lines = [
+    gram = f", grammatical rate {sft['grammatical_rate']:.3f}" if sft.get("grammatical_rate") is not None else ""
+    print("\n".join([
         "",
-        f"  stage   seconds  result",
-        f"  sft     {sft.seconds:7.0f}  val perplexity {sft.perplexity:.2f}"
-        + (f", grammatical rate {sft.grammatical_rate:.3f}, gold positive rate {sft.gold_positive_rate:.3f}"
-           if sft.grammatical_rate is not None else ""),
-        f"  rm      {rm.seconds:7.0f}  held-out pairwise accuracy {rm.accuracy:.3f}, margin {rm.margin:.2f}",
+        "  stage   seconds  result",
+        f"  sft     {sft['seconds']:7.0f}  val perplexity {sft['perplexity']:.2f}{gram}",
+        f"  rm      {rm['seconds']:7.0f}  held-out pairwise accuracy {rm['accuracy']:.3f}",
+        f"  rl      {rl['seconds']:7.0f}  {cfg.rl.algo}, {cfg.rl.iterations} iterations",
         f"  total   {total:7.0f}",
         "",
-    ]
-    print("\n".join(lines))
+        eval_table(rl),
+        "",
+    ]))
     print(f"run folder: {run_dir}")
     return 0
+
+
+def _summary(run_dir: Path, stage: str) -> dict:
+    import json
+
+    return json.loads((run_dir / stage / "summary.json").read_text())
 
 
 def cmd_validate(cfg: Config) -> int:
@@ -85,11 +107,15 @@ def cmd_validate(cfg: Config) -> int:
 
 
 COMMANDS = {
-    "run": (cmd_run, "SFT then reward model on one config (the embedded default task without a config)"),
+    "run": (cmd_run, "SFT -> reward model -> RL on one config (the embedded default task without a config)"),
     "sft": (cmd_sft, "supervised fine-tuning"),
     "rm": (cmd_rm, "reward-model training on preference pairs"),
+    "rl": (cmd_rl, "online RL (ppo | rloo | grpo) from SFT and reward-model folders"),
     "validate": (cmd_validate, "load and check a config, print it resolved"),
 }
+
+
+RESUMABLE = ("run", "rl")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -99,10 +125,20 @@ def main(argv: list[str] | None = None) -> int:
         p = sub.add_parser(name, help=help_text, description=help_text)
         p.add_argument("args", nargs="*", metavar="CONFIG|section.field=value",
                        help="optional YAML config, then overrides like sft.lr=1e-4 run.dir=/tmp/x")
+        if name in RESUMABLE:
+            p.add_argument("--resume", metavar="RUN_DIR", help="continue a killed run from its last checkpoint "
+                           "(its saved config.yaml is used; overrides still apply)")
     ns = parser.parse_args(argv)
     fn, _ = COMMANDS[ns.command]
     try:
         config, overrides = _split_args(ns.args)
+        resume = getattr(ns, "resume", None)
+        if resume:
+            saved = Path(resume) / "config.yaml"
+            if not saved.exists():
+                raise UserError(f"--resume: {resume} is not a run folder (no config.yaml); give the folder a run printed")
+            cfg = load_config(saved, [f"run.dir={resume}", *overrides])
+            return fn(cfg, resume=resume)
         cfg = load_config(config, overrides)
         return fn(cfg)
     except UserError as e:

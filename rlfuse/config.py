@@ -139,12 +139,98 @@ class RMConfig:
 
 
 @dataclass
+class RLConfig:
+    algo: str = "ppo"
+    """ppo (with a critic) | rloo | grpo."""
+    iterations: int = 40
+    """RL iterations (generate -> score -> update)."""
+    prompts_per_iter: int = 32
+    """Prompts per iteration."""
+    k: int = 1
+    """Samples per prompt (rloo and grpo need >= 2)."""
+    max_new_tokens: int = 48
+    """Response length limit."""
+    temperature: float = 1.0
+    """Sampling temperature (the policy optimised is softmax(logits / temperature))."""
+    top_k: int = 0
+    """Top-k sampling (0 disables)."""
+    top_p: float = 1.0
+    """Nucleus sampling (1.0 disables)."""
+    stop: Optional[list] = None
+    """Stop strings that end a response besides EOS."""
+    lr: float = 1e-4
+    """Actor learning rate."""
+    critic_lr: float = 1e-4
+    """Critic learning rate (ppo)."""
+    epochs: int = 4
+    """Passes over each iteration's samples."""
+    mini_batch_size: int = 16
+    """Samples per optimiser step."""
+    micro_batch_size: int = 16
+    """Samples per forward/backward; mini_batch_size must be a multiple."""
+    clip: float = 0.2
+    """PPO ratio clip."""
+    vf_clip: float = 0.2
+    """Value clip (ppo)."""
+    gamma: float = 1.0
+    """GAE discount (ppo)."""
+    lam: float = 0.95
+    """GAE lambda (ppo)."""
+    loss_level: str = "token"
+    """token | sequence averaging of the policy loss."""
+    kl_estimator: str = "k1"
+    """k1 | k2 | k3 per-token KL estimator."""
+    kl_coef: float = 0.05
+    """Initial KL coefficient."""
+    kl_target: Optional[float] = 4.0
+    """Adaptive KL controller target (sequence KL, nats); null keeps kl_coef fixed."""
+    kl_horizon: int = 2000
+    """Adaptive KL controller horizon (samples)."""
+    reward: str = "rm"
+    """rm (the reward model) | module:function taking a list of texts and returning floats."""
+    critic_init: str = "rm"
+    """ppo critic: rm (reward model's backbone and head) | sft (SFT backbone, zero head)."""
+    unfinished_penalty: float = 0.0
+    """Subtracted from the reward of responses that hit max_new_tokens without ending."""
+    grad_clip: float = 1.0
+    """Gradient-norm clipping (0 disables)."""
+    whiten_advantages: bool = True
+    """Normalise advantages over each iteration's response tokens."""
+    sft_path: Optional[str] = None
+    """Actor/reference folder for `rlfuse rl`; default RUN_DIR/sft/model."""
+    rm_path: Optional[str] = None
+    """Reward model folder; default RUN_DIR/rm/model."""
+    ckpt_every: int = 5
+    """Checkpoint every this many iterations (and at the end)."""
+    eval_prompts: int = 128
+    """Held-out prompts for the before/after evaluation (0 skips it)."""
+    max_bad_steps: int = 3
+    """Stop after this many consecutive updates skipped for NaN/inf."""
+
+
+@dataclass
+class RolloutConfig:
+    fusion: bool = True
+    """Score finished samples while the rest still decode (off: decode everything, then score)."""
+    score_every: int = 16
+    """Fusion: score whenever this many samples have finished..."""
+    live_below: int = 8
+    """...or whenever the live decode batch has fewer rows than this."""
+    max_rows: int = 256
+    """Most rows decoded at once (prompts wait in a queue beyond it)."""
+    micro_batch_size: int = 16
+    """Samples per scoring forward."""
+
+
+@dataclass
 class Config:
     run: RunConfig = field(default_factory=RunConfig)
     data: DataConfig = field(default_factory=DataConfig)
     model: ModelConfig = field(default_factory=ModelConfig)
     sft: SFTConfig = field(default_factory=SFTConfig)
     rm: RMConfig = field(default_factory=RMConfig)
+    rl: RLConfig = field(default_factory=RLConfig)
+    rollout: RolloutConfig = field(default_factory=RolloutConfig)
 
 
 # --------------------------------------------------------------------------------------------- loading
@@ -303,9 +389,48 @@ def validate(cfg: Config) -> Config:
         raise ConfigError("rm.sft_path", f"folder {cfg.rm.sft_path!r} not found", "point it at an SFT run's sft/model folder")
     _positive(cfg.rm, "rm", "num_pairs")
     _positive(cfg.sft, "sft", "eval_samples", allow_zero=True)
+    _validate_rl(cfg)
     if cfg.sft.completion_only and d.kind == "synthetic":
         raise ConfigError("sft.completion_only", "the synthetic task has no prompt/response split", "set sft.completion_only=false")
     return cfg
+
+
+def _validate_rl(cfg: Config) -> None:
+    rl, ro = cfg.rl, cfg.rollout
+    _choice(rl.algo, "rl.algo", ("ppo", "rloo", "grpo"))
+    _choice(rl.loss_level, "rl.loss_level", ("token", "sequence"))
+    _choice(rl.kl_estimator, "rl.kl_estimator", ("k1", "k2", "k3"))
+    _choice(rl.critic_init, "rl.critic_init", ("rm", "sft"))
+    _positive(rl, "rl", "iterations", "prompts_per_iter", "k", "max_new_tokens", "temperature", "lr", "critic_lr",
+              "epochs", "mini_batch_size", "micro_batch_size", "clip", "kl_horizon", "ckpt_every", "max_bad_steps")
+    _positive(rl, "rl", "top_k", "vf_clip", "kl_coef", "unfinished_penalty", "grad_clip", "eval_prompts", allow_zero=True)
+    if rl.kl_target is not None:
+        _positive(rl, "rl", "kl_target")
+    if not 0 < rl.top_p <= 1:
+        raise ConfigError("rl.top_p", f"must be in (0, 1], got {rl.top_p}", "set rl.top_p=1.0 to disable nucleus sampling")
+    if not (0 <= rl.gamma <= 1 and 0 <= rl.lam <= 1):
+        raise ConfigError("rl.gamma" if not 0 <= rl.gamma <= 1 else "rl.lam", "must be in [0, 1]", "e.g. rl.gamma=1.0 rl.lam=0.95")
+    if rl.algo in ("rloo", "grpo") and rl.k < 2:
+        raise ConfigError("rl.k", f"{rl.algo} needs at least 2 samples per prompt, got {rl.k}", "set rl.k=4")
+    _divides(rl, "rl", "mini_batch_size", "micro_batch_size")
+    n = rl.prompts_per_iter * rl.k
+    if n % rl.mini_batch_size:
+        raise ConfigError("rl.mini_batch_size", f"{rl.mini_batch_size} does not divide the {n} samples per iteration "
+                          f"(rl.prompts_per_iter x rl.k)", f"pick a divisor of {n}")
+    if rl.algo != "ppo" and rl.mini_batch_size % rl.k:
+        raise ConfigError("rl.mini_batch_size", f"must be a multiple of rl.k={rl.k} so a prompt's samples stay together",
+                          f"set it to a multiple of {rl.k}")
+    if rl.reward != "rm" and ":" not in rl.reward:
+        raise ConfigError("rl.reward", f"{rl.reward!r} is neither 'rm' nor 'module:function'",
+                          "e.g. rl.reward=rlfuse.data.gold:gold_reward")
+    for name in ("sft_path", "rm_path"):
+        v = getattr(rl, name)
+        if v and not Path(v).exists():
+            raise ConfigError(f"rl.{name}", f"folder {v!r} not found", "point it at a saved model folder")
+    _positive(ro, "rollout", "score_every", "max_rows", "micro_batch_size")
+    _positive(ro, "rollout", "live_below", allow_zero=True)
+    if ro.max_rows < rl.k:
+        raise ConfigError("rollout.max_rows", f"{ro.max_rows} < rl.k={rl.k}: a prompt's samples must fit", f"set it >= {rl.k}")
 
 
 def _looks_like_path(name: str) -> bool:

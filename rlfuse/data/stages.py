@@ -84,7 +84,7 @@ def _truncated(review: str, rng: random.Random) -> str:
     return ". ".join(sents[: rng.randint(1, len(sents) - 1)]) + "."
 
 
-def gold_pairs(reviews: list[str], n: int, seed: int, prompt_words: int, min_gap: float = 0.1) -> list[PreferencePair]:
+def gold_pairs(reviews: list[str], n: int, seed: int, prompt_words: int, min_gap: float = 0.2) -> list[PreferencePair]:
     """Synthetic task: random pairs of (possibly truncated) reviews, the one with the higher gold score chosen;
     near-ties (gold scores closer than `min_gap`) are left out, as annotators are not asked to rank ties."""
     rng = random.Random(seed)

@@ -1,0 +1,62 @@
+"""KL to the reference policy: per-token estimators (Schulman 2020, "Approximating KL divergence") and the
+controllers that set its coefficient."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+
+def kl_k1(logprobs: Tensor, ref_logprobs: Tensor) -> Tensor:
+    """log p - log q: unbiased, high variance, can be negative per token."""
+    return logprobs - ref_logprobs
+
+
+def kl_k2(logprobs: Tensor, ref_logprobs: Tensor) -> Tensor:
+    """0.5 (log p - log q)^2: biased, low variance, >= 0."""
+    return 0.5 * (logprobs - ref_logprobs) ** 2
+
+
+def kl_k3(logprobs: Tensor, ref_logprobs: Tensor) -> Tensor:
+    """(q/p - 1) - log(q/p): unbiased, >= 0 (the GRPO paper's estimator)."""
+    log_ratio = ref_logprobs - logprobs
+    return torch.expm1(log_ratio) - log_ratio
+
+
+KL_ESTIMATORS = {"k1": kl_k1, "k2": kl_k2, "k3": kl_k3}
+
+
+def kl_penalty(logprobs: Tensor, ref_logprobs: Tensor, estimator: str = "k1") -> Tensor:
+    """Per-token KL estimate. logprobs, ref_logprobs: (B, T) log-probs of the sampled tokens -> (B, T)."""
+    return KL_ESTIMATORS[estimator](logprobs, ref_logprobs)
+
+
+def kl_shaped_rewards(scores: Tensor, kl: Tensor, mask: Tensor, coef: float) -> Tensor:
+    """Per-token rewards for PPO (Ziegler et al. 2019): -coef * KL on every response token, plus the sequence score
+    on its last token. scores: (B,); kl, mask: (B, T) right-padded. Returns (B, T), 0 on padding."""
+    m = mask.to(kl.dtype)
+    rewards = -coef * kl * m
+    last = (m.sum(1).long() - 1).clamp(min=0)
+    return rewards.scatter_add(1, last[:, None], scores[:, None].to(kl.dtype))
+
+
+@dataclass
+class FixedKLController:
+    coef: float
+
+    def update(self, current_kl: float, n_steps: int) -> None:
+        pass
+
+
+@dataclass
+class AdaptiveKLController:
+    """Ziegler et al. 2019, sec. 2.2: move the coefficient towards a target KL, at most +-20% error per horizon."""
+    coef: float
+    target: float
+    horizon: int
+
+    def update(self, current_kl: float, n_steps: int) -> None:
+        error = min(max(current_kl / self.target - 1, -0.2), 0.2)
+        self.coef *= 1 + error * n_steps / self.horizon

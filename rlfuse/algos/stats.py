@@ -1,0 +1,45 @@
+"""Masked statistics over variable-length responses. mask: 1 on response tokens, 0 on padding."""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+
+def masked_mean(x: Tensor, mask: Tensor, dim: int | None = None) -> Tensor:
+    """Mean of x where mask is 1. x, mask: same shape; dim=None reduces everything."""
+    mask = mask.to(x.dtype)
+    if dim is None:
+        return (x * mask).sum() / mask.sum().clamp(min=1)
+    return (x * mask).sum(dim) / mask.sum(dim).clamp(min=1)
+
+
+def masked_var(x: Tensor, mask: Tensor, unbiased: bool = True) -> Tensor:
+    """Variance of the masked entries (Bessel-corrected by default, as TRL/OpenAI's `whiten`)."""
+    mean = masked_mean(x, mask)
+    n = mask.sum()
+    var = masked_mean((x - mean) ** 2, mask)
+    if unbiased and n > 1:
+        var = var * n / (n - 1)
+    return var
+
+
+def whiten(x: Tensor, mask: Tensor, shift_mean: bool = True, eps: float = 1e-8) -> Tensor:
+    """(x - mean) / std over masked entries; padding stays 0. Ziegler et al. 2019 normalise advantages this way."""
+    mean, var = masked_mean(x, mask), masked_var(x, mask)
+    out = (x - mean) * torch.rsqrt(var + eps)
+    if not shift_mean:
+        out = out + mean
+    return out * mask.to(x.dtype)
+
+
+def entropy_from_logits(logits: Tensor) -> Tensor:
+    """Entropy of the categorical per position. logits (..., V) -> (...)."""
+    logp = torch.log_softmax(logits.float(), dim=-1)
+    return -(logp.exp() * logp).sum(-1)
+
+
+def explained_variance(values: Tensor, returns: Tensor, mask: Tensor) -> Tensor:
+    """1 - Var[returns - values] / Var[returns] over masked entries (1 is a perfect critic, <= 0 a useless one)."""
+    var_r = masked_var(returns, mask)
+    return 1 - masked_var(returns - values, mask) / var_r.clamp(min=1e-8)

@@ -1,0 +1,51 @@
+"""RL checkpoints: one file written then renamed, so a kill at any moment leaves the previous checkpoint intact."""
+
+from __future__ import annotations
+
+import os
+import random
+from pathlib import Path
+
+import numpy as np
+import torch
+
+
+def trainable_state(module: torch.nn.Module | None) -> dict | None:
+    """Only what training changes (with LoRA: the adapters), not the frozen base."""
+    if module is None:
+        return None
+    return {n: p.detach().clone() for n, p in module.named_parameters() if p.requires_grad}
+
+
+def save_checkpoint(path: Path, *, iteration: int, actor, critic, opt_actor, opt_critic, kl_coef: float,
+                    counters: dict) -> None:
+    state = {
+        "iteration": iteration,
+        "actor": trainable_state(actor),
+        "critic": trainable_state(critic),
+        "opt_actor": opt_actor.state_dict(),
+        "opt_critic": opt_critic.state_dict() if opt_critic is not None else None,
+        "kl_coef": kl_coef,
+        "counters": counters,
+        "rng": {"torch": torch.get_rng_state(), "numpy": np.random.get_state(), "python": random.getstate()},
+    }
+    tmp = path.with_name(path.name + ".tmp")
+    torch.save(state, tmp)
+    os.replace(tmp, path)
+
+
+def load_checkpoint(path: Path, actor, critic, opt_actor, opt_critic) -> dict:
+    """Restore weights, optimiser and RNG states in place; returns the rest (iteration, kl_coef, counters)."""
+    state = torch.load(path, weights_only=False)
+    for module, key in ((actor, "actor"), (critic, "critic")):
+        if module is not None and state[key] is not None:
+            missing = set(state[key]) - {n for n, _ in module.named_parameters()}
+            assert not missing, f"checkpoint has parameters the model lacks: {sorted(missing)[:3]}"
+            module.load_state_dict(state[key], strict=False)
+    opt_actor.load_state_dict(state["opt_actor"])
+    if opt_critic is not None and state["opt_critic"] is not None:
+        opt_critic.load_state_dict(state["opt_critic"])
+    torch.set_rng_state(state["rng"]["torch"])
+    np.random.set_state(state["rng"]["numpy"])
+    random.setstate(state["rng"]["python"])
+    return state

@@ -1,0 +1,133 @@
+"""Rollout engine semantics on a tiny real GPT-2: exact log-probs, row retirement, shared prefill, stopping, seeding,
+and fused vs unfused scoring giving identical samples and scores."""
+
+import pytest
+import torch
+from torch.testing import assert_close
+
+from rlfuse.data.collate import encode
+from rlfuse.data.gold import gold_reward
+from rlfuse.models.heads import ValueModel
+from rlfuse.models.load import load_causal_lm, load_tokenizer
+from rlfuse.rollout.engine import DecodeEngine, SamplingParams, filter_logits
+from rlfuse.rollout.fusion import FusionPolicy, generate_rollouts
+from rlfuse.rollout.score import Scorer, function_reward_fn
+
+PROMPTS = ["the acting", "the old detective finds the", "i really", "this film was", "later, the thief"]
+
+
+@pytest.fixture(scope="module")
+def lm(tiny_task):
+    torch.manual_seed(0)
+    return load_tokenizer(str(tiny_task.model_dir)), load_causal_lm(str(tiny_task.model_dir)).eval()
+
+
+def run(lm, k=3, seed=0, max_rows=256, **kw):
+    tok, model = lm
+    eng = DecodeEngine(model, tok.eos_token_id, max_rows=max_rows, tokenizer=tok)
+    params = SamplingParams(**({"max_new_tokens": 12} | kw))
+    return eng, list(eng.generate([encode(tok, p) for p in PROMPTS], k, params, seed))
+
+
+def test_every_prompt_sample_pair_once(lm):
+    _, samples = run(lm, k=3)
+    assert sorted((s.prompt_id, s.sample_index) for s in samples) == [(p, j) for p in range(5) for j in range(3)]
+
+
+def test_logprobs_equal_one_full_forward(lm):
+    tok, model = lm
+    _, samples = run(lm, k=2, temperature=0.7, max_new_tokens=16)
+    for s in samples:
+        ids = torch.tensor([s.prompt_ids + s.token_ids])
+        with torch.no_grad():
+            logp = torch.log_softmax(model(ids).logits.float() / 0.7, -1)[0]
+        n = len(s.prompt_ids)
+        ref = logp[n - 1:-1].gather(1, torch.tensor(s.token_ids)[:, None]).squeeze(1)
+        assert_close(s.logprobs, ref, atol=1e-4, rtol=0)
+
+
+def test_finished_rows_leave_the_batch(lm):
+    tok, _ = lm
+    # EOS = a frequent token, so rows finish at different steps
+    eng, samples = run(lm, k=3, max_new_tokens=20)
+    common = max(set(t for s in samples for t in s.token_ids), key=lambda t: sum(s.token_ids.count(t) for s in samples))
+    eng.eos = common
+    samples = list(eng.generate([encode(tok, p) for p in PROMPTS], 3, SamplingParams(max_new_tokens=20), 0))
+    lengths = [len(s.token_ids) for s in samples]
+    assert len(set(lengths)) > 1
+    # the first token of each row comes from the prefill; each later token costs exactly one decode row
+    assert eng.stats.decode_rows == sum(n - 1 for n in lengths)
+    assert eng.stats.decode_rows < eng.stats.decode_steps * len(samples)  # the padded alternative
+    assert eng.stats.rows_per_step == sorted(eng.stats.rows_per_step, reverse=True)
+
+
+def test_each_prompt_is_prefilled_once_for_k_samples(lm):
+    tok, _ = lm
+    eng, _ = run(lm, k=4)
+    assert eng.stats.prefill_tokens == sum(len(encode(tok, p)) for p in PROMPTS)
+
+
+def test_k_samples_of_a_prompt_differ(lm):
+    _, samples = run(lm, k=4, max_new_tokens=10)
+    for p in range(len(PROMPTS)):
+        seqs = {tuple(s.token_ids) for s in samples if s.prompt_id == p}
+        assert len(seqs) > 1
+
+
+def test_same_seed_same_samples(lm):
+    key = lambda ss: sorted((s.prompt_id, s.sample_index, tuple(s.token_ids)) for s in ss)
+    assert key(run(lm, seed=5)[1]) == key(run(lm, seed=5)[1])
+    assert key(run(lm, seed=5)[1]) != key(run(lm, seed=6)[1])
+
+
+def test_continuous_batching_with_few_rows(lm):
+    eng, samples = run(lm, k=2, max_rows=4)
+    assert eng.stats.max_live_rows <= 4 and len(samples) == 10
+
+
+def test_stop_reasons(lm):
+    tok, _ = lm
+    # greedy (near-zero temperature) so the continuation is known in advance
+    _, greedy = run(lm, k=1, temperature=1e-4, max_new_tokens=6)
+    assert all(s.finish_reason == "length" and len(s.token_ids) == 6 for s in greedy)
+    g0 = next(s for s in greedy if s.prompt_id == 0)
+    j = next(j for j in range(1, 6) if g0.token_ids[j] not in g0.token_ids[:j])  # first new token after the start
+    eng = DecodeEngine(lm[1], eos_token_id=g0.token_ids[j], tokenizer=tok)
+    s0 = next(s for s in eng.generate([encode(tok, PROMPTS[0])], 1, SamplingParams(6, 1e-4), 0))
+    assert s0.finish_reason == "eos" and s0.token_ids == g0.token_ids[: j + 1]
+    stop = tok.decode(g0.token_ids[1:3])
+    eng = DecodeEngine(lm[1], eos_token_id=tok.eos_token_id, tokenizer=tok)
+    s0 = next(s for s in eng.generate([encode(tok, PROMPTS[0])], 1, SamplingParams(6, 1e-4, stop_strings=(stop,)), 0))
+    assert s0.finish_reason == "stop" and len(s0.token_ids) == 3
+
+
+def test_top_k_top_p_filter():
+    logits = torch.log(torch.tensor([[0.5, 0.3, 0.15, 0.05]]))
+    assert torch.isinf(filter_logits(logits, 2, 1.0)).tolist() == [[False, False, True, True]]
+    assert torch.isinf(filter_logits(logits, 0, 0.7)).tolist() == [[False, False, True, True]]
+    assert torch.isinf(filter_logits(logits, 0, 0.75)).tolist() == [[False, False, True, True]]
+    # 0.5 + 0.3 < 0.85: the third token is needed to reach top_p
+    assert torch.isinf(filter_logits(logits, 0, 0.85)).tolist() == [[False, False, False, True]]
+    assert torch.isinf(filter_logits(logits, 0, 0.9)).tolist() == [[False, False, False, True]]
+
+
+def test_fused_and_unfused_give_same_samples_and_scores(lm, tiny_task):
+    tok, model = lm
+    critic = ValueModel.from_causal_lm(load_causal_lm(str(tiny_task.model_dir)))
+    torch.nn.init.normal_(critic.head.weight)
+    ref = load_causal_lm(str(tiny_task.model_dir))
+    prompts = [encode(tok, p) for p in PROMPTS]
+    out = {}
+    for fused in (True, False):
+        scorer = Scorer(function_reward_fn(gold_reward, tok), tok.pad_token_id, ref=ref, actor=model, critic=critic,
+                        micro_batch_size=3)
+        eng = DecodeEngine(model, tok.eos_token_id)
+        out[fused] = generate_rollouts(eng, scorer, prompts, 3, SamplingParams(max_new_tokens=14), 11,
+                                       FusionPolicy(fused, score_every=2, live_below=4))
+    a, b = out[True], out[False]
+    assert a.response_ids == b.response_ids
+    assert a.timing["scoring_during_decode"] > 0 and b.timing["scoring_during_decode"] == 0
+    for name in ("scores", "logprobs", "ref_logprobs", "values", "mask"):
+        assert_close(getattr(a, name), getattr(b, name))
+    # scorer's reference log-probs (same weights as the actor here) equal the engine's sampling log-probs
+    assert_close(a.ref_logprobs, a.logprobs, atol=1e-4, rtol=0)
