@@ -28,6 +28,8 @@ class ValueModel(nn.Module):
 
     @classmethod
     def from_causal_lm(cls, lm) -> "ValueModel":
+        """A zero-initialised head on lm's backbone. Pass the actor itself to share its backbone (the value loss then
+        also trains the actor's body); pass a separate copy for a separate critic."""
         body, _ = backbone_and_head(lm)
         head = nn.Linear(body.config.hidden_size, 1, bias=False)
         nn.init.zeros_(head.weight)

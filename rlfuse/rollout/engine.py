@@ -113,13 +113,16 @@ class DecodeEngine:
         return next(self.model.parameters()).device
 
     @torch.no_grad()
-    def generate(self, prompts: list[list[int]], k: int, params: SamplingParams, seed: int) -> Iterator[Sample]:
-        """Yield every (prompt, sample) pair once, as it finishes. prompts: token ids, BOS included."""
+    def generate(self, prompts: list[list[int]], k: int, params: SamplingParams, seed: int,
+                 lengths=None) -> Iterator[Sample]:
+        """Yield every (prompt, sample) pair once, as it finishes. prompts: token ids, BOS included.
+        lengths(prompt_id, sample_index) -> int, if given, overrides max_new_tokens per sample (benchmarks use it to
+        set the length distribution)."""
         if params.stop_strings and self.tokenizer is None:
             raise ValueError("stop strings need the engine's tokenizer")
         self.stats = EngineStats()
         self.live_rows = 0
-        self._prompts = prompts
+        self._prompts, self._lengths = prompts, lengths
         gen = torch.Generator(device=self.device).manual_seed(seed)
         queue = list(range(len(prompts)))
         live: _Live | None = None
@@ -197,7 +200,8 @@ class DecodeEngine:
         for i, row in enumerate(live.rows):
             row["tokens"].append(tok_list[i])
             row["logprobs"].append(lp_list[i])
-            reason = self._finish_reason(row["tokens"], params)
+            limit = self._lengths(row["pid"], row["j"]) if self._lengths else params.max_new_tokens
+            reason = self._finish_reason(row["tokens"], params, limit)
             (done if reason else keep).append((i, reason))
         for i, reason in done:
             row = live.rows[i]
@@ -205,13 +209,13 @@ class DecodeEngine:
         if done:
             live.select([i for i, _ in keep])
 
-    def _finish_reason(self, tokens: list[int], params: SamplingParams) -> str | None:
+    def _finish_reason(self, tokens: list[int], params: SamplingParams, limit: int) -> str | None:
         if tokens[-1] == self.eos:
             return "eos"
         if params.stop_strings:
             tail = self.tokenizer.decode(tokens[-8:])
             if any(s in tail for s in params.stop_strings):
                 return "stop"
-        if len(tokens) >= params.max_new_tokens:
+        if len(tokens) >= limit:
             return "length"
         return None

@@ -66,13 +66,13 @@ def build_experience(scored: list[ScoredSample]) -> Experience:
 
 
 def generate_rollouts(engine: DecodeEngine, scorer: Scorer, prompts: list[list[int]], k: int, params: SamplingParams,
-                      seed: int, fusion: FusionPolicy) -> Experience:
+                      seed: int, fusion: FusionPolicy, lengths=None) -> Experience:
     """Decode all prompts x k; score finished samples per the fusion policy (fused: while the tail decodes;
     unfused: everything after decoding). Same engine, same seed: the same samples either way."""
     scored, pending = [], []
     score_time_in_decode = 0.0
     t0 = time.perf_counter()
-    for sample in engine.generate(prompts, k, params, seed):
+    for sample in engine.generate(prompts, k, params, seed, lengths):
         pending.append(sample)
         if fusion.should_score(len(pending), engine.live_rows) and engine.live_rows > 0:
             t = time.perf_counter()

@@ -90,14 +90,17 @@ def build_models(cfg: Config, run_dir: Path, device) -> Models:
         reward_fn = reward_model_fn(rm, tokenizer.eos_token_id, tokenizer.pad_token_id)
     else:
         reward_fn = function_reward_fn(load_reward_function(rl.reward), tokenizer)
+    actor = actor.to(device).train()
     critic = None
     if rl.algo == "ppo":
         if rl.critic_init == "rm":
             critic = ValueModel.from_reward_model(load_reward_model(rm_dir, pad_token_id=tokenizer.pad_token_id))
-        else:
+        elif rl.critic_init == "sft":
             critic = ValueModel.from_causal_lm(load_causal_lm(sft_dir))
+        else:
+            critic = ValueModel.from_causal_lm(actor)
         critic = critic.to(device).train()
-    return Models(tokenizer, actor.to(device).train(), ref.to(device) if ref is not None else None, critic, reward_fn)
+    return Models(tokenizer, actor, ref.to(device) if ref is not None else None, critic, reward_fn)
 
 
 def prompt_batch(prompts: list[list[int]], iteration: int, n: int, seed: int) -> list[list[int]]:
@@ -155,7 +158,8 @@ def update_policy(models: Models, opts: list, scheds: list, exp: Experience, adv
     group = rl.k if rl.algo != "ppo" else 1  # keep a prompt's samples in one mini-batch
     sums: dict[str, float] = {}
     count, steps, norm_sum = 0, 0, 0.0
-    params = [p for m in (models.actor, models.critic) if m is not None for p in m.parameters() if p.requires_grad]
+    params = list({id(p): p for m in (models.actor, models.critic) if m is not None
+                   for p in m.parameters() if p.requires_grad}.values())  # a shared backbone counts once
     for _ in range(rl.epochs):
         order = (torch.randperm(n // group, generator=gen)[:, None] * group + torch.arange(group)).view(-1).tolist()
         for s in range(0, n, rl.mini_batch_size):
@@ -256,7 +260,9 @@ def train_rl(cfg: Config, run_dir: Path, log=print, resume: bool = False) -> dic
     opts, scheds = [opt_a], [sched_a]
     opt_c = None
     if models.critic is not None:
-        opt_c, sched_c = build_optimizer(models.critic, rl.critic_lr, 0.0, 0, 10**9)
+        # a value head on the actor: the critic's optimiser owns only the head; the shared body is the actor's
+        critic_part = models.critic.head if rl.critic_init == "actor" else models.critic
+        opt_c, sched_c = build_optimizer(critic_part, rl.critic_lr, 0.0, 0, 10**9)
         opts.append(opt_c)
         scheds.append(sched_c)
     kl_ctl = (AdaptiveKLController(rl.kl_coef, rl.kl_target, rl.kl_horizon) if rl.kl_target is not None

@@ -24,10 +24,10 @@ def weights(folder):
     return load_file(str(folder / "model.safetensors"))
 
 
-@pytest.mark.parametrize("algo", ["ppo", "rloo", "grpo"])
-def test_rl_algorithms_run_and_change_every_parameter(tiny_task, tmp_path, algo):
+@pytest.mark.parametrize("algo,critic", [("ppo", "sft"), ("ppo", "actor"), ("rloo", "sft"), ("grpo", "sft")])
+def test_rl_algorithms_run_and_change_every_parameter(tiny_task, tmp_path, algo, critic):
     k = "rl.k=1" if algo == "ppo" else "rl.k=2"
-    args = [f"rl.sft_path={tiny_task.model_dir}", "rl.reward=rlfuse.data.gold:gold_reward", "rl.critic_init=sft",
+    args = [f"rl.sft_path={tiny_task.model_dir}", "rl.reward=rlfuse.data.gold:gold_reward", f"rl.critic_init={critic}",
             f"rl.algo={algo}", k, f"run.dir={tmp_path}", *TINY, *RL_TINY, "rl.lr=1e-2"]
     assert main(["rl", *args]) == 0
     result = json.loads((tmp_path / "eval.json").read_text())
@@ -85,3 +85,29 @@ def test_sigkill_mid_iteration_then_resume_matches_uninterrupted(tiny_task, tmp_
     assert a.keys() == b.keys()
     for n in a:
         torch.testing.assert_close(a[n], b[n], rtol=0, atol=0, msg=n)
+
+
+def test_lora_reference_is_the_actor_with_adapters_disabled(tiny_task, tmp_path):
+    from rlfuse.config import load_config
+    from rlfuse.data.collate import encode
+    from rlfuse.models.load import load_causal_lm
+    from rlfuse.rollout.engine import DecodeEngine, SamplingParams
+    from rlfuse.rollout.score import Scorer, collate, response_logprobs
+    from rlfuse.trainers.rl import build_models
+
+    cfg = load_config(None, [f"rl.sft_path={tiny_task.model_dir}", "rl.reward=rlfuse.data.gold:gold_reward",
+                             "rl.algo=grpo", "rl.k=2", "model.lora=true", *TINY])
+    models = build_models(cfg, tmp_path, torch.device("cpu"))
+    assert models.ref is None  # no second copy of the weights
+    with torch.no_grad():  # move the adapters away from zero so the actor differs from the reference
+        for n, p in models.actor.named_parameters():
+            if "lora_B" in n:
+                p.normal_(std=0.5)
+    tok = models.tokenizer
+    sample = next(DecodeEngine(models.actor, tok.eos_token_id).generate([encode(tok, "the acting")], 1, SamplingParams(8), 0))
+    scored = Scorer(models.reward_fn, tok.pad_token_id, actor=models.actor).score([sample])[0]
+    mb = collate([sample.prompt_ids], [sample.token_ids], tok.pad_token_id, "cpu")
+    with torch.no_grad():
+        sft_lp = response_logprobs(load_causal_lm(str(tiny_task.model_dir)), mb)[0]
+    torch.testing.assert_close(scored.ref_logprobs, sft_lp)
+    assert not torch.allclose(scored.ref_logprobs, sample.logprobs, atol=1e-3)  # the actor itself has moved

@@ -1,0 +1,71 @@
+"""Shared by the benchmarks: the machine, process memory, child processes, and writing BENCHMARKS.md sections."""
+
+from __future__ import annotations
+
+import json
+import os
+import platform
+import re
+import resource
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+WORK = ROOT / "bench" / ".work"
+SHARED_DATA = ROOT.parent / "shared" / "data"
+
+
+def machine() -> dict:
+    import torch
+    import transformers
+
+    cpu = platform.processor() or ""
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                cpu = line.split(":", 1)[1].strip()
+                break
+    except OSError:
+        pass
+    gpu = torch.cuda.get_device_name(0) if torch.cuda.is_available() else None
+    return {"cpu": cpu, "cores": os.cpu_count(), "torch_threads": torch.get_num_threads(), "gpu": gpu,
+            "torch": torch.__version__, "transformers": transformers.__version__, "python": platform.python_version()}
+
+
+def rss_mb() -> float:
+    import psutil
+
+    return psutil.Process().memory_info().rss / 2**20
+
+
+def peak_rss_mb() -> float:
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # Linux: KiB
+
+
+def run_child(script: Path, args: list[str], timeout: int = 1800) -> dict:
+    """Run one measurement in a fresh process (its peak RSS is its own) and return the JSON it prints last."""
+    env = os.environ | {"CI": "true", "TRANSFORMERS_VERBOSITY": "error"}
+    out = subprocess.run([sys.executable, str(script), *args], capture_output=True, text=True, env=env, timeout=timeout)
+    if out.returncode != 0:
+        raise RuntimeError(f"{script.name} {' '.join(args)} failed:\n{out.stderr[-3000:]}")
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+def write_section(name: str, text: str, path: Path = ROOT / "BENCHMARKS.md") -> None:
+    """Replace the text between <!-- name:start --> and <!-- name:end --> (appended if absent)."""
+    start, end = f"<!-- {name}:start -->", f"<!-- {name}:end -->"
+    body = path.read_text() if path.exists() else "# Benchmarks\n"
+    block = f"{start}\n{text.rstrip()}\n{end}"
+    if start in body:
+        body = re.sub(re.escape(start) + r".*?" + re.escape(end), lambda _: block, body, flags=re.S)
+    else:
+        body = body.rstrip() + "\n\n" + block + "\n"
+    path.write_text(body)
+
+
+def md_table(header: list[str], rows: list[list]) -> str:
+    fmt = lambda v: f"{v:.3g}" if isinstance(v, float) else str(v)
+    lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+    lines += ["| " + " | ".join(fmt(v) for v in r) + " |" for r in rows]
+    return "\n".join(lines)
