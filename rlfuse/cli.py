@@ -86,6 +86,7 @@ def cmd_run(cfg: Config, resume: str | None = None) -> int:
         eval_table(rl),
         "",
     ]))
+    print(f"report: {rl['report']}")
     print(f"run folder: {run_dir}")
     return 0
 
@@ -94,6 +95,14 @@ def _summary(run_dir: Path, stage: str) -> dict:
     import json
 
     return json.loads((run_dir / stage / "summary.json").read_text())
+
+
+def cmd_report(run_dir: str, baseline: str | None = None) -> int:
+    from rlfuse.metrics.report import write_report
+
+    path = write_report(run_dir, baseline)
+    print(f"report: {path}")
+    return 0
 
 
 def cmd_validate(cfg: Config) -> int:
@@ -128,7 +137,17 @@ def main(argv: list[str] | None = None) -> int:
         if name in RESUMABLE:
             p.add_argument("--resume", metavar="RUN_DIR", help="continue a killed run from its last checkpoint "
                            "(its saved config.yaml is used; overrides still apply)")
+    rp = sub.add_parser("report", help="redraw a run's figures and report.html (also on a running or killed run)")
+    rp.add_argument("run_dir", metavar="RUN_DIR")
+    rp.add_argument("--baseline", metavar="RUN_DIR", help="a measured baseline run (e.g. rollout.fusion=false) for "
+                    "speedup_comparison.png")
     ns = parser.parse_args(argv)
+    if ns.command == "report":
+        try:
+            return cmd_report(ns.run_dir, ns.baseline)
+        except UserError as e:
+            print(f"rlfuse report: {e}", file=sys.stderr)
+            return e.exit_code
     fn, _ = COMMANDS[ns.command]
     try:
         config, overrides = _split_args(ns.args)

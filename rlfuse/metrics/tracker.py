@@ -9,19 +9,36 @@ from pathlib import Path
 
 
 class JsonlTracker:
-    def __init__(self, path: str | Path):
+    """JSON lines always; TensorBoard event files beside them when `tensorboard` is installed (tensorboard=True)."""
+
+    def __init__(self, path: str | Path, tensorboard: bool = False):
         self.path = Path(path)
         self.path.parent.mkdir(parents=True, exist_ok=True)
         self._f = self.path.open("a", encoding="utf-8")
+        self._tb = None
+        if tensorboard:
+            try:
+                from torch.utils.tensorboard import SummaryWriter
+
+                self._tb = SummaryWriter(str(self.path.parent / "tensorboard"))
+            except ImportError:
+                pass
 
     def log(self, step: int, **metrics) -> None:
         row = {"step": step, "time": time.time()}
         row.update({k: _plain(v) for k, v in metrics.items()})
         self._f.write(json.dumps(row) + "\n")
         self._f.flush()
+        if self._tb is not None:
+            for k, v in row.items():
+                if k not in ("step", "time") and isinstance(v, (int, float)) and math.isfinite(v):
+                    self._tb.add_scalar(k, v, step)
+            self._tb.flush()
 
     def close(self) -> None:
         self._f.close()
+        if self._tb is not None:
+            self._tb.close()
 
 
 def _plain(v):
@@ -41,3 +58,19 @@ def read_metrics(path: str | Path) -> list[dict]:
         except json.JSONDecodeError:
             continue
     return rows
+
+
+def memory_metrics(device) -> dict:
+    """mem/ metrics: process RSS now and its peak so far; CUDA allocated/reserved peaks since the last call."""
+    import resource
+
+    import psutil
+    import torch
+
+    out = {"mem/rss_mb": psutil.Process().memory_info().rss / 2**20,
+           "mem/rss_peak_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024}
+    if getattr(device, "type", str(device)) == "cuda":
+        out["mem/cuda_allocated_peak_mb"] = torch.cuda.max_memory_allocated() / 2**20
+        out["mem/cuda_reserved_peak_mb"] = torch.cuda.max_memory_reserved() / 2**20
+        torch.cuda.reset_peak_memory_stats()
+    return out

@@ -29,7 +29,7 @@ from rlfuse.config import Config, RLConfig
 from rlfuse.data.collate import encode
 from rlfuse.data.stages import rl_prompts
 from rlfuse.errors import ConfigError, UserError
-from rlfuse.metrics.tracker import JsonlTracker, read_metrics
+from rlfuse.metrics.tracker import JsonlTracker, memory_metrics, read_metrics
 from rlfuse.models.heads import ValueModel
 from rlfuse.models.load import apply_lora, load_causal_lm, load_reward_model, load_tokenizer, save_model
 from rlfuse.progress import Progress
@@ -141,13 +141,13 @@ def micro_batch_loss(models: Models, exp: Experience, idx: list[int], adv, retur
     if rl.algo == "grpo":  # KL to the reference inside the loss
         kl_term = masked_mean(kl_penalty(new_lp, take(exp.ref_logprobs), "k3"), mb.mask)
         loss = loss + kl_coef * kl_term
-    total = loss * weight
+    critic_loss = None
     if models.critic is not None:
         values = response_values(models.critic, mb)
         vloss, vst = value_loss(values, take(exp.values), take(returns), mb.mask, rl.vf_clip)
-        total = total + vloss * weight
+        critic_loss = vloss * weight
         stats.update({"train/value_loss": vloss.detach(), "train/value_clip_frac": vst["clip_frac"]})
-    return total, stats
+    return loss * weight, critic_loss, stats
 
 
 def update_policy(models: Models, opts: list, scheds: list, exp: Experience, adv, returns, rl: RLConfig,
@@ -158,6 +158,7 @@ def update_policy(models: Models, opts: list, scheds: list, exp: Experience, adv
     group = rl.k if rl.algo != "ppo" else 1  # keep a prompt's samples in one mini-batch
     sums: dict[str, float] = {}
     count, steps, norm_sum = 0, 0, 0.0
+    timers = {"actor": 0.0, "critic": 0.0}  # forward+backward; the critic's forward is timed with the actor's
     params = list({id(p): p for m in (models.actor, models.critic) if m is not None
                    for p in m.parameters() if p.requires_grad}.values())  # a shared backbone counts once
     for _ in range(rl.epochs):
@@ -169,11 +170,21 @@ def update_policy(models: Models, opts: list, scheds: list, exp: Experience, adv
             for m in range(0, len(mini), rl.micro_batch_size):
                 idx = mini[m: m + rl.micro_batch_size]
                 share = (float(exp.mask[idx].sum()) if rl.loss_level == "token" else float(len(idx))) / tokens
-                loss, stats = micro_batch_loss(models, exp, idx, adv, returns, rl, kl_coef, share)
-                if not torch.isfinite(loss):
+                t = time.perf_counter()
+                loss, critic_loss, stats = micro_batch_loss(models, exp, idx, adv, returns, rl, kl_coef, share)
+                if not torch.isfinite(loss) or (critic_loss is not None and not torch.isfinite(critic_loss)):
                     ok = False
                     break
-                loss.backward()
+                if critic_loss is not None and rl.critic_init == "actor":  # one graph through the shared body
+                    (loss + critic_loss).backward()
+                    timers["actor"] += time.perf_counter() - t
+                else:
+                    loss.backward()
+                    timers["actor"] += time.perf_counter() - t
+                    if critic_loss is not None:
+                        t = time.perf_counter()
+                        critic_loss.backward()
+                        timers["critic"] += time.perf_counter() - t
                 for key, v in stats.items():
                     sums[key] = sums.get(key, 0.0) + float(v)
                 count += 1
@@ -193,7 +204,8 @@ def update_policy(models: Models, opts: list, scheds: list, exp: Experience, adv
                 opt.step()
                 sched.step()
                 opt.zero_grad(set_to_none=True)
-    return {k: v / max(1, count) for k, v in sums.items()} | {"train/grad_norm": norm_sum / max(1, steps)}
+    return ({k: v / max(1, count) for k, v in sums.items()} | {"train/grad_norm": norm_sum / max(1, steps)}
+            | {"time/train_actor": timers["actor"], "time/train_critic": timers["critic"]})
 
 
 # ------------------------------------------------------------------------------------------- evaluation
@@ -282,13 +294,13 @@ def train_rl(cfg: Config, run_dir: Path, log=print, resume: bool = False) -> dic
     else:
         before, before_texts = evaluate(models, engine, held_prompts, rl, cfg.run.seed + 12345, gold) if held_prompts else ({}, [])
         before_path.write_text(json.dumps(before | {"samples": before_texts[:16]}, indent=2))
-    tracker = JsonlTracker(out / "metrics.jsonl")
+    tracker = JsonlTracker(out / "metrics.jsonl", tensorboard=True)
     log(f"[rl] {rl.algo}: {rl.iterations} iterations x {rl.prompts_per_iter} prompts x k={rl.k}, fusion "
         f"{'on' if fusion.enabled else 'off'}")
     with Progress(rl.iterations, f"rl/{rl.algo}", cfg.run.quiet, unit="iter") as bar:
         bar.update(start)
         for it in range(start, rl.iterations):
-            t0 = time.perf_counter()
+            t0, role_times = time.perf_counter(), dict(scorer.times)
             # 1. generate and score: scoring runs on finished samples while the tail decodes (fusion on)
             prompts = prompt_batch(train_prompts, it, rl.prompts_per_iter, cfg.run.seed)
             exp = generate_rollouts(engine, scorer, prompts, rl.k, params, cfg.run.seed * 1_000_003 + it, fusion)
@@ -306,6 +318,8 @@ def train_rl(cfg: Config, run_dir: Path, log=print, resume: bool = False) -> dic
             # 4. record and checkpoint
             row = rollout_metrics(exp, kl, adv, returns, kl_ctl.coef, rl.max_new_tokens) | stats
             row |= {f"time/{k}": v for k, v in exp.timing.items() if not k.startswith("decode")}
+            row |= {f"time/score_{k}": v - role_times.get(k, 0.0) for k, v in scorer.times.items()}
+            row |= memory_metrics(device) | iteration_gold(exp, tok, gold)
             row |= {"time/training": t2 - t1, "time/iteration": t2 - t0, "train/skipped_steps": bad["skipped"],
                     "rollout/samples_per_s": len(exp) / (t2 - t0),
                     "rollout/tokens_per_s": float(exp.mask.sum()) / (t2 - t0)}
@@ -313,6 +327,7 @@ def train_rl(cfg: Config, run_dir: Path, log=print, resume: bool = False) -> dic
             if (it + 1) % rl.ckpt_every == 0 or it + 1 == rl.iterations:
                 save_checkpoint(ckpt, iteration=it + 1, actor=models.actor, critic=models.critic, opt_actor=opt_a,
                                 opt_critic=opt_c, kl_coef=kl_ctl.coef, counters=bad)
+            (out / "last_rewards.json").write_text(json.dumps(exp.scores.tolist()))
             bar.update(reward=row["reward/mean"], kl=row["reward/kl"], sps=row["rollout/samples_per_s"])
     tracker.close()
     after, after_texts = evaluate(models, engine, held_prompts, rl, cfg.run.seed + 12345, gold) if held_prompts else ({}, [])
@@ -322,7 +337,21 @@ def train_rl(cfg: Config, run_dir: Path, log=print, resume: bool = False) -> dic
     (out / "samples_after.json").write_text(json.dumps(after_texts[:16], indent=1))
     save_model(models.actor, tok, out / "model")
     result["seconds"] = time.perf_counter() - t_start
+    from rlfuse.metrics.report import write_report
+
+    result["report"] = str(write_report(run_dir))
     return result
+
+
+def iteration_gold(exp: Experience, tok, gold: bool) -> dict:
+    """Default task: the gold score of this iteration's samples, to watch real improvement beside the reward."""
+    if not gold:
+        return {}
+    from rlfuse.data.gold import gold_score
+
+    scores = [gold_score(tok.decode(p + r, skip_special_tokens=True)) for p, r in zip(exp.prompt_ids, exp.response_ids)]
+    return {"reward/gold_mean": sum(g.score for g in scores) / len(scores),
+            "reward/gold_positive_rate": sum(g.label == "positive" for g in scores) / len(scores)}
 
 
 def before_without_samples(before: dict) -> dict:

@@ -51,8 +51,8 @@ def test_micro_batches_1x8_equal_8x1(tiny_task, algo, level):
         for s in range(0, 8, micro):
             idx = mini[s: s + micro]
             share = (float(exp.mask[idx].sum()) if level == "token" else len(idx)) / total
-            loss, _ = micro_batch_loss(models, exp, idx, adv, returns, rl, 0.1, share)
-            loss.backward()
+            loss, critic_loss, _ = micro_batch_loss(models, exp, idx, adv, returns, rl, 0.1, share)
+            (loss + (critic_loss if critic_loss is not None else 0)).backward()
         grads.append({n: p.grad.clone() for m in (models.actor, models.critic) if m is not None
                       for n, p in m.named_parameters() if p.grad is not None})
     assert grads[0].keys() == grads[1].keys() and len(grads[0]) > 10
