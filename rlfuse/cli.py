@@ -141,7 +141,13 @@ def main(argv: list[str] | None = None) -> int:
     rp.add_argument("run_dir", metavar="RUN_DIR")
     rp.add_argument("--baseline", metavar="RUN_DIR", help="a measured baseline run (e.g. rollout.fusion=false) for "
                     "speedup_comparison.png")
+    from rlfuse.schedule import cli as schedule_cli
+
+    sp = sub.add_parser("schedule", help="fused actor/critic pipeline schedule: serial vs 1F1B vs fused, with a chart")
+    schedule_cli.add_arguments(sp)
     ns = parser.parse_args(argv)
+    if ns.command == "schedule":
+        return schedule_cli.run(ns)
     if ns.command == "report":
         try:
             return cmd_report(ns.run_dir, ns.baseline)

@@ -1,0 +1,213 @@
+"""Pure model of a fused actor/critic pipeline schedule: layout, tasks, checker, simulator, lower bound.
+
+Layout (RLHFuse): the big model has N stages, stage s on device s. The small model has N/K stages per replica and K
+replicas; replica i runs on devices (i+1)*N/K - 1 down to i*N/K (reverse direction). A schedule is, per device, an
+ordered list of tasks (model, replica, stage, F|B, micro-batch). No torch here: everything is plain Python.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass(frozen=True)
+class PipeModel:
+    """One model's pipeline: stages per replica, replicas, micro-batches per replica, forward/backward time, activation
+    memory per in-flight micro-batch."""
+    stages: int
+    replicas: int
+    micro_batches: int
+    fwd: float
+    bwd: float
+    mem: float = 1.0
+
+
+@dataclass(frozen=True)
+class Problem:
+    devices: int
+    models: tuple[PipeModel, ...]
+    comm: float = 0.0
+    """Time to send activations/gradients between devices."""
+
+    @staticmethod
+    def fused(pp: int, pp_small: int, m: int, m_small: int, f: float, f_small: float, bwd_ratio: float = 2.0,
+              mem: float = 1.0, mem_small: float = 1.0, comm: float = 0.0) -> "Problem":
+        if pp % pp_small:
+            raise ValueError(f"--pp-small {pp_small} must divide --pp {pp}")
+        return Problem(pp, (PipeModel(pp, 1, m, f, f * bwd_ratio, mem),
+                            PipeModel(pp_small, pp // pp_small, m_small, f_small, f_small * bwd_ratio, mem_small)), comm)
+
+    def device_of(self, model: int, replica: int, stage: int) -> int:
+        pm = self.models[model]
+        if model == 0:
+            return replica * pm.stages + stage
+        return (replica + 1) * pm.stages - 1 - stage  # the other direction
+
+    def stage_on(self, model: int, device: int) -> tuple[int, int]:
+        """(replica, stage) of `model` on `device`."""
+        pm = self.models[model]
+        replica, offset = divmod(device, pm.stages)
+        return replica, (offset if model == 0 else pm.stages - 1 - offset)
+
+
+@dataclass(frozen=True, order=True)
+class Task:
+    model: int
+    replica: int
+    stage: int
+    kind: str  # "F" | "B"
+    mb: int
+
+    def duration(self, prob: Problem) -> float:
+        pm = prob.models[self.model]
+        return pm.fwd if self.kind == "F" else pm.bwd
+
+
+@dataclass
+class Schedule:
+    """Per-device task order. barrier: model 1 starts only after model 0 has finished everywhere (serial)."""
+    orders: list[list[Task]]
+    barrier: bool = False
+
+
+@dataclass
+class SimResult:
+    makespan: float
+    busy: list[float]
+    bubble_ratio: float
+    peak_memory: list[float]
+    start: dict = field(repr=False, default_factory=dict)
+    end: dict = field(repr=False, default_factory=dict)
+
+
+class ScheduleError(ValueError):
+    pass
+
+
+def all_tasks(prob: Problem, models=None) -> list[Task]:
+    out = []
+    for mi, pm in enumerate(prob.models):
+        if models is not None and mi not in models:
+            continue
+        for r in range(pm.replicas):
+            for s in range(pm.stages):
+                for mb in range(pm.micro_batches):
+                    out += [Task(mi, r, s, "F", mb), Task(mi, r, s, "B", mb)]
+    return out
+
+
+def dependencies(prob: Problem, t: Task) -> list[Task]:
+    """Cross-stage data dependencies of a task (the same-device order is the schedule's business)."""
+    last = prob.models[t.model].stages - 1
+    if t.kind == "F":
+        return [Task(t.model, t.replica, t.stage - 1, "F", t.mb)] if t.stage > 0 else []
+    deps = [Task(t.model, t.replica, t.stage, "F", t.mb)]
+    if t.stage < last:
+        deps.append(Task(t.model, t.replica, t.stage + 1, "B", t.mb))
+    return deps
+
+
+def check(prob: Problem, sched: Schedule) -> None:
+    """Raise ScheduleError unless: every task once, on its own device; FIFO micro-batch order per model and kind on
+    each device; every backward after its forward on that device; no deadlock (checked by simulating)."""
+    if len(sched.orders) != prob.devices:
+        raise ScheduleError(f"schedule has {len(sched.orders)} devices, problem has {prob.devices}")
+    seen = set()
+    for d, order in enumerate(sched.orders):
+        last_mb: dict[tuple, int] = {}
+        forwards_done = set()
+        for t in order:
+            if t in seen:
+                raise ScheduleError(f"{t} scheduled twice")
+            seen.add(t)
+            if prob.device_of(t.model, t.replica, t.stage) != d:
+                raise ScheduleError(f"{t} placed on device {d}, belongs on {prob.device_of(t.model, t.replica, t.stage)}")
+            key = (t.model, t.replica, t.stage, t.kind)
+            if last_mb.get(key, -1) >= t.mb:
+                raise ScheduleError(f"device {d}: {t} breaks FIFO micro-batch order")
+            last_mb[key] = t.mb
+            if t.kind == "F":
+                forwards_done.add((t.model, t.replica, t.stage, t.mb))
+            elif (t.model, t.replica, t.stage, t.mb) not in forwards_done:
+                raise ScheduleError(f"device {d}: {t} before its forward")
+    missing = set(all_tasks(prob)) - seen
+    if missing:
+        raise ScheduleError(f"{len(missing)} tasks missing, e.g. {min(missing)}")
+    simulate(prob, sched)  # raises on deadlock
+
+
+def simulate(prob: Problem, sched: Schedule) -> SimResult:
+    """List scheduling over the fixed per-device orders: a task starts when its device is free and its inputs have
+    arrived (previous stage's end + comm). Raises ScheduleError on deadlock (a cycle of waits)."""
+    orders = sched.orders
+    pos = [0] * len(orders)
+    free = [0.0] * len(orders)
+    end: dict[Task, float] = {}
+    start: dict[Task, float] = {}
+    n_left = sum(len(o) for o in orders)
+    barrier_time = None
+    n0 = sum(1 for o in orders for t in o if t.model == 0)
+    done0 = 0
+    progress = True
+    while n_left and progress:
+        progress = False
+        for d, order in enumerate(orders):
+            while pos[d] < len(order):
+                t = order[pos[d]]
+                ready = free[d]
+                blocked = False
+                for dep in dependencies(prob, t):
+                    e = end.get(dep)
+                    if e is None:
+                        blocked = True
+                        break
+                    same = prob.device_of(dep.model, dep.replica, dep.stage) == d
+                    ready = max(ready, e + (0.0 if same else prob.comm))
+                if blocked:
+                    break
+                if sched.barrier and t.model == 1:
+                    if done0 < n0:
+                        break
+                    ready = max(ready, barrier_time or 0.0)
+                start[t], end[t] = ready, ready + t.duration(prob)
+                free[d] = end[t]
+                pos[d] += 1
+                n_left -= 1
+                progress = True
+                if t.model == 0:
+                    done0 += 1
+                    if done0 == n0:
+                        barrier_time = max(e for tt, e in end.items() if tt.model == 0)
+    if n_left:
+        stuck = [orders[d][pos[d]] for d in range(len(orders)) if pos[d] < len(orders[d])]
+        raise ScheduleError(f"deadlock: {len(stuck)} devices wait forever, e.g. {stuck[0]}")
+    makespan = max(free)
+    busy = [sum(t.duration(prob) for t in o) for o in orders]
+    work = sum(busy)  # the work this schedule holds (a single model's 1F1B holds only that model's)
+    return SimResult(makespan, busy, 1 - work / (prob.devices * makespan), peak_memory(prob, sched), start, end)
+
+
+def peak_memory(prob: Problem, sched: Schedule) -> list[float]:
+    """Per device: max over time of sum_models mem * (forwards done - backwards done)."""
+    peaks = []
+    for order in sched.orders:
+        cur = peak = 0.0
+        for t in order:
+            cur += prob.models[t.model].mem * (1 if t.kind == "F" else -1)
+            peak = max(peak, cur)
+        peaks.append(peak)
+    return peaks
+
+
+def lower_bound(prob: Problem) -> float:
+    """The larger of: each model's critical path (M + S - 1)(f + b); total work / P; and for every device its own
+    work plus the idle start before any input can reach it and the tail its last backward still has to travel."""
+    bounds = [(pm.micro_batches + pm.stages - 1) * (pm.fwd + pm.bwd) for pm in prob.models]
+    work = sum(pm.micro_batches * pm.stages * pm.replicas * (pm.fwd + pm.bwd) for pm in prob.models)
+    bounds.append(work / prob.devices)
+    for d in range(prob.devices):
+        own = sum(pm.micro_batches * (pm.fwd + pm.bwd) for pm in prob.models)
+        head = min(prob.stage_on(mi, d)[1] * (pm.fwd + prob.comm) for mi, pm in enumerate(prob.models))
+        tail = min(prob.stage_on(mi, d)[1] * (pm.bwd + prob.comm) for mi, pm in enumerate(prob.models))
+        bounds.append(own + head + tail)
+    return max(bounds)
