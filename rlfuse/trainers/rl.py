@@ -253,8 +253,14 @@ def rollout_metrics(exp: Experience, kl, adv, returns, kl_coef: float, max_new: 
     return m
 
 
-def train_rl(cfg: Config, run_dir: Path, log=print, resume: bool = False) -> dict:
+def train_rl(cfg: Config, run_dir: Path, log=print, resume: bool = False, on_ready=None) -> dict:
+    """The RL stage. on_ready(), if given, is called once the models are loaded, before the first iteration
+    (benchmarks read the idle memory footprint there)."""
     rl, t_start = cfg.rl, time.perf_counter()
+    if not (run_dir / "config.yaml").exists():  # called as a library rather than through the CLI
+        from rlfuse.config import save_config
+
+        save_config(cfg, run_dir)
     device = setup_runtime(cfg.run)
     _, task = resolve_base_model(cfg, log) if cfg.data.kind == "synthetic" else (None, None)
     models = build_models(cfg, run_dir, device)
@@ -295,6 +301,8 @@ def train_rl(cfg: Config, run_dir: Path, log=print, resume: bool = False) -> dic
         before, before_texts = evaluate(models, engine, held_prompts, rl, cfg.run.seed + 12345, gold) if held_prompts else ({}, [])
         before_path.write_text(json.dumps(before | {"samples": before_texts[:16]}, indent=2))
     tracker = JsonlTracker(out / "metrics.jsonl", tensorboard=True)
+    if on_ready is not None:
+        on_ready()
     log(f"[rl] {rl.algo}: {rl.iterations} iterations x {rl.prompts_per_iter} prompts x k={rl.k}, fusion "
         f"{'on' if fusion.enabled else 'off'}")
     with Progress(rl.iterations, f"rl/{rl.algo}", cfg.run.quiet, unit="iter") as bar:

@@ -48,14 +48,15 @@ def test_reference_fused_search(row):
     reach within 1% rather than exactly, so it is held to 2%."""
     pp, pps, m, ms, f, fs, ser, target = row
     prob = Problem.fused(pp, pps, m, ms, f, fs)
-    res = fused(prob, seed=0, time_limit=120)
+    # makespan only (the memory pass is tested on its own); exact rows stop as soon as they reach the bound
+    res = fused(prob, seed=0, time_limit=60 if row == REFERENCE[3] else 120, memory_pass=False)
     check(prob, res.schedule)
     assert res.result.makespan >= target  # never below the lower bound
     if row == REFERENCE[3]:
         assert res.result.makespan <= target * 1.02
     else:
         assert res.result.makespan == target
-    assert res.seconds < 130
+    assert res.seconds < 125
 
 
 @pytest.mark.parametrize("shape", [(16, 8, 16, 8, 3, 2), (4, 2, 8, 4, 3, 2), (6, 3, 12, 6, 5, 3), (16, 16, 8, 8, 5, 2)])

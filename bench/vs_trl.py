@@ -1,0 +1,336 @@
+"""rlfuse vs TRL on identical work: samples/s and peak memory, one command.
+
+    pip install -e ".[bench]"          # TRL pinned (trl==1.16.0)
+    python bench/vs_trl.py             # default matrix, writes BENCHMARKS.md and bench/.work/vs_trl_k.png
+
+Both systems load the same saved weights and tokenizer, draw prompts from the same pool, and use the same k, new-token
+limit, temperature, learning rate, optimiser family (AdamW), KL coefficient (0.05, so both score a reference model),
+number of iterations and reward: the default task's gold scorer as a Python function. One iteration = generate
+prompts x k completions, score them, one optimiser step. Each run is its own process; systems alternate (A B A B);
+the median iteration after the warm-up is reported. Memory: peak RSS of the process, and the peak above the
+footprint right after the models are loaded (the part the algorithm controls).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from bench.common import SHARED_DATA, WORK, machine, md_table, peak_rss_mb, rss_mb, run_child, write_section  # noqa: E402
+
+SYSTEMS = {
+    "trl-rloo": ("trl", "rloo", {"gc": True}), "trl-rloo-nogc": ("trl", "rloo", {"gc": False}),
+    "trl-grpo": ("trl", "grpo", {"gc": True}), "trl-grpo-nogc": ("trl", "grpo", {"gc": False}),
+    "rlfuse-rloo": ("rlfuse", "rloo", {"fusion": True}), "rlfuse-rloo-unfused": ("rlfuse", "rloo", {"fusion": False}),
+    "rlfuse-grpo": ("rlfuse", "grpo", {"fusion": True}), "rlfuse-grpo-unfused": ("rlfuse", "grpo", {"fusion": False}),
+}
+
+
+def text_reward(prompts, completions, **_):
+    """TRL reward function: the gold scorer on prompt + completion (the same text rlfuse's function reward sees)."""
+    from rlfuse.data.gold import gold_reward
+
+    return gold_reward([p + c for p, c in zip(prompts, completions)])
+
+
+# ------------------------------------------------------------------------------------------- workload
+
+
+def prepare_model(n_layer: int, n_embd: int, out: Path) -> Path:
+    """A GPT-2 of the given shape with the default task's tokenizer, random weights, saved once for both systems."""
+    if (out / "config.json").exists():
+        return out
+    import torch
+    from transformers import AutoTokenizer, GPT2Config, GPT2LMHeadModel
+
+    from rlfuse.config import load_config
+    from rlfuse.data.task import build_default_task
+
+    c = load_config(None)
+    task = build_default_task(c.data.num_reviews, 0, c.model.n_layer, c.model.n_embd, c.model.n_head, log=lambda *_: None)
+    tok = AutoTokenizer.from_pretrained(task.tokenizer_dir)
+    torch.manual_seed(0)
+    cfg = GPT2Config(vocab_size=len(tok), n_positions=512, n_embd=n_embd, n_layer=n_layer, n_head=max(1, n_embd // 64),
+                     bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id)
+    GPT2LMHeadModel(cfg).save_pretrained(out)
+    tok.save_pretrained(out)
+    return out
+
+
+def prompt_pool(kind: str, tok, n: int = 512) -> list[str]:
+    from rlfuse.config import load_config
+    from rlfuse.data.stages import rl_prompts
+
+    if kind == "imdb":
+        cfg = load_config(None, ["data.kind=imdb", f"data.path={SHARED_DATA / 'imdb_reviews_2000.csv'}"])
+        train, _ = rl_prompts(cfg, None, log=lambda *_: None)
+    else:
+        from rlfuse.data.task import build_default_task
+
+        cfg = load_config(None)
+        task = build_default_task(cfg.data.num_reviews, 0, cfg.model.n_layer, cfg.model.n_embd, cfg.model.n_head, log=lambda *_: None)
+        train, _ = rl_prompts(cfg, task)
+    return train[:n]
+
+
+# ------------------------------------------------------------------------------------------- children
+
+
+def child_trl(a) -> dict:
+    import torch
+    from datasets import Dataset
+    from transformers import AutoModelForCausalLM, AutoTokenizer, TrainerCallback
+
+    from trl import GRPOConfig, GRPOTrainer, RLOOConfig, RLOOTrainer
+
+    tok = AutoTokenizer.from_pretrained(a.model)
+    model = AutoModelForCausalLM.from_pretrained(a.model)
+    data = Dataset.from_dict({"prompt": prompt_pool(a.prompts_kind, tok)})
+    steps = a.warmup + a.iters
+    common = dict(output_dir=tempfile.mkdtemp(), per_device_train_batch_size=a.prompts * a.k, num_generations=a.k,
+                  max_completion_length=a.max_new, learning_rate=a.lr, gradient_checkpointing=a.gc, max_steps=steps,
+                  logging_steps=1, report_to="none", save_strategy="no", temperature=1.0, beta=0.05, seed=a.seed,
+                  disable_tqdm=True, use_cpu=not torch.cuda.is_available(),
+                  # TRL's config turns bf16 on by default, also on CPU; this CPU has no native bf16, so every matmul
+                  # would be emulated (~40x slower). Both systems run fp32 on CPU, as rlfuse does.
+                  bf16=torch.cuda.is_available() and torch.cuda.is_bf16_supported())
+    Config, Trainer = (RLOOConfig, RLOOTrainer) if a.algo == "rloo" else (GRPOConfig, GRPOTrainer)
+    rec = {"step_s": [], "logs": []}
+
+    class Timer(TrainerCallback):
+        def on_train_begin(self, *args, **kw):
+            rec["idle_rss_mb"] = rss_mb()
+
+        def on_step_begin(self, *args, **kw):
+            rec["t"] = time.perf_counter()
+
+        def on_step_end(self, *args, **kw):
+            rec["step_s"].append(time.perf_counter() - rec["t"])
+
+        def on_train_end(self, *args, **kw):
+            rec["train_peak_rss_mb"] = peak_rss_mb()
+
+        def on_log(self, args, state, control, logs=None, **kw):
+            if logs:
+                rec["logs"].append({k: v for k, v in logs.items() if isinstance(v, (int, float))})
+
+    trainer = Trainer(model=model, reward_funcs=text_reward, args=Config(**common), train_dataset=data,
+                      processing_class=tok, callbacks=[Timer()])
+    trainer.train()
+    lengths = [l["completions/mean_length"] for l in rec["logs"] if "completions/mean_length" in l]
+    rewards = [l["reward"] for l in rec["logs"] if "reward" in l]
+    return {"step_s": rec["step_s"], "idle_rss_mb": rec["idle_rss_mb"], "mean_length": lengths, "reward": rewards,
+            "completions_per_step": a.prompts * a.k, "train_peak_rss_mb": rec["train_peak_rss_mb"]}
+
+
+def child_rlfuse(a) -> dict:
+    from rlfuse.config import load_config
+    from rlfuse.metrics.tracker import read_metrics
+    from rlfuse.trainers.rl import train_rl
+
+    run_dir = Path(tempfile.mkdtemp())
+    data = ["data.kind=imdb", f"data.path={SHARED_DATA / 'imdb_reviews_2000.csv'}"] if a.prompts_kind == "imdb" else []
+    mb = a.prompts * a.k
+    cfg = load_config(None, [f"run.dir={run_dir}", "run.quiet=true", f"run.seed={a.seed}", f"rl.sft_path={a.model}",
+                             "rl.reward=rlfuse.data.gold:gold_reward", f"rl.algo={a.algo}", f"rl.k={a.k}",
+                             f"rl.prompts_per_iter={a.prompts}", f"rl.mini_batch_size={mb}", f"rl.micro_batch_size={mb}",
+                             "rl.epochs=1", f"rl.max_new_tokens={a.max_new}", "rl.temperature=1.0", f"rl.lr={a.lr}",
+                             "rl.kl_coef=0.05", "rl.kl_target=null", f"rl.iterations={a.warmup + a.iters}",
+                             "rl.eval_prompts=0", "rl.ckpt_every=100000", f"rollout.fusion={str(a.fusion).lower()}",
+                             "rollout.score_every=4", *data])
+    rec = {}
+    train_rl(cfg, run_dir, log=lambda *_: None, on_ready=lambda: rec.setdefault("idle_rss_mb", rss_mb()))
+    rows = read_metrics(run_dir / "rl" / "metrics.jsonl")
+    return {"step_s": [r["time/iteration"] for r in rows], "idle_rss_mb": rec["idle_rss_mb"],
+            "mean_length": [r["rollout/length_mean"] for r in rows], "reward": [r["reward/mean"] for r in rows],
+            "completions_per_step": a.prompts * a.k, "train_peak_rss_mb": rows[-1]["mem/rss_peak_mb"],
+            "split": {k: statistics.median(r[f"time/{k}"] for r in rows[a.warmup:]) for k in ("generation", "scoring", "training")}}
+
+
+def child(a) -> None:
+    import torch
+
+    torch.manual_seed(a.seed)
+    if a.profile:
+        import cProfile
+        import io
+        import pstats
+
+        prof = cProfile.Profile()
+        prof.enable()
+    res = (child_trl if a.system == "trl" else child_rlfuse)(a)
+    # the peak while training, read before any end-of-run work (rlfuse draws its report after the last iteration)
+    res["peak_rss_mb"] = res.pop("train_peak_rss_mb")
+    if a.profile:
+        prof.disable()
+        s = io.StringIO()
+        pstats.Stats(prof, stream=s).sort_stats("tottime").print_stats(12)
+        res["profile"] = s.getvalue()
+    print(json.dumps(res))
+
+
+# ------------------------------------------------------------------------------------------- the matrix
+
+
+def run(name: str, model: Path, k: int, prompts: int, max_new: int, warmup: int, iters: int, prompts_kind="default",
+        profile=False) -> dict:
+    system, algo, opts = SYSTEMS[name]
+    args = ["--child", "--system", system, "--algo", algo, "--model", str(model), "--k", str(k), "--prompts", str(prompts),
+            "--max-new", str(max_new), "--warmup", str(warmup), "--iters", str(iters), "--prompts-kind", prompts_kind]
+    args += ["--gc"] if opts.get("gc") else []
+    args += ["--fusion"] if opts.get("fusion") else []
+    args += ["--profile"] if profile else []
+    r = run_child(Path(__file__), args, timeout=1800)
+    measured = r["step_s"][warmup:]
+    r["median_step_s"] = statistics.median(measured)
+    r["samples_per_s"] = r["completions_per_step"] / r["median_step_s"]
+    ml = r["mean_length"][warmup:] or r["mean_length"]
+    r["mean_completion_length"] = statistics.mean(ml) if ml else float("nan")
+    r["tokens_per_s"] = r["samples_per_s"] * r["mean_completion_length"]
+    r["peak_above_idle_mb"] = r["peak_rss_mb"] - r["idle_rss_mb"]
+    return r
+
+
+def merge(runs: list[dict], warmup: int) -> dict:
+    """Several alternated runs of one system: median over all measured iterations, max of the peaks."""
+    steps = [s for r in runs for s in r["step_s"][warmup:]]
+    out = dict(runs[-1])
+    out["median_step_s"] = statistics.median(steps)
+    out["samples_per_s"] = out["completions_per_step"] / out["median_step_s"]
+    out["mean_completion_length"] = statistics.mean(r["mean_completion_length"] for r in runs)
+    out["tokens_per_s"] = out["samples_per_s"] * out["mean_completion_length"]
+    out["peak_rss_mb"] = max(r["peak_rss_mb"] for r in runs)
+    out["peak_above_idle_mb"] = max(r["peak_above_idle_mb"] for r in runs)
+    out["completions"] = out["completions_per_step"] * len(steps)
+    return out
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--child", action="store_true")
+    ap.add_argument("--system")
+    ap.add_argument("--algo")
+    ap.add_argument("--model")
+    ap.add_argument("--gc", action="store_true")
+    ap.add_argument("--fusion", action="store_true")
+    ap.add_argument("--profile", action="store_true")
+    ap.add_argument("--prompts-kind", default="default")
+    ap.add_argument("--k", type=int, default=4)
+    ap.add_argument("--prompts", type=int, default=4)
+    ap.add_argument("--max-new", type=int, default=64)
+    ap.add_argument("--warmup", type=int, default=2)
+    ap.add_argument("--iters", type=int, default=4)
+    ap.add_argument("--lr", type=float, default=1e-5)
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--n-layer", type=int, default=4)
+    ap.add_argument("--n-embd", type=int, default=256)
+    ap.add_argument("--rounds", type=int, default=2, help="alternations A B A B of the throughput matrix")
+    ap.add_argument("--mem-budget", type=float, default=1500.0, help="MiB of peak RSS a run may use")
+    ap.add_argument("--reward-iters", type=int, default=30, help="iterations of the longer run that checks reward rises")
+    ap.add_argument("--quick", action="store_true", help="one round of RLOO only; prints, writes nothing")
+    a = ap.parse_args()
+    if a.child:
+        return child(a)
+    t0 = time.time()
+    model = prepare_model(a.n_layer, a.n_embd, WORK / f"gpt2-{a.n_layer}x{a.n_embd}")
+    W, N = a.warmup, a.iters
+    names = ["trl-rloo", "rlfuse-rloo"] if a.quick else list(SYSTEMS)
+    runs: dict[str, list[dict]] = {n: [] for n in names}
+    for _ in range(1 if a.quick else a.rounds):  # alternate A B A B ...
+        for n in names:
+            runs[n].append(run(n, model, a.k, a.prompts, a.max_new, W, N))
+            print(f"[bench] {n}: {runs[n][-1]['samples_per_s']:.2f} samples/s", file=sys.stderr, flush=True)
+    res = {n: merge(r, W) for n, r in runs.items()}
+
+    def table(results: dict, base: str) -> str:
+        rows = [[n, r["samples_per_s"], r["tokens_per_s"], r["median_step_s"], r["completions"],
+                 r["mean_completion_length"], r["peak_rss_mb"], r["peak_above_idle_mb"],
+                 r["samples_per_s"] / results[base]["samples_per_s"]] for n, r in results.items()]
+        return md_table(["system", "samples/s", "tokens/s", "median iteration s", "completions measured",
+                         "mean completion length", "peak RSS MiB", "peak above idle MiB", f"samples/s vs {base}"], rows)
+
+    print(table(res, "trl-rloo"))
+    if a.quick:
+        return
+    sections = [f"Machine: {json.dumps(machine() | {'trl': __import__('trl').__version__})}", "",
+                f"Command: `python bench/vs_trl.py` (GPT-2 {a.n_layer} layers x {a.n_embd} dims, random weights, the "
+                f"default task's tokenizer; {a.prompts} prompts x k={a.k} per iteration, up to {a.max_new} new tokens, "
+                f"temperature 1.0, lr {a.lr}, KL coefficient 0.05, AdamW; {W} warm-up + {N} measured iterations per "
+                f"run, {a.rounds} alternated rounds, median iteration; TRL's gradient checkpointing on (its default) "
+                "and off (-nogc)).", "", "### Throughput and memory, default-task prompts", "", table(res, "trl-rloo"), ""]
+    if (SHARED_DATA / "imdb_reviews_2000.csv").exists():
+        imdb = {n: run(n, model, a.k, a.prompts, a.max_new, W, N, "imdb") for n in ("trl-rloo", "rlfuse-rloo")}
+        sections += ["### Real IMDb prompts (RLOO)", "", table(imdb, "trl-rloo"), ""]
+    # memory table: RLOO at k = 2, 4, 8
+    mem_rows, per_k = [], {}
+    for k in (2, 4, 8):
+        per_k[k] = {n: run(n, model, k, a.prompts, a.max_new, 1, 2) for n in ("trl-rloo", "rlfuse-rloo")}
+        t, r = per_k[k]["trl-rloo"], per_k[k]["rlfuse-rloo"]
+        mem_rows.append([k, t["peak_rss_mb"], r["peak_rss_mb"], t["peak_above_idle_mb"], r["peak_above_idle_mb"],
+                         r["peak_above_idle_mb"] / t["peak_above_idle_mb"], t["samples_per_s"], r["samples_per_s"]])
+    fits = {n: max([k for k in per_k if per_k[k][n]["peak_rss_mb"] <= a.mem_budget], default=None)
+            for n in ("trl-rloo", "rlfuse-rloo")}
+    sections += [f"### Memory: RLOO with k = 2, 4, 8 at {a.prompts} prompts", "",
+                 md_table(["k", "TRL peak RSS", "rlfuse peak RSS", "TRL above idle", "rlfuse above idle",
+                           "rlfuse/TRL above idle", "TRL samples/s", "rlfuse samples/s"], mem_rows), "",
+                 f"Largest measured k within --mem-budget {a.mem_budget:g} MiB of peak RSS: TRL {fits['trl-rloo']}, "
+                 f"rlfuse {fits['rlfuse-rloo']}.", ""]
+    plot_k(per_k, WORK / "vs_trl_k.png")
+    # reward rises on a longer run (the default task's SFT model)
+    from bench.rollout import ensure_sft_model
+
+    sft = ensure_sft_model()
+    rise = {}
+    for n in ("trl-rloo", "rlfuse-rloo"):
+        r = run(n, sft, 4, 8, 48, 0, a.reward_iters)
+        rw = r["reward"]
+        rise[n] = (statistics.mean(rw[:5]), statistics.mean(rw[-5:]))
+    sections += [f"### Reward over a longer run ({a.reward_iters} iterations, default-task SFT model, 8 prompts x k=4, lr {a.lr})", "",
+                 md_table(["system", "mean reward, first 5 iterations", "mean reward, last 5 iterations"],
+                          [[n, x, y] for n, (x, y) in rise.items()]), ""]
+    # where the time goes: rlfuse's own stage split, and a profile of one run of each
+    split = res["rlfuse-rloo"]["split"]
+    prof = {n: run(n, model, a.k, a.prompts, a.max_new, 1, 1, profile=True)["profile"] for n in ("trl-rloo", "rlfuse-rloo")}
+    sections += ["### Where the time goes", "",
+                 f"rlfuse RLOO, median per iteration: generation {split['generation']:.3f} s, scoring "
+                 f"{split['scoring']:.3f} s, training {split['training']:.3f} s.", ""]
+    for n, p in prof.items():
+        sections += [f"<details><summary>cProfile of one {n} run (2 iterations), top functions by own time</summary>",
+                     "", "```", "\n".join(p.strip().splitlines()[:30]), "```", "</details>", ""]
+    sections.append(f"Wall time of the whole benchmark: {time.time() - t0:.0f} s. Plot: `bench/.work/vs_trl_k.png`.")
+    (WORK / "vs_trl.json").write_text(json.dumps({"throughput": res, "memory": {str(k): v for k, v in per_k.items()}}, indent=1, default=str))
+    write_section("vs_trl", "\n".join(sections))
+    print("\n".join(sections))
+
+
+def plot_k(per_k: dict, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    ks = sorted(per_k)
+    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(11, 4))
+    for n, label in (("trl-rloo", "TRL RLOO"), ("rlfuse-rloo", "rlfuse RLOO")):
+        ax1.plot(ks, [per_k[k][n]["samples_per_s"] for k in ks], marker="o", label=label)
+        ax2.plot(ks, [per_k[k][n]["peak_above_idle_mb"] for k in ks], marker="o", label=label)
+    ax1.set(xlabel="k (samples per prompt)", ylabel="samples / s", title="Throughput")
+    ax2.set(xlabel="k (samples per prompt)", ylabel="MiB", title="Peak RSS above idle footprint")
+    for ax in (ax1, ax2):
+        ax.grid(alpha=0.3)
+        ax.legend()
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+
+
+if __name__ == "__main__":
+    main()
