@@ -67,8 +67,9 @@ def response_logprobs(model, mb: MicroBatch, temperature: float = 1.0, chunk: in
         logits = head(h[:, s: s + chunk]).float() / temperature
         logp = torch.log_softmax(logits, dim=-1)
         out.append(logp.gather(-1, mb.targets[:, s: s + chunk, None]).squeeze(-1))
-        if with_entropy:
-            ent.append(-(logp.exp() * logp).sum(-1))
+        if with_entropy:  # a diagnostic: kept out of the autograd graph, which would save another (B, T, V)
+            with torch.no_grad():
+                ent.append(-(logp.exp() * logp).sum(-1))
     lp = torch.cat(out, 1) * mb.mask
     return (lp, torch.cat(ent, 1) * mb.mask) if with_entropy else lp
 
