@@ -17,8 +17,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
-import statistics
 import sys
 import time
 from pathlib import Path

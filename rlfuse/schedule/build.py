@@ -13,7 +13,8 @@ import random
 import time
 from dataclasses import dataclass
 
-from rlfuse.schedule.model import Problem, Schedule, SimResult, Task, all_tasks, dependencies, lower_bound, simulate
+from rlfuse.schedule.model import (Compiled, Problem, Schedule, SimResult, Task, compiled, list_schedule, lower_bound,
+                                   simulate)
 
 
 def one_f_one_b_order(prob: Problem, model: int, replica: int, stage: int) -> list[Task]:
@@ -56,39 +57,6 @@ def base_priority(prob: Problem, t: Task, backward_first: bool = True) -> float:
     return rest + (1e3 if t.model == 0 else 0.0) + (500.0 if t.kind == "B" and backward_first else 0.0)
 
 
-class _Compiled:
-    """A problem as integer arrays: task index -> device, duration, dependencies, and per-device FIFO queues."""
-
-    def __init__(self, prob: Problem):
-        self.prob = prob
-        self.tasks = all_tasks(prob)
-        index = {t: i for i, t in enumerate(self.tasks)}
-        self.device = [prob.device_of(t.model, t.replica, t.stage) for t in self.tasks]
-        self.duration = [t.duration(prob) for t in self.tasks]
-        self.deps = [[(index[d], self.device[index[d]] != self.device[i]) for d in dependencies(prob, t)]
-                     for i, t in enumerate(self.tasks)]
-        self.succ_devices: list[set[int]] = [set() for _ in self.tasks]
-        for i, deps in enumerate(self.deps):
-            for j, _ in deps:
-                self.succ_devices[j].add(self.device[i])
-        self.queues: list[list[list[int]]] = [[] for _ in range(prob.devices)]
-        for mi, pm in enumerate(prob.models):
-            for r in range(pm.replicas):
-                for st in range(pm.stages):
-                    d = prob.device_of(mi, r, st)
-                    for kind in ("F", "B"):
-                        self.queues[d].append([index[Task(mi, r, st, kind, m)] for m in range(pm.micro_batches)])
-
-
-_COMPILED: dict[Problem, _Compiled] = {}
-
-
-def compiled(prob: Problem) -> _Compiled:
-    if prob not in _COMPILED:
-        _COMPILED[prob] = _Compiled(prob)
-    return _COMPILED[prob]
-
-
 def active_schedule(prob: Problem, priority: dict[Task, float] | list[float]) -> Schedule:
     return _active(prob, priority)[0]
 
@@ -98,7 +66,7 @@ def _active(prob: Problem, priority) -> tuple[Schedule, float]:
     Returns the schedule and its makespan (the construction times are the list-scheduling times of its orders)."""
     c = compiled(prob)
     prio = priority if isinstance(priority, list) else [priority[t] for t in c.tasks]
-    P, comm, dur = prob.devices, prob.comm, c.duration
+    P, dur = prob.devices, c.duration
     heads = [[0] * len(q) for q in c.queues]
     free = [0.0] * P
     end = [-1.0] * len(c.tasks)
@@ -115,15 +83,8 @@ def _active(prob: Problem, priority) -> tuple[Schedule, float]:
                 if h >= len(q):
                     continue
                 i = q[h]
-                ready = free[d]
-                for j, cross in c.deps[i]:
-                    e = end[j]
-                    if e < 0:
-                        break
-                    e = e + comm if cross else e
-                    if e > ready:
-                        ready = e
-                else:
+                ready = c.ready_time(i, free[d], end)
+                if ready is not None:
                     opts.append((ready, qi, i))
                     if ready + dur[i] < bc:
                         bc = ready + dur[i]
@@ -196,34 +157,10 @@ def fused(prob: Problem, seed: int = 0, time_limit: float = 60.0, memory_pass: b
     return SearchResult(sched, simulate(prob, sched), lb, time.perf_counter() - t0, evals)
 
 
-def _makespan(c: _Compiled, orders: list[list[int]]) -> float:
+def _makespan(c: Compiled, orders: list[list[int]]) -> float:
     """List-scheduling makespan of index orders; inf on deadlock."""
-    P, comm, dur = len(orders), c.prob.comm, c.duration
-    pos, free, end = [0] * P, [0.0] * P, [-1.0] * len(c.tasks)
-    left = sum(map(len, orders))
-    progress = True
-    while left and progress:
-        progress = False
-        for d in range(P):
-            o = orders[d]
-            while pos[d] < len(o):
-                i = o[pos[d]]
-                ready = free[d]
-                for j, cross in c.deps[i]:
-                    e = end[j]
-                    if e < 0:
-                        break
-                    e = e + comm if cross else e
-                    if e > ready:
-                        ready = e
-                else:
-                    end[i] = free[d] = ready + dur[i]
-                    pos[d] += 1
-                    left -= 1
-                    progress = True
-                    continue
-                break
-    return max(free) if not left else math.inf
+    times = list_schedule(c, orders)
+    return math.inf if times is None else max(times[1])
 
 
 def anneal_swaps(prob: Problem, sched: Schedule, lb: float, time_limit: float, rng: random.Random,

@@ -10,7 +10,6 @@ A schedule the checker rejects is never run.
 
 from __future__ import annotations
 
-import os
 import socket
 import tempfile
 import time

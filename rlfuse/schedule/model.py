@@ -136,55 +136,104 @@ def check(prob: Problem, sched: Schedule) -> None:
     simulate(prob, sched)  # raises on deadlock
 
 
-def simulate(prob: Problem, sched: Schedule) -> SimResult:
-    """List scheduling over the fixed per-device orders: a task starts when its device is free and its inputs have
-    arrived (previous stage's end + comm). Raises ScheduleError on deadlock (a cycle of waits)."""
-    orders = sched.orders
-    pos = [0] * len(orders)
-    free = [0.0] * len(orders)
-    end: dict[Task, float] = {}
-    start: dict[Task, float] = {}
-    n_left = sum(len(o) for o in orders)
-    barrier_time = None
-    n0 = sum(1 for o in orders for t in o if t.model == 0)
-    done0 = 0
+class Compiled:
+    """A problem as integer arrays: task index -> device, duration, dependencies (index, crosses devices), the
+    devices its successors run on, and per-device FIFO queues. Built once per problem."""
+
+    def __init__(self, prob: Problem):
+        self.prob = prob
+        self.tasks = all_tasks(prob)
+        self.index = {t: i for i, t in enumerate(self.tasks)}
+        self.device = [prob.device_of(t.model, t.replica, t.stage) for t in self.tasks]
+        self.duration = [t.duration(prob) for t in self.tasks]
+        self.model = [t.model for t in self.tasks]
+        self.deps = [[(self.index[d], self.device[self.index[d]] != self.device[i]) for d in dependencies(prob, t)]
+                     for i, t in enumerate(self.tasks)]
+        self.succ_devices: list[set[int]] = [set() for _ in self.tasks]
+        for i, deps in enumerate(self.deps):
+            for j, _ in deps:
+                self.succ_devices[j].add(self.device[i])
+        self.queues: list[list[list[int]]] = [[] for _ in range(prob.devices)]
+        for mi, pm in enumerate(prob.models):
+            for r in range(pm.replicas):
+                for st in range(pm.stages):
+                    d = prob.device_of(mi, r, st)
+                    for kind in ("F", "B"):
+                        self.queues[d].append([self.index[Task(mi, r, st, kind, m)] for m in range(pm.micro_batches)])
+
+    def ready_time(self, i: int, free: float, end: list[float]) -> float | None:
+        """Earliest start of task i on a device free at `free`, or None while an input is not computed yet."""
+        ready = free
+        for j, cross in self.deps[i]:
+            e = end[j]
+            if e < 0:
+                return None
+            e = e + self.prob.comm if cross else e
+            if e > ready:
+                ready = e
+        return ready
+
+
+_COMPILED: dict[Problem, Compiled] = {}
+
+
+def compiled(prob: Problem) -> Compiled:
+    if prob not in _COMPILED:
+        _COMPILED[prob] = Compiled(prob)
+    return _COMPILED[prob]
+
+
+def list_schedule(c: Compiled, orders: list[list[int]], barrier: bool = False) -> tuple[list[float], list[float]] | None:
+    """Start and end time of every task under fixed per-device orders (index lists): a task starts when its device
+    is free and its inputs have arrived. With barrier, model 1 waits for all of model 0. None on deadlock."""
+    P = len(orders)
+    pos, free = [0] * P, [0.0] * P
+    start, end = [-1.0] * len(c.tasks), [-1.0] * len(c.tasks)
+    left = sum(map(len, orders))
+    n0 = sum(1 for o in orders for i in o if c.model[i] == 0)
+    done0, barrier_time = 0, 0.0
     progress = True
-    while n_left and progress:
+    while left and progress:
         progress = False
-        for d, order in enumerate(orders):
-            while pos[d] < len(order):
-                t = order[pos[d]]
-                ready = free[d]
-                blocked = False
-                for dep in dependencies(prob, t):
-                    e = end.get(dep)
-                    if e is None:
-                        blocked = True
-                        break
-                    same = prob.device_of(dep.model, dep.replica, dep.stage) == d
-                    ready = max(ready, e + (0.0 if same else prob.comm))
-                if blocked:
+        for d in range(P):
+            o = orders[d]
+            while pos[d] < len(o):
+                i = o[pos[d]]
+                if barrier and c.model[i] == 1 and done0 < n0:
                     break
-                if sched.barrier and t.model == 1:
-                    if done0 < n0:
-                        break
-                    ready = max(ready, barrier_time or 0.0)
-                start[t], end[t] = ready, ready + t.duration(prob)
-                free[d] = end[t]
+                ready = c.ready_time(i, free[d], end)
+                if ready is None:
+                    break
+                if barrier and c.model[i] == 1:
+                    ready = max(ready, barrier_time)
+                start[i], end[i] = ready, ready + c.duration[i]
+                free[d] = end[i]
                 pos[d] += 1
-                n_left -= 1
+                left -= 1
                 progress = True
-                if t.model == 0:
+                if c.model[i] == 0:
                     done0 += 1
-                    if done0 == n0:
-                        barrier_time = max(e for tt, e in end.items() if tt.model == 0)
-    if n_left:
-        stuck = [orders[d][pos[d]] for d in range(len(orders)) if pos[d] < len(orders[d])]
-        raise ScheduleError(f"deadlock: {len(stuck)} devices wait forever, e.g. {stuck[0]}")
-    makespan = max(free)
-    busy = [sum(t.duration(prob) for t in o) for o in orders]
+                    barrier_time = max(barrier_time, end[i])
+    return None if left else (start, end)
+
+
+def simulate(prob: Problem, sched: Schedule) -> SimResult:
+    """List scheduling over the schedule's per-device orders (see list_schedule). Raises ScheduleError on deadlock
+    (a cycle of waits)."""
+    c = compiled(prob)
+    orders = [[c.index[t] for t in o] for o in sched.orders]
+    times = list_schedule(c, orders, sched.barrier)
+    if times is None:
+        raise ScheduleError(f"deadlock: the per-device orders wait on each other in a cycle (e.g. device 0 starts "
+                            f"with {sched.orders[0][0] if sched.orders[0] else 'nothing'})")
+    start, end = times
+    scheduled = [i for o in orders for i in o]
+    makespan = max((end[i] for i in scheduled), default=0.0)
+    busy = [sum(c.duration[i] for i in o) for o in orders]
     work = sum(busy)  # the work this schedule holds (a single model's 1F1B holds only that model's)
-    return SimResult(makespan, busy, 1 - work / (prob.devices * makespan), peak_memory(prob, sched), start, end)
+    return SimResult(makespan, busy, 1 - work / (prob.devices * makespan) if makespan else 0.0,
+                     peak_memory(prob, sched), {c.tasks[i]: start[i] for i in scheduled},
+                     {c.tasks[i]: end[i] for i in scheduled})
 
 
 def peak_memory(prob: Problem, sched: Schedule) -> list[float]:

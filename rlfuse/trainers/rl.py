@@ -37,7 +37,7 @@ from rlfuse.rollout.engine import DecodeEngine, SamplingParams
 from rlfuse.rollout.fusion import Experience, FusionPolicy, generate_rollouts
 from rlfuse.rollout.score import Scorer, collate, function_reward_fn, response_logprobs, response_values, reward_model_fn
 from rlfuse.trainers.checkpoint import load_checkpoint, save_checkpoint
-from rlfuse.trainers.common import build_optimizer, clip_and_step, setup_runtime
+from rlfuse.trainers.common import build_optimizer, setup_runtime
 from rlfuse.trainers.sft import resolve_base_model
 
 
