@@ -122,7 +122,7 @@ def compute_advantages(exp: Experience, rl: RLConfig, kl_coef: float):
     seq_reward = exp.scores - (kl_coef * kl.sum(1) if rl.algo == "rloo" else 0.0)
     adv = ADVANTAGE_FNS[rl.algo](seq_reward, rl.k)
     if rl.whiten_advantages and rl.algo == "rloo":
-        adv = (adv - adv.mean()) / (adv.std() + 1e-8)
+        adv = whiten(adv, torch.ones_like(adv))
     return adv, None, kl
 
 
