@@ -92,7 +92,7 @@ def write_report(run_dir: str | Path, baseline_dir: str | Path | None = None) ->
                  f"{len([r for r in rows if 'time/iteration' in r])} RL iterations logged.</p>")
     if rows:
         n = plots.summary_numbers(rows, eval_result, base_rows)
-        key = [("average throughput", f"{n['avg_samples_per_s']:.2f} samples/s"),
+        key = [("number", "value"), ("average throughput", f"{n['avg_samples_per_s']:.2f} samples/s"),
                ("total RL time", f"{n['total_time_s']:.0f} s"), ("iterations", n["iterations"]),
                ("average reward", f"{n['avg_reward']:.3f}"), (f"peak memory ({n['memory_kind']})", f"{n['peak_memory_mb']:.0f} MiB")]
         if "measured_speedup" in n:
@@ -106,7 +106,7 @@ def write_report(run_dir: str | Path, baseline_dir: str | Path | None = None) ->
     stages = [(s, _json(run_dir / s / "summary.json")) for s in ("sft", "rm")]
     stage_rows = [(s, ", ".join(f"{k} {_fmt(v)}" for k, v in d.items() if k != "model_dir")) for s, d in stages if d]
     if stage_rows:
-        parts += ["<h2>Earlier stages</h2>", _table(stage_rows)]
+        parts += ["<h2>Earlier stages</h2>", _table([("stage", "summary")] + stage_rows)]
     parts.append("<h2>Figures</h2>")
     for name in FIGURES:
         f = figs.get(name)
