@@ -99,14 +99,17 @@ def train_sft(cfg: Config, run_dir: Path, log=print) -> SFTResult:
     model_dir = save_model(model, tokenizer, out / "model")
     result = SFTResult(model_dir, val, math.exp(min(val, 50)), 0.0)
     if task is not None and s.eval_samples:
+        from rlfuse.data.collate import encode
         from rlfuse.data.gold import complete_sentences, gold_score
-        from rlfuse.rollout.simple import sample_texts
+        from rlfuse.rollout.engine import DecodeEngine, SamplingParams
 
         _, held_prompts = rl_prompts(cfg, task)
         prompts = held_prompts[: s.eval_samples]
-        samples = sample_texts(model, tokenizer, prompts, 128, seed=cfg.run.seed)
-        texts = [p + c for p, (c, _) in zip(prompts, samples)]
-        judged = [t if done else complete_sentences(t) for t, (_, done) in zip(texts, samples)]
+        engine = DecodeEngine(model, tokenizer.eos_token_id)
+        samples = sorted(engine.generate([encode(tokenizer, p) for p in prompts], 1, SamplingParams(128), cfg.run.seed),
+                         key=lambda x: x.prompt_id)
+        texts = [p + tokenizer.decode(x.token_ids, skip_special_tokens=True) for p, x in zip(prompts, samples)]
+        judged = [t if x.finish_reason != "length" else complete_sentences(t) for t, x in zip(texts, samples)]
         result.grammatical_rate = sum(gold_score(t).grammatical_rate for t in judged) / len(judged)
         result.gold_positive_rate = sum(gold_score(t).label == "positive" for t in texts) / len(texts)
         (out / "samples.json").write_text(json.dumps(texts[:16], indent=1))
