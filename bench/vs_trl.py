@@ -194,6 +194,7 @@ def run(name: str, model: Path, k: int, prompts: int, max_new: int, warmup: int,
     r["mean_completion_length"] = statistics.mean(ml) if ml else float("nan")
     r["tokens_per_s"] = r["samples_per_s"] * r["mean_completion_length"]
     r["peak_above_idle_mb"] = r["peak_rss_mb"] - r["idle_rss_mb"]
+    r["completions"] = r["completions_per_step"] * len(measured)
     return r
 
 
