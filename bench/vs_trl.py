@@ -291,7 +291,7 @@ def main() -> None:
     for n in ("trl-rloo", "rlfuse-rloo"):
         r = run(n, sft, 4, 8, 48, 0, a.reward_iters)
         rw = r["reward"]
-        rise[n] = (statistics.mean(rw[:5]), statistics.mean(rw[-5:]))
+        rise[n] = (statistics.mean(rw[:5]), statistics.mean(rw[-5:])) if len(rw) >= 10 else (float("nan"), float("nan"))
     sections += [f"### Reward over a longer run ({a.reward_iters} iterations, default-task SFT model, 8 prompts x k=4, lr {a.lr})", "",
                  md_table(["system", "mean reward, first 5 iterations", "mean reward, last 5 iterations"],
                           [[n, x, y] for n, (x, y) in rise.items()]), ""]
