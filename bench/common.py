@@ -6,12 +6,16 @@ import json
 import os
 import platform
 import re
-import resource
 import subprocess
 import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+from rlfuse.metrics.tracker import peak_rss_mb, reset_peak_rss  # noqa: E402  (one definition, re-exported)
+
+__all__ = ["ROOT", "WORK", "SHARED_DATA", "machine", "rss_mb", "peak_rss_mb", "reset_peak_rss", "run_child",
+           "write_section", "md_table"]
 WORK = ROOT / "bench" / ".work"
 SHARED_DATA = ROOT.parent / "shared" / "data"
 
@@ -39,8 +43,6 @@ def rss_mb() -> float:
     return psutil.Process().memory_info().rss / 2**20
 
 
-def peak_rss_mb() -> float:
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # Linux: KiB
 
 
 def run_child(script: Path, args: list[str], timeout: int = 1800) -> dict:

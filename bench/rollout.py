@@ -22,7 +22,8 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from bench.common import SHARED_DATA, WORK, machine, md_table, peak_rss_mb, rss_mb, run_child, write_section  # noqa: E402
+from bench.common import (SHARED_DATA, WORK, machine, md_table, peak_rss_mb, reset_peak_rss, rss_mb, run_child,  # noqa: E402
+                          write_section)
 
 ROWS = {"a": "padded generate + padded scoring", "b": "rlfuse engine, fusion off", "c": "rlfuse engine, fusion on",
         "d": "transformers generate_batch + rlfuse scorer"}
@@ -199,6 +200,7 @@ def child(args) -> None:
     prompts = workload_prompts("default" if args.workload == "sweep" else args.workload, args.prompts, tok)
     lengths = target_lengths(len(prompts), args.k, args.sigma, args.median, args.max_new) if args.workload == "sweep" else None
     idle = rss_mb()
+    reset_peak_rss()  # loading four models has a transient peak that is not the rollout's
     fn = {"a": row_padded, "b": lambda *a: row_engine(*a, fused=False), "c": lambda *a: row_engine(*a, fused=True),
           "d": row_generate_batch}[args.child]
     res = fn(tok, actor, ref, rm, critic, prompts, args.k, args.max_new, lengths)

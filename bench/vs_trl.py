@@ -22,7 +22,8 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from bench.common import SHARED_DATA, WORK, machine, md_table, peak_rss_mb, rss_mb, run_child, write_section  # noqa: E402
+from bench.common import (SHARED_DATA, WORK, machine, md_table, peak_rss_mb, reset_peak_rss, rss_mb, run_child,  # noqa: E402
+                          write_section)
 
 SYSTEMS = {
     "trl-rloo": ("trl", "rloo", {"gc": True}), "trl-rloo-nogc": ("trl", "rloo", {"gc": False}),
@@ -106,6 +107,7 @@ def child_trl(a) -> dict:
     class Timer(TrainerCallback):
         def on_train_begin(self, *args, **kw):
             rec["idle_rss_mb"] = rss_mb()
+            reset_peak_rss()  # the models are loaded; what follows is the algorithm's
 
         def on_step_begin(self, *args, **kw):
             rec["t"] = time.perf_counter()
@@ -145,7 +147,11 @@ def child_rlfuse(a) -> dict:
                              "rl.eval_prompts=0", "rl.ckpt_every=100000", f"rollout.fusion={str(a.fusion).lower()}",
                              "rollout.score_every=4", *data])
     rec = {}
-    train_rl(cfg, run_dir, log=lambda *_: None, on_ready=lambda: rec.setdefault("idle_rss_mb", rss_mb()))
+    def ready():
+        rec["idle_rss_mb"] = rss_mb()
+        reset_peak_rss()  # the models are loaded; what follows is the algorithm's
+
+    train_rl(cfg, run_dir, log=lambda *_: None, on_ready=ready)
     rows = read_metrics(run_dir / "rl" / "metrics.jsonl")
     return {"step_s": [r["time/iteration"] for r in rows], "idle_rss_mb": rec["idle_rss_mb"],
             "mean_length": [r["rollout/length_mean"] for r in rows], "reward": [r["reward/mean"] for r in rows],

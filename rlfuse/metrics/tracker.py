@@ -60,15 +60,37 @@ def read_metrics(path: str | Path) -> list[dict]:
     return rows
 
 
-def memory_metrics(device) -> dict:
-    """mem/ metrics: process RSS now and its peak so far; CUDA allocated/reserved peaks since the last call."""
+def peak_rss_mb() -> float:
+    """Peak resident memory of this process since start or since the last reset_peak_rss() (Linux VmHWM; elsewhere
+    the lifetime peak from getrusage)."""
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith("VmHWM:"):
+                    return int(line.split()[1]) / 1024
+    except OSError:
+        pass
     import resource
 
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+
+
+def reset_peak_rss() -> bool:
+    """Restart the peak from the current RSS (Linux), so a transient such as loading a checkpoint does not count."""
+    try:
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")
+        return True
+    except OSError:
+        return False
+
+
+def memory_metrics(device) -> dict:
+    """mem/ metrics: process RSS now and its peak so far; CUDA allocated/reserved peaks since the last call."""
     import psutil
     import torch
 
-    out = {"mem/rss_mb": psutil.Process().memory_info().rss / 2**20,
-           "mem/rss_peak_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024}
+    out = {"mem/rss_mb": psutil.Process().memory_info().rss / 2**20, "mem/rss_peak_mb": peak_rss_mb()}
     if getattr(device, "type", str(device)) == "cuda":
         out["mem/cuda_allocated_peak_mb"] = torch.cuda.max_memory_allocated() / 2**20
         out["mem/cuda_reserved_peak_mb"] = torch.cuda.max_memory_reserved() / 2**20
