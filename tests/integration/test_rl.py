@@ -73,8 +73,10 @@ def test_sigkill_mid_iteration_then_resume_matches_uninterrupted(tiny_task, tmp_
     proc.wait()
     assert proc.returncode == -signal.SIGKILL
     assert not (killed / "rl" / "model").exists(), "the run finished before it was killed"
+    # metrics of iteration 2 are logged just before its checkpoint is written, so the kill may find checkpoint 1 or 2
+    # (or land during the write of 2: the rename keeps the previous one whole)
     ckpt = torch.load(killed / "rl" / "checkpoint.pt", weights_only=False)
-    assert 2 <= ckpt["iteration"] < 5
+    assert 1 <= ckpt["iteration"] < 5
     resumed = subprocess.run([sys.executable, "-m", "rlfuse", "rl", "--resume", str(killed)], env=env, cwd=ROOT,
                              capture_output=True, text=True)
     assert resumed.returncode == 0, resumed.stderr[-2000:]
