@@ -25,6 +25,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from bench.common import (SHARED_DATA, WORK, machine, md_table, peak_rss_mb, reset_peak_rss, rss_mb, run_child,  # noqa: E402
                           write_section)
 
+TRL_DEFAULT_PRECISION = False
 SYSTEMS = {
     "trl-rloo": ("trl", "rloo", {"gc": True}), "trl-rloo-nogc": ("trl", "rloo", {"gc": False}),
     "trl-grpo": ("trl", "grpo", {"gc": True}), "trl-grpo-nogc": ("trl", "grpo", {"gc": False}),
@@ -100,7 +101,8 @@ def child_trl(a) -> dict:
                   disable_tqdm=True, use_cpu=not torch.cuda.is_available(),
                   # TRL's config turns bf16 on by default, also on CPU; this CPU has no native bf16, so every matmul
                   # would be emulated (~40x slower). Both systems run fp32 on CPU, as rlfuse does.
-                  bf16=torch.cuda.is_available() and torch.cuda.is_bf16_supported())
+                  **({} if a.trl_default_precision else
+                     {"bf16": torch.cuda.is_available() and torch.cuda.is_bf16_supported()}))
     Config, Trainer = (RLOOConfig, RLOOTrainer) if a.algo == "rloo" else (GRPOConfig, GRPOTrainer)
     rec = {"step_s": [], "logs": []}
 
@@ -192,6 +194,7 @@ def run(name: str, model: Path, k: int, prompts: int, max_new: int, warmup: int,
     args += ["--gc"] if opts.get("gc") else []
     args += ["--fusion"] if opts.get("fusion") else []
     args += ["--profile"] if profile else []
+    args += ["--trl-default-precision"] if TRL_DEFAULT_PRECISION else []
     r = run_child(Path(__file__), args, timeout=1800)
     measured = r["step_s"][warmup:]
     r["median_step_s"] = statistics.median(measured)
@@ -241,9 +244,13 @@ def main() -> None:
     ap.add_argument("--mem-budget", type=float, default=1500.0, help="MiB of peak RSS a run may use")
     ap.add_argument("--reward-iters", type=int, default=30, help="iterations of the longer run that checks reward rises")
     ap.add_argument("--quick", action="store_true", help="one round of RLOO only; prints, writes nothing")
+    ap.add_argument("--trl-default-precision", action="store_true",
+                    help="leave TRL's own precision default (bf16 on, also on CPU) instead of fp32 for both")
     a = ap.parse_args()
     if a.child:
         return child(a)
+    global TRL_DEFAULT_PRECISION
+    TRL_DEFAULT_PRECISION = a.trl_default_precision
     t0 = time.time()
     model = prepare_model(a.n_layer, a.n_embd, WORK / f"gpt2-{a.n_layer}x{a.n_embd}")
     W, N = a.warmup, a.iters
