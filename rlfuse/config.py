@@ -31,7 +31,8 @@ class RunConfig:
     device: str = "auto"
     """auto | cpu | cuda."""
     precision: str = "auto"
-    """auto (bf16 autocast on a GPU that supports it, fp32 on CPU) | fp32 | bf16 | fp16."""
+    """SFT and reward model: auto (bf16 autocast on a GPU that supports it, fp32 on CPU) | fp32 | bf16 | fp16. The RL
+    stage runs fp32 for now."""
     quiet: bool = False
     """No live progress bars, only periodic log lines (also the default when stderr is not a terminal)."""
     threads: int = 0

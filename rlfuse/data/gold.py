@@ -190,6 +190,17 @@ def complete_sentences(text: str) -> str:
     return text[: end + 1] if end >= 0 else ""
 
 
+def gold_summary(texts: list[str], finished: list[bool]) -> dict:
+    """Gold positive rate, mean score and grammatical rate of samples (prompt + response texts); a sample that hit
+    the length limit (finished=False) is judged for grammar on its complete sentences only."""
+    scores = [gold_score(t) for t in texts]
+    judged = [t if done else complete_sentences(t) for t, done in zip(texts, finished)]
+    n = max(1, len(texts))
+    return {"gold_positive_rate": sum(g.label == "positive" for g in scores) / n,
+            "gold_mean": sum(g.score for g in scores) / n,
+            "grammatical_rate": sum(gold_score(t).grammatical_rate for t in judged) / n}
+
+
 def gold_reward(texts: list[str], **_) -> list[float]:
     """Reward function form (`rlfuse.data.gold:gold_reward`): one gold score per text."""
     return [gold_score(t).score for t in texts]

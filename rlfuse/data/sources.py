@@ -150,7 +150,7 @@ def _rows(cfg: Config, default_hub: str | None) -> tuple[list[dict], str]:
     return rows, path
 
 
-def _sentiment(value) -> int | None:
+def sentiment_label(value) -> int | None:
     s = str(value).strip().lower()
     if s in ("positive", "pos", "1", "true"):
         return 1
@@ -167,7 +167,7 @@ def imdb_reviews(cfg: Config, log=print) -> list[tuple[str, int]]:
     require_columns(rows, src, {"data.text_column": text_col, "data.label_column": label_col})
     skip, out = SkipCounter(src), []
     for r in rows:
-        text, label = _clean(r.get(text_col)), _sentiment(r.get(label_col))
+        text, label = _clean(r.get(text_col)), sentiment_label(r.get(label_col))
         if skip.keep(text) and label is not None:
             out.append((text, label))
     out = out[: cfg.data.max_examples] if cfg.data.max_examples else out

@@ -8,7 +8,7 @@ from rlfuse.config import Config
 from rlfuse.data.corpus import prompt_of
 from rlfuse.data.gold import gold_score
 from rlfuse.data.sources import (PreferencePair, SkipCounter, TextExample, generic_rows, hh_pairs, imdb_reviews,
-                                 require_columns, split_holdout)
+                                 require_columns, sentiment_label, split_holdout)
 from rlfuse.data.task import DefaultTask
 from rlfuse.errors import DataError
 
@@ -67,8 +67,7 @@ def preference_pairs(cfg: Config, task: DefaultTask | None, log=print) -> tuple[
         return split_holdout(pairs, frac, seed)
     if d.text_column and d.label_column:
         require_columns(rows, src, {"data.text_column": d.text_column, "data.label_column": d.label_column})
-        from rlfuse.data.sources import _sentiment
-        items = [(str(r[d.text_column]), _sentiment(r[d.label_column])) for r in rows]
+        items = [(str(r[d.text_column]), sentiment_label(r[d.label_column])) for r in rows]
         items = [(t, y) for t, y in items if t.strip() and y is not None]
         train, held = split_holdout(items, frac, seed)
         return sentiment_pairs(train, cfg.rm.num_pairs, seed), sentiment_pairs(held, max(64, int(cfg.rm.num_pairs * frac)), seed + 1)

@@ -134,18 +134,16 @@ class DecodeEngine:
                 if queue and room >= k:  # admit waiting prompts: one prefill each, k rows each
                     admit, queue = queue[: max(1, room // k)], queue[max(1, room // k):]
                     new, logits = self._prefill(prompts, admit, k)
-                    yield from self._sample_and_retire(new, logits, params, gen, fresh=True)
-                    if len(new):
-                        if live is None:
-                            live = new
-                        else:
-                            live.merge(new)
-                    live = live if live is not None and len(live) else None
-                    self.live_rows = len(live) if live is not None else 0
-                    continue
-                logits = self._decode_step(live)
-                yield from self._sample_and_retire(live, logits, params, gen, fresh=False)
-                live = live if len(live) else None
+                    yield from self._sample_and_retire(new, logits, params, gen)
+                    if live is None:
+                        live = new
+                    else:
+                        live.merge(new)
+                else:
+                    logits = self._decode_step(live)
+                    yield from self._sample_and_retire(live, logits, params, gen)
+                if live is not None and not len(live):
+                    live = None
                 self.live_rows = len(live) if live is not None else 0
         finally:
             self.model.train(was_training)
@@ -187,25 +185,25 @@ class DecodeEngine:
         self.stats.max_live_rows = max(self.stats.max_live_rows, len(live))
         return out.logits[:, -1].float()
 
-    def _sample_and_retire(self, live: _Live, logits: Tensor, params: SamplingParams, gen, fresh: bool):
+    def _sample_and_retire(self, live: _Live, logits: Tensor, params: SamplingParams, gen):
         scaled = logits / params.temperature
         logp = torch.log_softmax(scaled, dim=-1)
         probs = torch.softmax(filter_logits(scaled, params.top_k, params.top_p), dim=-1)
         tokens = torch.multinomial(probs, 1, generator=gen).squeeze(1)
         token_logp = logp.gather(1, tokens[:, None]).squeeze(1)
         live.last = tokens
-        # note: one device-to-host sync per step, to decide which rows retire
-        tok_list, lp_list = tokens.tolist(), token_logp.cpu()
+        # note: one device-to-host sync per step, to decide which rows retire (token ids < 2**24 are exact in float32)
+        tok_list, lp_list = torch.stack([tokens.to(token_logp.dtype), token_logp]).tolist()
         keep, done = [], []
         for i, row in enumerate(live.rows):
-            row["tokens"].append(tok_list[i])
+            row["tokens"].append(int(tok_list[i]))
             row["logprobs"].append(lp_list[i])
             limit = self._lengths(row["pid"], row["j"]) if self._lengths else params.max_new_tokens
             reason = self._finish_reason(row["tokens"], params, limit)
             (done if reason else keep).append((i, reason))
         for i, reason in done:
             row = live.rows[i]
-            yield Sample(row["pid"], row["j"], list(self._prompts[row["pid"]]), row["tokens"], torch.stack(row["logprobs"]), reason)
+            yield Sample(row["pid"], row["j"], list(self._prompts[row["pid"]]), row["tokens"], torch.tensor(row["logprobs"]), reason)
         if done:
             live.select([i for i, _ in keep])
 

@@ -116,6 +116,12 @@ class Scorer:
         self.recompute_old, self.unfinished_penalty = recompute_old_logprobs, unfinished_penalty
         self.times: dict[str, float] = defaultdict(float)
 
+    @contextlib.contextmanager
+    def _timed(self, role: str):
+        t = time.perf_counter()
+        yield
+        self.times[role] += time.perf_counter() - t
+
     def _ref_context(self):
         # with LoRA the reference is the actor's own base with adapters switched off: no second copy of the weights
         if self.ref is None and self.actor is not None and hasattr(self.actor, "disable_adapter"):
@@ -130,24 +136,18 @@ class Scorer:
             chunk = order[i: i + self.micro]
             dev = next((self.ref or self.actor).parameters()).device
             mb = collate([s.prompt_ids for s in chunk], [s.token_ids for s in chunk], self.pad_id, dev)
-            t = time.perf_counter()
-            scores = self.reward_fn(chunk)
-            scores = scores - self.unfinished_penalty * torch.tensor([s.finish_reason == "length" for s in chunk], dtype=torch.float32)
-            self.times["reward"] += time.perf_counter() - t
-            t = time.perf_counter()
-            with self._ref_context():
+            unfinished = torch.tensor([s.finish_reason == "length" for s in chunk], dtype=torch.float32)
+            with self._timed("reward"):
+                scores = self.reward_fn(chunk) - self.unfinished_penalty * unfinished
+            with self._timed("reference"), self._ref_context():
                 ref_lp = response_logprobs(self.ref or self.actor, mb, self.temperature).cpu()
-            self.times["reference"] += time.perf_counter() - t
-            values = None
+            values = old = None
             if self.critic is not None:
-                t = time.perf_counter()
-                values = response_values(self.critic, mb).cpu()
-                self.times["critic"] += time.perf_counter() - t
-            old = None
+                with self._timed("critic"):
+                    values = response_values(self.critic, mb).cpu()
             if self.recompute_old:
-                t = time.perf_counter()
-                old = response_logprobs(self.actor, mb, self.temperature).cpu()
-                self.times["old_logprobs"] += time.perf_counter() - t
+                with self._timed("old_logprobs"):
+                    old = response_logprobs(self.actor, mb, self.temperature).cpu()
             for b, s in enumerate(chunk):
                 n = len(s.token_ids)
                 out.append(ScoredSample(s, float(scores[b]), ref_lp[b, :n], None if values is None else values[b, :n],

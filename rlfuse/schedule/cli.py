@@ -45,10 +45,8 @@ def run(ns) -> int:
     lb = lower_bound(prob)
     row = lambda r: {"makespan": r.makespan, "bubble_ratio": r.bubble_ratio, "peak_memory": max(r.peak_memory)}
     out = {"serial": row(r_ser), "fused": row(r_fused) | {"search_seconds": found.seconds, "evaluations": found.evaluations},
-           "lower_bound": {"makespan": lb, "bubble_ratio": None, "peak_memory": None},
+           "lower_bound": {"makespan": lb, "bubble_ratio": 1 - prob.work / (prob.devices * lb), "peak_memory": None},
            "one_f_one_b": {"big": row(singles[0]), "small": row(singles[1])}}
-    work = sum(pm.micro_batches * pm.stages * pm.replicas * (pm.fwd + pm.bwd) for pm in prob.models)
-    out["lower_bound"]["bubble_ratio"] = 1 - work / (prob.devices * lb)
     if ns.out:
         gantt([("serial (1F1B, then 1F1B)", simulated_spans(prob, r_ser)), ("fused", simulated_spans(prob, r_fused))],
               ns.out, title=f"PP {ns.pp}/{ns.pp_small}, M {ns.micro_batches}/{ns.micro_batches_small}, "

@@ -139,11 +139,11 @@ def _worker(rank: int, prob: Problem, sched: Schedule, spec: ExecSpec, port: int
     # after the schedule: sum the tied embedding between the actor's first and last stage, all-reduce critic replicas
     if actor.config.tie_word_embeddings and rank in (0, prob.models[0].stages - 1) and prob.models[0].stages > 1:
         dist.all_reduce(actor.lm_head.weight.grad, group=tied_group)
-    _, my_critic_stage = prob.stage_on(1, rank)
+    critic_replica, critic_stage = prob.stage_on(1, rank)
     if pm1.replicas > 1:
-        for p in mine[(1,) + prob.stage_on(1, rank)].parameters():
+        for p in mine[(1, critic_replica, critic_stage)].parameters():
             if p.grad is not None:
-                dist.all_reduce(p.grad, group=replica_groups[my_critic_stage])
+                dist.all_reduce(p.grad, group=replica_groups[critic_stage])
     grads = {}
     for (m, _, _), stage in mine.items():
         for p in stage.parameters():

@@ -37,6 +37,11 @@ class Problem:
         return Problem(pp, (PipeModel(pp, 1, m, f, f * bwd_ratio, mem),
                             PipeModel(pp_small, pp // pp_small, m_small, f_small, f_small * bwd_ratio, mem_small)), comm)
 
+    @property
+    def work(self) -> float:
+        """Total compute time of both models' tasks (all replicas, stages, micro-batches, forward and backward)."""
+        return sum(pm.micro_batches * pm.stages * pm.replicas * (pm.fwd + pm.bwd) for pm in self.models)
+
     def device_of(self, model: int, replica: int, stage: int) -> int:
         pm = self.models[model]
         if model == 0:
@@ -252,8 +257,7 @@ def lower_bound(prob: Problem) -> float:
     """The larger of: each model's critical path (M + S - 1)(f + b); total work / P; and for every device its own
     work plus the idle start before any input can reach it and the tail its last backward still has to travel."""
     bounds = [(pm.micro_batches + pm.stages - 1) * (pm.fwd + pm.bwd) for pm in prob.models]
-    work = sum(pm.micro_batches * pm.stages * pm.replicas * (pm.fwd + pm.bwd) for pm in prob.models)
-    bounds.append(work / prob.devices)
+    bounds.append(prob.work / prob.devices)
     for d in range(prob.devices):
         own = sum(pm.micro_batches * (pm.fwd + pm.bwd) for pm in prob.models)
         head = min(prob.stage_on(mi, d)[1] * (pm.fwd + prob.comm) for mi, pm in enumerate(prob.models))

@@ -185,8 +185,8 @@ def update_policy(models: Models, opts: list, scheds: list, exp: Experience, adv
                         t = time.perf_counter()
                         critic_loss.backward()
                         timers["critic"] += time.perf_counter() - t
-                for key, v in stats.items():
-                    sums[key] = sums.get(key, 0.0) + float(v)
+                for key, v in stats.items():  # tensors: no host sync per micro-batch
+                    sums[key] = sums.get(key, 0.0) + v.detach()
                 count += 1
             if not ok:  # skip the step, count it; repeated failures end the run
                 for opt in opts:
@@ -199,12 +199,12 @@ def update_policy(models: Models, opts: list, scheds: list, exp: Experience, adv
                 continue
             bad["consecutive"] = 0
             grad_norm = torch.nn.utils.clip_grad_norm_(params, rl.grad_clip if rl.grad_clip > 0 else float("inf"))
-            norm_sum, steps = norm_sum + float(grad_norm), steps + 1
+            norm_sum, steps = norm_sum + grad_norm.detach(), steps + 1
             for opt, sched in zip(opts, scheds):
                 opt.step()
                 sched.step()
                 opt.zero_grad(set_to_none=True)
-    return ({k: v / max(1, count) for k, v in sums.items()} | {"train/grad_norm": norm_sum / max(1, steps)}
+    return ({k: float(v) / max(1, count) for k, v in sums.items()} | {"train/grad_norm": float(norm_sum) / max(1, steps)}
             | {"time/train_actor": timers["actor"], "time/train_critic": timers["critic"]})
 
 
@@ -222,24 +222,20 @@ def evaluate(models: Models, engine: DecodeEngine, prompts: list[list[int]], rl:
     texts = [tok.decode(p + r, skip_special_tokens=True) for p, r in zip(exp.prompt_ids, exp.response_ids)]
     out = {
         "reward_mean": float(exp.scores.mean()),
-        "kl": float(((exp.logprobs - exp.ref_logprobs) * exp.mask).sum(1).mean()),
+        "kl": float((kl_penalty(exp.logprobs, exp.ref_logprobs, "k1") * exp.mask).sum(1).mean()),
         "mean_length": float(exp.mask.sum(1).mean()),
     }
     if gold:
-        from rlfuse.data.gold import complete_sentences, gold_score
+        from rlfuse.data.gold import gold_summary
 
-        scores = [gold_score(t) for t in texts]
-        judged = [t if r != "length" else complete_sentences(t) for t, r in zip(texts, exp.finish_reasons)]
-        out.update({"gold_positive_rate": sum(g.label == "positive" for g in scores) / len(scores),
-                    "gold_mean": sum(g.score for g in scores) / len(scores),
-                    "grammatical_rate": sum(gold_score(t).grammatical_rate for t in judged) / len(judged)})
+        out.update(gold_summary(texts, [r != "length" for r in exp.finish_reasons]))
     return out, texts
 
 
 # ------------------------------------------------------------------------------------------- the loop
 
 
-def rollout_metrics(exp: Experience, kl, adv, returns, kl_coef: float, max_new: int) -> dict:
+def rollout_metrics(exp: Experience, kl, returns, kl_coef: float, max_new: int) -> dict:
     lengths = exp.mask.sum(1)
     m = {
         "reward/mean": float(exp.scores.mean()), "reward/std": float(exp.scores.std()) if len(exp) > 1 else 0.0,
@@ -324,7 +320,7 @@ def train_rl(cfg: Config, run_dir: Path, log=print, resume: bool = False, on_rea
             t2 = time.perf_counter()
             kl_ctl.update(float(kl.sum(1).mean()), len(exp))
             # 4. record and checkpoint
-            row = rollout_metrics(exp, kl, adv, returns, kl_ctl.coef, rl.max_new_tokens) | stats
+            row = rollout_metrics(exp, kl, returns, kl_ctl.coef, rl.max_new_tokens) | stats
             row |= {f"time/{k}": v for k, v in exp.timing.items() if not k.startswith("decode")}
             row |= {f"time/score_{k}": v - role_times.get(k, 0.0) for k, v in scorer.times.items()}
             row |= memory_metrics(device) | iteration_gold(exp, tok, gold)
@@ -355,11 +351,11 @@ def iteration_gold(exp: Experience, tok, gold: bool) -> dict:
     """Default task: the gold score of this iteration's samples, to watch real improvement beside the reward."""
     if not gold:
         return {}
-    from rlfuse.data.gold import gold_score
+    from rlfuse.data.gold import gold_summary
 
-    scores = [gold_score(tok.decode(p + r, skip_special_tokens=True)) for p, r in zip(exp.prompt_ids, exp.response_ids)]
-    return {"reward/gold_mean": sum(g.score for g in scores) / len(scores),
-            "reward/gold_positive_rate": sum(g.label == "positive" for g in scores) / len(scores)}
+    texts = [tok.decode(p + r, skip_special_tokens=True) for p, r in zip(exp.prompt_ids, exp.response_ids)]
+    g = gold_summary(texts, [r != "length" for r in exp.finish_reasons])
+    return {"reward/gold_mean": g["gold_mean"], "reward/gold_positive_rate": g["gold_positive_rate"]}
 
 
 def before_without_samples(before: dict) -> dict:

@@ -100,7 +100,7 @@ def train_sft(cfg: Config, run_dir: Path, log=print) -> SFTResult:
     result = SFTResult(model_dir, val, math.exp(min(val, 50)), 0.0)
     if task is not None and s.eval_samples:
         from rlfuse.data.collate import encode
-        from rlfuse.data.gold import complete_sentences, gold_score
+        from rlfuse.data.gold import gold_summary
         from rlfuse.rollout.engine import DecodeEngine, SamplingParams
 
         _, held_prompts = rl_prompts(cfg, task)
@@ -109,9 +109,8 @@ def train_sft(cfg: Config, run_dir: Path, log=print) -> SFTResult:
         samples = sorted(engine.generate([encode(tokenizer, p) for p in prompts], 1, SamplingParams(128), cfg.run.seed),
                          key=lambda x: x.prompt_id)
         texts = [p + tokenizer.decode(x.token_ids, skip_special_tokens=True) for p, x in zip(prompts, samples)]
-        judged = [t if x.finish_reason != "length" else complete_sentences(t) for t, x in zip(texts, samples)]
-        result.grammatical_rate = sum(gold_score(t).grammatical_rate for t in judged) / len(judged)
-        result.gold_positive_rate = sum(gold_score(t).label == "positive" for t in texts) / len(texts)
+        gold = gold_summary(texts, [x.finish_reason != "length" for x in samples])
+        result.grammatical_rate, result.gold_positive_rate = gold["grammatical_rate"], gold["gold_positive_rate"]
         (out / "samples.json").write_text(json.dumps(texts[:16], indent=1))
     result.seconds = time.perf_counter() - t0
     summary = {"val_loss": result.val_loss, "perplexity": result.perplexity, "seconds": result.seconds,

@@ -40,7 +40,7 @@ def test_a_rejected_schedule_is_never_run(four_layer_model, monkeypatch):
     sched = fused(prob, time_limit=1).schedule
     o = sched.orders[1]
     i, j = o.index(Task(0, 0, 1, "F", 0)), o.index(Task(0, 0, 1, "B", 0))
-    o[i], o[j] = o[j], o[i]
+    o[i], o[j] = o[j], o[i]  # backward before its forward
     monkeypatch.setattr(ex.mp, "spawn", lambda *a, **k: pytest.fail("a rejected schedule was launched"))
     with pytest.raises(ScheduleError):
         execute(prob, sched, ExecSpec(str(four_layer_model)))

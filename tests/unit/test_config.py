@@ -84,3 +84,15 @@ def test_bad_yaml_names_the_line(tmp_path):
     p.write_text("sft:\n  lr: [1,\n")
     with pytest.raises(ConfigError, match="not valid YAML"):
         load_config(p)
+
+
+def test_every_config_field_is_read_somewhere():
+    """A field no code reads is a knob that silently does nothing (style guide 7.4)."""
+    import dataclasses
+    import re
+    import typing
+
+    source = "\n".join(p.read_text() for p in (ROOT / "rlfuse").rglob("*.py") if p.name != "config.py")
+    unread = [f"{section}.{f.name}" for section, cls in typing.get_type_hints(Config).items()
+              for f in dataclasses.fields(cls) if not re.search(rf"\.{f.name}\b", source)]
+    assert not unread, unread

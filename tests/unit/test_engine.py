@@ -131,3 +131,17 @@ def test_fused_and_unfused_give_same_samples_and_scores(lm, tiny_task):
         assert_close(getattr(a, name), getattr(b, name))
     # scorer's reference log-probs (same weights as the actor here) equal the engine's sampling log-probs
     assert_close(a.ref_logprobs, a.logprobs, atol=1e-4, rtol=0)
+
+
+def test_recomputed_old_logprobs_equal_the_engines(lm):
+    """The old-log-probs role (for backends that cannot report their sampling log-probs) gives the same numbers."""
+    tok, model = lm
+    samples = list(DecodeEngine(model, tok.eos_token_id).generate([encode(tok, p) for p in PROMPTS], 2,
+                                                                  SamplingParams(max_new_tokens=10, temperature=0.8), 4))
+    scorer = Scorer(function_reward_fn(gold_reward, tok), tok.pad_token_id, actor=model, temperature=0.8,
+                    micro_batch_size=4, recompute_old_logprobs=True)
+    scored = scorer.score(samples)
+    assert scorer.times["old_logprobs"] > 0
+    for x in scored:
+        assert x.old_logprobs is not x.sample.logprobs
+        assert_close(x.old_logprobs, x.sample.logprobs, atol=1e-4, rtol=0)

@@ -84,6 +84,11 @@ def test_memory_pass_never_raises_the_makespan():
     assert max(lean.result.peak_memory) <= max(plain.result.peak_memory)
 
 
+def swap(order, a, b):
+    i, j = order.index(a), order.index(b)
+    order[i], order[j] = order[j], order[i]
+
+
 def small_problem():
     return Problem.fused(2, 2, 2, 1, 1, 1)
 
@@ -101,9 +106,7 @@ def test_checker_accepts_serial_and_fused():
 def test_checker_rejects_backward_before_forward():
     prob = small_problem()
     s = valid(prob)
-    o = s.orders[1]
-    i, j = o.index(Task(0, 0, 1, "F", 0)), o.index(Task(0, 0, 1, "B", 0))
-    o[i], o[j] = o[j], o[i]
+    swap(s.orders[1], Task(0, 0, 1, "F", 0), Task(0, 0, 1, "B", 0))
     with pytest.raises(ScheduleError, match="before its forward"):
         check(prob, s)
 
@@ -111,9 +114,7 @@ def test_checker_rejects_backward_before_forward():
 def test_checker_rejects_fifo_violation_wrong_device_and_missing():
     prob = small_problem()
     s = valid(prob)
-    o = s.orders[0]
-    i, j = o.index(Task(0, 0, 0, "F", 0)), o.index(Task(0, 0, 0, "F", 1))
-    o[i], o[j] = o[j], o[i]
+    swap(s.orders[0], Task(0, 0, 0, "F", 0), Task(0, 0, 0, "F", 1))
     with pytest.raises(ScheduleError, match="FIFO"):
         check(prob, s)
     s = valid(prob)
@@ -134,3 +135,21 @@ def test_checker_rejects_deadlock():
     s = Schedule([[F(0, 0), B(0, 0), F(0, 1), B(0, 1)], [F(1, 0), F(1, 1), B(1, 0), B(1, 1)]])
     with pytest.raises(ScheduleError, match="deadlock"):
         check(prob, s)
+
+
+def test_schedule_command_json(capsys, tmp_path):
+    import json
+
+    from rlfuse.cli import main
+
+    chart = tmp_path / "chart.png"
+    assert main(["schedule", "--pp", "4", "--pp-small", "2", "--micro-batches", "4", "--micro-batches-small", "2",
+                 "--fwd", "2", "--fwd-small", "1", "--time-limit", "2", "--json", "--out", str(chart)]) == 0
+    out = json.loads(capsys.readouterr().out)
+    prob = Problem.fused(4, 2, 4, 2, 2, 1)
+    assert out["serial"]["makespan"] == simulate(prob, serial(prob)).makespan
+    assert out["lower_bound"]["makespan"] == lower_bound(prob)
+    assert out["lower_bound"]["makespan"] <= out["fused"]["makespan"] <= out["serial"]["makespan"]
+    assert {"makespan", "bubble_ratio", "peak_memory"} <= set(out["fused"])
+    assert chart.stat().st_size > 0
+    assert main(["schedule", "--pp", "4", "--pp-small", "3"]) == 2
