@@ -14,7 +14,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 from rlfuse.metrics.tracker import peak_rss_mb, reset_peak_rss  # noqa: E402  (one definition, re-exported)
 
-__all__ = ["ROOT", "WORK", "SHARED_DATA", "machine", "rss_mb", "peak_rss_mb", "reset_peak_rss", "run_child",
+__all__ = ["ROOT", "WORK", "SHARED_DATA", "machine", "warm_up", "rss_mb", "peak_rss_mb", "reset_peak_rss", "run_child",
            "write_section", "md_table"]
 WORK = ROOT / "bench" / ".work"
 SHARED_DATA = ROOT.parent / "shared" / "data"
@@ -35,6 +35,23 @@ def machine() -> dict:
     gpu = torch.cuda.get_device_name(0) if torch.cuda.is_available() else None
     return {"cpu": cpu, "cores": os.cpu_count(), "torch_threads": torch.get_num_threads(), "gpu": gpu,
             "torch": torch.__version__, "transformers": transformers.__version__, "python": platform.python_version()}
+
+
+def warm_up(model=None) -> None:
+    """Initialise the math libraries' per-thread state (thread pools, GEMM packing buffers) with a throwaway forward
+    and backward, and run one 8-token forward of the model (transformers imports and sets up attention on the first
+    call), so that each system's idle footprint includes these one-time costs whichever of them happened to pay
+    them before its idle snapshot."""
+    import torch
+
+    x = torch.randn(512, 256, requires_grad=True)
+    w1, w2 = torch.randn(256, 1024, requires_grad=True), torch.randn(1024, 256, requires_grad=True)
+    torch.nn.functional.gelu(x @ w1).matmul(w2).log_softmax(-1).sum().backward()
+    if model is not None:
+        was_training = model.training
+        with torch.no_grad():
+            model.eval()(input_ids=torch.ones(1, 8, dtype=torch.long, device=next(model.parameters()).device))
+        model.train(was_training)
 
 
 def rss_mb() -> float:

@@ -23,11 +23,16 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from bench.common import (SHARED_DATA, WORK, machine, md_table, peak_rss_mb, reset_peak_rss, rss_mb, run_child,  # noqa: E402
-                          write_section)
+                          warm_up, write_section)
 
 TRL_DEFAULT_PRECISION = False
+MICRO_BATCH = 4
+# functions whose cumulative time shows each system's stages in the profile
+STAGE_FUNCTIONS = {"_generate_single_turn", "_get_per_token_logps_and_entropies", "_calculate_rewards", "compute_loss",
+                   "backward", "generate_rollouts", "update_policy", "score", "generate"}
 SYSTEMS = {
     "trl-rloo": ("trl", "rloo", {"gc": True}), "trl-rloo-nogc": ("trl", "rloo", {"gc": False}),
+    "trl-rloo-b8": ("trl", "rloo", {"gc": True, "micro": 8}),
     "trl-grpo": ("trl", "grpo", {"gc": True}), "trl-grpo-nogc": ("trl", "grpo", {"gc": False}),
     "rlfuse-rloo": ("rlfuse", "rloo", {"fusion": True}), "rlfuse-rloo-unfused": ("rlfuse", "rloo", {"fusion": False}),
     "rlfuse-grpo": ("rlfuse", "grpo", {"fusion": True}), "rlfuse-grpo-unfused": ("rlfuse", "grpo", {"fusion": False}),
@@ -95,7 +100,11 @@ def child_trl(a) -> dict:
     model = AutoModelForCausalLM.from_pretrained(a.model)
     data = Dataset.from_dict({"prompt": prompt_pool(a.prompts_kind, tok)})
     steps = a.warmup + a.iters
-    common = dict(output_dir=tempfile.mkdtemp(), per_device_train_batch_size=a.prompts * a.k, num_generations=a.k,
+    n = a.prompts * a.k
+    micro = min(a.micro_batch, n) if a.micro_batch else n
+    # one optimiser step per generation batch of n completions, trained in micro-batches of `micro` (as rlfuse's)
+    common = dict(output_dir=tempfile.mkdtemp(), per_device_train_batch_size=micro, gradient_accumulation_steps=n // micro,
+                  num_generations=a.k, disable_dropout=True,
                   max_completion_length=a.max_new, learning_rate=a.lr, gradient_checkpointing=a.gc, max_steps=steps,
                   logging_steps=1, report_to="none", save_strategy="no", temperature=1.0, beta=0.05, seed=a.seed,
                   disable_tqdm=True, use_cpu=not torch.cuda.is_available(),
@@ -108,6 +117,7 @@ def child_trl(a) -> dict:
 
     class Timer(TrainerCallback):
         def on_train_begin(self, *args, **kw):
+            warm_up(kw.get("model"))
             rec["idle_rss_mb"] = rss_mb()
             reset_peak_rss()  # the models are loaded; what follows is the algorithm's
 
@@ -141,15 +151,17 @@ def child_rlfuse(a) -> dict:
     run_dir = Path(tempfile.mkdtemp())
     data = ["data.kind=imdb", f"data.path={SHARED_DATA / 'imdb_reviews_2000.csv'}"] if a.prompts_kind == "imdb" else []
     mb = a.prompts * a.k
+    micro = min(a.micro_batch, mb) if a.micro_batch else mb
     cfg = load_config(None, [f"run.dir={run_dir}", "run.quiet=true", f"run.seed={a.seed}", f"rl.sft_path={a.model}",
                              "rl.reward=rlfuse.data.gold:gold_reward", f"rl.algo={a.algo}", f"rl.k={a.k}",
-                             f"rl.prompts_per_iter={a.prompts}", f"rl.mini_batch_size={mb}", f"rl.micro_batch_size={mb}",
+                             f"rl.prompts_per_iter={a.prompts}", f"rl.mini_batch_size={mb}", f"rl.micro_batch_size={micro}",
                              "rl.epochs=1", f"rl.max_new_tokens={a.max_new}", "rl.temperature=1.0", f"rl.lr={a.lr}",
                              "rl.kl_coef=0.05", "rl.kl_target=null", f"rl.iterations={a.warmup + a.iters}",
                              "rl.eval_prompts=0", "rl.ckpt_every=100000", f"rollout.fusion={str(a.fusion).lower()}",
                              "rollout.score_every=4", *data])
     rec = {}
-    def ready():
+    def ready(models):
+        warm_up(models.actor)
         rec["idle_rss_mb"] = rss_mb()
         reset_peak_rss()  # the models are loaded; what follows is the algorithm's
 
@@ -178,8 +190,11 @@ def child(a) -> None:
     if a.profile:
         prof.disable()
         s = io.StringIO()
-        pstats.Stats(prof, stream=s).sort_stats("tottime").print_stats(12)
+        stats = pstats.Stats(prof, stream=s)
+        stats.sort_stats("tottime").print_stats(12)
         res["profile"] = s.getvalue()
+        res["stage_cum_s"] = {f"{Path(f).name}:{line}:{name}": round(v[3], 3) for (f, line, name), v in stats.stats.items()
+                              if name in STAGE_FUNCTIONS and ("trl" in f or "rlfuse" in f or f.endswith("autograd/__init__.py"))}
     print(json.dumps(res))
 
 
@@ -190,7 +205,8 @@ def run(name: str, model: Path, k: int, prompts: int, max_new: int, warmup: int,
         profile=False) -> dict:
     system, algo, opts = SYSTEMS[name]
     args = ["--child", "--system", system, "--algo", algo, "--model", str(model), "--k", str(k), "--prompts", str(prompts),
-            "--max-new", str(max_new), "--warmup", str(warmup), "--iters", str(iters), "--prompts-kind", prompts_kind]
+            "--max-new", str(max_new), "--warmup", str(warmup), "--iters", str(iters), "--prompts-kind", prompts_kind,
+            "--micro-batch", str(opts.get("micro", MICRO_BATCH))]
     args += ["--gc"] if opts.get("gc") else []
     args += ["--fusion"] if opts.get("fusion") else []
     args += ["--profile"] if profile else []
@@ -238,6 +254,8 @@ def main() -> None:
     ap.add_argument("--iters", type=int, default=4)
     ap.add_argument("--lr", type=float, default=1e-5)
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--micro-batch", type=int, default=4,
+                    help="completions per forward/backward in the update, both systems (0 = the whole batch at once)")
     ap.add_argument("--n-layer", type=int, default=4)
     ap.add_argument("--n-embd", type=int, default=256)
     ap.add_argument("--rounds", type=int, default=2, help="alternations A B A B of the throughput matrix")
@@ -249,8 +267,8 @@ def main() -> None:
     a = ap.parse_args()
     if a.child:
         return child(a)
-    global TRL_DEFAULT_PRECISION
-    TRL_DEFAULT_PRECISION = a.trl_default_precision
+    global TRL_DEFAULT_PRECISION, MICRO_BATCH
+    TRL_DEFAULT_PRECISION, MICRO_BATCH = a.trl_default_precision, a.micro_batch
     t0 = time.time()
     model = prepare_model(a.n_layer, a.n_embd, WORK / f"gpt2-{a.n_layer}x{a.n_embd}")
     W, N = a.warmup, a.iters
@@ -276,25 +294,30 @@ def main() -> None:
                 f"Command: `python bench/vs_trl.py` (GPT-2 {a.n_layer} layers x {a.n_embd} dims, random weights, the "
                 f"default task's tokenizer; {a.prompts} prompts x k={a.k} per iteration, up to {a.max_new} new tokens, "
                 f"temperature 1.0, lr {a.lr}, KL coefficient 0.05, AdamW; {W} warm-up + {N} measured iterations per "
-                f"run, {a.rounds} alternated rounds, median iteration; TRL's gradient checkpointing on (its default) "
-                "and off (-nogc)).", "", "### Throughput and memory, default-task prompts", "", table(res, "trl-rloo"), ""]
+                f"run, {a.rounds} alternated rounds, median iteration; both update in micro-batches of {a.micro_batch} "
+                "completions (trl-rloo-b8: TRL's default per-device batch of 8), dropout off in both; TRL's gradient "
+                "checkpointing on (its default) and off (-nogc)).", "", "### Throughput and memory, default-task prompts", "", table(res, "trl-rloo"), ""]
     if (SHARED_DATA / "imdb_reviews_2000.csv").exists():
         imdb = {n: run(n, model, a.k, a.prompts, a.max_new, W, N, "imdb") for n in ("trl-rloo", "rlfuse-rloo")}
         sections += ["### Real IMDb prompts (RLOO)", "", table(imdb, "trl-rloo"), ""]
     # memory table: RLOO at k = 2, 4, 8
-    mem_rows, per_k = [], {}
+    mem_rows, per_k, mem_systems = [], {}, ("trl-rloo", "trl-rloo-b8", "rlfuse-rloo")
     for k in (2, 4, 8):
-        per_k[k] = {n: run(n, model, k, a.prompts, a.max_new, 1, 2) for n in ("trl-rloo", "rlfuse-rloo")}
-        t, r = per_k[k]["trl-rloo"], per_k[k]["rlfuse-rloo"]
-        mem_rows.append([k, t["peak_rss_mb"], r["peak_rss_mb"], t["peak_above_idle_mb"], r["peak_above_idle_mb"],
-                         r["peak_above_idle_mb"] / t["peak_above_idle_mb"], t["samples_per_s"], r["samples_per_s"]])
-    fits = {n: max([k for k in per_k if per_k[k][n]["peak_rss_mb"] <= a.mem_budget], default=None)
-            for n in ("trl-rloo", "rlfuse-rloo")}
+        per_k[k] = {n: run(n, model, k, a.prompts, a.max_new, 1, 2) for n in mem_systems}
+        t, t8, r = (per_k[k][n] for n in mem_systems)
+        mem_rows.append([k, t["peak_rss_mb"], t8["peak_rss_mb"], r["peak_rss_mb"], t["peak_above_idle_mb"],
+                         t8["peak_above_idle_mb"], r["peak_above_idle_mb"],
+                         r["peak_above_idle_mb"] / t["peak_above_idle_mb"], r["peak_above_idle_mb"] / t8["peak_above_idle_mb"],
+                         t["samples_per_s"], r["samples_per_s"]])
+    fits = {n: max([k for k in per_k if per_k[k][n]["peak_rss_mb"] <= a.mem_budget], default=None) for n in mem_systems}
     sections += [f"### Memory: RLOO with k = 2, 4, 8 at {a.prompts} prompts", "",
-                 md_table(["k", "TRL peak RSS", "rlfuse peak RSS", "TRL above idle", "rlfuse above idle",
-                           "rlfuse/TRL above idle", "TRL samples/s", "rlfuse samples/s"], mem_rows), "",
-                 f"Largest measured k within --mem-budget {a.mem_budget:g} MiB of peak RSS: TRL {fits['trl-rloo']}, "
-                 f"rlfuse {fits['rlfuse-rloo']}.", ""]
+                 f"TRL and rlfuse both train in micro-batches of {a.micro_batch} completions (TRL's gradient "
+                 "checkpointing on, its default); trl-b8 is TRL with its own default per-device batch of 8.", "",
+                 md_table(["k", "TRL peak RSS", "TRL-b8 peak RSS", "rlfuse peak RSS", "TRL above idle",
+                           "TRL-b8 above idle", "rlfuse above idle", "rlfuse/TRL above idle", "rlfuse/TRL-b8 above idle",
+                           "TRL samples/s", "rlfuse samples/s"], mem_rows), "",
+                 f"Largest measured k within --mem-budget {a.mem_budget:g} MiB of peak RSS: "
+                 + ", ".join(f"{n} {fits[n]}" for n in mem_systems) + ".", ""]
     plot_k(per_k, WORK / "vs_trl_k.png")
     # reward rises on a longer run (the default task's SFT model)
     from bench.rollout import ensure_sft_model
@@ -310,10 +333,16 @@ def main() -> None:
                           [[n, x, y] for n, (x, y) in rise.items()]), ""]
     # where the time goes: rlfuse's own stage split, and a profile of one run of each
     split = res["rlfuse-rloo"]["split"]
-    prof = {n: run(n, model, a.k, a.prompts, a.max_new, 1, 1, profile=True)["profile"] for n in ("trl-rloo", "rlfuse-rloo")}
+    profiled = {n: run(n, model, a.k, a.prompts, a.max_new, 1, 1, profile=True) for n in ("trl-rloo", "rlfuse-rloo")}
+    prof = {n: r["profile"] for n, r in profiled.items()}
     sections += ["### Where the time goes", "",
                  f"rlfuse RLOO, median per iteration: generation {split['generation']:.3f} s, scoring "
-                 f"{split['scoring']:.3f} s, training {split['training']:.3f} s.", ""]
+                 f"{split['scoring']:.3f} s, training {split['training']:.3f} s.", "",
+                 "Cumulative seconds per stage function in one profiled run of each (2 iterations, profiler overhead "
+                 "included):", ""]
+    for n, r in profiled.items():
+        sections.append(f"- {n}: " + ", ".join(f"`{f}` {v:.2f}" for f, v in sorted(r["stage_cum_s"].items(), key=lambda x: -x[1])))
+    sections.append("")
     for n, p in prof.items():
         sections += [f"<details><summary>cProfile of one {n} run (2 iterations), top functions by own time</summary>",
                      "", "```", "\n".join(p.strip().splitlines()[:30]), "```", "</details>", ""]
@@ -331,7 +360,7 @@ def plot_k(per_k: dict, path: Path) -> None:
 
     ks = sorted(per_k)
     fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(11, 4))
-    for n, label in (("trl-rloo", "TRL RLOO"), ("rlfuse-rloo", "rlfuse RLOO")):
+    for n, label in (("trl-rloo", "TRL RLOO"), ("trl-rloo-b8", "TRL RLOO, per-device batch 8"), ("rlfuse-rloo", "rlfuse RLOO")):
         ax1.plot(ks, [per_k[k][n]["samples_per_s"] for k in ks], marker="o", label=label)
         ax2.plot(ks, [per_k[k][n]["peak_above_idle_mb"] for k in ks], marker="o", label=label)
     ax1.set(xlabel="k (samples per prompt)", ylabel="samples / s", title="Throughput")

@@ -65,6 +65,19 @@ def apply_lora(model, cfg: ModelConfig, task_type: str = "CAUSAL_LM", extra_trai
     return get_peft_model(model, lcfg)
 
 
+def fuse_activations(model):
+    """Swap transformers' `gelu_new` (tanh-GELU written as five tensor ops, each saving its input for backward) for
+    torch's fused tanh-GELU: the same function (to 3e-7), one kernel forward and backward, and one saved tensor
+    instead of five per MLP. Only modules change; the saved config and weights do not. Returns the model."""
+    from transformers.activations import GELUTanh, NewGELUActivation
+
+    for module in list(model.modules()):
+        for name, child in list(module.named_children()):
+            if isinstance(child, NewGELUActivation):
+                setattr(module, name, GELUTanh())
+    return model
+
+
 def load_causal_lm(name: str, cfg: ModelConfig | None = None, trainable_lora: bool | None = None):
     """AutoModelForCausalLM from a hub name or folder; a saved peft adapter loads onto its base.
     With cfg.lora (and a plain model) fresh adapters are added."""
@@ -79,6 +92,7 @@ def load_causal_lm(name: str, cfg: ModelConfig | None = None, trainable_lora: bo
             model = AutoModelForCausalLM.from_pretrained(name, dtype=torch.float32)
     except Exception as e:
         raise _load_error(name, e) from None
+    fuse_activations(model)
     if cfg is not None and cfg.lora and not _is_adapter(name):
         model = apply_lora(model, cfg)
     return model
@@ -108,6 +122,7 @@ def load_reward_model(name: str, cfg: ModelConfig | None = None, pad_token_id: i
         raise _load_error(name, e) from None
     if pad_token_id is not None:
         model.config.pad_token_id = pad_token_id
+    fuse_activations(model)
     if cfg is not None and cfg.lora and adapter_task != "SEQ_CLS":
         model = apply_lora(model, cfg, task_type="SEQ_CLS", extra_trainable=["score"])
     return model

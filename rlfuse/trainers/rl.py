@@ -91,6 +91,8 @@ def build_models(cfg: Config, run_dir: Path, device) -> Models:
     else:
         reward_fn = function_reward_fn(load_reward_function(rl.reward), tokenizer)
     actor = actor.to(device).train()
+    if rl.disable_dropout:
+        disable_dropout(actor)
     critic = None
     if rl.algo == "ppo":
         if rl.critic_init == "rm":
@@ -100,7 +102,19 @@ def build_models(cfg: Config, run_dir: Path, device) -> Models:
         else:
             critic = ValueModel.from_causal_lm(actor)
         critic = critic.to(device).train()
+        if rl.disable_dropout:
+            disable_dropout(critic)
     return Models(tokenizer, actor, ref.to(device) if ref is not None else None, critic, reward_fn)
+
+
+def disable_dropout(model: torch.nn.Module) -> None:
+    """Dropout off everywhere in the model, in training mode too: nn.Dropout modules and the float attention-dropout
+    attributes that attention implementations read at call time (Llama-style `attention_dropout`)."""
+    for module in model.modules():
+        if isinstance(module, torch.nn.Dropout):
+            module.p = 0.0
+        if isinstance(getattr(module, "attention_dropout", None), float):
+            module.attention_dropout = 0.0
 
 
 def prompt_batch(prompts: list[list[int]], iteration: int, n: int, seed: int) -> list[list[int]]:
@@ -250,7 +264,7 @@ def rollout_metrics(exp: Experience, kl, returns, kl_coef: float, max_new: int) 
 
 
 def train_rl(cfg: Config, run_dir: Path, log=print, resume: bool = False, on_ready=None) -> dict:
-    """The RL stage. on_ready(), if given, is called once the models are loaded, before the first iteration
+    """The RL stage. on_ready(models), if given, is called once the models are loaded, before the first iteration
     (benchmarks read the idle memory footprint there)."""
     rl, t_start = cfg.rl, time.perf_counter()
     if not (run_dir / "config.yaml").exists():  # called as a library rather than through the CLI
@@ -298,7 +312,7 @@ def train_rl(cfg: Config, run_dir: Path, log=print, resume: bool = False, on_rea
         before_path.write_text(json.dumps(before | {"samples": before_texts[:16]}, indent=2))
     tracker = JsonlTracker(out / "metrics.jsonl", tensorboard=True)
     if on_ready is not None:
-        on_ready()
+        on_ready(models)
     log(f"[rl] {rl.algo}: {rl.iterations} iterations x {rl.prompts_per_iter} prompts x k={rl.k}, fusion "
         f"{'on' if fusion.enabled else 'off'}")
     with Progress(rl.iterations, f"rl/{rl.algo}", cfg.run.quiet, unit="iter") as bar:

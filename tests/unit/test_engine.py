@@ -145,3 +145,58 @@ def test_recomputed_old_logprobs_equal_the_engines(lm):
     for x in scored:
         assert x.old_logprobs is not x.sample.logprobs
         assert_close(x.old_logprobs, x.sample.logprobs, atol=1e-4, rtol=0)
+
+
+def test_lean_gpt2_step_equals_transformers_forward(lm):
+    """The lean decode step (rollout/kv.py) against transformers' own forward, through retirement (EOS = a frequent
+    token), continuous admission with merges of different widths (max_rows=4) and left-padding cuts."""
+    tok, model = lm
+    eng, samples = run(lm, k=3, max_new_tokens=20, seed=3, max_rows=4)
+    assert eng.fast_step is not None  # a plain GPT2LMHeadModel takes the lean path
+    common = max(set(t for s in samples for t in s.token_ids), key=lambda t: sum(s.token_ids.count(t) for s in samples))
+    out = {}
+    for fast in (True, False):
+        eng = DecodeEngine(model, common, max_rows=4, tokenizer=tok, fast_decode=fast)
+        assert (eng.fast_step is not None) == fast
+        out[fast] = sorted(eng.generate([encode(tok, p) for p in PROMPTS], 3, SamplingParams(20), seed=3),
+                           key=lambda s: (s.prompt_id, s.sample_index))
+    assert len({len(s.token_ids) for s in out[True]}) > 1
+    for a, b in zip(out[True], out[False]):
+        assert a.token_ids == b.token_ids and a.finish_reason == b.finish_reason
+        assert_close(a.logprobs, b.logprobs, atol=1e-5, rtol=0)
+
+
+def test_sample_tokens_follows_the_distribution():
+    from rlfuse.rollout.engine import sample_tokens
+
+    probs = torch.tensor([[0.1, 0.2, 0.0, 0.7, 0.0]]).repeat(100_000, 1)
+    drawn = sample_tokens(probs, torch.Generator().manual_seed(0))
+    freq = torch.bincount(drawn, minlength=5).float() / len(drawn)
+    assert_close(freq, probs[0], atol=0.01, rtol=0)
+    assert freq[2] == 0 and freq[4] == 0  # zero-probability tokens are never drawn
+
+
+def test_kv_buffer_padding_and_spare_columns_are_zero(lm):
+    """Masked columns still enter attention's weighted sum (weight 0): they must hold zeros, never stale memory
+    (0 * NaN = NaN)."""
+    from rlfuse.rollout.kv import BufferKV, Gpt2DecodeStep
+
+    tok, model = lm
+    step = Gpt2DecodeStep(model)
+    bufs = []
+    for text in ("the acting", "the old detective finds the"):
+        ids = torch.tensor([encode(tok, text)])
+        with torch.no_grad():
+            cache = model(input_ids=ids, use_cache=True).past_key_values
+        buf = BufferKV.from_cache(cache, 2, 5, step)
+        P = ids.shape[1]
+        assert buf.kv.shape[2] == 2 and buf.kv.shape[4] == P + 5 and buf.width == P
+        assert torch.equal(buf.kv[:, :, 0], buf.kv[:, :, 1])  # the k rows of a prompt start from one prefill
+        assert not buf.kv[..., P:, :].any()
+        bufs.append(buf)
+    short, long = bufs
+    pad = long.width - short.width
+    short.merge(long)
+    assert short.width == long.width and short.kv.shape[2] == 4
+    assert not short.kv[:, :, :2, :, :pad].any() and not short.kv[..., long.width:, :].any()
+    assert short.kv.isfinite().all()

@@ -1,0 +1,34 @@
+"""RL model setup: dropout is switched off in training mode, so the update's log-probs of the samples just drawn
+equal the sampling log-probs (PPO ratio exactly 1 before the first step)."""
+
+import torch
+from transformers import GPT2Config, GPT2LMHeadModel
+
+from rlfuse.trainers.rl import disable_dropout
+
+
+def test_disable_dropout_makes_training_forward_deterministic():
+    torch.manual_seed(0)
+    model = GPT2LMHeadModel(GPT2Config(vocab_size=50, n_positions=32, n_embd=32, n_layer=2, n_head=2)).train()
+    ids = torch.randint(0, 50, (2, 10))
+    assert not torch.equal(model(ids).logits, model(ids).logits)  # GPT-2's default dropout of 0.1 is live
+    disable_dropout(model)
+    assert model.training
+    first = model(ids).logits
+    assert torch.equal(first, model(ids).logits)
+    assert torch.allclose(first, model.eval()(ids).logits, atol=1e-6)
+
+
+def test_fused_activation_computes_gelu_new():
+    from transformers.activations import GELUTanh, NewGELUActivation
+
+    from rlfuse.models.load import fuse_activations
+
+    torch.manual_seed(0)
+    model = GPT2LMHeadModel(GPT2Config(vocab_size=50, n_positions=32, n_embd=32, n_layer=2, n_head=2)).eval()
+    ids = torch.randint(0, 50, (2, 10))
+    before = model(ids).logits
+    fuse_activations(model)
+    assert not any(isinstance(m, NewGELUActivation) for m in model.modules())
+    assert sum(isinstance(m, GELUTanh) for m in model.modules()) == 2
+    torch.testing.assert_close(model(ids).logits, before, atol=1e-5, rtol=0)
