@@ -158,7 +158,7 @@ def child_rlfuse(a) -> dict:
                              "rl.epochs=1", f"rl.max_new_tokens={a.max_new}", "rl.temperature=1.0", f"rl.lr={a.lr}",
                              "rl.kl_coef=0.05", "rl.kl_target=null", f"rl.iterations={a.warmup + a.iters}",
                              "rl.eval_prompts=0", "rl.ckpt_every=100000", f"rollout.fusion={str(a.fusion).lower()}",
-                             "rollout.score_every=4", *data])
+                             *data])  # fusion policy: rlfuse defaults
     rec = {}
     def ready(models):
         warm_up(models.actor)
@@ -202,7 +202,7 @@ def child(a) -> None:
 
 
 def run(name: str, model: Path, k: int, prompts: int, max_new: int, warmup: int, iters: int, prompts_kind="default",
-        profile=False) -> dict:
+        profile=False, lr: float | None = None) -> dict:
     system, algo, opts = SYSTEMS[name]
     args = ["--child", "--system", system, "--algo", algo, "--model", str(model), "--k", str(k), "--prompts", str(prompts),
             "--max-new", str(max_new), "--warmup", str(warmup), "--iters", str(iters), "--prompts-kind", prompts_kind,
@@ -210,6 +210,7 @@ def run(name: str, model: Path, k: int, prompts: int, max_new: int, warmup: int,
     args += ["--gc"] if opts.get("gc") else []
     args += ["--fusion"] if opts.get("fusion") else []
     args += ["--profile"] if profile else []
+    args += ["--lr", str(lr)] if lr is not None else []
     args += ["--trl-default-precision"] if TRL_DEFAULT_PRECISION else []
     r = run_child(Path(__file__), args, timeout=1800)
     measured = r["step_s"][warmup:]
@@ -261,6 +262,7 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=2, help="alternations A B A B of the throughput matrix")
     ap.add_argument("--mem-budget", type=float, default=1500.0, help="MiB of peak RSS a run may use")
     ap.add_argument("--reward-iters", type=int, default=30, help="iterations of the longer run that checks reward rises")
+    ap.add_argument("--reward-lr", type=float, default=3e-4, help="learning rate of that run (the same for both)")
     ap.add_argument("--quick", action="store_true", help="one round of RLOO only; prints, writes nothing")
     ap.add_argument("--trl-default-precision", action="store_true",
                     help="leave TRL's own precision default (bf16 on, also on CPU) instead of fp32 for both")
@@ -325,10 +327,10 @@ def main() -> None:
     sft = ensure_sft_model()
     rise = {}
     for n in ("trl-rloo", "rlfuse-rloo"):
-        r = run(n, sft, 4, 8, 48, 0, a.reward_iters)
+        r = run(n, sft, 4, 8, 48, 0, a.reward_iters, lr=a.reward_lr)
         rw = r["reward"]
         rise[n] = (statistics.mean(rw[:5]), statistics.mean(rw[-5:])) if len(rw) >= 10 else (float("nan"), float("nan"))
-    sections += [f"### Reward over a longer run ({a.reward_iters} iterations, default-task SFT model, 8 prompts x k=4, lr {a.lr})", "",
+    sections += [f"### Reward over a longer run ({a.reward_iters} iterations, default-task SFT model, 8 prompts x k=4, lr {a.reward_lr:g})", "",
                  md_table(["system", "mean reward, first 5 iterations", "mean reward, last 5 iterations"],
                           [[n, x, y] for n, (x, y) in rise.items()]), ""]
     # where the time goes: rlfuse's own stage split, and a profile of one run of each
