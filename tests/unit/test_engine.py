@@ -147,9 +147,12 @@ def test_recomputed_old_logprobs_equal_the_engines(lm):
         assert_close(x.old_logprobs, x.sample.logprobs, atol=1e-4, rtol=0)
 
 
-def test_lean_gpt2_step_equals_transformers_forward(lm):
+def test_lean_gpt2_step_equals_transformers_forward(lm, monkeypatch):
     """The lean decode step (rollout/kv.py) against transformers' own forward, through retirement (EOS = a frequent
-    token), continuous admission with merges of different widths (max_rows=4) and left-padding cuts."""
+    token), continuous admission with merges of different widths (max_rows=4), left-padding cuts and buffer growth."""
+    from rlfuse.rollout.kv import BufferKV
+
+    monkeypatch.setattr(BufferKV, "GROW", 3)  # grow several times within 20 tokens
     tok, model = lm
     eng, samples = run(lm, k=3, max_new_tokens=20, seed=3, max_rows=4)
     assert eng.fast_step is not None  # a plain GPT2LMHeadModel takes the lean path
