@@ -158,7 +158,7 @@ def child_rlfuse(a) -> dict:
                              "rl.epochs=1", f"rl.max_new_tokens={a.max_new}", "rl.temperature=1.0", f"rl.lr={a.lr}",
                              "rl.kl_coef=0.05", "rl.kl_target=null", f"rl.iterations={a.warmup + a.iters}",
                              "rl.eval_prompts=0", "rl.ckpt_every=100000", f"rollout.fusion={str(a.fusion).lower()}",
-                             *data])  # fusion policy: rlfuse defaults
+                             f"rl.gradient_checkpointing={str(a.gc).lower()}", *data])  # fusion policy: rlfuse defaults
     rec = {}
     def ready(models):
         warm_up(models.actor)

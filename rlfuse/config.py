@@ -197,6 +197,9 @@ class RLConfig:
     """Subtracted from the reward of responses that hit max_new_tokens without ending."""
     grad_clip: float = 1.0
     """Gradient-norm clipping (0 disables)."""
+    gradient_checkpointing: bool = False
+    """Recompute each layer's activations in the backward pass of the update instead of keeping them (less memory,
+    about one more forward of time); gradients are unchanged (tested)."""
     disable_dropout: bool = True
     """Switch dropout off in the actor and critic during RL: with dropout the update's log-probs are noisy draws, so
     the PPO ratio is not 1 on the very samples just drawn (OpenRLHF and veRL do the same; TRL's disable_dropout)."""

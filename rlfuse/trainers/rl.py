@@ -93,6 +93,8 @@ def build_models(cfg: Config, run_dir: Path, device) -> Models:
     actor = actor.to(device).train()
     if rl.disable_dropout:
         disable_dropout(actor)
+    if rl.gradient_checkpointing:
+        enable_gradient_checkpointing(actor)
     critic = None
     if rl.algo == "ppo":
         if rl.critic_init == "rm":
@@ -104,6 +106,8 @@ def build_models(cfg: Config, run_dir: Path, device) -> Models:
         critic = critic.to(device).train()
         if rl.disable_dropout:
             disable_dropout(critic)
+        if rl.gradient_checkpointing and rl.critic_init != "actor":
+            enable_gradient_checkpointing(critic.backbone)
     return Models(tokenizer, actor, ref.to(device) if ref is not None else None, critic, reward_fn)
 
 
@@ -115,6 +119,16 @@ def disable_dropout(model: torch.nn.Module) -> None:
             module.p = 0.0
         if isinstance(getattr(module, "attention_dropout", None), float):
             module.attention_dropout = 0.0
+
+
+def enable_gradient_checkpointing(model: torch.nn.Module) -> None:
+    """transformers' per-layer activation checkpointing, non-reentrant (works with LoRA's frozen inputs and with the
+    backbone called directly, as response_logprobs does). It acts only in training mode: the engine decodes in eval."""
+    kwargs = {"use_reentrant": False}
+    if hasattr(model, "activation_checkpointing_enable"):  # transformers >= 5.x renamed it
+        model.activation_checkpointing_enable(activation_checkpointing_kwargs=kwargs)
+    else:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
 
 
 def prompt_batch(prompts: list[list[int]], iteration: int, n: int, seed: int) -> list[list[int]]:

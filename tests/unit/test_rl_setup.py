@@ -32,3 +32,24 @@ def test_fused_activation_computes_gelu_new():
     assert not any(isinstance(m, NewGELUActivation) for m in model.modules())
     assert sum(isinstance(m, GELUTanh) for m in model.modules()) == 2
     torch.testing.assert_close(model(ids).logits, before, atol=1e-5, rtol=0)
+
+
+def test_gradient_checkpointing_keeps_the_gradients():
+    from rlfuse.rollout.score import collate, response_logprobs
+    from rlfuse.trainers.rl import enable_gradient_checkpointing
+
+    torch.manual_seed(0)
+    cfg = GPT2Config(vocab_size=50, n_positions=32, n_embd=32, n_layer=2, n_head=2)
+    mb = collate([[1, 2, 3], [4, 5]], [[6, 7, 8, 9], [10, 11]], 0, "cpu")
+    grads = []
+    for checkpointed in (False, True):
+        torch.manual_seed(0)
+        model = GPT2LMHeadModel(cfg).train()
+        disable_dropout(model)
+        if checkpointed:
+            enable_gradient_checkpointing(model)
+        assert model.transformer.gradient_checkpointing == checkpointed
+        response_logprobs(model, mb).sum().backward()
+        grads.append({n: p.grad.clone() for n, p in model.named_parameters()})
+    for name, g in grads[0].items():
+        torch.testing.assert_close(grads[1][name], g, msg=name)
