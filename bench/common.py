@@ -14,7 +14,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 from rlfuse.metrics.tracker import peak_rss_mb, reset_peak_rss  # noqa: E402  (one definition, re-exported)
 
-__all__ = ["ROOT", "WORK", "SHARED_DATA", "machine", "warm_up", "rss_mb", "peak_rss_mb", "reset_peak_rss", "run_child",
+__all__ = ["ROOT", "WORK", "SHARED_DATA", "machine", "warm_up", "reset_cuda_peak", "cuda_peaks_mb", "rss_mb", "peak_rss_mb", "reset_peak_rss", "run_child",
            "write_section", "md_table"]
 WORK = ROOT / "bench" / ".work"
 SHARED_DATA = ROOT.parent / "shared" / "data"
@@ -52,6 +52,26 @@ def warm_up(model=None) -> None:
         with torch.no_grad():
             model.eval()(input_ids=torch.ones(1, 8, dtype=torch.long, device=next(model.parameters()).device))
         model.train(was_training)
+
+
+def reset_cuda_peak() -> None:
+    import torch
+
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+
+
+def cuda_peaks_mb() -> dict:
+    """CUDA peak allocated and reserved since the last reset_cuda_peak(), in MiB; {} without a GPU."""
+    import torch
+
+    if not torch.cuda.is_available():
+        return {}
+    torch.cuda.synchronize()
+    return {"cuda_peak_allocated_mb": torch.cuda.max_memory_allocated() / 2**20,
+            "cuda_peak_reserved_mb": torch.cuda.max_memory_reserved() / 2**20,
+            "cuda_idle_allocated_mb": torch.cuda.memory_allocated() / 2**20}
 
 
 def rss_mb() -> float:

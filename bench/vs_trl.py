@@ -2,6 +2,7 @@
 
     pip install -e ".[bench]"          # TRL pinned (trl==1.16.0)
     python bench/vs_trl.py             # default matrix, writes BENCHMARKS.md and bench/.work/vs_trl_k.png
+    python bench/vs_trl.py --n-layer 6 --n-embd 768   # DistilGPT2-sized, for a GPU (CUDA peaks are added there)
 
 Both systems load the same saved weights and tokenizer, draw prompts from the same pool, and use the same k, new-token
 limit, temperature, learning rate, optimiser family (AdamW), KL coefficient (0.05, so both score a reference model),
@@ -22,8 +23,8 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from bench.common import (SHARED_DATA, WORK, machine, md_table, peak_rss_mb, reset_peak_rss, rss_mb, run_child,  # noqa: E402
-                          warm_up, write_section)
+from bench.common import (SHARED_DATA, WORK, cuda_peaks_mb, machine, md_table, peak_rss_mb, reset_cuda_peak,  # noqa: E402
+                          reset_peak_rss, rss_mb, run_child, warm_up, write_section)
 
 TRL_DEFAULT_PRECISION = False
 MICRO_BATCH = 4
@@ -119,6 +120,7 @@ def child_trl(a) -> dict:
         def on_train_begin(self, *args, **kw):
             warm_up(kw.get("model"))
             rec["idle_rss_mb"] = rss_mb()
+            reset_cuda_peak()
             reset_peak_rss()  # the models are loaded; what follows is the algorithm's
 
         def on_step_begin(self, *args, **kw):
@@ -129,6 +131,7 @@ def child_trl(a) -> dict:
 
         def on_train_end(self, *args, **kw):
             rec["train_peak_rss_mb"] = peak_rss_mb()
+            rec.update(cuda_peaks_mb())
 
         def on_log(self, args, state, control, logs=None, **kw):
             if logs:
@@ -140,7 +143,8 @@ def child_trl(a) -> dict:
     lengths = [l["completions/mean_length"] for l in rec["logs"] if "completions/mean_length" in l]
     rewards = [l["reward"] for l in rec["logs"] if "reward" in l]
     return {"step_s": rec["step_s"], "idle_rss_mb": rec["idle_rss_mb"], "mean_length": lengths, "reward": rewards,
-            "completions_per_step": a.prompts * a.k, "train_peak_rss_mb": rec["train_peak_rss_mb"]}
+            "completions_per_step": a.prompts * a.k, "train_peak_rss_mb": rec["train_peak_rss_mb"],
+            **{k: v for k, v in rec.items() if k.startswith("cuda_")}}
 
 
 def child_rlfuse(a) -> dict:
@@ -163,6 +167,7 @@ def child_rlfuse(a) -> dict:
     def ready(models):
         warm_up(models.actor)
         rec["idle_rss_mb"] = rss_mb()
+        reset_cuda_peak()
         reset_peak_rss()  # the models are loaded; what follows is the algorithm's
 
     train_rl(cfg, run_dir, log=lambda *_: None, on_ready=ready)
@@ -170,7 +175,11 @@ def child_rlfuse(a) -> dict:
     return {"step_s": [r["time/iteration"] for r in rows], "idle_rss_mb": rec["idle_rss_mb"],
             "mean_length": [r["rollout/length_mean"] for r in rows], "reward": [r["reward/mean"] for r in rows],
             "completions_per_step": a.prompts * a.k, "train_peak_rss_mb": rows[-1]["mem/rss_peak_mb"],
-            "split": {k: statistics.median(r[f"time/{k}"] for r in rows[a.warmup:]) for k in ("generation", "scoring", "training")}}
+            "split": {k: statistics.median(r[f"time/{k}"] for r in rows[a.warmup:]) for k in ("generation", "scoring", "training")},
+            # the tracker resets CUDA peaks at every iteration: the run's peak is the largest of them
+            **({"cuda_peak_allocated_mb": max(r["mem/cuda_allocated_peak_mb"] for r in rows),
+                "cuda_peak_reserved_mb": max(r["mem/cuda_reserved_peak_mb"] for r in rows)}
+               if "mem/cuda_allocated_peak_mb" in rows[0] else {})}
 
 
 def child(a) -> None:
@@ -234,6 +243,9 @@ def merge(runs: list[dict], warmup: int) -> dict:
     out["tokens_per_s"] = out["samples_per_s"] * out["mean_completion_length"]
     out["peak_rss_mb"] = max(r["peak_rss_mb"] for r in runs)
     out["peak_above_idle_mb"] = max(r["peak_above_idle_mb"] for r in runs)
+    for key in ("cuda_peak_allocated_mb", "cuda_peak_reserved_mb"):
+        if all(key in r for r in runs):
+            out[key] = max(r[key] for r in runs)
     out["completions"] = out["completions_per_step"] * len(steps)
     return out
 
@@ -283,11 +295,15 @@ def main() -> None:
     res = {n: merge(r, W) for n, r in runs.items()}
 
     def table(results: dict, base: str) -> str:
+        cuda = all("cuda_peak_allocated_mb" in r for r in results.values())
         rows = [[n, r["samples_per_s"], r["tokens_per_s"], r["median_step_s"], r["completions"],
-                 r["mean_completion_length"], r["peak_rss_mb"], r["peak_above_idle_mb"],
-                 r["samples_per_s"] / results[base]["samples_per_s"]] for n, r in results.items()]
+                 r["mean_completion_length"], r["peak_rss_mb"], r["peak_above_idle_mb"]]
+                + ([r["cuda_peak_allocated_mb"], r["cuda_peak_reserved_mb"]] if cuda else [])
+                + [r["samples_per_s"] / results[base]["samples_per_s"]] for n, r in results.items()]
         return md_table(["system", "samples/s", "tokens/s", "median iteration s", "completions measured",
-                         "mean completion length", "peak RSS MiB", "peak above idle MiB", f"samples/s vs {base}"], rows)
+                         "mean completion length", "peak RSS MiB", "peak above idle MiB"]
+                        + (["CUDA peak allocated MiB", "CUDA peak reserved MiB"] if cuda else [])
+                        + [f"samples/s vs {base}"], rows)
 
     print(table(res, "trl-rloo"))
     if a.quick:
@@ -350,7 +366,8 @@ def main() -> None:
                      "", "```", "\n".join(p.strip().splitlines()[:30]), "```", "</details>", ""]
     sections.append(f"Wall time of the whole benchmark: {time.time() - t0:.0f} s. Plot: `bench/.work/vs_trl_k.png`.")
     (WORK / "vs_trl.json").write_text(json.dumps({"throughput": res, "memory": {str(k): v for k, v in per_k.items()}}, indent=1, default=str))
-    write_section("vs_trl", "\n".join(sections))
+    # a GPU run gets its own section, so the CPU tables stay
+    write_section("vs_trl_gpu" if __import__("torch").cuda.is_available() else "vs_trl", "\n".join(sections))
     print("\n".join(sections))
 
 
