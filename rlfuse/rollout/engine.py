@@ -20,7 +20,7 @@ from typing import Iterator
 import torch
 from torch import Tensor
 
-from rlfuse.rollout.kv import BufferKV, Gpt2DecodeStep, HFCacheKV, left_pad
+from rlfuse.rollout.kv import BufferKV, HFCacheKV, decode_step_for, left_pad
 
 
 @dataclass(frozen=True)
@@ -113,8 +113,8 @@ class DecodeEngine:
     def __init__(self, model, eos_token_id: int, max_rows: int = 256, tokenizer=None, fast_decode: bool = True):
         self.model, self.eos, self.max_rows, self.tokenizer = model, eos_token_id, max_rows, tokenizer
         self.stats = EngineStats()
-        # the lean GPT-2 step (rollout/kv.py) where it applies; transformers' own forward otherwise
-        self.fast_step = Gpt2DecodeStep(model) if fast_decode and Gpt2DecodeStep.supports(model) else None
+        # a lean decode step (rollout/kv.py) where the architecture has one; transformers' own forward otherwise
+        self.fast_step = decode_step_for(model) if fast_decode else None
 
     @property
     def device(self) -> torch.device:

@@ -203,3 +203,36 @@ def test_kv_buffer_padding_and_spare_columns_are_zero(lm):
     assert short.width == long.width and short.kv.shape[2] == 4
     assert not short.kv[:, :, :2, :, :pad].any() and not short.kv[..., long.width:, :].any()
     assert short.kv.isfinite().all()
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2"])
+def test_lean_llama_style_step_equals_transformers_forward(arch, monkeypatch):
+    """Llama-style lean step (grouped-query attention, rotary positions, RMSNorm, gated MLP; Qwen2 adds q/k/v biases)
+    against transformers' forward on tiny random models, through retirement, merges and buffer growth."""
+    from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
+
+    from rlfuse.rollout.kv import BufferKV, LlamaDecodeStep
+
+    monkeypatch.setattr(BufferKV, "GROW", 3)
+    Config, Model = (LlamaConfig, LlamaForCausalLM) if arch == "llama" else (Qwen2Config, Qwen2ForCausalLM)
+    torch.manual_seed(0)
+    model = Model(Config(vocab_size=96, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64)).eval()
+    assert LlamaDecodeStep.supports(model)
+    prompts = [[1, 5, 9], [1, 7], [1, 3, 4, 8, 2], [1, 6, 6, 6]]
+    probe = DecodeEngine(model, eos_token_id=-1, max_rows=4, fast_decode=False)
+    first = list(probe.generate(prompts, 3, SamplingParams(16), seed=1))
+    counts = {}
+    for s in first:
+        for t in s.token_ids:
+            counts[t] = counts.get(t, 0) + 1
+    eos = max(counts, key=counts.get)  # a frequent token as EOS, so rows retire at different steps
+    out = {}
+    for fast in (True, False):
+        eng = DecodeEngine(model, eos_token_id=eos, max_rows=4, fast_decode=fast)
+        assert isinstance(eng.fast_step, LlamaDecodeStep) == fast
+        out[fast] = sorted(eng.generate(prompts, 3, SamplingParams(16), seed=1), key=lambda s: (s.prompt_id, s.sample_index))
+    assert len({len(s.token_ids) for s in out[True]}) > 1
+    for a, b in zip(out[True], out[False]):
+        assert a.token_ids == b.token_ids and a.finish_reason == b.finish_reason
+        assert_close(a.logprobs, b.logprobs, atol=1e-5, rtol=0)
