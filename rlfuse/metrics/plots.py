@@ -82,7 +82,6 @@ def training_metrics(rows: list[dict], path: Path, reward_samples: list[float] |
         ax.legend(fontsize=8)
     ax.set_title("reward distribution" + (" (last iteration's samples)" if reward_samples else " (iteration means)"), fontsize=10)
     fig.suptitle("Training metrics")
-    fig.tight_layout()
     return _save(fig, path)
 
 
@@ -92,12 +91,7 @@ def throughput_over_time(rows: list[dict], path: Path) -> Path:
     ax.plot(xs, ys, marker=".", label="samples/s")
     if ys:
         ax.axhline(mean(ys), color="black", linestyle="--", label=f"average {mean(ys):.2f} samples/s")
-    ax.set_xlabel("iteration")
-    ax.set_ylabel("samples / s (end to end)")
-    ax.set_title("Throughput per iteration")
-    ax.grid(alpha=0.3)
-    ax.legend()
-    fig.tight_layout()
+    _per_iteration(ax, "samples / s (end to end)", "Throughput per iteration")
     return _save(fig, path)
 
 
@@ -112,12 +106,7 @@ def memory_usage(rows: list[dict], path: Path) -> Path:
             drawn = True
     if not drawn:
         ax.text(0.5, 0.5, "no memory metrics logged", ha="center", va="center", transform=ax.transAxes)
-    ax.set_xlabel("iteration")
-    ax.set_ylabel("MiB")
-    ax.set_title("Memory per iteration")
-    ax.grid(alpha=0.3)
-    ax.legend()
-    fig.tight_layout()
+    _per_iteration(ax, "MiB", "Memory per iteration")
     return _save(fig, path)
 
 
@@ -143,7 +132,6 @@ def stage_breakdown(rows: list[dict], path: Path) -> Path:
         ax2.pie(list(nonzero.values()), labels=[f"{k}\n{v / sum(nonzero.values()):.0%}" for k, v in nonzero.items()],
                 colors=[COLORS[k] for k in nonzero], startangle=90)
     ax2.set_title("Share of total time")
-    fig.tight_layout()
     return _save(fig, path)
 
 
@@ -153,15 +141,10 @@ def speedup_comparison(rows: list[dict], baseline_rows: list[dict], path: Path, 
     for r, name in ((rows, names[0]), (baseline_rows, names[1])):
         xs, ys = series(r, "rollout/samples_per_s")
         ax.plot(xs, ys, marker=".", label=name)
-    ax.set_xlabel("iteration")
-    ax.set_ylabel("samples / s")
-    ax.set_title("Throughput per iteration")
-    ax.grid(alpha=0.3)
-    ax.legend()
+    _per_iteration(ax, "samples / s", "Throughput per iteration")
     a, b = mean(series(rows, "rollout/samples_per_s")[1]), mean(series(baseline_rows, "rollout/samples_per_s")[1])
     ax2.bar([names[0], names[1]], [a, b], color=["#4C72B0", "#B0B0B0"])
     ax2.set_title(f"average samples/s: measured speedup {a / b:.2f}x" if b else "average samples/s")
-    fig.tight_layout()
     return _save(fig, path)
 
 
@@ -187,11 +170,19 @@ def summary_dashboard(rows: list[dict], numbers: dict, path: Path) -> Path:
     for i, (key, title) in enumerate(panels):
         _line(fig.add_subplot(grid[1 + i // 3, i % 3]), rows, key, title)
     fig.suptitle("rlfuse run summary", fontsize=15)
-    fig.tight_layout()
     return _save(fig, path)
 
 
+def _per_iteration(ax, ylabel: str, title: str) -> None:
+    ax.set_xlabel("iteration")
+    ax.set_ylabel(ylabel)
+    ax.set_title(title)
+    ax.grid(alpha=0.3)
+    ax.legend()
+
+
 def _save(fig, path: Path) -> Path:
+    fig.tight_layout()
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path, dpi=90)

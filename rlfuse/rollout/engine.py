@@ -73,15 +73,16 @@ def filter_logits(logits: Tensor, top_k: int, top_p: float) -> Tensor:
 
 def sample_tokens(probs: Tensor, gen: torch.Generator) -> Tensor:
     """One token per row by inverse-CDF sampling: one uniform draw per row (torch.multinomial on the CPU spent
-    0.45 ms per call on 16 x 1023 probabilities, a tenth of a decode step; this takes 0.04 ms). Tokens with zero
-    probability are never drawn: their CDF step is empty. probs: (R, V) -> (R,)."""
+    0.44 ms per call on 16 x 1023 probabilities, a tenth of a decode step; this takes 0.04 ms, bench/decode_step.py).
+    Tokens with zero probability are never drawn: their CDF step is empty. probs: (R, V) -> (R,)."""
     cum = probs.cumsum(-1)
     u = torch.rand(probs.shape[0], 1, generator=gen, device=probs.device, dtype=cum.dtype) * cum[:, -1:]
     return torch.searchsorted(cum, u, right=True).clamp_(max=probs.shape[-1] - 1).squeeze(1)
 
 
 class _Live:
-    """The live decode batch: KV store left-padded to a common width, plus per-row bookkeeping."""
+    """The live decode batch: KV store left-padded to a common width, its (rows, width) bool mask (True = attend),
+    plus per-row bookkeeping."""
 
     def __init__(self, kv: HFCacheKV | BufferKV, attn: Tensor, pos: Tensor, last: Tensor, rows: list[dict]):
         self.kv, self.attn, self.pos, self.last, self.rows = kv, attn, pos, last, rows
@@ -168,7 +169,7 @@ class DecodeEngine:
             ids = torch.tensor([prompts[p] for p in pids], device=self.device)
             out = self.model(input_ids=ids, use_cache=True, logits_to_keep=1)
             self.stats.prefill_tokens += ids.numel()
-            part = _Live(HFCacheKV(out.past_key_values), torch.ones_like(ids), torch.full((len(pids),), length, device=self.device),
+            part = _Live(HFCacheKV(out.past_key_values), torch.ones_like(ids, dtype=torch.bool), torch.full((len(pids),), length, device=self.device),
                          ids[:, -1], [{"pid": p} for p in pids])
             last_logits.append(out.logits[:, -1].float())
             if batch is None:

@@ -6,10 +6,10 @@ Two stores behind one small interface (keep some rows, cut left padding, merge t
   and decodes with `Gpt2DecodeStep`, which runs the model's own weights through the same operations as
   transformers' GPT-2 but writes the new keys/values in place and skips the per-call machinery (mask building,
   cache objects, output classes, module dispatch). Why ours: on 2 CPU cores with 16 rows of a 4-layer 256-dim
-  GPT-2, transformers' forward took 6.4 ms per decode step of which 2.2 ms were the matrix multiplies; this step
-  takes 3.7 ms (bench/vs_trl.py measures the effect end to end). `LlamaDecodeStep` does the same for Llama-style
-  models (Llama, Qwen2, Mistral without a sliding window), calling the model's own norm, projection and MLP modules
-  (4.9 -> 4.1 ms per step for 16 rows of a 4-layer 256-dim Llama). Equality with transformers' forward is tested (log-probs
+  GPT-2, an engine step through transformers' forward takes 5-6 ms, of which 1.3-1.6 ms are the matrix multiplies;
+  through this step 3.6-3.9 ms (`bench/decode_step.py`). `LlamaDecodeStep` does the same for Llama-style models
+  (Llama, Qwen2, Mistral without a sliding window), calling the model's own norm, projection and MLP modules
+  (1.1-1.2x per step). Equality with transformers' forward is tested (log-probs
   within 1e-5 in fp32). Any other model, or one with options these steps do not implement, keeps transformers' path.
 """
 
@@ -22,8 +22,6 @@ from torch import Tensor
 
 class HFCacheKV:
     """A transformers DynamicCache, left-padded to a common width across rows."""
-
-    fast = False
 
     def __init__(self, cache):
         self.cache = cache
@@ -56,17 +54,16 @@ class BufferKV:
     """All layers' keys and values in one tensor (L, 2, R, H, capacity, D); columns [0, width) are in use.
 
     Capacity grows geometrically (by half the width, at least GROW columns) instead of reserving max_new_tokens up
-    front: with a long-tailed batch most rows leave long before the limit, and reserving the limit for every row cost
-    the rollout benchmark 8x the memory of transformers' cache and made each retirement copy the unused columns."""
+    front: with a long-tailed batch most rows leave long before the limit, and reserving the limit for every row made
+    the rollout benchmark 3x slower and 5x larger above idle (each retirement also copied the unused columns)."""
 
-    fast = True
     GROW = 32
 
-    def __init__(self, kv: Tensor, width: int, step: "Gpt2DecodeStep"):
+    def __init__(self, kv: Tensor, width: int, step: Gpt2DecodeStep | LlamaDecodeStep):
         self.kv, self._width, self.step = kv, width, step
 
     @classmethod
-    def from_cache(cls, cache, k: int, spare: int, step: "Gpt2DecodeStep") -> "BufferKV":
+    def from_cache(cls, cache, k: int, spare: int, step: Gpt2DecodeStep | LlamaDecodeStep) -> "BufferKV":
         """One allocation for the k rows of each prompt and up to `spare` empty columns (at most GROW)."""
         spare = min(spare, cls.GROW)
         layers = cache.layers
@@ -101,7 +98,7 @@ class BufferKV:
             grown = self.kv.new_zeros(*self.kv.shape[:4], self._width + max(self.GROW, self._width // 2), self.kv.shape[5])
             grown[..., : self._width, :] = self.kv
             self.kv = grown
-        logits = self.step(self.kv, self._width, last, pos, attn.bool())
+        logits = self.step(self.kv, self._width, last, pos, attn)
         self._width += 1
         return logits
 
@@ -130,15 +127,8 @@ class Gpt2DecodeStep:
         self.embed = (tr.wte.weight, tr.wpe.weight)
         self.blocks = [(ln(b.ln_1), b.attn.c_attn.weight, b.attn.c_attn.bias, b.attn.c_proj.weight, b.attn.c_proj.bias,
                         ln(b.ln_2), b.mlp.c_fc.weight, b.mlp.c_fc.bias, b.mlp.c_proj.weight, b.mlp.c_proj.bias,
-                        self._activation(b.mlp.act)) for b in tr.h]
+                        b.mlp.act) for b in tr.h]  # the model's own activation (models.load.fuse_activations)
         self.ln_f, self.lm_head = ln(tr.ln_f), self.model.lm_head
-
-    def _activation(self, act):
-        # transformers' gelu_new is the tanh approximation written out in Python ops; torch's fused kernel computes
-        # the same function (equality to 1e-5 is part of the engine test)
-        if self.model.config.activation_function in ("gelu_new", "gelu_pytorch_tanh"):
-            return lambda x: F.gelu(x, approximate="tanh")
-        return act
 
     @staticmethod
     def supports(model) -> bool:
