@@ -95,7 +95,7 @@ def test_lora_reference_is_the_actor_with_adapters_disabled(tiny_task, tmp_path)
     from rlfuse.models.load import load_causal_lm
     from rlfuse.rollout.engine import DecodeEngine, SamplingParams
     from rlfuse.rollout.score import Scorer, collate, response_logprobs
-    from rlfuse.trainers.rl import build_models
+    from rlfuse.models.build import build_models
 
     cfg = load_config(None, [f"rl.sft_path={tiny_task.model_dir}", "rl.reward=rlfuse.data.gold:gold_reward",
                              "rl.algo=grpo", "rl.k=2", "model.lora=true", *TINY])

@@ -4,7 +4,7 @@ equal the sampling log-probs (PPO ratio exactly 1 before the first step)."""
 import torch
 from transformers import GPT2Config, GPT2LMHeadModel
 
-from rlfuse.trainers.rl import disable_dropout
+from rlfuse.models.build import disable_dropout
 
 
 def test_disable_dropout_makes_training_forward_deterministic():
@@ -36,7 +36,7 @@ def test_fused_activation_computes_gelu_new():
 
 def test_gradient_checkpointing_keeps_the_gradients():
     from rlfuse.rollout.score import collate, response_logprobs
-    from rlfuse.trainers.rl import enable_gradient_checkpointing
+    from rlfuse.models.build import enable_gradient_checkpointing
 
     torch.manual_seed(0)
     cfg = GPT2Config(vocab_size=50, n_positions=32, n_embd=32, n_layer=2, n_head=2)
