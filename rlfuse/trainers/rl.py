@@ -159,13 +159,19 @@ def micro_value_loss(critic, exp: Experience, idx: list[int], returns, rl: RLCon
     return loss, {"train/value_loss": loss.detach(), "train/value_clip_frac": st["clip_frac"]}
 
 
-def count_bad_step(bad: dict, rl: RLConfig, why: str) -> None:
-    """A skipped update: counted; rl.max_bad_steps in a row end the run."""
+def count_bad_step(bad: dict, rl: RLConfig, why: str, stop: bool = True) -> None:
+    """A skipped update: counted; rl.max_bad_steps in a row end the run (at once, or at stop_if_diverged)."""
     bad["skipped"] += 1
     bad["consecutive"] += 1
+    bad["why"] = why
+    if stop:
+        stop_if_diverged(bad, rl)
+
+
+def stop_if_diverged(bad: dict, rl: RLConfig) -> None:
     if bad["consecutive"] >= rl.max_bad_steps:
-        raise UserError(f"training diverged: {bad['consecutive']} consecutive updates skipped, the last for {why} "
-                        "(lower rl.lr, raise rl.kl_coef, or check rl.reward); last checkpoint kept")
+        raise UserError(f"training diverged: {bad['consecutive']} consecutive updates skipped, the last for "
+                        f"{bad.get('why')} (lower rl.lr, raise rl.kl_coef, or check rl.reward); last checkpoint kept")
 
 
 def optimise(learners: list[Learner], batches: list[list[int]], exp: Experience, micro_size: int,
@@ -241,10 +247,11 @@ def update(models: Models, learners: Learners, exp: Experience, adv, returns, rl
 
 
 def count_nonfinite_rewards(exp: Experience, rl: RLConfig, bad: dict) -> int:
-    """Non-finite rewards of the iteration; any skips its update, counted like a non-finite loss."""
+    """Non-finite rewards of the iteration; any skips its update, counted like a non-finite loss (the loop logs the
+    iteration's row before stop_if_diverged ends the run)."""
     n = int((~torch.isfinite(exp.scores)).sum())
     if n:
-        count_bad_step(bad, rl, f"non-finite rewards ({n} of {len(exp)} samples)")
+        count_bad_step(bad, rl, f"non-finite rewards ({n} of {len(exp)} samples)", stop=False)
     return n
 
 
@@ -339,6 +346,7 @@ def train_rl(cfg: Config, run_dir: Path, log=print, resume: bool = False, on_rea
             row |= {"time/training": t2 - t1, "time/iteration": t2 - t0, "train/skipped_steps": bad["skipped"],
                     "rollout/samples_per_s": len(exp) / (t2 - t0), "rollout/tokens_per_s": float(exp.mask.sum()) / (t2 - t0)}
             tracker.log(it + 1, **row)
+            stop_if_diverged(bad, rl)
             if (it + 1) % rl.ckpt_every == 0 or it + 1 == rl.iterations:
                 save_checkpoint(ckpt, **dict(zip(CHECKPOINT_KEYS, checkpoint_parts(models, learners))),
                                 iteration=it + 1, kl_coef=kl_ctl.coef, counters=bad)
