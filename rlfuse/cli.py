@@ -47,13 +47,30 @@ def cmd_rm(cfg: Config) -> int:
     return 0
 
 
+def write_rl_results(run_dir: Path, result: dict) -> Path:
+    """eval.json (before/after, in rl/ and the run folder), samples_after.json, and the report; returns its path."""
+    import json
+
+    from rlfuse.evaluation import EVAL_SAMPLES_KEPT
+    from rlfuse.metrics.report import write_report
+
+    evals = json.dumps({"before": result["before"], "after": result["after"]}, indent=2)
+    (run_dir / "rl" / "eval.json").write_text(evals)
+    (run_dir / "eval.json").write_text(evals)
+    (run_dir / "rl" / "samples_after.json").write_text(json.dumps(result["samples_after"][:EVAL_SAMPLES_KEPT], indent=1))
+    return write_report(run_dir)
+
+
 def cmd_rl(cfg: Config, resume: str | None = None) -> int:
+    from rlfuse.evaluation import eval_table
     from rlfuse.runs import make_run_dir
-    from rlfuse.trainers.rl import eval_table, train_rl
+    from rlfuse.trainers.rl import train_rl
 
     run_dir = Path(resume) if resume else make_run_dir(cfg, "rl")
     result = train_rl(cfg, run_dir, log, resume=bool(resume))
+    report = write_rl_results(run_dir, result)
     print(eval_table(result))
+    print(f"report: {report}")
     print(f"run folder: {run_dir}")
     return 0
 
@@ -61,8 +78,9 @@ def cmd_rl(cfg: Config, resume: str | None = None) -> int:
 def cmd_run(cfg: Config, resume: str | None = None) -> int:
     """The whole pipeline on one config: SFT, reward model on the SFT backbone, then RL. With --resume, finished
     stages are kept and RL continues from its last checkpoint."""
+    from rlfuse.evaluation import eval_table
     from rlfuse.runs import make_run_dir
-    from rlfuse.trainers.rl import eval_table, train_rl
+    from rlfuse.trainers.rl import train_rl
     from rlfuse.trainers.rm import train_rm
     from rlfuse.trainers.sft import train_sft
 
@@ -73,6 +91,7 @@ def cmd_run(cfg: Config, resume: str | None = None) -> int:
     sft = _summary(run_dir, "sft") if done("sft") else vars(train_sft(cfg, run_dir, log))
     rm = _summary(run_dir, "rm") if done("rm") else vars(train_rm(cfg, run_dir, log))
     rl = train_rl(cfg, run_dir, log, resume=bool(resume))
+    report = write_rl_results(run_dir, rl)
     total = time.perf_counter() - t0
     gram = f", grammatical rate {sft['grammatical_rate']:.3f}" if sft.get("grammatical_rate") is not None else ""
     print("\n".join([
@@ -86,7 +105,7 @@ def cmd_run(cfg: Config, resume: str | None = None) -> int:
         eval_table(rl),
         "",
     ]))
-    print(f"report: {rl['report']}")
+    print(f"report: {report}")
     print(f"run folder: {run_dir}")
     return 0
 

@@ -179,8 +179,10 @@ class RLConfig:
     """GAE lambda (ppo)."""
     loss_level: str = "token"
     """token | sequence averaging of the policy loss."""
-    kl_estimator: str = "k1"
-    """k1 | k2 | k3 per-token KL estimator."""
+    kl_estimator: Optional[str] = None
+    """k1 | k2 | k3 per-token KL estimator, used for the KL penalty (in the reward or, for grpo, in the loss), the
+    logged reward/kl and the adaptive controller alike. null: k3 for grpo (as DeepSeekMath), k1 otherwise (as Ziegler
+    et al.); see `kl_estimator_used`."""
     kl_coef: float = 0.2
     """Initial KL coefficient."""
     kl_target: Optional[float] = 4.0
@@ -204,7 +206,8 @@ class RLConfig:
     """Switch dropout off in the actor and critic during RL: with dropout the update's log-probs are noisy draws, so
     the PPO ratio is not 1 on the very samples just drawn (OpenRLHF and veRL do the same; TRL's disable_dropout)."""
     whiten_advantages: bool = True
-    """Normalise advantages over each iteration's response tokens."""
+    """Shift and scale each iteration's advantages to mean 0, std 1: over response tokens for ppo (one advantage per
+    token), over samples for rloo and grpo (one advantage per sample)."""
     sft_path: Optional[str] = None
     """Actor/reference folder for `rlfuse rl`; default RUN_DIR/sft/model."""
     rm_path: Optional[str] = None
@@ -214,7 +217,12 @@ class RLConfig:
     eval_prompts: int = 128
     """Held-out prompts for the before/after evaluation (0 skips it)."""
     max_bad_steps: int = 3
-    """Stop after this many consecutive updates skipped for NaN/inf."""
+    """Stop after this many consecutive updates skipped for NaN/inf (a loss, or a reward of the iteration)."""
+
+    @property
+    def kl_estimator_used(self) -> str:
+        """kl_estimator, or the algorithm's default when it is null."""
+        return self.kl_estimator or ("k3" if self.algo == "grpo" else "k1")
 
 
 @dataclass
@@ -408,7 +416,8 @@ def _validate_rl(cfg: Config) -> None:
     rl, ro = cfg.rl, cfg.rollout
     _choice(rl.algo, "rl.algo", ("ppo", "rloo", "grpo"))
     _choice(rl.loss_level, "rl.loss_level", ("token", "sequence"))
-    _choice(rl.kl_estimator, "rl.kl_estimator", ("k1", "k2", "k3"))
+    if rl.kl_estimator is not None:
+        _choice(rl.kl_estimator, "rl.kl_estimator", ("k1", "k2", "k3"))
     _choice(rl.critic_init, "rl.critic_init", ("rm", "sft", "actor"))
     _positive(rl, "rl", "iterations", "prompts_per_iter", "k", "max_new_tokens", "temperature", "lr", "critic_lr",
               "epochs", "mini_batch_size", "micro_batch_size", "clip", "kl_horizon", "ckpt_every", "max_bad_steps")

@@ -6,6 +6,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from rlfuse.algos.stats import level_mean
+
 
 def sft_loss(logits: Tensor, labels: Tensor, normalizer: float | Tensor | None = None) -> Tensor:
     """Next-token cross-entropy over labelled tokens (labels == -100 are ignored: prompt or padding).
@@ -41,13 +43,7 @@ def ppo_policy_loss(logprobs: Tensor, old_logprobs: Tensor, advantages: Tensor, 
     ratio = log_ratio.exp()
     unclipped = -advantages * ratio
     clipped = -advantages * ratio.clamp(1 - clip_eps, 1 + clip_eps)
-    per_token = torch.maximum(unclipped, clipped)
-    if level == "token":
-        loss = (per_token * m).sum() / m.sum().clamp(min=1)
-    elif level == "sequence":
-        loss = ((per_token * m).sum(1) / m.sum(1).clamp(min=1)).mean()
-    else:
-        raise ValueError(f"level must be 'token' or 'sequence', got {level!r}")
+    loss = level_mean(torch.maximum(unclipped, clipped), m, level)
     with torch.no_grad():
         n = m.sum().clamp(min=1)
         clip_frac = ((clipped > unclipped).to(m.dtype) * m).sum() / n

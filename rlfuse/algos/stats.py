@@ -14,6 +14,16 @@ def masked_mean(x: Tensor, mask: Tensor, dim: int | None = None) -> Tensor:
     return (x * mask).sum(dim) / mask.sum(dim).clamp(min=1)
 
 
+def level_mean(x: Tensor, mask: Tensor, level: str) -> Tensor:
+    """Mean of per-token x over a batch of responses. x, mask: (B, T). "token": over all response tokens of the batch;
+    "sequence": within each response first, then over responses (every response weighs the same, as GRPO)."""
+    if level == "token":
+        return masked_mean(x, mask)
+    if level == "sequence":
+        return masked_mean(x, mask, dim=1).mean()
+    raise ValueError(f"level must be 'token' or 'sequence', got {level!r}")
+
+
 def masked_var(x: Tensor, mask: Tensor, unbiased: bool = True) -> Tensor:
     """Variance of the masked entries (Bessel-corrected by default, as TRL/OpenAI's `whiten`)."""
     mean = masked_mean(x, mask)

@@ -96,3 +96,13 @@ def memory_metrics(device) -> dict:
         out["mem/cuda_reserved_peak_mb"] = torch.cuda.max_memory_reserved() / 2**20
         torch.cuda.reset_peak_memory_stats()
     return out
+
+
+def truncate_metrics(path: str | Path, step: int) -> None:
+    """Drop rows logged after `step` (a resumed run logs those steps again), by writing a copy then renaming."""
+    path = Path(path)
+    if path.exists():
+        rows = [r for r in read_metrics(path) if r.get("step", 0) <= step]
+        tmp = path.with_suffix(".tmp")
+        tmp.write_text("".join(json.dumps(r) + "\n" for r in rows))
+        tmp.replace(path)

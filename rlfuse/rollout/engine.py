@@ -122,6 +122,22 @@ class DecodeEngine:
         return next(self.model.parameters()).device
 
     @torch.no_grad()
+    def load_weights(self, tensors) -> int:
+        """TEMP stub (the engine branch brings the real one): copy tensors into the engine model by its own
+        state_dict names, refresh the lean decode step; returns the bytes copied."""
+        own = self.model.state_dict()
+        items = tensors.items() if hasattr(tensors, "items") else tensors
+        n = 0
+        for name, t in items:
+            if name not in own:
+                raise KeyError(f"load_weights: the engine model has no tensor {name!r}")
+            own[name].copy_(t)
+            n += t.numel() * t.element_size()
+        if self.fast_step is not None:
+            self.fast_step.refresh()
+        return n
+
+    @torch.no_grad()
     def generate(self, prompts: list[list[int]], k: int, params: SamplingParams, seed: int,
                  lengths=None) -> Iterator[Sample]:
         """Yield every (prompt, sample) pair once, as it finishes. prompts: token ids, BOS included.

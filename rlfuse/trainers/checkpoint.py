@@ -17,14 +17,18 @@ def trainable_state(module: torch.nn.Module | None) -> dict | None:
     return {n: p.detach().clone() for n, p in module.named_parameters() if p.requires_grad}
 
 
-def save_checkpoint(path: Path, *, iteration: int, actor, critic, opt_actor, opt_critic, kl_coef: float,
-                    counters: dict) -> None:
+def save_checkpoint(path: Path, *, iteration: int, actor, critic, opt_actor, opt_critic, sched_actor, sched_critic,
+                    kl_coef: float, counters: dict) -> None:
+    """Weights that train, optimiser and LR-scheduler states, the KL coefficient, the bad-step counters and every
+    RNG state: what a resumed run needs to repeat an uninterrupted one bit for bit."""
     state = {
         "iteration": iteration,
         "actor": trainable_state(actor),
         "critic": trainable_state(critic),
         "opt_actor": opt_actor.state_dict(),
         "opt_critic": opt_critic.state_dict() if opt_critic is not None else None,
+        "sched_actor": sched_actor.state_dict(),
+        "sched_critic": sched_critic.state_dict() if sched_critic is not None else None,
         "kl_coef": kl_coef,
         "counters": counters,
         "rng": {"torch": torch.get_rng_state(), "numpy": np.random.get_state(), "python": random.getstate()},
@@ -34,8 +38,9 @@ def save_checkpoint(path: Path, *, iteration: int, actor, critic, opt_actor, opt
     os.replace(tmp, path)
 
 
-def load_checkpoint(path: Path, actor, critic, opt_actor, opt_critic) -> dict:
-    """Restore weights, optimiser and RNG states in place; returns the rest (iteration, kl_coef, counters)."""
+def load_checkpoint(path: Path, actor, critic, opt_actor, opt_critic, sched_actor, sched_critic) -> dict:
+    """Restore weights, optimiser, LR-scheduler and RNG states in place; returns the rest (iteration, kl_coef,
+    counters)."""
     state = torch.load(path, weights_only=False)
     for module, key in ((actor, "actor"), (critic, "critic")):
         if module is not None and state[key] is not None:
@@ -45,6 +50,9 @@ def load_checkpoint(path: Path, actor, critic, opt_actor, opt_critic) -> dict:
     opt_actor.load_state_dict(state["opt_actor"])
     if opt_critic is not None and state["opt_critic"] is not None:
         opt_critic.load_state_dict(state["opt_critic"])
+    for sched, key in ((sched_actor, "sched_actor"), (sched_critic, "sched_critic")):
+        if sched is not None and state.get(key) is not None:  # checkpoints before scheduler state have none
+            sched.load_state_dict(state[key])
     torch.set_rng_state(state["rng"]["torch"])
     np.random.set_state(state["rng"]["numpy"])
     random.setstate(state["rng"]["python"])

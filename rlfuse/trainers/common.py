@@ -45,14 +45,19 @@ def autocast(device: torch.device, precision: str):
     return torch.autocast("cuda", dtype=torch.bfloat16 if precision == "bf16" else torch.float16)
 
 
-def build_optimizer(model: torch.nn.Module, lr: float, weight_decay: float, warmup: int, total: int):
-    """AdamW (no decay on biases and norms) and a warm-up + cosine-to-10% schedule."""
+def build_adamw(model: torch.nn.Module, lr: float, weight_decay: float) -> torch.optim.AdamW:
+    """AdamW over the trainable parameters, no decay on biases and norms."""
     decay, no_decay = [], []
     for n, p in model.named_parameters():
         if p.requires_grad:
             (no_decay if p.ndim < 2 else decay).append(p)
-    opt = torch.optim.AdamW([{"params": decay, "weight_decay": weight_decay},
-                             {"params": no_decay, "weight_decay": 0.0}], lr=lr, betas=(0.9, 0.95))
+    return torch.optim.AdamW([{"params": decay, "weight_decay": weight_decay},
+                              {"params": no_decay, "weight_decay": 0.0}], lr=lr, betas=(0.9, 0.95))
+
+
+def build_optimizer(model: torch.nn.Module, lr: float, weight_decay: float, warmup: int, total: int):
+    """AdamW (build_adamw) and a warm-up + cosine-to-10% schedule."""
+    opt = build_adamw(model, lr, weight_decay)
 
     def factor(step: int) -> float:
         if step < warmup:
@@ -61,6 +66,13 @@ def build_optimizer(model: torch.nn.Module, lr: float, weight_decay: float, warm
         return 0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * progress))
 
     return opt, torch.optim.lr_scheduler.LambdaLR(opt, factor)
+
+
+def build_constant_optimizer(model: torch.nn.Module, lr: float):
+    """AdamW (build_adamw, no weight decay) at a constant learning rate: an explicit constant schedule, so the
+    scheduler state saved in a checkpoint says what it is."""
+    opt = build_adamw(model, lr, 0.0)
+    return opt, torch.optim.lr_scheduler.ConstantLR(opt, factor=1.0, total_iters=0)
 
 
 def batch_indices(lengths: list[int], batch_size: int, steps: int, seed: int, group: int = 32):

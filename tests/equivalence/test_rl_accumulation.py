@@ -1,60 +1,100 @@
-"""The RL update: micro-batches 1x8 and 8x1 give the same gradients (actor and critic)."""
+"""The real RL update functions (update_actor, update_critic): micro-batches 8x1 and 1x8 give the same updated weights
+(plain SGD, one epoch, one mini-batch of 8, no clipping) for the actor and the critic, on responses of different
+lengths, for ppo (token and sequence level, separate critic and a head on the actor's body), rloo and grpo."""
 
 import pytest
 import torch
+from transformers import GPT2Config, GPT2LMHeadModel
 
 from rlfuse.config import load_config
-from rlfuse.data.collate import encode
-from rlfuse.data.gold import gold_reward
+from rlfuse.models.build import disable_dropout
 from rlfuse.models.heads import ValueModel
-from rlfuse.models.load import load_causal_lm, load_tokenizer
-from rlfuse.rollout.engine import DecodeEngine, SamplingParams
-from rlfuse.rollout.fusion import FusionPolicy, generate_rollouts
-from rlfuse.rollout.score import Scorer, function_reward_fn
-from rlfuse.trainers.rl import Models, compute_advantages, micro_batch_loss
+from rlfuse.rollout.fusion import Experience
+from rlfuse.rollout.score import collate, response_logprobs
+from rlfuse.trainers.rl import Learner, compute_advantages, minibatches, update_actor, update_critic
+
+N, PAD = 8, 0
 
 
-def make(tiny_task, algo):
-    tok = load_tokenizer(str(tiny_task.model_dir))
-    torch.manual_seed(0)
-    actor = load_causal_lm(str(tiny_task.model_dir))
-    ref = load_causal_lm(str(tiny_task.model_dir)).requires_grad_(False)
-    critic = ValueModel.from_causal_lm(load_causal_lm(str(tiny_task.model_dir))) if algo == "ppo" else None
-    if critic is not None:
-        torch.nn.init.normal_(critic.head.weight, std=0.1)
-    models = Models(tok, actor, ref, critic, function_reward_fn(gold_reward, tok))
+def tiny_lm(seed):
+    torch.manual_seed(seed)
+    model = GPT2LMHeadModel(GPT2Config(vocab_size=40, n_positions=32, n_embd=32, n_layer=2, n_head=2)).train()
+    disable_dropout(model)
+    return model
+
+
+def experience(actor, k):
+    """Hand-made samples of lengths 1..6 (prompts of 2..5 tokens); old log-probs near the actor's own, so some ratios
+    clip and some do not."""
+    g = torch.Generator().manual_seed(1)
+    n_prompts = N // k
+    prompts = [torch.randint(1, 40, (2 + i % 4,), generator=g).tolist() for i in range(n_prompts)]
+    prompt_ids = [prompts[i // k] for i in range(N)]
+    response_ids = [torch.randint(1, 40, (1 + (3 * i) % 6,), generator=g).tolist() for i in range(N)]
+    mb = collate(prompt_ids, response_ids, PAD, "cpu")
+    with torch.no_grad():
+        lp = response_logprobs(actor, mb)
+    T = mb.mask.shape[1]
+    noise = lambda s: s * torch.randn(N, T, generator=g) * mb.mask
+    return Experience(prompt_ids, response_ids, torch.arange(N) // k, torch.randn(N, generator=g), lp + noise(0.2),
+                      lp + noise(0.3), noise(1.0), mb.mask, ["eos"] * N)
+
+
+def run_update(algo, level, shared, micro):
     k = 1 if algo == "ppo" else 4
-    cfg = load_config(None, [f"rl.algo={algo}", f"rl.k={k}", "rl.mini_batch_size=8", "rl.micro_batch_size=8",
-                             "rl.prompts_per_iter=8", "rl.kl_coef=0.1"])
-    prompts = [encode(tok, p) for p in ["the acting", "the old", "i really", "this film", "the plot", "it is",
-                                        "the villain", "later, the"]][: 8 // k]
-    scorer = Scorer(models.reward_fn, tok.pad_token_id, ref=ref, actor=actor, critic=critic)
-    exp = generate_rollouts(DecodeEngine(actor, tok.eos_token_id), scorer, prompts, k, SamplingParams(10), 3,
-                            FusionPolicy(True, 4))
-    return models, exp, cfg.rl
+    rl = load_config(None, [f"rl.algo={algo}", f"rl.k={k}", "rl.epochs=1", f"rl.mini_batch_size={N}",
+                            f"rl.micro_batch_size={micro}", "rl.grad_clip=0", f"rl.loss_level={level}",
+                            "rl.prompts_per_iter=8"]).rl
+    actor = tiny_lm(0)
+    exp = experience(actor, k)
+    critic = None
+    if algo == "ppo":
+        critic = ValueModel.from_causal_lm(actor if shared else tiny_lm(1))
+        torch.nn.init.normal_(critic.head.weight, std=0.1)
 
+    def sgd(module):
+        opt = torch.optim.SGD([p for p in module.parameters() if p.requires_grad], lr=0.5)
+        return Learner(module, opt, torch.optim.lr_scheduler.ConstantLR(opt, 1.0, 0))
 
-@pytest.mark.parametrize("algo,level", [("ppo", "token"), ("ppo", "sequence"), ("grpo", "token")])
-def test_micro_batches_1x8_equal_8x1(tiny_task, algo, level):
-    models, exp, rl = make(tiny_task, algo)
-    rl.loss_level = level
     adv, returns, _ = compute_advantages(exp, rl, 0.1)
-    # perturb the old log-probs so ratios differ from 1 and clipping is exercised
-    exp.logprobs = exp.logprobs + 0.3 * torch.randn_like(exp.logprobs) * exp.mask
-    grads = []
-    for micro in (8, 1):
-        for m in (models.actor, models.critic):
-            if m is not None:
-                m.zero_grad(set_to_none=True)
-        mini = list(range(8))
-        total = float(exp.mask[mini].sum()) if level == "token" else 8.0
-        for s in range(0, 8, micro):
-            idx = mini[s: s + micro]
-            share = (float(exp.mask[idx].sum()) if level == "token" else len(idx)) / total
-            loss, critic_loss, _ = micro_batch_loss(models, exp, idx, adv, returns, rl, 0.1, share)
-            (loss + (critic_loss if critic_loss is not None else 0)).backward()
-        grads.append({n: p.grad.clone() for m in (models.actor, models.critic) if m is not None
-                      for n, p in m.named_parameters() if p.grad is not None})
-    assert grads[0].keys() == grads[1].keys() and len(grads[0]) > 10
-    for n in grads[0]:
-        torch.testing.assert_close(grads[0][n], grads[1][n], msg=n)
+    batches, bad = minibatches(N, rl, 0, 0), {"skipped": 0, "consecutive": 0}
+    head = (critic, sgd(critic.head), returns) if shared else None
+    stats = update_actor(sgd(actor), exp, adv, batches, rl, 0.1, PAD, bad, head)
+    if critic is not None and not shared:
+        stats |= update_critic(sgd(critic), exp, returns, batches, rl, PAD, bad)
+    assert bad["skipped"] == 0 and stats["train/clip_frac"] > 0
+    models = {"actor": actor} | ({"critic": critic} if critic is not None else {})
+    return {f"{r}.{n}": p.detach().clone() for r, m in models.items() for n, p in m.named_parameters()}
+
+
+@pytest.mark.parametrize("algo,level,shared", [("ppo", "token", False), ("ppo", "sequence", False),
+                                               ("ppo", "token", True), ("rloo", "token", False),
+                                               ("grpo", "token", False), ("grpo", "sequence", False)])
+def test_micro_batches_1x8_equal_8x1(algo, level, shared):
+    start = {f"actor.{n}": p.detach().clone() for n, p in tiny_lm(0).named_parameters()}
+    whole, split = run_update(algo, level, shared, N), run_update(algo, level, shared, 1)
+    assert whole.keys() == split.keys()
+    moved = [n for n in start if not torch.equal(start[n], whole[n])]
+    assert len(moved) == len(start), "every actor parameter must change"
+    for n in whole:
+        torch.testing.assert_close(split[n], whole[n], msg=n)
+
+
+def test_wrong_weighting_fails():
+    """The comparison above can fail: weighting micro-batches equally (not by their share of tokens) moves the
+    weights differently on responses of different lengths."""
+    import rlfuse.trainers.rl as rl_mod
+
+    whole = run_update("ppo", "token", False, N)
+    real = rl_mod.micro_batches
+
+    def equal_shares(exp, mini, size):
+        for idx, share in real(exp, mini, size):
+            yield idx, {"token": len(idx) / len(mini), "sequence": len(idx) / len(mini)}
+
+    rl_mod.micro_batches = equal_shares
+    try:
+        wrong = run_update("ppo", "token", False, 1)
+    finally:
+        rl_mod.micro_batches = real
+    assert any(not torch.allclose(whole[n], wrong[n]) for n in whole)

@@ -95,7 +95,7 @@ def test_lora_reference_is_the_actor_with_adapters_disabled(tiny_task, tmp_path)
     from rlfuse.models.load import load_causal_lm
     from rlfuse.rollout.engine import DecodeEngine, SamplingParams
     from rlfuse.rollout.score import Scorer, collate, response_logprobs
-    from rlfuse.trainers.rl import build_models
+    from rlfuse.models.build import build_models
 
     cfg = load_config(None, [f"rl.sft_path={tiny_task.model_dir}", "rl.reward=rlfuse.data.gold:gold_reward",
                              "rl.algo=grpo", "rl.k=2", "model.lora=true", *TINY])
@@ -113,3 +113,44 @@ def test_lora_reference_is_the_actor_with_adapters_disabled(tiny_task, tmp_path)
         sft_lp = response_logprobs(load_causal_lm(str(tiny_task.model_dir)), mb)[0]
     torch.testing.assert_close(scored.ref_logprobs, sft_lp)
     assert not torch.allclose(scored.ref_logprobs, sample.logprobs, atol=1e-3)  # the actor itself has moved
+
+
+NAN_CALLS: set = set()
+REWARD_CALLS: list = []
+
+
+def reward_nan_on_some_calls(texts):
+    """The gold reward, but the first sample's reward is NaN on the calls numbered in NAN_CALLS (call 0 is the
+    "before" evaluation; with fusion off, call i is iteration i)."""
+    from rlfuse.data.gold import gold_reward
+
+    REWARD_CALLS.append(len(texts))
+    scores = list(gold_reward(texts))
+    if len(REWARD_CALLS) - 1 in NAN_CALLS:
+        scores[0] = float("nan")
+    return scores
+
+
+@pytest.mark.parametrize("nan_calls,code", [({2}, 0), ({1, 2}, 2)])
+def test_nonfinite_rewards_skip_the_update_log_the_row_and_stop_on_repeat(tiny_task, tmp_path, capsys, nan_calls, code):
+    NAN_CALLS.clear(), NAN_CALLS.update(nan_calls), REWARD_CALLS.clear()
+    args = [f"rl.sft_path={tiny_task.model_dir}", f"rl.reward={__name__}:reward_nan_on_some_calls", "rl.algo=rloo",
+            "rl.k=2", f"run.dir={tmp_path}", *TINY, *RL_TINY, "rl.iterations=3", "rl.max_bad_steps=2",
+            "rollout.fusion=false", "rollout.micro_batch_size=32"]
+    assert main(["rl", *args]) == code
+    rows = [json.loads(l) for l in (tmp_path / "rl" / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows] == ([1, 2, 3] if code == 0 else [1, 2])  # no hole, the stopping row included
+    bad = [r["step"] for r in rows if r["reward/nonfinite"]]
+    assert bad == sorted(nan_calls) and all(rows[s - 1]["reward/nonfinite"] == 1 for s in bad)
+    assert [("train/policy_loss" in r) for r in rows] == [r["step"] not in nan_calls for r in rows]
+    assert rows[-1]["train/skipped_steps"] == len(nan_calls)
+    if code:
+        assert "non-finite rewards (1 of 8 samples)" in capsys.readouterr().err
+
+
+def test_checkpoint_holds_a_constant_lr_schedule(tiny_task, tmp_path):
+    assert main(["rl", f"rl.sft_path={tiny_task.model_dir}", "rl.reward=rlfuse.data.gold:gold_reward", "rl.critic_init=sft",
+                 f"run.dir={tmp_path}", *TINY, *RL_TINY, "rl.lr=3e-3", "rl.critic_lr=2e-3", "rl.eval_prompts=0"]) == 0
+    ckpt = torch.load(tmp_path / "rl" / "checkpoint.pt", weights_only=False)
+    assert ckpt["sched_actor"]["_last_lr"] == [3e-3, 3e-3] and ckpt["sched_critic"]["_last_lr"] == [2e-3, 2e-3]
+    assert ckpt["sched_actor"]["last_epoch"] == 2  # one optimiser step per iteration (4 samples, mini-batch 4)

@@ -182,3 +182,40 @@ def test_value_loss_hand_computed():
     # token 0: unclipped (1-2)^2 = 1, clipped (0.5-2)^2 = 2.25 -> 2.25 ; token 1: 1 and 1 -> 1
     assert_close(loss, torch.tensor(0.5 * (2.25 + 1) / 2))
     assert_close(st["clip_frac"], torch.tensor(0.5))
+
+
+def _exp(scores, logprobs, ref_logprobs):
+    from rlfuse.rollout.fusion import Experience
+
+    n, t = logprobs.shape
+    return Experience([[1]] * n, [[2] * t] * n, torch.arange(n), scores, logprobs, ref_logprobs, torch.zeros(n, t),
+                      torch.ones(n, t), ["eos"] * n)
+
+
+@pytest.mark.parametrize("algo", ["rloo", "grpo"])
+def test_whiten_advantages_applies_to_every_sequence_algorithm(algo):
+    from rlfuse.config import load_config
+    from rlfuse.trainers.rl import compute_advantages
+
+    exp = _exp(torch.tensor([1.0, 2.0, 4.0, 0.0, 3.0, 9.0]), torch.zeros(6, 2), torch.zeros(6, 2))
+    cfg = lambda w: load_config(None, [f"rl.algo={algo}", "rl.k=2", f"rl.whiten_advantages={w}"]).rl
+    raw, _, _ = compute_advantages(exp, cfg("false"), 0.0)
+    white, _, _ = compute_advantages(exp, cfg("true"), 0.0)
+    assert_close(raw, ADVANTAGE_FNS[algo](exp.scores, 2))
+    assert_close(white, (raw - raw.mean()) / raw.std())
+    assert not torch.allclose(white, raw)
+
+
+def test_kl_estimator_default_and_grpo_loss_use_the_configured_one():
+    from rlfuse.config import load_config
+    from rlfuse.trainers.rl import compute_advantages
+
+    assert load_config(None, ["rl.algo=grpo", "rl.k=2"]).rl.kl_estimator_used == "k3"
+    assert load_config(None, ["rl.algo=rloo", "rl.k=2"]).rl.kl_estimator_used == "k1"
+    assert load_config(None, ["rl.algo=grpo", "rl.k=2", "rl.kl_estimator=k2"]).rl.kl_estimator_used == "k2"
+    lp, ref = torch.tensor([[-1.0, -2.0], [-0.5, -1.5]]), torch.tensor([[-1.5, -1.0], [-0.5, -2.5]])
+    exp = _exp(torch.tensor([1.0, 0.0]), lp, ref)
+    for est in ("k1", "k2", "k3"):  # the KL the controller measures is the configured estimator's
+        rl = load_config(None, ["rl.algo=grpo", "rl.k=2", f"rl.kl_estimator={est}"]).rl
+        _, _, kl = compute_advantages(exp, rl, 0.1)
+        assert_close(kl, kl_penalty(lp, ref, est))

@@ -1,10 +1,11 @@
 """RL model setup: dropout is switched off in training mode, so the update's log-probs of the samples just drawn
 equal the sampling log-probs (PPO ratio exactly 1 before the first step)."""
 
+import pytest
 import torch
 from transformers import GPT2Config, GPT2LMHeadModel
 
-from rlfuse.trainers.rl import disable_dropout
+from rlfuse.models.build import disable_dropout
 
 
 def test_disable_dropout_makes_training_forward_deterministic():
@@ -36,7 +37,7 @@ def test_fused_activation_computes_gelu_new():
 
 def test_gradient_checkpointing_keeps_the_gradients():
     from rlfuse.rollout.score import collate, response_logprobs
-    from rlfuse.trainers.rl import enable_gradient_checkpointing
+    from rlfuse.models.build import enable_gradient_checkpointing
 
     torch.manual_seed(0)
     cfg = GPT2Config(vocab_size=50, n_positions=32, n_embd=32, n_layer=2, n_head=2)
@@ -53,3 +54,37 @@ def test_gradient_checkpointing_keeps_the_gradients():
         grads.append({n: p.grad.clone() for n, p in model.named_parameters()})
     for name, g in grads[0].items():
         torch.testing.assert_close(grads[1][name], g, msg=name)
+
+
+@pytest.mark.parametrize("lora", [False, True])
+def test_generator_gets_the_actors_weights_after_an_update(tiny_task, tmp_path, lora):
+    """The generator is its own plain model: after an optimiser step on the actor, load_weights(policy_weights(actor))
+    makes its logits the actor's (with LoRA: base + delta, computed out of place, so the actor's base is untouched)."""
+    from rlfuse.config import load_config
+    from rlfuse.models.build import build_models
+    from rlfuse.models.weights import policy_weights
+    from rlfuse.rollout.engine import DecodeEngine
+    from rlfuse.rollout.score import collate, response_logprobs
+    from rlfuse.trainers.rl import Learner
+
+    cfg = load_config(None, [f"rl.sft_path={tiny_task.model_dir}", "rl.reward=rlfuse.data.gold:gold_reward",
+                             "rl.algo=grpo", "rl.k=2", f"model.lora={str(lora).lower()}"])
+    models = build_models(cfg, tmp_path, torch.device("cpu"))
+    assert not hasattr(models.generator, "peft_config") and models.generator is not models.actor
+    base_before = {n: p.clone() for n, p in models.actor.named_parameters() if not p.requires_grad}
+    actor = Learner.constant(models.actor, 1e-2)
+    mb = collate([[1, 2, 3], [4, 5]], [[6, 7, 8, 9], [10, 11]], 0, "cpu")
+    response_logprobs(models.actor, mb).sum().backward()
+    actor.step(0.0)
+    engine = DecodeEngine(models.generator, models.tokenizer.eos_token_id)
+    ids = torch.tensor([[5, 9, 13, 2, 7, 30, 11]])
+    with torch.no_grad():
+        stale = models.generator(ids).logits
+        assert engine.load_weights(policy_weights(models.actor)) > 0
+        want, got = models.actor.eval()(ids).logits, models.generator(ids).logits
+    assert not torch.allclose(stale, want, atol=1e-4)  # the update moved the actor
+    torch.testing.assert_close(got, want, atol=1e-5, rtol=0)  # merged LoRA rounds differently: 1e-5 as the issue asks
+    for n, p in models.actor.named_parameters():
+        if n in base_before:
+            assert torch.equal(p, base_before[n]), n
+    assert engine.fast_step is not None  # the lean GPT-2 step applies to LoRA runs too

@@ -1,0 +1,77 @@
+"""Held-out evaluation of a policy (before and after RL) and the gold score of an iteration's samples on the default
+task: the numbers that say whether the policy really improved or only fooled the reward model."""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+from rlfuse.algos.kl import kl_penalty
+from rlfuse.config import RLConfig
+from rlfuse.rollout.engine import DecodeEngine, SamplingParams
+from rlfuse.rollout.fusion import Experience, FusionPolicy, generate_rollouts
+from rlfuse.rollout.score import Scorer
+
+EVAL_SAMPLES_KEPT = 16
+
+
+def texts_of(exp: Experience, tok) -> list[str]:
+    return [tok.decode(p + r, skip_special_tokens=True) for p, r in zip(exp.prompt_ids, exp.response_ids)]
+
+
+def evaluate(models, engine: DecodeEngine, prompts: list[list[int]], rl: RLConfig, seed: int,
+             gold: bool) -> tuple[dict, list[str]]:
+    """Held-out prompts, one sample each: reward, KL to the reference, length; gold and grammar on the default task.
+    The engine must hold the policy's current weights (the caller syncs them). "kl" is the k1 estimate summed over
+    the response (an unbiased estimate of the sequence KL, whatever estimator the training penalty uses)."""
+    if not prompts:
+        return {}, []
+    scorer = Scorer(models.reward_fn, models.tokenizer.pad_token_id, ref=models.ref, actor=models.actor,
+                    temperature=rl.temperature, micro_batch_size=32)
+    params = SamplingParams(rl.max_new_tokens, rl.temperature, rl.top_k, rl.top_p, tuple(rl.stop or ()))
+    exp = generate_rollouts(engine, scorer, prompts, 1, params, seed, FusionPolicy(True))
+    texts = texts_of(exp, models.tokenizer)
+    out = {
+        "reward_mean": float(exp.scores.mean()),
+        "kl": float((kl_penalty(exp.logprobs, exp.ref_logprobs, "k1") * exp.mask).sum(1).mean()),
+        "mean_length": float(exp.mask.sum(1).mean()),
+    }
+    if gold:
+        from rlfuse.data.gold import gold_summary
+
+        out.update(gold_summary(texts, [r != "length" for r in exp.finish_reasons]))
+    return out, texts
+
+
+def evaluate_before(path: Path, models, engine: DecodeEngine, prompts, rl: RLConfig, seed: int, gold: bool) -> dict:
+    """The "before" evaluation, computed once and kept in `path` (eval_before.json, with a few samples), so a resumed
+    run compares against the same numbers. Returns the metrics without the samples."""
+    if path.exists():
+        before = json.loads(path.read_text())
+    else:
+        metrics, texts = evaluate(models, engine, prompts, rl, seed, gold)
+        before = metrics | {"samples": texts[:EVAL_SAMPLES_KEPT]}
+        path.write_text(json.dumps(before, indent=2))
+    return {k: v for k, v in before.items() if k != "samples"}
+
+
+def iteration_gold(exp: Experience, tok, gold: bool) -> dict:
+    """Default task: the gold score of this iteration's samples, to watch real improvement beside the reward."""
+    if not gold:
+        return {}
+    from rlfuse.data.gold import gold_summary
+
+    g = gold_summary(texts_of(exp, tok), [r != "length" for r in exp.finish_reasons])
+    return {"reward/gold_mean": g["gold_mean"], "reward/gold_positive_rate": g["gold_positive_rate"]}
+
+
+def eval_table(result: dict) -> str:
+    """Before/after table of an RL result ({"before": ..., "after": ...}) for the terminal."""
+    keys = ["gold_positive_rate", "gold_mean", "reward_mean", "kl", "grammatical_rate", "mean_length"]
+    lines = [f"  {'metric':<20}{'before':>10}{'after':>10}"]
+    for k in keys:
+        if k in result["before"] or k in result["after"]:
+            b, a = result["before"].get(k, math.nan), result["after"].get(k, math.nan)
+            lines.append(f"  {k:<20}{b:>10.3f}{a:>10.3f}")
+    return "\n".join(lines)

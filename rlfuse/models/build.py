@@ -1,0 +1,122 @@
+"""RL model setup, one loader per role of `derive_roles(cfg)`: actor, generator, reference, critic and the reward
+(a model or a function). Nothing here trains; trainers/rl.py gets a `Models` and runs the loop."""
+
+from __future__ import annotations
+
+import importlib
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from rlfuse.config import Config
+from rlfuse.errors import ConfigError, UserError
+from rlfuse.models.heads import ValueModel
+from rlfuse.models.load import apply_lora, load_causal_lm, load_reward_model, load_tokenizer
+from rlfuse.models.roles import Roles, derive_roles
+from rlfuse.rollout.score import function_reward_fn, reward_model_fn
+
+
+@dataclass
+class Models:
+    tokenizer: object
+    actor: torch.nn.Module
+    generator: torch.nn.Module
+    """The engine's own plain causal LM; gets the actor's weights through DecodeEngine.load_weights."""
+    ref: torch.nn.Module | None
+    """None: the actor with its LoRA adapters disabled."""
+    critic: ValueModel | None
+    reward_fn: object
+    roles: Roles
+
+
+def _folder(given: str | None, default: Path, field: str, stage: str) -> str:
+    path = Path(given) if given else default
+    if not path.exists():
+        raise UserError(f"config error: {field}: {path} does not exist; run `rlfuse {stage}` into this run.dir "
+                        f"first or set {field}=<folder>")
+    return str(path)
+
+
+def load_reward_function(spec: str):
+    module, _, name = spec.partition(":")
+    try:
+        return getattr(importlib.import_module(module), name)
+    except (ImportError, AttributeError) as e:
+        raise ConfigError("rl.reward", f"cannot import {spec!r} ({type(e).__name__})",
+                          "give module:function of an importable function of a list of texts") from None
+
+
+def load_policy(folder: str) -> torch.nn.Module:
+    """A plain causal LM from an SFT folder; a saved adapter is merged into its base, so that "adapters off" later
+    means the SFT policy."""
+    model = load_causal_lm(folder)
+    return model.merge_and_unload() if hasattr(model, "merge_and_unload") else model
+
+
+def frozen(model: torch.nn.Module, device) -> torch.nn.Module:
+    return model.eval().requires_grad_(False).to(device)
+
+
+def build_models(cfg: Config, run_dir: Path, device) -> Models:
+    """Load every role derive_roles(cfg) names, each from its source."""
+    rl, roles = cfg.rl, derive_roles(cfg)
+    sources = {r.source for r in roles.roles}
+    sft_dir = _folder(rl.sft_path, run_dir / "sft" / "model", "rl.sft_path", "sft")
+    rm_dir = _folder(rl.rm_path, run_dir / "rm" / "model", "rl.rm_path", "rm") if "rm" in sources else None
+    tokenizer = load_tokenizer(sft_dir)
+    actor = load_policy(sft_dir)
+    generator = frozen(load_policy(sft_dir), device)
+    ref = None if roles["reference"].shares_with == "actor" else frozen(load_policy(sft_dir), device)
+    if cfg.model.lora:
+        actor = apply_lora(actor, cfg.model)
+    actor = prepare_trainable(actor.to(device), rl)
+    if roles["reward"].has_model:
+        rm = frozen(load_reward_model(rm_dir, pad_token_id=tokenizer.pad_token_id), device)
+        reward_fn = reward_model_fn(rm, tokenizer.eos_token_id, tokenizer.pad_token_id)
+    else:
+        reward_fn = function_reward_fn(load_reward_function(rl.reward), tokenizer)
+    critic = build_critic(roles, actor, sft_dir, rm_dir, tokenizer.pad_token_id, device, rl) if "critic" in roles else None
+    return Models(tokenizer, actor, generator, ref, critic, reward_fn, roles)
+
+
+def build_critic(roles: Roles, actor, sft_dir: str, rm_dir: str | None, pad_id: int, device, rl) -> ValueModel:
+    source = roles["critic"].source
+    if source == "actor":  # the actor's own body: dropout and checkpointing are already set on it
+        return ValueModel.from_causal_lm(actor).to(device).train()
+    if source == "rm":
+        critic = ValueModel.from_reward_model(load_reward_model(rm_dir, pad_token_id=pad_id))
+    else:
+        critic = ValueModel.from_causal_lm(load_policy(sft_dir))
+    critic = prepare_trainable(critic.to(device), rl)
+    return critic
+
+
+def prepare_trainable(model: torch.nn.Module, rl) -> torch.nn.Module:
+    """Training mode, dropout off (rl.disable_dropout), activation checkpointing (rl.gradient_checkpointing)."""
+    model.train()
+    if rl.disable_dropout:
+        disable_dropout(model)
+    if rl.gradient_checkpointing:
+        enable_gradient_checkpointing(model.backbone if isinstance(model, ValueModel) else model)
+    return model
+
+
+def disable_dropout(model: torch.nn.Module) -> None:
+    """Dropout off everywhere in the model, in training mode too: nn.Dropout modules and the float attention-dropout
+    attributes that attention implementations read at call time (Llama-style `attention_dropout`)."""
+    for module in model.modules():
+        if isinstance(module, torch.nn.Dropout):
+            module.p = 0.0
+        if isinstance(getattr(module, "attention_dropout", None), float):
+            module.attention_dropout = 0.0
+
+
+def enable_gradient_checkpointing(model: torch.nn.Module) -> None:
+    """transformers' per-layer activation checkpointing, non-reentrant (works with LoRA's frozen inputs and with the
+    backbone called directly, as response_logprobs does). It acts only in training mode: the engine decodes in eval."""
+    kwargs = {"use_reentrant": False}
+    if hasattr(model, "activation_checkpointing_enable"):  # transformers >= 5.x renamed it
+        model.activation_checkpointing_enable(activation_checkpointing_kwargs=kwargs)
+    else:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
