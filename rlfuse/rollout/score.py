@@ -81,7 +81,10 @@ def response_values(critic, mb: MicroBatch) -> Tensor:
 
 
 def reward_model_fn(rm, eos_id: int, pad_id: int) -> Callable[[list[Sample]], Tensor]:
-    """Reward from a scalar-head model read at the final EOS, as it was trained (collate.encode_reward_text)."""
+    """Reward from a scalar-head model on the same input as in training (collate.encode_reward_text: BOS + text +
+    EOS). transformers' sequence-classification heads pool at the rightmost token that is not the pad id; rlfuse's
+    pad id is the EOS id (GPT-2 tokenizers have no pad token), so the score is read at the last token of the text,
+    the one before the trailing EOS, in training and here alike."""
 
     def score(samples: list[Sample]) -> Tensor:
         seqs = [s.prompt_ids + s.token_ids + ([] if s.token_ids[-1:] == [eos_id] else [eos_id]) for s in samples]
