@@ -7,8 +7,8 @@ up where the critic's gradients go up too). So each rank gets a program built fr
 is posted right after the producer runs, and its receive is posted (non-blocking) before the receiver's first task
 later in that order. Every rank then posts its sends and receives in the same global order, so the i-th send on a
 channel is the i-th receive on it, and even with blocking sends (rendezvous) the programs cannot deadlock:
-message k is the next operation of both its ends once messages 0..k-1 are done. `verify` replays programs and
-proves both on any given set. Pure: no torch.
+message k is the next operation of both its ends once messages 0..k-1 are done. `verify` checks both for any
+programs by replaying them. Pure: no torch.
 """
 
 from __future__ import annotations
