@@ -1,8 +1,10 @@
 """Execute a fused actor/critic schedule on real GPT-2 stages with torch.distributed point-to-point.
 
-One process per device (gloo on CPU, NCCL on GPU). Each device runs its tasks in the schedule's order: a forward
-receives its input (non-blocking receive, then wait), runs its stage, and sends the output on with a non-blocking
-send; a backward receives the output's gradient, back-propagates, and sends the input's gradient back. The actor's
+One process per device (gloo, on CPU; tested). Each device runs its program from comm.programs: its tasks in the
+schedule's order, with every send and receive posted in one global order all ranks agree on, so the i-th send on a
+channel meets the i-th receive there without tags (as NCCL requires: it matches by issue order only). A forward
+waits for its input (a receive posted earlier), runs its stage, and sends the output on with a non-blocking send;
+a backward waits for the output's gradient, back-propagates, and sends the input's gradient back. The actor's
 last stage computes the PPO policy loss, the critic's the value loss. After the schedule: tied embedding gradients
 are summed between the actor's first and last stages, critic replicas all-reduce, and each stage's optimiser steps.
 A schedule the checker rejects is never run.
@@ -21,6 +23,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from rlfuse.algos.losses import ppo_policy_loss, value_loss
+from rlfuse.schedule.comm import Op, Recv, Send, input_of, message_of, programs, verify
 from rlfuse.schedule.model import Problem, Schedule, Task, check
 
 
@@ -69,19 +72,23 @@ def stage_loss(prob: Problem, model: int, out: torch.Tensor, data: dict) -> torc
     return loss / (pm.micro_batches * pm.replicas)
 
 
-def _tag(t: Task) -> int:
-    return ((((t.model * 10 + t.replica) * 100 + t.stage) * 2 + (t.kind == "B")) * 1000) + t.mb
+def _received(inbox: dict, prob: Problem, t: Task) -> torch.Tensor:
+    """The input of `t`, waiting for its receive (posted earlier, in the agreed order)."""
+    buf, handle = inbox.pop(input_of(prob, t))
+    handle.wait()
+    return buf
 
 
 def _named(module) -> dict[int, str]:
     return {id(p): n for n, p in module.named_parameters()}
 
 
-def _worker(rank: int, prob: Problem, sched: Schedule, spec: ExecSpec, port: int, out_dir: str) -> None:
+def _worker(rank: int, prob: Problem, progs: list[list[Op]], spec: ExecSpec, port: int, out_dir: str) -> None:
     from rlfuse.schedule.stages import split_actor, split_critic
 
     torch.set_num_threads(1)
     dist.init_process_group(spec.backend, rank=rank, world_size=prob.devices, init_method=f"tcp://127.0.0.1:{port}")
+    program = progs[rank]
     actor, critic = build_models(spec)
     names = {0: _named(actor), 1: _named(critic)}
     vocab = actor.config.vocab_size
@@ -95,30 +102,32 @@ def _worker(rank: int, prob: Problem, sched: Schedule, spec: ExecSpec, port: int
     replica_groups = [dist.new_group([prob.device_of(1, r, s) for r in range(pm1.replicas)]) for s in range(pm1.stages)]
     tied_group = dist.new_group(sorted({0, prob.models[0].stages - 1}))
     ctx, pending, spans = {}, [], []
-    act_shape = (spec.micro_batch_size, spec.seq_len, actor.config.n_embd)
-    out_shape = (spec.micro_batch_size, spec.seq_len - 1)
+    inbox, outbox = {}, {}  # Message -> (buffer, receive handle); Message -> tensor to send
+    shape = (spec.micro_batch_size, spec.seq_len, actor.config.n_embd)  # every message is a stage's hidden states
     dist.barrier()
     t0 = time.perf_counter()
-    for t in sched.orders[rank]:
+    for op in program:  # receives and sends in the one global order (comm.programs), so no tags are needed
+        if isinstance(op, Recv):
+            buf = torch.empty(shape)
+            inbox[op.message] = (buf, dist.irecv(buf, op.message.src))
+            continue
+        if isinstance(op, Send):
+            pending.append(dist.isend(outbox.pop(op.message), op.message.dst))
+            continue
+        t = op.task
         pm = prob.models[t.model]
         stage = mine[(t.model, t.replica, t.stage)]
         key = (t.model, t.replica, t.stage, t.mb)
         last = t.stage == pm.stages - 1
         if t.kind == "F":
             data = micro_batch_data(spec, prob, t.model, t.replica * pm.micro_batches + t.mb, vocab)
-            if t.stage == 0:
-                x = data["tokens"]
-            else:
-                x = torch.empty(act_shape)
-                src = prob.device_of(t.model, t.replica, t.stage - 1)
-                dist.irecv(x, src, tag=_tag(Task(t.model, t.replica, t.stage - 1, "F", t.mb))).wait()
-                x.requires_grad_(True)
+            x = data["tokens"] if t.stage == 0 else _received(inbox, prob, t).requires_grad_(True)
             start = time.perf_counter()
             y = stage(x, data["tokens"])
             if last:
                 y = stage_loss(prob, t.model, y, data)
             else:
-                pending.append(dist.isend(y.detach().contiguous(), prob.device_of(t.model, t.replica, t.stage + 1), tag=_tag(t)))
+                outbox[message_of(prob, t)] = y.detach().contiguous()
             ctx[key] = (x, y)
         else:
             x, y = ctx.pop(key)
@@ -126,13 +135,11 @@ def _worker(rank: int, prob: Problem, sched: Schedule, spec: ExecSpec, port: int
                 start = time.perf_counter()
                 y.backward()
             else:
-                grad = torch.empty(y.shape if y.dim() else out_shape)
-                dist.irecv(grad, prob.device_of(t.model, t.replica, t.stage + 1),
-                           tag=_tag(Task(t.model, t.replica, t.stage + 1, "B", t.mb))).wait()
+                grad = _received(inbox, prob, t)
                 start = time.perf_counter()
                 torch.autograd.backward(y, grad)
             if t.stage > 0:
-                pending.append(dist.isend(x.grad.contiguous(), prob.device_of(t.model, t.replica, t.stage - 1), tag=_tag(t)))
+                outbox[message_of(prob, t)] = x.grad.contiguous()
         spans.append((rank, t, start - t0, time.perf_counter() - t0))
     for w in pending:
         w.wait()
@@ -165,8 +172,10 @@ def _free_port() -> int:
 def execute(prob: Problem, sched: Schedule, spec: ExecSpec) -> tuple[dict, list]:
     """Run the schedule on prob.devices processes; returns (gradients by parameter name, [(device, task, start, end)])."""
     check(prob, sched)  # raises before anything runs
+    progs = programs(prob, sched)
+    verify(prob, progs)  # the order every rank posts its sends and receives in agrees on every channel
     with tempfile.TemporaryDirectory() as out_dir:
-        mp.spawn(_worker, args=(prob, sched, spec, _free_port(), out_dir), nprocs=prob.devices, join=True)
+        mp.spawn(_worker, args=(prob, progs, spec, _free_port(), out_dir), nprocs=prob.devices, join=True)
         grads, spans = {}, []
         for r in range(prob.devices):
             part = torch.load(Path(out_dir) / f"rank{r}.pt", weights_only=False)
