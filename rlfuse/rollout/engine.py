@@ -266,40 +266,37 @@ class DecodeEngine:
 
     def _prefill(self, entries: list[_Entry], spare: int, seed: int) -> tuple[_Live, Tensor]:
         """One forward per sequence length (no padding inside a prefill), then each entry's KV repeated for its rows
-        (a waiting prompt's k samples share their prompt's prefill, never re-run it)."""
+        (a waiting prompt's k samples share their prompt's prefill, never re-run it). -> the new rows, their logits."""
         by_len: dict[int, list[_Entry]] = defaultdict(list)
         for e in entries:
             by_len[len(e.ids)].append(e)
-        batch, last_logits, order = None, [], []
+        kv, attn, last, logits, order = None, [], [], [], []
         for length, group in sorted(by_len.items()):
             ids = torch.tensor([e.ids for e in group], device=self.device)
             out = self.model(input_ids=ids, use_cache=True, logits_to_keep=1)
             self.stats.prefill_tokens += ids.numel()
-            n = len(group)
-            part = _Live(HFCacheKV(out.past_key_values), torch.ones_like(ids, dtype=torch.bool),
-                         torch.full((n,), length, device=self.device), ids[:, -1], ids[:, 0], ids[:, 0], [])
-            last_logits.append(out.logits[:, -1].float())
-            order += group
-            if batch is None:
-                batch = part
+            part = HFCacheKV(out.past_key_values)
+            if kv is None:
+                kv = part
             else:
-                batch.merge(part)
-        reps_list = [len(e.rows) for e in order]
-        reps = torch.tensor(reps_list, device=self.device)
+                kv.merge(part)
+            attn.append(torch.ones_like(ids, dtype=torch.bool))
+            last.append(ids[:, -1])
+            logits.append(out.logits[:, -1].float())
+            order += group
+        reps = torch.tensor([len(e.rows) for e in order], device=self.device)
         if self.fast_step is not None:  # into one buffer with room for the new tokens
-            batch.kv = BufferKV.from_cache(batch.kv.cache, reps, spare, self.fast_step)
+            kv = BufferKV.from_cache(kv.cache, reps, spare, self.fast_step)
         else:
-            batch.kv.repeat_rows(reps)
+            kv.repeat_rows(reps)
         rep = lambda t: t.repeat_interleave(reps, dim=0)
-        logits = rep(torch.cat(last_logits))
-        batch.attn, batch.pos, batch.last = rep(batch.attn), rep(batch.pos), rep(batch.last)
-        batch.rows = [r for e in order for r in e.rows]
+        attn = rep(torch.cat([left_pad(a, kv.width, 1) for a in attn]))
+        rows = [r for e in order for r in e.rows]
         # each row's stream: keyed by (seed, prompt id, sample index), at position = tokens it has drawn so far
-        pids = torch.tensor([r["pid"] for r in batch.rows], device=self.device)
-        js = torch.tensor([r["j"] for r in batch.rows], device=self.device)
-        batch.keys = stream_keys(seed, pids, js)
-        batch.drawn = torch.tensor([len(r["tokens"]) for r in batch.rows], device=self.device)
-        return batch, logits
+        as_tensor = lambda key: torch.tensor([key(r) for r in rows], device=self.device)
+        keys = stream_keys(seed, as_tensor(lambda r: r["pid"]), as_tensor(lambda r: r["j"]))
+        live = _Live(kv, attn, attn.sum(1), rep(torch.cat(last)), keys, as_tensor(lambda r: len(r["tokens"])), rows)
+        return live, rep(torch.cat(logits))
 
     def _decode_step(self, live: _Live) -> Tensor:
         attn = torch.cat([live.attn, torch.ones_like(live.attn[:, :1])], dim=1)
