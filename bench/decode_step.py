@@ -66,6 +66,7 @@ def main() -> None:
     from transformers.activations import NewGELUActivation
 
     from rlfuse.rollout.engine import sample_tokens
+    from rlfuse.rollout.streams import stream_keys, stream_uniforms
 
     t0 = time.time()
     rows = []
@@ -82,12 +83,21 @@ def main() -> None:
     bare = sum(timed(lambda x=x, w=w: torch.mm(x, w), 200) for x, w in shapes) * a.n_layer + timed(lambda: x_e @ head, 200)
     rows.append([f"GPT-2 step's {4 * a.n_layer + 1} matrix multiplies alone (ms)", 1000 * bare, "", ""])
 
+    # the sampler: one uniform per row from each sample's own stream (rollout/streams.py), then the inverse CDF
     probs = torch.softmax(torch.randn(R, a.vocab), -1)
     gen = torch.Generator().manual_seed(0)
+    keys, drawn = stream_keys(0, torch.arange(R) // 4, torch.arange(R) % 4), torch.full((R,), 17)
+    one_generator = timed(lambda: torch.rand(R, generator=gen), 200)
+    streams = timed(lambda: stream_uniforms(keys, drawn), 200)
+    rows.append(["uniforms for one step: one generator (torch.rand) -> per-sample counter streams (ms)",
+                 1000 * one_generator, 1000 * streams, one_generator / streams])
     multinomial = timed(lambda: torch.multinomial(probs, 1, generator=gen), 200)
-    inverse_cdf = timed(lambda: sample_tokens(probs, gen), 200)
-    rows.append(["sampling one token per row: torch.multinomial -> inverse CDF (ms)", 1000 * multinomial,
+    inverse_cdf = timed(lambda: sample_tokens(probs, stream_uniforms(keys, drawn)), 200)
+    rows.append(["sampling one token per row: torch.multinomial -> streams + inverse CDF (ms)", 1000 * multinomial,
                  1000 * inverse_cdf, multinomial / inverse_cdf])
+    lean_gpt2 = rows[0][2]
+    rows.append(["sampler (streams + inverse CDF) as a share of the lean GPT-2 step (%)", "",
+                 100 * 1000 * inverse_cdf / lean_gpt2, ""])
 
     # the update's activation: forward + backward over one micro-batch of 4 x 68 tokens at the MLP width
     h = torch.randn(4 * 68, 4 * E, requires_grad=True)

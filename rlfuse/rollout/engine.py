@@ -5,15 +5,20 @@ Over any transformers causal LM with a KV cache (our own loop; see BENCHMARKS.md
 - a row leaves the decode batch (with its KV rows) as soon as it hits EOS, a stop string or the length limit, and
   the left padding no live row needs any more is cut off the cache;
 - continuous batching: prompts wait in a queue and are prefilled when the live batch has room (`max_rows`);
-- sampling (temperature, top-k, top-p) draws from the engine's own seeded generator, so the samples depend only on
-  the seed, the prompts and the model, never on what the caller does between samples (e.g. scoring them).
+- sampling (temperature, top-k, top-p) draws each row's token with a uniform from that sample's own counter-based
+  stream (rollout/streams.py), a function of (seed, prompt id, sample index, tokens drawn so far): the samples depend
+  only on the seed, the prompts and the model, never on max_rows, admission order, what the caller does between
+  samples (e.g. scoring them), or which engine decodes a row;
+- state: while the iterator is suspended, export_state() hands out the unfinished rows and waiting prompts as plain
+  data (rollout/state.py) and ends it; resume(state) on any engine with the same weights continues them to the same
+  samples. Weights arrive by an explicit copy, load_weights (rollout/weights.py).
 The log-probs recorded are those of the sampled tokens under softmax(logits / temperature), the distribution the
 RL losses optimise; they equal a full forward pass over the finished sequence (tested to 1e-4 in fp32).
 """
 
 from __future__ import annotations
 
-from collections import defaultdict
+from collections import defaultdict, deque
 from dataclasses import dataclass, field
 from typing import Iterator
 
@@ -21,6 +26,9 @@ import torch
 from torch import Tensor
 
 from rlfuse.rollout.kv import BufferKV, HFCacheKV, decode_step_for, left_pad
+from rlfuse.rollout.state import EngineState, RowState, WaitingPrompt
+from rlfuse.rollout.streams import stream_keys, stream_uniforms
+from rlfuse.rollout.weights import NamedTensors, copy_weights, weight_buckets  # noqa: F401  (weight_buckets: re-export)
 
 
 @dataclass(frozen=True)
@@ -71,21 +79,22 @@ def filter_logits(logits: Tensor, top_k: int, top_p: float) -> Tensor:
     return logits
 
 
-def sample_tokens(probs: Tensor, gen: torch.Generator) -> Tensor:
-    """One token per row by inverse-CDF sampling: one uniform draw per row (torch.multinomial on the CPU spent
-    0.44 ms per call on 16 x 1023 probabilities, a tenth of a decode step; this takes 0.04 ms, bench/decode_step.py).
-    Tokens with zero probability are never drawn: their CDF step is empty. probs: (R, V) -> (R,)."""
+def sample_tokens(probs: Tensor, u: Tensor) -> Tensor:
+    """One token per row by inverse-CDF sampling with the row's uniform u (rollout/streams.py): torch.multinomial on
+    the CPU spent 0.44 ms per call on 16 x 1023 probabilities, a tenth of a decode step (bench/decode_step.py).
+    Tokens with zero probability are never drawn: their CDF step is empty, and u * total < total (u has 24 bits, at
+    most 1 - 2**-24, so in float32 the product rounds below the total). probs: (R, V) float32, u: (R,) -> (R,)."""
     cum = probs.cumsum(-1)
-    u = torch.rand(probs.shape[0], 1, generator=gen, device=probs.device, dtype=cum.dtype) * cum[:, -1:]
-    return torch.searchsorted(cum, u, right=True).clamp_(max=probs.shape[-1] - 1).squeeze(1)
+    return torch.searchsorted(cum, u[:, None] * cum[:, -1:], right=True).squeeze(1)
 
 
 class _Live:
     """The live decode batch: KV store left-padded to a common width, its (rows, width) bool mask (True = attend),
-    plus per-row bookkeeping."""
+    each row's position, last token, stream key and stream position (tokens drawn), plus per-row bookkeeping."""
 
-    def __init__(self, kv: HFCacheKV | BufferKV, attn: Tensor, pos: Tensor, last: Tensor, rows: list[dict]):
-        self.kv, self.attn, self.pos, self.last, self.rows = kv, attn, pos, last, rows
+    def __init__(self, kv: HFCacheKV | BufferKV, attn: Tensor, pos: Tensor, last: Tensor, keys: Tensor, drawn: Tensor,
+                 rows: list[dict]):
+        self.kv, self.attn, self.pos, self.last, self.keys, self.drawn, self.rows = kv, attn, pos, last, keys, drawn, rows
 
     def __len__(self):
         return len(self.rows)
@@ -94,6 +103,7 @@ class _Live:
         idx = torch.tensor(keep, dtype=torch.long, device=self.attn.device)
         self.kv.keep_rows(idx)
         self.attn, self.pos, self.last = self.attn[idx], self.pos[idx], self.last[idx]
+        self.keys, self.drawn = self.keys[idx], self.drawn[idx]
         self.rows = [self.rows[i] for i in keep]
         # columns that no live row attends to any more are left padding: cut them off the cache
         first = int(self.attn.any(0).to(torch.int8).argmax())
@@ -107,13 +117,40 @@ class _Live:
         self.kv.merge(other.kv)
         self.attn = torch.cat([left_pad(self.attn, width, 1), left_pad(other.attn, width, 1)])
         self.pos, self.last = torch.cat([self.pos, other.pos]), torch.cat([self.last, other.last])
+        self.keys, self.drawn = torch.cat([self.keys, other.keys]), torch.cat([self.drawn, other.drawn])
         self.rows += other.rows
+
+
+@dataclass
+class _Entry:
+    """A queue entry: a sequence to prefill and the rows that continue from it (k fresh samples of a waiting prompt,
+    or one imported row whose sequence is prompt + tokens so far)."""
+    ids: list[int]
+    rows: list[dict]
+
+
+@dataclass
+class _Run:
+    """One generate()/resume() call's progress, readable by export_state while the iterator is suspended."""
+    seed: int
+    params: SamplingParams
+    queue: deque
+    live: _Live | None = None
+    outbox: deque = field(default_factory=deque)
+    """Finished samples of the current step not yet handed out."""
+    iterator: Iterator[Sample] | None = None
+
+
+def _row(pid: int, j: int, prompt: list[int], limit: int, tokens=(), logprobs=()) -> dict:
+    return {"pid": pid, "j": j, "prompt": prompt, "limit": limit, "tokens": list(tokens), "logprobs": list(logprobs)}
 
 
 class DecodeEngine:
     def __init__(self, model, eos_token_id: int, max_rows: int = 256, tokenizer=None, fast_decode: bool = True):
         self.model, self.eos, self.max_rows, self.tokenizer = model, eos_token_id, max_rows, tokenizer
         self.stats = EngineStats()
+        self.live_rows = 0
+        self._run: _Run | None = None
         # a lean decode step (rollout/kv.py) where the architecture has one; transformers' own forward otherwise
         self.fast_step = decode_step_for(model) if fast_decode else None
 
@@ -121,87 +158,145 @@ class DecodeEngine:
     def device(self) -> torch.device:
         return next(self.model.parameters()).device
 
-    @torch.no_grad()
-    def load_weights(self, tensors) -> int:
-        """TEMP stub (the engine branch brings the real one): copy tensors into the engine model by its own
-        state_dict names, refresh the lean decode step; returns the bytes copied."""
-        own = self.model.state_dict()
-        items = tensors.items() if hasattr(tensors, "items") else tensors
-        n = 0
-        for name, t in items:
-            if name not in own:
-                raise KeyError(f"load_weights: the engine model has no tensor {name!r}")
-            own[name].copy_(t)
-            n += t.numel() * t.element_size()
+    def load_weights(self, tensors: NamedTensors) -> int:
+        """Copy named tensors (the names of the engine model's own state_dict; a whole state dict or one bucket of
+        it, see weight_buckets) into the engine's model in place. Returns bytes written. ValueError on an unknown name
+        or a shape mismatch, before anything is copied."""
+        written = copy_weights(self.model, tensors)
         if self.fast_step is not None:
             self.fast_step.refresh()
-        return n
+        return written
 
-    @torch.no_grad()
-    def generate(self, prompts: list[list[int]], k: int, params: SamplingParams, seed: int,
-                 lengths=None) -> Iterator[Sample]:
+    def generate(self, prompts: list[list[int]], k: int, params: SamplingParams, seed: int, lengths=None,
+                 prompt_ids: list[int] | None = None) -> Iterator[Sample]:
         """Yield every (prompt, sample) pair once, as it finishes. prompts: token ids, BOS included.
+        prompt_ids: the prompts' global ids (default 0..len-1): Sample.prompt_id, the key of their random streams, and
+        the first argument of lengths. A prompt's samples are the same whichever engine, batch or max_rows decodes it.
         lengths(prompt_id, sample_index) -> int, if given, overrides max_new_tokens per sample (benchmarks use it to
         set the length distribution)."""
+        prompt_ids = list(range(len(prompts))) if prompt_ids is None else list(prompt_ids)
+        if len(prompt_ids) != len(prompts):
+            raise ValueError(f"prompt_ids has {len(prompt_ids)} ids for {len(prompts)} prompts")
+        limit = (lambda pid, j: lengths(pid, j)) if lengths else (lambda pid, j: params.max_new_tokens)
+        queue = [_Entry(list(p), [_row(pid, j, list(p), limit(pid, j)) for j in range(k)])
+                 for pid, p in zip(prompt_ids, prompts)]
+        return self._start(queue, params, seed)
+
+    def resume(self, state: EngineState) -> Iterator[Sample]:
+        """Continue an exported state (from this or another engine, whole, split or combined): first the samples it
+        had finished, then its rows (re-prefilled: prompt + tokens so far, no repeat) and waiting prompts, decoded as
+        generate() would have. Seed and sampling params come from the state: the rows' streams are keyed by them."""
+        queue = [_Entry(r.prompt_ids + r.token_ids, [_row(r.prompt_id, r.sample_index, list(r.prompt_ids), r.limit,
+                                                         r.token_ids, r.logprobs)]) for r in state.rows]
+        queue += [_Entry(list(w.prompt_ids), [_row(w.prompt_id, j, list(w.prompt_ids), w.limits[j]) for j in range(w.k)])
+                  for w in state.waiting]
+        return self._start(queue, state.params, state.seed, finished=state.finished)
+
+    def export_state(self) -> EngineState:
+        """Everything the suspended generate()/resume() iterator has not finished, as plain data; that iterator ends
+        here (it yields nothing more), so no sample is produced twice. Call between two of its yields."""
+        run = self._run
+        if run is None or run.iterator is None:
+            raise RuntimeError("export_state: no generate() or resume() iterator is suspended on this engine")
+        rows = [] if run.live is None else [
+            RowState(r["pid"], r["j"], r["prompt"], r["tokens"], r["logprobs"], r["limit"]) for r in run.live.rows]
+        for e in run.queue:
+            if e.rows[0]["tokens"]:  # an imported row not yet re-prefilled
+                r = e.rows[0]
+                rows.append(RowState(r["pid"], r["j"], r["prompt"], r["tokens"], r["logprobs"], r["limit"]))
+        waiting = [WaitingPrompt(e.rows[0]["pid"], e.ids, len(e.rows), [r["limit"] for r in e.rows])
+                   for e in run.queue if not e.rows[0]["tokens"]]
+        state = EngineState(run.seed, run.params, rows, waiting, list(run.outbox))
+        run.iterator.close()  # runs its `finally`: the model's train/eval mode is restored now
+        self._run, self.live_rows = None, 0
+        return state
+
+    def _start(self, queue: list[_Entry], params: SamplingParams, seed: int, finished=()) -> Iterator[Sample]:
         if params.stop_strings and self.tokenizer is None:
             raise ValueError("stop strings need the engine's tokenizer")
         self.stats = EngineStats()
         if self.fast_step is not None:
             self.fast_step.refresh()
-        self.live_rows = 0
-        self._prompts, self._lengths = prompts, lengths
-        gen = torch.Generator(device=self.device).manual_seed(seed)
-        queue = list(range(len(prompts)))
-        live: _Live | None = None
+        run = _Run(seed, params, deque(queue), outbox=deque(finished))
+        run.iterator = self._loop(run)
+        self._run = run
+        return run.iterator
+
+    @torch.no_grad()
+    def _loop(self, run: _Run) -> Iterator[Sample]:
         was_training = self.model.training
         self.model.eval()
         try:
-            while queue or live is not None:
+            while run.outbox:
+                yield run.outbox.popleft()
+            while run.queue or run.live is not None:
+                live = run.live
                 room = self.max_rows - (len(live) if live is not None else 0)
-                if queue and room >= k:  # admit waiting prompts: one prefill each, k rows each
-                    admit, queue = queue[: max(1, room // k)], queue[max(1, room // k):]
-                    new, logits = self._prefill(prompts, admit, k, params.max_new_tokens)
-                    yield from self._sample_and_retire(new, logits, params, gen)
-                    if live is None:
-                        live = new
-                    else:
-                        live.merge(new)
+                admit = self._take(run.queue, room, force=live is None)
+                if admit:  # one prefill per sequence length; a waiting prompt's k rows share one
+                    new, logits = self._prefill(admit, run.params.max_new_tokens, run.seed)
+                    self._sample_and_retire(new, logits, run)
+                    if len(new):
+                        if live is None:
+                            run.live = new
+                        else:
+                            live.merge(new)
                 else:
                     logits = self._decode_step(live)
-                    yield from self._sample_and_retire(live, logits, params, gen)
-                if live is not None and not len(live):
-                    live = None
-                self.live_rows = len(live) if live is not None else 0
+                    self._sample_and_retire(live, logits, run)
+                if run.live is not None and not len(run.live):
+                    run.live = None
+                self.live_rows = len(run.live) if run.live is not None else 0
+                # every row is in run.live or run.queue here, so export_state between these yields misses none
+                while run.outbox:
+                    yield run.outbox.popleft()
         finally:
             self.model.train(was_training)
+            if self._run is run:
+                self._run = None
 
-    def _prefill(self, prompts: list[list[int]], admit: list[int], k: int, spare: int) -> tuple[_Live, Tensor]:
-        """One forward per prompt length (no padding inside a prefill), then k rows per prompt."""
-        by_len: dict[int, list[int]] = defaultdict(list)
-        for pid in admit:
-            by_len[len(prompts[pid])].append(pid)
-        batch, last_logits = None, []
-        for length, pids in sorted(by_len.items()):
-            ids = torch.tensor([prompts[p] for p in pids], device=self.device)
+    @staticmethod
+    def _take(queue: deque, room: int, force: bool) -> list[_Entry]:
+        """Queue entries whose rows fit in `room` (the first one anyway when nothing is live)."""
+        admit = []
+        while queue and (len(queue[0].rows) <= room or (force and not admit)):
+            room -= len(queue[0].rows)
+            admit.append(queue.popleft())
+        return admit
+
+    def _prefill(self, entries: list[_Entry], spare: int, seed: int) -> tuple[_Live, Tensor]:
+        """One forward per sequence length (no padding inside a prefill), then each entry's KV repeated for its rows
+        (a waiting prompt's k samples share their prompt's prefill, never re-run it). -> the new rows, their logits."""
+        by_len: dict[int, list[_Entry]] = defaultdict(list)
+        for e in entries:
+            by_len[len(e.ids)].append(e)
+        kv, attn, last, logits, order = None, [], [], [], []
+        for length, group in sorted(by_len.items()):
+            ids = torch.tensor([e.ids for e in group], device=self.device)
             out = self.model(input_ids=ids, use_cache=True, logits_to_keep=1)
             self.stats.prefill_tokens += ids.numel()
-            part = _Live(HFCacheKV(out.past_key_values), torch.ones_like(ids, dtype=torch.bool), torch.full((len(pids),), length, device=self.device),
-                         ids[:, -1], [{"pid": p} for p in pids])
-            last_logits.append(out.logits[:, -1].float())
-            if batch is None:
-                batch = part
+            part = HFCacheKV(out.past_key_values)
+            if kv is None:
+                kv = part
             else:
-                batch.merge(part)
-        logits = torch.cat(last_logits)
-        # k samples share their prompt's prefill: repeat the KV rows, never re-run the prompt
+                kv.merge(part)
+            attn.append(torch.ones_like(ids, dtype=torch.bool))
+            last.append(ids[:, -1])
+            logits.append(out.logits[:, -1].float())
+            order += group
+        reps = torch.tensor([len(e.rows) for e in order], device=self.device)
         if self.fast_step is not None:  # into one buffer with room for the new tokens
-            batch.kv = BufferKV.from_cache(batch.kv.cache, k, spare, self.fast_step)
+            kv = BufferKV.from_cache(kv.cache, reps, spare, self.fast_step)
         else:
-            batch.kv.cache.batch_repeat_interleave(k)
-        rep = lambda t: t.repeat_interleave(k, dim=0)
-        batch.attn, batch.pos, batch.last, logits = rep(batch.attn), rep(batch.pos), rep(batch.last), rep(logits)
-        batch.rows = [{"pid": r["pid"], "j": j, "tokens": [], "logprobs": []} for r in batch.rows for j in range(k)]
-        return batch, logits
+            kv.repeat_rows(reps)
+        rep = lambda t: t.repeat_interleave(reps, dim=0)
+        attn = rep(torch.cat([left_pad(a, kv.width, 1) for a in attn]))
+        rows = [r for e in order for r in e.rows]
+        # each row's stream: keyed by (seed, prompt id, sample index), at position = tokens it has drawn so far
+        as_tensor = lambda key: torch.tensor([key(r) for r in rows], device=self.device)
+        keys = stream_keys(seed, as_tensor(lambda r: r["pid"]), as_tensor(lambda r: r["j"]))
+        live = _Live(kv, attn, attn.sum(1), rep(torch.cat(last)), keys, as_tensor(lambda r: len(r["tokens"])), rows)
+        return live, rep(torch.cat(logits))
 
     def _decode_step(self, live: _Live) -> Tensor:
         attn = torch.cat([live.attn, torch.ones_like(live.attn[:, :1])], dim=1)
@@ -214,27 +309,29 @@ class DecodeEngine:
         self.stats.max_live_rows = max(self.stats.max_live_rows, len(live))
         return logits.float()
 
-    def _sample_and_retire(self, live: _Live, logits: Tensor, params: SamplingParams, gen):
+    def _sample_and_retire(self, live: _Live, logits: Tensor, run: _Run) -> None:
+        """Draw each row's next token from its own stream; finished rows leave `live` for run.outbox."""
+        params = run.params
         scaled = logits / params.temperature
         logp = torch.log_softmax(scaled, dim=-1)
         probs = torch.softmax(filter_logits(scaled, params.top_k, params.top_p), dim=-1)
-        tokens = sample_tokens(probs, gen)
+        tokens = sample_tokens(probs, stream_uniforms(live.keys, live.drawn))
         token_logp = logp.gather(1, tokens[:, None]).squeeze(1)
-        live.last = tokens
+        live.last, live.drawn = tokens, live.drawn + 1
         # note: one device-to-host sync per step, to decide which rows retire (token ids < 2**24 are exact in float32)
         tok_list, lp_list = torch.stack([tokens.to(token_logp.dtype), token_logp]).tolist()
-        keep, done = [], []
+        keep = []
         for i, row in enumerate(live.rows):
             row["tokens"].append(int(tok_list[i]))
             row["logprobs"].append(lp_list[i])
-            limit = self._lengths(row["pid"], row["j"]) if self._lengths else params.max_new_tokens
-            reason = self._finish_reason(row["tokens"], params, limit)
-            (done if reason else keep).append((i, reason))
-        for i, reason in done:
-            row = live.rows[i]
-            yield Sample(row["pid"], row["j"], list(self._prompts[row["pid"]]), row["tokens"], torch.tensor(row["logprobs"]), reason)
-        if done:
-            live.select([i for i, _ in keep])
+            reason = self._finish_reason(row["tokens"], params, row["limit"])
+            if reason:
+                run.outbox.append(Sample(row["pid"], row["j"], list(row["prompt"]), row["tokens"],
+                                         torch.tensor(row["logprobs"]), reason))
+            else:
+                keep.append(i)
+        if len(keep) < len(live):
+            live.select(keep)
 
     def _finish_reason(self, tokens: list[int], params: SamplingParams, limit: int) -> str | None:
         if tokens[-1] == self.eos:

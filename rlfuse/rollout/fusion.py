@@ -66,13 +66,14 @@ def build_experience(scored: list[ScoredSample]) -> Experience:
 
 
 def generate_rollouts(engine: DecodeEngine, scorer: Scorer, prompts: list[list[int]], k: int, params: SamplingParams,
-                      seed: int, fusion: FusionPolicy, lengths=None) -> Experience:
+                      seed: int, fusion: FusionPolicy, lengths=None, prompt_ids: list[int] | None = None) -> Experience:
     """Decode all prompts x k; score finished samples per the fusion policy (fused: while the tail decodes;
-    unfused: everything after decoding). Same engine, same seed: the same samples either way."""
+    unfused: everything after decoding). Same weights, same seed: the same samples either way (each sample's random
+    stream is keyed by seed, prompt id and sample index). prompt_ids: the prompts' global ids (DecodeEngine.generate)."""
     scored, pending = [], []
     score_time_in_decode = 0.0
     t0 = time.perf_counter()
-    for sample in engine.generate(prompts, k, params, seed, lengths):
+    for sample in engine.generate(prompts, k, params, seed, lengths, prompt_ids):
         pending.append(sample)
         if fusion.should_score(len(pending), engine.live_rows) and engine.live_rows > 0:
             t = time.perf_counter()

@@ -33,6 +33,12 @@ class HFCacheKV:
     def keep_rows(self, idx: Tensor) -> None:
         self.cache.batch_select_indices(idx)
 
+    def repeat_rows(self, repeats: Tensor) -> None:
+        """Row i becomes repeats[i] consecutive copies (a prompt's k samples share its prefill)."""
+        for layer in self.cache.layers:
+            layer.keys = layer.keys.repeat_interleave(repeats, dim=0)
+            layer.values = layer.values.repeat_interleave(repeats, dim=0)
+
     def cut_left(self, first: int) -> None:
         for layer in self.cache.layers:
             layer.keys, layer.values = layer.keys[:, :, first:], layer.values[:, :, first:]
@@ -63,15 +69,17 @@ class BufferKV:
         self.kv, self._width, self.step = kv, width, step
 
     @classmethod
-    def from_cache(cls, cache, k: int, spare: int, step: Gpt2DecodeStep | LlamaDecodeStep) -> "BufferKV":
-        """One allocation for the k rows of each prompt and up to `spare` empty columns (at most GROW)."""
+    def from_cache(cls, cache, repeats: int | Tensor, spare: int, step: Gpt2DecodeStep | LlamaDecodeStep) -> "BufferKV":
+        """One allocation for `repeats` rows of each cached sequence (int, or one count per sequence) and up to
+        `spare` empty columns (at most GROW)."""
         spare = min(spare, cls.GROW)
         layers = cache.layers
         L, (B, H, P, D) = len(layers), layers[0].keys.shape
-        kv = layers[0].keys.new_zeros(L, 2, B * k, H, P + spare, D)  # zeros: a masked column still meets V (0 * NaN = NaN)
+        rows = B * repeats if isinstance(repeats, int) else int(repeats.sum())
+        kv = layers[0].keys.new_zeros(L, 2, rows, H, P + spare, D)  # zeros: a masked column still meets V (0 * NaN = NaN)
         for i, layer in enumerate(layers):
-            kv[i, 0, :, :, :P] = layer.keys.repeat_interleave(k, dim=0)
-            kv[i, 1, :, :, :P] = layer.values.repeat_interleave(k, dim=0)
+            kv[i, 0, :, :, :P] = layer.keys.repeat_interleave(repeats, dim=0)
+            kv[i, 1, :, :, :P] = layer.values.repeat_interleave(repeats, dim=0)
         return cls(kv, P, step)
 
     @property

@@ -122,8 +122,9 @@ def test_fused_and_unfused_give_same_samples_and_scores(lm, tiny_task):
         scorer = Scorer(function_reward_fn(gold_reward, tok), tok.pad_token_id, ref=ref, actor=model, critic=critic,
                         micro_batch_size=3)
         eng = DecodeEngine(model, tok.eos_token_id)
+        # per-sample limits, so rows finish at different steps whatever the model draws
         out[fused] = generate_rollouts(eng, scorer, prompts, 3, SamplingParams(max_new_tokens=14), 11,
-                                       FusionPolicy(fused, score_every=2, live_below=4))
+                                       FusionPolicy(fused, score_every=2, live_below=4), lengths=lambda p, j: 5 + 4 * j)
     a, b = out[True], out[False]
     assert a.response_ids == b.response_ids
     assert a.timing["scoring_during_decode"] > 0 and b.timing["scoring_during_decode"] == 0
@@ -173,10 +174,22 @@ def test_sample_tokens_follows_the_distribution():
     from rlfuse.rollout.engine import sample_tokens
 
     probs = torch.tensor([[0.1, 0.2, 0.0, 0.7, 0.0]]).repeat(100_000, 1)
-    drawn = sample_tokens(probs, torch.Generator().manual_seed(0))
+    drawn = sample_tokens(probs, torch.rand(100_000, generator=torch.Generator().manual_seed(0)))
     freq = torch.bincount(drawn, minlength=5).float() / len(drawn)
     assert_close(freq, probs[0], atol=0.01, rtol=0)
     assert freq[2] == 0 and freq[4] == 0  # zero-probability tokens are never drawn
+
+
+def test_sample_tokens_inverse_cdf_by_hand():
+    """u picks the token whose CDF step contains u * total; the largest uniform (1 - 2**-24) never lands on a trailing
+    zero-probability token, even where u * total rounds up to the total."""
+    from rlfuse.rollout.engine import sample_tokens
+
+    probs = torch.tensor([[0.1, 0.2, 0.0, 0.7, 0.0]]).repeat(5, 1)
+    u = torch.tensor([0.0, 0.05, 0.1, 0.35, 1 - 2 ** -24])
+    assert sample_tokens(probs, u).tolist() == [0, 0, 1, 3, 3]
+    odd = torch.tensor([[0.3, 1 / 3, 0.0]])  # total not a power of two
+    assert sample_tokens(odd, torch.tensor([1 - 2 ** -24])).tolist() == [1]
 
 
 def test_kv_buffer_padding_and_spare_columns_are_zero(lm):

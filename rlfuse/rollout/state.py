@@ -1,0 +1,68 @@
+"""What an engine has not finished, as plain picklable data: exported by one DecodeEngine, continued by another
+(`DecodeEngine.export_state` / `DecodeEngine.resume`). The tail migration and multi-worker rollout move these
+between processes; splitting and combining them is pure list work."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from rlfuse.rollout.engine import Sample, SamplingParams
+
+
+@dataclass
+class RowState:
+    """One live sample: its prompt, what it has drawn so far, and its length limit."""
+    prompt_id: int
+    sample_index: int
+    prompt_ids: list[int]
+    token_ids: list[int]
+    logprobs: list[float]
+    """Sampling log-probs of token_ids."""
+    limit: int
+    """The most new tokens this sample may have (max_new_tokens, or lengths(prompt_id, sample_index))."""
+
+    @property
+    def position(self) -> int:
+        """Its stream position: tokens drawn so far, so its next draw uses counter position len(token_ids)."""
+        return len(self.token_ids)
+
+
+@dataclass
+class WaitingPrompt:
+    """A prompt not yet prefilled: k samples still to start."""
+    prompt_id: int
+    prompt_ids: list[int]
+    k: int
+    limits: list[int]
+    """Per sample index, as RowState.limit."""
+
+
+@dataclass
+class EngineState:
+    """Everything one generate() call had not finished when exported. seed and params travel with the rows: the rows'
+    random streams are keyed by the seed, and continuing them under another would silently change the samples."""
+    seed: int
+    params: SamplingParams
+    rows: list[RowState] = field(default_factory=list)
+    waiting: list[WaitingPrompt] = field(default_factory=list)
+    finished: list[Sample] = field(default_factory=list)
+    """Samples that had finished but were not yet handed out when the export came (same decode step)."""
+
+    def split(self, parts: int) -> list[EngineState]:
+        """Deal rows and waiting prompts round-robin into `parts` states (finished samples go to the first)."""
+        out = [EngineState(self.seed, self.params, self.rows[i::parts], self.waiting[i::parts]) for i in range(parts)]
+        out[0].finished = list(self.finished)
+        return out
+
+    @classmethod
+    def combine(cls, states: list[EngineState]) -> EngineState:
+        """One state holding all of them; they must share seed and sampling params."""
+        first = states[0]
+        for s in states[1:]:
+            if (s.seed, s.params) != (first.seed, first.params):
+                raise ValueError(f"cannot combine engine states with different seeds or sampling params: "
+                                 f"{(first.seed, first.params)} vs {(s.seed, s.params)}")
+        return cls(first.seed, first.params, [r for s in states for r in s.rows], [w for s in states for w in s.waiting],
+                   [f for s in states for f in s.finished])
