@@ -62,7 +62,10 @@ def check_model_folder(name: str) -> None:
 def _load_error(name: str, e: Exception) -> UserError:
     """The folder or name, the exception's own first line, and the fix that fits it."""
     first = (str(e).strip().splitlines() or [type(e).__name__])[0][:300]
-    if not _looks_local(name) and re.search(r"connect|offline|resolve|Name or service|network", str(e), re.I):
+    if _looks_local(name):  # the folder is there (check_model_folder ran) but its files do not load
+        fix = ("re-run the stage that wrote this folder, or point the setting that names it (model.name, rm.sft_path, "
+               "rl.sft_path, rl.rm_path) at another saved model folder")
+    elif re.search(r"connect|offline|resolve|Name or service|network", str(e), re.I):
         fix = ("the hub is unreachable (offline?) and the model is not in the local cache: download it where there "
                "is network (or set HF_HUB_OFFLINE=0), or set model.name to a local model folder")
     else:

@@ -5,12 +5,13 @@ transformers. hh-rlhf runs on a 128-position model, so its long conversations mu
 import csv
 import gzip
 import json
+from pathlib import Path
 
 import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification
 
-from helpers import HH_JSONL, IMDB_CSV, make_tiny_model
+from helpers import HH_JSONL, IMDB_CSV, adapter_bases, make_tiny_model
 from rlfuse.cli import main
 
 FEW = ["sft.steps=2", "sft.batch_size=4", "sft.micro_batch_size=2", "sft.eval_every=2", "sft.eval_samples=0",
@@ -47,8 +48,10 @@ def test_imdb_distilgpt2_config_runs_end_to_end_with_lora(tmp_path):
     run_dir = tmp_path / "run"
     assert main(["run", "configs/imdb_distilgpt2.yaml", f"model.name={model}", f"data.path={IMDB_CSV}",
                  f"run.dir={run_dir}", "data.max_length=64", "rl.max_new_tokens=8", *FEW]) == 0
-    assert (run_dir / "sft" / "adapter").exists() and (run_dir / "rm" / "adapter").exists()  # LoRA, as shipped
     assert_pipeline_ran(run_dir)
+    bases = adapter_bases(run_dir)  # LoRA, as shipped: each stage's adapter beside its merged model, on a real base
+    assert set(bases) == {str(run_dir / stage / "adapter") for stage in ("sft", "rm", "rl")}
+    assert all(Path(b).is_dir() for b in bases.values())
 
 
 def test_hh_rlhf_config_runs_end_to_end_and_cuts_long_prompts(tmp_path):

@@ -118,7 +118,19 @@ def test_load_error_carries_the_real_cause(tmp_path):
     (tmp_path / "config.json").write_text(json.dumps({"hello": 1}))
     with pytest.raises(UserError) as err:
         load_causal_lm(str(tmp_path))
-    assert str(tmp_path) in str(err.value) and "model_type" in str(err.value)  # transformers' own first line
+    msg = str(err.value)
+    assert str(tmp_path) in msg and "model_type" in msg  # transformers' own first line
+    assert "re-run the stage that wrote this folder" in msg and "hub" not in msg
+
+
+def test_unreachable_hub_name_says_offline(monkeypatch):
+    import huggingface_hub.constants
+
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", True)  # no network calls, no retries
+    with pytest.raises(UserError) as err:
+        load_causal_lm("no-such-org/no-such-model")
+    msg = str(err.value)
+    assert "'no-such-org/no-such-model'" in msg and "unreachable (offline?)" in msg and "local model folder" in msg
 
 
 def test_older_adapter_only_sft_folder_still_backs_a_reward_model(tiny_task, tmp_path):
