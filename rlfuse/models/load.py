@@ -1,5 +1,7 @@
 """One loader for hub names and local folders: causal LMs and reward models through the Auto classes, LoRA
-through peft. Folders saved by rlfuse (full weights or a peft adapter) load the same way."""
+through peft; and one saver. Each stage writes STAGE/model (merged, plain transformers) and, with LoRA,
+STAGE/adapter (on the folder the stage started from); later stages build on STAGE/model. Both load here, and so do
+adapter-only folders of older runs while their base exists."""
 
 from __future__ import annotations
 
