@@ -151,6 +151,10 @@ class RLConfig:
     """Samples per prompt (rloo and grpo need >= 2)."""
     max_new_tokens: int = 48
     """Response length limit."""
+    max_prompt_tokens: Optional[int] = None
+    """Longer RL and evaluation prompts keep their last this many tokens (BOS stays in front), counted in the log.
+    Default: the model's context minus rl.max_new_tokens; a value whose sum with rl.max_new_tokens exceeds the
+    context is a config error."""
     temperature: float = 0.7
     """Sampling temperature (the policy optimised is softmax(logits / temperature))."""
     top_k: int = 0
@@ -424,6 +428,8 @@ def _validate_rl(cfg: Config) -> None:
     _positive(rl, "rl", "top_k", "vf_clip", "kl_coef", "unfinished_penalty", "grad_clip", "eval_prompts", allow_zero=True)
     if rl.kl_target is not None:
         _positive(rl, "rl", "kl_target")
+    if rl.max_prompt_tokens is not None:
+        _positive(rl, "rl", "max_prompt_tokens")
     if not 0 < rl.top_p <= 1:
         raise ConfigError("rl.top_p", f"must be in (0, 1], got {rl.top_p}", "set rl.top_p=1.0 to disable nucleus sampling")
     if not (0 <= rl.gamma <= 1 and 0 <= rl.lam <= 1):

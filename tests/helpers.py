@@ -28,3 +28,79 @@ def make_tiny_model(out_dir: Path, texts: list[str], vocab_size: int = 400, n_po
     model.save_pretrained(out_dir)
     hf_tok.save_pretrained(out_dir)
     return out_dir
+
+
+def _probe_batch(vocab_size: int, pad_id: int):
+    """Two right-padded rows (lengths 7 and 4) of fixed ids, so padding and the reward model's last-token read are
+    exercised."""
+    import torch
+
+    ids = (torch.arange(14).view(2, 7) * 37 + 5) % vocab_size
+    mask = torch.ones_like(ids)
+    mask[1, 4:] = 0
+    ids[1, 4:] = pad_id
+    return ids, mask
+
+
+def _outputs(model, ids, mask):
+    import torch
+
+    was_training = model.training
+    model.eval()
+    try:
+        with torch.no_grad():
+            out = model(input_ids=ids, attention_mask=mask).logits.float()
+    finally:
+        model.train(was_training)
+    return out[mask.bool()] if out.dim() == 3 else out  # LM: logits of real tokens only
+
+
+def assert_reloads(model, folder, kind: str) -> None:
+    """A stage folder saved by save_trained_model reloads as `model` (the in-memory model at the end of training):
+    logits (kind="causal") or scores (kind="reward") of a fixed padded batch equal, at assert_close's fp32 defaults,
+    for folder/model in plain transformers, folder/adapter (if any) on its base in peft, and both folders through
+    rlfuse's loaders. The adapter's base must be a folder that exists."""
+    import json
+
+    import torch
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification
+
+    from rlfuse.models.load import load_causal_lm, load_reward_model
+
+    folder = Path(folder)
+    assert kind in ("causal", "reward"), kind
+    model = model.to("cpu")
+    config = json.loads((folder / "model" / "config.json").read_text())
+    pad_id = config.get("pad_token_id")
+    assert pad_id is not None, "pad_token_id missing from the saved config"
+    ids, mask = _probe_batch(config["vocab_size"], pad_id)
+    want = _outputs(model, ids, mask)
+    if kind == "causal":
+        auto, rlfuse_load = AutoModelForCausalLM, load_causal_lm
+        plain = AutoModelForCausalLM.from_pretrained(folder / "model", dtype=torch.float32)
+    else:
+        auto, rlfuse_load = AutoModelForSequenceClassification, load_reward_model
+        plain = AutoModelForSequenceClassification.from_pretrained(folder / "model", num_labels=1, dtype=torch.float32)
+    reloaded = {"plain transformers": plain, "rlfuse model/": rlfuse_load(str(folder / "model"))}
+    adapter = folder / "adapter"
+    if adapter.exists():
+        base = json.loads((adapter / "adapter_config.json").read_text())["base_model_name_or_path"]
+        assert Path(base).is_dir(), f"adapter base {base} does not exist"
+        kwargs = {"num_labels": 1, "pad_token_id": pad_id} if kind == "reward" else {}
+        reloaded["peft base + adapter/"] = PeftModel.from_pretrained(auto.from_pretrained(base, dtype=torch.float32,
+                                                                                           **kwargs), adapter)
+        reloaded["rlfuse adapter/"] = rlfuse_load(str(adapter))
+    for how, m in reloaded.items():
+        if kind == "reward":
+            m.config.pad_token_id = pad_id
+        got = _outputs(m, ids, mask)
+        torch.testing.assert_close(got, want, msg=lambda msg, how=how: f"{folder} reloaded as {how}: {msg}")
+
+
+def adapter_bases(run_dir) -> dict[str, str]:
+    """adapter_config.json under run_dir -> its base_model_name_or_path."""
+    import json
+
+    return {str(p.parent): json.loads(p.read_text())["base_model_name_or_path"]
+            for p in Path(run_dir).rglob("adapter_config.json")}

@@ -130,7 +130,8 @@ class SkipCounter:
 
     def finish(self, kept: int, log) -> None:
         if kept == 0:
-            raise DataError(self.source, "no usable rows (all empty)", "check the file and the column mapping")
+            raise DataError(self.source, f"no usable rows ({self.skipped} with empty text, the rest unusable: unknown "
+                            "labels or identical chosen and rejected)", "check the file and the column mapping")
         if self.skipped:
             log(f"[data] {self.source}: skipped {self.skipped} rows with empty text, kept {kept}")
 
@@ -202,9 +203,13 @@ def generic_rows(cfg: Config) -> tuple[list[dict], str]:
     return _rows(cfg, None)
 
 
-def split_holdout(items: list, fraction: float, seed: int) -> tuple[list, list]:
-    """Deterministic shuffle, then (train, held out); at least one held-out item."""
+def split_holdout(items: list, fraction: float, seed: int, source: str = "data", what: str = "rows") -> tuple[list, list]:
+    """Deterministic shuffle, then (train, held out); at least one item in each. DataError (naming `source`) when
+    there are fewer than two usable items."""
     items = list(items)
+    if len(items) < 2:
+        raise DataError(source, f"{len(items)} usable {what}; at least 2 are needed (one held out for validation, "
+                        "one to train on)", "use a file with more usable rows (non-empty text, known labels)")
     random.Random(seed).shuffle(items)
-    n_eval = max(1, int(len(items) * fraction))
+    n_eval = min(len(items) - 1, max(1, int(len(items) * fraction)))
     return items[n_eval:], items[:n_eval]

@@ -14,14 +14,14 @@ from rlfuse.errors import DataError
 
 
 def sft_examples(cfg: Config, task: DefaultTask | None, log=print) -> tuple[list[TextExample], list[TextExample]]:
-    kind, seed, frac = cfg.data.kind, cfg.run.seed, cfg.data.eval_fraction
+    kind, split = cfg.data.kind, _splitter(cfg)
     if kind == "synthetic":
         train, held = synthetic_split(cfg, task)
         return [TextExample("", r) for r in train], [TextExample("", r) for r in held]
     if kind == "imdb":
-        return split_holdout([TextExample("", t) for t, _ in imdb_reviews(cfg, log)], frac, seed)
+        return split([TextExample("", t) for t, _ in imdb_reviews(cfg, log)], "SFT examples")
     if kind == "hh_rlhf":
-        return split_holdout([TextExample(p.prompt, p.chosen) for p in hh_pairs(cfg, log)], frac, seed)
+        return split([TextExample(p.prompt, p.chosen) for p in hh_pairs(cfg, log)], "SFT examples")
     rows, src = generic_rows(cfg)
     d = cfg.data
     if d.prompt_column and d.response_column:
@@ -35,26 +35,31 @@ def sft_examples(cfg: Config, task: DefaultTask | None, log=print) -> tuple[list
         skip = SkipCounter(src)
         out = [TextExample("", str(r[col])) for r in rows if skip.keep(str(r[col] or ""))]
     skip.finish(len(out), log)
-    return split_holdout(out[: d.max_examples] if d.max_examples else out, frac, seed)
+    return split(out[: d.max_examples] if d.max_examples else out, "SFT examples")
+
+
+def _splitter(cfg: Config):
+    """split(items, what) -> (train, held out) with this config's fraction and seed; errors name the data source."""
+    source = cfg.data.path or cfg.data.kind
+    return lambda items, what: split_holdout(items, cfg.data.eval_fraction, cfg.run.seed, source, what)
 
 
 def synthetic_split(cfg: Config, task: DefaultTask) -> tuple[list[str], list[str]]:
-    reviews = task.reviews()
-    return split_holdout(reviews, cfg.data.eval_fraction, cfg.run.seed)
+    return _splitter(cfg)(task.reviews(), "reviews")
 
 
 def preference_pairs(cfg: Config, task: DefaultTask | None, log=print) -> tuple[list[PreferencePair], list[PreferencePair]]:
-    kind, seed, frac = cfg.data.kind, cfg.run.seed, cfg.data.eval_fraction
+    kind, seed, frac, split = cfg.data.kind, cfg.run.seed, cfg.data.eval_fraction, _splitter(cfg)
     if kind == "synthetic":
         train, held = synthetic_split(cfg, task)
         n_eval = max(64, int(cfg.rm.num_pairs * frac))
         return gold_pairs(train, cfg.rm.num_pairs, seed, cfg.data.prompt_words), gold_pairs(held, n_eval, seed + 1, cfg.data.prompt_words)
     if kind == "imdb":
-        train, held = split_holdout(imdb_reviews(cfg, log), frac, seed)
+        train, held = split(imdb_reviews(cfg, log), "labelled reviews")
         n_eval = max(64, int(cfg.rm.num_pairs * frac))
         return sentiment_pairs(train, cfg.rm.num_pairs, seed), sentiment_pairs(held, n_eval, seed + 1)
     if kind == "hh_rlhf":
-        return split_holdout(hh_pairs(cfg, log), frac, seed)
+        return split(hh_pairs(cfg, log), "preference pairs")
     rows, src = generic_rows(cfg)
     d = cfg.data
     if d.chosen_column and d.rejected_column:
@@ -64,12 +69,12 @@ def preference_pairs(cfg: Config, task: DefaultTask | None, log=print) -> tuple[
                                 str(r[d.rejected_column])) for r in rows
                  if skip.keep(str(r[d.chosen_column] or ""), str(r[d.rejected_column] or ""))]
         skip.finish(len(pairs), log)
-        return split_holdout(pairs, frac, seed)
+        return split(pairs, "preference pairs")
     if d.text_column and d.label_column:
         require_columns(rows, src, {"data.text_column": d.text_column, "data.label_column": d.label_column})
         items = [(str(r[d.text_column]), sentiment_label(r[d.label_column])) for r in rows]
         items = [(t, y) for t, y in items if t.strip() and y is not None]
-        train, held = split_holdout(items, frac, seed)
+        train, held = split(items, "labelled rows")
         return sentiment_pairs(train, cfg.rm.num_pairs, seed), sentiment_pairs(held, max(64, int(cfg.rm.num_pairs * frac)), seed + 1)
     raise DataError(src, "no preference columns configured",
                     "set data.chosen_column and data.rejected_column, or data.text_column and data.label_column")
@@ -108,20 +113,20 @@ def sentiment_pairs(items: list[tuple[str, int]], n: int, seed: int) -> list[Pre
 
 def rl_prompts(cfg: Config, task: DefaultTask | None, log=print) -> tuple[list[str], list[str]]:
     """Prompts for RL and evaluation (train, held out)."""
-    kind, seed, frac = cfg.data.kind, cfg.run.seed, cfg.data.eval_fraction
+    kind, seed, split = cfg.data.kind, cfg.run.seed, _splitter(cfg)
     rng = random.Random(seed + 7)
     if kind == "synthetic":
         train, held = synthetic_split(cfg, task)
         return [prompt_of(r, rng, cfg.data.prompt_words) for r in train], [prompt_of(r, rng, cfg.data.prompt_words) for r in held]
     if kind == "imdb":
         texts = [t for t, _ in imdb_reviews(cfg, log)]
-        return split_holdout([prompt_of(t, rng, max(cfg.data.prompt_words, 8)) for t in texts], frac, seed)
+        return split([prompt_of(t, rng, max(cfg.data.prompt_words, 8)) for t in texts], "prompts")
     if kind == "hh_rlhf":
-        return split_holdout([p.prompt for p in hh_pairs(cfg, log) if p.prompt], frac, seed)
+        return split([p.prompt for p in hh_pairs(cfg, log) if p.prompt], "prompts")
     rows, src = generic_rows(cfg)
     col = cfg.data.prompt_column or cfg.data.text_column or "prompt"
     require_columns(rows, src, {"data.prompt_column": col})
     prompts = [str(r[col]) for r in rows if str(r[col] or "").strip()]
     if not cfg.data.prompt_column:
         prompts = [prompt_of(p, rng, max(cfg.data.prompt_words, 8)) for p in prompts]
-    return split_holdout(prompts, frac, seed)
+    return split(prompts, "prompts")

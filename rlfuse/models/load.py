@@ -1,8 +1,11 @@
 """One loader for hub names and local folders: causal LMs and reward models through the Auto classes, LoRA
-through peft. Folders saved by rlfuse (full weights or a peft adapter) load the same way."""
+through peft; and one saver. Each stage writes STAGE/model (merged, plain transformers) and, with LoRA,
+STAGE/adapter (on the folder the stage started from); later stages build on STAGE/model. Both load here, and so do
+adapter-only folders of older runs while their base exists."""
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 
 import torch
@@ -23,15 +26,60 @@ def _is_adapter(name: str) -> bool:
     return (Path(name) / "adapter_config.json").is_file()
 
 
+def _adapter_config(name: str) -> dict:
+    import json
+
+    return json.loads((Path(name) / "adapter_config.json").read_text())
+
+
+def _adapter_base(name: str) -> str:
+    return _adapter_config(name)["base_model_name_or_path"]
+
+
+def _looks_local(name: str) -> bool:
+    return name.startswith((".", "/", "~")) or Path(name).exists()
+
+
+def check_model_folder(name: str) -> None:
+    """Raise a UserError naming the folder and what is wrong with it, for the faults we can see without loading:
+    a missing folder, a folder that is not a saved model, an adapter whose base model is gone."""
+    if not _looks_local(name):
+        return  # a hub name: only loading can tell
+    p = Path(name).expanduser()
+    if not p.is_dir():
+        raise UserError(f"model error: could not load {name!r}: no such folder; point the setting that names it "
+                        "(model.name, rm.sft_path, rl.sft_path, rl.rm_path) at an existing model folder")
+    if _is_adapter(name):
+        base = _adapter_base(name)
+        if _looks_local(base) and not Path(base).expanduser().is_dir():
+            raise UserError(f"model error: could not load {name!r}: it is a LoRA adapter whose base model {base!r} "
+                            "(base_model_name_or_path in its adapter_config.json) no longer exists; load the merged "
+                            "model saved beside it (the stage's model/ folder), or restore that base folder")
+    elif not (p / "config.json").is_file():
+        raise UserError(f"model error: could not load {name!r}: the folder has no config.json (nor adapter_config.json), "
+                        "so it is not a saved model; point the setting that names it at a folder written by "
+                        "save_pretrained (a stage's model/ folder)")
+
+
 def _load_error(name: str, e: Exception) -> UserError:
-    return UserError(f"model error: could not load {name!r} ({type(e).__name__}); "
-                     "set model.name to a local model folder (with config.json) or a reachable hub name")
+    """The folder or name, the exception's own first line, and the fix that fits it."""
+    first = (str(e).strip().splitlines() or [type(e).__name__])[0][:300]
+    if _looks_local(name):  # the folder is there (check_model_folder ran) but its files do not load
+        fix = ("re-run the stage that wrote this folder, or point the setting that names it (model.name, rm.sft_path, "
+               "rl.sft_path, rl.rm_path) at another saved model folder")
+    elif re.search(r"connect|offline|resolve|Name or service|network", str(e), re.I):
+        fix = ("the hub is unreachable (offline?) and the model is not in the local cache: download it where there "
+               "is network (or set HF_HUB_OFFLINE=0), or set model.name to a local model folder")
+    else:
+        fix = "set model.name to a local model folder (with config.json) or a reachable hub name"
+    return UserError(f"model error: could not load {name!r} ({type(e).__name__}: {first}); {fix}")
 
 
 def load_tokenizer(name: str):
     """Right-padded tokenizer with a pad token (GPT-2's hub tokenizer has none: its EOS is used)."""
     from transformers import AutoTokenizer
 
+    check_model_folder(name)
     if _is_adapter(name) and not (Path(name) / "tokenizer_config.json").exists():
         name = _adapter_base(name)
     try:
@@ -42,12 +90,6 @@ def load_tokenizer(name: str):
         tok.pad_token = tok.eos_token
     tok.padding_side = "right"
     return tok
-
-
-def _adapter_base(name: str) -> str:
-    import json
-
-    return json.loads((Path(name) / "adapter_config.json").read_text())["base_model_name_or_path"]
 
 
 def lora_targets(model, cfg: ModelConfig):
@@ -83,6 +125,7 @@ def load_causal_lm(name: str, cfg: ModelConfig | None = None, trainable_lora: bo
     With cfg.lora (and a plain model) fresh adapters are added."""
     from transformers import AutoModelForCausalLM
 
+    check_model_folder(name)
     try:
         if _is_adapter(name):
             from peft import AutoPeftModelForCausalLM
@@ -100,24 +143,30 @@ def load_causal_lm(name: str, cfg: ModelConfig | None = None, trainable_lora: bo
 
 def load_reward_model(name: str, cfg: ModelConfig | None = None, pad_token_id: int | None = None):
     """Scalar-head model (AutoModelForSequenceClassification, one label) on a causal LM backbone. The score is
-    read at the last non-pad token, so the pad id must be set in its config."""
+    read at the last non-pad token, so the pad id must be set in its config.
+
+    `name`: a plain folder or hub name (a saved reward model, or a causal LM such as an SFT stage's merged model/,
+    which gets a fresh head), or a saved reward-model adapter. An adapter-only SFT folder from an older rlfuse is
+    merged in memory and its body copied into the reward model, so no temporary folder is ever referenced."""
     from transformers import AutoModelForSequenceClassification
 
-    import json
-    import tempfile
-
-    adapter_task = json.loads((Path(name) / "adapter_config.json").read_text()).get("task_type") if _is_adapter(name) else None
+    check_model_folder(name)
+    adapter_task = _adapter_config(name).get("task_type") if _is_adapter(name) else None
     try:
         if adapter_task == "SEQ_CLS":  # a saved reward model with LoRA
             from peft import AutoPeftModelForSequenceClassification
 
             model = AutoPeftModelForSequenceClassification.from_pretrained(name, num_labels=1)
-        elif adapter_task is not None:  # an SFT adapter as backbone: merge it into its base, then add the head
-            with tempfile.TemporaryDirectory() as tmp:
-                load_causal_lm(name).merge_and_unload().save_pretrained(tmp)
-                model = AutoModelForSequenceClassification.from_pretrained(tmp, num_labels=1, dtype=torch.float32)
+        elif adapter_task is not None:  # an older adapter-only SFT folder as backbone
+            lm = load_causal_lm(name).merge_and_unload()
+            model = AutoModelForSequenceClassification.from_pretrained(_adapter_base(name), num_labels=1,
+                                                                       dtype=torch.float32)
+            body = lambda m: getattr(m, m.base_model_prefix)
+            body(model).load_state_dict(body(lm).state_dict())
         else:
             model = AutoModelForSequenceClassification.from_pretrained(name, num_labels=1, dtype=torch.float32)
+    except UserError:
+        raise
     except Exception as e:
         raise _load_error(name, e) from None
     if pad_token_id is not None:
@@ -128,16 +177,104 @@ def load_reward_model(name: str, cfg: ModelConfig | None = None, pad_token_id: i
     return model
 
 
-def save_model(model, tokenizer, out_dir: str | Path) -> Path:
-    """save_pretrained of weights (or adapter) and tokenizer into one folder, written then renamed."""
+# ---------------------------------------------------------------------------------------------- saving
+
+
+def merged_state_dict(model) -> dict[str, torch.Tensor]:
+    """The state dict of `model` with its active LoRA adapters folded in, under the plain model's key names, without
+    touching `model`: each LoRA layer's weight is base weight + peft's get_delta_weight (a new tensor), a
+    modules_to_save copy (the reward model's trained `score` head) replaces its original, and adapter tensors are
+    dropped. Other tensors are the model's own (no copy). A model without peft returns its state dict."""
+    from peft.tuners.lora import LoraLayer
+    from peft.utils import ModulesToSaveWrapper
+
+    base = model.get_base_model() if hasattr(model, "get_base_model") else model
+    merged, renamed = {}, []
+    for name, module in base.named_modules():
+        if isinstance(module, LoraLayer):
+            weight = module.get_base_layer().weight
+            if not module.merged and not module.disable_adapters:  # merged: the delta is in the weight already
+                weight = weight + sum(module.get_delta_weight(a) for a in module.active_adapters)
+            merged[f"{name}.weight"] = weight.detach()
+            renamed.append((f"{name}.base_layer.", f"{name}."))
+        elif isinstance(module, ModulesToSaveWrapper):
+            renamed.append((f"{name}.modules_to_save.{module.active_adapter}.", f"{name}."))
+            renamed.append((f"{name}.original_module.", None))  # the untrained original: not part of the result
+    out = {}
+    for key, value in base.state_dict().items():
+        if ".lora_" in key:
+            continue
+        for old, new in renamed:
+            if key.startswith(old):
+                key = None if new is None else new + key[len(old):]
+                break
+        if key is not None:
+            out[key] = merged.get(key, value)
+    return out
+
+
+def _write_atomically(out: Path, write) -> Path:
+    """write(folder) into out.tmp, then rename over out: a crash leaves the previous folder whole."""
     import os
     import shutil
 
-    out = Path(out_dir)
     tmp = out.with_name(out.name + ".tmp")
     shutil.rmtree(tmp, ignore_errors=True)
-    model.save_pretrained(tmp)
-    tokenizer.save_pretrained(tmp)
+    write(tmp)
     shutil.rmtree(out, ignore_errors=True)
     os.replace(tmp, out)
     return out
+
+
+def save_trained_model(model, tokenizer, stage_dir: str | Path, base: str) -> Path:
+    """Save a stage's trained model so that it reloads as what was trained; returns stage_dir/model.
+
+    - stage_dir/model: a plain transformers folder with LoRA merged in (AutoModelForCausalLM or
+      AutoModelForSequenceClassification loads it without peft), tokenizer beside it, pad_token_id in its config.
+    - stage_dir/adapter (peft models only): the adapter, its base_model_name_or_path set to `base`, the folder or hub
+      name the stage started from (it must outlive the run), so PeftModel.from_pretrained(Auto...(base), adapter)
+      gives the same model. A stale adapter/ from an earlier run without LoRA is removed.
+    The in-memory model is not changed (see merged_state_dict)."""
+    import json
+
+    stage_dir = Path(stage_dir)
+    stage_dir.mkdir(parents=True, exist_ok=True)
+    if Path(base).exists():  # a folder: absolute, so the adapter loads from any working directory
+        base = str(Path(base).resolve())
+    plain = model.get_base_model() if hasattr(model, "peft_config") else model
+
+    def write_model(folder: Path):
+        plain.save_pretrained(folder, state_dict=merged_state_dict(model))
+        tokenizer.save_pretrained(folder)
+        cfg_path = folder / "config.json"
+        config = json.loads(cfg_path.read_text())
+        if config.get("pad_token_id") is None and tokenizer.pad_token_id is not None:
+            config["pad_token_id"] = tokenizer.pad_token_id  # the reward model reads its score at the last non-pad
+            cfg_path.write_text(json.dumps(config, indent=2))
+
+    def write_adapter(folder: Path):
+        model.save_pretrained(folder)
+        tokenizer.save_pretrained(folder)
+        cfg_path = folder / "adapter_config.json"
+        config = json.loads(cfg_path.read_text()) | {"base_model_name_or_path": str(base)}
+        cfg_path.write_text(json.dumps(config, indent=2))
+
+    model_dir = _write_atomically(stage_dir / "model", write_model)
+    if hasattr(model, "peft_config"):
+        _write_atomically(stage_dir / "adapter", write_adapter)
+    else:
+        import shutil
+
+        shutil.rmtree(stage_dir / "adapter", ignore_errors=True)
+    return model_dir
+
+
+def save_model(model, tokenizer, out_dir: str | Path) -> Path:
+    """save_pretrained of weights (or, for a peft model, the adapter alone) and tokenizer into one folder, written
+    then renamed. Prefer save_trained_model, which also writes the merged model; this stays for callers that have
+    not moved to it yet."""
+    def write(folder: Path):
+        model.save_pretrained(folder)
+        tokenizer.save_pretrained(folder)
+
+    return _write_atomically(Path(out_dir), write)

@@ -16,7 +16,8 @@ from rlfuse.data.collate import encode_pair, pair_batch
 from rlfuse.data.stages import preference_pairs
 from rlfuse.errors import UserError
 from rlfuse.metrics.tracker import JsonlTracker
-from rlfuse.models.load import load_reward_model, load_tokenizer, save_model
+from rlfuse.data.prompts import check_max_length, model_context
+from rlfuse.models.load import load_reward_model, load_tokenizer, save_trained_model
 from rlfuse.progress import Progress
 from rlfuse.trainers.common import autocast, batch_indices, build_optimizer, clip_and_step, setup_runtime
 from rlfuse.trainers.sft import resolve_base_model
@@ -53,7 +54,8 @@ def evaluate_pairs(model, items, pad_id: int, micro: int, device, precision: str
 
 
 def rm_backbone(cfg: Config, run_dir: Path, log=print) -> str:
-    """rm.init=sft: this run's SFT model (or rm.sft_path); rm.init=base: the model in model.name."""
+    """rm.init=sft: this run's SFT model (or rm.sft_path), a merged plain folder; rm.init=base: the model in
+    model.name. The reward model's adapter (with LoRA) names this folder as its base."""
     if cfg.rm.init == "sft":
         for cand in (cfg.rm.sft_path, run_dir / "sft" / "model"):
             if cand and Path(cand).exists():
@@ -64,13 +66,16 @@ def rm_backbone(cfg: Config, run_dir: Path, log=print) -> str:
     return name
 
 
-def train_rm(cfg: Config, run_dir: Path, log=print) -> RMResult:
+def train_rm(cfg: Config, run_dir: Path, log=print, on_trained=None) -> RMResult:
+    """The reward-model stage into run_dir/rm: model/ (merged scalar-head model), adapter/ (with LoRA, based on the
+    backbone folder), metrics, summary. on_trained(model) as in train_sft."""
     t0 = time.perf_counter()
     device = setup_runtime(cfg.run)
     _, task = resolve_base_model(cfg, log)
     name = rm_backbone(cfg, run_dir, log)
     tokenizer = load_tokenizer(name)
     model = load_reward_model(name, cfg.model, pad_token_id=tokenizer.pad_token_id).to(device)
+    check_max_length(cfg.data.max_length, model_context(model.config))
     model.train()
     train_pairs, eval_pairs = preference_pairs(cfg, task, log)
     L = cfg.data.max_length
@@ -103,7 +108,9 @@ def train_rm(cfg: Config, run_dir: Path, log=print) -> RMResult:
             tracker.log(step, **row)
             bar.update(loss=loss_sum, acc=acc)
     final = evaluate_pairs(model, eval_items, tokenizer.pad_token_id, s.micro_batch_size, device, cfg.run.precision)
-    model_dir = save_model(model, tokenizer, out / "model")
+    model_dir = save_trained_model(model, tokenizer, out, base=name)
+    if on_trained is not None:
+        on_trained(model)
     result = RMResult(model_dir, final["eval/accuracy"], final["eval/margin"], time.perf_counter() - t0)
     (out / "summary.json").write_text(json.dumps({"accuracy": result.accuracy, "margin": result.margin,
                                                    "seconds": result.seconds, "model_dir": str(model_dir)}, indent=2))

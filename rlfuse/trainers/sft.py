@@ -19,7 +19,8 @@ from rlfuse.config import Config
 from rlfuse.data.collate import encode_sft, sft_batch
 from rlfuse.data.stages import rl_prompts, sft_examples
 from rlfuse.metrics.tracker import JsonlTracker
-from rlfuse.models.load import load_causal_lm, load_tokenizer, save_model
+from rlfuse.data.prompts import check_max_length, model_context
+from rlfuse.models.load import load_causal_lm, load_tokenizer, save_trained_model
 from rlfuse.progress import Progress
 from rlfuse.trainers.common import autocast, batch_indices, build_optimizer, clip_and_step, setup_runtime
 
@@ -61,12 +62,16 @@ def validation_loss(model, items, pad_id: int, micro: int, device, precision: st
     return total / max(1, count)
 
 
-def train_sft(cfg: Config, run_dir: Path, log=print) -> SFTResult:
+def train_sft(cfg: Config, run_dir: Path, log=print, on_trained=None) -> SFTResult:
+    """The SFT stage into run_dir/sft: model/ (merged, plain transformers), adapter/ (with LoRA), metrics, summary.
+    on_trained(model), if given, gets the in-memory model once it is saved (tests compare it with the reloaded one);
+    the result does not hold it, so the pipeline does not keep it alive through later stages."""
     t0 = time.perf_counter()
     device = setup_runtime(cfg.run)
     name, task = resolve_base_model(cfg, log)
     tokenizer = load_tokenizer(name)
     model = load_causal_lm(name, cfg.model).to(device)
+    check_max_length(cfg.data.max_length, model_context(model.config))
     model.train()
     train_ex, eval_ex = sft_examples(cfg, task, log)
     enc = lambda ex: encode_sft(tokenizer, ex, cfg.data.max_length, cfg.sft.completion_only)
@@ -96,7 +101,9 @@ def train_sft(cfg: Config, run_dir: Path, log=print) -> SFTResult:
                 row["eval/loss"] = val
             tracker.log(step, **row)
             bar.update(loss=loss_sum, val=val)
-    model_dir = save_model(model, tokenizer, out / "model")
+    model_dir = save_trained_model(model, tokenizer, out, base=name)
+    if on_trained is not None:
+        on_trained(model)
     result = SFTResult(model_dir, val, math.exp(min(val, 50)), 0.0)
     if task is not None and s.eval_samples:
         from rlfuse.data.collate import encode

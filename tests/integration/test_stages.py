@@ -71,8 +71,9 @@ def test_sft_then_rm_on_real_imdb_with_lora(tiny_real_model, tmp_path):
     args = ["configs/imdb_distilgpt2.yaml", f"model.name={tiny_real_model}", f"data.path={IMDB_CSV}",
             f"run.dir={tmp_path}", *REAL]
     assert main(["sft", *args]) == 0
-    assert (tmp_path / "sft" / "model" / "adapter_config.json").exists()  # LoRA adapter saved, not full weights
-    assert main(["rm", *args]) == 0  # the reward model starts from the merged SFT adapter
+    assert (tmp_path / "sft" / "adapter" / "adapter_config.json").exists()  # the LoRA adapter, beside...
+    assert (tmp_path / "sft" / "model" / "config.json").exists()  # ...the merged model
+    assert main(["rm", *args]) == 0  # the reward model starts from the merged SFT model
     assert json.loads((tmp_path / "rm" / "summary.json").read_text())["accuracy"] >= 0
 
 

@@ -54,6 +54,7 @@ BAD = [
     (["model.name=/no/such/model"], "model.name", "not found"),
     (["model.n_head=3"], "model.n_head", "does not divide"),
     (["sft"], "sft", "section.field=value"),
+    (["rl.max_prompt_tokens=0"], "rl.max_prompt_tokens", "must be > 0"),
 ]
 
 

@@ -112,3 +112,42 @@ def test_real_hh_rlhf_jsonl_gz():
     pairs = hh_pairs(cfg_for("hh_rlhf", HH_JSONL))
     assert len(pairs) >= 1700
     assert all(p.prompt.endswith("Assistant:") and p.chosen != p.rejected for p in pairs[:100])
+
+
+def _hh_file(tmp_path, n_usable):
+    """hh-rlhf rows: n_usable usable ones, plus one whose chosen equals its rejected (not usable)."""
+    rows = [{"chosen": f"\n\nHuman: q{i}\n\nAssistant: yes {i}", "rejected": f"\n\nHuman: q{i}\n\nAssistant: no {i}"}
+            for i in range(n_usable)]
+    rows.append({"chosen": "\n\nHuman: same\n\nAssistant: same", "rejected": "\n\nHuman: same\n\nAssistant: same"})
+    p = tmp_path / "hh.jsonl"
+    p.write_text("\n".join(json.dumps(r) for r in rows))
+    return cfg_for("hh_rlhf", p)
+
+
+@pytest.mark.parametrize("stage", [sft_examples, preference_pairs, rl_prompts])
+def test_too_few_usable_rows_is_a_data_error_with_the_count(tmp_path, stage):
+    with pytest.raises(DataError, match="no usable rows"):
+        stage(_hh_file(tmp_path, 0), None)
+    with pytest.raises(DataError) as err:
+        stage(_hh_file(tmp_path, 1), None)
+    msg = str(err.value)
+    assert "hh.jsonl" in msg and "1 usable" in msg and "at least 2" in msg and "one to train on" in msg
+    train, held = stage(_hh_file(tmp_path, 2), None)  # two rows: one to train on, one held out
+    assert len(train) == 1 and len(held) == 1
+
+
+def test_one_usable_imdb_review_is_a_data_error(tmp_path):
+    p = tmp_path / "x.csv"
+    p.write_text('review,sentiment\ngood film,positive\n"",negative\nfine,unknown\n')
+    for stage in (sft_examples, preference_pairs, rl_prompts):
+        with pytest.raises(DataError, match=r"x\.csv: 1 usable .*at least 2"):
+            stage(cfg_for("imdb", p), None)
+
+
+def test_split_holdout_always_leaves_one_to_train_on():
+    from rlfuse.data.sources import split_holdout
+
+    assert [len(s) for s in split_holdout([1, 2], 0.49, 0)] == [1, 1]
+    assert [len(s) for s in split_holdout(list(range(100)), 0.05, 0)] == [95, 5]
+    with pytest.raises(DataError, match="0 usable rows"):
+        split_holdout([], 0.05, 0)
