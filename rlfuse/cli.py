@@ -48,7 +48,8 @@ def cmd_rm(cfg: Config) -> int:
 
 
 def write_rl_results(run_dir: Path, result: dict) -> Path:
-    """eval.json (before/after, in rl/ and the run folder), samples_after.json, and the report; returns its path."""
+    """eval.json (before/after, in rl/ and the run folder), samples_after.json, rl/summary.json (time, prompt budget
+    and how many prompts were cut to it), and the report; returns its path."""
     import json
 
     from rlfuse.evaluation import EVAL_SAMPLES_KEPT
@@ -58,6 +59,8 @@ def write_rl_results(run_dir: Path, result: dict) -> Path:
     (run_dir / "rl" / "eval.json").write_text(evals)
     (run_dir / "eval.json").write_text(evals)
     (run_dir / "rl" / "samples_after.json").write_text(json.dumps(result["samples_after"][:EVAL_SAMPLES_KEPT], indent=1))
+    summary = {"seconds": result["seconds"], **result["prompts"], "model_dir": str(run_dir / "rl" / "model")}
+    (run_dir / "rl" / "summary.json").write_text(json.dumps(summary, indent=2))
     return write_report(run_dir)
 
 

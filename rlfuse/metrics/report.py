@@ -103,10 +103,10 @@ def write_report(run_dir: str | Path, baseline_dir: str | Path | None = None) ->
         parts += ["<h2>Held-out evaluation, before and after RL</h2>",
                   _table([("metric", "before", "after")] + [(k, _fmt(eval_result.get("before", {}).get(k, "")),
                                                              _fmt(eval_result.get("after", {}).get(k, ""))) for k in keys])]
-    stages = [(s, _json(run_dir / s / "summary.json")) for s in ("sft", "rm")]
+    stages = [(s, _json(run_dir / s / "summary.json")) for s in ("sft", "rm", "rl")]
     stage_rows = [(s, ", ".join(f"{k} {_fmt(v)}" for k, v in d.items() if k != "model_dir")) for s, d in stages if d]
     if stage_rows:
-        parts += ["<h2>Earlier stages</h2>", _table([("stage", "summary")] + stage_rows)]
+        parts += ["<h2>Stages</h2>", _table([("stage", "summary")] + stage_rows)]
     parts.append("<h2>Figures</h2>")
     for name in FIGURES:
         f = figs.get(name)

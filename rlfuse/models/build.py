@@ -28,6 +28,8 @@ class Models:
     critic: ValueModel | None
     reward_fn: object
     roles: Roles
+    policy_source: str
+    """The SFT folder the policy started from: the base of the saved RL adapter."""
 
 
 def _folder(given: str | None, default: Path, field: str, stage: str) -> str:
@@ -77,7 +79,7 @@ def build_models(cfg: Config, run_dir: Path, device) -> Models:
     else:
         reward_fn = function_reward_fn(load_reward_function(rl.reward), tokenizer)
     critic = build_critic(roles, actor, sft_dir, rm_dir, tokenizer.pad_token_id, device, rl) if "critic" in roles else None
-    return Models(tokenizer, actor, generator, ref, critic, reward_fn, roles)
+    return Models(tokenizer, actor, generator, ref, critic, reward_fn, roles, sft_dir)
 
 
 def build_critic(roles: Roles, actor, sft_dir: str, rm_dir: str | None, pad_id: int, device, rl) -> ValueModel:

@@ -180,39 +180,6 @@ def load_reward_model(name: str, cfg: ModelConfig | None = None, pad_token_id: i
 # ---------------------------------------------------------------------------------------------- saving
 
 
-def merged_state_dict(model) -> dict[str, torch.Tensor]:
-    """The state dict of `model` with its active LoRA adapters folded in, under the plain model's key names, without
-    touching `model`: each LoRA layer's weight is base weight + peft's get_delta_weight (a new tensor), a
-    modules_to_save copy (the reward model's trained `score` head) replaces its original, and adapter tensors are
-    dropped. Other tensors are the model's own (no copy). A model without peft returns its state dict."""
-    from peft.tuners.lora import LoraLayer
-    from peft.utils import ModulesToSaveWrapper
-
-    base = model.get_base_model() if hasattr(model, "get_base_model") else model
-    merged, renamed = {}, []
-    for name, module in base.named_modules():
-        if isinstance(module, LoraLayer):
-            weight = module.get_base_layer().weight
-            if not module.merged and not module.disable_adapters:  # merged: the delta is in the weight already
-                weight = weight + sum(module.get_delta_weight(a) for a in module.active_adapters)
-            merged[f"{name}.weight"] = weight.detach()
-            renamed.append((f"{name}.base_layer.", f"{name}."))
-        elif isinstance(module, ModulesToSaveWrapper):
-            renamed.append((f"{name}.modules_to_save.{module.active_adapter}.", f"{name}."))
-            renamed.append((f"{name}.original_module.", None))  # the untrained original: not part of the result
-    out = {}
-    for key, value in base.state_dict().items():
-        if ".lora_" in key:
-            continue
-        for old, new in renamed:
-            if key.startswith(old):
-                key = None if new is None else new + key[len(old):]
-                break
-        if key is not None:
-            out[key] = merged.get(key, value)
-    return out
-
-
 def _write_atomically(out: Path, write) -> Path:
     """write(folder) into out.tmp, then rename over out: a crash leaves the previous folder whole."""
     import os
@@ -244,6 +211,8 @@ def save_trained_model(model, tokenizer, stage_dir: str | Path, base: str) -> Pa
     plain = model.get_base_model() if hasattr(model, "peft_config") else model
 
     def write_model(folder: Path):
+        from rlfuse.models.weights import merged_state_dict
+
         plain.save_pretrained(folder, state_dict=merged_state_dict(model))
         tokenizer.save_pretrained(folder)
         cfg_path = folder / "config.json"
@@ -267,14 +236,3 @@ def save_trained_model(model, tokenizer, stage_dir: str | Path, base: str) -> Pa
 
         shutil.rmtree(stage_dir / "adapter", ignore_errors=True)
     return model_dir
-
-
-def save_model(model, tokenizer, out_dir: str | Path) -> Path:
-    """save_pretrained of weights (or, for a peft model, the adapter alone) and tokenizer into one folder, written
-    then renamed. Prefer save_trained_model, which also writes the merged model; this stays for callers that have
-    not moved to it yet."""
-    def write(folder: Path):
-        model.save_pretrained(folder)
-        tokenizer.save_pretrained(folder)
-
-    return _write_atomically(Path(out_dir), write)

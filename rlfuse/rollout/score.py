@@ -85,9 +85,14 @@ def reward_model_fn(rm, eos_id: int, pad_id: int) -> Callable[[list[Sample]], Te
     EOS). transformers' sequence-classification heads pool at the rightmost token that is not the pad id; rlfuse's
     pad id is the EOS id (GPT-2 tokenizers have no pad token), so the score is read at the last token of the text,
     the one before the trailing EOS, in training and here alike."""
+    from rlfuse.data.prompts import model_context
+
+    context = model_context(rm.config)
 
     def score(samples: list[Sample]) -> Tensor:
         seqs = [s.prompt_ids + s.token_ids + ([] if s.token_ids[-1:] == [eos_id] else [eos_id]) for s in samples]
+        if context:  # a full-budget prompt + a length-capped response + EOS is one past the context: keep the end,
+            seqs = [s[-context:] for s in seqs]  # as RM training does (collate.encode_reward_text)
         L = max(map(len, seqs))
         dev = next(rm.parameters()).device
         ids = torch.full((len(seqs), L), pad_id, dtype=torch.long)

@@ -32,14 +32,14 @@ from rlfuse.algos.kl import AdaptiveKLController, FixedKLController, kl_penalty,
 from rlfuse.algos.losses import ppo_policy_loss, value_loss
 from rlfuse.algos.stats import explained_variance, level_mean, masked_mean, whiten
 from rlfuse.config import Config, RLConfig
-from rlfuse.data.collate import encode
+from rlfuse.data.prompts import encode_prompts, model_context, prompt_budget
 from rlfuse.data.stages import rl_prompts
 from rlfuse.errors import UserError
 from rlfuse.evaluation import evaluate, evaluate_before, iteration_gold
 from rlfuse.metrics.tracker import JsonlTracker, memory_metrics, truncate_metrics
 from rlfuse.models.build import Models, build_models
-from rlfuse.models.load import save_model
-from rlfuse.models.weights import policy_weights
+from rlfuse.models.load import save_trained_model
+from rlfuse.models.weights import merged_state_dict
 from rlfuse.progress import Progress
 from rlfuse.rollout.engine import DecodeEngine, SamplingParams
 from rlfuse.rollout.fusion import Experience, FusionPolicy, generate_rollouts
@@ -258,7 +258,7 @@ def count_nonfinite_rewards(exp: Experience, rl: RLConfig, bad: dict) -> int:
 def sync_weights(engine: DecodeEngine, actor: torch.nn.Module) -> dict:
     """The actor's current weights into the generator, by an explicit copy."""
     t = time.perf_counter()
-    n = engine.load_weights(policy_weights(actor))
+    n = engine.load_weights(merged_state_dict(actor))
     return {"time/weight_sync": time.perf_counter() - t, "sync/bytes": n}
 
 
@@ -295,8 +295,12 @@ def train_rl(cfg: Config, run_dir: Path, log=print, resume: bool = False, on_rea
     models = build_models(cfg, run_dir, device)
     tok, gold = models.tokenizer, cfg.data.kind == "synthetic"
     train_text, held_text = rl_prompts(cfg, task, log)
-    train_prompts = [encode(tok, p) for p in train_text]
-    held_prompts = [encode(tok, p) for p in held_text][: rl.eval_prompts]
+    budget = prompt_budget(rl, model_context(models.generator.config))
+    train_prompts, cut = encode_prompts(tok, train_text, budget)
+    held_prompts, cut_held = encode_prompts(tok, held_text[: rl.eval_prompts], budget)
+    if cut or cut_held:  # left-truncated: the end of a prompt is what the response continues
+        log(f"[rl] prompts cut to their last {budget} tokens: {cut} of {len(train_prompts)} train, "
+            f"{cut_held} of {len(held_prompts)} held out")
     engine = DecodeEngine(models.generator, tok.eos_token_id, max_rows=cfg.rollout.max_rows, tokenizer=tok)
     scorer = Scorer(models.reward_fn, tok.pad_token_id, ref=models.ref, actor=models.actor, critic=models.critic,
                     temperature=rl.temperature, micro_batch_size=cfg.rollout.micro_batch_size,
@@ -355,8 +359,11 @@ def train_rl(cfg: Config, run_dir: Path, log=print, resume: bool = False, on_rea
     tracker.close()
     sync_weights(engine, models.actor)
     after, after_texts = evaluate(models, engine, held_prompts, rl, seed + 12345, gold)
-    save_model(models.actor, tok, out / "model")
-    return {"before": before, "after": after, "samples_after": after_texts, "seconds": time.perf_counter() - t_start}
+    save_trained_model(models.actor, tok, out, base=models.policy_source)
+    prompts_info = {"prompt_budget": budget, "prompts_truncated": cut, "prompts": len(train_prompts),
+                    "eval_prompts_truncated": cut_held}
+    return {"before": before, "after": after, "samples_after": after_texts, "prompts": prompts_info,
+            "seconds": time.perf_counter() - t_start}
 
 
 CHECKPOINT_KEYS = ("actor", "critic", "opt_actor", "opt_critic", "sched_actor", "sched_critic")

@@ -62,3 +62,6 @@ def test_hh_rlhf_config_runs_end_to_end_and_cuts_long_prompts(tmp_path):
     assert main(["run", "configs/hh_rlhf.yaml", f"model.name={model}", f"data.path={HH_JSONL}", f"run.dir={run_dir}",
                  "model.lora=false", "data.max_length=96", "rl.max_new_tokens=16", *FEW]) == 0
     assert_pipeline_ran(run_dir)
+    summary = json.loads((run_dir / "rl" / "summary.json").read_text())
+    assert summary["prompt_budget"] == 128 - 16  # the model's context minus rl.max_new_tokens
+    assert 0 < summary["prompts_truncated"] <= summary["prompts"]  # real conversations are longer than that

@@ -12,7 +12,7 @@ from conftest import TINY
 from helpers import adapter_bases, assert_reloads
 from rlfuse.config import load_config
 from rlfuse.errors import UserError
-from rlfuse.models.load import (apply_lora, load_causal_lm, load_reward_model, save_model, save_trained_model,
+from rlfuse.models.load import (apply_lora, load_causal_lm, load_reward_model, save_trained_model,
                                 load_tokenizer)
 from rlfuse.trainers.rm import train_rm
 from rlfuse.trainers.sft import train_sft
@@ -138,8 +138,27 @@ def test_older_adapter_only_sft_folder_still_backs_a_reward_model(tiny_task, tmp
     for n, p in model.named_parameters():
         if "lora_B" in n:
             torch.nn.init.normal_(p, std=0.1)
-    save_model(model, load_tokenizer(str(tiny_task.model_dir)), tmp_path / "old")  # adapter only, as before
+    model.save_pretrained(tmp_path / "old")  # adapter only, as rlfuse saved LoRA stages before
+    load_tokenizer(str(tiny_task.model_dir)).save_pretrained(tmp_path / "old")
     rm = load_reward_model(str(tmp_path / "old"))
     merged = model.merge_and_unload()
     for k, v in merged.transformer.state_dict().items():
         torch.testing.assert_close(rm.transformer.state_dict()[k], v)
+
+
+def test_rl_reloads_as_trained(trained):
+    """The RL policy, LoRA or full: saved merged (and as an adapter on the SFT model), reloads to the in-memory
+    actor's logits; the policy that was trained is the SFT policy plus what RL learned, not the raw base."""
+    from rlfuse.trainers.rl import train_rl
+
+    lora, run_dir, _, _ = trained
+    cfg = load_config(None, [*FAST, f"run.dir={run_dir}", f"model.lora={str(lora).lower()}", "rl.iterations=2",
+                             "rl.prompts_per_iter=4", "rl.mini_batch_size=4", "rl.micro_batch_size=2", "rl.epochs=1",
+                             "rl.max_new_tokens=8", "rl.eval_prompts=4", "rl.lr=1e-2", "rl.algo=rloo", "rl.k=2"])
+    held = []
+    train_rl(cfg, run_dir, log=lambda *_: None, on_ready=held.append)
+    actor = held[0].actor
+    assert (run_dir / "rl" / "adapter").exists() == lora
+    assert_reloads(actor, run_dir / "rl", "causal")
+    if lora:
+        assert adapter_bases(run_dir)[str(run_dir / "rl" / "adapter")] == str((run_dir / "sft" / "model").resolve())

@@ -58,11 +58,11 @@ def test_gradient_checkpointing_keeps_the_gradients():
 
 @pytest.mark.parametrize("lora", [False, True])
 def test_generator_gets_the_actors_weights_after_an_update(tiny_task, tmp_path, lora):
-    """The generator is its own plain model: after an optimiser step on the actor, load_weights(policy_weights(actor))
+    """The generator is its own plain model: after an optimiser step on the actor, load_weights(merged_state_dict(actor))
     makes its logits the actor's (with LoRA: base + delta, computed out of place, so the actor's base is untouched)."""
     from rlfuse.config import load_config
     from rlfuse.models.build import build_models
-    from rlfuse.models.weights import policy_weights
+    from rlfuse.models.weights import merged_state_dict
     from rlfuse.rollout.engine import DecodeEngine
     from rlfuse.rollout.score import collate, response_logprobs
     from rlfuse.trainers.rl import Learner
@@ -80,7 +80,7 @@ def test_generator_gets_the_actors_weights_after_an_update(tiny_task, tmp_path, 
     ids = torch.tensor([[5, 9, 13, 2, 7, 30, 11]])
     with torch.no_grad():
         stale = models.generator(ids).logits
-        assert engine.load_weights(policy_weights(models.actor)) > 0
+        assert engine.load_weights(merged_state_dict(models.actor)) > 0
         want, got = models.actor.eval()(ids).logits, models.generator(ids).logits
     assert not torch.allclose(stale, want, atol=1e-4)  # the update moved the actor
     torch.testing.assert_close(got, want, atol=1e-5, rtol=0)  # merged LoRA rounds differently: 1e-5 as the issue asks
