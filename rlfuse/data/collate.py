@@ -28,8 +28,9 @@ def encode_sft(tokenizer, ex: TextExample, max_length: int, completion_only: boo
 
 
 def encode_reward_text(tokenizer, prompt: str, response: str, max_length: int) -> list[int]:
-    """Reward-model input: BOS + prompt + response + EOS (the score is read at the final EOS); truncation keeps the
-    end, so the EOS that the score is read at survives."""
+    """Reward-model input: BOS + prompt + response + EOS; truncation keeps the end. The score is read at the rightmost
+    token that is not the pad id, and rlfuse's pad id is the EOS id (GPT-2 tokenizers have none), so it is read at the
+    text's last token, the one before this EOS; rollout.score.reward_model_fn builds the same input."""
     text = f"{prompt} {response}".strip() if prompt and not prompt.endswith((" ", "\n")) else prompt + response
     ids = encode(tokenizer, text) + [tokenizer.eos_token_id]
     return ids[-max_length:]

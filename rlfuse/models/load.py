@@ -143,7 +143,8 @@ def load_causal_lm(name: str, cfg: ModelConfig | None = None, trainable_lora: bo
 
 def load_reward_model(name: str, cfg: ModelConfig | None = None, pad_token_id: int | None = None):
     """Scalar-head model (AutoModelForSequenceClassification, one label) on a causal LM backbone. The score is
-    read at the last non-pad token, so the pad id must be set in its config.
+    read at the rightmost token that is not the pad id (transformers' pooling ignores the attention mask), so the pad
+    id must be set in its config; with pad id = EOS id that is the last text token before the trailing EOS.
 
     `name`: a plain folder or hub name (a saved reward model, or a causal LM such as an SFT stage's merged model/,
     which gets a fresh head), or a saved reward-model adapter. An adapter-only SFT folder from an older rlfuse is
