@@ -12,7 +12,8 @@ def merged_state_dict(model) -> dict[str, torch.Tensor]:
     """The state dict of `model` with its active LoRA adapters folded in, under the plain model's key names, without
     touching `model`: each LoRA layer's weight is base weight + peft's get_delta_weight (a new tensor), a
     modules_to_save copy (the reward model's trained `score` head) replaces its original, and adapter tensors are
-    dropped. Other tensors are the model's own (no copy). A model without peft returns its state dict.
+    dropped. Other tensors are the model's own (no copy). A model without peft returns its state dict. Tied
+    weights (one tensor under two names) are listed once, under the first name; loading ties them again.
 
     What the trainer hands the generator each iteration (DecodeEngine.load_weights) and what each stage saves. Merging
     and unmerging in place instead would round the frozen base a little every iteration, and a resumed run (which
@@ -32,10 +33,11 @@ def merged_state_dict(model) -> dict[str, torch.Tensor]:
         elif isinstance(module, ModulesToSaveWrapper):
             renamed.append((f"{name}.modules_to_save.{module.active_adapter}.", f"{name}."))
             renamed.append((f"{name}.original_module.", None))  # the untrained original: not part of the result
-    out = {}
+    out, seen = {}, set()
     for key, value in base.state_dict().items():
-        if ".lora_" in key:
+        if ".lora_" in key or value.data_ptr() in seen:  # a tied weight (GPT-2's lm_head is wte) moves once
             continue
+        seen.add(value.data_ptr())
         for old, new in renamed:
             if key.startswith(old):
                 key = None if new is None else new + key[len(old):]
