@@ -17,7 +17,11 @@ from typing import Any, Optional
 
 import yaml
 
-from rlfuse.errors import ConfigError
+from rlfuse.errors import ConfigError, UserError
+from rlfuse.models.roles import derive_roles
+from rlfuse.placement.check import check_placement
+from rlfuse.placement.spec import STRATEGIES, is_gpu_share
+from rlfuse.placement.strategies import MIN_WORKERS, spec_from_config
 
 DATA_KINDS = ("synthetic", "imdb", "hh_rlhf", "csv", "jsonl", "parquet")
 
@@ -244,6 +248,25 @@ class RolloutConfig:
 
 
 @dataclass
+class PlacementConfig:
+    strategy: str = "single"
+    """single (one process, as before; no Ray) | flattened (every role on every worker) | interleaved (reference and
+    reward on their own workers, concurrent with training) | separated (generation on its own workers, weights synced
+    each iteration) | custom (the layout in placement.groups). See docs/placement.md."""
+    workers: int = 2
+    """Worker processes in all for flattened, interleaved and separated (custom groups give their own)."""
+    cpus_per_worker: float = 1.0
+    """Logical CPUs each worker reserves; its torch threads are pinned to this share. Default for custom groups."""
+    gpus_per_worker: float = 0.0
+    """GPUs each worker reserves (a fraction below 1 shares a device). Default for custom groups."""
+    address: Optional[str] = None
+    """Ray cluster address (e.g. ray://head:10001 or auto); null starts a local Ray on this machine."""
+    groups: Optional[list] = None
+    """strategy=custom: a list of groups, each {name, workers, roles: [actor, generator, reference, critic, reward],
+    cpus_per_worker?, gpus_per_worker?}; every role of the run in one group, shared-weight roles together."""
+
+
+@dataclass
 class Config:
     run: RunConfig = field(default_factory=RunConfig)
     data: DataConfig = field(default_factory=DataConfig)
@@ -252,6 +275,7 @@ class Config:
     rm: RMConfig = field(default_factory=RMConfig)
     rl: RLConfig = field(default_factory=RLConfig)
     rollout: RolloutConfig = field(default_factory=RolloutConfig)
+    placement: PlacementConfig = field(default_factory=PlacementConfig)
 
 
 # --------------------------------------------------------------------------------------------- loading
@@ -411,6 +435,7 @@ def validate(cfg: Config) -> Config:
     _positive(cfg.rm, "rm", "num_pairs")
     _positive(cfg.sft, "sft", "eval_samples", allow_zero=True)
     _validate_rl(cfg)
+    _validate_placement(cfg)
     if cfg.sft.completion_only and d.kind == "synthetic":
         raise ConfigError("sft.completion_only", "the synthetic task has no prompt/response split", "set sft.completion_only=false")
     return cfg
@@ -455,6 +480,73 @@ def _validate_rl(cfg: Config) -> None:
     _positive(ro, "rollout", "live_below", allow_zero=True)
     if ro.max_rows < rl.k:
         raise ConfigError("rollout.max_rows", f"{ro.max_rows} < rl.k={rl.k}: a prompt's samples must fit", f"set it >= {rl.k}")
+
+
+GROUP_KEYS = ("name", "workers", "roles", "cpus_per_worker", "gpus_per_worker")
+
+
+def _validate_placement(cfg: Config) -> None:
+    """Fields first, then the layout itself: the placement checker without a cluster (roles placed, shared weights
+    together), so a layout that cannot work fails at `rlfuse validate`, not after Ray started."""
+    p = cfg.placement
+    _choice(p.strategy, "placement.strategy", STRATEGIES)
+    _positive(p, "placement", "workers", "cpus_per_worker")
+    _positive(p, "placement", "gpus_per_worker", allow_zero=True)
+    if not is_gpu_share(p.gpus_per_worker):
+        raise ConfigError("placement.gpus_per_worker", f"{p.gpus_per_worker:g} is neither a fraction of one GPU nor "
+                          "a whole number", "set it to e.g. 0.5, 1 or 2")
+    least = MIN_WORKERS[p.strategy]
+    if p.workers < least:
+        raise ConfigError("placement.workers", f"placement.strategy={p.strategy} needs at least {least} workers, got "
+                          f"{p.workers}", f"set placement.workers={least} or more")
+    if p.strategy == "single":
+        if p.address is not None:
+            raise ConfigError("placement.address", "only a Ray strategy uses a cluster; single runs in this process",
+                              "set placement.strategy=flattened|interleaved|separated, or remove placement.address")
+    if (p.groups is not None) != (p.strategy == "custom"):
+        raise ConfigError("placement.groups", "is read by placement.strategy=custom and only by it",
+                          "set placement.strategy=custom with placement.groups, or remove placement.groups")
+    if p.strategy == "custom":
+        _validate_groups(p.groups)
+    if p.strategy == "single":
+        return
+    try:
+        problems = check_placement(spec_from_config(cfg), derive_roles(cfg))
+    except UserError as e:  # a strategy that cannot place these roles
+        raise ConfigError("placement.strategy", str(e), "pick another placement.strategy") from None
+    if problems:
+        field_name = "placement.groups" if p.strategy == "custom" else "placement.strategy"
+        raise ConfigError(field_name, " / ".join(problems), "fix each as it says")
+
+
+def _validate_groups(groups) -> None:
+    """The shape of placement.groups; what the roles mean is the placement checker's business."""
+    if not isinstance(groups, list) or not groups:
+        raise ConfigError("placement.groups", f"expected a list of groups, got {groups!r}",
+                          "write it in the YAML file as a list of {name, workers, roles}")
+    for i, g in enumerate(groups):
+        where = f"placement.groups[{i}]"
+        if not isinstance(g, dict):
+            raise ConfigError(where, f"expected a mapping, got {g!r}", "write it as {name: train, workers: 1, roles: [actor]}")
+        for key in g:
+            if key not in GROUP_KEYS:
+                close = difflib.get_close_matches(str(key), GROUP_KEYS, n=1)
+                hint = f"did you mean {close[0]}?" if close else f"known: {', '.join(GROUP_KEYS)}"
+                raise ConfigError(f"{where}.{key}", "unknown key", f"remove it ({hint})")
+        for key in ("name", "workers", "roles"):
+            if key not in g:
+                raise ConfigError(f"{where}.{key}", "missing", f"give the group its {key}")
+        if not isinstance(g["name"], str) or not g["name"]:
+            raise ConfigError(f"{where}.name", f"expected a name, got {g['name']!r}", "e.g. name: train")
+        if isinstance(g["workers"], bool) or not isinstance(g["workers"], int) or g["workers"] < 1:
+            raise ConfigError(f"{where}.workers", f"expected a whole number >= 1, got {g['workers']!r}", "e.g. workers: 1")
+        roles = g["roles"]
+        if not (isinstance(roles, str) or (isinstance(roles, list) and all(isinstance(r, str) for r in roles))):
+            raise ConfigError(f"{where}.roles", f"expected a list of role names, got {roles!r}", "e.g. roles: [actor, critic]")
+        for key in ("cpus_per_worker", "gpus_per_worker"):
+            v = g.get(key, 0.0)
+            if isinstance(v, bool) or not isinstance(v, (int, float)) or v < 0:
+                raise ConfigError(f"{where}.{key}", f"expected a number >= 0, got {v!r}", f"e.g. {key}: 1")
 
 
 def _looks_like_path(name: str) -> bool:

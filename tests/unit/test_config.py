@@ -55,6 +55,17 @@ BAD = [
     (["model.n_head=3"], "model.n_head", "does not divide"),
     (["sft"], "sft", "section.field=value"),
     (["rl.max_prompt_tokens=0"], "rl.max_prompt_tokens", "must be > 0"),
+    (["placement.strategy=seperated"], "placement.strategy", "did you mean separated"),
+    (["placement.strategy=interleaved", "placement.workers=1"], "placement.workers", "placement.workers=2 or more"),
+    (["placement.strategy=flattened", "placement.workers=0"], "placement.workers", "must be > 0"),
+    (["placement.cpus_per_worker=0"], "placement.cpus_per_worker", "must be > 0"),
+    (["placement.gpus_per_worker=-1"], "placement.gpus_per_worker", "must be >= 0"),
+    (["placement.gpus_per_worker=1.5"], "placement.gpus_per_worker", "0.5, 1 or 2"),
+    (["placement.workers=two"], "placement.workers", "whole number"),
+    (["placement.address=auto"], "placement.address", "remove placement.address"),
+    (["placement.strategy=custom"], "placement.groups", "set placement.strategy=custom with placement.groups"),
+    (["placement.groups=train"], "placement.groups", "or remove placement.groups"),
+    (["placement.strategy=custom", "placement.groups=train"], "placement.groups[0]", "expected a mapping"),
 ]
 
 
