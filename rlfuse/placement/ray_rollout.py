@@ -2,11 +2,12 @@
 
 Each `GenerationWorker` is one process with its own generator (a DecodeEngine) and a Scorer (reference, reward,
 critic). The driver (`MultiWorkerRollout`) deals the iteration's prompts by global prompt id, so a sample is the same
-whichever worker decodes it (per-sample random streams, rollout/streams.py). Workers decode in chunks and score their
-own finished samples as they go (fusion, as generate_rollouts does in one process). When rollout/migration.py says
-so, the exporting workers hand their unfinished rows over (DecodeEngine.export_state), the keepers continue them
-(resume: re-prefill of prompt + tokens so far) and send their finished samples back unscored, and every idle worker
-scores those. The result is the Experience generate_rollouts returns, with the same samples and scores.
+whichever worker decodes it (per-sample random streams, rollout/streams.py). Workers decode in chunks. Without
+migration each scores its own finished samples as it goes (fusion, as generate_rollouts does in one process). With
+migration, decoding workers only decode and send finished samples back unscored; when rollout/migration.py says so,
+the exporting workers hand their unfinished rows over (DecodeEngine.export_state), the keepers continue them (resume:
+re-prefill of prompt + tokens so far), and every idle worker (the freed ones, later any done decoding) scores the
+waiting samples. The result is the Experience generate_rollouts returns, with the same samples and scores.
 
 Nothing here is imported by the single-process path; ray is imported inside the functions that need it.
 """
@@ -73,6 +74,8 @@ class RolloutSettings:
     rows_per_worker: int = 16
     chunk_seconds: float = 0.05
     """Longest a worker decodes before reporting back (checked between finished samples)."""
+    eos_token_id: int | None = None
+    """None: the tokenizer's EOS ends a row; -1: only the length limit does (benchmarks that set the lengths)."""
 
     @classmethod
     def from_config(cls, cfg) -> "RolloutSettings":
@@ -101,7 +104,8 @@ def build_worker_roles(models: WorkerModels, settings: RolloutSettings) -> tuple
         critic = (ValueModel.from_reward_model(load_reward_model(models.critic, pad_token_id=tok.pad_token_id))
                   if models.critic_source == "rm" else ValueModel.from_causal_lm(load_policy(models.critic)))
         critic = frozen(critic, cpu)
-    engine = DecodeEngine(generator, tok.eos_token_id, max_rows=settings.max_rows, tokenizer=tok)
+    eos = tok.eos_token_id if settings.eos_token_id is None else settings.eos_token_id
+    engine = DecodeEngine(generator, eos, max_rows=settings.max_rows, tokenizer=tok)
     scorer = Scorer(reward_fn, tok.pad_token_id, ref=ref, critic=critic, temperature=settings.temperature,
                     micro_batch_size=settings.micro_batch_size, unfinished_penalty=settings.unfinished_penalty)
     return engine, scorer
@@ -308,7 +312,10 @@ class MultiWorkerRollout:
         s, W = self.settings, len(self.workers)
         ids = list(range(len(prompts))) if prompt_ids is None else list(prompt_ids)
         t0, tally, total = time.perf_counter(), _Tally(W), len(prompts) * k
-        unfinished, scoring_owner = [0] * W, [True] * W  # scoring_owner[w]: w scores its own finished samples
+        # without migration each worker scores its own finished samples as it goes (fusion, as in one process); with
+        # it, as in RLHFuse, decoding workers only decode and finished samples wait for an idle worker (a freed one,
+        # or one done decoding): a one-thread worker that stops to score delays its own decode by as much
+        unfinished, scoring_owner = [0] * W, [not migrate] * W
         for w, worker in enumerate(self.workers):  # deal by position: global ids keep every sample's stream
             mine = list(range(w, len(prompts), W))
             worker.start.remote([prompts[i] for i in mine], [ids[i] for i in mine], k, params, seed, lengths)
@@ -352,8 +359,6 @@ class MultiWorkerRollout:
                 if plan is not None:
                     self._migrate(plan, tally, unfinished)
                     freed, keepers = set(plan.export), set(plan.keep)
-                    for w in plan.keep:  # their finished samples now go to whichever worker is idle
-                        scoring_owner[w] = False
                 for w in range(W):
                     if unfinished[w] > 0 and w not in freed:
                         advance(w)
