@@ -260,7 +260,8 @@ def start_generation_workers(n: int, models: WorkerModels, settings: RolloutSett
     for i in range(n):
         opts = {"runtime_env": env}
         if placement_group is not None:
-            opts["scheduling_strategy"] = PlacementGroupSchedulingStrategy(placement_group, placement_group_bundle_index=i)
+            opts["scheduling_strategy"] = PlacementGroupSchedulingStrategy(placement_group,
+                                                                           placement_group_bundle_index=i)
         workers.append(actor.options(**opts).remote(models, settings, cpus_per_worker))
     ray.get([w.ready.remote() for w in workers])  # models loaded: later timings (weight sync) exclude the start
     return workers
