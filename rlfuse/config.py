@@ -245,6 +245,12 @@ class RolloutConfig:
     """Most rows decoded at once (prompts wait in a queue beyond it)."""
     micro_batch_size: int = 16
     """Samples per scoring forward."""
+    migrate_below: float = 0.2
+    """Several generation workers: migrate the decode tail onto fewer workers once fewer than this fraction of the
+    iteration's samples is unfinished (RLHFuse's R_t); the freed workers score. 0 turns migration off."""
+    rows_per_worker: int = 16
+    """Several generation workers: rows one worker decodes at about full speed (a step costs little more than a
+    1-row step); the tail moves onto ceil(unfinished / this) workers, and earlier if that is fewer than are busy."""
 
 
 @dataclass
@@ -478,6 +484,10 @@ def _validate_rl(cfg: Config) -> None:
             raise ConfigError(f"rl.{name}", f"folder {v!r} not found", "point it at a saved model folder")
     _positive(ro, "rollout", "score_every", "max_rows", "micro_batch_size")
     _positive(ro, "rollout", "live_below", allow_zero=True)
+    _positive(ro, "rollout", "rows_per_worker")
+    if not 0.0 <= ro.migrate_below <= 1.0:
+        raise ConfigError("rollout.migrate_below", f"must be a fraction in [0, 1], got {ro.migrate_below}",
+                          "set it to e.g. 0.2 (0 turns tail migration off)")
     if ro.max_rows < rl.k:
         raise ConfigError("rollout.max_rows", f"{ro.max_rows} < rl.k={rl.k}: a prompt's samples must fit", f"set it >= {rl.k}")
 

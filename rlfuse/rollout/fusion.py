@@ -24,6 +24,16 @@ class FusionPolicy:
         return self.enabled and pending > 0 and (pending >= self.score_every or live_rows < self.live_below)
 
 
+@dataclass(frozen=True)
+class LengthTable:
+    """A per-sample length override as data, table[prompt_id][sample_index] (DecodeEngine.generate's `lengths`):
+    picklable, so it crosses to generation workers where a lambda would not (benchmarks set tail heaviness with it)."""
+    table: tuple[tuple[int, ...], ...]
+
+    def __call__(self, prompt_id: int, sample_index: int) -> int:
+        return int(self.table[prompt_id][sample_index])
+
+
 @dataclass
 class Experience:
     """All samples of one iteration, ordered by (prompt, sample index); per-token tensors are (N, T) right-padded."""

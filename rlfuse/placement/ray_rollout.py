@@ -1,0 +1,402 @@
+"""Rollout on several generation workers (Ray actors), with RLHFuse's tail migration.
+
+Each `GenerationWorker` is one process with its own generator (a DecodeEngine) and a Scorer (reference, reward,
+critic). The driver (`MultiWorkerRollout`) deals the iteration's prompts by global prompt id, so a sample is the same
+whichever worker decodes it (per-sample random streams, rollout/streams.py). Workers decode in chunks. Without
+migration each scores its own finished samples as it goes (fusion, as generate_rollouts does in one process). With
+migration, decoding workers only decode and send finished samples back unscored; when rollout/migration.py says so,
+the exporting workers hand their unfinished rows over (DecodeEngine.export_state), the keepers continue them (resume:
+re-prefill of prompt + tokens so far), and every idle worker (the freed ones, later any done decoding) scores the
+waiting samples. The result is the Experience generate_rollouts returns, with the same samples and scores.
+
+Nothing here is imported by the single-process path; ray is imported inside the functions that need it.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from rlfuse.rollout.engine import DecodeEngine, Sample, SamplingParams
+from rlfuse.rollout.fusion import Experience, FusionPolicy, build_experience
+from rlfuse.rollout.migration import plan_migration
+from rlfuse.rollout.score import ScoredSample, Scorer
+from rlfuse.rollout.state import EngineState
+from rlfuse.rollout.weights import weight_buckets
+
+
+# ------------------------------------------------------------------------------------------- what a worker holds
+
+
+@dataclass(frozen=True)
+class WorkerModels:
+    """Where a generation worker loads its roles from: folders and names only, so the spec crosses processes."""
+    generator: str
+    """Causal LM folder of the policy (an SFT stage's model/); its weights are then synced with load_weights."""
+    reference: str
+    """Causal LM folder of the reference policy (with LoRA: the SFT model, i.e. the actor with adapters off)."""
+    reward: str
+    """Reward-model folder, or "function:module:name" for a Python reward function of texts."""
+    critic: str | None = None
+    """Folder the critic starts from (None: no critic); its weights are then synced with load_weights("critic")."""
+    critic_source: str = "rm"
+    """rm: the reward model's body and scalar head; sft or actor: a causal LM's body with a zero head."""
+
+    @classmethod
+    def from_config(cls, cfg, run_dir: Path) -> "WorkerModels":
+        """The folders build_models(cfg, run_dir) loads, for a generation worker. The critic's initial head is
+        replaced by the first load_weights("critic", ...) from the trainer."""
+        from rlfuse.models.build import _folder
+        from rlfuse.models.roles import derive_roles
+
+        rl, roles = cfg.rl, derive_roles(cfg)
+        sft = _folder(rl.sft_path, run_dir / "sft" / "model", "rl.sft_path", "sft")
+        rm = _folder(rl.rm_path, run_dir / "rm" / "model", "rl.rm_path", "rm") if roles["reward"].has_model else None
+        critic_source = roles["critic"].source if "critic" in roles else "rm"
+        critic = (rm if critic_source == "rm" else sft) if "critic" in roles else None
+        return cls(sft, sft, rm or roles["reward"].source, critic, critic_source)
+
+
+@dataclass(frozen=True)
+class RolloutSettings:
+    """The rollout section's knobs a worker and the driver need (rollout.* and rl.* fields)."""
+    max_rows: int = 256
+    micro_batch_size: int = 16
+    temperature: float = 1.0
+    unfinished_penalty: float = 0.0
+    score_every: int = 16
+    live_below: int = 8
+    migrate_below: float = 0.2
+    rows_per_worker: int = 16
+    chunk_seconds: float = 0.05
+    """Longest a worker decodes before reporting back (checked between finished samples)."""
+    eos_token_id: int | None = None
+    """None: the tokenizer's EOS ends a row; -1: only the length limit does (benchmarks that set the lengths)."""
+
+    @classmethod
+    def from_config(cls, cfg) -> "RolloutSettings":
+        ro, rl = cfg.rollout, cfg.rl
+        return cls(ro.max_rows, ro.micro_batch_size, rl.temperature, rl.unfinished_penalty, ro.score_every,
+                   ro.live_below, ro.migrate_below, ro.rows_per_worker)
+
+
+def build_worker_roles(models: WorkerModels, settings: RolloutSettings) -> tuple[DecodeEngine, Scorer]:
+    """A generator engine and a scorer from folders, with models/build.py's loaders (frozen, eval)."""
+    from rlfuse.models.build import frozen, load_policy, load_reward_function
+    from rlfuse.models.heads import ValueModel
+    from rlfuse.models.load import load_reward_model, load_tokenizer
+    from rlfuse.rollout.score import function_reward_fn, reward_model_fn
+
+    tok = load_tokenizer(models.generator)
+    cpu = torch.device("cpu")
+    generator, ref = frozen(load_policy(models.generator), cpu), frozen(load_policy(models.reference), cpu)
+    if models.reward.startswith("function:"):
+        reward_fn = function_reward_fn(load_reward_function(models.reward.removeprefix("function:")), tok)
+    else:
+        rm = frozen(load_reward_model(models.reward, pad_token_id=tok.pad_token_id), cpu)
+        reward_fn = reward_model_fn(rm, tok.eos_token_id, tok.pad_token_id)
+    critic = None
+    if models.critic is not None:
+        critic = (ValueModel.from_reward_model(load_reward_model(models.critic, pad_token_id=tok.pad_token_id))
+                  if models.critic_source == "rm" else ValueModel.from_causal_lm(load_policy(models.critic)))
+        critic = frozen(critic, cpu)
+    eos = tok.eos_token_id if settings.eos_token_id is None else settings.eos_token_id
+    engine = DecodeEngine(generator, eos, max_rows=settings.max_rows, tokenizer=tok)
+    scorer = Scorer(reward_fn, tok.pad_token_id, ref=ref, critic=critic, temperature=settings.temperature,
+                    micro_batch_size=settings.micro_batch_size, unfinished_penalty=settings.unfinished_penalty)
+    return engine, scorer
+
+
+# ------------------------------------------------------------------------------------------- the worker
+
+
+@dataclass
+class Chunk:
+    """What one worker call returns to the driver (through Ray's object store)."""
+    scored: list[ScoredSample] = field(default_factory=list)
+    unscored: list[Sample] = field(default_factory=list)
+    """Finished samples for any idle worker to score (a keeper after migration does not score its own)."""
+    unfinished: int = 0
+    """Samples this worker still has to finish (live rows, waiting prompts' samples)."""
+    done: bool = False
+    busy_s: float = 0.0
+    score_s: float = 0.0
+    prefill_s: float = 0.0
+    """Prefill seconds since the last import_rows (the re-prefill of the migrated and the keeper's own rows)."""
+    decode_rows: int = 0
+
+
+class GenerationWorker:
+    """One generation worker: a DecodeEngine on its own generator and a Scorer, in one process with its torch threads
+    pinned to its CPU share. Made a Ray actor by start_generation_workers; usable in-process too (tests, debugging).
+
+    Chunked decoding: start() opens a generate() iterator and leaves it suspended; advance() pulls finished samples
+    from it until `max_finished` have come or `max_seconds` passed (checked between samples: the engine can hand its
+    state out only between two yields), then reports back. So the driver sees live counts every few tens of ms,
+    can decide a migration between two chunks, and export_state() always finds the iterator suspended at a yield.
+    A chunk that ends on a count rather than on decode steps needs no change to the engine."""
+
+    def __init__(self, models: WorkerModels, settings: RolloutSettings, threads: int = 1):
+        torch.set_num_threads(threads)
+        self.settings = settings
+        self.fusion = FusionPolicy(True, settings.score_every, settings.live_below)
+        self.engine, self.scorer = build_worker_roles(models, settings)
+        self._prefill_s = 0.0
+        self._prefill = self.engine._prefill  # timed: re-prefill seconds are a migration cost we report
+
+        def timed_prefill(*args):
+            t = time.perf_counter()
+            try:
+                return self._prefill(*args)
+            finally:
+                self._prefill_s += time.perf_counter() - t
+
+        self.engine._prefill = timed_prefill
+        self._it, self._pending, self._unfinished, self._decode_rows = None, [], 0, 0
+
+    def ready(self) -> bool:
+        """Returns once the actor is built (its models loaded): Ray runs __init__ before any other call."""
+        return True
+
+    def load_weights(self, role: str, tensors) -> tuple[int, float]:
+        """Copy named tensors into the generator ("generator") or the critic ("critic"). -> (bytes, seconds)."""
+        from rlfuse.rollout.weights import copy_weights
+
+        t = time.perf_counter()
+        if role == "generator":
+            n = self.engine.load_weights(tensors)
+        elif role == "critic" and self.scorer.critic is not None:
+            n = copy_weights(self.scorer.critic, tensors)
+        else:
+            raise ValueError(f"load_weights: this worker has no {role!r} (generator, or critic where it has one)")
+        return n, time.perf_counter() - t
+
+    def start(self, prompts: list[list[int]], prompt_ids: list[int], k: int, params: SamplingParams, seed: int,
+              lengths=None) -> None:
+        self._it = self.engine.generate(prompts, k, params, seed, lengths, prompt_ids)
+        self._pending, self._unfinished, self._decode_rows, self._prefill_s = [], len(prompts) * k, 0, 0.0
+
+    def advance(self, max_finished: int, max_seconds: float, score_own: bool) -> Chunk:
+        """Decode until max_finished samples finish, max_seconds pass, or nothing is left. score_own: score them here
+        (fusion policy: every score_every, or when the live batch is under live_below); else return them unscored."""
+        t0, out, n = time.perf_counter(), Chunk(), 0
+        while self._it is not None and n < max_finished and time.perf_counter() - t0 < max_seconds:
+            sample = next(self._it, None)
+            if sample is None:
+                self._it, out.done = None, True
+                break
+            self._pending.append(sample)
+            self._unfinished, n = self._unfinished - 1, n + 1
+            if score_own and self.fusion.should_score(len(self._pending), self.engine.live_rows):
+                out.scored += self._score_pending(out)
+        if self._it is None:
+            out.done = True
+        if score_own and out.done and self._pending:
+            out.scored += self._score_pending(out)
+        elif not score_own:
+            out.unscored, self._pending = self._pending, []
+        out.unfinished, out.prefill_s = self._unfinished, self._prefill_s
+        out.decode_rows = self._decode_rows + self.engine.stats.decode_rows
+        out.busy_s = time.perf_counter() - t0
+        return out
+
+    def _score_pending(self, chunk: Chunk) -> list[ScoredSample]:
+        t = time.perf_counter()
+        scored, self._pending = self.scorer.score(self._pending), []
+        chunk.score_s += time.perf_counter() - t
+        return scored
+
+    def export(self) -> tuple[EngineState, list[Sample], float]:
+        """Hand out every unfinished row and waiting prompt (this worker then only scores), plus its finished samples
+        not yet scored. -> (state, unscored samples, seconds)."""
+        t = time.perf_counter()
+        state = self.engine.export_state()
+        self._decode_rows += self.engine.stats.decode_rows
+        pending, self._pending, self._it, self._unfinished = self._pending, [], None, 0
+        return state, pending, time.perf_counter() - t
+
+    def import_rows(self, state: EngineState) -> float:
+        """Continue `state` together with this worker's own unfinished rows: both are re-prefilled (the engine resumes
+        one state at a time). -> seconds."""
+        t = time.perf_counter()
+        own = [self.engine.export_state()] if self._it is not None else []
+        self._decode_rows += self.engine.stats.decode_rows
+        self._it = self.engine.resume(EngineState.combine(own + [state]))
+        self._unfinished += unfinished_in(state)
+        self._prefill_s = 0.0
+        return time.perf_counter() - t
+
+    def score(self, samples: list[Sample]) -> Chunk:
+        """Reference, reward and critic passes on finished samples (a freed or finished worker's job)."""
+        t0, out = time.perf_counter(), Chunk(done=True)
+        out.scored = self.scorer.score(samples)
+        out.score_s = out.busy_s = time.perf_counter() - t0
+        return out
+
+
+def unfinished_in(state: EngineState) -> int:
+    """Samples an exported state still owes: live rows, waiting prompts' samples, finished but not handed out."""
+    return len(state.rows) + sum(w.k for w in state.waiting) + len(state.finished)
+
+
+def start_generation_workers(n: int, models: WorkerModels, settings: RolloutSettings, cpus_per_worker: int = 1,
+                             placement_group=None) -> list:
+    """n GenerationWorker actors, one process each, `cpus_per_worker` CPUs reserved and as many torch threads.
+    placement_group: a ray.util.placement_group with n bundles (worker i in bundle i); else Ray places them.
+    The workers import the same rlfuse as this process (its folder goes first on their PYTHONPATH)."""
+    import ray
+    from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+    import rlfuse
+
+    src = str(Path(rlfuse.__file__).resolve().parents[1])
+    env = {"env_vars": {"PYTHONPATH": os.pathsep.join([src, os.environ.get("PYTHONPATH", "")]).rstrip(os.pathsep)}}
+    actor = ray.remote(num_cpus=cpus_per_worker)(GenerationWorker)
+    workers = []
+    for i in range(n):
+        opts = {"runtime_env": env}
+        if placement_group is not None:
+            opts["scheduling_strategy"] = PlacementGroupSchedulingStrategy(placement_group,
+                                                                           placement_group_bundle_index=i)
+        workers.append(actor.options(**opts).remote(models, settings, cpus_per_worker))
+    ray.get([w.ready.remote() for w in workers])  # models loaded: later timings (weight sync) exclude the start
+    return workers
+
+
+# ------------------------------------------------------------------------------------------- the driver
+
+
+@dataclass
+class _Tally:
+    """Per-iteration bookkeeping of the driver."""
+    n_workers: int
+    busy_s: list[float] = field(default_factory=list)
+    scored: list[ScoredSample] = field(default_factory=list)
+    unscored: list[Sample] = field(default_factory=list)
+    stats: dict = field(default_factory=dict)
+
+    def __post_init__(self):
+        self.busy_s = [0.0] * self.n_workers
+        self.stats = {"rows_moved": 0, "tokens_moved": 0, "reprefill_s": 0.0, "scoring_on_freed_s": 0.0,
+                      "scoring_s": 0.0, "migrated_at_unfinished": 0, "decode_rows": 0}
+
+
+class MultiWorkerRollout:
+    """The driver side: deals prompts, polls chunks, migrates the tail once, hands unscored samples to idle workers.
+
+    Call sync_weights(merged_state_dict(actor)) (and sync_critic where the critic trains) before each generate()."""
+
+    def __init__(self, workers: list, settings: RolloutSettings, bucket_bytes: int = 32 * 2**20):
+        self.workers, self.settings, self.bucket_bytes = workers, settings, bucket_bytes
+
+    def sync_weights(self, named_tensors, role: str = "generator") -> dict:
+        """Push the weights to every worker in buckets (one object-store put per bucket, shared by all workers)."""
+        import ray
+
+        t, nbytes = time.perf_counter(), 0
+        for bucket in weight_buckets(named_tensors, self.bucket_bytes):
+            ref = ray.put(bucket)
+            nbytes = nbytes + ray.get([w.load_weights.remote(role, ref) for w in self.workers])[0][0]
+        return {"time/weight_sync": time.perf_counter() - t, "sync/bytes": nbytes}
+
+    def generate(self, prompts: list[list[int]], k: int, params: SamplingParams, seed: int, lengths=None,
+                 prompt_ids: list[int] | None = None, migrate: bool = True) -> Experience:
+        """generate_rollouts on the workers: the same samples and scores (to float tolerance), plus in exp.timing
+        rollout seconds, scoring seconds, busy seconds per worker and the migration's cost (rows and tokens moved,
+        re-prefill seconds, scoring seconds on freed workers)."""
+        import ray
+
+        s, W = self.settings, len(self.workers)
+        ids = list(range(len(prompts))) if prompt_ids is None else list(prompt_ids)
+        t0, tally, total = time.perf_counter(), _Tally(W), len(prompts) * k
+        # without migration each worker scores its own finished samples as it goes (fusion, as in one process); with
+        # it, as in RLHFuse, decoding workers only decode and finished samples wait for an idle worker (a freed one,
+        # or one done decoding): a one-thread worker that stops to score delays its own decode by as much
+        unfinished, scoring_owner = [0] * W, [not migrate] * W
+        for w, worker in enumerate(self.workers):  # deal by position: global ids keep every sample's stream
+            mine = list(range(w, len(prompts), W))
+            worker.start.remote([prompts[i] for i in mine], [ids[i] for i in mine], k, params, seed, lengths)
+            unfinished[w] = len(mine) * k
+        inflight: dict = {}  # object ref -> (worker, "advance" | "score")
+        freed, keepers, reprefill, last_rows = set(), set(), {}, [0] * W
+
+        def advance(w):
+            ref = self.workers[w].advance.remote(s.score_every, s.chunk_seconds, scoring_owner[w])
+            inflight[ref] = (w, "advance")
+
+        def take(ref, go_on: bool = True) -> None:
+            w, kind = inflight.pop(ref)
+            chunk: Chunk = ray.get(ref)
+            tally.busy_s[w] += chunk.busy_s
+            tally.scored += chunk.scored
+            tally.unscored += chunk.unscored
+            tally.stats["scoring_s"] += chunk.score_s
+            if kind == "score" and w in freed:
+                tally.stats["scoring_on_freed_s"] += chunk.score_s
+            if kind == "advance":
+                unfinished[w] = chunk.unfinished
+                tally.stats["decode_rows"] += chunk.decode_rows - last_rows[w]
+                last_rows[w] = chunk.decode_rows
+                if w in keepers:
+                    reprefill[w] = chunk.prefill_s
+                if go_on and not chunk.done:
+                    advance(w)
+
+        for w in range(W):
+            advance(w)
+        while inflight or tally.unscored:
+            if inflight:
+                ready, _ = ray.wait(list(inflight), num_returns=1)
+                take(ready[0])
+            if migrate and not freed and plan_migration(unfinished, total, s.migrate_below, s.rows_per_worker):
+                # every decoding worker ends its chunk first, so the counts are current and each engine is suspended
+                for ref in [r for r, (_, kind) in inflight.items() if kind == "advance"]:
+                    take(ref, go_on=False)
+                plan = plan_migration(unfinished, total, s.migrate_below, s.rows_per_worker)
+                if plan is not None:
+                    self._migrate(plan, tally, unfinished)
+                    freed, keepers = set(plan.export), set(plan.keep)
+                for w in range(W):
+                    if unfinished[w] > 0 and w not in freed:
+                        advance(w)
+            busy = {w for w, _ in inflight.values()}
+            for w in range(W):  # idle workers (freed, or done decoding) score what the keepers finished
+                if w not in busy and tally.unscored:
+                    batch, tally.unscored = tally.unscored[: s.score_every], tally.unscored[s.score_every:]
+                    inflight[self.workers[w].score.remote(batch)] = (w, "score")
+                    busy.add(w)
+        tally.stats["reprefill_s"] = sum(reprefill.values())
+        exp = build_experience(tally.scored)
+        wall = time.perf_counter() - t0
+        exp.timing = {"rollout": wall, "scoring": tally.stats["scoring_s"], "migrated": float(bool(freed)),
+                      **{f"migration/{k}": v for k, v in tally.stats.items() if k not in ("scoring_s", "decode_rows")},
+                      **{f"busy/worker{w}": b for w, b in enumerate(tally.busy_s)},
+                      "decode_rows": tally.stats["decode_rows"]}
+        if len(exp) != total:
+            raise RuntimeError(f"multi-worker rollout returned {len(exp)} samples, expected {total}")
+        return exp
+
+    def _migrate(self, plan, tally: _Tally, unfinished: list[int]) -> None:
+        """Exporters hand their rows over; the keepers import them (split evenly) and re-prefill."""
+        import ray
+
+        exported = ray.get([self.workers[w].export.remote() for w in plan.export])
+        states = []
+        for w, (state, pending, secs) in zip(plan.export, exported):
+            states.append(state)
+            tally.unscored += pending
+            tally.busy_s[w] += secs
+            unfinished[w] = 0
+        moved = EngineState.combine(states)
+        tally.stats["migrated_at_unfinished"] = sum(unfinished) + unfinished_in(moved)
+        tally.stats["rows_moved"] = unfinished_in(moved)
+        tally.stats["tokens_moved"] = sum(len(r.prompt_ids) + len(r.token_ids) for r in moved.rows)
+        parts = moved.split(len(plan.keep))
+        seconds = ray.get([self.workers[w].import_rows.remote(p) for w, p in zip(plan.keep, parts)])
+        for w, p, secs in zip(plan.keep, parts, seconds):
+            tally.busy_s[w] += secs
+            unfinished[w] += unfinished_in(p)

@@ -1,0 +1,44 @@
+"""Tail migration across generation workers (RLHFuse, arXiv 2409.13221, section 4): when few samples are still
+decoding, move them onto as few workers as decode them at about full speed, so the other workers can score.
+
+Pure: counts in, a plan out. The Ray layer (rlfuse/placement/ray_rollout.py) polls each worker's unfinished count
+and applies the plan once per iteration (a migrated tail never moves back: the freed workers are scoring by then).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class MigrationPlan:
+    keep: tuple[int, ...]
+    """Workers that keep decoding and import the exported rows, most unfinished first."""
+    export: tuple[int, ...]
+    """Busy workers that export their unfinished rows and then score."""
+
+
+def plan_migration(unfinished: Sequence[int], total: int, migrate_below: float, rows_per_worker: int,
+                   already_migrated: bool = False) -> MigrationPlan | None:
+    """Whether to migrate now, and where. unfinished[w]: samples worker w has not finished (live rows and those of
+    prompts still waiting); total: the iteration's samples; migrate_below: R_t (0 turns migration off);
+    rows_per_worker: rows one worker decodes at about full speed.
+
+    Two triggers, with m = max(1, ceil(sum(unfinished) / rows_per_worker)) workers to hold the tail at full speed:
+    - capacity: m is fewer than the workers still busy -> the tail moves onto m of them, at no loss of decode speed;
+    - fraction: under migrate_below of the samples are unfinished -> the tail moves onto min(m, busy - 1) workers:
+      even if the keepers then decode a little slower per row, a freed worker scoring is worth more by now.
+    The busiest workers keep decoding, so the fewest rows move. None: do nothing (off, done, already migrated, or a
+    single busy worker: moving would free nobody)."""
+    if already_migrated or migrate_below <= 0:
+        return None
+    left = sum(unfinished)
+    busy = sorted((w for w, n in enumerate(unfinished) if n > 0), key=lambda w: (-unfinished[w], w))
+    m = max(1, math.ceil(left / rows_per_worker))
+    if left < migrate_below * total:
+        m = min(m, len(busy) - 1)
+    if m < 1 or m >= len(busy):
+        return None
+    return MigrationPlan(keep=tuple(busy[:m]), export=tuple(busy[m:]))
