@@ -7,6 +7,8 @@ import json
 import math
 from pathlib import Path
 
+import torch
+
 from rlfuse.algos.kl import kl_penalty
 from rlfuse.config import RLConfig
 from rlfuse.rollout.engine import DecodeEngine, SamplingParams
@@ -14,6 +16,11 @@ from rlfuse.rollout.fusion import Experience, FusionPolicy, generate_rollouts
 from rlfuse.rollout.score import Scorer
 
 EVAL_SAMPLES_KEPT = 16
+
+
+def eval_temperature(rl: RLConfig) -> float:
+    """The evaluation's fixed temperature: rl.eval_temperature, or rl.temperature when it is null."""
+    return rl.eval_temperature if rl.eval_temperature is not None else rl.temperature
 
 
 def texts_of(exp: Experience, tok) -> list[str]:
@@ -27,9 +34,10 @@ def evaluate(models, engine: DecodeEngine, prompts: list[list[int]], rl: RLConfi
     the response (an unbiased estimate of the sequence KL, whatever estimator the training penalty uses)."""
     if not prompts:
         return {}, []
+    t = eval_temperature(rl)  # fixed whatever the training schedule: before and after compare
     scorer = Scorer(models.reward_fn, models.tokenizer.pad_token_id, ref=models.ref, actor=models.actor,
-                    temperature=rl.temperature, micro_batch_size=32)
-    params = SamplingParams(rl.max_new_tokens, rl.temperature, rl.top_k, rl.top_p, tuple(rl.stop or ()))
+                    temperature=t, micro_batch_size=32)
+    params = SamplingParams(rl.max_new_tokens, t, rl.top_k, rl.top_p, tuple(rl.stop or ()))
     exp = generate_rollouts(engine, scorer, prompts, 1, params, seed, FusionPolicy(True))
     texts = texts_of(exp, models.tokenizer)
     out = {
@@ -42,6 +50,21 @@ def evaluate(models, engine: DecodeEngine, prompts: list[list[int]], rl: RLConfi
 
         out.update(gold_summary(texts, [r != "length" for r in exp.finish_reasons]))
     return out, texts
+
+
+@torch.no_grad()
+def sample_rewards(models, engine: DecodeEngine, prompts: list[list[int]], rl: RLConfig, seed: int,
+                   micro_batch_size: int = 32) -> list[float]:
+    """One sample per prompt from the engine's current weights at the evaluation temperature, scored by rl.reward:
+    (len(prompts),) rewards in prompt order. The reward alone: no reference or critic pass."""
+    params = SamplingParams(rl.max_new_tokens, eval_temperature(rl), rl.top_k, rl.top_p, tuple(rl.stop or ()))
+    samples = sorted(engine.generate(prompts, 1, params, seed), key=lambda s: len(s.prompt_ids) + len(s.token_ids))
+    rewards = [0.0] * len(prompts)
+    for i in range(0, len(samples), micro_batch_size):  # similar lengths together: little padding
+        chunk = samples[i: i + micro_batch_size]
+        for s, r in zip(chunk, models.reward_fn(chunk).tolist()):
+            rewards[s.prompt_id] = float(r)
+    return rewards
 
 
 def evaluate_before(path: Path, models, engine: DecodeEngine, prompts, rl: RLConfig, seed: int, gold: bool) -> dict:
