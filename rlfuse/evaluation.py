@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import math
+import time
 from pathlib import Path
 
 import torch
@@ -65,6 +66,24 @@ def sample_rewards(models, engine: DecodeEngine, prompts: list[list[int]], rl: R
         for s, r in zip(chunk, models.reward_fn(chunk).tolist()):
             rewards[s.prompt_id] = float(r)
     return rewards
+
+
+def prompt_difficulty(models, engine: DecodeEngine, prompts: list[list[int]], rl: RLConfig, seed: int, path: Path,
+                      log=print) -> list[float] | None:
+    """rl.curriculum's difficulty per train prompt (None without a curriculum): its length in tokens, or minus the
+    reward of the SFT model's sample for it (sample_rewards; the engine must hold the SFT weights). Computed once and
+    kept in `path`, so a resumed run, whose actor has moved, orders the prompts as the interrupted one did."""
+    if rl.curriculum == "none":
+        return None
+    if path.exists():
+        return json.loads(path.read_text())["difficulty"]
+    t = time.perf_counter()
+    difficulty = ([float(len(p)) for p in prompts] if rl.curriculum == "length" else
+                  [-r for r in sample_rewards(models, engine, prompts, rl, seed)])
+    seconds = time.perf_counter() - t
+    path.write_text(json.dumps({"curriculum": rl.curriculum, "seconds": seconds, "difficulty": difficulty}))
+    log(f"[rl] curriculum by {rl.curriculum}: {len(prompts)} train prompts scored in {seconds:.1f} s")
+    return difficulty
 
 
 def evaluate_before(path: Path, models, engine: DecodeEngine, prompts, rl: RLConfig, seed: int, gold: bool) -> dict:

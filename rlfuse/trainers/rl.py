@@ -39,7 +39,7 @@ from rlfuse.data.curriculum import curriculum_indices, uniform_indices
 from rlfuse.data.prompts import encode_prompts, model_context, prompt_budget
 from rlfuse.data.stages import rl_prompts
 from rlfuse.errors import UserError
-from rlfuse.evaluation import evaluate, evaluate_before, iteration_gold, sample_rewards
+from rlfuse.evaluation import evaluate, evaluate_before, iteration_gold, prompt_difficulty
 from rlfuse.metrics.tracker import JsonlTracker, memory_metrics, truncate_metrics
 from rlfuse.models.build import Models, build_models
 from rlfuse.models.load import save_trained_model
@@ -116,23 +116,6 @@ def sampling_note(rl: RLConfig) -> str:
     if rl.temperature_schedule != "constant":
         note += f" -> {rl.temperature_final:g} ({rl.temperature_schedule})"
     return note + (f", curriculum by {rl.curriculum}" if rl.curriculum != "none" else "")
-
-
-def prompt_difficulty(rl: RLConfig, prompts: list[list[int]], path: Path, sample_rewards_of: Callable, log) -> list | None:
-    """rl.curriculum's difficulty per train prompt (None without a curriculum): its length in tokens, or minus the
-    reward of the SFT model's sample (sample_rewards_of(prompts) -> rewards). Computed once and kept in `path`, so a
-    resumed run, whose actor has moved, orders prompts as the interrupted one did."""
-    if rl.curriculum == "none":
-        return None
-    if path.exists():
-        return json.loads(path.read_text())["difficulty"]
-    t = time.perf_counter()
-    difficulty = ([float(len(p)) for p in prompts] if rl.curriculum == "length" else
-                  [-r for r in sample_rewards_of(prompts)])
-    seconds = time.perf_counter() - t
-    path.write_text(json.dumps({"curriculum": rl.curriculum, "seconds": seconds, "difficulty": difficulty}))
-    log(f"[rl] curriculum by {rl.curriculum}: {len(prompts)} train prompts scored in {seconds:.1f} s")
-    return difficulty
 
 
 def compute_advantages(exp: Experience, rl: RLConfig, kl_coef: float):
@@ -362,8 +345,7 @@ def train_rl(cfg: Config, run_dir: Path, log=print, resume: bool = False, on_rea
         log(f"[rl] resumed from {ckpt} at iteration {start}")
     sync_weights(engine, models.actor)
     before = evaluate_before(out / "eval_before.json", models, engine, held_prompts, rl, seed + 12345, gold)
-    difficulty = prompt_difficulty(rl, train_prompts, out / "difficulty.json",
-                                   lambda p: sample_rewards(models, engine, p, rl, seed + 23456), log)
+    difficulty = prompt_difficulty(models, engine, train_prompts, rl, seed + 23456, out / "difficulty.json", log)
     tracker = JsonlTracker(out / "metrics.jsonl", tensorboard=True)
     if on_ready is not None:
         on_ready(models)
