@@ -160,7 +160,22 @@ class RLConfig:
     Default: the model's context minus rl.max_new_tokens; a value whose sum with rl.max_new_tokens exceeds the
     context is a config error."""
     temperature: float = 0.7
-    """Sampling temperature (the policy optimised is softmax(logits / temperature))."""
+    """Sampling temperature (the policy optimised is softmax(logits / temperature)); with a schedule, the first
+    iteration's."""
+    temperature_schedule: str = "constant"
+    """constant | linear | cosine from rl.temperature (first iteration) to rl.temperature_final (last); each
+    iteration samples, scores the reference and updates at its own temperature (logged as rollout/temperature)."""
+    temperature_final: Optional[float] = None
+    """Last iteration's temperature for a linear or cosine schedule (e.g. rl.temperature=1.0 -> 0.7)."""
+    eval_temperature: Optional[float] = None
+    """Temperature of the before/after evaluation (and of curriculum=reward's SFT samples), fixed whatever the
+    schedule so before and after compare; default rl.temperature."""
+    curriculum: str = "none"
+    """none (uniform prompts) | length (short prompts first) | reward (prompts whose SFT sample scores highest first,
+    scored once before RL with rl.reward): each iteration draws from the easiest part of the train prompts, growing
+    from rl.curriculum_start to all of them at the last iteration."""
+    curriculum_start: float = 0.25
+    """Curriculum: fraction of the train prompts (the easiest) the first iteration draws from."""
     top_k: int = 0
     """Top-k sampling (0 disables)."""
     top_p: float = 1.0
@@ -459,6 +474,7 @@ def _validate_rl(cfg: Config) -> None:
     _positive(rl, "rl", "top_k", "vf_clip", "kl_coef", "unfinished_penalty", "grad_clip", "eval_prompts", allow_zero=True)
     if rl.kl_target is not None:
         _positive(rl, "rl", "kl_target")
+    _validate_temperature_and_curriculum(rl)
     if rl.max_prompt_tokens is not None:
         _positive(rl, "rl", "max_prompt_tokens")
     if not 0 < rl.top_p <= 1:
@@ -557,6 +573,23 @@ def _validate_groups(groups) -> None:
             v = g.get(key, 0.0)
             if isinstance(v, bool) or not isinstance(v, (int, float)) or v < 0:
                 raise ConfigError(f"{where}.{key}", f"expected a number >= 0, got {v!r}", f"e.g. {key}: 1")
+
+
+def _validate_temperature_and_curriculum(rl: RLConfig) -> None:
+    _choice(rl.temperature_schedule, "rl.temperature_schedule", ("constant", "linear", "cosine"))
+    _choice(rl.curriculum, "rl.curriculum", ("none", "length", "reward"))
+    for name in ("temperature_final", "eval_temperature"):
+        if getattr(rl, name) is not None:
+            _positive(rl, "rl", name)
+    if rl.temperature_schedule != "constant" and rl.temperature_final is None:
+        raise ConfigError("rl.temperature_final", f"rl.temperature_schedule={rl.temperature_schedule} needs the last "
+                          "iteration's temperature", "set e.g. rl.temperature=1.0 rl.temperature_final=0.7")
+    if rl.temperature_schedule == "constant" and rl.temperature_final is not None:
+        raise ConfigError("rl.temperature_final", "is set but rl.temperature_schedule=constant ignores it",
+                          "set rl.temperature_schedule=linear (or cosine), or remove rl.temperature_final")
+    if not 0 < rl.curriculum_start <= 1:
+        raise ConfigError("rl.curriculum_start", f"must be in (0, 1], got {rl.curriculum_start}",
+                          "set e.g. rl.curriculum_start=0.25")
 
 
 def _looks_like_path(name: str) -> bool:

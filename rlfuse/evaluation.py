@@ -5,7 +5,10 @@ from __future__ import annotations
 
 import json
 import math
+import time
 from pathlib import Path
+
+import torch
 
 from rlfuse.algos.kl import kl_penalty
 from rlfuse.config import RLConfig
@@ -14,6 +17,11 @@ from rlfuse.rollout.fusion import Experience, FusionPolicy, generate_rollouts
 from rlfuse.rollout.score import Scorer
 
 EVAL_SAMPLES_KEPT = 16
+
+
+def eval_temperature(rl: RLConfig) -> float:
+    """The evaluation's fixed temperature: rl.eval_temperature, or rl.temperature when it is null."""
+    return rl.eval_temperature if rl.eval_temperature is not None else rl.temperature
 
 
 def texts_of(exp: Experience, tok) -> list[str]:
@@ -27,9 +35,10 @@ def evaluate(models, engine: DecodeEngine, prompts: list[list[int]], rl: RLConfi
     the response (an unbiased estimate of the sequence KL, whatever estimator the training penalty uses)."""
     if not prompts:
         return {}, []
+    t = eval_temperature(rl)  # fixed whatever the training schedule: before and after compare
     scorer = Scorer(models.reward_fn, models.tokenizer.pad_token_id, ref=models.ref, actor=models.actor,
-                    temperature=rl.temperature, micro_batch_size=32)
-    params = SamplingParams(rl.max_new_tokens, rl.temperature, rl.top_k, rl.top_p, tuple(rl.stop or ()))
+                    temperature=t, micro_batch_size=32)
+    params = SamplingParams(rl.max_new_tokens, t, rl.top_k, rl.top_p, tuple(rl.stop or ()))
     exp = generate_rollouts(engine, scorer, prompts, 1, params, seed, FusionPolicy(True))
     texts = texts_of(exp, models.tokenizer)
     out = {
@@ -42,6 +51,39 @@ def evaluate(models, engine: DecodeEngine, prompts: list[list[int]], rl: RLConfi
 
         out.update(gold_summary(texts, [r != "length" for r in exp.finish_reasons]))
     return out, texts
+
+
+@torch.no_grad()
+def sample_rewards(models, engine: DecodeEngine, prompts: list[list[int]], rl: RLConfig, seed: int,
+                   micro_batch_size: int = 32) -> list[float]:
+    """One sample per prompt from the engine's current weights at the evaluation temperature, scored by rl.reward:
+    (len(prompts),) rewards in prompt order. The reward alone: no reference or critic pass."""
+    params = SamplingParams(rl.max_new_tokens, eval_temperature(rl), rl.top_k, rl.top_p, tuple(rl.stop or ()))
+    samples = sorted(engine.generate(prompts, 1, params, seed), key=lambda s: len(s.prompt_ids) + len(s.token_ids))
+    rewards = [0.0] * len(prompts)
+    for i in range(0, len(samples), micro_batch_size):  # similar lengths together: little padding
+        chunk = samples[i: i + micro_batch_size]
+        for s, r in zip(chunk, models.reward_fn(chunk).tolist()):
+            rewards[s.prompt_id] = float(r)
+    return rewards
+
+
+def prompt_difficulty(models, engine: DecodeEngine, prompts: list[list[int]], rl: RLConfig, seed: int, path: Path,
+                      log=print) -> list[float] | None:
+    """rl.curriculum's difficulty per train prompt (None without a curriculum): its length in tokens, or minus the
+    reward of the SFT model's sample for it (sample_rewards; the engine must hold the SFT weights). Computed once and
+    kept in `path`, so a resumed run, whose actor has moved, orders the prompts as the interrupted one did."""
+    if rl.curriculum == "none":
+        return None
+    if path.exists():
+        return json.loads(path.read_text())["difficulty"]
+    t = time.perf_counter()
+    difficulty = ([float(len(p)) for p in prompts] if rl.curriculum == "length" else
+                  [-r for r in sample_rewards(models, engine, prompts, rl, seed)])
+    seconds = time.perf_counter() - t
+    path.write_text(json.dumps({"curriculum": rl.curriculum, "seconds": seconds, "difficulty": difficulty}))
+    log(f"[rl] curriculum by {rl.curriculum}: {len(prompts)} train prompts scored in {seconds:.1f} s")
+    return difficulty
 
 
 def evaluate_before(path: Path, models, engine: DecodeEngine, prompts, rl: RLConfig, seed: int, gold: bool) -> dict:

@@ -64,6 +64,21 @@ def _line(ax, rows, key, label, color=None, title=None):
     ax.grid(alpha=0.3)
 
 
+def temperature_twin(ax, rows: list[dict]):
+    """The sampling temperature per iteration (rl.temperature_schedule) on a right-hand axis of `ax`, dashed; returns
+    its line, or None when no row logged rollout/temperature (runs from before it was logged)."""
+    xs, ys = series(rows, "rollout/temperature")
+    if not xs:
+        return None
+    twin = ax.twinx()
+    (line,) = twin.plot(xs, ys, linestyle="--", color="#C44E52", label="sampling temperature")
+    twin.set_ylabel("temperature", fontsize=8, color="#C44E52")
+    lo, hi = min(ys), max(ys)
+    twin.set_ylim(lo - 0.1 * (hi - lo or 1.0), hi + 0.1 * (hi - lo or 1.0))
+    twin.legend(fontsize=8, loc="lower right")
+    return line
+
+
 def training_metrics(rows: list[dict], path: Path, reward_samples: list[float] | None = None) -> Path:
     fig, axes = plt.subplots(2, 2, figsize=(11, 7))
     _line(axes[0, 0], rows, "reward/mean", "reward (mean per iteration)")
@@ -71,6 +86,7 @@ def training_metrics(rows: list[dict], path: Path, reward_samples: list[float] |
     if xs:
         axes[0, 0].plot(xs, gold, marker=".", label="gold score (default task)")
         axes[0, 0].legend(fontsize=8)
+    temperature_twin(axes[0, 0], rows)
     _line(axes[0, 1], rows, "train/policy_loss", "actor (policy) loss")
     _line(axes[1, 0], rows, "train/value_loss", "critic (value) loss")
     ax = axes[1, 1]
@@ -168,7 +184,10 @@ def summary_dashboard(rows: list[dict], numbers: dict, path: Path) -> Path:
     panels = [("reward/mean", "reward"), ("rollout/samples_per_s", "samples/s"), ("reward/kl", "KL to reference"),
               ("train/policy_loss", "actor loss"), ("train/value_loss", "critic loss"), ("rollout/length_mean", "response length")]
     for i, (key, title) in enumerate(panels):
-        _line(fig.add_subplot(grid[1 + i // 3, i % 3]), rows, key, title)
+        ax = fig.add_subplot(grid[1 + i // 3, i % 3])
+        _line(ax, rows, key, title)
+        if key == "reward/mean":
+            temperature_twin(ax, rows)
     fig.suptitle("rlfuse run summary", fontsize=15)
     return _save(fig, path)
 

@@ -12,30 +12,34 @@ Departures from the papers, on purpose:
   joins the actor's update instead (see update_actor);
 - the generator is its own model: it gets the actor's weights through DecodeEngine.load_weights before every
   rollout and evaluation, never by sharing the optimiser's tensors;
-- every random draw (prompt batch, sampling, mini-batch order) is a function of (seed, iteration), so a resumed
-  run repeats an uninterrupted one exactly.
+- every random draw (prompt batch, sampling, mini-batch order) and the scheduled temperature are functions of
+  (seed, iteration), so a resumed run repeats an uninterrupted one exactly;
+- with a temperature schedule each iteration optimises softmax(logits / T_it): sampling, the reference log-probs
+  and the update's log-probs all use T_it, while the before/after evaluation keeps one fixed temperature.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Iterator
 
-import numpy as np
 import torch
 
 from rlfuse.algos.advantages import ADVANTAGE_FNS, gae_advantages
 from rlfuse.algos.kl import AdaptiveKLController, FixedKLController, kl_penalty, kl_shaped_rewards
 from rlfuse.algos.losses import ppo_policy_loss, value_loss
+from rlfuse.algos.schedules import scheduled_value
 from rlfuse.algos.stats import explained_variance, level_mean, masked_mean, whiten
 from rlfuse.config import Config, RLConfig
+from rlfuse.data.curriculum import curriculum_indices, uniform_indices
 from rlfuse.data.prompts import encode_prompts, model_context, prompt_budget
 from rlfuse.data.stages import rl_prompts
 from rlfuse.errors import UserError
-from rlfuse.evaluation import evaluate, evaluate_before, iteration_gold
+from rlfuse.evaluation import evaluate, evaluate_before, iteration_gold, prompt_difficulty
 from rlfuse.metrics.tracker import JsonlTracker, memory_metrics, truncate_metrics
 from rlfuse.models.build import Models, build_models
 from rlfuse.models.load import save_trained_model
@@ -91,10 +95,27 @@ def build_learners(models: Models, rl: RLConfig) -> Learners:
 # ------------------------------------------------------------------------------------------- the math
 
 
-def prompt_batch(prompts: list[list[int]], iteration: int, n: int, seed: int) -> list[list[int]]:
-    """The iteration's prompts: a function of (seed, iteration), so no data position needs restoring."""
-    rng = np.random.default_rng([seed, iteration])
-    return [prompts[i] for i in rng.choice(len(prompts), size=n, replace=len(prompts) < n)]
+def prompt_batch(prompts: list[list[int]], iteration: int, n: int, seed: int, difficulty: list[float] | None = None,
+                 iterations: int = 1, start_fraction: float = 1.0) -> list[list[int]]:
+    """The iteration's prompts: a function of (seed, iteration), so no data position needs restoring. Uniform, or
+    with difficulty scores (one per prompt) a curriculum over the run's iterations (rlfuse/data/curriculum.py)."""
+    idx = (uniform_indices(len(prompts), iteration, n, seed) if difficulty is None else
+           curriculum_indices(difficulty, iteration, iterations, n, seed, start_fraction))
+    return [prompts[i] for i in idx]
+
+
+def iteration_temperature(rl: RLConfig, iteration: int) -> float:
+    """Sampling temperature of 0-based `iteration`: rl.temperature -> rl.temperature_final by rl.temperature_schedule."""
+    final = rl.temperature if rl.temperature_final is None else rl.temperature_final
+    return scheduled_value(rl.temperature_schedule, rl.temperature, final, iteration, rl.iterations)
+
+
+def sampling_note(rl: RLConfig) -> str:
+    """'temperature 1 -> 0.7 (linear), curriculum by reward' for the run's first log line."""
+    note = f"temperature {rl.temperature:g}"
+    if rl.temperature_schedule != "constant":
+        note += f" -> {rl.temperature_final:g} ({rl.temperature_schedule})"
+    return note + (f", curriculum by {rl.curriculum}" if rl.curriculum != "none" else "")
 
 
 def compute_advantages(exp: Experience, rl: RLConfig, kl_coef: float):
@@ -139,10 +160,12 @@ def _micro(exp: Experience, idx: list[int], pad_id: int, device):
     return mb, lambda t: (t[idx] if t.dim() == 1 else t[idx][:, :T]).to(device)
 
 
-def micro_policy_loss(actor, exp: Experience, idx: list[int], adv, rl: RLConfig, kl_coef: float, pad_id: int):
-    """Clipped surrogate (plus grpo's in-loss KL, same estimator and averaging level) of one micro-batch, unscaled."""
+def micro_policy_loss(actor, exp: Experience, idx: list[int], adv, rl: RLConfig, kl_coef: float, pad_id: int,
+                      temperature: float):
+    """Clipped surrogate (plus grpo's in-loss KL, same estimator and averaging level) of one micro-batch, unscaled.
+    temperature: the one the samples were drawn and the reference scored at (the iteration's)."""
     mb, take = _micro(exp, idx, pad_id, next(actor.parameters()).device)
-    new_lp, entropy = response_logprobs(actor, mb, rl.temperature, with_entropy=True)
+    new_lp, entropy = response_logprobs(actor, mb, temperature, with_entropy=True)
     loss, st = ppo_policy_loss(new_lp, take(exp.logprobs), take(adv), mb.mask, rl.clip, rl.loss_level)
     stats = {"train/policy_loss": loss.detach(), "train/clip_frac": st["clip_frac"], "train/approx_kl": st["approx_kl"],
              "train/entropy": masked_mean(entropy.detach(), mb.mask)}
@@ -204,17 +227,19 @@ def optimise(learners: list[Learner], batches: list[list[int]], exp: Experience,
 
 
 def update_actor(actor: Learner, exp: Experience, adv, batches: list[list[int]], rl: RLConfig, kl_coef: float,
-                 pad_id: int, bad: dict, value_head: tuple | None = None) -> dict:
+                 pad_id: int, bad: dict, value_head: tuple | None = None, temperature: float | None = None) -> dict:
     """The actor's update: the clipped objective over epochs x mini-batches x micro-batches.
 
     value_head=(critic, head learner, returns) when the critic is a head on the actor's body (critic_init=actor):
     the value loss joins the actor's graph (one forward of the body, one backward) and the head's optimiser steps
     after the actor's, each clipping its own norm. Two separate updates would run the body twice per micro-batch,
-    and the second would differentiate through a body the first had already moved."""
+    and the second would differentiate through a body the first had already moved.
+    temperature: the iteration's sampling temperature (None: rl.temperature, a constant schedule)."""
     learners = [actor] + ([value_head[1]] if value_head else [])
+    temperature = rl.temperature if temperature is None else temperature
 
     def loss_of(idx, share):
-        loss, stats = micro_policy_loss(actor.module, exp, idx, adv, rl, kl_coef, pad_id)
+        loss, stats = micro_policy_loss(actor.module, exp, idx, adv, rl, kl_coef, pad_id, temperature)
         loss = loss * share[rl.loss_level]
         if value_head:
             vloss, vstats = micro_value_loss(value_head[0], exp, idx, value_head[2], rl, pad_id)
@@ -235,11 +260,11 @@ def update_critic(critic: Learner, exp: Experience, returns, batches: list[list[
 
 
 def update(models: Models, learners: Learners, exp: Experience, adv, returns, rl: RLConfig, kl_coef: float,
-           batches: list[list[int]], bad: dict) -> dict:
-    """Actor then critic over the same experience; returns their stats and times."""
+           batches: list[list[int]], bad: dict, temperature: float) -> dict:
+    """Actor then critic over the same experience (sampled at `temperature`); returns their stats and times."""
     pad, t0 = models.tokenizer.pad_token_id, time.perf_counter()
     head = (models.critic, learners.critic, returns) if learners.shared_body else None
-    stats = update_actor(learners.actor, exp, adv, batches, rl, kl_coef, pad, bad, head)
+    stats = update_actor(learners.actor, exp, adv, batches, rl, kl_coef, pad, bad, head, temperature)
     t1 = time.perf_counter()
     if learners.critic is not None and not learners.shared_body:
         stats |= update_critic(learners.critic, exp, returns, batches, rl, pad, bad)
@@ -320,26 +345,33 @@ def train_rl(cfg: Config, run_dir: Path, log=print, resume: bool = False, on_rea
         log(f"[rl] resumed from {ckpt} at iteration {start}")
     sync_weights(engine, models.actor)
     before = evaluate_before(out / "eval_before.json", models, engine, held_prompts, rl, seed + 12345, gold)
+    difficulty = prompt_difficulty(models, engine, train_prompts, rl, seed + 23456, out / "difficulty.json", log)
     tracker = JsonlTracker(out / "metrics.jsonl", tensorboard=True)
     if on_ready is not None:
         on_ready(models)
     log(f"[rl] {rl.algo}: {rl.iterations} iterations x {rl.prompts_per_iter} prompts x k={rl.k}, fusion "
-        f"{'on' if fusion.enabled else 'off'}, KL {rl.kl_estimator_used}{'' if rl.kl_estimator else ' (default)'}")
+        f"{'on' if fusion.enabled else 'off'}, KL {rl.kl_estimator_used}{'' if rl.kl_estimator else ' (default)'}, "
+        f"{sampling_note(rl)}")
     with Progress(rl.iterations, f"rl/{rl.algo}", cfg.run.quiet, unit="iter") as bar:
         bar.update(start)
         for it in range(start, rl.iterations):
             t0, role_times = time.perf_counter(), dict(scorer.times)
             # 1. the actor's weights into the generator: an explicit copy, never the optimiser's own tensors
             sync = sync_weights(engine, models.actor)
-            # 2. generate and score: scoring runs on finished samples while the tail decodes (fusion on)
-            prompts = prompt_batch(train_prompts, it, rl.prompts_per_iter, seed)
-            exp = generate_rollouts(engine, scorer, prompts, rl.k, params, seed * 1_000_003 + it, fusion)
+            # 2. generate and score at the iteration's temperature (sampling and reference log-probs alike); scoring
+            # runs on finished samples while the tail decodes (fusion on)
+            temperature = scorer.temperature = iteration_temperature(rl, it)
+            prompts = prompt_batch(train_prompts, it, rl.prompts_per_iter, seed, difficulty, rl.iterations,
+                                   rl.curriculum_start)
+            exp = generate_rollouts(engine, scorer, prompts, rl.k, dataclasses.replace(params, temperature=temperature),
+                                    seed * 1_000_003 + it, fusion)
             # 3. KL-shaped rewards and advantages (pure functions in rlfuse/algos)
             adv, returns, kl = compute_advantages(exp, rl, kl_ctl.coef)
             # 4. update actor and critic (skipped, and counted, when a reward is not finite)
             t1, stats = time.perf_counter(), {}
             if not count_nonfinite_rewards(exp, rl, bad):
-                stats = update(models, learners, exp, adv, returns, rl, kl_ctl.coef, minibatches(len(exp), rl, seed, it), bad)
+                stats = update(models, learners, exp, adv, returns, rl, kl_ctl.coef, minibatches(len(exp), rl, seed, it),
+                               bad, temperature)
                 kl_ctl.update(float(kl.sum(1).mean()), len(exp))
             t2 = time.perf_counter()
             # 5. record (every iteration, skipped or not) and checkpoint
@@ -347,7 +379,8 @@ def train_rl(cfg: Config, run_dir: Path, log=print, resume: bool = False, on_rea
             row |= {f"time/{k}": v for k, v in exp.timing.items() if not k.startswith("decode")}
             row |= {f"time/score_{k}": v - role_times.get(k, 0.0) for k, v in scorer.times.items()}
             row |= memory_metrics(device) | iteration_gold(exp, tok, gold)
-            row |= {"time/training": t2 - t1, "time/iteration": t2 - t0, "train/skipped_steps": bad["skipped"],
+            row |= {"rollout/temperature": temperature, "time/training": t2 - t1, "time/iteration": t2 - t0,
+                    "train/skipped_steps": bad["skipped"],
                     "rollout/samples_per_s": len(exp) / (t2 - t0), "rollout/tokens_per_s": float(exp.mask.sum()) / (t2 - t0)}
             tracker.log(it + 1, **row)
             stop_if_diverged(bad, rl)

@@ -59,11 +59,16 @@ def _rl_cmd(tiny_task, run_dir, *extra):
             *TINY, *RL_TINY, "rl.iterations=5", "rl.max_new_tokens=16", *extra]
 
 
+# a non-constant temperature schedule and a curriculum scored by the reward: resume must continue both exactly
+SCHEDULED = ["rl.temperature=1.0", "rl.temperature_schedule=linear", "rl.temperature_final=0.6", "rl.curriculum=reward",
+             "rl.curriculum_start=0.25"]
+
+
 def test_sigkill_mid_iteration_then_resume_matches_uninterrupted(tiny_task, tmp_path):
     env = os.environ | {"CI": "true"}
     full, killed = tmp_path / "full", tmp_path / "killed"
-    subprocess.run(_rl_cmd(tiny_task, full), check=True, env=env, capture_output=True, cwd=ROOT)
-    proc = subprocess.Popen(_rl_cmd(tiny_task, killed), env=env, cwd=ROOT, stdout=subprocess.DEVNULL,
+    subprocess.run(_rl_cmd(tiny_task, full, *SCHEDULED), check=True, env=env, capture_output=True, cwd=ROOT)
+    proc = subprocess.Popen(_rl_cmd(tiny_task, killed, *SCHEDULED), env=env, cwd=ROOT, stdout=subprocess.DEVNULL,
                             stderr=subprocess.DEVNULL)
     metrics = killed / "rl" / "metrics.jsonl"
     deadline = time.time() + 120
@@ -81,8 +86,12 @@ def test_sigkill_mid_iteration_then_resume_matches_uninterrupted(tiny_task, tmp_
                              capture_output=True, text=True)
     assert resumed.returncode == 0, resumed.stderr[-2000:]
     assert "resumed from" in resumed.stderr
-    rows = [json.loads(l)["step"] for l in metrics.read_text().splitlines()]
-    assert rows == [1, 2, 3, 4, 5]  # nothing lost, nothing logged twice
+    rows = [json.loads(l) for l in metrics.read_text().splitlines()]
+    assert [r["step"] for r in rows] == [1, 2, 3, 4, 5]  # nothing lost, nothing logged twice
+    # 1.0 -> 0.6 over 5 iterations, the resumed iterations included
+    assert [r["rollout/temperature"] for r in rows] == pytest.approx([1.0, 0.9, 0.8, 0.7, 0.6], abs=1e-12)
+    difficulty = [json.loads((d / "rl" / "difficulty.json").read_text())["difficulty"] for d in (full, killed)]
+    assert difficulty[0] == difficulty[1]  # computed once, before iteration 1, and kept
     a, b = weights(full / "rl" / "model"), weights(killed / "rl" / "model")
     assert a.keys() == b.keys()
     for n in a:
@@ -154,3 +163,27 @@ def test_checkpoint_holds_a_constant_lr_schedule(tiny_task, tmp_path):
     ckpt = torch.load(tmp_path / "rl" / "checkpoint.pt", weights_only=False)
     assert ckpt["sched_actor"]["_last_lr"] == [3e-3, 3e-3] and ckpt["sched_critic"]["_last_lr"] == [2e-3, 2e-3]
     assert ckpt["sched_actor"]["last_epoch"] == 2  # one optimiser step per iteration (4 samples, mini-batch 4)
+
+
+def test_scheduled_temperature_reaches_sampling_reference_and_update(tiny_task, tmp_path):
+    """Iteration 2 samples at 0.6 (1.0 -> 0.6 over 2 iterations). With a negligible learning rate the actor is still
+    the reference, so the logged KL is ~0 only if the reference was scored at 0.6 too, and with one mini-batch per
+    iteration the update's first ratio is 1 (approx_kl ~0, nothing clipped) only if its log-probs are at 0.6 too."""
+    args = [f"rl.sft_path={tiny_task.model_dir}", "rl.reward=rlfuse.data.gold:gold_reward", "rl.critic_init=sft",
+            f"run.dir={tmp_path}", *TINY, *RL_TINY, "rl.lr=1e-9", "rl.max_new_tokens=16", "rl.temperature=1.0",
+            "rl.temperature_schedule=linear", "rl.temperature_final=0.6", "rl.curriculum=length"]
+    assert main(["rl", *args]) == 0
+    rows = [json.loads(l) for l in (tmp_path / "rl" / "metrics.jsonl").read_text().splitlines()]
+    assert [r["rollout/temperature"] for r in rows] == [1.0, 0.6]
+    last = rows[1]
+    assert abs(last["reward/kl"]) < 1e-3 and last["train/approx_kl"] < 1e-5 and last["train/clip_frac"] == 0.0
+    difficulty = json.loads((tmp_path / "rl" / "difficulty.json").read_text())
+    assert difficulty["curriculum"] == "length" and min(difficulty["difficulty"]) >= 2  # BOS + at least one token
+
+    from rlfuse.metrics.plots import temperature_twin
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots()
+    line = temperature_twin(ax, rows)  # the report's reward panels draw the temperature on a right-hand axis
+    assert list(line.get_ydata()) == [1.0, 0.6] and temperature_twin(ax, [{"step": 1}]) is None
+    plt.close(fig)
