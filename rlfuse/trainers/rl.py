@@ -287,6 +287,46 @@ def sync_weights(engine: DecodeEngine, actor: torch.nn.Module) -> dict:
     return {"time/weight_sync": time.perf_counter() - t, "sync/bytes": n}
 
 
+@dataclass
+class LocalRollout:
+    """Step 1 of the loop in this process: weight sync, then generate and score (fusion). With placement on Ray the
+    loop gets rlfuse/placement/ray_driver.py's RayRollout instead, with the same four methods."""
+    engine: DecodeEngine
+    scorer: Scorer
+    fusion: FusionPolicy
+
+    def sync_weights(self, models: Models) -> dict:
+        return sync_weights(self.engine, models.actor)  # the critic is this process's own module: nothing to copy
+
+    def generate(self, prompts: list[list[int]], k: int, params: SamplingParams, seed: int) -> Experience:
+        before, self.scorer.temperature = dict(self.scorer.times), params.temperature
+        exp = generate_rollouts(self.engine, self.scorer, prompts, k, params, seed, self.fusion)
+        exp.timing |= {f"score_{k}": v - before.get(k, 0.0) for k, v in self.scorer.times.items()}
+        return exp
+
+    def metrics(self, exp: Experience) -> dict:
+        return {f"time/{k}": v for k, v in exp.timing.items() if not k.startswith("decode")}
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        pass
+
+
+def build_rollout(cfg: Config, run_dir: Path, engine: DecodeEngine, scorer: Scorer, fusion: FusionPolicy, log):
+    """LocalRollout, or with placement.strategy != single the Ray worker groups of the spec (Ray imported only then)."""
+    from rlfuse.placement.strategies import spec_from_config
+
+    spec = spec_from_config(cfg)
+    if not spec.uses_ray:
+        return LocalRollout(engine, scorer, fusion)
+    from rlfuse.placement.ray_driver import start_ray_rollout
+
+    log(spec.describe())
+    return start_ray_rollout(cfg, spec, run_dir, log)
+
+
 def rollout_metrics(exp: Experience, kl, returns, kl_coef: float, max_new: int) -> dict:
     lengths, finite = exp.mask.sum(1), exp.scores[torch.isfinite(exp.scores)]
     m = {
@@ -352,19 +392,20 @@ def train_rl(cfg: Config, run_dir: Path, log=print, resume: bool = False, on_rea
     log(f"[rl] {rl.algo}: {rl.iterations} iterations x {rl.prompts_per_iter} prompts x k={rl.k}, fusion "
         f"{'on' if fusion.enabled else 'off'}, KL {rl.kl_estimator_used}{'' if rl.kl_estimator else ' (default)'}, "
         f"{sampling_note(rl)}")
-    with Progress(rl.iterations, f"rl/{rl.algo}", cfg.run.quiet, unit="iter") as bar:
+    with build_rollout(cfg, run_dir, engine, scorer, fusion, log) as rollout, \
+            Progress(rl.iterations, f"rl/{rl.algo}", cfg.run.quiet, unit="iter") as bar:
         bar.update(start)
         for it in range(start, rl.iterations):
-            t0, role_times = time.perf_counter(), dict(scorer.times)
-            # 1. the actor's weights into the generator: an explicit copy, never the optimiser's own tensors
-            sync = sync_weights(engine, models.actor)
+            t0 = time.perf_counter()
+            # 1. the actor's weights into the generator(s): an explicit copy, never the optimiser's own tensors
+            sync = rollout.sync_weights(models)
             # 2. generate and score at the iteration's temperature (sampling and reference log-probs alike); scoring
-            # runs on finished samples while the tail decodes (fusion on)
-            temperature = scorer.temperature = iteration_temperature(rl, it)
+            # runs on finished samples while the tail decodes (fusion on; on Ray workers, per rlfuse/placement)
+            temperature = iteration_temperature(rl, it)
             prompts = prompt_batch(train_prompts, it, rl.prompts_per_iter, seed, difficulty, rl.iterations,
                                    rl.curriculum_start)
-            exp = generate_rollouts(engine, scorer, prompts, rl.k, dataclasses.replace(params, temperature=temperature),
-                                    seed * 1_000_003 + it, fusion)
+            exp = rollout.generate(prompts, rl.k, dataclasses.replace(params, temperature=temperature),
+                                   seed * 1_000_003 + it)
             # 3. KL-shaped rewards and advantages (pure functions in rlfuse/algos)
             adv, returns, kl = compute_advantages(exp, rl, kl_ctl.coef)
             # 4. update actor and critic (skipped, and counted, when a reward is not finite)
@@ -376,8 +417,7 @@ def train_rl(cfg: Config, run_dir: Path, log=print, resume: bool = False, on_rea
             t2 = time.perf_counter()
             # 5. record (every iteration, skipped or not) and checkpoint
             row = rollout_metrics(exp, kl, returns, kl_ctl.coef, rl.max_new_tokens) | stats | sync
-            row |= {f"time/{k}": v for k, v in exp.timing.items() if not k.startswith("decode")}
-            row |= {f"time/score_{k}": v - role_times.get(k, 0.0) for k, v in scorer.times.items()}
+            row |= rollout.metrics(exp)
             row |= memory_metrics(device) | iteration_gold(exp, tok, gold)
             row |= {"rollout/temperature": temperature, "time/training": t2 - t1, "time/iteration": t2 - t0,
                     "train/skipped_steps": bad["skipped"],
