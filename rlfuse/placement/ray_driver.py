@@ -18,6 +18,7 @@ importing this module never needs Ray.
 
 from __future__ import annotations
 
+import contextlib
 import time
 from dataclasses import dataclass, field
 
@@ -75,22 +76,41 @@ class RayRollout:
     placement_group: object = None
     started_ray: bool = False
     critic_on_workers: bool = False
-    notes: dict = field(default_factory=dict)
+    groups: list[str] = field(default_factory=list)
+    """The spec group of each worker (messages name the worker by rank and group)."""
 
     def sync_weights(self, models) -> dict:
         """Actor -> every decoding worker, bucketed; and the critic -> every scoring worker when it trains (their
         frozen copies compute the values). Seconds and bytes summed over both."""
-        out = self.driver.sync_weights(merged_state_dict(models.actor), role="generator")
-        if self.critic_on_workers and models.critic is not None:
-            critic = self.driver.sync_weights(merged_state_dict(models.critic), role="critic")
-            out = {k: out[k] + critic[k] for k in out}
+        with self._naming_dead_workers():
+            out = self.driver.sync_weights(merged_state_dict(models.actor), role="generator")
+            if self.critic_on_workers and models.critic is not None:
+                critic = self.driver.sync_weights(merged_state_dict(models.critic), role="critic")
+                out = {k: out[k] + critic[k] for k in out}
         return out
 
     def generate(self, prompts, k: int, params, seed: int):
-        return self.driver.generate(prompts, k, params, seed, migrate=self.migrate)
+        with self._naming_dead_workers():
+            return self.driver.generate(prompts, k, params, seed, migrate=self.migrate)
+
+    @contextlib.contextmanager
+    def _naming_dead_workers(self):
+        """A worker process that died (killed, out of memory) ends the run with one line naming it; the iteration
+        under way is not logged, so `--resume` repeats it from the last checkpoint (kept in the driver)."""
+        from ray.exceptions import RayActorError
+
+        try:
+            yield
+        except RayActorError as e:
+            ids = [w._actor_id.hex() for w in self.driver.workers]
+            i = ids.index(e.actor_id) if e.actor_id in ids else None
+            who = f"worker {self.ranks[i]} (group {self.groups[i]})" if i is not None else "a worker"
+            raise UserError(f"placement: Ray {who} died during the rollout ({type(e).__name__}); the last "
+                            f"checkpoint is kept: continue with `rlfuse rl --resume RUN_DIR`") from None
 
     def metrics(self, exp) -> dict:
-        return worker_metrics(exp.timing, self.ranks, self.driver.rss_mb())
+        with self._naming_dead_workers():
+            return worker_metrics(exp.timing, self.ranks, self.driver.rss_mb())
 
     def __enter__(self):
         return self
@@ -131,7 +151,7 @@ def start_ray_rollout(cfg, spec: PlacementSpec, run_dir, log=print) -> RayRollou
         pg = placement_group(bundles, strategy="PACK")
         ray.get(pg.ready(), timeout=120)
         models, settings = WorkerModels.from_config(cfg, run_dir), RolloutSettings.from_config(cfg)
-        workers, ranks, decoders, scorers = [], [], [], []
+        workers, ranks, groups, decoders, scorers = [], [], [], [], []
         t = time.perf_counter()
         for g in spec.groups:
             decodes, scores = "generator" in g.roles, any(r in g.roles for r in SCORING_ROLES)
@@ -142,15 +162,17 @@ def start_ray_rollout(cfg, spec: PlacementSpec, run_dir, log=print) -> RayRollou
             workers += start_generation_workers(g.workers, models.holding(decodes, scores), settings,
                                                 g.cpus_per_worker, pg, first_bundle=group_ranks[0])
             ranks += group_ranks
+            groups += [g.name] * g.workers
             decoders += list(range(first, len(workers))) if decodes else []
             scorers += list(range(first, len(workers))) if scores else []
             log(f"[placement] group {g.name}: {g.workers} worker(s) "
                 f"{'decode' if decodes else ''}{' + ' if decodes and scores else ''}{'score' if scores else ''}")
-        log(f"[placement] {len(workers)} Ray worker(s) up in {time.perf_counter() - t:.1f}s; actor and critic "
-            f"updates run in the driver")
+        pids = ray.get([w.pid.remote() for w in workers])
+        log(f"[placement] {len(workers)} Ray worker(s) up in {time.perf_counter() - t:.1f}s (pids "
+            f"{', '.join(f'{r}:{p}' for r, p in zip(ranks, pids))}); actor and critic updates run in the driver")
         driver = MultiWorkerRollout(workers, settings, decoders=decoders, scorers=scorers)
         critic_trains = models.critic is not None
-        return RayRollout(spec, driver, ranks, cfg.rollout.migrate_below > 0, pg, started, critic_trains)
+        return RayRollout(spec, driver, ranks, cfg.rollout.migrate_below > 0, pg, started, critic_trains, groups)
     except BaseException:
         if started:
             ray.shutdown()

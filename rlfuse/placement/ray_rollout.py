@@ -201,6 +201,9 @@ class GenerationWorker:
         if self.scorer is not None:
             self.scorer.temperature = temperature
 
+    def pid(self) -> int:
+        return os.getpid()
+
     def rss_mb(self) -> float:
         """This worker process's resident memory now (the report's per-worker memory)."""
         import psutil

@@ -15,7 +15,9 @@ Departures from the papers, on purpose:
 - every random draw (prompt batch, sampling, mini-batch order) and the scheduled temperature are functions of
   (seed, iteration), so a resumed run repeats an uninterrupted one exactly;
 - with a temperature schedule each iteration optimises softmax(logits / T_it): sampling, the reference log-probs
-  and the update's log-probs all use T_it, while the before/after evaluation keeps one fixed temperature.
+  and the update's log-probs all use T_it, while the before/after evaluation keeps one fixed temperature;
+- step 1 (sync, generate, score) is a `rollout` object (rlfuse/placement/rollout.py): this process, or Ray worker
+  groups by placement.strategy; the updates (step 4) and the evaluation stay in this process for every strategy.
 """
 
 from __future__ import annotations
@@ -43,10 +45,10 @@ from rlfuse.evaluation import evaluate, evaluate_before, iteration_gold, prompt_
 from rlfuse.metrics.tracker import JsonlTracker, memory_metrics, truncate_metrics
 from rlfuse.models.build import Models, build_models
 from rlfuse.models.load import save_trained_model
-from rlfuse.models.weights import merged_state_dict
+from rlfuse.placement.rollout import build_rollout, sync_weights
 from rlfuse.progress import Progress
 from rlfuse.rollout.engine import DecodeEngine, SamplingParams
-from rlfuse.rollout.fusion import Experience, FusionPolicy, generate_rollouts
+from rlfuse.rollout.fusion import Experience, FusionPolicy
 from rlfuse.rollout.score import Scorer, collate, response_logprobs, response_values
 from rlfuse.trainers.checkpoint import load_checkpoint, save_checkpoint
 from rlfuse.trainers.common import build_constant_optimizer, setup_runtime
@@ -278,53 +280,6 @@ def count_nonfinite_rewards(exp: Experience, rl: RLConfig, bad: dict) -> int:
     if n:
         count_bad_step(bad, rl, f"non-finite rewards ({n} of {len(exp)} samples)", stop=False)
     return n
-
-
-def sync_weights(engine: DecodeEngine, actor: torch.nn.Module) -> dict:
-    """The actor's current weights into the generator, by an explicit copy."""
-    t = time.perf_counter()
-    n = engine.load_weights(merged_state_dict(actor))
-    return {"time/weight_sync": time.perf_counter() - t, "sync/bytes": n}
-
-
-@dataclass
-class LocalRollout:
-    """Step 1 of the loop in this process: weight sync, then generate and score (fusion). With placement on Ray the
-    loop gets rlfuse/placement/ray_driver.py's RayRollout instead, with the same four methods."""
-    engine: DecodeEngine
-    scorer: Scorer
-    fusion: FusionPolicy
-
-    def sync_weights(self, models: Models) -> dict:
-        return sync_weights(self.engine, models.actor)  # the critic is this process's own module: nothing to copy
-
-    def generate(self, prompts: list[list[int]], k: int, params: SamplingParams, seed: int) -> Experience:
-        before, self.scorer.temperature = dict(self.scorer.times), params.temperature
-        exp = generate_rollouts(self.engine, self.scorer, prompts, k, params, seed, self.fusion)
-        exp.timing |= {f"score_{k}": v - before.get(k, 0.0) for k, v in self.scorer.times.items()}
-        return exp
-
-    def metrics(self, exp: Experience) -> dict:
-        return {f"time/{k}": v for k, v in exp.timing.items() if not k.startswith("decode")}
-
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc):
-        pass
-
-
-def build_rollout(cfg: Config, run_dir: Path, engine: DecodeEngine, scorer: Scorer, fusion: FusionPolicy, log):
-    """LocalRollout, or with placement.strategy != single the Ray worker groups of the spec (Ray imported only then)."""
-    from rlfuse.placement.strategies import spec_from_config
-
-    spec = spec_from_config(cfg)
-    if not spec.uses_ray:
-        return LocalRollout(engine, scorer, fusion)
-    from rlfuse.placement.ray_driver import start_ray_rollout
-
-    log(spec.describe())
-    return start_ray_rollout(cfg, spec, run_dir, log)
 
 
 def rollout_metrics(exp: Experience, kl, returns, kl_coef: float, max_new: int) -> dict:

@@ -25,7 +25,8 @@ def test_cluster_resources_count_alive_nodes_only():
 
 
 def test_single_placement_never_imports_ray():
-    code = ("import sys; from rlfuse.config import load_config; from rlfuse.trainers.rl import build_rollout, "
+    code = ("import sys; import rlfuse.trainers.rl; from rlfuse.config import load_config; "
+            "from rlfuse.placement.rollout import build_rollout, "
             "LocalRollout; r = build_rollout(load_config(None, []), None, None, None, None, print); "
             "assert isinstance(r, LocalRollout); assert 'ray' not in sys.modules, 'ray imported'")
     subprocess.run([sys.executable, "-c", code], check=True)
