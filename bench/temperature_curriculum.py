@@ -73,9 +73,9 @@ def run_one(base: Path, variant: str, seed: int, threads: int) -> dict:
             "before_gold_positive_rate": json.loads((run_dir / "eval.json").read_text())["before"]["gold_positive_rate"]}
 
 
-def mean_sd(values: list[float]) -> str:
+def mean_sd(values: list[float], digits: int = 3) -> str:
     sd = statistics.stdev(values) if len(values) > 1 else 0.0
-    return f"{statistics.mean(values):.3f} ± {sd:.3f}"
+    return f"{statistics.mean(values):.{digits}f} ± {sd:.{digits}f}"
 
 
 def table(results: list[dict], variants: list[str]) -> str:
@@ -88,8 +88,9 @@ def table(results: list[dict], variants: list[str]) -> str:
         deltas = [r["gold_positive_rate"] - base[r["seed"]] for r in rs if r["seed"] in base]
         rows.append([v, " ".join(VARIANTS[v]) or "(default)", len(rs), mean_sd([r["gold_positive_rate"] for r in rs]),
                      mean_sd(deltas) if v != "constant" and deltas else "",
-                     mean_sd([r["grammatical_rate"] for r in rs]), mean_sd([r["kl"] for r in rs]),
-                     mean_sd([r["rl_s"] for r in rs]), mean_sd([r["difficulty_s"] for r in rs])])
+                     mean_sd([r["grammatical_rate"] for r in rs]), mean_sd([r["kl"] for r in rs], 2),
+                     mean_sd([r["rl_s"] for r in rs], 0),
+                     mean_sd([r["difficulty_s"] for r in rs], 0) if "curriculum" in v else ""])
     return md_table(["variant", "overrides", "seeds", "gold positive rate (after)", "vs constant, same seed",
                      "grammatical rate", "KL (nats)", "RL s", "of which difficulty s"], rows)
 

@@ -147,11 +147,14 @@ def minibatches(n: int, rl: RLConfig, seed: int, iteration: int) -> list[list[in
     return out
 
 
-def micro_batches(exp: Experience, mini: list[int], size: int) -> Iterator[tuple[list[int], dict]]:
+def micro_batches(exp: Experience, mini: list[int], size: int, rank: int = 0,
+                  world: int = 1) -> Iterator[tuple[list[int], dict]]:
     """(indices, share) per micro-batch; share[level] is its part of the mini-batch's tokens ("token") or samples
-    ("sequence"), so that micro-batch means scaled by it sum to the mini-batch mean (accumulation = one big batch)."""
+    ("sequence"), so that micro-batch means scaled by it sum to the mini-batch mean (accumulation = one big batch).
+    Data parallel (world > 1): rank r gets micro-batches r, r + world, ... of the same list, shares still of the
+    whole mini-batch, so the ranks' share-scaled gradients sum to the single-process one."""
     tokens = float(exp.mask[mini].sum())
-    for s in range(0, len(mini), size):
+    for s in range(rank * size, len(mini), size * world):
         idx = mini[s: s + size]
         yield idx, {"token": float(exp.mask[idx].sum()) / tokens, "sequence": len(idx) / len(mini)}
 
@@ -200,15 +203,20 @@ def stop_if_diverged(bad: dict, rl: RLConfig) -> None:
 
 
 def optimise(learners: list[Learner], batches: list[list[int]], exp: Experience, micro_size: int,
-             loss_of: Callable, rl: RLConfig, bad: dict) -> tuple[dict, list[float]]:
+             loss_of: Callable, rl: RLConfig, bad: dict, group=None) -> tuple[dict, list[float]]:
     """The accumulation loop both updates share: per mini-batch, one backward per micro-batch of loss_of(idx, share)
     (already scaled by its share), then each learner clips its own gradient norm and steps. A non-finite loss skips
-    the mini-batch (count_bad_step). Returns (mean stats over micro-batches, mean grad norm per learner)."""
+    the mini-batch (count_bad_step). Returns (mean stats over micro-batches, mean grad norm per learner).
+
+    group: data parallelism (rlfuse/placement/ray_train.py DataParallelGroup: rank, world, all_finite,
+    sum_gradients, sum_stats): this rank runs its micro-batches of each mini-batch (micro_batches), then every rank
+    steps on the same summed gradients, as one process would on the whole mini-batch."""
     sums: dict = {}
     count, steps, norms = 0, 0, [0.0] * len(learners)
+    rank, world = (group.rank, group.world) if group is not None else (0, 1)
     for mini in batches:
         finite = True
-        for idx, share in micro_batches(exp, mini, micro_size):
+        for idx, share in micro_batches(exp, mini, micro_size, rank, world):
             loss, stats = loss_of(idx, share)
             if not torch.isfinite(loss):
                 finite = False
@@ -217,19 +225,26 @@ def optimise(learners: list[Learner], batches: list[list[int]], exp: Experience,
             for key, v in stats.items():  # tensors: no host sync per micro-batch
                 sums[key] = sums.get(key, 0.0) + v.detach()
             count += 1
+        if group is not None:  # one rank's NaN skips the step on every rank, or their weights would part
+            finite = group.all_finite(finite)
         if not finite:
             for learner in learners:
                 learner.opt.zero_grad(set_to_none=True)
             count_bad_step(bad, rl, "a NaN/inf loss")
             continue
         bad["consecutive"] = 0
+        if group is not None:  # a sum, not DDP's mean: losses are already scaled by their share of the whole
+            group.sum_gradients([learner.module for learner in learners])  # mini-batch; the clip sees the global norm
         norms = [n + learner.step(rl.grad_clip) for n, learner in zip(norms, learners)]
         steps += 1
+    if group is not None:
+        sums, count = group.sum_stats(sums, count)
     return {k: float(v) / max(1, count) for k, v in sums.items()}, [float(n) / max(1, steps) for n in norms]
 
 
 def update_actor(actor: Learner, exp: Experience, adv, batches: list[list[int]], rl: RLConfig, kl_coef: float,
-                 pad_id: int, bad: dict, value_head: tuple | None = None, temperature: float | None = None) -> dict:
+                 pad_id: int, bad: dict, value_head: tuple | None = None, temperature: float | None = None,
+                 group=None) -> dict:
     """The actor's update: the clipped objective over epochs x mini-batches x micro-batches.
 
     value_head=(critic, head learner, returns) when the critic is a head on the actor's body (critic_init=actor):
@@ -248,28 +263,29 @@ def update_actor(actor: Learner, exp: Experience, adv, batches: list[list[int]],
             loss, stats = loss + vloss * share["token"], stats | vstats
         return loss, stats
 
-    stats, norms = optimise(learners, batches, exp, rl.micro_batch_size, loss_of, rl, bad)
+    stats, norms = optimise(learners, batches, exp, rl.micro_batch_size, loss_of, rl, bad, group)
     return stats | {"train/grad_norm": norms[0]} | ({"train/critic_grad_norm": norms[1]} if value_head else {})
 
 
 def update_critic(critic: Learner, exp: Experience, returns, batches: list[list[int]], rl: RLConfig, pad_id: int,
-                  bad: dict) -> dict:
+                  bad: dict, group=None) -> dict:
     """The separate critic's update: the clipped value loss (a token mean) over the same mini-batches."""
     loss_of = lambda idx, share: (lambda l, s: (l * share["token"], s))(
         *micro_value_loss(critic.module, exp, idx, returns, rl, pad_id))
-    stats, norms = optimise([critic], batches, exp, rl.micro_batch_size, loss_of, rl, bad)
+    stats, norms = optimise([critic], batches, exp, rl.micro_batch_size, loss_of, rl, bad, group)
     return stats | {"train/critic_grad_norm": norms[0]}
 
 
 def update(models: Models, learners: Learners, exp: Experience, adv, returns, rl: RLConfig, kl_coef: float,
-           batches: list[list[int]], bad: dict, temperature: float) -> dict:
-    """Actor then critic over the same experience (sampled at `temperature`); returns their stats and times."""
+           batches: list[list[int]], bad: dict, temperature: float | None = None, group=None) -> dict:
+    """Actor then critic over the same experience (sampled at `temperature`); returns their stats and times. group:
+    see optimise."""
     pad, t0 = models.tokenizer.pad_token_id, time.perf_counter()
     head = (models.critic, learners.critic, returns) if learners.shared_body else None
-    stats = update_actor(learners.actor, exp, adv, batches, rl, kl_coef, pad, bad, head, temperature)
+    stats = update_actor(learners.actor, exp, adv, batches, rl, kl_coef, pad, bad, head, temperature, group)
     t1 = time.perf_counter()
     if learners.critic is not None and not learners.shared_body:
-        stats |= update_critic(learners.critic, exp, returns, batches, rl, pad, bad)
+        stats |= update_critic(learners.critic, exp, returns, batches, rl, pad, bad, group)
     return stats | {"time/train_actor": t1 - t0, "time/train_critic": time.perf_counter() - t1}
 
 

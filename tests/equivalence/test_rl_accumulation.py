@@ -88,8 +88,8 @@ def test_wrong_weighting_fails():
     whole = run_update("ppo", "token", False, N)
     real = rl_mod.micro_batches
 
-    def equal_shares(exp, mini, size):
-        for idx, share in real(exp, mini, size):
+    def equal_shares(exp, mini, size, *rank_world):
+        for idx, share in real(exp, mini, size, *rank_world):
             yield idx, {"token": len(idx) / len(mini), "sequence": len(idx) / len(mini)}
 
     rl_mod.micro_batches = equal_shares

@@ -1,0 +1,43 @@
+"""Small pieces every Ray-side module shares: starting Ray, a worker's CPU share, a rendezvous address. Ray is
+imported inside the functions, so importing this module never starts or needs Ray (the single-process path)."""
+
+from __future__ import annotations
+
+import os
+import socket
+
+
+def start_ray(address: str | None = None, num_cpus: int | None = None, **kwargs) -> None:
+    """ray.init once: local by default (num_cpus caps what workers may reserve), or an existing cluster's address."""
+    import ray
+
+    if not ray.is_initialized():
+        ray.init(address=address, num_cpus=None if address else num_cpus, include_dashboard=False, **kwargs)
+
+
+def pin_threads(threads: int) -> None:
+    """Keep a worker's torch (intra-op and inter-op) and OpenMP threads to its CPU share: two workers with one core
+    each that both spread over all cores only slow each other down."""
+    import torch
+
+    os.environ["OMP_NUM_THREADS"] = str(threads)
+    torch.set_num_threads(threads)
+    try:  # settable once per process, before any parallel work; a worker that already ran some keeps its value
+        torch.set_num_interop_threads(threads)
+    except RuntimeError:
+        pass
+
+
+def free_port() -> int:
+    """A TCP port free on this node now (the OS picks it); the caller binds it soon after. The usual Ray
+    rendezvous: rank 0 picks (its node's IP, this port) and the driver hands it to every rank."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("", 0))
+        return s.getsockname()[1]
+
+
+def node_address() -> str:
+    """This process's node IP as Ray sees it (reachable from the other nodes of the cluster)."""
+    import ray
+
+    return ray.util.get_node_ip_address()

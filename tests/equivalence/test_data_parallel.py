@@ -1,0 +1,180 @@
+"""Data-parallel training on Ray (rlfuse/placement/ray_train.py): 2 workers (gloo, 1 CPU each) updating on the same
+experience end with the same actor and critic weights as one process calling rl.update, for PPO with a separate
+critic (AdamW, 2 epochs x 2 mini-batches, 2 micro-batches per rank) and GRPO (3 micro-batches per mini-batch: one
+rank gets 2, the other 1). Summing gradients over ranks is what makes it equal: averaging them, as DDP does without
+a world-size correction, moves the weights by half as much (test, with SGD: Adam would hide a uniform scale)."""
+
+import sys
+
+import pytest
+import torch
+
+ray = pytest.importorskip("ray", reason="ray is not installed: pip install 'ray==2.60.*' to run the Ray tests")
+
+from rlfuse.config import load_config  # noqa: E402
+from rlfuse.models.build import build_models  # noqa: E402
+from rlfuse.placement.ray_train import start_train_workers  # noqa: E402
+from rlfuse.rollout.fusion import Experience  # noqa: E402
+from rlfuse.rollout.score import collate, response_logprobs  # noqa: E402
+from rlfuse.trainers.rl import build_learners, compute_advantages, minibatches, update  # noqa: E402
+
+ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])  # the helpers below run inside the workers
+KL = 0.05
+
+
+@pytest.fixture(scope="module")
+def ray_cluster():
+    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
+    yield
+    ray.shutdown()
+
+
+def rl_config(tiny_task, algo, *extra):
+    k = 1 if algo == "ppo" else 2
+    return load_config(None, [f"rl.sft_path={tiny_task.model_dir}", "rl.reward=rlfuse.data.gold:gold_reward",
+                              f"rl.algo={algo}", f"rl.k={k}", "rl.critic_init=sft", "rl.lr=1e-3", "rl.critic_lr=1e-3",
+                              "run.threads=1", *extra])
+
+
+def hand_experience(actor, n, k, seed=1):
+    """n samples (n/k prompts of 2..5 tokens, responses of 1..6 tokens); old log-probs near the actor's own so some
+    ratios clip; random values and scores."""
+    g = torch.Generator().manual_seed(seed)
+    vocab = actor.config.vocab_size
+    prompts = [torch.randint(1, vocab, (2 + i % 4,), generator=g).tolist() for i in range(n // k)]
+    prompt_ids = [prompts[i // k] for i in range(n)]
+    response_ids = [torch.randint(1, vocab, (1 + (3 * i) % 6,), generator=g).tolist() for i in range(n)]
+    mb = collate(prompt_ids, response_ids, 0, "cpu")
+    with torch.no_grad():
+        lp = response_logprobs(actor, mb)
+    noise = lambda s: s * torch.randn(*mb.mask.shape, generator=g) * mb.mask
+    return Experience(prompt_ids, response_ids, torch.arange(n) // k, torch.randn(n, generator=g), lp + noise(0.2),
+                      lp + noise(0.3), noise(1.0), mb.mask, ["eos"] * n)
+
+
+def single_process(cfg, tmp_path, start: dict, sgd_lr=None):
+    """Models and learners as train_rl builds them, from the workers' starting weights."""
+    models = build_models(cfg, tmp_path, torch.device("cpu"))
+    for role, state in start.items():
+        getattr(models, role).load_state_dict(state, strict=False)
+    learners = build_learners(models, cfg.rl)
+    if sgd_lr:
+        use_sgd(learners, sgd_lr)
+    return models, learners
+
+
+def use_sgd(learners, lr):
+    for learner in (learners.actor, learners.critic):
+        if learner is not None:
+            learner.opt = torch.optim.SGD([p for p in learner.module.parameters() if p.requires_grad], lr=lr)
+            learner.sched = torch.optim.lr_scheduler.ConstantLR(learner.opt, 1.0, 0)
+
+
+def reset_worker(worker, cfg, start, sgd_lr, mean_gradients):
+    """Inside a worker: this test's config, the starting weights, fresh optimisers (SGD if sgd_lr) and, for the wrong
+    weighting, gradients averaged over ranks (DDP's mean without the world-size correction)."""
+    from rlfuse.trainers.rl import build_learners
+
+    worker.cfg = cfg
+    for role, state in start.items():
+        getattr(worker.models, role).load_state_dict(state, strict=False)
+    worker.learners = build_learners(worker.models, cfg.rl)
+    if sgd_lr:
+        use_sgd(worker.learners, sgd_lr)
+    group = worker.group
+    group.__dict__.pop("sum_gradients", None)
+    if mean_gradients:
+        summed = type(group).sum_gradients
+
+        def mean(modules):
+            summed(group, modules)
+            for m in modules:
+                for p in m.parameters():
+                    if p.grad is not None:
+                        p.grad /= group.world
+
+        group.sum_gradients = mean
+
+
+def run_both(cfg, tmp_path, exp, sgd_lr=None, mean_gradients=False, workers=None, start=None):
+    """One update from `start` (default: the workers' current weights) in the workers and in one process ->
+    (data-parallel trainable state, single-process trainable state, start, data-parallel stats, single stats)."""
+    rl = cfg.rl
+    adv, returns, _ = compute_advantages(exp, rl, KL)
+    batches = minibatches(len(exp), rl, cfg.run.seed, 0)
+    start = start or workers.trainable_states()[0]
+    ray.get([w.__ray_call__.remote(reset_worker, cfg, start, sgd_lr, mean_gradients) for w in workers.workers])
+    dp_stats, dp_bad = workers.update(exp, adv, returns, KL, batches, {"skipped": 0, "consecutive": 0})
+    states = workers.trainable_states()
+    for role in states[0]:  # the ranks stay replicas
+        for n, t in states[0][role].items():
+            torch.testing.assert_close(states[1][role][n], t, rtol=0, atol=0)
+    models, learners = single_process(cfg, tmp_path, start, sgd_lr)
+    bad = {"skipped": 0, "consecutive": 0}
+    one_stats = update(models, learners, exp, adv, returns, rl, KL, batches, bad)
+    assert dp_bad == bad == {"skipped": 0, "consecutive": 0}
+    one = {"actor": learners.actor.module, "critic": models.critic}
+    one = {r: {n: p.detach() for n, p in m.named_parameters() if p.requires_grad} for r, m in one.items() if m is not None}
+    return states[0], one, start, dp_stats, one_stats
+
+
+def assert_same_update(dp, one, start):
+    assert dp.keys() == one.keys()
+    moved = [n for n in start["actor"] if not torch.equal(start["actor"][n], one["actor"][n])]
+    assert len(moved) == len(start["actor"]), "every actor parameter must change"
+    if "critic" in one:  # a zero-initialised head: the critic's body moves only once the head has
+        assert not torch.equal(start["critic"]["head.weight"], one["critic"]["head.weight"])
+    for role in dp:
+        for n in one[role]:
+            torch.testing.assert_close(dp[role][n], one[role][n], msg=f"{role}.{n}")
+
+
+@pytest.fixture(scope="module")
+def ppo_workers(ray_cluster, tiny_task, tmp_path_factory):
+    """Two PPO ranks (separate critic) shared by the tests below: starting a worker costs seconds (imports, models);
+    each test resets their config, weights and optimisers (reset_worker)."""
+    workers = start_train_workers(rl_config(tiny_task, "ppo"), tmp_path_factory.mktemp("ppo"), world=2)
+    yield workers
+    workers.shutdown()
+
+
+@pytest.mark.parametrize("algo,extra", [
+    # grpo first: its ranks must be gone before ppo_workers takes the cluster's 2 CPUs
+    ("grpo", ["rl.prompts_per_iter=6", "rl.mini_batch_size=6", "rl.micro_batch_size=2", "rl.epochs=1"]),
+    ("ppo", ["rl.prompts_per_iter=8", "rl.mini_batch_size=4", "rl.micro_batch_size=1", "rl.epochs=2"]),
+])
+def test_two_workers_equal_one_process(ray_cluster, request, tiny_task, tmp_path, algo, extra):
+    cfg = rl_config(tiny_task, algo, *extra)
+    own = algo != "ppo"  # grpo has no critic: ranks of its own
+    workers = start_train_workers(cfg, tmp_path, world=2) if own else request.getfixturevalue("ppo_workers")
+    try:
+        exp = hand_experience(build_models(cfg, tmp_path, torch.device("cpu")).actor, len_of(cfg), cfg.rl.k)
+        dp, one, start, dp_stats, one_stats = run_both(cfg, tmp_path, exp, workers=workers)
+    finally:
+        if own:
+            workers.shutdown()
+    assert_same_update(dp, one, start)
+    assert ("critic" in dp) == (algo == "ppo")
+    assert one_stats["train/clip_frac"] > 0  # the clipped branch is exercised
+    for key in ("train/policy_loss", "train/clip_frac", "train/grad_norm"):  # stats are over all ranks' micro-batches
+        assert dp_stats[key] == pytest.approx(one_stats[key], rel=1e-5, abs=1e-6), key
+
+
+def len_of(cfg):
+    return cfg.rl.prompts_per_iter * cfg.rl.k
+
+
+def test_averaged_gradients_are_the_wrong_weighting(ppo_workers, tiny_task, tmp_path):
+    """With SGD (linear in the gradient) summed gradients still match one process and averaged ones do not."""
+    cfg = rl_config(tiny_task, "ppo", "rl.prompts_per_iter=8", "rl.mini_batch_size=8", "rl.micro_batch_size=2",
+                    "rl.epochs=1", "rl.grad_clip=0")
+    exp = hand_experience(build_models(cfg, tmp_path, torch.device("cpu")).actor, 8, 1)
+    start = ppo_workers.trainable_states()[0]
+    dp, one, *_ = run_both(cfg, tmp_path, exp, sgd_lr=0.1, workers=ppo_workers, start=start)
+    assert_same_update(dp, one, start)
+    wrong, *_ = run_both(cfg, tmp_path, exp, sgd_lr=0.1, mean_gradients=True, workers=ppo_workers, start=start)
+    for role in one:
+        for n in one[role]:  # the averaged step is half the single-process step
+            torch.testing.assert_close(wrong[role][n] - start[role][n], (one[role][n] - start[role][n]) / 2,
+                                       msg=f"{role}.{n}")
+    assert any(not torch.allclose(wrong["actor"][n], one["actor"][n]) for n in one["actor"])
