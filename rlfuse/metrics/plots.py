@@ -13,7 +13,10 @@ matplotlib.use("Agg")  # files only; no display on servers and CI
 import matplotlib.pyplot as plt  # noqa: E402
 
 STAGES = [("time/generation", "generation"), ("time/scoring", "scoring"), ("time/training", "training")]
-COLORS = {"generation": "#4C72B0", "scoring": "#DD8452", "training": "#55A868", "other": "#B0B0B0"}
+RAY_STAGES = [("time/rollout", "rollout on workers"), ("time/training", "training")]
+"""With placement on Ray, scoring overlaps decoding on other workers: one wall-clock bar for both."""
+COLORS = {"generation": "#4C72B0", "scoring": "#DD8452", "training": "#55A868", "other": "#B0B0B0",
+          "rollout on workers": "#8172B3"}
 
 
 def series(rows: list[dict], key: str) -> tuple[list[int], list[float]]:
@@ -131,7 +134,8 @@ def stage_breakdown(rows: list[dict], path: Path) -> Path:
     steps = [r["step"] for r in rows if "time/iteration" in r]
     bottom = [0.0] * len(steps)
     totals = {}
-    for key, name in STAGES:
+    on_ray = any("time/rollout" in r and "time/generation" not in r for r in rows)
+    for key, name in RAY_STAGES if on_ray else STAGES:
         vals = [float(r.get(key, 0.0)) for r in rows if "time/iteration" in r]
         ax.bar(steps, vals, bottom=bottom, color=COLORS[name], label=name)
         bottom = [b + v for b, v in zip(bottom, vals)]
@@ -148,6 +152,24 @@ def stage_breakdown(rows: list[dict], path: Path) -> Path:
         ax2.pie(list(nonzero.values()), labels=[f"{k}\n{v / sum(nonzero.values()):.0%}" for k, v in nonzero.items()],
                 colors=[COLORS[k] for k in nonzero], startangle=90)
     ax2.set_title("Share of total time")
+    return _save(fig, path)
+
+
+def worker_ranks(rows: list[dict]) -> list[int]:
+    """Ranks of the Ray workers that logged worker/<rank>/busy_s (none in a single-process run)."""
+    return sorted({int(k.split("/")[1]) for r in rows for k in r if k.startswith("worker/") and k.endswith("/busy_s")})
+
+
+def worker_usage(rows: list[dict], path: Path) -> Path:
+    """Per Ray worker: busy seconds per iteration (decoding, scoring, migration) and resident memory."""
+    fig, (ax, ax2) = plt.subplots(1, 2, figsize=(12, 4))
+    for rank in worker_ranks(rows):
+        _line(ax, rows, f"worker/{rank}/busy_s", f"worker {rank}")
+        _line(ax2, rows, f"worker/{rank}/rss_mb", f"worker {rank}")
+    _line(ax2, rows, "mem/rss_mb", "driver (trainer)", color="black")
+    _per_iteration(ax, "busy seconds", "Busy time per worker (wall time of the rollout: time/rollout)")
+    _line(ax, rows, "time/rollout", "rollout wall time", color="black")
+    _per_iteration(ax2, "MiB", "Resident memory per process")
     return _save(fig, path)
 
 

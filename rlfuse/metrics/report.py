@@ -52,6 +52,8 @@ def draw_figures(run_dir: Path, baseline_dir: Path | None = None) -> dict[str, P
         "stage_breakdown": plots.stage_breakdown(rows, out_dir / "stage_breakdown.png"),
         "memory_usage": plots.memory_usage(rows, out_dir / "memory_usage.png"),
     }
+    if plots.worker_ranks(rows):  # placement on Ray: per-worker time and memory (not in FIGURES: optional)
+        figs["worker_usage"] = plots.worker_usage(rows, out_dir / "worker_usage.png")
     if base_rows:
         figs["speedup_comparison"] = plots.speedup_comparison(rows, base_rows, out_dir / "speedup_comparison.png",
                                                               (run_dir.name, Path(baseline_dir).name))
@@ -75,6 +77,18 @@ def _table(rows: list[tuple]) -> str:
 
 def _fmt(v) -> str:
     return f"{v:.3f}" if isinstance(v, float) else str(v)
+
+
+def worker_table(rows: list[dict]) -> list[tuple]:
+    """Per worker: mean busy seconds per iteration, its share of the rollout's wall time, peak resident memory."""
+    wall = plots.mean(plots.series(rows, "time/rollout")[1])
+    out = [("worker", "busy s / iteration", "share of rollout wall time", "peak RSS (MiB)")]
+    for rank in plots.worker_ranks(rows):
+        busy = plots.mean(plots.series(rows, f"worker/{rank}/busy_s")[1])
+        rss = max(plots.series(rows, f"worker/{rank}/rss_mb")[1] or [float("nan")])
+        out.append((rank, f"{busy:.2f}", f"{busy / wall:.0%}" if wall else "", f"{rss:.0f}"))
+    driver = max(plots.series(rows, "mem/rss_peak_mb")[1] or [float("nan")])
+    return out + [("driver (trainer)", "", "", f"{driver:.0f}")]
 
 
 def write_report(run_dir: str | Path, baseline_dir: str | Path | None = None) -> Path:
@@ -107,8 +121,10 @@ def write_report(run_dir: str | Path, baseline_dir: str | Path | None = None) ->
     stage_rows = [(s, ", ".join(f"{k} {_fmt(v)}" for k, v in d.items() if k != "model_dir")) for s, d in stages if d]
     if stage_rows:
         parts += ["<h2>Stages</h2>", _table([("stage", "summary")] + stage_rows)]
+    if plots.worker_ranks(rows):
+        parts += ["<h2>Workers (placement on Ray)</h2>", _table(worker_table(rows))]
     parts.append("<h2>Figures</h2>")
-    for name in FIGURES:
+    for name in FIGURES + (["worker_usage"] if "worker_usage" in figs else []):
         f = figs.get(name)
         parts.append(_img(f, name.replace("_", " ")) if isinstance(f, Path) else
                      f"<p class=note><b>{name.replace('_', ' ')}</b>: {html.escape(str(f))}</p>")

@@ -14,6 +14,7 @@ Nothing here is imported by the single-process path; ray is imported inside the 
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import time
 from dataclasses import dataclass, field
@@ -34,12 +35,13 @@ from rlfuse.rollout.weights import weight_buckets
 
 @dataclass(frozen=True)
 class WorkerModels:
-    """Where a generation worker loads its roles from: folders and names only, so the spec crosses processes."""
-    generator: str
+    """Where a generation worker loads its roles from: folders and names only, so the spec crosses processes.
+    A worker that only decodes has reference = reward = critic = None; one that only scores has generator = None."""
+    generator: str | None
     """Causal LM folder of the policy (an SFT stage's model/); its weights are then synced with load_weights."""
-    reference: str
+    reference: str | None
     """Causal LM folder of the reference policy (with LoRA: the SFT model, i.e. the actor with adapters off)."""
-    reward: str
+    reward: str | None
     """Reward-model folder, or "function:module:name" for a Python reward function of texts."""
     critic: str | None = None
     """Folder the critic starts from (None: no critic); its weights are then synced with load_weights("critic")."""
@@ -59,6 +61,20 @@ class WorkerModels:
         critic_source = roles["critic"].source if "critic" in roles else "rm"
         critic = (rm if critic_source == "rm" else sft) if "critic" in roles else None
         return cls(sft, sft, rm or roles["reward"].source, critic, critic_source)
+
+    def holding(self, decodes: bool, scores: bool) -> "WorkerModels":
+        """The folders of a worker that decodes and/or scores (reference, reward and critic values go together):
+        a worker loads only the models it runs."""
+        return dataclasses.replace(self, generator=self.generator if decodes else None,
+                                   **({} if scores else {"reference": None, "reward": None, "critic": None}))
+
+    @property
+    def decodes(self) -> bool:
+        return self.generator is not None
+
+    @property
+    def scores(self) -> bool:
+        return self.reward is not None
 
 
 @dataclass(frozen=True)
@@ -84,16 +100,22 @@ class RolloutSettings:
                    ro.live_below, ro.migrate_below, ro.rows_per_worker)
 
 
-def build_worker_roles(models: WorkerModels, settings: RolloutSettings) -> tuple[DecodeEngine, Scorer]:
-    """A generator engine and a scorer from folders, with models/build.py's loaders (frozen, eval)."""
+def build_worker_roles(models: WorkerModels, settings: RolloutSettings) -> tuple[DecodeEngine | None, Scorer | None]:
+    """A generator engine and a scorer from folders, with models/build.py's loaders (frozen, eval); None for the one
+    the worker does not hold (WorkerModels.holding)."""
     from rlfuse.models.build import frozen, load_policy, load_reward_function
     from rlfuse.models.heads import ValueModel
     from rlfuse.models.load import load_reward_model, load_tokenizer
     from rlfuse.rollout.score import function_reward_fn, reward_model_fn
 
-    tok = load_tokenizer(models.generator)
+    tok = load_tokenizer(models.generator or models.reference)
     cpu = torch.device("cpu")
-    generator, ref = frozen(load_policy(models.generator), cpu), frozen(load_policy(models.reference), cpu)
+    eos = tok.eos_token_id if settings.eos_token_id is None else settings.eos_token_id
+    engine = DecodeEngine(frozen(load_policy(models.generator), cpu), eos, max_rows=settings.max_rows,
+                          tokenizer=tok) if models.decodes else None
+    if not models.scores:
+        return engine, None
+    ref = frozen(load_policy(models.reference), cpu)
     if models.reward.startswith("function:"):
         reward_fn = function_reward_fn(load_reward_function(models.reward.removeprefix("function:")), tok)
     else:
@@ -104,8 +126,6 @@ def build_worker_roles(models: WorkerModels, settings: RolloutSettings) -> tuple
         critic = (ValueModel.from_reward_model(load_reward_model(models.critic, pad_token_id=tok.pad_token_id))
                   if models.critic_source == "rm" else ValueModel.from_causal_lm(load_policy(models.critic)))
         critic = frozen(critic, cpu)
-    eos = tok.eos_token_id if settings.eos_token_id is None else settings.eos_token_id
-    engine = DecodeEngine(generator, eos, max_rows=settings.max_rows, tokenizer=tok)
     scorer = Scorer(reward_fn, tok.pad_token_id, ref=ref, critic=critic, temperature=settings.temperature,
                     micro_batch_size=settings.micro_batch_size, unfinished_penalty=settings.unfinished_penalty)
     return engine, scorer
@@ -146,16 +166,17 @@ class GenerationWorker:
         self.fusion = FusionPolicy(True, settings.score_every, settings.live_below)
         self.engine, self.scorer = build_worker_roles(models, settings)
         self._prefill_s = 0.0
-        self._prefill = self.engine._prefill  # timed: re-prefill seconds are a migration cost we report
+        if self.engine is not None:
+            self._prefill = self.engine._prefill  # timed: re-prefill seconds are a migration cost we report
 
-        def timed_prefill(*args):
-            t = time.perf_counter()
-            try:
-                return self._prefill(*args)
-            finally:
-                self._prefill_s += time.perf_counter() - t
+            def timed_prefill(*args):
+                t = time.perf_counter()
+                try:
+                    return self._prefill(*args)
+                finally:
+                    self._prefill_s += time.perf_counter() - t
 
-        self.engine._prefill = timed_prefill
+            self.engine._prefill = timed_prefill
         self._it, self._pending, self._unfinished, self._decode_rows = None, [], 0, 0
 
     def ready(self) -> bool:
@@ -167,13 +188,27 @@ class GenerationWorker:
         from rlfuse.rollout.weights import copy_weights
 
         t = time.perf_counter()
-        if role == "generator":
+        if role == "generator" and self.engine is not None:
             n = self.engine.load_weights(tensors)
-        elif role == "critic" and self.scorer.critic is not None:
+        elif role == "critic" and self.scorer is not None and self.scorer.critic is not None:
             n = copy_weights(self.scorer.critic, tensors)
         else:
             raise ValueError(f"load_weights: this worker has no {role!r} (generator, or critic where it has one)")
         return n, time.perf_counter() - t
+
+    def set_temperature(self, temperature: float) -> None:
+        """The iteration's temperature for the reference (and sampling) log-probs (rl.temperature_schedule)."""
+        if self.scorer is not None:
+            self.scorer.temperature = temperature
+
+    def pid(self) -> int:
+        return os.getpid()
+
+    def rss_mb(self) -> float:
+        """This worker process's resident memory now (the report's per-worker memory)."""
+        import psutil
+
+        return psutil.Process().memory_info().rss / 2**20
 
     def start(self, prompts: list[list[int]], prompt_ids: list[int], k: int, params: SamplingParams, seed: int,
               lengths=None) -> None:
@@ -244,9 +279,9 @@ def unfinished_in(state: EngineState) -> int:
 
 
 def start_generation_workers(n: int, models: WorkerModels, settings: RolloutSettings, cpus_per_worker: int = 1,
-                             placement_group=None) -> list:
+                             placement_group=None, first_bundle: int = 0) -> list:
     """n GenerationWorker actors, one process each, `cpus_per_worker` CPUs reserved and as many torch threads.
-    placement_group: a ray.util.placement_group with n bundles (worker i in bundle i); else Ray places them.
+    placement_group: a ray.util.placement_group (worker i in bundle first_bundle + i); else Ray places them.
     The workers import the same rlfuse as this process (its folder goes first on their PYTHONPATH)."""
     import ray
     from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
@@ -261,8 +296,8 @@ def start_generation_workers(n: int, models: WorkerModels, settings: RolloutSett
         opts = {"runtime_env": env}
         if placement_group is not None:
             opts["scheduling_strategy"] = PlacementGroupSchedulingStrategy(placement_group,
-                                                                           placement_group_bundle_index=i)
-        workers.append(actor.options(**opts).remote(models, settings, cpus_per_worker))
+                                                                           placement_group_bundle_index=first_bundle + i)
+        workers.append(actor.options(**opts).remote(models, settings, max(1, int(cpus_per_worker))))
     ray.get([w.ready.remote() for w in workers])  # models loaded: later timings (weight sync) exclude the start
     return workers
 
@@ -288,20 +323,35 @@ class _Tally:
 class MultiWorkerRollout:
     """The driver side: deals prompts, polls chunks, migrates the tail once, hands unscored samples to idle workers.
 
-    Call sync_weights(merged_state_dict(actor)) (and sync_critic where the critic trains) before each generate()."""
+    Call sync_weights(merged_state_dict(actor)) (and role="critic" where the critic trains) before each generate().
+    decoders / scorers: indices of the workers that decode (hold a generator) and that score (reference, reward,
+    critic); default all of them (placement.strategy=flattened). Separate sets give the separated and interleaved
+    layouts: decoders return finished samples unscored and the scorers score them while decoding goes on."""
 
-    def __init__(self, workers: list, settings: RolloutSettings, bucket_bytes: int = 32 * 2**20):
+    def __init__(self, workers: list, settings: RolloutSettings, bucket_bytes: int = 32 * 2**20,
+                 decoders: list[int] | None = None, scorers: list[int] | None = None):
         self.workers, self.settings, self.bucket_bytes = workers, settings, bucket_bytes
+        self.decoders = list(range(len(workers))) if decoders is None else list(decoders)
+        self.scorers = list(range(len(workers))) if scorers is None else list(scorers)
+        if not self.decoders or not self.scorers:
+            raise ValueError("MultiWorkerRollout needs at least one decoding and one scoring worker")
 
     def sync_weights(self, named_tensors, role: str = "generator") -> dict:
-        """Push the weights to every worker in buckets (one object-store put per bucket, shared by all workers)."""
+        """Push the weights to the workers holding `role` in buckets (one object-store put per bucket, shared)."""
         import ray
 
+        holders = [self.workers[w] for w in (self.decoders if role == "generator" else self.scorers)]
         t, nbytes = time.perf_counter(), 0
         for bucket in weight_buckets(named_tensors, self.bucket_bytes):
             ref = ray.put(bucket)
-            nbytes = nbytes + ray.get([w.load_weights.remote(role, ref) for w in self.workers])[0][0]
+            nbytes = nbytes + ray.get([w.load_weights.remote(role, ref) for w in holders])[0][0]
         return {"time/weight_sync": time.perf_counter() - t, "sync/bytes": nbytes}
+
+    def rss_mb(self) -> list[float]:
+        """Each worker's resident memory now, in MB."""
+        import ray
+
+        return ray.get([w.rss_mb.remote() for w in self.workers])
 
     def generate(self, prompts: list[list[int]], k: int, params: SamplingParams, seed: int, lengths=None,
                  prompt_ids: list[int] | None = None, migrate: bool = True) -> Experience:
@@ -316,10 +366,12 @@ class MultiWorkerRollout:
         # without migration each worker scores its own finished samples as it goes (fusion, as in one process); with
         # it, as in RLHFuse, decoding workers only decode and finished samples wait for an idle worker (a freed one,
         # or one done decoding): a one-thread worker that stops to score delays its own decode by as much
-        unfinished, scoring_owner = [0] * W, [not migrate] * W
-        for w, worker in enumerate(self.workers):  # deal by position: global ids keep every sample's stream
-            mine = list(range(w, len(prompts), W))
-            worker.start.remote([prompts[i] for i in mine], [ids[i] for i in mine], k, params, seed, lengths)
+        unfinished, scoring_owner = [0] * W, [not migrate and w in self.scorers for w in range(W)]
+        ray.get([self.workers[w].set_temperature.remote(params.temperature) for w in self.scorers])
+        D = len(self.decoders)
+        for j, w in enumerate(self.decoders):  # deal by position: global ids keep every sample's stream
+            mine = list(range(j, len(prompts), D))
+            self.workers[w].start.remote([prompts[i] for i in mine], [ids[i] for i in mine], k, params, seed, lengths)
             unfinished[w] = len(mine) * k
         inflight: dict = {}  # object ref -> (worker, "advance" | "score")
         freed, keepers, reprefill, last_rows = set(), set(), {}, [0] * W
@@ -346,7 +398,7 @@ class MultiWorkerRollout:
                 if go_on and not chunk.done:
                     advance(w)
 
-        for w in range(W):
+        for w in self.decoders:
             advance(w)
         while inflight or tally.unscored:
             if inflight:
@@ -364,7 +416,7 @@ class MultiWorkerRollout:
                     if unfinished[w] > 0 and w not in freed:
                         advance(w)
             busy = {w for w, _ in inflight.values()}
-            for w in range(W):  # idle workers (freed, or done decoding) score what the keepers finished
+            for w in self.scorers:  # idle scorers (freed, done decoding, or scoring only) score what was finished
                 if w not in busy and tally.unscored:
                     batch, tally.unscored = tally.unscored[: s.score_every], tally.unscored[s.score_every:]
                     inflight[self.workers[w].score.remote(batch)] = (w, "score")

@@ -15,7 +15,9 @@ Departures from the papers, on purpose:
 - every random draw (prompt batch, sampling, mini-batch order) and the scheduled temperature are functions of
   (seed, iteration), so a resumed run repeats an uninterrupted one exactly;
 - with a temperature schedule each iteration optimises softmax(logits / T_it): sampling, the reference log-probs
-  and the update's log-probs all use T_it, while the before/after evaluation keeps one fixed temperature.
+  and the update's log-probs all use T_it, while the before/after evaluation keeps one fixed temperature;
+- step 1 (sync, generate, score) is a `rollout` object (rlfuse/placement/rollout.py): this process, or Ray worker
+  groups by placement.strategy; the updates (step 4) and the evaluation stay in this process for every strategy.
 """
 
 from __future__ import annotations
@@ -43,10 +45,10 @@ from rlfuse.evaluation import evaluate, evaluate_before, iteration_gold, prompt_
 from rlfuse.metrics.tracker import JsonlTracker, memory_metrics, truncate_metrics
 from rlfuse.models.build import Models, build_models
 from rlfuse.models.load import save_trained_model
-from rlfuse.models.weights import merged_state_dict
+from rlfuse.placement.rollout import build_rollout, sync_weights
 from rlfuse.progress import Progress
 from rlfuse.rollout.engine import DecodeEngine, SamplingParams
-from rlfuse.rollout.fusion import Experience, FusionPolicy, generate_rollouts
+from rlfuse.rollout.fusion import Experience, FusionPolicy
 from rlfuse.rollout.score import Scorer, collate, response_logprobs, response_values
 from rlfuse.trainers.checkpoint import load_checkpoint, save_checkpoint
 from rlfuse.trainers.common import build_constant_optimizer, setup_runtime
@@ -296,13 +298,6 @@ def count_nonfinite_rewards(exp: Experience, rl: RLConfig, bad: dict) -> int:
     return n
 
 
-def sync_weights(engine: DecodeEngine, actor: torch.nn.Module) -> dict:
-    """The actor's current weights into the generator, by an explicit copy."""
-    t = time.perf_counter()
-    n = engine.load_weights(merged_state_dict(actor))
-    return {"time/weight_sync": time.perf_counter() - t, "sync/bytes": n}
-
-
 def rollout_metrics(exp: Experience, kl, returns, kl_coef: float, max_new: int) -> dict:
     lengths, finite = exp.mask.sum(1), exp.scores[torch.isfinite(exp.scores)]
     m = {
@@ -368,19 +363,20 @@ def train_rl(cfg: Config, run_dir: Path, log=print, resume: bool = False, on_rea
     log(f"[rl] {rl.algo}: {rl.iterations} iterations x {rl.prompts_per_iter} prompts x k={rl.k}, fusion "
         f"{'on' if fusion.enabled else 'off'}, KL {rl.kl_estimator_used}{'' if rl.kl_estimator else ' (default)'}, "
         f"{sampling_note(rl)}")
-    with Progress(rl.iterations, f"rl/{rl.algo}", cfg.run.quiet, unit="iter") as bar:
+    with build_rollout(cfg, run_dir, engine, scorer, fusion, log) as rollout, \
+            Progress(rl.iterations, f"rl/{rl.algo}", cfg.run.quiet, unit="iter") as bar:
         bar.update(start)
         for it in range(start, rl.iterations):
-            t0, role_times = time.perf_counter(), dict(scorer.times)
-            # 1. the actor's weights into the generator: an explicit copy, never the optimiser's own tensors
-            sync = sync_weights(engine, models.actor)
+            t0 = time.perf_counter()
+            # 1. the actor's weights into the generator(s): an explicit copy, never the optimiser's own tensors
+            sync = rollout.sync_weights(models)
             # 2. generate and score at the iteration's temperature (sampling and reference log-probs alike); scoring
-            # runs on finished samples while the tail decodes (fusion on)
-            temperature = scorer.temperature = iteration_temperature(rl, it)
+            # runs on finished samples while the tail decodes (fusion on; on Ray workers, per rlfuse/placement)
+            temperature = iteration_temperature(rl, it)
             prompts = prompt_batch(train_prompts, it, rl.prompts_per_iter, seed, difficulty, rl.iterations,
                                    rl.curriculum_start)
-            exp = generate_rollouts(engine, scorer, prompts, rl.k, dataclasses.replace(params, temperature=temperature),
-                                    seed * 1_000_003 + it, fusion)
+            exp = rollout.generate(prompts, rl.k, dataclasses.replace(params, temperature=temperature),
+                                   seed * 1_000_003 + it)
             # 3. KL-shaped rewards and advantages (pure functions in rlfuse/algos)
             adv, returns, kl = compute_advantages(exp, rl, kl_ctl.coef)
             # 4. update actor and critic (skipped, and counted, when a reward is not finite)
@@ -392,8 +388,7 @@ def train_rl(cfg: Config, run_dir: Path, log=print, resume: bool = False, on_rea
             t2 = time.perf_counter()
             # 5. record (every iteration, skipped or not) and checkpoint
             row = rollout_metrics(exp, kl, returns, kl_ctl.coef, rl.max_new_tokens) | stats | sync
-            row |= {f"time/{k}": v for k, v in exp.timing.items() if not k.startswith("decode")}
-            row |= {f"time/score_{k}": v - role_times.get(k, 0.0) for k, v in scorer.times.items()}
+            row |= rollout.metrics(exp)
             row |= memory_metrics(device) | iteration_gold(exp, tok, gold)
             row |= {"rollout/temperature": temperature, "time/training": t2 - t1, "time/iteration": t2 - t0,
                     "train/skipped_steps": bad["skipped"],

@@ -1,0 +1,32 @@
+"""The Ray driver's pure parts (metric names, cluster resources from ray.nodes()) and the single-process path's
+promise: choosing the rollout for placement.strategy=single never imports Ray."""
+
+import subprocess
+import sys
+
+from rlfuse.placement.ray_driver import cluster_resources, worker_metrics
+from rlfuse.placement.spec import ClusterResources, NodeResources
+
+
+def test_worker_metrics_names_migration_and_each_worker_by_its_rank():
+    timing = {"rollout": 2.0, "scoring": 0.5, "migrated": 1.0, "migration/rows_moved": 3, "migration/reprefill_s": 0.1,
+              "busy/worker0": 1.5, "busy/worker1": 0.25, "decode_rows": 40}
+    got = worker_metrics(timing, ranks=[1, 2], rss_mb=[300.0, 200.0])
+    assert got == {"time/rollout": 2.0, "time/scoring": 0.5, "migration/migrated": 1.0, "migration/rows_moved": 3,
+                   "migration/reprefill_s": 0.1, "worker/1/busy_s": 1.5, "worker/1/rss_mb": 300.0,
+                   "worker/2/busy_s": 0.25, "worker/2/rss_mb": 200.0}
+
+
+def test_cluster_resources_count_alive_nodes_only():
+    nodes = [{"Alive": True, "Resources": {"CPU": 2.0, "memory": 1e9}},
+             {"Alive": False, "Resources": {"CPU": 64.0, "GPU": 8.0}},
+             {"Alive": True, "Resources": {"CPU": 8.0, "GPU": 1.0}}]
+    assert cluster_resources(nodes) == ClusterResources((NodeResources(2.0, 0.0), NodeResources(8.0, 1.0)))
+
+
+def test_single_placement_never_imports_ray():
+    code = ("import sys; import rlfuse.trainers.rl; from rlfuse.config import load_config; "
+            "from rlfuse.placement.rollout import build_rollout, "
+            "LocalRollout; r = build_rollout(load_config(None, []), None, None, None, None, print); "
+            "assert isinstance(r, LocalRollout); assert 'ray' not in sys.modules, 'ray imported'")
+    subprocess.run([sys.executable, "-c", code], check=True)
