@@ -1,18 +1,10 @@
-"""Small pieces every Ray-side module shares: starting Ray, a worker's CPU share, a rendezvous address. Ray is
-imported inside the functions, so importing this module never starts or needs Ray (the single-process path)."""
+"""Small pieces every Ray-side module shares: a worker's CPU share and a rendezvous address (Ray itself is started by
+ray_driver.start_ray). Ray is imported inside the functions, so importing this module never needs Ray."""
 
 from __future__ import annotations
 
 import os
 import socket
-
-
-def start_ray(address: str | None = None, num_cpus: int | None = None, **kwargs) -> None:
-    """ray.init once: local by default (num_cpus caps what workers may reserve), or an existing cluster's address."""
-    import ray
-
-    if not ray.is_initialized():
-        ray.init(address=address, num_cpus=None if address else num_cpus, include_dashboard=False, **kwargs)
 
 
 def pin_threads(threads: int) -> None:

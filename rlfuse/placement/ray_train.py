@@ -271,7 +271,7 @@ class TrainGroup:
 def start_train_workers(cfg: Config, run_dir, world: int, cpus_per_worker: int = 1, gpus_per_worker: float = 0,
                         placement_group=None, first_bundle: int = 0) -> TrainGroup:
     """world TrainWorker actors (in placement_group's bundles first_bundle.. if given), joined in one process group.
-    Ray must be started (ray_common.start_ray)."""
+    Ray must be started (ray_driver.start_ray, or ray.init)."""
     import ray
     from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
