@@ -60,12 +60,20 @@ def frozen(model: torch.nn.Module, device) -> torch.nn.Module:
     return model.eval().requires_grad_(False).to(device)
 
 
+def stage_folders(cfg: Config, run_dir: Path, roles: Roles) -> tuple[str, str | None]:
+    """(SFT folder, reward-model folder or None when no role loads from it): rl.sft_path / rl.rm_path, else this
+    run folder's sft/model and rm/model; a missing one says which stage to run first."""
+    rl = cfg.rl
+    sft_dir = _folder(rl.sft_path, run_dir / "sft" / "model", "rl.sft_path", "sft")
+    needs_rm = any(r.source == "rm" for r in roles.roles)
+    rm_dir = _folder(rl.rm_path, run_dir / "rm" / "model", "rl.rm_path", "rm") if needs_rm else None
+    return sft_dir, rm_dir
+
+
 def build_models(cfg: Config, run_dir: Path, device) -> Models:
     """Load every role derive_roles(cfg) names, each from its source."""
     rl, roles = cfg.rl, derive_roles(cfg)
-    sources = {r.source for r in roles.roles}
-    sft_dir = _folder(rl.sft_path, run_dir / "sft" / "model", "rl.sft_path", "sft")
-    rm_dir = _folder(rl.rm_path, run_dir / "rm" / "model", "rl.rm_path", "rm") if "rm" in sources else None
+    sft_dir, rm_dir = stage_folders(cfg, run_dir, roles)
     tokenizer = load_tokenizer(sft_dir)
     actor = load_policy(sft_dir)
     generator = frozen(load_policy(sft_dir), device)
@@ -73,11 +81,7 @@ def build_models(cfg: Config, run_dir: Path, device) -> Models:
     if cfg.model.lora:
         actor = apply_lora(actor, cfg.model)
     actor = prepare_trainable(actor.to(device), rl)
-    if roles["reward"].has_model:
-        rm = frozen(load_reward_model(rm_dir, pad_token_id=tokenizer.pad_token_id), device)
-        reward_fn = reward_model_fn(rm, tokenizer.eos_token_id, tokenizer.pad_token_id)
-    else:
-        reward_fn = function_reward_fn(load_reward_function(rl.reward), tokenizer)
+    reward_fn = reward_function(rm_dir if roles["reward"].has_model else roles["reward"].source, tokenizer, device)
     critic = build_critic(roles, actor, sft_dir, rm_dir, tokenizer.pad_token_id, device, rl) if "critic" in roles else None
     return Models(tokenizer, actor, generator, ref, critic, reward_fn, roles, sft_dir)
 
@@ -86,12 +90,25 @@ def build_critic(roles: Roles, actor, sft_dir: str, rm_dir: str | None, pad_id: 
     source = roles["critic"].source
     if source == "actor":  # the actor's own body: dropout and checkpointing are already set on it
         return ValueModel.from_causal_lm(actor).to(device).train()
-    if source == "rm":
-        critic = ValueModel.from_reward_model(load_reward_model(rm_dir, pad_token_id=pad_id))
-    else:
-        critic = ValueModel.from_causal_lm(load_policy(sft_dir))
-    critic = prepare_trainable(critic.to(device), rl)
-    return critic
+    critic = value_model(source, rm_dir if source == "rm" else sft_dir, pad_id)
+    return prepare_trainable(critic.to(device), rl)
+
+
+def reward_function(source: str, tokenizer, device):
+    """The reward as a function of finished samples: a reward-model folder (frozen, scored at its last text token), or
+    "function:module:name", a Python function of texts (Role.source of the reward)."""
+    if source.startswith("function:"):
+        return function_reward_fn(load_reward_function(source.removeprefix("function:")), tokenizer)
+    rm = frozen(load_reward_model(source, pad_token_id=tokenizer.pad_token_id), device)
+    return reward_model_fn(rm, tokenizer.eos_token_id, tokenizer.pad_token_id)
+
+
+def value_model(init: str, folder: str, pad_id: int) -> ValueModel:
+    """A critic from the reward model in `folder` (its body and scalar head: it starts out predicting the reward,
+    init="rm") or from a causal LM (its body, a zero head)."""
+    if init == "rm":
+        return ValueModel.from_reward_model(load_reward_model(folder, pad_token_id=pad_id))
+    return ValueModel.from_causal_lm(load_policy(folder))
 
 
 def prepare_trainable(model: torch.nn.Module, rl) -> torch.nn.Module:

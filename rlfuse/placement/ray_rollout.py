@@ -52,15 +52,15 @@ class WorkerModels:
     def from_config(cls, cfg, run_dir: Path) -> "WorkerModels":
         """The folders build_models(cfg, run_dir) loads, for a generation worker. The critic's initial head is
         replaced by the first load_weights("critic", ...) from the trainer."""
-        from rlfuse.models.build import _folder
+        from rlfuse.models.build import stage_folders
         from rlfuse.models.roles import derive_roles
 
-        rl, roles = cfg.rl, derive_roles(cfg)
-        sft = _folder(rl.sft_path, run_dir / "sft" / "model", "rl.sft_path", "sft")
-        rm = _folder(rl.rm_path, run_dir / "rm" / "model", "rl.rm_path", "rm") if roles["reward"].has_model else None
+        roles = derive_roles(cfg)
+        sft, rm = stage_folders(cfg, run_dir, roles)
         critic_source = roles["critic"].source if "critic" in roles else "rm"
         critic = (rm if critic_source == "rm" else sft) if "critic" in roles else None
-        return cls(sft, sft, rm or roles["reward"].source, critic, critic_source)
+        reward = rm if roles["reward"].has_model else roles["reward"].source
+        return cls(sft, sft, reward, critic, critic_source)
 
     def holding(self, decodes: bool, scores: bool) -> "WorkerModels":
         """The folders of a worker that decodes and/or scores (reference, reward and critic values go together):
@@ -103,10 +103,8 @@ class RolloutSettings:
 def build_worker_roles(models: WorkerModels, settings: RolloutSettings) -> tuple[DecodeEngine | None, Scorer | None]:
     """A generator engine and a scorer from folders, with models/build.py's loaders (frozen, eval); None for the one
     the worker does not hold (WorkerModels.holding)."""
-    from rlfuse.models.build import frozen, load_policy, load_reward_function
-    from rlfuse.models.heads import ValueModel
-    from rlfuse.models.load import load_reward_model, load_tokenizer
-    from rlfuse.rollout.score import function_reward_fn, reward_model_fn
+    from rlfuse.models.build import frozen, load_policy, reward_function, value_model
+    from rlfuse.models.load import load_tokenizer
 
     tok = load_tokenizer(models.generator or models.reference)
     cpu = torch.device("cpu")
@@ -116,16 +114,10 @@ def build_worker_roles(models: WorkerModels, settings: RolloutSettings) -> tuple
     if not models.scores:
         return engine, None
     ref = frozen(load_policy(models.reference), cpu)
-    if models.reward.startswith("function:"):
-        reward_fn = function_reward_fn(load_reward_function(models.reward.removeprefix("function:")), tok)
-    else:
-        rm = frozen(load_reward_model(models.reward, pad_token_id=tok.pad_token_id), cpu)
-        reward_fn = reward_model_fn(rm, tok.eos_token_id, tok.pad_token_id)
+    reward_fn = reward_function(models.reward, tok, cpu)
     critic = None
     if models.critic is not None:
-        critic = (ValueModel.from_reward_model(load_reward_model(models.critic, pad_token_id=tok.pad_token_id))
-                  if models.critic_source == "rm" else ValueModel.from_causal_lm(load_policy(models.critic)))
-        critic = frozen(critic, cpu)
+        critic = frozen(value_model(models.critic_source, models.critic, tok.pad_token_id), cpu)
     scorer = Scorer(reward_fn, tok.pad_token_id, ref=ref, critic=critic, temperature=settings.temperature,
                     micro_batch_size=settings.micro_batch_size, unfinished_penalty=settings.unfinished_penalty)
     return engine, scorer

@@ -177,7 +177,7 @@ class DecodeEngine:
         prompt_ids = list(range(len(prompts))) if prompt_ids is None else list(prompt_ids)
         if len(prompt_ids) != len(prompts):
             raise ValueError(f"prompt_ids has {len(prompt_ids)} ids for {len(prompts)} prompts")
-        limit = (lambda pid, j: lengths(pid, j)) if lengths else (lambda pid, j: params.max_new_tokens)
+        limit = lengths or (lambda pid, j: params.max_new_tokens)
         queue = [_Entry(list(p), [_row(pid, j, list(p), limit(pid, j)) for j in range(k)])
                  for pid, p in zip(prompt_ids, prompts)]
         return self._start(queue, params, seed)

@@ -1,0 +1,67 @@
+"""The whole RL run per placement strategy on the default task: `rlfuse run placement.strategy=separated
+placement.workers=2` (SFT, reward model, PPO), then RL from its SFT and reward model for single, flattened and
+interleaved; prints one markdown table row per run from its metrics.jsonl, eval.json and rl/summary.json.
+
+    python bench/placement_runs.py                         # the runs (about 6 minutes on 2 cores), then the table
+    python bench/placement_runs.py --summarize DIR [DIR..]  # the table of run folders that exist already
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import subprocess
+import sys
+from pathlib import Path
+
+import yaml
+
+HEADER = ("| run | strategy | RL s | s/iteration (median) | rollout s | training s | weight sync s | sync MB | "
+          "worker busy s (median, per worker) | worker RSS MiB | driver RSS MiB | gold positive before -> after |\n"
+          "|---|---|---|---|---|---|---|---|---|---|---|---|")
+
+
+def run_all(work: Path) -> list[Path]:
+    rlfuse = [sys.executable, "-m", "rlfuse"]
+    first = work / "driver_sep"
+    subprocess.run([*rlfuse, "run", "placement.strategy=separated", "placement.workers=2", f"run.dir={first}",
+                    "run.quiet=true"], check=True)
+    dirs = [first]
+    for strategy in ("single", "flattened", "interleaved"):
+        d = work / f"driver_rl_{strategy}"
+        extra = [] if strategy == "single" else [f"placement.strategy={strategy}", "placement.workers=2"]
+        subprocess.run([*rlfuse, "rl", f"rl.sft_path={first / 'sft' / 'model'}", f"rl.rm_path={first / 'rm' / 'model'}",
+                        f"run.dir={d}", "run.quiet=true", *extra], check=True)
+        dirs.append(d)
+    return dirs
+
+
+def table_row(d: Path) -> str:
+    rows = [json.loads(line) for line in (d / "rl" / "metrics.jsonl").read_text().splitlines()]
+    med = lambda k: statistics.median(r[k] for r in rows if k in r) if any(k in r for r in rows) else float("nan")
+    ev = json.loads((d / "eval.json").read_text())
+    seconds = json.loads((d / "rl" / "summary.json").read_text())["seconds"]
+    strategy = (yaml.safe_load((d / "config.yaml").read_text()).get("placement") or {}).get("strategy", "single")
+    ranks = sorted({k.split("/")[1] for r in rows for k in r if k.startswith("worker/")})
+    busy = ", ".join(f"{med(f'worker/{w}/busy_s'):.2f}" for w in ranks) or "-"
+    rss = ", ".join(f"{max(r[f'worker/{w}/rss_mb'] for r in rows if f'worker/{w}/rss_mb' in r):.0f}" for w in ranks) or "-"
+    return (f"| {d.name} | {strategy} | {seconds:.0f} | {med('time/iteration'):.2f} | {med('time/rollout'):.2f} | "
+            f"{med('time/training'):.2f} | {med('time/weight_sync'):.3f} | {med('sync/bytes') / 2**20:.1f} | {busy} | "
+            f"{rss} | {max(r['mem/rss_mb'] for r in rows):.0f} | "
+            f"{ev['before']['gold_positive_rate']:.3f} -> {ev['after']['gold_positive_rate']:.3f} |")
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--work", type=Path, default=Path("bench/.work/placement_runs"))
+    ap.add_argument("--summarize", type=Path, nargs="+", metavar="RUN_DIR")
+    args = ap.parse_args()
+    dirs = args.summarize or run_all(args.work)
+    print(HEADER)
+    for d in dirs:
+        print(table_row(d))
+
+
+if __name__ == "__main__":
+    main()
