@@ -116,9 +116,11 @@ class RayTrainer:
 
     def update(self, exp, adv, returns, kl_coef: float, batches, bad: dict, temperature: float | None = None) -> dict:
         with self.workers.naming_dead_workers("update"):
-            stats, counters = self.group.update(exp, adv, returns, kl_coef, batches, bad, temperature)
+            stats, counters, seconds = self.group.update(exp, adv, returns, kl_coef, batches, bad, temperature)
         bad.update(counters)
-        return stats | {"train/data_parallel_ranks": len(self.group.workers)}
+        ranks = [self.workers.ranks[i] for i in self.workers.trainers]
+        return stats | {"train/data_parallel_ranks": len(ranks)} | {
+            f"worker/{r}/train_s": s for r, s in zip(ranks, seconds)}
 
     def save_checkpoint(self, path, iteration: int, kl_coef: float, counters: dict) -> None:
         with self.workers.naming_dead_workers("checkpoint"):

@@ -187,9 +187,10 @@ class TrainWorker:
         rank returns the same {"stats", "bad"}."""
         from rlfuse.trainers.rl import update
 
+        t = time.perf_counter()
         stats = update(self.models, self.learners, exp, adv, returns, self.cfg.rl, kl_coef, batches, bad,
                        temperature=temperature, group=self.group)
-        return {"stats": stats, "bad": bad}
+        return {"stats": stats, "bad": bad, "seconds": time.perf_counter() - t}
 
     def actor_weights(self, bucket_bytes: int = DEFAULT_BUCKET_BYTES, role: str = "actor") -> WeightRefs:
         """The actor's (or role="critic": the critic's) merged weights (models/weights.merged_state_dict) in
@@ -244,15 +245,15 @@ class TrainGroup:
     workers: list
 
     def update(self, exp: Experience, adv, returns, kl_coef: float, batches: list[list[int]], bad: dict,
-               temperature: float | None = None) -> tuple[dict, dict]:
-        """-> (stats, bad counters) of rl.update run data-parallel; the experience goes once into the object store
-        and every rank reads it from there."""
+               temperature: float | None = None) -> tuple[dict, dict, list[float]]:
+        """-> (stats, bad counters, seconds per rank) of rl.update run data-parallel; the experience goes once into
+        the object store and every rank reads it from there."""
         import ray
 
         exp_ref, adv_ref, ret_ref = ray.put(exp), ray.put(adv), ray.put(returns)
         outs = get_failing_fast([w.update.remote(exp_ref, adv_ref, ret_ref, kl_coef, batches, bad, temperature)
                                  for w in self.workers])
-        return outs[0]["stats"], outs[0]["bad"]
+        return outs[0]["stats"], outs[0]["bad"], [o["seconds"] for o in outs]
 
     def pull_into(self, models) -> None:
         """Rank 0's trainable weights into the driver's own models (its evaluation and the saved model)."""

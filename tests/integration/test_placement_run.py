@@ -74,6 +74,8 @@ def test_strategy_runs_on_two_workers_and_trains_as_one_process(strategy, tiny_t
         assert not any(k.startswith("time/migration") or k.startswith("time/busy") for k in r)
         for w in (0, 1):
             assert r[f"worker/{w}/busy_s"] > 0 and r[f"worker/{w}/rss_mb"] > 50
+        trained = [w for w in (0, 1) if f"worker/{w}/train_s" in r]  # the actor's group: rank 0 (and 1 if flattened)
+        assert trained == [0, 1][: r["train/data_parallel_ranks"]] and all(r[f"worker/{w}/train_s"] > 0 for w in trained)
     # the report shows per-worker time and memory
     assert "Workers (placement on Ray)" in (tmp_path / "report.html").read_text()
     assert (tmp_path / "figures" / "worker_usage.png").stat().st_size > 1000
