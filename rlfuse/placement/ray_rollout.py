@@ -207,11 +207,14 @@ class GenerationWorker:
     def pid(self) -> int:
         return os.getpid()
 
-    def rss_mb(self) -> float:
-        """This worker process's resident memory now (the report's per-worker memory)."""
+    def rss_mb(self) -> tuple[float, float]:
+        """This worker process's resident memory now and its peak so far, in MiB (the report's per-worker memory;
+        the peak includes training on a worker that trains)."""
         import psutil
 
-        return psutil.Process().memory_info().rss / 2**20
+        from rlfuse.metrics.tracker import peak_rss_mb
+
+        return psutil.Process().memory_info().rss / 2**20, peak_rss_mb()
 
     def start(self, prompts: list[list[int]], prompt_ids: list[int], k: int, params: SamplingParams, seed: int,
               lengths=None) -> None:
@@ -350,8 +353,8 @@ class MultiWorkerRollout:
             nbytes = nbytes + ray.get([w.load_weights.remote(role, ref) for w in holders])[0][0]
         return {"time/weight_sync": time.perf_counter() - t, "sync/bytes": nbytes}
 
-    def rss_mb(self) -> list[float]:
-        """Each worker's resident memory now, in MB."""
+    def rss_mb(self) -> list[tuple[float, float]]:
+        """Each worker's resident memory now and at its peak, in MiB."""
         import ray
 
         return ray.get([w.rss_mb.remote() for w in self.workers])
