@@ -17,6 +17,7 @@ child process on one Ray instance, alternated (2 3 2 3 ...); row (1) in its own 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import sys
@@ -94,13 +95,16 @@ def child_workers(args) -> None:
     models, settings, prompts, lengths, params = setup(args)
     ray.init(num_cpus=args.workers, include_dashboard=False, log_to_driver=False)
     try:
-        driver = MultiWorkerRollout(start_generation_workers(args.workers, models, settings, 1), settings)
+        workers = start_generation_workers(args.workers, models, settings, 1)
+        driver = MultiWorkerRollout(workers, settings)
+        deferred = MultiWorkerRollout(workers, dataclasses.replace(settings, defer_scoring=True))  # RLHFuse's order
         driver.generate(prompts, args.k, params, 0, lengths, migrate=False)  # warm-up
-        runs = {"no_migration": [], "migration": []}
-        for _ in range(args.repeats):  # alternated, so a change in the machine's load hits both
-            for name, migrate in (("no_migration", False), ("migration", True)):
+        runs = {"no_migration": [], "migration": [], "migration_deferred": []}
+        for _ in range(args.repeats):  # alternated, so a change in the machine's load hits all
+            for name, d, migrate in (("no_migration", driver, False), ("migration", driver, True),
+                                     ("migration_deferred", deferred, True)):
                 t = time.perf_counter()
-                exp = driver.generate(prompts, args.k, params, 0, lengths, migrate=migrate)
+                exp = d.generate(prompts, args.k, params, 0, lengths, migrate=migrate)
                 runs[name].append(summary(exp, time.perf_counter() - t))
     finally:
         ray.shutdown()
@@ -127,13 +131,15 @@ def rows_of(label: str, r: dict) -> list:
     single, plain, mig = r["single"], r["no_migration"], r["migration"]
     return [label, single["length_max"], single["tokens"] / single["completions"], single["total_s"], plain["total_s"],
             mig["total_s"], plain["total_s"] / mig["total_s"], single["total_s"] / mig["total_s"],
+            r["migration_deferred"]["total_s"],
             mig.get("migration/migrated_at_unfinished", 0), mig.get("migration/rows_moved", 0),
             mig.get("migration/tokens_moved", 0), mig.get("migration/reprefill_s", 0.0),
             mig.get("migration/scoring_on_freed_s", 0.0), f"{r['load_avg_1min'][0]:.1f}/{r['load_avg_1min'][1]:.1f}"]
 
 
 HEADER = ["workload", "max length", "mean length", "(1) one process s", "(2) workers, no migration s",
-          "(3) workers, migration s", "(2)/(3)", "(1)/(3)", "migrated at unfinished", "rows moved", "tokens moved",
+          "(3) workers, migration s", "(2)/(3)", "(1)/(3)", "(4) migration, scoring deferred (RLHFuse's order) s",
+          "migrated at unfinished", "rows moved", "tokens moved",
           "re-prefill s", "scoring on freed s", "load avg before/after"]
 
 

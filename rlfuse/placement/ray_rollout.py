@@ -88,6 +88,9 @@ class RolloutSettings:
     live_below: int = 8
     migrate_below: float = 0.2
     rows_per_worker: int = 16
+    defer_scoring: bool = False
+    """With migration: decoding workers never score (RLHFuse's order); default: they score their own until the
+    migration, as without it."""
     chunk_seconds: float = 0.05
     """Longest a worker decodes before reporting back (checked between finished samples)."""
     eos_token_id: int | None = None
@@ -372,10 +375,12 @@ class MultiWorkerRollout:
         s, W = self.settings, len(self.workers)
         ids = list(range(len(prompts))) if prompt_ids is None else list(prompt_ids)
         t0, tally, total = time.perf_counter(), _Tally(W), len(prompts) * k
-        # without migration each worker scores its own finished samples as it goes (fusion, as in one process); with
-        # it, as in RLHFuse, decoding workers only decode and finished samples wait for an idle worker (a freed one,
-        # or one done decoding): a one-thread worker that stops to score delays its own decode by as much
-        unfinished, scoring_owner = [0] * W, [not migrate and w in self.scorers for w in range(W)]
+        # a worker that decodes and scores scores its own finished samples as it goes (fusion, as in one process)
+        # until a migration; then the keepers only decode and the freed workers score what the others finish.
+        # (settings.defer_scoring: RLHFuse's order, decoding workers never score and finished samples wait for an
+        # idle worker. On CPU it loses: scoring then starts only at the migration, on the freed workers alone.)
+        unfinished = [0] * W
+        scoring_owner = [w in self.scorers and not (migrate and s.defer_scoring) for w in range(W)]
         ray.get([self.workers[w].set_temperature.remote(params.temperature) for w in self.scorers])
         D = len(self.decoders)
         for j, w in enumerate(self.decoders):  # deal by position: global ids keep every sample's stream
@@ -421,6 +426,8 @@ class MultiWorkerRollout:
                 if plan is not None:
                     self._migrate(plan, tally, unfinished)
                     freed, keepers = set(plan.export), set(plan.keep)
+                    for w in keepers:  # the tail's critical path: its finished samples go to the freed workers
+                        scoring_owner[w] = False
                 for w in range(W):
                     if unfinished[w] > 0 and w not in freed:
                         advance(w)
