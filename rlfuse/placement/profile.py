@@ -1,0 +1,182 @@
+"""`rlfuse plan --profile`: measure this machine's rates (a MachineProfile) in well under a minute, and find the
+profile file later.
+
+The rates are fitted from a few timings of a GPT-2 of the policy's own shape with random weights (the default shape
+when the policy is over 200 M parameters on CPU), run the way the RL loop runs it: the rollout engine's decode
+steps at 1 and 16 rows (fixed cost per step and cost per row), transformers' forward at two batch sizes (fixed cost
+per call and FLOP/s), a backward (its ratio to the forward), an AdamW step, a tensor copy (bandwidth) and a
+state-dict serialisation (what a weight sync through Ray's object store costs per byte). torch is imported inside
+the functions: importing this module stays free.
+
+Where the file goes: `--profile-path`, else `$RLFUSE_CACHE/machine_profile.json` (default
+`~/.cache/rlfuse/machine_profile.json`), shared by every run on the machine. Without one the planner uses
+`BUILTIN_CPU`, this project's 2-core dev machine, and says so.
+"""
+
+from __future__ import annotations
+
+import os
+import statistics
+import time
+from pathlib import Path
+
+from rlfuse.placement.cost import GiB, MachineProfile, ModelShape, gpt2_shape
+
+SYNC_LATENCY_S = 0.02
+"""Ray object-store put + get round trip of a weight sync, fixed part: not measured by the profile (starting Ray
+costs more than the whole profile); 0.04-0.055 s for 7.6 MB in two transfers in BENCHMARKS.md's per-strategy runs."""
+RAY_CALL_S = 0.03
+"""Per-iteration driver <-> worker calls on Ray (submit, wait, gather metrics); an estimate from the same runs."""
+GLOO_BYTES_S = 1e9
+"""Gradient all-reduce over gloo on loopback TCP (not measured: it needs a second process)."""
+
+BUILTIN_CPU = MachineProfile(
+    name="builtin: AMD EPYC dev VM (2 cores), 1 thread per worker", device="cpu", threads=1, flops=5.4e10,
+    decode_flops=1.6e10, mem_bw=4.3e9, layer_call_s=1.1e-3, decode_layer_call_s=1.0e-4, bwd_ratio=3.0,
+    optimizer_bytes_s=3.0e9, sync_bytes_s=3.1e8, sync_latency_s=SYNC_LATENCY_S, allreduce_bytes_s=GLOO_BYTES_S,
+    allreduce_latency_s=1e-3, ray_call_s=RAY_CALL_S, memory_bytes=23.5 * GiB, runtime_bytes=0.23 * GiB,
+    slack_fraction=0.1, source="rlfuse plan --profile on this project's dev machine, 2026-11-22 01:28 UTC, load 1.3")
+
+
+def default_profile_path() -> Path:
+    return Path(os.environ.get("RLFUSE_CACHE", Path.home() / ".cache" / "rlfuse")) / "machine_profile.json"
+
+
+def load_profile(path: str | Path | None = None, log=None) -> MachineProfile:
+    """The profile at `path` (or the default path); BUILTIN_CPU, with a log line, when there is none."""
+    p = Path(path) if path else default_profile_path()
+    if p.is_file():
+        return MachineProfile.load(p)
+    if path:
+        from rlfuse.errors import UserError
+
+        raise UserError(f"--profile-path {p}: no profile there; run `rlfuse plan --profile --profile-path {p}` first")
+    if log:
+        log(f"[plan] no machine profile at {p}: using the built-in one ({BUILTIN_CPU.name}); "
+            f"`rlfuse plan --profile` measures this machine in under a minute")
+    return BUILTIN_CPU
+
+
+def _timed(fn, repeats: int, sync) -> float:
+    """Median seconds of fn() after one warm-up call."""
+    fn()
+    sync()
+    out = []
+    for _ in range(repeats):
+        t = time.perf_counter()
+        fn()
+        sync()
+        out.append(time.perf_counter() - t)
+    return statistics.median(out)
+
+
+def _build(shape: ModelShape, device: str):
+    import torch
+    from transformers import GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    if shape.gated:
+        cfg = LlamaConfig(vocab_size=shape.vocab, hidden_size=shape.hidden, intermediate_size=shape.ffn,
+                          num_hidden_layers=shape.layers, num_attention_heads=shape.heads,
+                          num_key_value_heads=shape.kv_heads or shape.heads, max_position_embeddings=shape.context,
+                          bos_token_id=0, eos_token_id=0, pad_token_id=0)
+        return LlamaForCausalLM(cfg).to(device)
+    cfg = GPT2Config(vocab_size=shape.vocab, n_positions=shape.context, n_embd=shape.hidden, n_layer=shape.layers,
+                     n_head=shape.heads, resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, bos_token_id=0,
+                     eos_token_id=0, pad_token_id=0)
+    return GPT2LMHeadModel(cfg).to(device)
+
+
+def measure_profile(shape: ModelShape | None = None, threads: int = 1, device: str | None = None,
+                    log=print) -> MachineProfile:
+    """Time the pieces and fit the rates (see the module docstring). `threads`: torch threads, a worker's
+    cpus_per_worker. device: cpu | cuda (default cuda when present)."""
+    import io
+
+    import psutil
+    import torch
+
+    from rlfuse.rollout.engine import DecodeEngine, SamplingParams
+
+    device = device or ("cuda" if torch.cuda.is_available() else "cpu")
+    torch.set_num_threads(max(1, threads))
+    sync = torch.cuda.synchronize if device == "cuda" else (lambda: None)
+    shape = shape or gpt2_shape("embedded", 4, 128, 4, 1024, 512)
+    if device == "cpu" and shape.params > 200e6:
+        log(f"[profile] {shape.name} has {shape.params / 1e6:.0f} M parameters: profiling the default shape instead")
+        shape = gpt2_shape("embedded", 4, 128, 4, 1024, 512)
+    t_start = time.perf_counter()
+    torch.set_grad_enabled(True)
+    x = torch.randn(256, 256, device=device, requires_grad=True)
+    (x @ x).sum().backward()  # thread pools and allocator up before anything is timed
+    runtime = psutil.Process().memory_info().rss if device == "cpu" else 0.5 * GiB
+    model = _build(shape, device)
+    n_params = sum(p.numel() for p in model.parameters())
+    wbytes = 4.0 * n_params
+    big = torch.empty(16 * 2**20, device=device)  # 64 MiB
+    t_copy = _timed(lambda: big.clone(), 5, sync)
+    mem_bw = 2 * big.numel() * 4 / t_copy  # read + write
+    # decode: per-step cost at 1 and 16 rows (random weights, EOS off: every row runs to the limit)
+    engine = DecodeEngine(model.eval(), eos_token_id=-1, max_rows=64)
+    steps = 24
+    params = SamplingParams(max_new_tokens=steps)
+    decode = {}
+    for rows in (1, 16):
+        prompts = [[1 + (i % 7), 2, 3, 4, 5, 6] for i in range(rows)]
+        with torch.no_grad():
+            decode[rows] = _timed(lambda: list(engine.generate(prompts, 1, params, seed=0)), 3, sync) / steps
+    per_row = max(1e-9, (decode[16] - decode[1]) / 15)
+    fixed = max(0.0, decode[1] - per_row)
+    decode_layer_call = max(1e-7, (fixed - wbytes / mem_bw) / shape.layers)
+    decode_flops = shape.forward_flops(1, 16) / per_row
+    # forward at two batch sizes -> fixed cost per call and FLOP/s; then the backward's ratio
+    seq = 64
+    ids = {b: torch.randint(0, shape.vocab, (b, seq), device=device) for b in (2, 16)}
+    model.train()
+    fwd = {}
+    with torch.no_grad():
+        for b in ids:
+            fwd[b] = _timed(lambda: model(input_ids=ids[b]).logits, 3, sync)
+    flops = (shape.forward_flops(14 * seq, seq / 2)) / max(1e-9, fwd[16] - fwd[2])
+    call = max(1e-7, (fwd[2] - shape.forward_flops(2 * seq, seq / 2) / flops - wbytes / mem_bw) / shape.layers)
+
+    def fwd_bwd():
+        model(input_ids=ids[16]).logits.float().logsumexp(-1).mean().backward()
+
+    t_fb = _timed(fwd_bwd, 3, sync)
+    bwd_ratio = max(0.5, (t_fb - fwd[16]) / fwd[16])
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-6)
+    t_opt = _timed(opt.step, 3, sync)
+    optimizer_bytes_s = 16 * n_params / t_opt
+    state = {k: v.detach().cpu() for k, v in model.state_dict().items()}
+
+    def serialise():
+        buf = io.BytesIO()
+        torch.save(state, buf)
+        buf.seek(0)
+        torch.load(buf)
+
+    sync_bytes_s = wbytes / _timed(serialise, 3, sync)
+    memory = (torch.cuda.get_device_properties(0).total_memory if device == "cuda"
+              else psutil.virtual_memory().total)
+    name = torch.cuda.get_device_name(0) if device == "cuda" else f"{_cpu_name()}, {threads} thread(s) per worker"
+    elapsed = time.perf_counter() - t_start
+    log(f"[profile] {name}: {elapsed:.1f} s on {shape.name} ({n_params / 1e6:.2f} M parameters)")
+    return MachineProfile(
+        name=name, device=device, threads=threads, flops=flops, decode_flops=decode_flops, mem_bw=mem_bw,
+        layer_call_s=call, decode_layer_call_s=decode_layer_call, bwd_ratio=bwd_ratio,
+        optimizer_bytes_s=optimizer_bytes_s, sync_bytes_s=sync_bytes_s, sync_latency_s=SYNC_LATENCY_S,
+        allreduce_bytes_s=GLOO_BYTES_S if device == "cpu" else 50e9, allreduce_latency_s=1e-3 if device == "cpu" else 1e-4,
+        ray_call_s=RAY_CALL_S, memory_bytes=float(memory), runtime_bytes=float(runtime), slack_fraction=0.1,
+        source=f"rlfuse plan --profile, {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}, {shape.name}, "
+               f"load average {os.getloadavg()[0]:.1f}")
+
+
+def _cpu_name() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return "CPU"
