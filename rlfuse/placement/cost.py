@@ -76,7 +76,8 @@ class ModelShape:
         """Token embedding, learned positions (GPT-2), the untied output head, the final norm."""
         positions = 0 if self.gated else self.context * self.hidden
         head = 0 if self.tied else self.vocab * self.hidden
-        return self.vocab * self.hidden + positions + head + 2 * self.hidden
+        final_norm = self.hidden if self.gated else 2 * self.hidden  # RMSNorm weight; LayerNorm weight and bias
+        return self.vocab * self.hidden + positions + head + final_norm
 
     @property
     def params(self) -> int:

@@ -46,6 +46,9 @@ class Workload:
     mini_batch: int
     score_micro_batch: int
     max_rows: int
+    score_tail: float = 0.25
+    """Fraction of the samples scored after the last one finishes (fused scoring takes the rest under decoding):
+    those that finish once the live batch is under rollout.live_below rows."""
 
     @property
     def seq(self) -> float:
@@ -199,9 +202,8 @@ def predict(prob: Problem, spec: PlacementSpec, micro: int, ckpt: bool, migrate:
         overlap = min(tail, score)
     if spec.strategy == "flattened":
         rollout = generate + score - overlap + migration
-    else:  # the other group scores while this one decodes; the last micro-batch of scoring follows the last sample
-        last = score / max(1, math.ceil(w.samples / max(1, score_w) / w.score_micro_batch))
-        rollout = max(generate + migration, score) + last
+    else:  # the other group scores while this one decodes; the tail's samples are scored after the last one ends
+        rollout = max(generate + migration, score) + w.score_tail * score
     sync = _sync_seconds(prob, spec)
     overhead = p.ray_call_s if spec.uses_ray else 0.0
     seconds = {"generate": generate, "score": score, "rollout": rollout, "train": train, "sync": sync,
@@ -381,7 +383,8 @@ def problem_from_config(cfg, profile: MachineProfile, workers: int | None = None
     workload = Workload(samples=rl.prompts_per_iter * rl.k, prompt_tokens=PROMPT_TOKENS.get(cfg.data.kind, 32.0),
                         response_mean=min(mean, rl.max_new_tokens), response_max=rl.max_new_tokens,
                         epochs=rl.epochs, mini_batch=rl.mini_batch_size, score_micro_batch=cfg.rollout.micro_batch_size,
-                        max_rows=cfg.rollout.max_rows)
+                        max_rows=cfg.rollout.max_rows,
+                        score_tail=min(1.0, max(1, cfg.rollout.live_below) / (rl.prompts_per_iter * rl.k)))
     has_critic_body = "critic" in roles and roles["critic"].shares_with is None
     mem = MemoryInputs(policy=shape, critic=shape if has_critic_body else None,
                        reward=shape if roles["reward"].has_model else None,
