@@ -239,8 +239,9 @@ DEVICES = {
 }
 MFU_TRAIN = 0.4
 """Fraction of peak FLOP/s a large forward/backward reaches (Megatron-LM and PaLM report 0.4-0.55 at scale)."""
-MFU_DECODE = 0.1
-"""Decode steps are matrix-vector products: far below peak in FLOPs, bounded by `BW_EFFICIENCY` x bandwidth instead."""
+MFU_DECODE = 0.4
+"""A decode step's FLOPs at the same efficiency; the step also pays for streaming the weights and KV cache
+(`BW_EFFICIENCY`). The cost model adds the two (a conservative roofline: real kernels overlap them in part)."""
 BW_EFFICIENCY = 0.7
 """Fraction of the memory bandwidth a decode step streams weights at (vLLM-style kernels reach 0.6-0.8)."""
 
@@ -319,14 +320,22 @@ def live_rows(samples: float, mean: float, cap: int) -> list[float]:
 def decode_seconds(p: MachineProfile, shape: ModelShape, samples: float, prompt: float, mean: float, cap: int,
                    weight_bytes: float, kv_elem_bytes: float, max_rows: int) -> float:
     """Prefill every prompt once, then decode step by step: each step is one call over the live rows (at most
-    `max_rows`), reads the weights and the live rows' KV cache, and does 2 x matmul params FLOPs per row."""
+    `max_rows`), reads the weights and the live rows' KV cache, and does 2 x matmul params FLOPs per row.
+    More samples than `max_rows`: waiting prompts join as rows finish, so the engine first runs full steps until
+    the queue is empty (the queued samples' tokens, max_rows at a time), then the last max_rows rows' tail."""
     total = forward_seconds(p, shape, samples, prompt, weight_bytes, math.ceil(samples / max_rows))  # prefill
     call = p.decode_layer_call_s or p.layer_call_s
+
+    def step(rows: float, context: float) -> float:
+        kv = rows * context * shape.kv_bytes_per_token(kv_elem_bytes)
+        return shape.layers * call + shape.forward_flops(rows, context) / p.decode_flops + (weight_bytes + kv) / p.mem_bw
+
+    if samples > max_rows:
+        full_steps = (samples - max_rows) * mean / max_rows
+        total += full_steps * step(max_rows, prompt + mean / 2)
+        samples = max_rows
     for t, rows in enumerate(live_rows(samples, mean, cap)):
-        rows = min(rows, max_rows)
-        kv = rows * (prompt + t) * shape.kv_bytes_per_token(kv_elem_bytes)
-        flops = shape.forward_flops(rows, prompt + t)
-        total += shape.layers * call + flops / p.decode_flops + (weight_bytes + kv) / p.mem_bw
+        total += step(rows, prompt + t)
     return total
 
 

@@ -111,9 +111,14 @@ class MemoryInputs:
     """Sequences per scoring forward."""
     kv_rows: int = 32
     """Rows the generator decodes at once on one worker."""
+    master_weights: bool = False
+    """Mixed precision: bf16 trained weights with an fp32 master copy in the optimiser (4 more bytes per parameter,
+    counted under optimizer; ZeRO's 16 bytes per parameter in all)."""
     shard: int = 1
     """FSDP/ZeRO-3-style sharding degree of weights, gradients and optimiser states over a group (1: replicated, as
     rlfuse's DDP trains today; the at-scale predictions shard)."""
+    generator_shard: int = 0
+    """Tensor-parallel degree of the generator's weights and KV cache (0: `shard`)."""
 
 
 def worker_memory(roles: set[str] | tuple[str, ...], m: MemoryInputs, p: MachineProfile) -> dict[str, float]:
@@ -143,19 +148,32 @@ def worker_memory(roles: set[str] | tuple[str, ...], m: MemoryInputs, p: Machine
         acts.append(train_activation_bytes(m.policy, m.train_rows * m.seq, m.act_bytes, m.checkpointing, True))
     if "generator" in roles:
         out["kv_cache"] += m.kv_rows * m.seq * m.policy.kv_bytes_per_token(m.act_bytes)
-    if policy_roles:
+    if roles & {"actor", "reference"}:  # log-prob passes over scored samples (the generator keeps only the last logits)
         acts.append(inference_activation_bytes(m.policy, m.score_rows * m.seq, m.act_bytes, True))
+    on_base = m.shared_base and lora  # critic and reward as adapters on the shared base (same shape as the policy)
     if m.critic is not None and "critic" in roles:
-        out["base"] += m.critic.params * train_b
-        trainable += m.critic.params
+        if on_base:
+            out["adapters"] += m.critic.lora_params(m.lora_rank) * train_b
+            trainable += m.critic.lora_params(m.lora_rank)
+        else:
+            out["base"] += m.critic.params * train_b
+            trainable += m.critic.params
         acts.append(train_activation_bytes(m.critic, m.train_rows * m.seq, m.act_bytes, m.checkpointing, False))
     elif m.critic is not None and roles & {"reference", "reward"}:  # values for scoring: a frozen copy
         out["base"] += weight_bytes(m.critic, m.weight_dtype)
     if m.reward is not None and "reward" in roles:
-        out["base"] += weight_bytes(m.reward, m.weight_dtype)
+        if on_base:
+            out["adapters"] += m.reward.lora_params(m.lora_rank) * train_b
+        else:
+            out["base"] += weight_bytes(m.reward, m.weight_dtype)
         acts.append(inference_activation_bytes(m.reward, m.score_rows * m.seq, m.act_bytes, False))
     out["gradients"] = trainable * train_b
-    out["optimizer"] = trainable * optimizer_bytes_per_param(m.optimizer)
+    out["optimizer"] = trainable * (optimizer_bytes_per_param(m.optimizer) + (4.0 if m.master_weights else 0.0))
+    if "generator" in roles and m.shard > 1:  # the generator's copy and cache shard by its own (tensor-parallel) degree
+        gen_shard = m.generator_shard or m.shard
+        gen_copy = 0.0 if m.shared_base else policy_frozen
+        out["base"] += gen_copy * (m.shard / gen_shard - 1)
+        out["kv_cache"] *= m.shard / gen_shard
     for k in ("base", "adapters", "gradients", "optimizer", "kv_cache"):
         out[k] /= m.shard
     out["activations"] = max(acts)

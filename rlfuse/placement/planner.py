@@ -29,6 +29,11 @@ from rlfuse.placement.memory import GiB, MemoryInputs, memory_table, weight_byte
 from rlfuse.placement.spec import PlacementSpec, WorkerResources
 from rlfuse.placement.strategies import STRATEGY_FNS
 
+TP_MAX = 8
+"""Largest tensor-parallel degree of a sharded generator (one node's GPUs over NVLink)."""
+TP_WEIGHT_SHARE = 0.5
+"""Sharded (on paper): the generator's tensor-parallel degree is the smallest power of two that puts at most this
+share of a device's memory into its weights, leaving the rest to the KV cache."""
 STAGES = ("generate", "score", "rollout", "train", "sync", "migration", "overhead", "iteration")
 """Predicted seconds per iteration. rollout: generate and score as the strategy overlaps them (what the RL loop
 logs as time/rollout); iteration = sync + rollout + train + overhead (time/iteration)."""
@@ -193,7 +198,7 @@ def predict(prob: Problem, spec: PlacementSpec, micro: int, ckpt: bool, migrate:
     train_w = _workers_with(spec, "actor")
     score_w = _workers_with(spec, "reward") or _workers_with(spec, "reference")
     shard_of = lambda workers: workers if prob.shard else 1
-    generate = _generate_seconds(prob, gen_w, shard_of(gen_w))
+    generate = _generate_seconds(prob, gen_w, _tp(prob, gen_w))
     score = _score_seconds(prob, score_w)
     train = _train_seconds(prob, train_w, micro, ckpt)
     migration, overlap = 0.0, 0.0
@@ -211,9 +216,11 @@ def predict(prob: Problem, spec: PlacementSpec, micro: int, ckpt: bool, migrate:
     seconds["iteration"] = sync + rollout + train + overhead
     memory = {}
     for g in spec.groups:
-        kv_rows = min(w.max_rows, math.ceil(w.samples / g.workers)) if "generator" in g.roles else 0
+        replicas = g.workers // _tp(prob, g.workers)  # sharded: tensor-parallel generator replicas
+        kv_rows = min(w.max_rows, math.ceil(w.samples / replicas)) if "generator" in g.roles else 0
         mi = replace(m, train_rows=micro, checkpointing=ckpt, seq=int(math.ceil(w.prompt_tokens + w.response_max)),
-                     score_rows=w.score_micro_batch, kv_rows=kv_rows, shard=shard_of(g.workers))
+                     score_rows=w.score_micro_batch, kv_rows=kv_rows, shard=shard_of(g.workers),
+                     generator_shard=_tp(prob, g.workers))
         memory[g.name] = worker_memory(g.roles, mi, p)
     fits, why = True, ""
     if prob.memory_budget is not None:
@@ -227,14 +234,23 @@ def _policy_bytes(m: MemoryInputs) -> float:
     return weight_bytes(m.policy, m.weight_dtype)
 
 
-def _generate_seconds(prob: Problem, workers: int, shard: int) -> float:
-    """Each generating worker decodes its share of the samples. Sharded (on paper): the group is one
-    tensor-parallel replica, `shard` devices' FLOP/s and bandwidth serving every sample (collectives not counted)."""
+def _tp(prob: Problem, workers: int) -> int:
+    """Tensor-parallel degree of the generator: 1 unless sharding (on paper), then see TP_WEIGHT_SHARE."""
+    if not prob.shard or not prob.memory_budget:
+        return 1
+    tp, need = 1, _policy_bytes(prob.memory)
+    while need / tp > TP_WEIGHT_SHARE * prob.memory_budget and tp * 2 <= min(workers, TP_MAX):
+        tp *= 2
+    return tp
+
+
+def _generate_seconds(prob: Problem, workers: int, tp: int) -> float:
+    """Each generating worker (or tensor-parallel replica of `tp` workers, with their summed FLOP/s and bandwidth;
+    collectives not counted) decodes its share of the samples."""
     w, m, p = prob.workload, prob.memory, prob.profile
-    samples = w.samples / workers
-    if shard > 1:
-        p = replace(p, flops=p.flops * shard, decode_flops=p.decode_flops * shard, mem_bw=p.mem_bw * shard)
-        samples = w.samples
+    samples = w.samples / (workers // tp)
+    if tp > 1:
+        p = replace(p, flops=p.flops * tp, decode_flops=p.decode_flops * tp, mem_bw=p.mem_bw * tp)
     return cost.decode_seconds(p, m.policy, samples, w.prompt_tokens, w.response_mean, w.response_max,
                                _policy_bytes(m), m.act_bytes, w.max_rows)
 
@@ -272,7 +288,8 @@ def _train_seconds(prob: Problem, workers: int, micro: int, ckpt: bool) -> float
     train_b = 4.0 if m.train_dtype == "fp32" else 2.0
     trained = [(m.policy, m.policy.lora_params(m.lora_rank) if lora else m.policy.params, lora)]
     if "critic" in prob.roles and m.critic is not None:
-        trained.append((m.critic, m.critic.params, False))
+        on_base = m.shared_base and lora  # the critic is adapters on the shared base too
+        trained.append((m.critic, m.critic.lora_params(m.lora_rank) if on_base else m.critic.params, on_base))
     total = 0.0
     for shape, params, frozen in trained:
         wb = weight_bytes(shape, m.weight_dtype)
@@ -299,19 +316,27 @@ def _migration(prob: Problem, gen_w: int, migrate_below: float) -> tuple[float, 
 
 
 def _sync_seconds(prob: Problem, spec: PlacementSpec) -> float:
-    """The actor's weights to generators outside its group (the object store or NCCL), in-process copies inside
-    it; the critic's weights to scoring groups without it (they compute the values)."""
+    """The actor's weights to generators outside its group (the object store or NCCL; one receiver after another),
+    in-process copies inside it; the critic's weights to scoring groups without it (they compute the values).
+    Sharded (on paper): every sender and receiver moves its own shard at once, over min(senders, receivers) links."""
     p, m = prob.profile, prob.memory
     train_b = 4.0 if m.train_dtype == "fp32" else 2.0
-    policy = m.policy.params * train_b
+    trainers = _workers_with(spec, "actor")
     total = 0.0
     for g in spec.groups:
         if "generator" in g.roles:
-            total += policy / p.mem_bw if "actor" in g.roles else cost.sync_seconds(p, policy, g.workers)
+            total += _send(prob, m.policy.params * train_b, g.workers, trainers) if "actor" not in g.roles \
+                else m.policy.params * train_b / p.mem_bw
         if m.critic is not None and "critic" in prob.roles and "critic" not in g.roles \
                 and set(g.roles) & {"reference", "reward"}:
-            total += cost.sync_seconds(p, m.critic.params * train_b, g.workers)
+            total += _send(prob, m.critic.params * train_b, g.workers, trainers)
     return total
+
+
+def _send(prob: Problem, nbytes: float, receivers: int, senders: int) -> float:
+    if prob.shard:
+        return cost.sync_seconds(prob.profile, nbytes / min(receivers, senders), 1)
+    return cost.sync_seconds(prob.profile, nbytes, receivers)
 
 
 # ----------------------------------------------------------------------------------------------- printing
