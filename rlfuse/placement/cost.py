@@ -306,19 +306,52 @@ def survival_scale(mean: float, cap: float) -> float:
     return (lo + hi) / 2
 
 
+def harmonic(n: float) -> float:
+    return sum(1 / i for i in range(1, max(1, int(round(n))) + 1))
+
+
+@dataclass(frozen=True)
+class Lengths:
+    """Response lengths as shift + exponential(scale), capped at `cap`: every sample decodes `shift` tokens, then
+    ends with a constant chance per token (the engine's retiring rows thin out geometrically)."""
+    shift: float
+    scale: float
+    cap: int
+
+    @classmethod
+    def from_mean(cls, mean: float, cap: int) -> "Lengths":
+        """From the mean alone (the config's default): a plain exponential whose capped mean is `mean`."""
+        return cls(0.0, survival_scale(mean, cap), cap)
+
+    @classmethod
+    def from_measured(cls, mean: float, longest: float, n: int, cap: int) -> "Lengths":
+        """From a run's mean and longest response over `n` samples: the longest of n exponentials is
+        shift + scale x H_n, so scale = (longest - mean) / (H_n - 1). A longest at the cap says nothing of the
+        tail: then from the mean alone."""
+        if longest >= cap or n < 2 or longest <= mean:
+            return cls.from_mean(mean, cap)
+        scale = (longest - mean) / (harmonic(n) - 1)
+        return cls(max(0.0, mean - scale), scale, cap)
+
+    def expected_max(self, n: float) -> float:
+        """Expected longest of n samples: what a micro-batch of n random samples is padded to."""
+        return self.cap if math.isinf(self.scale) else min(self.cap, self.shift + self.scale * harmonic(n))
+
+    def live_rows(self, samples: float) -> list[float]:
+        """Expected rows still decoding at each step, until the expected longest of the samples ends."""
+        steps = max(1, int(math.ceil(self.expected_max(samples))))
+        if math.isinf(self.scale):
+            return [float(samples)] * steps
+        return [samples * (1.0 if t < self.shift else math.exp(-(t - self.shift) / self.scale)) for t in range(steps)]
+
+
 def live_rows(samples: float, mean: float, cap: int) -> list[float]:
-    """Expected rows still decoding at each step 0..steps-1 for `samples` samples of exponential length (mean after
-    capping `mean`), the engine retiring finished rows. Steps: the expected longest of the samples, λ H_n, capped."""
-    lam = survival_scale(mean, cap)
-    if math.isinf(lam):
-        return [float(samples)] * cap
-    harmonic = sum(1 / i for i in range(1, max(1, int(round(samples))) + 1))
-    steps = min(cap, max(1, int(math.ceil(lam * harmonic))))
-    return [samples * math.exp(-t / lam) for t in range(steps)]
+    """Expected live rows per step for exponential lengths of capped mean `mean` (Lengths.from_mean)."""
+    return Lengths.from_mean(mean, cap).live_rows(samples)
 
 
-def decode_seconds(p: MachineProfile, shape: ModelShape, samples: float, prompt: float, mean: float, cap: int,
-                   weight_bytes: float, kv_elem_bytes: float, max_rows: int) -> float:
+def decode_seconds(p: MachineProfile, shape: ModelShape, samples: float, prompt: float, lengths: Lengths,
+                   mean: float, weight_bytes: float, kv_elem_bytes: float, max_rows: int) -> float:
     """Prefill every prompt once, then decode step by step: each step is one call over the live rows (at most
     `max_rows`), reads the weights and the live rows' KV cache, and does 2 x matmul params FLOPs per row.
     More samples than `max_rows`: waiting prompts join as rows finish, so the engine first runs full steps until
@@ -334,7 +367,7 @@ def decode_seconds(p: MachineProfile, shape: ModelShape, samples: float, prompt:
         full_steps = (samples - max_rows) * mean / max_rows
         total += full_steps * step(max_rows, prompt + mean / 2)
         samples = max_rows
-    for t, rows in enumerate(live_rows(samples, mean, cap)):
+    for t, rows in enumerate(lengths.live_rows(samples)):
         total += step(rows, prompt + t)
     return total
 

@@ -54,11 +54,26 @@ class Workload:
     score_tail: float = 0.25
     """Fraction of the samples scored after the last one finishes (fused scoring takes the rest under decoding):
     those that finish once the live batch is under rollout.live_below rows."""
+    score_singles: int = 0
+    """Fused scoring scores each sample that finishes once fewer than rollout.live_below rows are live on its own:
+    about that many extra one-sample scoring calls per decoding worker (0 with fusion off)."""
+    response_longest: float = 0.0
+    """Longest response of an iteration, measured (--lengths-from); 0: unknown, lengths from the mean alone."""
 
     @property
     def seq(self) -> float:
-        """Mean tokens per sample in the scoring and training passes (prompt + response)."""
+        """Mean tokens per sample in the scoring passes (prompt + response; scoring sorts by length, so pads little)."""
         return self.prompt_tokens + self.response_mean
+
+    @property
+    def lengths(self) -> cost.Lengths:
+        if self.response_longest:
+            return cost.Lengths.from_measured(self.response_mean, self.response_longest, self.samples, self.response_max)
+        return cost.Lengths.from_mean(self.response_mean, self.response_max)
+
+    def padded_seq(self, rows: float) -> float:
+        """Tokens per sequence of a training micro-batch of `rows` random samples: padded to its longest."""
+        return self.prompt_tokens + self.lengths.expected_max(rows)
 
 
 @dataclass(frozen=True)
@@ -205,7 +220,7 @@ def predict(prob: Problem, spec: PlacementSpec, micro: int, ckpt: bool, migrate:
     if migrate > 0 and gen_w > 1:
         migration, tail = _migration(prob, gen_w, migrate)
         overlap = min(tail, score)
-    if spec.strategy == "flattened":
+    if len(spec.groups) == 1:  # flattened (or one process): decode, then score, on the same workers
         rollout = generate + score - overlap + migration
     else:  # the other group scores while this one decodes; the tail's samples are scored after the last one ends
         rollout = max(generate + migration, score) + w.score_tail * score
@@ -251,7 +266,7 @@ def _generate_seconds(prob: Problem, workers: int, tp: int) -> float:
     samples = w.samples / (workers // tp)
     if tp > 1:
         p = replace(p, flops=p.flops * tp, decode_flops=p.decode_flops * tp, mem_bw=p.mem_bw * tp)
-    return cost.decode_seconds(p, m.policy, samples, w.prompt_tokens, w.response_mean, w.response_max,
+    return cost.decode_seconds(p, m.policy, samples, w.prompt_tokens, w.lengths, w.response_mean,
                                _policy_bytes(m), m.act_bytes, w.max_rows)
 
 
@@ -267,10 +282,12 @@ def _scored_models(m: MemoryInputs, roles: Roles) -> list[ModelShape]:
 
 
 def _score_seconds(prob: Problem, workers: int) -> float:
-    """Data-parallel scoring: each worker runs every scoring forward over its share, in micro-batches."""
+    """Data-parallel scoring: each worker runs every scoring forward over its share, in micro-batches, plus the
+    fused tail's one-sample calls."""
     w, m, p = prob.workload, prob.memory, prob.profile
     per_worker = w.samples / workers
-    calls = math.ceil(per_worker / w.score_micro_batch)
+    singles = min(w.score_singles, per_worker)
+    calls = math.ceil((per_worker - singles) / w.score_micro_batch) + singles
     rows = per_worker / calls
     return sum(cost.forward_seconds(p, s, rows, w.seq, weight_bytes(s, m.weight_dtype), calls)
                for s in _scored_models(m, prob.roles))
@@ -293,7 +310,7 @@ def _train_seconds(prob: Problem, workers: int, micro: int, ckpt: bool) -> float
     total = 0.0
     for shape, params, frozen in trained:
         wb = weight_bytes(shape, m.weight_dtype)
-        total += cost.train_seconds(p, shape, rows, w.seq, wb, calls, ckpt, frozen)
+        total += cost.train_seconds(p, shape, rows, w.padded_seq(rows), wb, calls, ckpt, frozen)
         total += cost.optimizer_seconds(p, params / (workers if prob.shard else 1), steps)
         total += cost.allreduce_seconds(p, params * train_b, workers, steps)
     return total
@@ -304,7 +321,7 @@ def _migration(prob: Problem, gen_w: int, migrate_below: float) -> tuple[float, 
     when fewer than `migrate_below` of the samples are unfinished."""
     w, p, m = prob.workload, prob.profile, prob.memory
     per_worker = w.samples / gen_w
-    rows = cost.live_rows(per_worker, w.response_mean, w.response_max)
+    rows = w.lengths.live_rows(per_worker)
     start = next((t for t, r in enumerate(rows) if r < migrate_below * per_worker), len(rows))
     if start >= len(rows):
         return 0.0, 0.0
@@ -366,8 +383,9 @@ def plan_memory_table(pl: Plan) -> str:
 SYNTHETIC_RESPONSE_MEAN = 17.0
 """Mean response tokens of PPO on the embedded task (median of rollout/length_mean over the 40 iterations of the
 default run in BENCHMARKS.md); real data runs to rl.max_new_tokens unless --lengths-from says otherwise."""
-PROMPT_TOKENS = {"synthetic": 6.0, "imdb": 14.0}
-"""Mean prompt tokens: BOS + 4 words of the synthetic grammar; the first 8+ words of an IMDb review. Other data: 32."""
+PROMPT_TOKENS = {"synthetic": 4.0, "imdb": 15.0}
+"""Mean prompt tokens as the RL stage encodes them (BOS + words; measured by bench/plan.py on the default task and on
+IMDb prompts with the default-task tokenizer). Other data: 32."""
 
 
 def measured_lengths(run_dir) -> tuple[float, int] | None:
@@ -388,10 +406,11 @@ def measured_lengths(run_dir) -> tuple[float, int] | None:
 
 def problem_from_config(cfg, profile: MachineProfile, workers: int | None = None, cpus_per_worker: float | None = None,
                         gpus_per_worker: float | None = None, memory_budget: float | None = None,
-                        lengths: tuple[float, int] | None = None) -> Problem:
+                        lengths: tuple[float, int] | None = None, prompt_tokens: float | None = None) -> Problem:
     """The planning problem of an RL run on `cfg` (rlfuse.config.Config): roles, shapes and batch sizes from the
     config, placement resources from the arguments or cfg.placement, rates from `profile`. Budget: the argument,
-    else a GPU's memory, else the machine's RAM shared by the workers (0 in the profile: no check)."""
+    else a GPU's memory, else the machine's RAM shared by the workers (0 in the profile: no check). lengths:
+    (mean, longest) response tokens measured by a run; prompt_tokens: their measured mean (default PROMPT_TOKENS)."""
     from rlfuse.models.roles import derive_roles
     from rlfuse.placement.cost import policy_shape
 
@@ -403,13 +422,15 @@ def problem_from_config(cfg, profile: MachineProfile, workers: int | None = None
                                 gpus_per_worker if gpus_per_worker is not None else pc.gpus_per_worker)
     if memory_budget is None and profile.memory_bytes:
         memory_budget = profile.memory_bytes if profile.device == "cuda" else profile.memory_bytes / workers
-    mean, longest = lengths or ((SYNTHETIC_RESPONSE_MEAN if cfg.data.kind == "synthetic" else rl.max_new_tokens),
-                                rl.max_new_tokens)
-    workload = Workload(samples=rl.prompts_per_iter * rl.k, prompt_tokens=PROMPT_TOKENS.get(cfg.data.kind, 32.0),
+    mean, longest = lengths or ((SYNTHETIC_RESPONSE_MEAN if cfg.data.kind == "synthetic" else rl.max_new_tokens), 0)
+    prompt_tokens = prompt_tokens or PROMPT_TOKENS.get(cfg.data.kind, 32.0)
+    workload = Workload(samples=rl.prompts_per_iter * rl.k, prompt_tokens=prompt_tokens,
                         response_mean=min(mean, rl.max_new_tokens), response_max=rl.max_new_tokens,
                         epochs=rl.epochs, mini_batch=rl.mini_batch_size, score_micro_batch=cfg.rollout.micro_batch_size,
                         max_rows=cfg.rollout.max_rows,
-                        score_tail=min(1.0, max(1, cfg.rollout.live_below) / (rl.prompts_per_iter * rl.k)))
+                        score_tail=min(1.0, max(1, cfg.rollout.live_below) / (rl.prompts_per_iter * rl.k)),
+                        score_singles=cfg.rollout.live_below if cfg.rollout.fusion else 0,
+                        response_longest=min(longest, rl.max_new_tokens))
     has_critic_body = "critic" in roles and roles["critic"].shares_with is None
     mem = MemoryInputs(policy=shape, critic=shape if has_critic_body else None,
                        reward=shape if roles["reward"].has_model else None,

@@ -16,7 +16,6 @@ Where the file goes: `--profile-path`, else `$RLFUSE_CACHE/machine_profile.json`
 from __future__ import annotations
 
 import os
-import statistics
 import time
 from pathlib import Path
 
@@ -58,7 +57,8 @@ def load_profile(path: str | Path | None = None, log=None) -> MachineProfile:
 
 
 def _timed(fn, repeats: int, sync) -> float:
-    """Median seconds of fn() after one warm-up call."""
+    """Fastest of `repeats` calls after a warm-up: on a shared machine other processes only ever add time, and the
+    rates are fitted from differences of timings, which the added time would swamp."""
     fn()
     sync()
     out = []
@@ -67,7 +67,16 @@ def _timed(fn, repeats: int, sync) -> float:
         fn()
         sync()
         out.append(time.perf_counter() - t)
-    return statistics.median(out)
+    return min(out)
+
+
+def _fit(times: dict) -> tuple[float, float]:
+    """Least-squares line through {rows: seconds}: (seconds at 0 rows, seconds per row), both kept positive."""
+    xs, ys = list(times), list(times.values())
+    mx, my = sum(xs) / len(xs), sum(ys) / len(ys)
+    slope = sum((x - mx) * (y - my) for x, y in zip(xs, ys)) / sum((x - mx) ** 2 for x in xs)
+    slope = max(slope, 1e-9)
+    return max(my - slope * mx, 1e-7), slope
 
 
 def _build(shape: ModelShape, device: str):
@@ -113,37 +122,39 @@ def measure_profile(shape: ModelShape | None = None, threads: int = 1, device: s
     model = _build(shape, device)
     n_params = sum(p.numel() for p in model.parameters())
     wbytes = 4.0 * n_params
-    big = torch.empty(16 * 2**20, device=device)  # 64 MiB
-    t_copy = _timed(lambda: big.clone(), 5, sync)
+    # bandwidth at the model's own size: on CPU a small model's weights stream from cache, not DRAM
+    big = torch.empty(max(int(wbytes // 4), 2**18), device=device)
+    t_copy = _timed(lambda: big.clone(), 9, sync)
     mem_bw = 2 * big.numel() * 4 / t_copy  # read + write
-    # decode: per-step cost at 1 and 16 rows (random weights, EOS off: every row runs to the limit)
+    # decode: per-step cost at 1, 4 and 16 rows (random weights, EOS off: every row runs to the limit)
     engine = DecodeEngine(model.eval(), eos_token_id=-1, max_rows=64)
     steps = 24
     params = SamplingParams(max_new_tokens=steps)
     decode = {}
-    for rows in (1, 16):
+    for rows in (1, 4, 16):
         prompts = [[1 + (i % 7), 2, 3, 4, 5, 6] for i in range(rows)]
         with torch.no_grad():
             decode[rows] = _timed(lambda: list(engine.generate(prompts, 1, params, seed=0)), 3, sync) / steps
-    per_row = max(1e-9, (decode[16] - decode[1]) / 15)
-    fixed = max(0.0, decode[1] - per_row)
+    fixed, per_row = _fit(decode)
     decode_layer_call = max(1e-7, (fixed - wbytes / mem_bw) / shape.layers)
-    decode_flops = shape.forward_flops(1, 16) / per_row
-    # forward at two batch sizes -> fixed cost per call and FLOP/s; then the backward's ratio
-    seq = 64
-    ids = {b: torch.randint(0, shape.vocab, (b, seq), device=device) for b in (2, 16)}
+    decode_flops = shape.forward_flops(1, 6 + steps / 2) / per_row
+    # forward at three batch sizes of RL-like sequences (32 tokens) -> fixed cost per call and FLOP/s; then the
+    # backward's ratio to the forward, with a log-softmax loss as the policy loss has
+    seq = 32
+    ids = {b: torch.randint(0, shape.vocab, (b, seq), device=device) for b in (2, 8, 16)}
     model.train()
     fwd = {}
     with torch.no_grad():
         for b in ids:
-            fwd[b] = _timed(lambda: model(input_ids=ids[b]).logits, 3, sync)
-    flops = (shape.forward_flops(14 * seq, seq / 2)) / max(1e-9, fwd[16] - fwd[2])
-    call = max(1e-7, (fwd[2] - shape.forward_flops(2 * seq, seq / 2) / flops - wbytes / mem_bw) / shape.layers)
+            fwd[b] = _timed(lambda: model(input_ids=ids[b]).logits, 5, sync)
+    fixed, per_row = _fit(fwd)
+    flops = shape.forward_flops(seq, seq / 2) / per_row
+    call = max(1e-7, (fixed - wbytes / mem_bw) / shape.layers)
 
     def fwd_bwd():
-        model(input_ids=ids[16]).logits.float().logsumexp(-1).mean().backward()
+        model(input_ids=ids[16]).logits.float().log_softmax(-1)[..., 0].mean().backward()
 
-    t_fb = _timed(fwd_bwd, 3, sync)
+    t_fb = _timed(fwd_bwd, 5, sync)
     bwd_ratio = max(0.5, (t_fb - fwd[16]) / fwd[16])
     opt = torch.optim.AdamW(model.parameters(), lr=1e-6)
     t_opt = _timed(opt.step, 3, sync)

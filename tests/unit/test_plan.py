@@ -63,7 +63,7 @@ def test_live_rows_match_the_mean_length():
 def test_decode_seconds_one_row_by_hand():
     # one sample always running to 3 tokens, prompt 2: prefill (one call over 2 tokens) + 3 steps at contexts 2, 3, 4
     p = replace(RATES, mem_bw=math.inf)
-    got = cost.decode_seconds(p, TINY, 1, 2, 3, 3, 0, 4, max_rows=8)
+    got = cost.decode_seconds(p, TINY, 1, 2, cost.Lengths.from_mean(3, 3), 3, 0, 4, max_rows=8)
     prefill = 2e-3 + TINY.forward_flops(2, 1) / 1e9
     steps = sum(2e-4 + TINY.forward_flops(1, 2 + t) / 5e8 for t in range(3))
     assert got == pytest.approx(prefill + steps)
@@ -125,7 +125,8 @@ def test_memory_binding_moves_the_big_frozen_model_off_the_trainers(default_prob
 
 
 def test_memory_binding_turns_on_checkpointing(default_problem):
-    long = replace(default_problem, workload=replace(default_problem.workload, response_mean=400, response_max=400))
+    long = replace(default_problem, workload=replace(default_problem.workload, response_mean=400, response_max=400,
+                                                     response_longest=0))
     prob = replace(long, migrate_below=(0.0,), micro_batches=(16,), strategies=("flattened",))
     on, off = (next(p for p in plan(prob) if p.gradient_checkpointing == c) for c in (True, False))
     assert on.peak_bytes < off.peak_bytes and off.iteration_s < on.iteration_s
