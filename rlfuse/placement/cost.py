@@ -174,6 +174,12 @@ class MachineProfile:
     decode_layer_call_s: float = 0.0
     """The same per decode step (the engine's lean step for GPT-2/Llama skips transformers' per-call machinery);
     0 means layer_call_s."""
+    decode_sample_s: float = 0.0
+    """Seconds per sample a rollout costs besides its decode steps: its share of the prefill call, retiring its
+    row from the batch (the KV cache is compacted), handing it out."""
+    score_call_s: float = 0.0
+    """Seconds a scoring call costs beyond its forward: collating the micro-batch, the attention mask, gathering the
+    response's log-probs or values."""
     bwd_ratio: float = 2.0
     """Backward seconds per forward second (2: gradients of inputs and of weights, each about one forward)."""
     optimizer_bytes_s: float = 2e9
@@ -357,6 +363,7 @@ def decode_seconds(p: MachineProfile, shape: ModelShape, samples: float, prompt:
     More samples than `max_rows`: waiting prompts join as rows finish, so the engine first runs full steps until
     the queue is empty (the queued samples' tokens, max_rows at a time), then the last max_rows rows' tail."""
     total = forward_seconds(p, shape, samples, prompt, weight_bytes, math.ceil(samples / max_rows))  # prefill
+    total += samples * p.decode_sample_s
     call = p.decode_layer_call_s or p.layer_call_s
 
     def step(rows: float, context: float) -> float:

@@ -30,11 +30,12 @@ GLOO_BYTES_S = 1e9
 """Gradient all-reduce over gloo on loopback TCP (not measured: it needs a second process)."""
 
 BUILTIN_CPU = MachineProfile(
-    name="builtin: AMD EPYC dev VM (2 cores), 1 thread per worker", device="cpu", threads=1, flops=5.4e10,
-    decode_flops=1.6e10, mem_bw=4.3e9, layer_call_s=1.1e-3, decode_layer_call_s=1.0e-4, bwd_ratio=3.0,
-    optimizer_bytes_s=3.0e9, sync_bytes_s=3.1e8, sync_latency_s=SYNC_LATENCY_S, allreduce_bytes_s=GLOO_BYTES_S,
-    allreduce_latency_s=1e-3, ray_call_s=RAY_CALL_S, memory_bytes=23.5 * GiB, runtime_bytes=0.23 * GiB,
-    slack_fraction=0.1, source="rlfuse plan --profile on this project's dev machine, 2026-11-22 01:28 UTC, load 1.3")
+    name="builtin: AMD EPYC dev VM (2 cores), 1 thread per worker", device="cpu", threads=1, flops=5.12e+10,
+    decode_flops=2.78e+10, mem_bw=3.48e+10, layer_call_s=0.00045, decode_layer_call_s=0.00025,
+    decode_sample_s=0.0012, score_call_s=0.0, bwd_ratio=1.67, optimizer_bytes_s=4.94e+09,
+    sync_bytes_s=5.4e+08, sync_latency_s=SYNC_LATENCY_S, allreduce_bytes_s=GLOO_BYTES_S, allreduce_latency_s=1e-3,
+    ray_call_s=RAY_CALL_S, memory_bytes=23.5 * GiB, runtime_bytes=0.26 * GiB, slack_fraction=0.1,
+    source="rlfuse plan --profile on this project's dev machine, 2026-11-22 01:39 UTC, load average 2.7")
 
 
 def default_profile_path() -> Path:
@@ -126,18 +127,24 @@ def measure_profile(shape: ModelShape | None = None, threads: int = 1, device: s
     big = torch.empty(max(int(wbytes // 4), 2**18), device=device)
     t_copy = _timed(lambda: big.clone(), 9, sync)
     mem_bw = 2 * big.numel() * 4 / t_copy  # read + write
-    # decode: per-step cost at 1, 4 and 16 rows (random weights, EOS off: every row runs to the limit)
+    # decode: per-step cost at 1, 8 and 32 rows (random weights, EOS off: every row runs to the limit); then a
+    # rollout whose 32 samples end one per step, to find what each finished sample costs besides its steps
+    # (prefill share, retiring its row, handing it out)
     engine = DecodeEngine(model.eval(), eos_token_id=-1, max_rows=64)
     steps = 24
     params = SamplingParams(max_new_tokens=steps)
+    prompts = [[1 + (i % 7), 2, 3, 4, 5, 6] for i in range(32)]
     decode = {}
-    for rows in (1, 4, 16):
-        prompts = [[1 + (i % 7), 2, 3, 4, 5, 6] for i in range(rows)]
-        with torch.no_grad():
-            decode[rows] = _timed(lambda: list(engine.generate(prompts, 1, params, seed=0)), 3, sync) / steps
+    with torch.no_grad():
+        for rows in (1, 8, 32):
+            decode[rows] = _timed(lambda: list(engine.generate(prompts[:rows], 1, params, seed=0)), 3, sync) / steps
+        staggered = _timed(lambda: list(engine.generate(prompts, 1, SamplingParams(max_new_tokens=32), seed=0,
+                                                        lengths=lambda pid, j: pid + 1)), 3, sync)
     fixed, per_row = _fit(decode)
     decode_layer_call = max(1e-7, (fixed - wbytes / mem_bw) / shape.layers)
     decode_flops = shape.forward_flops(1, 6 + steps / 2) / per_row
+    steps_only = sum(fixed + per_row * (32 - t) for t in range(32))
+    decode_sample_s = max(0.0, (staggered - steps_only) / 32)
     # forward at three batch sizes of RL-like sequences (32 tokens) -> fixed cost per call and FLOP/s; then the
     # backward's ratio to the forward, with a log-softmax loss as the policy loss has
     seq = 32
@@ -150,6 +157,15 @@ def measure_profile(shape: ModelShape | None = None, threads: int = 1, device: s
     fixed, per_row = _fit(fwd)
     flops = shape.forward_flops(seq, seq / 2) / per_row
     call = max(1e-7, (fixed - wbytes / mem_bw) / shape.layers)
+
+    # a scoring call as the Scorer makes it (collate, masked forward, log-probs of the response): what it costs
+    # beyond the bare forward of its tokens
+    from rlfuse.rollout.score import collate, response_logprobs
+
+    one = ([1, 2, 3, 4], list(range(5, 21)))
+    with torch.no_grad():
+        t_score = _timed(lambda: response_logprobs(model, collate([one[0]], [one[1]], 0, device)), 9, sync)
+    score_call_s = max(0.0, t_score - shape.layers * call - shape.forward_flops(20, 10) / flops - wbytes / mem_bw)
 
     def fwd_bwd():
         model(input_ids=ids[16]).logits.float().log_softmax(-1)[..., 0].mean().backward()
@@ -175,7 +191,8 @@ def measure_profile(shape: ModelShape | None = None, threads: int = 1, device: s
     log(f"[profile] {name}: {elapsed:.1f} s on {shape.name} ({n_params / 1e6:.2f} M parameters)")
     return MachineProfile(
         name=name, device=device, threads=threads, flops=flops, decode_flops=decode_flops, mem_bw=mem_bw,
-        layer_call_s=call, decode_layer_call_s=decode_layer_call, bwd_ratio=bwd_ratio,
+        layer_call_s=call, decode_layer_call_s=decode_layer_call, decode_sample_s=decode_sample_s, score_call_s=score_call_s,
+        bwd_ratio=bwd_ratio,
         optimizer_bytes_s=optimizer_bytes_s, sync_bytes_s=sync_bytes_s, sync_latency_s=SYNC_LATENCY_S,
         allreduce_bytes_s=GLOO_BYTES_S if device == "cpu" else 50e9, allreduce_latency_s=1e-3 if device == "cpu" else 1e-4,
         ray_call_s=RAY_CALL_S, memory_bytes=float(memory), runtime_bytes=float(runtime), slack_fraction=0.1,
