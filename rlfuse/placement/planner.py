@@ -294,13 +294,15 @@ def _score_seconds(prob: Problem, workers: int) -> float:
 
 
 def _train_seconds(prob: Problem, workers: int, micro: int, ckpt: bool) -> float:
-    """Actor then critic: epochs x (samples / workers / micro) micro-batches each, an optimiser step per
-    mini-batch, and (several workers) one gradient all-reduce per optimiser step. Sharding (on paper) changes the
+    """Actor then critic: per mini-batch, ceil(micro-batches / workers) micro-batches on each rank (DDP), an
+    optimiser step, and (several workers) one gradient all-reduce. Sharding (on paper) changes the
     memory, not this: each worker gathers the whole weights for its micro-batches, as FSDP does."""
     w, m, p = prob.workload, prob.memory, prob.profile
     steps = w.epochs * w.samples / w.mini_batch
-    calls = w.epochs * math.ceil(w.samples / workers / micro)
-    rows = w.samples / workers * w.epochs / calls
+    # each rank runs every world-th micro-batch of each mini-batch, padded to the same count on every rank
+    # (zero-weight micro-batches cost as much as real ones)
+    calls = steps * math.ceil(w.mini_batch / micro / workers)
+    rows = min(micro, w.mini_batch)
     lora = m.lora_rank > 0
     train_b = 4.0 if m.train_dtype == "fp32" else 2.0
     trained = [(m.policy, m.policy.lora_params(m.lora_rank) if lora else m.policy.params, lora)]

@@ -84,7 +84,8 @@ def default_problem():
 
 
 def _fixed(prob, **kw):
-    return replace(prob, checkpointing=(False,), migrate_below=(0.0,), micro_batches=(16,), **kw)
+    # micro-batches of 4: each mini-batch of 16 is one micro-batch per rank on 4 workers
+    return replace(prob, checkpointing=(False,), migrate_below=(0.0,), micro_batches=(4,), **kw)
 
 
 def test_balanced_small_models_choose_flattened(default_problem):
@@ -132,6 +133,17 @@ def test_memory_binding_turns_on_checkpointing(default_problem):
     assert on.peak_bytes < off.peak_bytes and off.iteration_s < on.iteration_s
     assert not best_plan(prob).gradient_checkpointing  # without a budget the faster one wins
     assert best_plan(replace(prob, memory_budget=(on.peak_bytes + off.peak_bytes) / 2)).gradient_checkpointing
+
+
+def test_data_parallel_ranks_pad_to_the_same_micro_batch_count(default_problem):
+    # a mini-batch of 16 in one micro-batch of 16: rank 0 runs it, rank 1 a zero-weight copy (no speed-up); in two
+    # of 8, each rank runs one of 8 rows: half the FLOPs per rank
+    prob = replace(default_problem, workers=2, strategies=("flattened",), checkpointing=(False,), migrate_below=(0.0,))
+    train = {p.micro_batch_size: p.seconds["train"] for p in plan(prob)}
+    one = replace(prob, workers=1, resources=prob.resources)
+    train_one = {p.micro_batch_size: p.seconds["train"] for p in plan(one)}
+    assert train[8] < train[16]
+    assert train[16] >= train_one[16]  # two ranks doing what one does, plus an all-reduce
 
 
 def test_nothing_fits_is_one_user_error(default_problem):
