@@ -161,12 +161,14 @@ def worker_ranks(rows: list[dict]) -> list[int]:
 
 
 def worker_usage(rows: list[dict], path: Path) -> Path:
-    """Per Ray worker: busy seconds per iteration (decoding, scoring, migration) and resident memory."""
+    """Per Ray worker: busy seconds per iteration (decoding, scoring, migration; training) and resident memory."""
     fig, (ax, ax2) = plt.subplots(1, 2, figsize=(12, 4))
     for rank in worker_ranks(rows):
         _line(ax, rows, f"worker/{rank}/busy_s", f"worker {rank}")
+        if any(f"worker/{rank}/train_s" in r for r in rows):
+            _line(ax, rows, f"worker/{rank}/train_s", f"worker {rank} training")
         _line(ax2, rows, f"worker/{rank}/rss_mb", f"worker {rank}")
-    _line(ax2, rows, "mem/rss_mb", "driver (trainer)", color="black")
+    _line(ax2, rows, "mem/rss_mb", "driver", color="black")
     _per_iteration(ax, "busy seconds", "Busy time per worker (wall time of the rollout: time/rollout)")
     _line(ax, rows, "time/rollout", "rollout wall time", color="black")
     _per_iteration(ax2, "MiB", "Resident memory per process")

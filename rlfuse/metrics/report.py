@@ -80,15 +80,19 @@ def _fmt(v) -> str:
 
 
 def worker_table(rows: list[dict]) -> list[tuple]:
-    """Per worker: mean busy seconds per iteration, its share of the rollout's wall time, peak resident memory."""
+    """Per worker: mean rollout busy seconds per iteration and their share of the rollout's wall time, mean training
+    seconds per iteration (workers of the actor's group), peak resident memory."""
     wall = plots.mean(plots.series(rows, "time/rollout")[1])
-    out = [("worker", "busy s / iteration", "share of rollout wall time", "peak RSS (MiB)")]
+    out = [("worker", "rollout busy s / iteration", "share of rollout wall time", "training s / iteration",
+            "peak RSS (MiB)")]
     for rank in plots.worker_ranks(rows):
         busy = plots.mean(plots.series(rows, f"worker/{rank}/busy_s")[1])
+        train = plots.series(rows, f"worker/{rank}/train_s")[1]
         rss = max(plots.series(rows, f"worker/{rank}/rss_mb")[1] or [float("nan")])
-        out.append((rank, f"{busy:.2f}", f"{busy / wall:.0%}" if wall else "", f"{rss:.0f}"))
+        out.append((rank, f"{busy:.2f}", f"{busy / wall:.0%}" if wall else "",
+                    f"{plots.mean(train):.2f}" if train else "-", f"{rss:.0f}"))
     driver = max(plots.series(rows, "mem/rss_peak_mb")[1] or [float("nan")])
-    return out + [("driver (trainer)", "", "", f"{driver:.0f}")]
+    return out + [("driver (loop, evaluation)", "", "", "", f"{driver:.0f}")]
 
 
 def write_report(run_dir: str | Path, baseline_dir: str | Path | None = None) -> Path:

@@ -1,19 +1,21 @@
-"""Step 1 of the RL loop (weight sync, generate, score) on Ray worker groups laid out by a PlacementSpec.
+"""Steps 1 and 4 of the RL loop (weight sync, generate, score; update) on Ray worker groups laid out by a
+PlacementSpec.
 
-trainers/rl.py asks `build_rollout` for a rollout object; with placement.strategy != single it gets a `RayRollout`
-from here. Every group of the spec becomes Ray actors (rlfuse/placement/ray_rollout.py GenerationWorker), one per
-worker, in one placement group (one bundle per worker, PACK), each holding only the inference roles of its group:
-a group with the generator decodes; a group with the reference or the reward scores (reference log-probs, reward
-and the critic's values, which go together: one pass over the finished samples). What this gives per strategy:
+trainers/rl.py asks `build_placement` for a rollout and a trainer; with placement.strategy != single it gets a
+`RayRollout` and a `RayTrainer` from here. Every worker of the spec is one Ray actor (placement/ray_worker.py
+RoleWorker) in one placement group (one bundle per worker, PACK), holding only the roles of its group: a group with
+the generator decodes; one with the reference or the reward scores; the group with the actor trains, its workers
+joined data-parallel (DDP, gloo on CPU). What this gives per strategy:
 
-- flattened: every worker decodes and scores (with tail migration: freed workers score the finished samples);
-- separated: the "generate" workers decode only; the "train" workers score while they decode;
-- interleaved: the "train" workers decode; the "score" workers score while they decode.
+- flattened: every worker decodes, scores and trains (with tail migration: freed workers score the finished
+  samples); the generators get the actor's weights by an in-process copy on each worker;
+- separated: the "generate" workers decode only, with weights from the trainer's rank 0 through the object store;
+  the "train" workers score while they decode, then train;
+- interleaved: the "train" workers decode and train; the "score" workers score while they decode, and get the
+  critic's weights from rank 0 each iteration (their copy computes the values).
 
-The trainable roles (actor and critic updates) stay in the driver process until the data-parallel train workers
-(ray_train.py) are wired in: with 2 workers, separated and interleaved both run as one decoding worker and one
-scoring worker, and differ only in which group the trainer will join. Ray is imported inside the functions, so
-importing this module never needs Ray.
+The driver keeps the loop, the evaluation and the saved model (rank 0's weights pulled back at the end). Ray is
+imported inside the functions, so importing this module never needs Ray.
 """
 
 from __future__ import annotations
@@ -23,7 +25,6 @@ import time
 from dataclasses import dataclass, field
 
 from rlfuse.errors import UserError
-from rlfuse.models.weights import merged_state_dict
 from rlfuse.placement.spec import ClusterResources, NodeResources, PlacementSpec
 
 SCORING_ROLES = ("reference", "reward")
@@ -66,57 +67,31 @@ def worker_metrics(timing: dict, ranks: list[int], rss_mb: list[float]) -> dict:
 
 
 @dataclass
-class RayRollout:
-    """The rollout object of trainers/rl.py (sync_weights, generate, metrics, close) on Ray generation workers."""
-    spec: PlacementSpec
-    driver: object
-    """ray_rollout.MultiWorkerRollout over every worker, knowing which decode and which score."""
+class RayWorkers:
+    """The Ray actors of a spec, by global rank, and what each does; names a dead worker in one line."""
+    handles: list
     ranks: list[int]
-    migrate: bool
+    groups: list[str]
+    decoders: list[int] = field(default_factory=list)
+    scorers: list[int] = field(default_factory=list)
+    trainers: list[int] = field(default_factory=list)
     placement_group: object = None
     started_ray: bool = False
-    critic_on_workers: bool = False
-    groups: list[str] = field(default_factory=list)
-    """The spec group of each worker (messages name the worker by rank and group)."""
-
-    def sync_weights(self, models) -> dict:
-        """Actor -> every decoding worker, bucketed; and the critic -> every scoring worker when it trains (their
-        frozen copies compute the values). Seconds and bytes summed over both."""
-        with self._naming_dead_workers():
-            out = self.driver.sync_weights(merged_state_dict(models.actor), role="generator")
-            if self.critic_on_workers and models.critic is not None:
-                critic = self.driver.sync_weights(merged_state_dict(models.critic), role="critic")
-                out = {k: out[k] + critic[k] for k in out}
-        return out
-
-    def generate(self, prompts, k: int, params, seed: int):
-        with self._naming_dead_workers():
-            return self.driver.generate(prompts, k, params, seed, migrate=self.migrate)
 
     @contextlib.contextmanager
-    def _naming_dead_workers(self):
+    def naming_dead_workers(self, during: str):
         """A worker process that died (killed, out of memory) ends the run with one line naming it; the iteration
-        under way is not logged, so `--resume` repeats it from the last checkpoint (kept in the driver)."""
+        under way is not logged, so `--resume` repeats it from the last checkpoint (written by rank 0)."""
         from ray.exceptions import RayActorError
 
         try:
             yield
         except RayActorError as e:
-            ids = [w._actor_id.hex() for w in self.driver.workers]
+            ids = [w._actor_id.hex() for w in self.handles]
             i = ids.index(e.actor_id) if e.actor_id in ids else None
             who = f"worker {self.ranks[i]} (group {self.groups[i]})" if i is not None else "a worker"
-            raise UserError(f"placement: Ray {who} died during the rollout ({type(e).__name__}); the last "
+            raise UserError(f"placement: Ray {who} died during the {during} ({type(e).__name__}); the last "
                             f"checkpoint is kept: continue with `rlfuse rl --resume RUN_DIR`") from None
-
-    def metrics(self, exp) -> dict:
-        with self._naming_dead_workers():
-            return worker_metrics(exp.timing, self.ranks, self.driver.rss_mb())
-
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc):
-        self.close()
 
     def close(self) -> None:
         """End the workers and their placement group (and Ray, if this run started it)."""
@@ -124,7 +99,7 @@ class RayRollout:
 
         if not ray.is_initialized():
             return
-        for w in self.driver.workers:
+        for w in self.handles:
             ray.kill(w)
         if self.placement_group is not None:
             ray.util.remove_placement_group(self.placement_group)
@@ -132,16 +107,91 @@ class RayRollout:
             ray.shutdown()
 
 
-def start_ray_rollout(cfg, spec: PlacementSpec, run_dir, log=print) -> RayRollout:
+@dataclass
+class RayTrainer:
+    """Step 4 of the loop and its checkpoints on the training workers (the trainer object of trainers/rl.py)."""
+    group: object
+    """ray_train.TrainGroup over the workers holding the actor."""
+    workers: RayWorkers
+
+    def update(self, exp, adv, returns, kl_coef: float, batches, bad: dict, temperature: float | None = None) -> dict:
+        with self.workers.naming_dead_workers("update"):
+            stats, counters, seconds = self.group.update(exp, adv, returns, kl_coef, batches, bad, temperature)
+        bad.update(counters)
+        ranks = [self.workers.ranks[i] for i in self.workers.trainers]
+        return stats | {"train/data_parallel_ranks": len(ranks)} | {
+            f"worker/{r}/train_s": s for r, s in zip(ranks, seconds)}
+
+    def save_checkpoint(self, path, iteration: int, kl_coef: float, counters: dict) -> None:
+        with self.workers.naming_dead_workers("checkpoint"):
+            self.group.save_checkpoint(path, iteration, kl_coef, counters)
+
+    def load_checkpoint(self, path) -> dict:
+        with self.workers.naming_dead_workers("resume"):
+            return self.group.load_checkpoint(path)
+
+    def pull_into(self, models) -> None:
+        with self.workers.naming_dead_workers("final weight pull"):
+            self.group.pull_into(models)
+
+
+@dataclass
+class RayRollout:
+    """The rollout object of trainers/rl.py (sync_weights, generate, metrics) on the spec's workers."""
+    driver: object
+    """ray_rollout.MultiWorkerRollout over every worker, knowing which decode and which score."""
+    workers: RayWorkers
+    group: object
+    """ray_train.TrainGroup: where the weights come from."""
+    migrate: bool
+    critic_trains: bool = False
+
+    def sync_weights(self, models=None) -> dict:
+        """Actor -> every decoding worker; critic -> every scoring worker that does not train it (its frozen copy
+        computes the values). A worker holding an actor replica copies in-process; the others load rank 0's
+        buckets from the object store. `time/weight_sync`: wall seconds; `sync/bytes`: bytes loaded into one
+        generator (plus one scorer's critic when sent); `sync/sent_bytes`: bytes put into the object store."""
+        import ray
+
+        w = self.workers
+        t, sent, per_holder, calls = time.perf_counter(), 0, {}, []
+        with w.naming_dead_workers("weight sync"):
+            local = [w.handles[i].sync_from_actor.remote() for i in w.decoders if i in w.trainers]
+            for role, target, holders in (("actor", "generator", [i for i in w.decoders if i not in w.trainers]),
+                                          ("critic", "critic", [i for i in w.scorers if i not in w.trainers])):
+                if not holders or (role == "critic" and not self.critic_trains):
+                    continue
+                refs = self.group.actor_weights(self.driver.bucket_bytes, role)
+                sent, per_holder[target] = sent + refs.bytes, refs.bytes
+                calls += [w.handles[i].load_weights.remote(target, ref) for ref in refs.refs for i in holders]
+            copied = ray.get(local)
+            ray.get(calls)
+        if copied:
+            per_holder["generator"] = copied[0][0]
+        return {"time/weight_sync": time.perf_counter() - t, "sync/bytes": sum(per_holder.values()),
+                "sync/sent_bytes": sent}
+
+    def generate(self, prompts, k: int, params, seed: int):
+        with self.workers.naming_dead_workers("rollout"):
+            return self.driver.generate(prompts, k, params, seed, migrate=self.migrate)
+
+    def metrics(self, exp) -> dict:
+        with self.workers.naming_dead_workers("rollout"):
+            return worker_metrics(exp.timing, self.workers.ranks, self.driver.rss_mb())
+
+
+def start_ray_placement(cfg, spec: PlacementSpec, run_dir, log=print) -> tuple[RayRollout, RayTrainer, RayWorkers]:
     """Validate the spec against the cluster, reserve one bundle per worker (PACK), start each group's workers with
-    the models of its roles, and return the RL loop's rollout object."""
+    the models of its roles, join the training ranks, and return the RL loop's rollout and trainer objects (and the
+    workers, to close)."""
     import ray
     from ray.util.placement_group import placement_group
 
     from rlfuse.models.roles import derive_roles
     from rlfuse.placement.check import validate_placement
-    from rlfuse.placement.ray_rollout import (MultiWorkerRollout, RolloutSettings, WorkerModels,
-                                              start_generation_workers)
+    from rlfuse.placement.ray_rollout import MultiWorkerRollout, RolloutSettings, WorkerModels
+    from rlfuse.placement.ray_train import TrainGroup
+    from rlfuse.placement.ray_worker import join_training, start_role_workers
 
     started = start_ray(spec)
     try:
@@ -150,29 +200,32 @@ def start_ray_rollout(cfg, spec: PlacementSpec, run_dir, log=print) -> RayRollou
                    for g in spec.groups for _ in range(g.workers)]
         pg = placement_group(bundles, strategy="PACK")
         ray.get(pg.ready(), timeout=120)
+        workers = RayWorkers([], [], [], placement_group=pg, started_ray=started)
         models, settings = WorkerModels.from_config(cfg, run_dir), RolloutSettings.from_config(cfg)
-        workers, ranks, groups, decoders, scorers = [], [], [], [], []
         t = time.perf_counter()
         for g in spec.groups:
             decodes, scores = "generator" in g.roles, any(r in g.roles for r in SCORING_ROLES)
-            if not (decodes or scores):  # only trainable roles: they train in the driver for now
-                continue
-            first = len(workers)
+            trains, first = "actor" in g.roles, len(workers.handles)
             group_ranks = list(spec.worker_ranks(g.name))
-            workers += start_generation_workers(g.workers, models.holding(decodes, scores), settings,
-                                                g.cpus_per_worker, pg, first_bundle=group_ranks[0])
-            ranks += group_ranks
-            groups += [g.name] * g.workers
-            decoders += list(range(first, len(workers))) if decodes else []
-            scorers += list(range(first, len(workers))) if scores else []
-            log(f"[placement] group {g.name}: {g.workers} worker(s) "
-                f"{'decode' if decodes else ''}{' + ' if decodes and scores else ''}{'score' if scores else ''}")
-        pids = ray.get([w.pid.remote() for w in workers])
-        log(f"[placement] {len(workers)} Ray worker(s) up in {time.perf_counter() - t:.1f}s (pids "
-            f"{', '.join(f'{r}:{p}' for r, p in zip(ranks, pids))}); actor and critic updates run in the driver")
-        driver = MultiWorkerRollout(workers, settings, decoders=decoders, scorers=scorers)
-        critic_trains = models.critic is not None
-        return RayRollout(spec, driver, ranks, cfg.rollout.migrate_below > 0, pg, started, critic_trains, groups)
+            workers.handles += start_role_workers(cfg, run_dir, g.workers, models.holding(decodes, scores), settings,
+                                                  g.cpus_per_worker, g.gpus_per_worker, pg, group_ranks[0], trains)
+            mine = list(range(first, len(workers.handles)))
+            workers.ranks += group_ranks
+            workers.groups += [g.name] * g.workers
+            workers.decoders += mine if decodes else []
+            workers.scorers += mine if scores else []
+            workers.trainers += mine if trains else []
+            jobs = [job for job, on in (("decode", decodes), ("score", scores), ("train", trains)) if on]
+            log(f"[placement] group {g.name}: {g.workers} worker(s) {' + '.join(jobs)}")
+        train = TrainGroup([workers.handles[i] for i in workers.trainers])
+        join_training(train.workers)
+        pids = ray.get([w.pid.remote() for w in workers.handles])
+        log(f"[placement] {len(workers.handles)} Ray worker(s) up in {time.perf_counter() - t:.1f}s (pids "
+            f"{', '.join(f'{r}:{p}' for r, p in zip(workers.ranks, pids))}); {len(train.workers)} train "
+            f"data-parallel")
+        driver = MultiWorkerRollout(workers.handles, settings, decoders=workers.decoders, scorers=workers.scorers)
+        rollout = RayRollout(driver, workers, train, cfg.rollout.migrate_below > 0, models.critic is not None)
+        return rollout, RayTrainer(train, workers), workers
     except BaseException:
         if started:
             ray.shutdown()

@@ -106,6 +106,8 @@ def build_worker_roles(models: WorkerModels, settings: RolloutSettings) -> tuple
     from rlfuse.models.build import frozen, load_policy, reward_function, value_model
     from rlfuse.models.load import load_tokenizer
 
+    if not (models.decodes or models.scores):
+        return None, None
     tok = load_tokenizer(models.generator or models.reference)
     cpu = torch.device("cpu")
     eos = tok.eos_token_id if settings.eos_token_id is None else settings.eos_token_id
@@ -154,9 +156,13 @@ class GenerationWorker:
 
     def __init__(self, models: WorkerModels, settings: RolloutSettings, threads: int = 1):
         torch.set_num_threads(threads)
-        self.settings = settings
+        self._setup(*build_worker_roles(models, settings), settings)
+
+    def _setup(self, engine: DecodeEngine | None, scorer: Scorer | None, settings: RolloutSettings) -> None:
+        """Hold this engine and scorer (either may be None); a worker that also trains builds them from its own
+        models (placement/ray_worker.py)."""
+        self.settings, self.engine, self.scorer = settings, engine, scorer
         self.fusion = FusionPolicy(True, settings.score_every, settings.live_below)
-        self.engine, self.scorer = build_worker_roles(models, settings)
         self._prefill_s = 0.0
         if self.engine is not None:
             self._prefill = self.engine._prefill  # timed: re-prefill seconds are a migration cost we report

@@ -1,29 +1,31 @@
-"""Data-parallel training on Ray: one TrainWorker process per rank, joined in a torch.distributed group (gloo on CPU,
-NCCL on GPU). Every rank holds a full replica of the trainable roles (actor; critic for PPO), runs its share of each
-mini-batch's micro-batches through the same update functions as one process (trainers/rl.py `update`, with
-`group=`), and steps on gradients summed over ranks, so an update equals the single-process update on the same
-experience. Rank 0 sends the actor's merged weights to generators in buckets through the object store, and saves
-the same checkpoint file as trainers/checkpoint.py.
+"""Data-parallel training on Ray: one process per rank, joined in a torch.distributed group (gloo on CPU, NCCL on
+GPU), the trainable roles wrapped in torch's DistributedDataParallel. Every rank holds a full replica of the
+trainable roles (actor; critic for PPO), runs its share of each mini-batch's micro-batches through the same update
+functions as one process (trainers/rl.py `update`, with `group=`), and DDP all-reduces the gradients in buckets
+during the last micro-batch's backward, so an update equals the single-process update on the same experience.
+Rank 0 sends the actor's merged weights to generators in buckets through the object store, and saves the same
+checkpoint file as trainers/checkpoint.py (with full replicas it is the whole checkpoint; FSDP2's sharded states and
+torch.distributed.checkpoint are for models that do not fit one worker).
 
-Why not torch's DDP wrapper: DDP all-reduces only after its own forward (which prepares its reducer), and
-rl.py's log-probs never call the model's forward: response_logprobs runs the body and the LM head apart, to keep
-the (B, T, V) logits out of memory. So gradients are summed here once per mini-batch, with the same collective DDP
-issues (all_reduce of flat buckets), only not overlapped with the backward. FSDP2 (fully_shard) and sharded
-checkpoints through torch.distributed.checkpoint are the next step; with full replicas, rank 0's file is the
-whole checkpoint.
+How the RL losses meet DDP: DDP reduces the gradients of a backward that follows its own forward, and rl.py's
+log-probs never call the model's forward (response_logprobs runs the body and the LM head apart, to keep the
+(B, T, V) logits out of memory). So the trainable modules sit in a `TrainableRoles` container whose forward runs the
+micro-batch loss function it is given: the loss is computed inside DDP's forward, DDP's hooks see every gradient.
 
 Ray is imported inside functions only: importing this module does not need Ray.
 """
 
 from __future__ import annotations
 
+import contextlib
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from datetime import timedelta
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
+from torch.nn.parallel import DistributedDataParallel
 
 from rlfuse.config import Config
 from rlfuse.rollout.fusion import Experience
@@ -36,18 +38,16 @@ one extra bucket of memory does not matter."""
 # ------------------------------------------------------------------------------------------- collectives
 
 
-def _buckets(tensors: list[torch.Tensor], bucket_bytes: int) -> list[list[torch.Tensor]]:
-    """Consecutive runs of same-dtype, same-device tensors of about bucket_bytes each (one flat buffer each)."""
-    out, size = [], 0
-    for t in tensors:
-        nbytes = t.numel() * t.element_size()
-        last = out[-1][-1] if out else None
-        if not out or size + nbytes > bucket_bytes or t.dtype != last.dtype or t.device != last.device:
-            out.append([])
-            size = 0
-        out[-1].append(t)
-        size += nbytes
-    return out
+class TrainableRoles(torch.nn.Module):
+    """The modules one optimise() call trains (the actor, with a value head on its body; or the critic), as one
+    module for DDP. forward(loss_of, *args) = loss_of(*args): the loss is built inside DDP's forward."""
+
+    def __init__(self, modules: list[torch.nn.Module]):
+        super().__init__()
+        self.roles = torch.nn.ModuleList(modules)
+
+    def forward(self, loss_of, *args):
+        return loss_of(*args)
 
 
 @dataclass
@@ -57,32 +57,51 @@ class DataParallelGroup:
     world: int
     device: torch.device
     bucket_bytes: int = DEFAULT_BUCKET_BYTES
+    loss_scale: float | None = None
+    """What each micro-batch loss is multiplied by before backward; None: world. DDP averages gradients over ranks,
+    and rl.py's micro-batch losses are already scaled by their share of the whole mini-batch (rl.micro_batches),
+    so the sum over ranks is the single-process gradient: world x DDP's mean. (Tests set 1 to show the mean is
+    the wrong weighting.)"""
+    _wrapped: dict = field(default_factory=dict, repr=False)
+
+    def wrap(self, modules: list[torch.nn.Module]) -> DistributedDataParallel:
+        """DDP over these modules, built once per set (every rank builds its sets in the same order, as
+        rl.update calls them). Building broadcasts rank 0's parameters and buffers: LoRA's random init differs per
+        process, so every rank starts from rank 0's replica."""
+        key = tuple(id(m) for m in modules)
+        if key not in self._wrapped:
+            device_ids = [self.device.index] if self.device.type == "cuda" else None
+            self._wrapped[key] = DistributedDataParallel(TrainableRoles(modules), device_ids=device_ids,
+                                                         bucket_cap_mb=self.bucket_bytes / 2**20,
+                                                         broadcast_buffers=False)
+        return self._wrapped[key]
+
+    @contextlib.contextmanager
+    def micro_batch(self, modules: list[torch.nn.Module], sync: bool):
+        """Around one micro-batch's forward and backward: yields `run(loss_of, *args)`, which computes the loss
+        inside DDP's forward and returns (loss x loss_scale, stats). sync=False (all but a mini-batch's last
+        micro-batch) accumulates locally; the last one all-reduces."""
+        ddp = self.wrap(modules)
+        scale = self.world if self.loss_scale is None else self.loss_scale
+
+        def run(loss_of, *args):
+            loss, stats = ddp(loss_of, *args)
+            return loss * scale, stats
+
+        with contextlib.nullcontext() if sync else ddp.no_sync():
+            yield run
+
+    def micro_batch_slots(self, mini_len: int, size: int) -> int:
+        """Micro-batches every rank runs per mini-batch: the most any rank has (ranks with fewer pad with a
+        zero-weight one, since every rank must take part in the all-reduce)."""
+        n = -(-mini_len // size)
+        return -(-n // self.world)
 
     def all_finite(self, finite: bool) -> bool:
         """True on every rank iff every rank's losses were finite: one rank's NaN skips the step on all."""
         flag = torch.tensor([int(finite)], device=self.device)
         dist.all_reduce(flag, op=dist.ReduceOp.MIN)  # note: a host sync, once per mini-batch
         return bool(flag.item())
-
-    def sum_gradients(self, modules: list[torch.nn.Module]) -> None:
-        """Replace each trainable parameter's gradient by its sum over ranks.
-
-        A sum, not DDP's mean: each micro-batch's loss is already scaled by its share of the whole mini-batch
-        (rl.micro_batches), and the ranks' micro-batches partition the mini-batch, so sum over ranks of
-        sum over own micro-batches of share * grad = the single-process gradient. A mean would be 1/world of it
-        (DDP users scale the loss by world instead). A parameter no rank touched keeps grad None, as in one process."""
-        params = list({id(p): p for m in modules for p in m.parameters() if p.requires_grad}.values())
-        touched = torch.tensor([p.grad is not None for p in params], dtype=torch.int32, device=self.device)
-        dist.all_reduce(touched)
-        live = [p for p, n in zip(params, touched.tolist()) if n]
-        for p in live:
-            if p.grad is None:  # touched on another rank only (a rank with no micro-batch of this mini-batch)
-                p.grad = torch.zeros_like(p)
-        for bucket in _buckets([p.grad for p in live], self.bucket_bytes):
-            flat = torch.cat([g.reshape(-1) for g in bucket])
-            dist.all_reduce(flat)
-            for g, summed in zip(bucket, flat.split([g.numel() for g in bucket])):
-                g.copy_(summed.view_as(g))
 
     def sum_stats(self, sums: dict, count: int) -> tuple[dict, int]:
         """Per-micro-batch stat sums and counts over all ranks (a rank may have had no micro-batch: no keys)."""
@@ -94,13 +113,6 @@ class DataParallelGroup:
             for k, v in part.items():
                 total[k] = total.get(k, 0.0) + v
         return total, sum(c for _, c in gathered)
-
-    def broadcast_from_rank0(self, modules: list[torch.nn.Module]) -> None:
-        """Every rank starts from rank 0's parameters and buffers (LoRA's random init differs per process)."""
-        with torch.no_grad():
-            for m in modules:
-                for t in list(m.parameters()) + list(m.buffers()):
-                    dist.broadcast(t.data, src=0)
 
 
 # ------------------------------------------------------------------------------------------- weight sync
@@ -131,7 +143,8 @@ def load_weight_refs(engine, weights: WeightRefs) -> dict:
 class TrainWorker:
     """One rank of data-parallel training (a Ray actor; start them with start_train_workers)."""
 
-    def __init__(self, cfg: Config, run_dir: str, rank: int, world: int, threads: int = 1):
+    def __init__(self, cfg: Config, run_dir: str, rank: int, world: int, threads: int = 1,
+                 keep: tuple[str, ...] = ()):
         from rlfuse.models.build import build_models
         from rlfuse.placement.ray_common import pin_threads
         from rlfuse.trainers.common import pick_device, seed_everything
@@ -141,10 +154,12 @@ class TrainWorker:
         seed_everything(cfg.run.seed)
         self.cfg, self.rank, self.world = cfg, rank, world
         self.device = pick_device(cfg.run)
-        # build_models loads every role; a trainer keeps the trainable ones (actor, critic) and lets the rest go.
-        # One loader, so the actor and critic are built exactly as in one process.
+        # build_models loads every role; a trainer keeps the trainable ones (actor, critic) and those in `keep`
+        # ("generator", "ref", "reward_fn": a worker that also decodes or scores) and lets the rest go. One loader,
+        # so every role is built exactly as in one process.
         models = build_models(cfg, Path(run_dir), self.device)
-        models.generator = models.ref = models.reward_fn = None
+        for name in {"generator", "ref", "reward_fn"} - set(keep):
+            setattr(models, name, None)
         self.models, self.learners = models, build_learners(models, cfg.rl)
         self.group: DataParallelGroup | None = None
 
@@ -161,10 +176,10 @@ class TrainWorker:
         dist.init_process_group(backend, init_method=f"tcp://{host}:{port}", rank=self.rank, world_size=self.world,
                                 timeout=timedelta(seconds=timeout_s))
         self.group = DataParallelGroup(self.rank, self.world, self.device)
-        self.group.broadcast_from_rank0(self._trainable_modules())
+        from rlfuse.trainers.rl import learner_sets
 
-    def _trainable_modules(self) -> list[torch.nn.Module]:
-        return [l.module for l in (self.learners.actor, self.learners.critic) if l is not None]
+        for learners in learner_sets(self.learners):  # DDP copies rank 0's weights to every rank as it wraps
+            self.group.wrap([learner.module for learner in learners])
 
     def update(self, exp: Experience, adv, returns, kl_coef: float, batches: list[list[int]], bad: dict,
                temperature: float | None = None) -> dict:
@@ -172,20 +187,21 @@ class TrainWorker:
         rank returns the same {"stats", "bad"}."""
         from rlfuse.trainers.rl import update
 
+        t = time.perf_counter()
         stats = update(self.models, self.learners, exp, adv, returns, self.cfg.rl, kl_coef, batches, bad,
                        temperature=temperature, group=self.group)
-        return {"stats": stats, "bad": bad}
+        return {"stats": stats, "bad": bad, "seconds": time.perf_counter() - t}
 
-    def actor_weights(self, bucket_bytes: int = DEFAULT_BUCKET_BYTES) -> WeightRefs:
-        """The actor's merged weights (models/weights.merged_state_dict) in object-store buckets (rank 0 is enough:
-        every rank holds the same replica)."""
+    def actor_weights(self, bucket_bytes: int = DEFAULT_BUCKET_BYTES, role: str = "actor") -> WeightRefs:
+        """The actor's (or role="critic": the critic's) merged weights (models/weights.merged_state_dict) in
+        object-store buckets (rank 0 is enough: every rank holds the same replica)."""
         import ray
 
         from rlfuse.models.weights import merged_state_dict
         from rlfuse.rollout.weights import weight_buckets
 
         t, refs, nbytes = time.perf_counter(), [], 0
-        for bucket in weight_buckets(merged_state_dict(self.models.actor), bucket_bytes):
+        for bucket in weight_buckets(merged_state_dict(getattr(self.models, role)), bucket_bytes):
             bucket = {k: v.detach().cpu() for k, v in bucket.items()}  # the object store holds host memory
             nbytes += sum(v.numel() * v.element_size() for v in bucket.values())
             refs.append(ray.put(bucket))  # serialised now: later steps cannot change what was sent
@@ -229,20 +245,27 @@ class TrainGroup:
     workers: list
 
     def update(self, exp: Experience, adv, returns, kl_coef: float, batches: list[list[int]], bad: dict,
-               temperature: float | None = None) -> tuple[dict, dict]:
-        """-> (stats, bad counters) of rl.update run data-parallel; the experience goes once into the object store
-        and every rank reads it from there."""
+               temperature: float | None = None) -> tuple[dict, dict, list[float]]:
+        """-> (stats, bad counters, seconds per rank) of rl.update run data-parallel; the experience goes once into
+        the object store and every rank reads it from there."""
         import ray
 
         exp_ref, adv_ref, ret_ref = ray.put(exp), ray.put(adv), ray.put(returns)
-        outs = ray.get([w.update.remote(exp_ref, adv_ref, ret_ref, kl_coef, batches, bad, temperature)
-                        for w in self.workers])
-        return outs[0]["stats"], outs[0]["bad"]
+        outs = get_failing_fast([w.update.remote(exp_ref, adv_ref, ret_ref, kl_coef, batches, bad, temperature)
+                                 for w in self.workers])
+        return outs[0]["stats"], outs[0]["bad"], [o["seconds"] for o in outs]
 
-    def actor_weights(self, bucket_bytes: int = DEFAULT_BUCKET_BYTES) -> WeightRefs:
+    def pull_into(self, models) -> None:
+        """Rank 0's trainable weights into the driver's own models (its evaluation and the saved model)."""
         import ray
 
-        return ray.get(self.workers[0].actor_weights.remote(bucket_bytes))
+        for role, state in ray.get(self.workers[0].trainable_state.remote()).items():
+            getattr(models, role).load_state_dict(state, strict=False)
+
+    def actor_weights(self, bucket_bytes: int = DEFAULT_BUCKET_BYTES, role: str = "actor") -> WeightRefs:
+        import ray
+
+        return ray.get(self.workers[0].actor_weights.remote(bucket_bytes, role))
 
     def save_checkpoint(self, path, iteration: int, kl_coef: float, counters: dict) -> None:
         import ray
@@ -266,6 +289,18 @@ class TrainGroup:
         ray.wait([w.shutdown.remote() for w in self.workers], num_returns=len(self.workers), timeout=timeout_s)
         for w in self.workers:
             ray.kill(w)
+
+
+def get_failing_fast(refs: list) -> list:
+    """ray.get of every ref, raising as soon as any fails: a rank that died leaves the others blocked in a
+    collective (until its timeout), so waiting on them in order could hang for minutes first."""
+    import ray
+
+    pending, done = list(refs), {}
+    while pending:
+        ready, pending = ray.wait(pending, num_returns=1)
+        done[ready[0]] = ray.get(ready[0])
+    return [done[r] for r in refs]
 
 
 def start_train_workers(cfg: Config, run_dir, world: int, cpus_per_worker: int = 1, gpus_per_worker: float = 0,

@@ -1,17 +1,22 @@
-"""Step 1 of the RL loop (weight sync, then generate and score), wherever it runs: `LocalRollout` in this process,
-or with placement.strategy != single `RayRollout` on Ray worker groups (ray_driver.py). trainers/rl.py calls
-`build_rollout` once and then only these methods:
+"""Where steps 1 and 4 of the RL loop run: `build_placement` gives trainers/rl.py a rollout (weight sync, then
+generate and score) and a trainer (update, checkpoints). With placement.strategy=single they are `LocalRollout`
+and rl.py's `LocalTrainer` in this process; otherwise ray_driver.py's `RayRollout` and `RayTrainer` on Ray worker
+groups. trainers/rl.py calls only these methods:
 
-    with build_rollout(...) as rollout:
+    with build_placement(...) as (rollout, trainer):
         sync = rollout.sync_weights(models)          # actor -> generator(s); critic -> scoring workers on Ray
         exp = rollout.generate(prompts, k, params, seed)
+        stats = trainer.update(exp, adv, returns, kl_coef, batches, bad, temperature)
         row |= rollout.metrics(exp)                  # time/..., and on Ray migration/... and worker/<i>/...
+        trainer.save_checkpoint(path, iteration, kl_coef, counters)
+    trainer.pull_into(models)                        # the trained weights into this process's models
 
 Ray is imported only when the spec uses it.
 """
 
 from __future__ import annotations
 
+import contextlib
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -53,21 +58,31 @@ class LocalRollout:
     def metrics(self, exp: Experience) -> dict:
         return {f"time/{k}": v for k, v in exp.timing.items() if not k.startswith("decode")}
 
-    def __enter__(self):
-        return self
+def local_scorer(models: Models, cfg: Config) -> Scorer:
+    """The scorer of a process holding the roles itself (this one, or a Ray worker that also trains): reference
+    (the actor with adapters off where it has no model of its own), reward, and the critic being trained."""
+    rl = cfg.rl
+    return Scorer(models.reward_fn, models.tokenizer.pad_token_id, ref=models.ref, actor=models.actor,
+                  critic=models.critic, temperature=rl.temperature, micro_batch_size=cfg.rollout.micro_batch_size,
+                  unfinished_penalty=rl.unfinished_penalty)
 
-    def __exit__(self, *exc):
-        pass
 
-
-def build_rollout(cfg: Config, run_dir: Path, engine: DecodeEngine, scorer: Scorer, fusion: FusionPolicy, log):
-    """LocalRollout, or with placement.strategy != single the Ray worker groups of the spec (Ray imported only then)."""
+@contextlib.contextmanager
+def build_placement(cfg: Config, run_dir: Path, engine: DecodeEngine, scorer: Scorer, fusion: FusionPolicy,
+                    local_trainer, log):
+    """(rollout, trainer): LocalRollout and `local_trainer` in this process, or with placement.strategy != single
+    the Ray worker groups of the spec (Ray imported only then), closed on exit."""
     from rlfuse.placement.strategies import spec_from_config
 
     spec = spec_from_config(cfg)
     if not spec.uses_ray:
-        return LocalRollout(engine, scorer, fusion)
-    from rlfuse.placement.ray_driver import start_ray_rollout
+        yield LocalRollout(engine, scorer, fusion), local_trainer
+        return
+    from rlfuse.placement.ray_driver import start_ray_placement
 
     log(spec.describe())
-    return start_ray_rollout(cfg, spec, run_dir, log)
+    rollout, trainer, workers = start_ray_placement(cfg, spec, run_dir, log)
+    try:
+        yield rollout, trainer
+    finally:
+        workers.close()

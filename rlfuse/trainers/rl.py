@@ -16,8 +16,9 @@ Departures from the papers, on purpose:
   (seed, iteration), so a resumed run repeats an uninterrupted one exactly;
 - with a temperature schedule each iteration optimises softmax(logits / T_it): sampling, the reference log-probs
   and the update's log-probs all use T_it, while the before/after evaluation keeps one fixed temperature;
-- step 1 (sync, generate, score) is a `rollout` object (rlfuse/placement/rollout.py): this process, or Ray worker
-  groups by placement.strategy; the updates (step 4) and the evaluation stay in this process for every strategy.
+- step 1 (sync, generate, score) and step 4 (update, checkpoints) are a `rollout` and a `trainer` object
+  (rlfuse/placement/rollout.py): this process, or Ray worker groups by placement.strategy (training data-parallel
+  on the actor's group); the evaluation and the saved model stay in this process for every strategy.
 """
 
 from __future__ import annotations
@@ -45,11 +46,11 @@ from rlfuse.evaluation import evaluate, evaluate_before, iteration_gold, prompt_
 from rlfuse.metrics.tracker import JsonlTracker, memory_metrics, truncate_metrics
 from rlfuse.models.build import Models, build_models
 from rlfuse.models.load import save_trained_model
-from rlfuse.placement.rollout import build_rollout, sync_weights
+from rlfuse.placement.rollout import build_placement, local_scorer, sync_weights
 from rlfuse.progress import Progress
 from rlfuse.rollout.engine import DecodeEngine, SamplingParams
 from rlfuse.rollout.fusion import Experience, FusionPolicy
-from rlfuse.rollout.score import Scorer, collate, response_logprobs, response_values
+from rlfuse.rollout.score import collate, response_logprobs, response_values
 from rlfuse.trainers.checkpoint import load_checkpoint, save_checkpoint
 from rlfuse.trainers.common import build_constant_optimizer, setup_runtime
 from rlfuse.trainers.sft import resolve_base_model
@@ -92,6 +93,13 @@ def build_learners(models: Models, rl: RLConfig) -> Learners:
     if models.critic is not None:
         critic = Learner.constant(models.critic.head if shared else models.critic, rl.critic_lr)
     return Learners(Learner.constant(models.actor, rl.lr), critic, shared)
+
+
+def learner_sets(learners: Learners) -> list[list[Learner]]:
+    """The learners each optimise() call of `update` steps together, in update's order: the actor (with the value
+    head when it sits on the actor's body), then a separate critic."""
+    sets = [[learners.actor] + ([learners.critic] if learners.shared_body else [])]
+    return sets + ([[learners.critic]] if learners.critic is not None and not learners.shared_body else [])
 
 
 # ------------------------------------------------------------------------------------------- the math
@@ -208,38 +216,67 @@ def optimise(learners: list[Learner], batches: list[list[int]], exp: Experience,
     (already scaled by its share), then each learner clips its own gradient norm and steps. A non-finite loss skips
     the mini-batch (count_bad_step). Returns (mean stats over micro-batches, mean grad norm per learner).
 
-    group: data parallelism (rlfuse/placement/ray_train.py DataParallelGroup: rank, world, all_finite,
-    sum_gradients, sum_stats): this rank runs its micro-batches of each mini-batch (micro_batches), then every rank
-    steps on the same summed gradients, as one process would on the whole mini-batch."""
+    group: data parallelism (rlfuse/placement/ray_train.py DataParallelGroup, DDP underneath): this rank runs its
+    micro-batches of each mini-batch (micro_batches), padded with zero-weight ones to the same count on every rank,
+    the losses computed inside DDP's forward; the last micro-batch's backward all-reduces, so every rank steps on the
+    gradient one process would get from the whole mini-batch."""
+    if group is not None:
+        return _optimise_data_parallel(learners, batches, exp, micro_size, loss_of, rl, bad, group)
     sums: dict = {}
     count, steps, norms = 0, 0, [0.0] * len(learners)
-    rank, world = (group.rank, group.world) if group is not None else (0, 1)
     for mini in batches:
         finite = True
-        for idx, share in micro_batches(exp, mini, micro_size, rank, world):
+        for idx, share in micro_batches(exp, mini, micro_size):
             loss, stats = loss_of(idx, share)
             if not torch.isfinite(loss):
                 finite = False
                 break
             loss.backward()
-            for key, v in stats.items():  # tensors: no host sync per micro-batch
-                sums[key] = sums.get(key, 0.0) + v.detach()
-            count += 1
-        if group is not None:  # one rank's NaN skips the step on every rank, or their weights would part
-            finite = group.all_finite(finite)
-        if not finite:
-            for learner in learners:
-                learner.opt.zero_grad(set_to_none=True)
-            count_bad_step(bad, rl, "a NaN/inf loss")
-            continue
-        bad["consecutive"] = 0
-        if group is not None:  # a sum, not DDP's mean: losses are already scaled by their share of the whole
-            group.sum_gradients([learner.module for learner in learners])  # mini-batch; the clip sees the global norm
-        norms = [n + learner.step(rl.grad_clip) for n, learner in zip(norms, learners)]
-        steps += 1
-    if group is not None:
-        sums, count = group.sum_stats(sums, count)
+            count = _add_stats(sums, stats, count)
+        steps, norms = _step_or_skip(learners, finite, rl, bad, steps, norms)
     return {k: float(v) / max(1, count) for k, v in sums.items()}, [float(n) / max(1, steps) for n in norms]
+
+
+def _optimise_data_parallel(learners, batches, exp, micro_size, loss_of, rl, bad, group):
+    """optimise on one rank of a data-parallel group. Every rank runs every slot (a NaN loss too: it makes the
+    all-reduced gradient NaN on every rank, and the ranks skip the step together)."""
+    sums: dict = {}
+    count, steps, norms = 0, 0, [0.0] * len(learners)
+    modules = [learner.module for learner in learners]
+    zero = {"token": 0.0, "sequence": 0.0}
+    for mini in batches:
+        mine = list(micro_batches(exp, mini, micro_size, group.rank, group.world))
+        slots = group.micro_batch_slots(len(mini), micro_size)
+        finite = True
+        for j in range(slots):
+            idx, share = mine[j] if j < len(mine) else (mini[:micro_size], zero)  # a padding slot adds nothing
+            with group.micro_batch(modules, sync=j == slots - 1) as run:
+                loss, stats = run(loss_of, idx, share)
+                finite = finite and bool(torch.isfinite(loss))
+                loss.backward()
+            if j < len(mine):
+                count = _add_stats(sums, stats, count)
+        steps, norms = _step_or_skip(learners, group.all_finite(finite), rl, bad, steps, norms)
+    sums, count = group.sum_stats(sums, count)
+    return {k: float(v) / max(1, count) for k, v in sums.items()}, [float(n) / max(1, steps) for n in norms]
+
+
+def _add_stats(sums: dict, stats: dict, count: int) -> int:
+    for key, v in stats.items():  # tensors: no host sync per micro-batch
+        sums[key] = sums.get(key, 0.0) + v.detach()
+    return count + 1
+
+
+def _step_or_skip(learners, finite: bool, rl: RLConfig, bad: dict, steps: int, norms: list) -> tuple[int, list]:
+    """After a mini-batch's backwards: step every learner, or with a non-finite loss zero their gradients and count
+    the skip."""
+    if not finite:
+        for learner in learners:
+            learner.opt.zero_grad(set_to_none=True)
+        count_bad_step(bad, rl, "a NaN/inf loss")
+        return steps, norms
+    bad["consecutive"] = 0
+    return steps + 1, [n + learner.step(rl.grad_clip) for n, learner in zip(norms, learners)]
 
 
 def update_actor(actor: Learner, exp: Experience, adv, batches: list[list[int]], rl: RLConfig, kl_coef: float,
@@ -338,19 +375,17 @@ def train_rl(cfg: Config, run_dir: Path, log=print, resume: bool = False, on_rea
         log(f"[rl] prompts cut to their last {budget} tokens: {cut} of {len(train_prompts)} train, "
             f"{cut_held} of {len(held_prompts)} held out")
     engine = DecodeEngine(models.generator, tok.eos_token_id, max_rows=cfg.rollout.max_rows, tokenizer=tok)
-    scorer = Scorer(models.reward_fn, tok.pad_token_id, ref=models.ref, actor=models.actor, critic=models.critic,
-                    temperature=rl.temperature, micro_batch_size=cfg.rollout.micro_batch_size,
-                    unfinished_penalty=rl.unfinished_penalty)
+    scorer = local_scorer(models, cfg)
     fusion = FusionPolicy(cfg.rollout.fusion, cfg.rollout.score_every, cfg.rollout.live_below)
     params = SamplingParams(rl.max_new_tokens, rl.temperature, rl.top_k, rl.top_p, tuple(rl.stop or ()))
-    learners = build_learners(models, rl)
+    trainer = LocalTrainer(models, build_learners(models, rl), rl)
     kl_ctl = (AdaptiveKLController(rl.kl_coef, rl.kl_target, rl.kl_horizon) if rl.kl_target is not None
               else FixedKLController(rl.kl_coef))
     out = run_dir / "rl"
     out.mkdir(parents=True, exist_ok=True)
     ckpt, start, bad = out / "checkpoint.pt", 0, {"skipped": 0, "consecutive": 0}
-    if resume and ckpt.exists():
-        state = load_checkpoint(ckpt, *checkpoint_parts(models, learners))
+    if resume and ckpt.exists():  # into this process's models; the Ray trainers load it again below
+        state = trainer.load_checkpoint(ckpt)
         start, kl_ctl.coef, bad = state["iteration"], state["kl_coef"], state["counters"]
         truncate_metrics(out / "metrics.jsonl", start)
         log(f"[rl] resumed from {ckpt} at iteration {start}")
@@ -363,8 +398,10 @@ def train_rl(cfg: Config, run_dir: Path, log=print, resume: bool = False, on_rea
     log(f"[rl] {rl.algo}: {rl.iterations} iterations x {rl.prompts_per_iter} prompts x k={rl.k}, fusion "
         f"{'on' if fusion.enabled else 'off'}, KL {rl.kl_estimator_used}{'' if rl.kl_estimator else ' (default)'}, "
         f"{sampling_note(rl)}")
-    with build_rollout(cfg, run_dir, engine, scorer, fusion, log) as rollout, \
+    with build_placement(cfg, run_dir, engine, scorer, fusion, trainer, log) as (rollout, trainer), \
             Progress(rl.iterations, f"rl/{rl.algo}", cfg.run.quiet, unit="iter") as bar:
+        if start and not isinstance(trainer, LocalTrainer):
+            trainer.load_checkpoint(ckpt)
         bar.update(start)
         for it in range(start, rl.iterations):
             t0 = time.perf_counter()
@@ -382,8 +419,8 @@ def train_rl(cfg: Config, run_dir: Path, log=print, resume: bool = False, on_rea
             # 4. update actor and critic (skipped, and counted, when a reward is not finite)
             t1, stats = time.perf_counter(), {}
             if not count_nonfinite_rewards(exp, rl, bad):
-                stats = update(models, learners, exp, adv, returns, rl, kl_ctl.coef, minibatches(len(exp), rl, seed, it),
-                               bad, temperature)
+                stats = trainer.update(exp, adv, returns, kl_ctl.coef, minibatches(len(exp), rl, seed, it), bad,
+                                       temperature)
                 kl_ctl.update(float(kl.sum(1).mean()), len(exp))
             t2 = time.perf_counter()
             # 5. record (every iteration, skipped or not) and checkpoint
@@ -396,10 +433,10 @@ def train_rl(cfg: Config, run_dir: Path, log=print, resume: bool = False, on_rea
             tracker.log(it + 1, **row)
             stop_if_diverged(bad, rl)
             if (it + 1) % rl.ckpt_every == 0 or it + 1 == rl.iterations:
-                save_checkpoint(ckpt, **dict(zip(CHECKPOINT_KEYS, checkpoint_parts(models, learners))),
-                                iteration=it + 1, kl_coef=kl_ctl.coef, counters=bad)
+                trainer.save_checkpoint(ckpt, iteration=it + 1, kl_coef=kl_ctl.coef, counters=bad)
             (out / "last_rewards.json").write_text(json.dumps(exp.scores.tolist()))
             bar.update(reward=row["reward/mean"], kl=row["reward/kl"], sps=row["rollout/samples_per_s"])
+        trainer.pull_into(models)
     tracker.close()
     sync_weights(engine, models.actor)
     after, after_texts = evaluate(models, engine, held_prompts, rl, seed + 12345, gold)
@@ -408,6 +445,29 @@ def train_rl(cfg: Config, run_dir: Path, log=print, resume: bool = False, on_rea
                     "eval_prompts_truncated": cut_held}
     return {"before": before, "after": after, "samples_after": after_texts, "prompts": prompts_info,
             "seconds": time.perf_counter() - t_start}
+
+
+@dataclass
+class LocalTrainer:
+    """Step 4 of the loop and its checkpoints in this process (placement.strategy=single); on Ray,
+    rlfuse/placement/ray_driver.py's RayTrainer has the same methods."""
+    models: Models
+    learners: Learners
+    rl: RLConfig
+
+    def update(self, exp: Experience, adv, returns, kl_coef: float, batches: list[list[int]], bad: dict,
+               temperature: float | None = None) -> dict:
+        return update(self.models, self.learners, exp, adv, returns, self.rl, kl_coef, batches, bad, temperature)
+
+    def save_checkpoint(self, path: Path, iteration: int, kl_coef: float, counters: dict) -> None:
+        save_checkpoint(path, **dict(zip(CHECKPOINT_KEYS, checkpoint_parts(self.models, self.learners))),
+                        iteration=iteration, kl_coef=kl_coef, counters=counters)
+
+    def load_checkpoint(self, path: Path) -> dict:
+        return load_checkpoint(path, *checkpoint_parts(self.models, self.learners))
+
+    def pull_into(self, models: Models) -> None:
+        """The trained modules are `models`' own: nothing to copy."""
 
 
 CHECKPOINT_KEYS = ("actor", "critic", "opt_actor", "opt_critic", "sched_actor", "sched_critic")

@@ -1,8 +1,9 @@
 """Data-parallel training on Ray (rlfuse/placement/ray_train.py): 2 workers (gloo, 1 CPU each) updating on the same
 experience end with the same actor and critic weights as one process calling rl.update, for PPO with a separate
 critic (AdamW, 2 epochs x 2 mini-batches, 2 micro-batches per rank) and GRPO (3 micro-batches per mini-batch: one
-rank gets 2, the other 1). Summing gradients over ranks is what makes it equal: averaging them, as DDP does without
-a world-size correction, moves the weights by half as much (test, with SGD: Adam would hide a uniform scale)."""
+rank gets 2, the other 1, and a zero-weight padding one). Summing gradients over ranks is what makes it equal:
+averaging them, as DDP does without the loss scaled by the world size, moves the weights by half as much (test, with
+SGD: Adam would hide a uniform scale)."""
 
 import sys
 
@@ -72,7 +73,7 @@ def use_sgd(learners, lr):
 
 def reset_worker(worker, cfg, start, sgd_lr, mean_gradients):
     """Inside a worker: this test's config, the starting weights, fresh optimisers (SGD if sgd_lr) and, for the wrong
-    weighting, gradients averaged over ranks (DDP's mean without the world-size correction)."""
+    weighting, gradients averaged over ranks (DDP's mean, the losses not scaled by the world size)."""
     from rlfuse.trainers.rl import build_learners
 
     worker.cfg = cfg
@@ -81,19 +82,7 @@ def reset_worker(worker, cfg, start, sgd_lr, mean_gradients):
     worker.learners = build_learners(worker.models, cfg.rl)
     if sgd_lr:
         use_sgd(worker.learners, sgd_lr)
-    group = worker.group
-    group.__dict__.pop("sum_gradients", None)
-    if mean_gradients:
-        summed = type(group).sum_gradients
-
-        def mean(modules):
-            summed(group, modules)
-            for m in modules:
-                for p in m.parameters():
-                    if p.grad is not None:
-                        p.grad /= group.world
-
-        group.sum_gradients = mean
+    worker.group.loss_scale = 1.0 if mean_gradients else None
 
 
 def run_both(cfg, tmp_path, exp, sgd_lr=None, mean_gradients=False, workers=None, start=None):

@@ -1,4 +1,5 @@
-"""A generation worker killed with SIGKILL mid-iteration: the run stops with one line naming the worker, and
+"""A Ray worker killed with SIGKILL mid-iteration (a generation worker; a worker that also trains, its peer rank
+then blocked in a collective): the run stops with one line naming the worker, and
 `--resume` continues from the last checkpoint to the end, nothing logged twice, ending where a run without the kill
 ends (the single-process run from the same folders, to test_placement_run.py's tolerance)."""
 
@@ -18,7 +19,7 @@ from conftest import ROOT, TINY
 
 pytest.importorskip("ray", reason="ray is not installed: pip install 'ray==2.60.*' for the placement tests")
 
-RL = ["rl.algo=grpo", "rl.k=2", "rl.reward=rlfuse.data.gold:gold_reward", "rl.iterations=10", "rl.prompts_per_iter=4",
+RL = ["rl.algo=grpo", "rl.k=2", "rl.reward=rlfuse.data.gold:gold_reward", "rl.iterations=6", "rl.prompts_per_iter=4",
       "rl.mini_batch_size=4", "rl.micro_batch_size=2", "rl.max_new_tokens=24", "rl.epochs=1", "rl.eval_prompts=4",
       "rl.lr=1e-3", "rl.ckpt_every=1", "rollout.score_every=2", "run.threads=1"]
 
@@ -28,31 +29,39 @@ def rl_cmd(tiny_task, run_dir, *extra):
             *RL, *extra]
 
 
-def test_killed_generation_worker_stops_the_run_and_resume_finishes_it(tiny_task, tmp_path):
-    env = os.environ | {"CI": "true"}
-    full, killed = tmp_path / "full", tmp_path / "killed"
-    subprocess.run(rl_cmd(tiny_task, full), check=True, env=env, capture_output=True, cwd=ROOT)
+@pytest.fixture(scope="module")
+def full_run(tiny_task, tmp_path_factory):
+    """The uninterrupted single-process run every killed one must end equal to."""
+    full = tmp_path_factory.mktemp("full")
+    subprocess.run(rl_cmd(tiny_task, full), check=True, env=os.environ | {"CI": "true"}, capture_output=True, cwd=ROOT)
+    return full
+
+
+# separated on 2 workers: rank 0 is "train" (trains, scores), rank 1 is "generate" (decodes). flattened: both ranks
+# decode, score and train (data-parallel): killing one leaves the other blocked in a collective or a rollout call.
+@pytest.mark.parametrize("strategy,group", [("separated", "generate"), ("flattened", "all")])
+def test_killed_worker_stops_the_run_and_resume_finishes_it(tiny_task, tmp_path, full_run, strategy, group):
+    env, full, killed = os.environ | {"CI": "true"}, full_run, tmp_path / "killed"
     err = open(tmp_path / "stderr.txt", "w")
-    proc = subprocess.Popen(rl_cmd(tiny_task, killed, "placement.strategy=separated", "placement.workers=2"),
+    proc = subprocess.Popen(rl_cmd(tiny_task, killed, f"placement.strategy={strategy}", "placement.workers=2"),
                             env=env, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=err)
     metrics = killed / "rl" / "metrics.jsonl"
     deadline = time.time() + 120
     while time.time() < deadline and (not metrics.exists() or not metrics.read_text().strip()):
         time.sleep(0.05)
-    # separated on 2 workers: rank 0 is "train" (scores), rank 1 is "generate" (decodes)
     pids = dict(re.findall(r"(\d+):(\d+)", re.search(r"pids ([\d:, ]+)\)", (tmp_path / "stderr.txt").read_text())[1]))
     os.kill(int(pids["1"]), signal.SIGKILL)
     assert proc.wait(timeout=120) == 2
     message = (tmp_path / "stderr.txt").read_text().strip().splitlines()[-1]
-    assert "worker 1 (group generate) died" in message and "--resume" in message
+    assert f"worker 1 (group {group}) died" in message and "--resume" in message
     assert not (killed / "rl" / "model").exists()
     done = len(metrics.read_text().splitlines())
-    assert 1 <= done < 10 and torch.load(killed / "rl" / "checkpoint.pt", weights_only=False)["iteration"] == done
+    assert 1 <= done < 6 and torch.load(killed / "rl" / "checkpoint.pt", weights_only=False)["iteration"] == done
     resumed = subprocess.run([sys.executable, "-m", "rlfuse", "rl", "--resume", str(killed)], env=env, cwd=ROOT,
                              capture_output=True, text=True)
     assert resumed.returncode == 0, resumed.stderr[-2000:]
     rows = [json.loads(l) for l in metrics.read_text().splitlines()]
-    assert [r["step"] for r in rows] == list(range(1, 11))  # nothing lost, nothing logged twice
+    assert [r["step"] for r in rows] == list(range(1, 7))  # nothing lost, nothing logged twice
     a, b = load_file(str(full / "rl" / "model" / "model.safetensors")), load_file(str(killed / "rl" / "model" /
                                                                                      "model.safetensors"))
     for n in a:  # tolerance: see test_placement_run.py (lr / 10; Adam and rounding-level gradient differences)

@@ -1,5 +1,6 @@
 """`rlfuse rl` with placement.strategy=flattened | interleaved | separated on 2 Ray workers (Ray started here): each
-run finishes, logs weight sync, migration and per-worker time and memory, and after 3 iterations its actor equals
+run finishes, logs weight sync, migration and per-worker time and memory, trains on the actor's group (2 ranks
+data-parallel under flattened, 1 otherwise), and after 3 iterations its actor equals
 the single-process run's from the same SFT and RM folders (per-sample streams: the same samples wherever they are
 decoded). The single-process reference runs once; the strategies share one Ray session."""
 
@@ -61,12 +62,20 @@ def test_strategy_runs_on_two_workers_and_trains_as_one_process(strategy, tiny_t
     want_rows, want_actor, want_rewards = single
     assert [r["step"] for r in rows] == [1, 2, 3]
     for r in rows:
-        assert r["sync/bytes"] > want_rows[0]["sync/bytes"]  # the critic goes to the scoring workers too (ppo)
+        # the critic goes to the scoring workers where they do not train it (interleaved's "score" group); the
+        # actor's weights go through the object store only to generators without a replica (separated)
+        critic_sent = strategy == "interleaved"
+        assert (r["sync/bytes"] > want_rows[0]["sync/bytes"]) == critic_sent
+        assert r["sync/bytes"] >= want_rows[0]["sync/bytes"]
+        assert (r["sync/sent_bytes"] > 0) == (strategy != "flattened")
         assert r["time/weight_sync"] > 0
+        assert r["train/data_parallel_ranks"] == (2 if strategy == "flattened" else 1)
         assert {"migration/rows_moved", "migration/migrated", "time/rollout", "time/scoring"} <= set(r)
         assert not any(k.startswith("time/migration") or k.startswith("time/busy") for k in r)
         for w in (0, 1):
             assert r[f"worker/{w}/busy_s"] > 0 and r[f"worker/{w}/rss_mb"] > 50
+        trained = [w for w in (0, 1) if f"worker/{w}/train_s" in r]  # the actor's group: rank 0 (and 1 if flattened)
+        assert trained == [0, 1][: r["train/data_parallel_ranks"]] and all(r[f"worker/{w}/train_s"] > 0 for w in trained)
     # the report shows per-worker time and memory
     assert "Workers (placement on Ray)" in (tmp_path / "report.html").read_text()
     assert (tmp_path / "figures" / "worker_usage.png").stat().st_size > 1000

@@ -26,7 +26,8 @@ def test_cluster_resources_count_alive_nodes_only():
 
 def test_single_placement_never_imports_ray():
     code = ("import sys; import rlfuse.trainers.rl; from rlfuse.config import load_config; "
-            "from rlfuse.placement.rollout import build_rollout, "
-            "LocalRollout; r = build_rollout(load_config(None, []), None, None, None, None, print); "
-            "assert isinstance(r, LocalRollout); assert 'ray' not in sys.modules, 'ray imported'")
+            "from rlfuse.placement.rollout import build_placement, LocalRollout; "
+            "cm = build_placement(load_config(None, []), None, None, None, None, 'local trainer', print); "
+            "r, t = cm.__enter__(); assert isinstance(r, LocalRollout) and t == 'local trainer'; "
+            "assert 'ray' not in sys.modules, 'ray imported'")
     subprocess.run([sys.executable, "-c", code], check=True)
