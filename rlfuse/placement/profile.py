@@ -26,6 +26,9 @@ SYNC_LATENCY_S = 0.02
 costs more than the whole profile); 0.04-0.055 s for 7.6 MB in two transfers in BENCHMARKS.md's per-strategy runs."""
 RAY_CALL_S = 0.03
 """Per-iteration driver <-> worker calls on Ray (submit, wait, gather metrics); an estimate from the same runs."""
+RAY_WORKER_BYTES = 54 * 2**20
+"""What a Ray worker process holds beyond the same imports in a plain process (its core worker and gRPC threads):
+438 MiB against 384 MiB, measured on this machine."""
 GLOO_BYTES_S = 1e9
 """Gradient all-reduce over gloo on loopback TCP (not measured: it needs a second process)."""
 
@@ -34,7 +37,7 @@ BUILTIN_CPU = MachineProfile(
     decode_flops=2.78e+10, mem_bw=3.48e+10, layer_call_s=0.00045, decode_layer_call_s=0.00025,
     decode_sample_s=0.0012, score_call_s=0.0, bwd_ratio=1.67, optimizer_bytes_s=4.94e+09,
     sync_bytes_s=5.4e+08, sync_latency_s=SYNC_LATENCY_S, allreduce_bytes_s=GLOO_BYTES_S, allreduce_latency_s=1e-3,
-    ray_call_s=RAY_CALL_S, memory_bytes=23.5 * GiB, runtime_bytes=0.26 * GiB, slack_fraction=0.1,
+    ray_call_s=RAY_CALL_S, memory_bytes=23.5 * GiB, runtime_bytes=0.46 * GiB, slack_fraction=0.1,
     source="rlfuse plan --profile on this project's dev machine, 2026-11-22 01:39 UTC, load average 2.7")
 
 
@@ -69,6 +72,20 @@ def _timed(fn, repeats: int, sync) -> float:
         sync()
         out.append(time.perf_counter() - t)
     return min(out)
+
+
+def _worker_runtime_bytes() -> float:
+    """Resident memory of a worker before any model: this process after importing what a Ray worker imports
+    (torch, transformers' model classes, rlfuse's worker), plus what Ray's own worker runtime adds."""
+    import psutil
+    import transformers  # noqa: F401  (model classes load on first use: touch them as a worker does)
+    from transformers import GPT2LMHeadModel, LlamaForCausalLM  # noqa: F401
+
+    try:
+        import rlfuse.placement.ray_worker  # noqa: F401  (imports Ray where installed)
+    except ImportError:
+        pass
+    return psutil.Process().memory_info().rss + RAY_WORKER_BYTES
 
 
 def _fit(times: dict) -> tuple[float, float]:
@@ -119,7 +136,7 @@ def measure_profile(shape: ModelShape | None = None, threads: int = 1, device: s
     torch.set_grad_enabled(True)
     x = torch.randn(256, 256, device=device, requires_grad=True)
     (x @ x).sum().backward()  # thread pools and allocator up before anything is timed
-    runtime = psutil.Process().memory_info().rss if device == "cpu" else 0.5 * GiB
+    runtime = _worker_runtime_bytes() if device == "cpu" else 0.5 * GiB
     model = _build(shape, device)
     n_params = sum(p.numel() for p in model.parameters())
     wbytes = 4.0 * n_params
