@@ -184,6 +184,17 @@ def measure_profile(shape: ModelShape | None = None, threads: int = 1, device: s
         t_score = _timed(lambda: response_logprobs(model, collate([one[0]], [one[1]], 0, device)), 9, sync)
     score_call_s = max(0.0, t_score - shape.layers * call - shape.forward_flops(20, 10) / flops - wbytes / mem_bw)
 
+    # contention: the same call's mean over its fastest, repeated; on a shared machine the rates above (fitted
+    # from fastest timings) are what a process gets alone, and the run will get about 1 / contention of them
+    times = []
+    with torch.no_grad():
+        for _ in range(15):
+            t = time.perf_counter()
+            model(input_ids=ids[16])
+            sync()
+            times.append(time.perf_counter() - t)
+    contention = max(1.0, sum(times) / len(times) / min(times))
+
     def fwd_bwd():
         model(input_ids=ids[16]).logits.float().log_softmax(-1)[..., 0].mean().backward()
 
@@ -206,15 +217,16 @@ def measure_profile(shape: ModelShape | None = None, threads: int = 1, device: s
     name = torch.cuda.get_device_name(0) if device == "cuda" else f"{_cpu_name()}, {threads} thread(s) per worker"
     elapsed = time.perf_counter() - t_start
     log(f"[profile] {name}: {elapsed:.1f} s on {shape.name} ({n_params / 1e6:.2f} M parameters)")
+    c = contention
     return MachineProfile(
-        name=name, device=device, threads=threads, flops=flops, decode_flops=decode_flops, mem_bw=mem_bw,
-        layer_call_s=call, decode_layer_call_s=decode_layer_call, decode_sample_s=decode_sample_s, score_call_s=score_call_s,
-        bwd_ratio=bwd_ratio,
-        optimizer_bytes_s=optimizer_bytes_s, sync_bytes_s=sync_bytes_s, sync_latency_s=SYNC_LATENCY_S,
-        allreduce_bytes_s=GLOO_BYTES_S if device == "cpu" else 50e9, allreduce_latency_s=1e-3 if device == "cpu" else 1e-4,
+        name=name, device=device, threads=threads, flops=flops / c, decode_flops=decode_flops / c, mem_bw=mem_bw / c,
+        layer_call_s=call * c, decode_layer_call_s=decode_layer_call * c, decode_sample_s=decode_sample_s * c,
+        score_call_s=score_call_s * c, bwd_ratio=bwd_ratio, optimizer_bytes_s=optimizer_bytes_s / c,
+        sync_bytes_s=sync_bytes_s, sync_latency_s=SYNC_LATENCY_S, allreduce_bytes_s=GLOO_BYTES_S if device == "cpu" else 50e9,
+        allreduce_latency_s=1e-3 if device == "cpu" else 1e-4,
         ray_call_s=RAY_CALL_S, memory_bytes=float(memory), runtime_bytes=float(runtime), slack_fraction=0.1,
         source=f"rlfuse plan --profile, {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}, {shape.name}, "
-               f"load average {os.getloadavg()[0]:.1f}")
+               f"load average {os.getloadavg()[0]:.1f}, contention {contention:.2f} (rates divided by it)")
 
 
 def _cpu_name() -> str:
