@@ -114,7 +114,8 @@ def predict_all(task: str, models: Path, profile_path: Path, work: Path) -> tupl
 
     calib = work / f"calibrate_{task}"
     if not (calib / "rl" / "metrics.jsonl").exists():
-        rlfuse("rl", *common_overrides(models, task, 3), "run.threads=1", f"run.dir={calib}", log=work / f"calibrate_{task}.log")
+        rlfuse("rl", *common_overrides(models, task, 3), "run.threads=1", f"run.dir={calib}",
+               log=work / f"calibrate_{task}.log")
     cfg = load_config(None, common_overrides(models, task, 3))
     inputs = {"lengths": measured_lengths(calib), "prompt_tokens": mean_prompt_tokens(cfg, models / "sft" / "model")}
     prob = problem_from_config(cfg, load_profile(profile_path), workers=2, **inputs)
@@ -154,16 +155,17 @@ def report(results: list[dict], profile_desc: str, header: str) -> str:
         taus[task] = kendall_tau([r["predicted"]["iteration"] for r in rs], [r["measured"]["iteration"] for r in rs])
         pick = min(rs, key=lambda r: r["predicted"]["iteration"])
         best = min(rs, key=lambda r: r["measured"]["iteration"])
+        slower = pick["measured"]["iteration"] / best["measured"]["iteration"] - 1
         lines.append(f"- {task}: the planner's choice among these, {pick['label']}, measured "
                      f"{pick['measured']['iteration']:.3f} s per iteration; the best measured, {best['label']}, "
-                     f"{best['measured']['iteration']:.3f} s ({(pick['measured']['iteration'] / best['measured']['iteration'] - 1) * 100:+.1f}%, "
-                     f"target within 10%); Kendall tau {taus[task]:+.2f} over {len(rs)} plans")
+                     f"{best['measured']['iteration']:.3f} s ({slower * 100:+.1f}%, target within 10%); Kendall tau "
+                     f"{taus[task]:+.2f} over {len(rs)} plans")
     pooled = kendall_tau([r["predicted"]["iteration"] for r in results], [r["measured"]["iteration"] for r in results])
     lines += [f"- iteration time: mean relative error {statistics.mean(errs) * 100:.1f}% (target <= 15%), max "
               f"{max(errs) * 100:.1f}% (target <= 30%); Kendall tau over all {len(results)} plans {pooled:+.2f} "
               f"(target >= 0.8)",
-              f"- peak memory per worker (predicted total vs measured RSS): mean error {statistics.mean(mem_errs) * 100:.1f}%, "
-              f"max {max(mem_errs) * 100:.1f}% (target within 20%)",
+              f"- peak memory per worker (predicted total vs measured RSS): mean error "
+              f"{statistics.mean(mem_errs) * 100:.1f}%, max {max(mem_errs) * 100:.1f}% (target within 20%)",
               f"- profile: {profile_desc}"]
     return "\n".join(lines)
 

@@ -235,13 +235,17 @@ class DeviceSpec:
 
 DEVICES = {
     "a100-80gb": DeviceSpec("A100 80GB SXM", 312e12, 2.039e12, 80e9, 300e9,
-                            "NVIDIA A100 datasheet (2021): 312 TFLOPS bf16 dense, 2,039 GB/s HBM2e, NVLink 600 GB/s both ways"),
+                            "NVIDIA A100 datasheet (2021): 312 TFLOPS bf16 dense, 2,039 GB/s HBM2e, "
+                            "NVLink 600 GB/s both ways"),
     "h100-80gb": DeviceSpec("H100 80GB SXM", 989e12, 3.35e12, 80e9, 450e9,
-                            "NVIDIA H100 datasheet (2023): 989 TFLOPS bf16 dense, 3.35 TB/s HBM3, NVLink 900 GB/s both ways"),
+                            "NVIDIA H100 datasheet (2023): 989 TFLOPS bf16 dense, 3.35 TB/s HBM3, "
+                            "NVLink 900 GB/s both ways"),
     "rtx4090": DeviceSpec("RTX 4090", 165e12, 1.008e12, 24e9, 32e9,
-                          "NVIDIA Ada whitepaper: 165 TFLOPS bf16 dense (fp32 accumulate), 1,008 GB/s GDDR6X; PCIe 4.0 x16"),
+                          "NVIDIA Ada whitepaper: 165 TFLOPS bf16 dense (fp32 accumulate), 1,008 GB/s GDDR6X; "
+                          "PCIe 4.0 x16"),
     "rtx3090": DeviceSpec("RTX 3090", 71e12, 936e9, 24e9, 32e9,
-                          "NVIDIA Ampere GA102 whitepaper: 71 TFLOPS bf16 dense (fp16 accumulate; 35.6 with fp32), 936 GB/s GDDR6X; PCIe 4.0 x16"),
+                          "NVIDIA Ampere GA102 whitepaper: 71 TFLOPS bf16 dense (fp16 accumulate; 35.6 with fp32), "
+                          "936 GB/s GDDR6X; PCIe 4.0 x16"),
 }
 MFU_TRAIN = 0.4
 """Fraction of peak FLOP/s a large forward/backward reaches (Megatron-LM and PaLM report 0.4-0.55 at scale)."""

@@ -137,7 +137,8 @@ class Plan:
         if not _default_split(self.spec):
             placement = {"strategy": "custom", "cpus_per_worker": g0.cpus_per_worker,
                          "gpus_per_worker": g0.gpus_per_worker,
-                         "groups": [{"name": g.name, "workers": g.workers, "roles": list(g.roles)} for g in self.spec.groups]}
+                         "groups": [{"name": g.name, "workers": g.workers, "roles": list(g.roles)}
+                                    for g in self.spec.groups]}
         return {"placement": placement,
                 "rl": {"micro_batch_size": self.micro_batch_size, "gradient_checkpointing": self.gradient_checkpointing},
                 "rollout": {"migrate_below": self.migrate_below}}

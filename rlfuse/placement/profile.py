@@ -222,7 +222,8 @@ def measure_profile(shape: ModelShape | None = None, threads: int = 1, device: s
         name=name, device=device, threads=threads, flops=flops / c, decode_flops=decode_flops / c, mem_bw=mem_bw / c,
         layer_call_s=call * c, decode_layer_call_s=decode_layer_call * c, decode_sample_s=decode_sample_s * c,
         score_call_s=score_call_s * c, bwd_ratio=bwd_ratio, optimizer_bytes_s=optimizer_bytes_s / c,
-        sync_bytes_s=sync_bytes_s, sync_latency_s=SYNC_LATENCY_S, allreduce_bytes_s=GLOO_BYTES_S if device == "cpu" else 50e9,
+        sync_bytes_s=sync_bytes_s, sync_latency_s=SYNC_LATENCY_S,
+        allreduce_bytes_s=GLOO_BYTES_S if device == "cpu" else 50e9,
         allreduce_latency_s=1e-3 if device == "cpu" else 1e-4,
         ray_call_s=RAY_CALL_S, memory_bytes=float(memory), runtime_bytes=float(runtime), slack_fraction=0.1,
         source=f"rlfuse plan --profile, {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}, {shape.name}, "
