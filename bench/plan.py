@@ -34,7 +34,8 @@ TASKS = {
     "default": [],
     "imdb": ["data.kind=imdb", f"data.path={IMDB}"],
 }
-# which plans run: (strategy, micro-batch, checkpointing) per task; migration as the config (0.2)
+# which plans run besides the planner's choice: (strategy, micro-batch, checkpointing) per task; migration as the
+# config (0.2)
 RUNS = {
     "default": [("flattened", 16, False), ("separated", 16, False), ("interleaved", 16, False),
                 ("flattened", 4, False), ("flattened", 16, True)],
@@ -120,10 +121,13 @@ def predict_all(task: str, models: Path, profile_path: Path, work: Path) -> tupl
     inputs = {"lengths": measured_lengths(calib), "prompt_tokens": mean_prompt_tokens(cfg, models / "sft" / "model")}
     prob = problem_from_config(cfg, load_profile(profile_path), workers=2, **inputs)
     plans = plan(prob)
-    chosen = []
+    chosen = [plans[0]]  # the planner's own choice always runs
     for strategy, micro, ckpt in RUNS[task]:
-        chosen.append(next(p for p in plans if p.strategy == strategy and p.micro_batch_size == micro
-                           and p.gradient_checkpointing == ckpt and p.migrate_below == cfg.rollout.migrate_below))
+        same = [p for p in plans if p.strategy == strategy and p.micro_batch_size == micro
+                and p.gradient_checkpointing == ckpt]  # migration as configured where it applies (several decoders)
+        pick = next((p for p in same if p.migrate_below == cfg.rollout.migrate_below), same[0])
+        if pick is not plans[0]:
+            chosen.append(pick)
     return inputs, [(p, plans.index(p) + 1) for p in chosen]
 
 
@@ -176,6 +180,7 @@ def main() -> None:
     ap.add_argument("--models", type=Path, help="a run folder with sft/model and rm/model")
     ap.add_argument("--iterations", type=int, default=8)
     ap.add_argument("--no-write", action="store_true", help="print only; leave BENCHMARKS.md alone")
+    ap.add_argument("--dry", action="store_true", help="profile, calibrate and print the plans; run none")
     args = ap.parse_args()
     from rlfuse.placement.profile import load_profile
 
@@ -193,6 +198,9 @@ def main() -> None:
         print(f"[plan bench] {task}: prompt tokens {inputs['prompt_tokens']:.1f}, response lengths {inputs['lengths']}",
               file=sys.stderr)
         for pl, rank in chosen:
+            if args.dry:
+                print(f"{task}: rank {rank} {pl.label()}: {pl.iteration_s:.3f} s", {k: round(v, 3) for k, v in pl.seconds.items()})
+                continue
             d = run_plan(task, pl, models, work, args.iterations)
             m = measured(d)
             mem_pred = {}
@@ -204,6 +212,8 @@ def main() -> None:
                             "measured": m, "mem_pred": mem_pred, "inputs": inputs})
             print(f"[plan bench] {task} {pl.label()}: predicted {pl.iteration_s:.3f} s, measured {m['iteration']:.3f} s",
                   file=sys.stderr)
+    if args.dry:
+        return
     load1 = os.getloadavg()[0]
     prof = load_profile(profile_path)
     header = (f"Command: `python bench/plan.py{' --models ' + str(args.models) if args.models else ''}` "
