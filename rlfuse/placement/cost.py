@@ -180,6 +180,9 @@ class MachineProfile:
     score_call_s: float = 0.0
     """Seconds a scoring call costs beyond its forward: collating the micro-batch, the attention mask, gathering the
     response's log-probs or values."""
+    train_layer_call_s: float = 0.0
+    """Fixed seconds per layer of a forward + backward call (autograd's bookkeeping per op weighs more on small
+    tensors than the FLOPs); 0 means layer_call_s x (1 + bwd_ratio)."""
     bwd_ratio: float = 2.0
     """Backward seconds per forward second (2: gradients of inputs and of weights, each about one forward)."""
     optimizer_bytes_s: float = 2e9
@@ -280,11 +283,14 @@ def forward_seconds(p: MachineProfile, shape: ModelShape, rows: float, seq: floa
 
 def train_seconds(p: MachineProfile, shape: ModelShape, rows: float, seq: float, weight_bytes: float, calls: float,
                   checkpointing: bool, frozen_base: bool) -> float:
-    """Forward + backward of `calls` micro-batches. A frozen base (LoRA) skips the weight gradients: its backward is
-    about one forward instead of two. Checkpointing recomputes each layer's forward once more."""
-    fwd = forward_seconds(p, shape, rows, seq, weight_bytes, calls)
+    """Forward + backward of `calls` micro-batches: a fixed cost per layer and call, then the forward's FLOPs and
+    weight reads times (1 + bwd_ratio). A frozen base (LoRA) skips the weight gradients: its backward is about one
+    forward instead of two. Checkpointing recomputes each layer's forward once more."""
     bwd = p.bwd_ratio / 2 if frozen_base else p.bwd_ratio
-    return fwd * (1 + bwd + (1 if checkpointing else 0))
+    fixed = shape.layers * (p.train_layer_call_s or p.layer_call_s * (1 + p.bwd_ratio))
+    variable = shape.forward_flops(rows * seq, seq / 2) / p.flops + weight_bytes / p.mem_bw
+    recompute = forward_seconds(p, shape, rows, seq, weight_bytes) if checkpointing else 0.0
+    return calls * (fixed + (1 + bwd) * variable + recompute)
 
 
 def optimizer_seconds(p: MachineProfile, trainable_params: float, steps: float, bytes_per_param: float = 16.0) -> float:

@@ -33,12 +33,14 @@ GLOO_BYTES_S = 1e9
 """Gradient all-reduce over gloo on loopback TCP (not measured: it needs a second process)."""
 
 BUILTIN_CPU = MachineProfile(
-    name="builtin: AMD EPYC dev VM (2 cores), 1 thread per worker", device="cpu", threads=1, flops=5.12e+10,
-    decode_flops=2.78e+10, mem_bw=3.48e+10, layer_call_s=0.00045, decode_layer_call_s=0.00025,
-    decode_sample_s=0.0012, score_call_s=0.0, bwd_ratio=1.67, optimizer_bytes_s=4.94e+09,
-    sync_bytes_s=5.4e+08, sync_latency_s=SYNC_LATENCY_S, allreduce_bytes_s=GLOO_BYTES_S, allreduce_latency_s=1e-3,
-    ray_call_s=RAY_CALL_S, memory_bytes=23.5 * GiB, runtime_bytes=0.46 * GiB, slack_fraction=0.1,
-    source="rlfuse plan --profile on this project's dev machine, 2026-11-22 01:39 UTC, load average 2.7")
+    name="builtin: AMD EPYC dev VM (2 cores), 1 thread per worker", device="cpu", threads=1, flops=4.82e+10,
+    decode_flops=1.21e+10, mem_bw=3.34e+10, layer_call_s=0.00077,
+    decode_layer_call_s=0.00049, decode_sample_s=0.0016, score_call_s=0.0,
+    train_layer_call_s=0.0034, bwd_ratio=2.72, optimizer_bytes_s=4.98e+09,
+    sync_bytes_s=5.77e+08, sync_latency_s=SYNC_LATENCY_S, allreduce_bytes_s=GLOO_BYTES_S,
+    allreduce_latency_s=1e-3, ray_call_s=RAY_CALL_S, memory_bytes=23.5 * GiB, runtime_bytes=0.46 * GiB,
+    slack_fraction=0.1, source="rlfuse plan --profile on this project's dev machine, 2026-11-22 01:47 UTC, rates "
+    "as measured alone (contention 1.35 taken out)")
 
 
 def default_profile_path() -> Path:
@@ -195,11 +197,13 @@ def measure_profile(shape: ModelShape | None = None, threads: int = 1, device: s
             times.append(time.perf_counter() - t)
     contention = max(1.0, sum(times) / len(times) / min(times))
 
-    def fwd_bwd():
-        model(input_ids=ids[16]).logits.float().log_softmax(-1)[..., 0].mean().backward()
+    def fwd_bwd(b: int):
+        model(input_ids=ids[b]).logits.float().log_softmax(-1)[..., 0].mean().backward()
 
-    t_fb = _timed(fwd_bwd, 5, sync)
-    bwd_ratio = max(0.5, (t_fb - fwd[16]) / fwd[16])
+    fb = {b: _timed(lambda: fwd_bwd(b), 5, sync) for b in ids}
+    fixed_fb, per_row_fb = _fit(fb)
+    bwd_ratio = max(0.5, per_row_fb / per_row - 1)  # marginal: per row of the forward + backward over the forward
+    train_call = max(1e-7, (fixed_fb - (1 + bwd_ratio) * wbytes / mem_bw) / shape.layers)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-6)
     t_opt = _timed(opt.step, 3, sync)
     optimizer_bytes_s = 16 * n_params / t_opt
@@ -221,7 +225,7 @@ def measure_profile(shape: ModelShape | None = None, threads: int = 1, device: s
     return MachineProfile(
         name=name, device=device, threads=threads, flops=flops / c, decode_flops=decode_flops / c, mem_bw=mem_bw / c,
         layer_call_s=call * c, decode_layer_call_s=decode_layer_call * c, decode_sample_s=decode_sample_s * c,
-        score_call_s=score_call_s * c, bwd_ratio=bwd_ratio, optimizer_bytes_s=optimizer_bytes_s / c,
+        score_call_s=score_call_s * c, train_layer_call_s=train_call * c, bwd_ratio=bwd_ratio, optimizer_bytes_s=optimizer_bytes_s / c,
         sync_bytes_s=sync_bytes_s, sync_latency_s=SYNC_LATENCY_S,
         allreduce_bytes_s=GLOO_BYTES_S if device == "cpu" else 50e9,
         allreduce_latency_s=1e-3 if device == "cpu" else 1e-4,

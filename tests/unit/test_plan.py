@@ -36,9 +36,12 @@ def test_forward_seconds_by_hand():
 
 def test_train_seconds_lora_and_checkpointing():
     fwd = cost.forward_seconds(RATES, TINY, 2, 4, 0, 3)
+    fixed, variable = 3 * 2 * 1e-3 * 3, 3 * TINY.forward_flops(8, 2) / 1e9  # 3 calls: 2 layers x 1 ms x (1 + 2)
     assert cost.train_seconds(RATES, TINY, 2, 4, 0, 3, False, False) == pytest.approx(3 * fwd)  # fwd + 2 fwd
     assert cost.train_seconds(RATES, TINY, 2, 4, 0, 3, True, False) == pytest.approx(4 * fwd)  # + a recompute
-    assert cost.train_seconds(RATES, TINY, 2, 4, 0, 3, False, True) == pytest.approx(2 * fwd)  # no weight grads
+    assert cost.train_seconds(RATES, TINY, 2, 4, 0, 3, False, True) == pytest.approx(fixed + 2 * variable)  # no weight grads
+    slow_autograd = replace(RATES, train_layer_call_s=5e-3)
+    assert cost.train_seconds(slow_autograd, TINY, 2, 4, 0, 3, False, False) == pytest.approx(3 * (2 * 5e-3) + 3 * variable)
 
 
 def test_sync_allreduce_optimizer_by_hand():
@@ -78,9 +81,16 @@ def test_profile_json_round_trip(tmp_path):
 # ---------------------------------------------------------------------------------------- planner choices
 
 
+CPU = MachineProfile("a 1-thread CPU worker", "cpu", 1, flops=5e10, decode_flops=2.8e10, mem_bw=3.5e10,
+                     layer_call_s=4.5e-4, decode_layer_call_s=2.5e-4, decode_sample_s=1.2e-3, bwd_ratio=1.7,
+                     optimizer_bytes_s=5e9, sync_bytes_s=5e8, sync_latency_s=0.02, allreduce_bytes_s=1e9,
+                     allreduce_latency_s=1e-3, ray_call_s=0.03)
+"""Fixed rates (not the built-in profile, which follows this machine) so the constructed choices below stay put."""
+
+
 @pytest.fixture
 def default_problem():
-    return problem_from_config(load_config(None, []), replace(BUILTIN_CPU, runtime_bytes=0), workers=4)
+    return problem_from_config(load_config(None, []), CPU, workers=4)
 
 
 def _fixed(prob, **kw):
