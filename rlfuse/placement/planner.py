@@ -391,6 +391,16 @@ PROMPT_TOKENS = {"synthetic": 4.0, "imdb": 15.0}
 IMDb prompts with the default-task tokenizer). Other data: 32."""
 
 
+def slowed(p: MachineProfile, factor: float) -> MachineProfile:
+    """The rates of a worker that gets 1/factor of its CPU share (factor <= 1: unchanged)."""
+    if factor <= 1:
+        return p
+    return replace(p, flops=p.flops / factor, decode_flops=p.decode_flops / factor, mem_bw=p.mem_bw / factor,
+                   layer_call_s=p.layer_call_s * factor, decode_layer_call_s=p.decode_layer_call_s * factor,
+                   decode_sample_s=p.decode_sample_s * factor, score_call_s=p.score_call_s * factor,
+                   train_layer_call_s=p.train_layer_call_s * factor, optimizer_bytes_s=p.optimizer_bytes_s / factor)
+
+
 def measured_lengths(run_dir) -> tuple[float, int] | None:
     """(median response mean, longest response) from a run folder's rl/metrics.jsonl, or None."""
     import json
@@ -409,11 +419,13 @@ def measured_lengths(run_dir) -> tuple[float, int] | None:
 
 def problem_from_config(cfg, profile: MachineProfile, workers: int | None = None, cpus_per_worker: float | None = None,
                         gpus_per_worker: float | None = None, memory_budget: float | None = None,
-                        lengths: tuple[float, int] | None = None, prompt_tokens: float | None = None) -> Problem:
+                        lengths: tuple[float, int] | None = None, prompt_tokens: float | None = None,
+                        cores: float | None = None) -> Problem:
     """The planning problem of an RL run on `cfg` (rlfuse.config.Config): roles, shapes and batch sizes from the
     config, placement resources from the arguments or cfg.placement, rates from `profile`. Budget: the argument,
     else a GPU's memory, else the machine's RAM shared by the workers (0 in the profile: no check). lengths:
-    (mean, longest) response tokens measured by a run; prompt_tokens: their measured mean (default PROMPT_TOKENS)."""
+    (mean, longest) response tokens measured by a run; prompt_tokens: their measured mean (default PROMPT_TOKENS);
+    cores: CPU cores the workers share (default this machine's; CPU workers beyond them are slowed)."""
     from rlfuse.models.roles import derive_roles
     from rlfuse.placement.cost import policy_shape
 
@@ -423,6 +435,10 @@ def problem_from_config(cfg, profile: MachineProfile, workers: int | None = None
     workers = workers or pc.workers
     resources = WorkerResources(cpus_per_worker or pc.cpus_per_worker,
                                 gpus_per_worker if gpus_per_worker is not None else pc.gpus_per_worker)
+    if profile.device == "cpu":  # more worker threads than cores: each gets its share of the cores
+        import os
+
+        profile = slowed(profile, resources.cpus * workers / (cores or os.cpu_count() or 1))
     if memory_budget is None and profile.memory_bytes:
         memory_budget = profile.memory_bytes if profile.device == "cuda" else profile.memory_bytes / workers
     mean, longest = lengths or ((SYNTHETIC_RESPONSE_MEAN if cfg.data.kind == "synthetic" else rl.max_new_tokens), 0)

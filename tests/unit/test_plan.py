@@ -90,7 +90,7 @@ CPU = MachineProfile("a 1-thread CPU worker", "cpu", 1, flops=5e10, decode_flops
 
 @pytest.fixture
 def default_problem():
-    return problem_from_config(load_config(None, []), CPU, workers=4)
+    return problem_from_config(load_config(None, []), CPU, workers=4, cores=4)
 
 
 def _fixed(prob, **kw):
@@ -154,6 +154,14 @@ def test_data_parallel_ranks_pad_to_the_same_micro_batch_count(default_problem):
     train_one = {p.micro_batch_size: p.seconds["train"] for p in plan(one)}
     assert train[8] < train[16]
     assert train[16] >= train_one[16]  # two ranks doing what one does, plus an all-reduce
+
+
+def test_more_cpu_workers_than_cores_share_them():
+    cfg = load_config(None, [])
+    alone = problem_from_config(cfg, CPU, workers=4, cores=4).profile
+    shared = problem_from_config(cfg, CPU, workers=4, cores=2).profile
+    assert shared.flops == alone.flops / 2 and shared.layer_call_s == alone.layer_call_s * 2
+    assert shared.sync_latency_s == alone.sync_latency_s  # not compute
 
 
 def test_nothing_fits_is_one_user_error(default_problem):
