@@ -46,10 +46,9 @@ def qlora_7b_one_gpu(device: str = "rtx4090") -> PaperCase:
                        lora_rank=64, optimizer="adamw8bit", shared_base=True)
     work = Workload(samples=16, prompt_tokens=256, response_mean=200, response_max=256, epochs=1, mini_batch=8,
                     score_micro_batch=4, max_rows=16)
-    prob = Problem(_roles(True), work, mem, device_profile(device), 1, WorkerResources(4, 1), 24 * 1e9,
-                   strategies=("flattened",))
+    prob = Problem(_roles(True), work, mem, device_profile(device), 1, WorkerResources(4, 1), 24 * 1e9)
     return PaperCase(f"Llama-2-7B, 4-bit base + LoRA, one {device_profile(device).name} (24 GB)", prob,
-                     "one worker: every role time-shares the GPU (flattened on 1 = one process)")
+                     "one process: every role time-shares the GPU")
 
 
 def distilgpt2_two_gpus(device: str = "rtx4090") -> PaperCase:

@@ -130,6 +130,9 @@ class Plan:
         """The plan as config sections: placement (strategy, or custom groups when the split is not the strategy's
         default), rl (micro-batch, checkpointing), rollout (migration)."""
         g0 = self.spec.groups[0]
+        if self.strategy == "single":
+            return {"placement": {"strategy": "single"}, "rl": {"micro_batch_size": self.micro_batch_size,
+                    "gradient_checkpointing": self.gradient_checkpointing}}
         placement = {"strategy": self.strategy, "workers": self.spec.workers, "cpus_per_worker": g0.cpus_per_worker,
                      "gpus_per_worker": g0.gpus_per_worker}
         if self.spec.address:
@@ -157,7 +160,12 @@ def _default_split(spec: PlacementSpec) -> bool:
 
 
 def candidate_specs(prob: Problem) -> list[PlacementSpec]:
-    """Every strategy x split of prob.workers the roles allow (strategies that cannot place them are skipped)."""
+    """Every strategy x split of prob.workers the roles allow (strategies that cannot place them are skipped); the
+    single process for one worker."""
+    if prob.workers == 1:  # one worker is one process: no Ray to pay for
+        from rlfuse.placement.strategies import single
+
+        return [single(prob.roles)]
     out = []
     for name in prob.strategies:
         fn = STRATEGY_FNS[name]
@@ -485,7 +493,7 @@ def resolve_auto(cfg, log=None):
     placement = replace(cfg.placement, **{k: v for k, v in block["placement"].items() if k != "workers"},
                         workers=best.spec.workers)
     out = replace(cfg, placement=placement, rl=replace(cfg.rl, **block["rl"]),
-                  rollout=replace(cfg.rollout, **block["rollout"]))
+                  rollout=replace(cfg.rollout, **block.get("rollout", {})))
     if log:
         log(f"[plan] placement.strategy=auto chose {best.label()}: predicted {best.iteration_s:.2f} s per iteration, "
             f"peak {best.peak_bytes / GiB:.2f} GiB per worker (best of {len(plans)}; `rlfuse plan` prints the table)")
