@@ -20,6 +20,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import statistics
 import subprocess
 import sys
@@ -132,8 +133,10 @@ def predict_all(task: str, models: Path, profile_path: Path, work: Path) -> tupl
 
 
 def run_plan(task: str, pl, models: Path, work: Path, iterations: int) -> Path:
-    d = work / f"{task}_{pl.strategy}_mb{pl.micro_batch_size}_{'ckpt' if pl.gradient_checkpointing else 'nockpt'}"
+    d = work / (f"{task}_{pl.strategy}_mb{pl.micro_batch_size}_{'ckpt' if pl.gradient_checkpointing else 'nockpt'}"
+                f"_mig{pl.migrate_below:g}")
     if not (d / "rl" / "metrics.jsonl").exists() or len(metrics(d)) < iterations:
+        shutil.rmtree(d, ignore_errors=True)
         block = pl.config_block()
         flat = [f"{s}.{k}={str(v).lower() if isinstance(v, bool) else v}" for s, sec in block.items()
                 for k, v in sec.items()]
@@ -208,7 +211,7 @@ def main() -> None:
                 for w in pl.spec.worker_ranks(g.name):
                     mem_pred[w] = pl.memory[g.name]["total"] / 2**20
             results.append({"task": task, "label": f"{pl.strategy} {pl.split}, micro {pl.micro_batch_size}, ckpt "
-                            f"{'on' if pl.gradient_checkpointing else 'off'}", "rank": rank, "predicted": pl.seconds,
+                            f"{'on' if pl.gradient_checkpointing else 'off'}, migrate {pl.migrate_below:g}", "rank": rank, "predicted": pl.seconds,
                             "measured": m, "mem_pred": mem_pred, "inputs": inputs})
             print(f"[plan bench] {task} {pl.label()}: predicted {pl.iteration_s:.3f} s, measured {m['iteration']:.3f} s",
                   file=sys.stderr)
