@@ -120,3 +120,12 @@ def test_memory_table_has_every_component():
     table = memory_table({"w0": worker_memory({"actor"}, MemoryInputs(TINY), NO_RUNTIME)}, unit=1, unit_name="bytes")
     header = table.splitlines()[1]
     assert all(c in header for c in COMPONENTS)
+
+
+def test_config_memory_budget_runs_the_checker_hook():
+    from rlfuse.config import load_config
+    from rlfuse.errors import ConfigError
+
+    load_config(None, ["placement.strategy=flattened", "placement.memory_per_worker_gb=4"])
+    with pytest.raises(ConfigError, match="group 'all': predicted .* exceeds the 0.10 GiB budget"):
+        load_config(None, ["placement.strategy=flattened", "placement.memory_per_worker_gb=0.1"])
