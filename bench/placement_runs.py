@@ -18,8 +18,8 @@ from pathlib import Path
 import yaml
 
 HEADER = ("| run | strategy | RL s | s/iteration (median) | rollout s | training s | weight sync s | sync MB | "
-          "worker busy s (median, per worker) | worker RSS MiB | driver RSS MiB | gold positive before -> after |\n"
-          "|---|---|---|---|---|---|---|---|---|---|---|---|")
+          "worker rollout busy s (median, per worker) | worker training s | worker peak RSS MiB | driver peak RSS MiB | gold positive before -> after |\n"
+          "|---|---|---|---|---|---|---|---|---|---|---|---|---|")
 
 
 def run_all(work: Path) -> list[Path]:
@@ -45,10 +45,12 @@ def table_row(d: Path) -> str:
     strategy = (yaml.safe_load((d / "config.yaml").read_text()).get("placement") or {}).get("strategy", "single")
     ranks = sorted({k.split("/")[1] for r in rows for k in r if k.startswith("worker/")})
     busy = ", ".join(f"{med(f'worker/{w}/busy_s'):.2f}" for w in ranks) or "-"
-    rss = ", ".join(f"{max(r[f'worker/{w}/rss_mb'] for r in rows if f'worker/{w}/rss_mb' in r):.0f}" for w in ranks) or "-"
+    train = ", ".join(f"{med(f'worker/{w}/train_s'):.2f}" for w in ranks if any(f"worker/{w}/train_s" in r for r in rows)) or "-"
+    peak = lambda w: max(r.get(f"worker/{w}/rss_peak_mb", r.get(f"worker/{w}/rss_mb", 0)) for r in rows)
+    rss = ", ".join(f"{peak(w):.0f}" for w in ranks) or "-"
     return (f"| {d.name} | {strategy} | {seconds:.0f} | {med('time/iteration'):.2f} | {med('time/rollout'):.2f} | "
-            f"{med('time/training'):.2f} | {med('time/weight_sync'):.3f} | {med('sync/bytes') / 2**20:.1f} | {busy} | "
-            f"{rss} | {max(r['mem/rss_mb'] for r in rows):.0f} | "
+            f"{med('time/training'):.2f} | {med('time/weight_sync'):.3f} | {med('sync/bytes') / 2**20:.1f} | {busy} | {train} | "
+            f"{rss} | {max(r.get('mem/rss_peak_mb', r['mem/rss_mb']) for r in rows):.0f} | "
             f"{ev['before']['gold_positive_rate']:.3f} -> {ev['after']['gold_positive_rate']:.3f} |")
 
 

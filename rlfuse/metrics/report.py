@@ -88,7 +88,8 @@ def worker_table(rows: list[dict]) -> list[tuple]:
     for rank in plots.worker_ranks(rows):
         busy = plots.mean(plots.series(rows, f"worker/{rank}/busy_s")[1])
         train = plots.series(rows, f"worker/{rank}/train_s")[1]
-        rss = max(plots.series(rows, f"worker/{rank}/rss_mb")[1] or [float("nan")])
+        rss = max(plots.series(rows, f"worker/{rank}/rss_peak_mb")[1] or plots.series(rows, f"worker/{rank}/rss_mb")[1]
+                  or [float("nan")])
         out.append((rank, f"{busy:.2f}", f"{busy / wall:.0%}" if wall else "",
                     f"{plots.mean(train):.2f}" if train else "-", f"{rss:.0f}"))
     driver = max(plots.series(rows, "mem/rss_peak_mb")[1] or [float("nan")])

@@ -54,15 +54,16 @@ def cluster_resources(nodes: list[dict]) -> ClusterResources:
     return ClusterResources(tuple(NodeResources(float(r.get("CPU", 0)), float(r.get("GPU", 0))) for r in alive))
 
 
-def worker_metrics(timing: dict, ranks: list[int], rss_mb: list[float]) -> dict:
+def worker_metrics(timing: dict, ranks: list[int], rss_mb: list[tuple[float, float]]) -> dict:
     """exp.timing of a multi-worker rollout -> the metrics row: time/ for seconds, migration/ under its own name,
-    worker/<rank>/busy_s and worker/<rank>/rss_mb per worker (rank: the worker's global index in the spec)."""
+    worker/<rank>/busy_s, worker/<rank>/rss_mb and worker/<rank>/rss_peak_mb per worker (rank: the worker's global
+    index in the spec; rss_mb: (now, peak) per worker)."""
     out = {"time/rollout": timing["rollout"], "time/scoring": timing["scoring"],
            "migration/migrated": timing["migrated"]}
     out |= {k: v for k, v in timing.items() if k.startswith("migration/")}
     for i, rank in enumerate(ranks):
         out[f"worker/{rank}/busy_s"] = timing[f"busy/worker{i}"]
-        out[f"worker/{rank}/rss_mb"] = rss_mb[i]
+        out[f"worker/{rank}/rss_mb"], out[f"worker/{rank}/rss_peak_mb"] = rss_mb[i]
     return out
 
 

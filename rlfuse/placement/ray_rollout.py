@@ -92,12 +92,14 @@ class RolloutSettings:
     """Longest a worker decodes before reporting back (checked between finished samples)."""
     eos_token_id: int | None = None
     """None: the tokenizer's EOS ends a row; -1: only the length limit does (benchmarks that set the lengths)."""
+    device: str = "cpu"
+    """run.device: auto (a GPU when the worker was given one), cpu or cuda."""
 
     @classmethod
     def from_config(cls, cfg) -> "RolloutSettings":
         ro, rl = cfg.rollout, cfg.rl
         return cls(ro.max_rows, ro.micro_batch_size, rl.temperature, rl.unfinished_penalty, ro.score_every,
-                   ro.live_below, ro.migrate_below, ro.rows_per_worker)
+                   ro.live_below, ro.migrate_below, ro.rows_per_worker, device=cfg.run.device)
 
 
 def build_worker_roles(models: WorkerModels, settings: RolloutSettings) -> tuple[DecodeEngine | None, Scorer | None]:
@@ -109,17 +111,20 @@ def build_worker_roles(models: WorkerModels, settings: RolloutSettings) -> tuple
     if not (models.decodes or models.scores):
         return None, None
     tok = load_tokenizer(models.generator or models.reference)
-    cpu = torch.device("cpu")
+    from rlfuse.config import RunConfig
+    from rlfuse.trainers.common import pick_device
+
+    device = pick_device(RunConfig(device=settings.device))  # Ray shows a worker only the GPUs it reserved
     eos = tok.eos_token_id if settings.eos_token_id is None else settings.eos_token_id
-    engine = DecodeEngine(frozen(load_policy(models.generator), cpu), eos, max_rows=settings.max_rows,
+    engine = DecodeEngine(frozen(load_policy(models.generator), device), eos, max_rows=settings.max_rows,
                           tokenizer=tok) if models.decodes else None
     if not models.scores:
         return engine, None
-    ref = frozen(load_policy(models.reference), cpu)
-    reward_fn = reward_function(models.reward, tok, cpu)
+    ref = frozen(load_policy(models.reference), device)
+    reward_fn = reward_function(models.reward, tok, device)
     critic = None
     if models.critic is not None:
-        critic = frozen(value_model(models.critic_source, models.critic, tok.pad_token_id), cpu)
+        critic = frozen(value_model(models.critic_source, models.critic, tok.pad_token_id), device)
     scorer = Scorer(reward_fn, tok.pad_token_id, ref=ref, critic=critic, temperature=settings.temperature,
                     micro_batch_size=settings.micro_batch_size, unfinished_penalty=settings.unfinished_penalty)
     return engine, scorer
@@ -202,11 +207,14 @@ class GenerationWorker:
     def pid(self) -> int:
         return os.getpid()
 
-    def rss_mb(self) -> float:
-        """This worker process's resident memory now (the report's per-worker memory)."""
+    def rss_mb(self) -> tuple[float, float]:
+        """This worker process's resident memory now and its peak so far, in MiB (the report's per-worker memory;
+        the peak includes training on a worker that trains)."""
         import psutil
 
-        return psutil.Process().memory_info().rss / 2**20
+        from rlfuse.metrics.tracker import peak_rss_mb
+
+        return psutil.Process().memory_info().rss / 2**20, peak_rss_mb()
 
     def start(self, prompts: list[list[int]], prompt_ids: list[int], k: int, params: SamplingParams, seed: int,
               lengths=None) -> None:
@@ -345,8 +353,8 @@ class MultiWorkerRollout:
             nbytes = nbytes + ray.get([w.load_weights.remote(role, ref) for w in holders])[0][0]
         return {"time/weight_sync": time.perf_counter() - t, "sync/bytes": nbytes}
 
-    def rss_mb(self) -> list[float]:
-        """Each worker's resident memory now, in MB."""
+    def rss_mb(self) -> list[tuple[float, float]]:
+        """Each worker's resident memory now and at its peak, in MiB."""
         import ray
 
         return ray.get([w.rss_mb.remote() for w in self.workers])

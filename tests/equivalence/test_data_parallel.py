@@ -93,7 +93,7 @@ def run_both(cfg, tmp_path, exp, sgd_lr=None, mean_gradients=False, workers=None
     batches = minibatches(len(exp), rl, cfg.run.seed, 0)
     start = start or workers.trainable_states()[0]
     ray.get([w.__ray_call__.remote(reset_worker, cfg, start, sgd_lr, mean_gradients) for w in workers.workers])
-    dp_stats, dp_bad = workers.update(exp, adv, returns, KL, batches, {"skipped": 0, "consecutive": 0})
+    dp_stats, dp_bad, _ = workers.update(exp, adv, returns, KL, batches, {"skipped": 0, "consecutive": 0})
     states = workers.trainable_states()
     for role in states[0]:  # the ranks stay replicas
         for n, t in states[0][role].items():
@@ -107,12 +107,16 @@ def run_both(cfg, tmp_path, exp, sgd_lr=None, mean_gradients=False, workers=None
     return states[0], one, start, dp_stats, one_stats
 
 
-def assert_same_update(dp, one, start):
+def assert_same_update(dp, one, start, shared_body=False):
     assert dp.keys() == one.keys()
     moved = [n for n in start["actor"] if not torch.equal(start["actor"][n], one["actor"][n])]
+    # a value head on the actor's body: the LM head (tied to the input embedding) ... every parameter still moves
     assert len(moved) == len(start["actor"]), "every actor parameter must change"
     if "critic" in one:  # a zero-initialised head: the critic's body moves only once the head has
         assert not torch.equal(start["critic"]["head.weight"], one["critic"]["head.weight"])
+    if shared_body:  # the critic's body is the actor's: the same tensors
+        body = [n for n in one["critic"] if n.startswith("backbone.")]
+        assert body and all(any(torch.equal(one["critic"][n], t) for t in one["actor"].values()) for n in body[:3])
     for role in dp:
         for n in one[role]:
             torch.testing.assert_close(dp[role][n], one[role][n], msg=f"{role}.{n}")
@@ -130,11 +134,15 @@ def ppo_workers(ray_cluster, tiny_task, tmp_path_factory):
 @pytest.mark.parametrize("algo,extra", [
     # grpo first: its ranks must be gone before ppo_workers takes the cluster's 2 CPUs
     ("grpo", ["rl.prompts_per_iter=6", "rl.mini_batch_size=6", "rl.micro_batch_size=2", "rl.epochs=1"]),
+    # the value head on the actor's body: one DDP over the actor and the head, one backward of both losses
+    ("ppo", ["rl.prompts_per_iter=6", "rl.mini_batch_size=6", "rl.micro_batch_size=2", "rl.epochs=1",
+             "rl.critic_init=actor"]),
     ("ppo", ["rl.prompts_per_iter=8", "rl.mini_batch_size=4", "rl.micro_batch_size=1", "rl.epochs=2"]),
 ])
 def test_two_workers_equal_one_process(ray_cluster, request, tiny_task, tmp_path, algo, extra):
     cfg = rl_config(tiny_task, algo, *extra)
-    own = algo != "ppo"  # grpo has no critic: ranks of its own
+    own = algo != "ppo" or "rl.critic_init=actor" in extra  # ranks of their own: other learners than ppo_workers'
+    shared = "rl.critic_init=actor" in extra
     workers = start_train_workers(cfg, tmp_path, world=2) if own else request.getfixturevalue("ppo_workers")
     try:
         exp = hand_experience(build_models(cfg, tmp_path, torch.device("cpu")).actor, len_of(cfg), cfg.rl.k)
@@ -142,7 +150,7 @@ def test_two_workers_equal_one_process(ray_cluster, request, tiny_task, tmp_path
     finally:
         if own:
             workers.shutdown()
-    assert_same_update(dp, one, start)
+    assert_same_update(dp, one, start, shared)
     assert ("critic" in dp) == (algo == "ppo")
     assert one_stats["train/clip_frac"] > 0  # the clipped branch is exercised
     for key in ("train/policy_loss", "train/clip_frac", "train/grad_norm"):  # stats are over all ranks' micro-batches

@@ -11,10 +11,11 @@ from rlfuse.placement.spec import ClusterResources, NodeResources
 def test_worker_metrics_names_migration_and_each_worker_by_its_rank():
     timing = {"rollout": 2.0, "scoring": 0.5, "migrated": 1.0, "migration/rows_moved": 3, "migration/reprefill_s": 0.1,
               "busy/worker0": 1.5, "busy/worker1": 0.25, "decode_rows": 40}
-    got = worker_metrics(timing, ranks=[1, 2], rss_mb=[300.0, 200.0])
+    got = worker_metrics(timing, ranks=[1, 2], rss_mb=[(300.0, 350.0), (200.0, 210.0)])
     assert got == {"time/rollout": 2.0, "time/scoring": 0.5, "migration/migrated": 1.0, "migration/rows_moved": 3,
                    "migration/reprefill_s": 0.1, "worker/1/busy_s": 1.5, "worker/1/rss_mb": 300.0,
-                   "worker/2/busy_s": 0.25, "worker/2/rss_mb": 200.0}
+                   "worker/1/rss_peak_mb": 350.0, "worker/2/busy_s": 0.25, "worker/2/rss_mb": 200.0,
+                   "worker/2/rss_peak_mb": 210.0}
 
 
 def test_cluster_resources_count_alive_nodes_only():
