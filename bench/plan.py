@@ -9,7 +9,7 @@ Inputs of the predictions, all taken before any plan runs: the machine profile (
 at the start), the config, the mean prompt tokens of the task (its prompts tokenised), and the response lengths
 (mean, longest) of a 3-iteration single-process calibration run per task: samples do not depend on the placement,
 so every plan decodes the same lengths. Measured: median over iterations 2..N (the first warms up) of
-time/rollout, time/training, time/weight_sync, time/iteration, and each worker's largest RSS (worker/<i>/rss_mb).
+time/rollout, time/training, time/weight_sync, time/iteration, and each worker's peak RSS (worker/<i>/rss_peak_mb).
 Reported: relative error of iteration time (mean, max), Kendall tau of predicted vs measured iteration times, the
 planner's choice against the best measured plan, memory error per worker. Writes the `plan_bench` section of
 BENCHMARKS.md.
@@ -94,9 +94,10 @@ def measured(run: Path) -> dict:
     rows = metrics(run)[1:]  # the first iteration warms up (first calls, allocator growth)
     med = lambda k: statistics.median(r[k] for r in rows if k in r)
     ranks = sorted({int(k.split("/")[1]) for r in rows for k in r if k.startswith("worker/") and k.endswith("rss_mb")})
+    # the peak since the worker started where the workers report it (training included), else the largest sample
+    rss = lambda w: max(r.get(f"worker/{w}/rss_peak_mb", r.get(f"worker/{w}/rss_mb", 0.0)) for r in rows)
     return {"rollout": med("time/rollout"), "train": med("time/training"), "sync": med("time/weight_sync"),
-            "iteration": med("time/iteration"),
-            "rss_mb": {w: max(r[f"worker/{w}/rss_mb"] for r in rows if f"worker/{w}/rss_mb" in r) for w in ranks}}
+            "iteration": med("time/iteration"), "rss_mb": {w: rss(w) for w in ranks}}
 
 
 def kendall_tau(a: list[float], b: list[float]) -> float:
