@@ -41,6 +41,7 @@ def check_placement(spec: PlacementSpec, roles: Roles, cluster: ClusterResources
     problems = _check_groups(spec)
     problems += _check_roles(spec, roles)
     problems += _check_colocation(spec, roles)
+    problems += _check_training(spec, roles)
     if cluster is not None and spec.uses_ray:
         problems += _check_cluster(spec, cluster)
     if memory_of is not None and memory_budget is not None:
@@ -103,6 +104,24 @@ def _check_roles(spec: PlacementSpec, roles: Roles) -> list[str]:
         if len(where) > 1:
             out.append(f"role {r!r} trains, so it must live in one group, but is in {', '.join(where)}; keep it in "
                        f"one of them (a group of several workers trains it data-parallel)")
+    return out
+
+
+def _check_training(spec: PlacementSpec, roles: Roles) -> list[str]:
+    """Every trainable role trains on the actor's workers (one data-parallel group runs the whole update), and a
+    group that trains on several workers gives each its own GPU (NCCL runs one rank per device)."""
+    out, home = [], set(spec.groups_of("actor"))
+    for r in roles.trainable():
+        where = set(spec.groups_of(r))
+        shared = roles[r].shares_with == "actor"  # then _check_colocation says it; a role in several groups:
+        if r != "actor" and home and len(where) == 1 and where != home and not shared:  # _check_roles does
+            out.append(f"role {r!r} trains with the actor, on the actor's workers, but is in {_names(where)} while "
+                       f"actor is in {_names(home)}; put {r} in {_names(home)}")
+    for g in spec.groups:
+        if g.name in home and g.workers > 1 and 0 < g.gpus_per_worker < 1:
+            out.append(f"group {g.name!r} trains data-parallel on {g.workers} workers sharing GPUs "
+                       f"(gpus_per_worker={g.gpus_per_worker:g}), but NCCL needs one GPU per rank; set its "
+                       f"gpus_per_worker to 1 or its workers to 1")
     return out
 
 

@@ -83,10 +83,14 @@ class RayWorkers:
     def naming_dead_workers(self, during: str):
         """A worker process that died (killed, out of memory) ends the run with one line naming it; the iteration
         under way is not logged, so `--resume` repeats it from the last checkpoint (written by rank 0)."""
-        from ray.exceptions import RayActorError
+        from ray.exceptions import RayActorError, RayTaskError
 
         try:
             yield
+        except RayTaskError as e:  # a user-facing error on a worker (divergence, a bad reward) is the driver's
+            if isinstance(e.cause, UserError):
+                raise e.cause from None
+            raise
         except RayActorError as e:
             ids = [w._actor_id.hex() for w in self.handles]
             i = ids.index(e.actor_id) if e.actor_id in ids else None
@@ -194,14 +198,14 @@ def start_ray_placement(cfg, spec: PlacementSpec, run_dir, log=print) -> tuple[R
     from rlfuse.placement.ray_train import TrainGroup
     from rlfuse.placement.ray_worker import join_training, start_role_workers
 
-    started = start_ray(spec)
-    try:
+    workers = RayWorkers([], [], [], started_ray=start_ray(spec))
+    try:  # whatever fails from here (a timeout, a worker's constructor, Ctrl-C) releases what was reserved
         validate_placement(spec, derive_roles(cfg), cluster_resources(ray.nodes()))
         bundles = [{"CPU": g.cpus_per_worker, **({"GPU": g.gpus_per_worker} if g.gpus_per_worker else {})}
                    for g in spec.groups for _ in range(g.workers)]
-        pg = placement_group(bundles, strategy="PACK")
-        ray.get(pg.ready(), timeout=120)
-        workers = RayWorkers([], [], [], placement_group=pg, started_ray=started)
+        workers.placement_group = placement_group(bundles, strategy="PACK")
+        ray.get(workers.placement_group.ready(), timeout=120)
+        pg = workers.placement_group
         models, settings = WorkerModels.from_config(cfg, run_dir), RolloutSettings.from_config(cfg)
         t = time.perf_counter()
         for g in spec.groups:
@@ -228,6 +232,5 @@ def start_ray_placement(cfg, spec: PlacementSpec, run_dir, log=print) -> tuple[R
         rollout = RayRollout(driver, workers, train, cfg.rollout.migrate_below > 0, models.critic is not None)
         return rollout, RayTrainer(train, workers), workers
     except BaseException:
-        if started:
-            ray.shutdown()
+        workers.close()
         raise

@@ -261,12 +261,15 @@ class GenerationWorker:
         return state, pending, time.perf_counter() - t
 
     def import_rows(self, state: EngineState) -> float:
-        """Continue `state` together with this worker's own unfinished rows: both are re-prefilled (the engine resumes
-        one state at a time). -> seconds."""
+        """Continue `state` as well as this worker's own unfinished rows: the imported rows join the running decode
+        (DecodeEngine.extend: they are re-prefilled as they are admitted, this worker's own rows keep their KV
+        cache), or start one if this worker had finished. -> seconds."""
         t = time.perf_counter()
-        own = [self.engine.export_state()] if self._it is not None else []
-        self._decode_rows += self.engine.stats.decode_rows
-        self._it = self.engine.resume(EngineState.combine(own + [state]))
+        if self._it is not None:
+            self.engine.extend(state)
+        else:
+            self._decode_rows += self.engine.stats.decode_rows
+            self._it = self.engine.resume(state)
         self._unfinished += unfinished_in(state)
         self._prefill_s = 0.0
         return time.perf_counter() - t

@@ -73,7 +73,7 @@ class DataParallelGroup:
             device_ids = [self.device.index] if self.device.type == "cuda" else None
             self._wrapped[key] = DistributedDataParallel(TrainableRoles(modules), device_ids=device_ids,
                                                          bucket_cap_mb=self.bucket_bytes / 2**20,
-                                                         broadcast_buffers=False)
+                                                         forward_sync_buffers=False)
         return self._wrapped[key]
 
     @contextlib.contextmanager
@@ -96,6 +96,17 @@ class DataParallelGroup:
         zero-weight one, since every rank must take part in the all-reduce)."""
         n = -(-mini_len // size)
         return -(-n // self.world)
+
+    def check_all_used(self, modules: list[torch.nn.Module]) -> None:
+        """After a mini-batch's backward: every trainable parameter got a gradient. DDP (find_unused_parameters off,
+        which saves a graph walk per forward) would otherwise fail at the next mini-batch with a message that does
+        not name the parameter."""
+        unused = [n for m in modules for n, p in m.named_parameters() if p.requires_grad and p.grad is None]
+        if unused:
+            from rlfuse.errors import UserError
+
+            raise UserError(f"data-parallel training: {len(unused)} trainable parameter(s) get no gradient from the "
+                            f"RL losses (first: {unused[0]}); freeze them or train with placement.strategy=single")
 
     def all_finite(self, finite: bool) -> bool:
         """True on every rank iff every rank's losses were finite: one rank's NaN skips the step on all."""
@@ -229,7 +240,7 @@ class TrainWorker:
         from rlfuse.trainers.checkpoint import trainable_state
 
         roles = {"actor": self.models.actor, "critic": self.models.critic}
-        return {r: trainable_state(m) for r, m in roles.items() if m is not None}
+        return {r: {n: t.cpu() for n, t in trainable_state(m).items()} for r, m in roles.items() if m is not None}
 
     def shutdown(self) -> None:
         if dist.is_initialized():
@@ -260,7 +271,9 @@ class TrainGroup:
         import ray
 
         for role, state in ray.get(self.workers[0].trainable_state.remote()).items():
-            getattr(models, role).load_state_dict(state, strict=False)
+            unexpected = getattr(models, role).load_state_dict(state, strict=False).unexpected_keys
+            if unexpected:  # a naming mismatch would otherwise save the untrained model
+                raise RuntimeError(f"the trained {role} has parameters the driver's {role} lacks: {unexpected[:3]}")
 
     def actor_weights(self, bucket_bytes: int = DEFAULT_BUCKET_BYTES, role: str = "actor") -> WeightRefs:
         import ray

@@ -64,6 +64,8 @@ def start_role_workers(cfg, run_dir, n: int, models: WorkerModels, settings: Rol
 
     src = str(Path(rlfuse.__file__).resolve().parents[1])
     env = {"env_vars": {"PYTHONPATH": os.pathsep.join([src, os.environ.get("PYTHONPATH", "")]).rstrip(os.pathsep)}}
+    if not gpus_per_worker:  # Ray no longer hides the GPUs from a worker that reserved none; run.device=auto must
+        env["env_vars"]["CUDA_VISIBLE_DEVICES"] = ""  # not put it on a device another worker owns
     actor = ray.remote(RoleWorker)
     workers = [actor.options(num_cpus=cpus_per_worker, num_gpus=gpus_per_worker, runtime_env=env,
                              scheduling_strategy=PlacementGroupSchedulingStrategy(

@@ -58,6 +58,14 @@ class LocalRollout:
     def metrics(self, exp: Experience) -> dict:
         return {f"time/{k}": v for k, v in exp.timing.items() if not k.startswith("decode")}
 
+
+def uses_ray(cfg: Config) -> bool:
+    """Whether the run's placement runs on Ray workers (nothing starts here)."""
+    from rlfuse.placement.strategies import spec_from_config
+
+    return spec_from_config(cfg).uses_ray
+
+
 def local_scorer(models: Models, cfg: Config) -> Scorer:
     """The scorer of a process holding the roles itself (this one, or a Ray worker that also trains): reference
     (the actor with adapters off where it has no model of its own), reward, and the critic being trained."""

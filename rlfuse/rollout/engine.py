@@ -145,6 +145,14 @@ def _row(pid: int, j: int, prompt: list[int], limit: int, tokens=(), logprobs=()
     return {"pid": pid, "j": j, "prompt": prompt, "limit": limit, "tokens": list(tokens), "logprobs": list(logprobs)}
 
 
+def _queue_of(state: EngineState) -> list[_Entry]:
+    """An exported state's rows (to re-prefill: prompt + tokens so far) and waiting prompts as queue entries."""
+    queue = [_Entry(r.prompt_ids + r.token_ids, [_row(r.prompt_id, r.sample_index, list(r.prompt_ids), r.limit,
+                                                     r.token_ids, r.logprobs)]) for r in state.rows]
+    return queue + [_Entry(list(w.prompt_ids), [_row(w.prompt_id, j, list(w.prompt_ids), w.limits[j])
+                                                for j in range(w.k)]) for w in state.waiting]
+
+
 class DecodeEngine:
     def __init__(self, model, eos_token_id: int, max_rows: int = 256, tokenizer=None, fast_decode: bool = True):
         self.model, self.eos, self.max_rows, self.tokenizer = model, eos_token_id, max_rows, tokenizer
@@ -186,11 +194,20 @@ class DecodeEngine:
         """Continue an exported state (from this or another engine, whole, split or combined): first the samples it
         had finished, then its rows (re-prefilled: prompt + tokens so far, no repeat) and waiting prompts, decoded as
         generate() would have. Seed and sampling params come from the state: the rows' streams are keyed by them."""
-        queue = [_Entry(r.prompt_ids + r.token_ids, [_row(r.prompt_id, r.sample_index, list(r.prompt_ids), r.limit,
-                                                         r.token_ids, r.logprobs)]) for r in state.rows]
-        queue += [_Entry(list(w.prompt_ids), [_row(w.prompt_id, j, list(w.prompt_ids), w.limits[j]) for j in range(w.k)])
-                  for w in state.waiting]
-        return self._start(queue, state.params, state.seed, finished=state.finished)
+        return self._start(_queue_of(state), state.params, state.seed, finished=state.finished)
+
+    def extend(self, state: EngineState) -> None:
+        """Add an exported state to the suspended generate()/resume() iterator of this engine: its finished samples
+        come out next, its rows and waiting prompts join the queue and are admitted (re-prefilled) as rows free up,
+        while this engine's own live rows keep their KV cache. The samples are those resume() would give (each
+        row's stream is keyed by seed, prompt id and sample index); seed and sampling params must match."""
+        run = self._run
+        if run is None or run.iterator is None:
+            raise RuntimeError("extend: no generate() or resume() iterator is suspended on this engine; use resume()")
+        if (state.seed, state.params) != (run.seed, run.params):
+            raise ValueError("extend: the state was sampled with another seed or sampling params than this run")
+        run.queue.extend(_queue_of(state))
+        run.outbox.extend(state.finished)
 
     def export_state(self) -> EngineState:
         """Everything the suspended generate()/resume() iterator has not finished, as plain data; that iterator ends

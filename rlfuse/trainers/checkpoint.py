@@ -41,7 +41,7 @@ def save_checkpoint(path: Path, *, iteration: int, actor, critic, opt_actor, opt
 def load_checkpoint(path: Path, actor, critic, opt_actor, opt_critic, sched_actor, sched_critic) -> dict:
     """Restore weights, optimiser, LR-scheduler and RNG states in place; returns the rest (iteration, kl_coef,
     counters)."""
-    state = torch.load(path, weights_only=False)
+    state = torch.load(path, weights_only=False, map_location="cpu")  # load_state_dict copies to each tensor's device
     for module, key in ((actor, "actor"), (critic, "critic")):
         if module is not None and state[key] is not None:
             missing = set(state[key]) - {n for n, _ in module.named_parameters()}

@@ -46,7 +46,7 @@ from rlfuse.evaluation import evaluate, evaluate_before, iteration_gold, prompt_
 from rlfuse.metrics.tracker import JsonlTracker, memory_metrics, truncate_metrics
 from rlfuse.models.build import Models, build_models
 from rlfuse.models.load import save_trained_model
-from rlfuse.placement.rollout import build_placement, local_scorer, sync_weights
+from rlfuse.placement.rollout import build_placement, local_scorer, sync_weights, uses_ray
 from rlfuse.progress import Progress
 from rlfuse.rollout.engine import DecodeEngine, SamplingParams
 from rlfuse.rollout.fusion import Experience, FusionPolicy
@@ -244,7 +244,7 @@ def _optimise_data_parallel(learners, batches, exp, micro_size, loss_of, rl, bad
     count, steps, norms = 0, 0, [0.0] * len(learners)
     modules = [learner.module for learner in learners]
     zero = {"token": 0.0, "sequence": 0.0}
-    for mini in batches:
+    for n, mini in enumerate(batches):
         mine = list(micro_batches(exp, mini, micro_size, group.rank, group.world))
         slots = group.micro_batch_slots(len(mini), micro_size)
         finite = True
@@ -254,8 +254,10 @@ def _optimise_data_parallel(learners, batches, exp, micro_size, loss_of, rl, bad
                 loss, stats = run(loss_of, idx, share)
                 finite = finite and bool(torch.isfinite(loss))
                 loss.backward()
-            if j < len(mine):
+            if j < len(mine) and finite:  # as one process: no stats from a NaN micro-batch on
                 count = _add_stats(sums, stats, count)
+        if n == 0:
+            group.check_all_used(modules)
         steps, norms = _step_or_skip(learners, group.all_finite(finite), rl, bad, steps, norms)
     sums, count = group.sum_stats(sums, count)
     return {k: float(v) / max(1, count) for k, v in sums.items()}, [float(n) / max(1, steps) for n in norms]
@@ -384,8 +386,8 @@ def train_rl(cfg: Config, run_dir: Path, log=print, resume: bool = False, on_rea
     out = run_dir / "rl"
     out.mkdir(parents=True, exist_ok=True)
     ckpt, start, bad = out / "checkpoint.pt", 0, {"skipped": 0, "consecutive": 0}
-    if resume and ckpt.exists():  # into this process's models; the Ray trainers load it again below
-        state = trainer.load_checkpoint(ckpt)
+    if resume and ckpt.exists():  # on Ray the trainers restore it (below); this process needs only the counters
+        state = torch.load(ckpt, weights_only=False, map_location="cpu") if uses_ray(cfg) else trainer.load_checkpoint(ckpt)
         start, kl_ctl.coef, bad = state["iteration"], state["kl_coef"], state["counters"]
         truncate_metrics(out / "metrics.jsonl", start)
         log(f"[rl] resumed from {ckpt} at iteration {start}")

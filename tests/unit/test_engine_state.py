@@ -140,6 +140,31 @@ def test_migration_two_engines_into_one_and_one_into_two(task, model_a, model_b,
     assert_same(done, want)
 
 
+@pytest.mark.parametrize("fast", [True, False])
+def test_extend_a_running_engine_keeps_its_own_rows_live(task, model_a, model_b, fast):
+    """Migration onto a keeper that is still decoding: the exporter's rows join the keeper's run; only they are
+    re-prefilled (the keeper's own rows keep their KV cache), and the samples are the uninterrupted ones."""
+    want = full_run(task, model_a, fast)
+    keeper, exporter = engine(task, model_a, fast, max_rows=9), engine(task, model_b, fast)
+    keep_it = keeper.generate([task[1][i] for i in (0, 2, 4)], K, PARAMS, 7, lengths, prompt_ids=[0, 2, 4])
+    done = run_until(keep_it, 2)
+    done += run_until(exporter.generate([task[1][i] for i in (1, 3, 5)], K, PARAMS, 7, lengths, prompt_ids=[1, 3, 5]), 3)
+    state = exporter.export_state()
+    assert state.rows and keeper.live_rows
+    before = keeper.stats.prefill_tokens
+    keeper.extend(state)
+    done += list(keep_it)
+    assert_same(done, want)
+    moved = sum(len(r.prompt_ids) + len(r.token_ids) for r in state.rows) + sum(len(w.prompt_ids) for w in state.waiting)
+    assert keeper.stats.prefill_tokens - before == moved
+    with pytest.raises(RuntimeError, match="no generate"):
+        keeper.extend(state)
+    other = engine(task, model_a, fast)
+    run_until(other.generate(task[1], K, PARAMS, 8, lengths), 1)
+    with pytest.raises(ValueError, match="another seed"):
+        other.extend(state)
+
+
 def test_combine_refuses_different_seeds(task, model_a):
     states = []
     for seed in (1, 2):

@@ -63,9 +63,9 @@ def test_strategy_layouts(overrides, make, workers, expected):
 def test_every_strategy_layout_passes_the_checker(overrides, make):
     roles = roles_of(overrides)
     for workers in range(2, 9):
-        spec = make(roles, workers, WorkerResources(cpus=2, gpus=0.5))
-        assert check_placement(spec, roles, ClusterResources.one_node(2 * workers, workers / 2)) == []
-        assert spec.cpus == 2 * workers and spec.gpus == workers / 2
+        spec = make(roles, workers, WorkerResources(cpus=2, gpus=1))  # a GPU per training rank (NCCL)
+        assert check_placement(spec, roles, ClusterResources.one_node(2 * workers, workers)) == []
+        assert spec.cpus == 2 * workers and spec.gpus == workers
 
 
 def test_explicit_splits_and_their_bounds():
@@ -152,6 +152,10 @@ RULES = [
      ["role 'reference' must share actor's process", "adapters off", "put reference in train only"]),
     (PPO_SHARED, [g("train", 2, "actor reference generator"), g("value", 1, "critic reward")],
      ["role 'critic' must share actor's process", "value head on the actor's body", "put critic in train only"]),
+    (PPO, [g("train", 2, "actor reference"), g("gen", 1, "generator reward critic")],
+     ["role 'critic' trains with the actor", "is in gen while actor is in train", "put critic in train"]),
+    (PPO, [g("train", 2, "actor critic reference", gpus=0.5), g("gen", 1, "generator reward")],
+     ["group 'train' trains data-parallel on 2 workers sharing GPUs", "set its gpus_per_worker to 1"]),
 ]
 
 
