@@ -167,9 +167,15 @@ def main(argv: list[str] | None = None) -> int:
 
     sp = sub.add_parser("schedule", help="fused actor/critic pipeline schedule: serial vs 1F1B vs fused, with a chart")
     schedule_cli.add_arguments(sp)
+    from rlfuse.placement import plan_cli
+
+    plan_cli.add_arguments(sub.add_parser("plan", help="rank placements of an RL run by predicted time and memory",
+                                          description=plan_cli.__doc__))
     ns = parser.parse_args(argv)
     if ns.command == "schedule":
         return schedule_cli.run(ns)
+    if ns.command == "plan":
+        return plan_cli.run(ns)
     if ns.command == "report":
         try:
             return cmd_report(ns.run_dir, ns.baseline)

@@ -9,6 +9,7 @@ from __future__ import annotations
 import dataclasses
 import difflib
 import os
+import sys
 import types
 import typing
 from dataclasses import dataclass, field
@@ -285,6 +286,9 @@ class PlacementConfig:
     groups: Optional[list] = None
     """strategy=custom: a list of groups, each {name, workers, roles: [actor, generator, reference, critic, reward],
     cpus_per_worker?, gpus_per_worker?}; every role of the run in one group, shared-weight roles together."""
+    memory_per_worker_gb: Optional[float] = None
+    """GiB one worker may use, for the planner (strategy=auto, `rlfuse plan`) and the checker's memory check; default
+    (planner only): a GPU's memory, or this machine's RAM divided among the workers."""
 
 
 @dataclass
@@ -328,6 +332,10 @@ def load_config(path: str | os.PathLike | None = None, overrides: list[str] | tu
         raw[section][name] = _parse_scalar(value)
     cfg = _from_dict(Config, raw, prefix="")
     validate(cfg)
+    if cfg.placement.strategy == "auto":  # resolved once, here, so the saved config.yaml records the plan
+        from rlfuse.placement.planner import resolve_auto
+
+        cfg = validate(resolve_auto(cfg, log=lambda msg: print(msg, file=sys.stderr, flush=True)))
     return cfg
 
 
@@ -515,13 +523,15 @@ def _validate_placement(cfg: Config) -> None:
     """Fields first, then the layout itself: the placement checker without a cluster (roles placed, shared weights
     together), so a layout that cannot work fails at `rlfuse validate`, not after Ray started."""
     p = cfg.placement
-    _choice(p.strategy, "placement.strategy", STRATEGIES)
+    _choice(p.strategy, "placement.strategy", STRATEGIES + ("auto",))
     _positive(p, "placement", "workers", "cpus_per_worker")
     _positive(p, "placement", "gpus_per_worker", allow_zero=True)
     if not is_gpu_share(p.gpus_per_worker):
         raise ConfigError("placement.gpus_per_worker", f"{p.gpus_per_worker:g} is neither a fraction of one GPU nor "
                           "a whole number", "set it to e.g. 0.5, 1 or 2")
-    least = MIN_WORKERS[p.strategy]
+    if p.memory_per_worker_gb is not None:
+        _positive(p, "placement", "memory_per_worker_gb")
+    least = MIN_WORKERS.get(p.strategy, 1)
     if p.workers < least:
         raise ConfigError("placement.workers", f"placement.strategy={p.strategy} needs at least {least} workers, got "
                           f"{p.workers}", f"set placement.workers={least} or more")
@@ -534,15 +544,25 @@ def _validate_placement(cfg: Config) -> None:
                           "set placement.strategy=custom with placement.groups, or remove placement.groups")
     if p.strategy == "custom":
         _validate_groups(p.groups)
-    if p.strategy == "single":
+    if p.strategy in ("single", "auto"):  # auto: checked once resolved (load_config)
         return
     try:
-        problems = check_placement(spec_from_config(cfg), derive_roles(cfg))
+        problems = check_placement(spec_from_config(cfg), derive_roles(cfg), **_memory_check(cfg))
     except UserError as e:  # a strategy that cannot place these roles
         raise ConfigError("placement.strategy", str(e), "pick another placement.strategy") from None
     if problems:
         field_name = "placement.groups" if p.strategy == "custom" else "placement.strategy"
         raise ConfigError(field_name, " / ".join(problems), "fix each as it says")
+
+
+def _memory_check(cfg: Config) -> dict:
+    """With placement.memory_per_worker_gb, the checker's memory hook: the planner's memory model per worker."""
+    gb = cfg.placement.memory_per_worker_gb
+    if gb is None:
+        return {}
+    from rlfuse.placement.planner import memory_of_config
+
+    return {"memory_of": memory_of_config(cfg), "memory_budget": int(gb * 2**30)}
 
 
 def _validate_groups(groups) -> None:

@@ -1,0 +1,234 @@
+"""The planner's predictions against real runs (issue 13, item 4): plans for 2 workers run for a few iterations on
+the default task and on real IMDb prompts, predicted vs measured per stage from each run's rl/metrics.jsonl.
+
+    python bench/plan.py --models RUN_DIR     # RUN_DIR/sft/model and RUN_DIR/rm/model (e.g. an `rlfuse run` folder)
+    python bench/plan.py                      # first trains them (`rlfuse sft`, `rlfuse rm`, default config)
+    python bench/plan.py --summarize          # the tables again from the run folders under --work
+
+Inputs of the predictions, all taken before any plan runs: the machine profile (`rlfuse plan --profile`, measured
+at the start), the config, the mean prompt tokens of the task (its prompts tokenised), and the response lengths
+(mean, longest) of a 3-iteration single-process calibration run per task: samples do not depend on the placement,
+so every plan decodes the same lengths. Measured: median over iterations 2..N (the first warms up) of
+time/rollout, time/training, time/weight_sync, time/iteration, and each worker's peak RSS (worker/<i>/rss_peak_mb).
+Reported: relative error of iteration time (mean, max), Kendall tau of predicted vs measured iteration times, the
+planner's choice against the best measured plan, memory error per worker. Writes the `plan_bench` section of
+BENCHMARKS.md.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from bench.common import ROOT, SHARED_DATA, WORK, md_table, write_section  # noqa: E402
+
+IMDB = SHARED_DATA / "imdb_reviews_2000.csv"
+TASKS = {
+    "default": [],
+    "imdb": ["data.kind=imdb", f"data.path={IMDB}"],
+}
+# which plans run besides the planner's choice: (strategy, micro-batch, checkpointing) per task; migration as the
+# config (0.2)
+RUNS = {
+    "default": [("flattened", 16, False), ("separated", 16, False), ("interleaved", 16, False),
+                ("flattened", 4, False), ("flattened", 16, True)],
+    "imdb": [("flattened", 16, False), ("separated", 16, False), ("interleaved", 16, False)],
+}
+
+
+def rlfuse(*args: str, log: Path) -> None:
+    env = os.environ | {"TRANSFORMERS_VERBOSITY": "error"}
+    with log.open("w") as f:
+        subprocess.run([sys.executable, "-m", "rlfuse", *args], check=True, stdout=f, stderr=subprocess.STDOUT, env=env,
+                       cwd=ROOT)
+
+
+def ensure_models(work: Path, models: Path | None) -> Path:
+    if models is not None:
+        return models
+    out = work / "models"
+    if not (out / "rm" / "model" / "config.json").exists():
+        rlfuse("sft", f"run.dir={out}", "run.quiet=true", log=work / "sft.log")
+        rlfuse("rm", f"run.dir={out}", "run.quiet=true", log=work / "rm.log")
+    return out
+
+
+def common_overrides(models: Path, task: str, iterations: int) -> list[str]:
+    return [f"rl.sft_path={models / 'sft' / 'model'}", f"rl.rm_path={models / 'rm' / 'model'}",
+            f"rl.iterations={iterations}", "rl.eval_prompts=0", "run.quiet=true", *TASKS[task]]
+
+
+def mean_prompt_tokens(cfg, sft_dir: Path) -> float:
+    """Mean tokens of the task's RL train prompts as the RL stage encodes them (BOS included, cut to the budget)."""
+    from rlfuse.data.prompts import encode_prompts, model_context, prompt_budget
+    from rlfuse.data.stages import rl_prompts
+    from rlfuse.models.load import load_tokenizer
+
+    task = None
+    if cfg.data.kind == "synthetic":
+        from rlfuse.trainers.sft import resolve_base_model
+
+        _, task = resolve_base_model(cfg, lambda m: None)
+    import transformers
+
+    tok = load_tokenizer(str(sft_dir))
+    context = model_context(transformers.AutoConfig.from_pretrained(str(sft_dir)))
+    train, _ = rl_prompts(cfg, task, lambda m: None)
+    ids, _ = encode_prompts(tok, train, prompt_budget(cfg.rl, context))
+    return sum(map(len, ids)) / len(ids)
+
+
+def metrics(run: Path) -> list[dict]:
+    return [json.loads(line) for line in (run / "rl" / "metrics.jsonl").read_text().splitlines() if line.strip()]
+
+
+def measured(run: Path) -> dict:
+    rows = metrics(run)[1:]  # the first iteration warms up (first calls, allocator growth)
+    med = lambda k: statistics.median(r[k] for r in rows if k in r)
+    ranks = sorted({int(k.split("/")[1]) for r in rows for k in r if k.startswith("worker/") and k.endswith("rss_mb")})
+    # the peak since the worker started where the workers report it (training included), else the largest sample
+    rss = lambda w: max(r.get(f"worker/{w}/rss_peak_mb", r.get(f"worker/{w}/rss_mb", 0.0)) for r in rows)
+    return {"rollout": med("time/rollout"), "train": med("time/training"), "sync": med("time/weight_sync"),
+            "iteration": med("time/iteration"), "rss_mb": {w: rss(w) for w in ranks}}
+
+
+def kendall_tau(a: list[float], b: list[float]) -> float:
+    """Kendall's tau-a over all pairs (ties count as neither concordant nor discordant)."""
+    n, s = len(a), 0
+    for i in range(n):
+        for j in range(i + 1, n):
+            x, y = a[i] - a[j], b[i] - b[j]
+            s += (x * y > 0) - (x * y < 0)
+    return s / (n * (n - 1) / 2) if n > 1 else float("nan")
+
+
+def predict_all(task: str, models: Path, profile_path: Path, work: Path) -> tuple[dict, list]:
+    from rlfuse.config import load_config
+    from rlfuse.placement.planner import measured_lengths, plan, problem_from_config
+    from rlfuse.placement.profile import load_profile
+
+    calib = work / f"calibrate_{task}"
+    if not (calib / "rl" / "metrics.jsonl").exists():
+        rlfuse("rl", *common_overrides(models, task, 3), "run.threads=1", f"run.dir={calib}",
+               log=work / f"calibrate_{task}.log")
+    cfg = load_config(None, common_overrides(models, task, 3))
+    inputs = {"lengths": measured_lengths(calib), "prompt_tokens": mean_prompt_tokens(cfg, models / "sft" / "model")}
+    prob = problem_from_config(cfg, load_profile(profile_path), workers=2, **inputs)
+    plans = plan(prob)
+    chosen = [plans[0]]  # the planner's own choice always runs
+    for strategy, micro, ckpt in RUNS[task]:
+        same = [p for p in plans if p.strategy == strategy and p.micro_batch_size == micro
+                and p.gradient_checkpointing == ckpt]  # migration as configured where it applies (several decoders)
+        pick = next((p for p in same if p.migrate_below == cfg.rollout.migrate_below), same[0])
+        if pick is not plans[0]:
+            chosen.append(pick)
+    return inputs, [(p, plans.index(p) + 1) for p in chosen]
+
+
+def run_plan(task: str, pl, models: Path, work: Path, iterations: int) -> Path:
+    d = work / (f"{task}_{pl.strategy}_mb{pl.micro_batch_size}_{'ckpt' if pl.gradient_checkpointing else 'nockpt'}"
+                f"_mig{pl.migrate_below:g}")
+    if not (d / "rl" / "metrics.jsonl").exists() or len(metrics(d)) < iterations:
+        shutil.rmtree(d, ignore_errors=True)
+        block = pl.config_block()
+        flat = [f"{s}.{k}={str(v).lower() if isinstance(v, bool) else v}" for s, sec in block.items()
+                for k, v in sec.items()]
+        rlfuse("rl", *common_overrides(models, task, iterations), *flat, f"run.dir={d}", log=d.with_suffix(".log"))
+    return d
+
+
+def report(results: list[dict], profile_desc: str, header: str) -> str:
+    rows, lines = [], []
+    for r in results:
+        p, m = r["predicted"], r["measured"]
+        mem = "; ".join(f"w{w}: {r['mem_pred'][w]:.0f} / {m['rss_mb'][w]:.0f}" for w in sorted(m["rss_mb"]))
+        rows.append([r["task"], r["label"], r["rank"], p["rollout"], m["rollout"], p["train"], m["train"], p["sync"],
+                     m["sync"], p["iteration"], m["iteration"], f"{(p['iteration'] / m['iteration'] - 1) * 100:+.0f}%", mem])
+    errs = [abs(r["predicted"]["iteration"] / r["measured"]["iteration"] - 1) for r in results]
+    mem_errs = [abs(r["mem_pred"][w] / r["measured"]["rss_mb"][w] - 1) for r in results for w in r["measured"]["rss_mb"]]
+    lines += [header, "", md_table(["task", "plan", "planner rank", "rollout s pred", "rollout s meas", "train s pred",
+                                    "train s meas", "sync s pred", "sync s meas", "iteration s pred",
+                                    "iteration s meas", "iteration error", "worker MiB pred / meas"], rows), ""]
+    taus = {}
+    for task in dict.fromkeys(r["task"] for r in results):
+        rs = [r for r in results if r["task"] == task]
+        taus[task] = kendall_tau([r["predicted"]["iteration"] for r in rs], [r["measured"]["iteration"] for r in rs])
+        pick = min(rs, key=lambda r: r["predicted"]["iteration"])
+        best = min(rs, key=lambda r: r["measured"]["iteration"])
+        slower = pick["measured"]["iteration"] / best["measured"]["iteration"] - 1
+        lines.append(f"- {task}: the planner's choice among these, {pick['label']}, measured "
+                     f"{pick['measured']['iteration']:.3f} s per iteration; the best measured, {best['label']}, "
+                     f"{best['measured']['iteration']:.3f} s ({slower * 100:+.1f}%, target within 10%); Kendall tau "
+                     f"{taus[task]:+.2f} over {len(rs)} plans")
+    pooled = kendall_tau([r["predicted"]["iteration"] for r in results], [r["measured"]["iteration"] for r in results])
+    lines += [f"- iteration time: mean relative error {statistics.mean(errs) * 100:.1f}% (target <= 15%), max "
+              f"{max(errs) * 100:.1f}% (target <= 30%); Kendall tau over all {len(results)} plans {pooled:+.2f} "
+              f"(target >= 0.8)",
+              f"- peak memory per worker (predicted total vs measured RSS): mean error "
+              f"{statistics.mean(mem_errs) * 100:.1f}%, max {max(mem_errs) * 100:.1f}% (target within 20%)",
+              f"- profile: {profile_desc}"]
+    return "\n".join(lines)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--work", type=Path, default=WORK / "plan")
+    ap.add_argument("--models", type=Path, help="a run folder with sft/model and rm/model")
+    ap.add_argument("--iterations", type=int, default=8)
+    ap.add_argument("--no-write", action="store_true", help="print only; leave BENCHMARKS.md alone")
+    ap.add_argument("--dry", action="store_true", help="profile, calibrate and print the plans; run none")
+    args = ap.parse_args()
+    from rlfuse.placement.profile import load_profile
+
+    work = args.work.resolve()
+    work.mkdir(parents=True, exist_ok=True)
+    t0, load0 = time.time(), os.getloadavg()[0]
+    models = ensure_models(work, args.models)
+    profile_path = work / "machine_profile.json"
+    if not profile_path.exists():
+        rlfuse("plan", "--profile", "--profile-path", str(profile_path), "--out", str(work / "plan.yaml"),
+               log=work / "profile.log")
+    results = []
+    for task in RUNS:
+        inputs, chosen = predict_all(task, models, profile_path, work)
+        print(f"[plan bench] {task}: prompt tokens {inputs['prompt_tokens']:.1f}, response lengths {inputs['lengths']}",
+              file=sys.stderr)
+        for pl, rank in chosen:
+            if args.dry:
+                print(f"{task}: rank {rank} {pl.label()}: {pl.iteration_s:.3f} s", {k: round(v, 3) for k, v in pl.seconds.items()})
+                continue
+            d = run_plan(task, pl, models, work, args.iterations)
+            m = measured(d)
+            mem_pred = {}
+            for g in pl.spec.groups:
+                for w in pl.spec.worker_ranks(g.name):
+                    mem_pred[w] = pl.memory[g.name]["total"] / 2**20
+            results.append({"task": task, "label": f"{pl.strategy} {pl.split}, micro {pl.micro_batch_size}, ckpt "
+                            f"{'on' if pl.gradient_checkpointing else 'off'}, migrate {pl.migrate_below:g}", "rank": rank, "predicted": pl.seconds,
+                            "measured": m, "mem_pred": mem_pred, "inputs": inputs})
+            print(f"[plan bench] {task} {pl.label()}: predicted {pl.iteration_s:.3f} s, measured {m['iteration']:.3f} s",
+                  file=sys.stderr)
+    if args.dry:
+        return
+    load1 = os.getloadavg()[0]
+    prof = load_profile(profile_path)
+    header = (f"Command: `python bench/plan.py{' --models ' + str(args.models) if args.models else ''}` "
+              f"({args.iterations} iterations per plan, 2 workers x 1 CPU; {time.time() - t0:.0f} s; load average "
+              f"{load0:.1f} before, {load1:.1f} after, on 2 cores shared with other work).")
+    text = report(results, f"{prof.name}: {prof.source}", header)
+    (work / "results.json").write_text(json.dumps(results, indent=1, default=str))
+    print(text)
+    if not args.no_write:
+        write_section("plan_bench", text)
+
+
+if __name__ == "__main__":
+    main()

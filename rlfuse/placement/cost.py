@@ -1,0 +1,394 @@
+"""Cost model of an RL iteration: seconds per stage from model shapes, token counts and a machine's rates.
+
+Pure (no torch, no Ray), like rlfuse/schedule/model.py. Three layers:
+
+- `ModelShape`: a decoder's shape (layers, widths, vocabulary) -> parameter count, FLOPs per token, KV bytes per token.
+- `MachineProfile`: the rates of one worker (FLOP/s at training shapes and at decode shapes, memory bandwidth, a fixed
+  cost per layer per call, sync and all-reduce bandwidths), measured by `rlfuse plan --profile`
+  (rlfuse/placement/profile.py) or derived from a published device's figures (`DEVICES`, `device_profile`).
+- stage costs: prefill/scoring forwards, decode (row by row, as the engine retires finished rows), actor and critic
+  forward + backward + optimiser step, weight sync, gradient all-reduce, tail migration (re-prefill).
+
+A stage's time is `calls x layers x layer_call_s + FLOPs / rate + bytes read / bandwidth`: the first term is what
+dominates small models on CPU (Python and kernel launches per layer), the second large batches, the third decoding
+on a GPU (every step reads all weights). Why not a single FLOP rate: measured on this project's 2-core CPU, a
+decode step of the default 4-layer GPT-2 costs ~1.2 ms + 0.19 ms per row, so FLOPs alone miss the fixed part by 6x.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import asdict, dataclass, fields
+from pathlib import Path
+
+GiB = 2**30
+
+
+# ------------------------------------------------------------------------------------------- model shapes
+
+
+@dataclass(frozen=True)
+class ModelShape:
+    """A decoder-only transformer's shape. GPT-2: `gated=False` (two MLP matrices, learned positions, biases);
+    Llama: `gated=True` (SwiGLU, three MLP matrices, RoPE, no biases)."""
+    name: str
+    layers: int
+    hidden: int
+    heads: int
+    ffn: int
+    vocab: int
+    context: int
+    kv_heads: int = 0
+    """Key/value heads (grouped-query attention); 0 means `heads`."""
+    gated: bool = False
+    tied: bool = True
+    """Output head shares the input embedding (GPT-2); Llama-2 has its own."""
+
+    @property
+    def head_dim(self) -> int:
+        return self.hidden // self.heads
+
+    @property
+    def kv_dim(self) -> int:
+        return (self.kv_heads or self.heads) * self.head_dim
+
+    @property
+    def linear_shapes(self) -> tuple[tuple[int, int], ...]:
+        """(in, out) of every linear layer of one block: what LoRA adapts and 4-bit quantises."""
+        h, f, kv = self.hidden, self.ffn, self.kv_dim
+        if self.gated:
+            return ((h, h), (h, kv), (h, kv), (h, h), (h, f), (h, f), (f, h))
+        return ((h, h + 2 * kv), (h, h), (h, f), (f, h))  # GPT-2: c_attn (fused q,k,v), c_proj, c_fc, mlp.c_proj
+
+    @property
+    def layer_linear_params(self) -> int:
+        return sum(i * o for i, o in self.linear_shapes)
+
+    @property
+    def layer_params(self) -> int:
+        """Linear weights plus biases and norms (GPT-2 has biases and two LayerNorms; Llama two RMSNorm weights)."""
+        biases = 0 if self.gated else sum(o for _, o in self.linear_shapes) + 4 * self.hidden
+        return self.layer_linear_params + biases + (0 if not self.gated else 2 * self.hidden)
+
+    @property
+    def embedding_params(self) -> int:
+        """Token embedding, learned positions (GPT-2), the untied output head, the final norm."""
+        positions = 0 if self.gated else self.context * self.hidden
+        head = 0 if self.tied else self.vocab * self.hidden
+        final_norm = self.hidden if self.gated else 2 * self.hidden  # RMSNorm weight; LayerNorm weight and bias
+        return self.vocab * self.hidden + positions + head + final_norm
+
+    @property
+    def params(self) -> int:
+        return self.layers * self.layer_params + self.embedding_params
+
+    @property
+    def matmul_params(self) -> int:
+        """Weights that multiply every token: the blocks' linears and the output head (tied or not)."""
+        return self.layers * self.layer_linear_params + self.vocab * self.hidden
+
+    def forward_flops(self, tokens: float, attended: float) -> float:
+        """FLOPs of a forward over `tokens` tokens that each attend to `attended` positions on average:
+        2 per multiply-add of every weight, plus QK^T and AV (2 x 2 x attended x hidden per token per layer)."""
+        return tokens * (2 * self.matmul_params + 4 * self.layers * self.hidden * attended)
+
+    def kv_bytes_per_token(self, elem_bytes: float) -> float:
+        """Keys and values of one token over all layers."""
+        return 2 * self.layers * self.kv_dim * elem_bytes
+
+    def lora_params(self, rank: int) -> int:
+        """LoRA A (in x r) and B (r x out) on every linear of every block (rlfuse's default targets)."""
+        return self.layers * sum((i + o) * rank for i, o in self.linear_shapes)
+
+
+def gpt2_shape(name: str, layers: int, hidden: int, heads: int, vocab: int, context: int) -> ModelShape:
+    return ModelShape(name, layers, hidden, heads, 4 * hidden, vocab, context)
+
+
+def llama_shape(name: str, layers: int, hidden: int, heads: int, ffn: int, context: int, kv_heads: int = 0,
+                vocab: int = 32000) -> ModelShape:
+    return ModelShape(name, layers, hidden, heads, ffn, vocab, context, kv_heads, gated=True, tied=False)
+
+
+KNOWN_SHAPES = {
+    # from each model's config.json on the Hugging Face hub
+    "distilgpt2": gpt2_shape("distilgpt2", 6, 768, 12, 50257, 1024),
+    "gpt2": gpt2_shape("gpt2", 12, 768, 12, 50257, 1024),
+    "gpt2-medium": gpt2_shape("gpt2-medium", 24, 1024, 16, 50257, 1024),
+    "llama-2-7b": llama_shape("Llama-2-7B", 32, 4096, 32, 11008, 4096),
+    "llama-2-13b": llama_shape("Llama-2-13B", 40, 5120, 40, 13824, 4096),
+    "llama-33b": llama_shape("LLaMA-33B", 60, 6656, 52, 17920, 2048),
+}
+DEFAULT_TASK_VOCAB = 1024
+"""The embedded task's BPE vocabulary (rlfuse/data/task.py trains it to this size; 512 positions)."""
+
+
+def shape_from_hf_config(name: str, c: dict) -> ModelShape:
+    """A ModelShape from a transformers config.json dict (GPT-2 or Llama-style keys)."""
+    if "n_embd" in c:
+        return ModelShape(name, c["n_layer"], c["n_embd"], c["n_head"], c.get("n_inner") or 4 * c["n_embd"],
+                          c["vocab_size"], c.get("n_positions", 1024), tied=c.get("tie_word_embeddings", True))
+    return ModelShape(name, c["num_hidden_layers"], c["hidden_size"], c["num_attention_heads"], c["intermediate_size"],
+                      c["vocab_size"], c.get("max_position_embeddings", 2048), c.get("num_key_value_heads", 0),
+                      gated=True, tied=c.get("tie_word_embeddings", False))
+
+
+def policy_shape(model_cfg) -> ModelShape:
+    """The policy's shape from a rlfuse ModelConfig, without loading anything: the embedded GPT-2 from its fields, a
+    local folder from its config.json, a known hub name from KNOWN_SHAPES."""
+    from rlfuse.errors import ConfigError
+
+    name = model_cfg.name
+    if name == "embedded":
+        return gpt2_shape("embedded", model_cfg.n_layer, model_cfg.n_embd, model_cfg.n_head, DEFAULT_TASK_VOCAB, 512)
+    folder = Path(name).expanduser()
+    if (folder / "config.json").is_file():
+        return shape_from_hf_config(folder.name, json.loads((folder / "config.json").read_text()))
+    key = name.rsplit("/", 1)[-1].lower()
+    if key in KNOWN_SHAPES:
+        return KNOWN_SHAPES[key]
+    raise ConfigError("model.name", f"the planner does not know the shape of {name!r} and finds no config.json there",
+                      f"give a local model folder, or one of {', '.join(KNOWN_SHAPES)}")
+
+
+# --------------------------------------------------------------------------------------------- machines
+
+
+@dataclass(frozen=True)
+class MachineProfile:
+    """Rates of one worker (one process with its share of CPUs, or one GPU). Saved and loaded as JSON."""
+    name: str
+    device: str
+    """cpu | cuda."""
+    threads: int
+    """Torch threads the CPU rates were measured with (a worker's cpus_per_worker)."""
+    flops: float
+    """FLOP/s of forwards and backwards at training shapes (micro-batches of whole sequences)."""
+    decode_flops: float
+    """FLOP/s of a decode step's per-row work (one token per row: small matrix-vector products run slower)."""
+    mem_bw: float
+    """Bytes/s a step streams weights and KV cache at (what bounds decoding on a GPU)."""
+    layer_call_s: float
+    """Fixed seconds per transformer layer per forward call: Python, dispatch and kernel launches."""
+    decode_layer_call_s: float = 0.0
+    """The same per decode step (the engine's lean step for GPT-2/Llama skips transformers' per-call machinery);
+    0 means layer_call_s."""
+    decode_sample_s: float = 0.0
+    """Seconds per sample a rollout costs besides its decode steps: its share of the prefill call, retiring its
+    row from the batch (the KV cache is compacted), handing it out."""
+    score_call_s: float = 0.0
+    """Seconds a scoring call costs beyond its forward: collating the micro-batch, the attention mask, gathering the
+    response's log-probs or values."""
+    train_layer_call_s: float = 0.0
+    """Fixed seconds per layer of a forward + backward call (autograd's bookkeeping per op weighs more on small
+    tensors than the FLOPs); 0 means layer_call_s x (1 + bwd_ratio)."""
+    bwd_ratio: float = 2.0
+    """Backward seconds per forward second (2: gradients of inputs and of weights, each about one forward)."""
+    optimizer_bytes_s: float = 2e9
+    """AdamW step: bytes of parameter, gradient and moments touched per second."""
+    sync_bytes_s: float = 1e9
+    """Weight sync to another process (Ray object store on CPU; NCCL broadcast on GPU)."""
+    sync_latency_s: float = 0.0
+    """Fixed seconds per weight sync (object-store put/get round trip)."""
+    allreduce_bytes_s: float = 1e9
+    """Gradient all-reduce bus bandwidth (gloo on CPU; NVLink/PCIe through NCCL on GPU)."""
+    allreduce_latency_s: float = 0.0
+    """Fixed seconds per all-reduce."""
+    ray_call_s: float = 0.0
+    """Fixed seconds per iteration a Ray placement adds (remote calls, object-store puts of experience)."""
+    memory_bytes: float = 0.0
+    """Memory of one worker: device memory on GPU, the RAM share on CPU (0: unknown)."""
+    runtime_bytes: float = 0.0
+    """A process's fixed footprint: Python + torch + transformers resident memory on CPU, the CUDA context on GPU."""
+    slack_fraction: float = 0.1
+    """Allocator slack on top of the tensors (fragmentation, caching allocator rounding)."""
+    source: str = ""
+    """Where the figures come from: a profile run (date, machine) or a datasheet."""
+
+    def to_json(self) -> str:
+        return json.dumps(asdict(self), indent=2)
+
+    @classmethod
+    def from_json(cls, text: str) -> "MachineProfile":
+        known = {f.name for f in fields(cls)}
+        return cls(**{k: v for k, v in json.loads(text).items() if k in known})
+
+    def save(self, path: str | Path) -> Path:
+        path = Path(path)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(self.to_json())
+        return path
+
+    @classmethod
+    def load(cls, path: str | Path) -> "MachineProfile":
+        return cls.from_json(Path(path).read_text())
+
+
+@dataclass(frozen=True)
+class DeviceSpec:
+    """A GPU's published figures (dense bf16 tensor FLOP/s, memory bandwidth and size, interconnect per direction)."""
+    name: str
+    bf16_flops: float
+    mem_bw: float
+    memory_bytes: float
+    interconnect_bytes_s: float
+    source: str
+
+
+DEVICES = {
+    "a100-80gb": DeviceSpec("A100 80GB SXM", 312e12, 2.039e12, 80e9, 300e9,
+                            "NVIDIA A100 datasheet (2021): 312 TFLOPS bf16 dense, 2,039 GB/s HBM2e, "
+                            "NVLink 600 GB/s both ways"),
+    "h100-80gb": DeviceSpec("H100 80GB SXM", 989e12, 3.35e12, 80e9, 450e9,
+                            "NVIDIA H100 datasheet (2023): 989 TFLOPS bf16 dense, 3.35 TB/s HBM3, "
+                            "NVLink 900 GB/s both ways"),
+    "rtx4090": DeviceSpec("RTX 4090", 165e12, 1.008e12, 24e9, 32e9,
+                          "NVIDIA Ada whitepaper: 165 TFLOPS bf16 dense (fp32 accumulate), 1,008 GB/s GDDR6X; "
+                          "PCIe 4.0 x16"),
+    "rtx3090": DeviceSpec("RTX 3090", 71e12, 936e9, 24e9, 32e9,
+                          "NVIDIA Ampere GA102 whitepaper: 71 TFLOPS bf16 dense (fp16 accumulate; 35.6 with fp32), "
+                          "936 GB/s GDDR6X; PCIe 4.0 x16"),
+}
+MFU_TRAIN = 0.4
+"""Fraction of peak FLOP/s a large forward/backward reaches (Megatron-LM and PaLM report 0.4-0.55 at scale)."""
+MFU_DECODE = 0.4
+"""A decode step's FLOPs at the same efficiency; the step also pays for streaming the weights and KV cache
+(`BW_EFFICIENCY`). The cost model adds the two (a conservative roofline: real kernels overlap them in part)."""
+BW_EFFICIENCY = 0.7
+"""Fraction of the memory bandwidth a decode step streams weights at (vLLM-style kernels reach 0.6-0.8)."""
+
+
+def device_profile(key: str) -> MachineProfile:
+    """An on-paper MachineProfile from a published device (`DEVICES`), with the efficiency factors above."""
+    d = DEVICES[key]
+    return MachineProfile(
+        name=d.name, device="cuda", threads=1, flops=d.bf16_flops * MFU_TRAIN, decode_flops=d.bf16_flops * MFU_DECODE,
+        mem_bw=d.mem_bw * BW_EFFICIENCY, layer_call_s=40e-6, bwd_ratio=2.0, optimizer_bytes_s=d.mem_bw * BW_EFFICIENCY,
+        sync_bytes_s=d.interconnect_bytes_s * BW_EFFICIENCY, sync_latency_s=1e-3,
+        allreduce_bytes_s=d.interconnect_bytes_s * BW_EFFICIENCY, allreduce_latency_s=1e-4, ray_call_s=0.01,
+        memory_bytes=d.memory_bytes, runtime_bytes=0.5 * GiB, slack_fraction=0.1, source=d.source)
+
+
+# ------------------------------------------------------------------------------------------ stage costs
+
+
+def forward_seconds(p: MachineProfile, shape: ModelShape, rows: float, seq: float, weight_bytes: float,
+                    calls: float = 1.0) -> float:
+    """`calls` forwards, each over `rows` sequences of `seq` tokens (causal: each token attends to seq/2 on average);
+    every call reads the weights once."""
+    flops = shape.forward_flops(rows * seq, seq / 2)
+    return calls * (shape.layers * p.layer_call_s + flops / p.flops + weight_bytes / p.mem_bw)
+
+
+def train_seconds(p: MachineProfile, shape: ModelShape, rows: float, seq: float, weight_bytes: float, calls: float,
+                  checkpointing: bool, frozen_base: bool) -> float:
+    """Forward + backward of `calls` micro-batches: a fixed cost per layer and call, then the forward's FLOPs and
+    weight reads times (1 + bwd_ratio). A frozen base (LoRA) skips the weight gradients: its backward is about one
+    forward instead of two. Checkpointing recomputes each layer's forward once more."""
+    bwd = p.bwd_ratio / 2 if frozen_base else p.bwd_ratio
+    fixed = shape.layers * (p.train_layer_call_s or p.layer_call_s * (1 + p.bwd_ratio))
+    variable = shape.forward_flops(rows * seq, seq / 2) / p.flops + weight_bytes / p.mem_bw
+    recompute = forward_seconds(p, shape, rows, seq, weight_bytes) if checkpointing else 0.0
+    return calls * (fixed + (1 + bwd) * variable + recompute)
+
+
+def optimizer_seconds(p: MachineProfile, trainable_params: float, steps: float, bytes_per_param: float = 16.0) -> float:
+    """AdamW steps: each reads and writes parameter, gradient and both moments (16 bytes per fp32 parameter)."""
+    return steps * trainable_params * bytes_per_param / p.optimizer_bytes_s
+
+
+def sync_seconds(p: MachineProfile, nbytes: float, receivers: int = 1) -> float:
+    """Weights to `receivers` other processes (sent one after another, as the object store serves them)."""
+    return 0.0 if receivers <= 0 or nbytes <= 0 else receivers * (p.sync_latency_s + nbytes / p.sync_bytes_s)
+
+
+def allreduce_seconds(p: MachineProfile, nbytes: float, workers: int, calls: float = 1.0) -> float:
+    """Ring all-reduce: each worker sends and receives 2 (w-1)/w of the buffer."""
+    if workers <= 1:
+        return 0.0
+    return calls * (p.allreduce_latency_s + 2 * (workers - 1) / workers * nbytes / p.allreduce_bytes_s)
+
+
+def survival_scale(mean: float, cap: float) -> float:
+    """Scale λ of exponential response lengths whose mean after capping at `cap` is `mean`:
+    E[min(L, cap)] = λ (1 - exp(-cap / λ)). Infinite when the mean is the cap (every sample runs to it)."""
+    if mean >= cap * 0.98:
+        return math.inf
+    lo, hi = mean, 1e6 * cap
+    for _ in range(100):
+        mid = (lo + hi) / 2
+        lo, hi = (mid, hi) if mid * (1 - math.exp(-cap / mid)) < mean else (lo, mid)
+    return (lo + hi) / 2
+
+
+def harmonic(n: float) -> float:
+    return sum(1 / i for i in range(1, max(1, int(round(n))) + 1))
+
+
+@dataclass(frozen=True)
+class Lengths:
+    """Response lengths as shift + exponential(scale), capped at `cap`: every sample decodes `shift` tokens, then
+    ends with a constant chance per token (the engine's retiring rows thin out geometrically)."""
+    shift: float
+    scale: float
+    cap: int
+
+    @classmethod
+    def from_mean(cls, mean: float, cap: int) -> "Lengths":
+        """From the mean alone (the config's default): a plain exponential whose capped mean is `mean`."""
+        return cls(0.0, survival_scale(mean, cap), cap)
+
+    @classmethod
+    def from_measured(cls, mean: float, longest: float, n: int, cap: int) -> "Lengths":
+        """From a run's mean and longest response over `n` samples: the longest of n exponentials is
+        shift + scale x H_n, so scale = (longest - mean) / (H_n - 1). A longest at the cap says nothing of the
+        tail: then from the mean alone."""
+        if longest >= cap or n < 2 or longest <= mean:
+            return cls.from_mean(mean, cap)
+        scale = (longest - mean) / (harmonic(n) - 1)
+        return cls(max(0.0, mean - scale), scale, cap)
+
+    def expected_max(self, n: float) -> float:
+        """Expected longest of n samples: what a micro-batch of n random samples is padded to."""
+        return self.cap if math.isinf(self.scale) else min(self.cap, self.shift + self.scale * harmonic(n))
+
+    def live_rows(self, samples: float) -> list[float]:
+        """Expected rows still decoding at each step, until the expected longest of the samples ends."""
+        steps = max(1, int(math.ceil(self.expected_max(samples))))
+        if math.isinf(self.scale):
+            return [float(samples)] * steps
+        return [samples * (1.0 if t < self.shift else math.exp(-(t - self.shift) / self.scale)) for t in range(steps)]
+
+
+def live_rows(samples: float, mean: float, cap: int) -> list[float]:
+    """Expected live rows per step for exponential lengths of capped mean `mean` (Lengths.from_mean)."""
+    return Lengths.from_mean(mean, cap).live_rows(samples)
+
+
+def decode_seconds(p: MachineProfile, shape: ModelShape, samples: float, prompt: float, lengths: Lengths,
+                   mean: float, weight_bytes: float, kv_elem_bytes: float, max_rows: int) -> float:
+    """Prefill every prompt once, then decode step by step: each step is one call over the live rows (at most
+    `max_rows`), reads the weights and the live rows' KV cache, and does 2 x matmul params FLOPs per row.
+    More samples than `max_rows`: waiting prompts join as rows finish, so the engine first runs full steps until
+    the queue is empty (the queued samples' tokens, max_rows at a time), then the last max_rows rows' tail."""
+    total = forward_seconds(p, shape, samples, prompt, weight_bytes, math.ceil(samples / max_rows))  # prefill
+    total += samples * p.decode_sample_s
+    call = p.decode_layer_call_s or p.layer_call_s
+
+    def step(rows: float, context: float) -> float:
+        kv = rows * context * shape.kv_bytes_per_token(kv_elem_bytes)
+        return shape.layers * call + shape.forward_flops(rows, context) / p.decode_flops + (weight_bytes + kv) / p.mem_bw
+
+    if samples > max_rows:
+        full_steps = (samples - max_rows) * mean / max_rows
+        total += full_steps * step(max_rows, prompt + mean / 2)
+        samples = max_rows
+    for t, rows in enumerate(lengths.live_rows(samples)):
+        total += step(rows, prompt + t)
+    return total
+
+
+def migration_seconds(p: MachineProfile, shape: ModelShape, rows: float, context: float, weight_bytes: float) -> float:
+    """Tail migration: the keeper re-prefills each moved row's prompt and tokens so far (one call per row)."""
+    return forward_seconds(p, shape, 1, context, weight_bytes, rows) if rows > 0 else 0.0

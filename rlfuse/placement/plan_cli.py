@@ -1,0 +1,102 @@
+"""`rlfuse plan [CONFIG] [section.field=value ...] [--workers N] [--cpus-per-worker C] [--gpus-per-worker G]
+[--memory-per-worker GB] [--profile] [--lengths-from RUN_DIR] [--out plan.yaml] [--paper]`.
+
+Prints the ranked plans, the memory table of the best one and the overrides that run it, and writes the best as
+config sections (`placement:`, with its rl micro-batch and checkpointing and rollout migration) to --out.
+`--profile` first measures this machine (rlfuse/placement/profile.py) and saves the profile file.
+`--paper` prints the at-scale predictions from published device figures instead (rlfuse/placement/paper.py).
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+
+def add_arguments(p) -> None:
+    p.add_argument("args", nargs="*", metavar="CONFIG|section.field=value", help="optional YAML config, then overrides")
+    p.add_argument("--workers", type=int, help="workers in all (default placement.workers)")
+    p.add_argument("--cpus-per-worker", type=float, help="CPUs per worker (default placement.cpus_per_worker)")
+    p.add_argument("--gpus-per-worker", type=float, help="GPUs per worker (default placement.gpus_per_worker)")
+    p.add_argument("--memory-per-worker", type=float, metavar="GB",
+                   help="GiB one worker may use (default placement.memory_per_worker_gb, else a GPU's memory or the "
+                        "machine's RAM divided among the workers)")
+    p.add_argument("--profile", action="store_true", help="measure this machine first (under a minute) and save it")
+    p.add_argument("--profile-path", metavar="FILE", help="profile file to write/read (default "
+                   "$RLFUSE_CACHE/machine_profile.json, i.e. ~/.cache/rlfuse/machine_profile.json)")
+    p.add_argument("--lengths-from", metavar="RUN_DIR", help="response lengths measured by an RL run "
+                   "(its rl/metrics.jsonl) instead of the config's defaults")
+    p.add_argument("--out", default="plan.yaml", metavar="FILE", help="where the best plan's YAML goes (plan.yaml)")
+    p.add_argument("--top", type=int, default=12, help="rows of the ranked table")
+    p.add_argument("--paper", action="store_true", help="the at-scale predictions from published GPU figures")
+
+
+def run(ns) -> int:
+    import yaml
+
+    from rlfuse.cli import _split_args
+    from rlfuse.config import load_config
+    from rlfuse.errors import UserError
+    from rlfuse.placement.memory import GiB
+    from rlfuse.placement.planner import measured_lengths, plan, plan_memory_table, plan_table, problem_from_config
+    from rlfuse.placement.profile import default_profile_path, load_profile, measure_profile
+
+    log = lambda msg: print(msg, file=sys.stderr, flush=True)
+    try:
+        if ns.paper:
+            from rlfuse.placement.paper import paper_report
+
+            print(paper_report())
+            return 0
+        config, overrides = _split_args(ns.args)
+        cfg = load_config(config, overrides)
+        if cfg.placement.strategy != "single" and ns.workers is None and cfg.placement.workers < 2:
+            raise UserError("rlfuse plan: give --workers N (2 or more)")
+        if ns.profile:
+            from rlfuse.placement.cost import policy_shape
+
+            path = Path(ns.profile_path) if ns.profile_path else default_profile_path()
+            threads = int(ns.cpus_per_worker or cfg.placement.cpus_per_worker)
+            measure_profile(policy_shape(cfg.model), threads=max(1, threads), log=log).save(path)
+            log(f"[plan] machine profile written to {path}")
+        profile = load_profile(ns.profile_path, log=log)
+        lengths = None
+        if ns.lengths_from:
+            lengths = measured_lengths(ns.lengths_from)
+            if lengths is None:
+                raise UserError(f"--lengths-from {ns.lengths_from}: no rl/metrics.jsonl with response lengths there; "
+                                "give an RL run folder")
+        budget = ns.memory_per_worker if ns.memory_per_worker is not None else cfg.placement.memory_per_worker_gb
+        prob = problem_from_config(cfg, profile, ns.workers, ns.cpus_per_worker, ns.gpus_per_worker,
+                                   budget * GiB if budget else None, lengths)
+        plans = plan(prob)
+        if not plans:
+            raise UserError("rlfuse plan: no strategy can place this run's roles on "
+                            f"{prob.workers} worker(s); add workers")
+        best = plans[0]
+        print(f"profile: {profile.name} ({profile.source})")
+        w = prob.workload
+        print(f"workload: {w.samples} samples x {w.prompt_tokens:g} prompt + {w.response_mean:.1f} response tokens "
+              f"(at most {w.response_max}), {w.epochs} epochs, mini-batch {w.mini_batch}; {prob.workers} workers; "
+              f"budget {'none' if prob.memory_budget is None else f'{prob.memory_budget / GiB:.2f} GiB'} per worker\n")
+        print(plan_table(plans, ns.top))
+        if not best.fits:
+            raise UserError(f"rlfuse plan: nothing fits: {best.why_not}; add workers, raise --memory-per-worker, or "
+                            "turn on model.lora or rl.gradient_checkpointing")
+        print(f"\nbest: {best.label()}, predicted {best.iteration_s:.3f} s per iteration\n")
+        print(best.spec.describe())
+        print("\npredicted peak memory per worker of the best plan, by component:")
+        print(plan_memory_table(best))
+        block = best.config_block()
+        text = yaml.safe_dump(block, sort_keys=False)
+        Path(ns.out).write_text(text)
+        print(f"\n{text}", end="")
+        if block["placement"]["strategy"] != "custom":
+            flat = [f"{s}.{k}={str(v).lower() if isinstance(v, bool) else v}" for s, d in block.items()
+                    for k, v in d.items() if k != "address"]
+            print(f"\nrun it: rlfuse run {config or ''} {' '.join(flat)}".replace("  ", " "))
+        print(f"written: {ns.out}")
+        return 0
+    except UserError as e:
+        print(f"rlfuse plan: {e}", file=sys.stderr)
+        return e.exit_code

@@ -1,0 +1,513 @@
+"""The placement planner: enumerate placements, predict each one's time per stage and memory per worker, rank them.
+
+Pure (no torch, no Ray): `plan(problem) -> list[Plan]`, best first. A candidate is a strategy (flattened,
+interleaved, separated), a split of the workers between its groups, a training micro-batch size, gradient
+checkpointing on or off, and a tail-migration threshold. Candidates whose roles cannot be placed (e.g. interleaved
+when LoRA keeps the reference in the actor's process) or whose predicted memory exceeds the per-worker budget are
+dropped, with the reason kept for the printed table.
+
+How a strategy's iteration time is composed (G generating, S scoring, T training workers; stage costs from
+rlfuse/placement/cost.py):
+- flattened (one group of W): every worker decodes n/W samples, then scores them, then all train data-parallel;
+  with migration the tail decodes on one worker while the freed ones score: the overlap is taken off.
+- separated (train T, generate G): G decode while T score the finished samples as they stream in (fused), then T
+  train; the actor's weights go to the G generating workers each iteration.
+- interleaved (train T, score S): T decode while S score concurrently, then T train; the critic's weights go to S.
+Plus the weight sync and a fixed per-iteration cost of Ray calls (`MachineProfile.ray_call_s`).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, replace
+
+from rlfuse.errors import UserError
+from rlfuse.models.roles import Roles
+from rlfuse.placement import cost
+from rlfuse.placement.cost import MachineProfile, ModelShape
+from rlfuse.placement.memory import GiB, MemoryInputs, memory_table, weight_bytes, worker_memory
+from rlfuse.placement.spec import PlacementSpec, WorkerResources
+from rlfuse.placement.strategies import STRATEGY_FNS
+
+TP_MAX = 8
+"""Largest tensor-parallel degree of a sharded generator (one node's GPUs over NVLink)."""
+TP_WEIGHT_SHARE = 0.5
+"""Sharded (on paper): the generator's tensor-parallel degree is the smallest power of two that puts at most this
+share of a device's memory into its weights, leaving the rest to the KV cache."""
+STAGES = ("generate", "score", "rollout", "train", "sync", "migration", "overhead", "iteration")
+"""Predicted seconds per iteration. rollout: generate and score as the strategy overlaps them (what the RL loop
+logs as time/rollout); iteration = sync + rollout + train + overhead (time/iteration)."""
+
+
+@dataclass(frozen=True)
+class Workload:
+    """One RL iteration's work, from the config (and optionally a measured run's response lengths)."""
+    samples: int
+    """prompts_per_iter x k."""
+    prompt_tokens: float
+    response_mean: float
+    response_max: int
+    epochs: int
+    mini_batch: int
+    score_micro_batch: int
+    max_rows: int
+    score_tail: float = 0.25
+    """Fraction of the samples scored after the last one finishes (fused scoring takes the rest under decoding):
+    those that finish once the live batch is under rollout.live_below rows."""
+    score_singles: int = 0
+    """Fused scoring scores each sample that finishes once fewer than rollout.live_below rows are live on its own:
+    about that many extra one-sample scoring calls per decoding worker (0 with fusion off)."""
+    response_longest: float = 0.0
+    """Longest response of an iteration, measured (--lengths-from); 0: unknown, lengths from the mean alone."""
+
+    @property
+    def seq(self) -> float:
+        """Mean tokens per sample in the scoring passes (prompt + response; scoring sorts by length, so pads little)."""
+        return self.prompt_tokens + self.response_mean
+
+    @property
+    def lengths(self) -> cost.Lengths:
+        if self.response_longest:
+            return cost.Lengths.from_measured(self.response_mean, self.response_longest, self.samples, self.response_max)
+        return cost.Lengths.from_mean(self.response_mean, self.response_max)
+
+    def padded_seq(self, rows: float) -> float:
+        """Tokens per sequence of a training micro-batch of `rows` random samples: padded to its longest."""
+        return self.prompt_tokens + self.lengths.expected_max(rows)
+
+
+@dataclass(frozen=True)
+class Problem:
+    roles: Roles
+    workload: Workload
+    memory: MemoryInputs
+    profile: MachineProfile
+    workers: int
+    resources: WorkerResources = WorkerResources()
+    memory_budget: float | None = None
+    """Bytes one worker may use; None: no memory check."""
+    strategies: tuple[str, ...] = ("flattened", "interleaved", "separated")
+    micro_batches: tuple[int, ...] = ()
+    """Training micro-batch sizes to try; () means every power of two dividing the mini-batch."""
+    checkpointing: tuple[bool, ...] = (False, True)
+    migrate_below: tuple[float, ...] = (0.0, 0.2)
+    shard: bool = False
+    """Shard weights, gradients and optimiser states over each group (FSDP), for the at-scale predictions."""
+    address: str | None = None
+
+
+@dataclass(frozen=True)
+class Plan:
+    strategy: str
+    spec: PlacementSpec
+    micro_batch_size: int
+    gradient_checkpointing: bool
+    migrate_below: float
+    seconds: dict
+    """Predicted seconds per stage (STAGES)."""
+    memory: dict
+    """Group name -> bytes per component of one of its workers."""
+    fits: bool
+    why_not: str = ""
+
+    @property
+    def iteration_s(self) -> float:
+        return self.seconds["iteration"]
+
+    @property
+    def peak_bytes(self) -> float:
+        return max(m["total"] for m in self.memory.values())
+
+    @property
+    def split(self) -> str:
+        return "+".join(f"{g.workers}" for g in self.spec.groups)
+
+    def label(self) -> str:
+        return (f"{self.strategy} {self.split}, micro {self.micro_batch_size}, "
+                f"ckpt {'on' if self.gradient_checkpointing else 'off'}, migrate {self.migrate_below:g}")
+
+    def config_block(self) -> dict:
+        """The plan as config sections: placement (strategy, or custom groups when the split is not the strategy's
+        default), rl (micro-batch, checkpointing), rollout (migration)."""
+        g0 = self.spec.groups[0]
+        if self.strategy == "single":
+            return {"placement": {"strategy": "single"}, "rl": {"micro_batch_size": self.micro_batch_size,
+                    "gradient_checkpointing": self.gradient_checkpointing}}
+        placement = {"strategy": self.strategy, "workers": self.spec.workers, "cpus_per_worker": g0.cpus_per_worker,
+                     "gpus_per_worker": g0.gpus_per_worker}
+        if self.spec.address:
+            placement["address"] = self.spec.address
+        if not _default_split(self.spec):
+            placement = {"strategy": "custom", "cpus_per_worker": g0.cpus_per_worker,
+                         "gpus_per_worker": g0.gpus_per_worker,
+                         "groups": [{"name": g.name, "workers": g.workers, "roles": list(g.roles)}
+                                    for g in self.spec.groups]}
+        return {"placement": placement,
+                "rl": {"micro_batch_size": self.micro_batch_size, "gradient_checkpointing": self.gradient_checkpointing},
+                "rollout": {"migrate_below": self.migrate_below}}
+
+
+def _default_split(spec: PlacementSpec) -> bool:
+    w = spec.workers
+    if spec.strategy == "interleaved":
+        return spec.group("score").workers == max(1, w // 4)
+    if spec.strategy == "separated":
+        return spec.group("generate").workers == max(1, w // 2)
+    return True
+
+
+# ------------------------------------------------------------------------------------------- enumeration
+
+
+def candidate_specs(prob: Problem) -> list[PlacementSpec]:
+    """Every strategy x split of prob.workers the roles allow (strategies that cannot place them are skipped); the
+    single process for one worker."""
+    if prob.workers == 1:  # one worker is one process: no Ray to pay for
+        from rlfuse.placement.strategies import single
+
+        return [single(prob.roles)]
+    out = []
+    for name in prob.strategies:
+        fn = STRATEGY_FNS[name]
+        splits = [None] if name == "flattened" else range(1, prob.workers)
+        for split in splits:
+            kw = {} if split is None else {"score_workers" if name == "interleaved" else "generate_workers": split}
+            try:
+                out.append(fn(prob.roles, prob.workers, prob.resources, prob.address, **kw))
+            except UserError:
+                break
+    return out
+
+
+def micro_batch_sizes(prob: Problem) -> tuple[int, ...]:
+    if prob.micro_batches:
+        return prob.micro_batches
+    mb = prob.workload.mini_batch
+    return tuple(m for m in (1, 2, 4, 8, 16, 32, 64, 128) if m <= mb and mb % m == 0)
+
+
+def plan(prob: Problem) -> list[Plan]:
+    """Every candidate, predicted; those that fit first, each part ranked by iteration time."""
+    plans = []
+    for spec in candidate_specs(prob):
+        decoders = _workers_with(spec, "generator")
+        for micro in micro_batch_sizes(prob):
+            for ckpt in prob.checkpointing:
+                for migrate in (prob.migrate_below if decoders > 1 else (0.0,)):
+                    plans.append(predict(prob, spec, micro, ckpt, migrate))
+    plans.sort(key=lambda p: (not p.fits, p.iteration_s, p.peak_bytes))
+    return plans
+
+
+def best_plan(prob: Problem) -> Plan:
+    plans = plan(prob)
+    if not plans or not plans[0].fits:
+        reason = plans[0].why_not if plans else "no strategy can place these roles"
+        raise UserError(f"placement planner: no placement of {prob.workers} worker(s) fits: {reason}; add workers, "
+                        f"raise --memory-per-worker, or turn on model.lora or rl.gradient_checkpointing")
+    return plans[0]
+
+
+# --------------------------------------------------------------------------------------------- prediction
+
+
+def _workers_with(spec: PlacementSpec, role: str) -> int:
+    return sum(g.workers for g in spec.groups if role in g.roles)
+
+
+def predict(prob: Problem, spec: PlacementSpec, micro: int, ckpt: bool, migrate: float) -> Plan:
+    """Seconds per stage and memory per group of one candidate."""
+    w, p, m = prob.workload, prob.profile, prob.memory
+    gen_w = _workers_with(spec, "generator")
+    train_w = _workers_with(spec, "actor")
+    score_w = _workers_with(spec, "reward") or _workers_with(spec, "reference")
+    shard_of = lambda workers: workers if prob.shard else 1
+    generate = _generate_seconds(prob, gen_w, _tp(prob, gen_w))
+    score = _score_seconds(prob, score_w)
+    train = _train_seconds(prob, train_w, micro, ckpt)
+    migration, overlap = 0.0, 0.0
+    if migrate > 0 and gen_w > 1:
+        migration, tail = _migration(prob, gen_w, migrate)
+        overlap = min(tail, score)
+    if len(spec.groups) == 1:  # flattened (or one process): decode, then score, on the same workers
+        rollout = generate + score - overlap + migration
+    else:  # the other group scores while this one decodes; the tail's samples are scored after the last one ends
+        rollout = max(generate + migration, score) + w.score_tail * score
+    sync = _sync_seconds(prob, spec)
+    overhead = p.ray_call_s if spec.uses_ray else 0.0
+    seconds = {"generate": generate, "score": score, "rollout": rollout, "train": train, "sync": sync,
+               "migration": migration, "overhead": overhead}
+    seconds["iteration"] = sync + rollout + train + overhead
+    memory = {}
+    for g in spec.groups:
+        replicas = g.workers // _tp(prob, g.workers)  # sharded: tensor-parallel generator replicas
+        kv_rows = min(w.max_rows, math.ceil(w.samples / replicas)) if "generator" in g.roles else 0
+        mi = replace(m, train_rows=micro, checkpointing=ckpt, seq=int(math.ceil(w.prompt_tokens + w.response_max)),
+                     score_rows=w.score_micro_batch, kv_rows=kv_rows, shard=shard_of(g.workers),
+                     generator_shard=_tp(prob, g.workers))
+        memory[g.name] = worker_memory(g.roles, mi, p)
+    fits, why = True, ""
+    if prob.memory_budget is not None:
+        over = [f"{n} needs {mem['total'] / GiB:.2f} GiB" for n, mem in memory.items() if mem["total"] > prob.memory_budget]
+        if over:
+            fits, why = False, f"{', '.join(over)} per worker, over the {prob.memory_budget / GiB:.2f} GiB budget"
+    return Plan(spec.strategy, spec, micro, ckpt, migrate, seconds, memory, fits, why)
+
+
+def _policy_bytes(m: MemoryInputs) -> float:
+    return weight_bytes(m.policy, m.weight_dtype)
+
+
+def _tp(prob: Problem, workers: int) -> int:
+    """Tensor-parallel degree of the generator: 1 unless sharding (on paper), then see TP_WEIGHT_SHARE."""
+    if not prob.shard or not prob.memory_budget:
+        return 1
+    tp, need = 1, _policy_bytes(prob.memory)
+    while need / tp > TP_WEIGHT_SHARE * prob.memory_budget and tp * 2 <= min(workers, TP_MAX):
+        tp *= 2
+    return tp
+
+
+def _generate_seconds(prob: Problem, workers: int, tp: int) -> float:
+    """Each generating worker (or tensor-parallel replica of `tp` workers, with their summed FLOP/s and bandwidth;
+    collectives not counted) decodes its share of the samples."""
+    w, m, p = prob.workload, prob.memory, prob.profile
+    samples = w.samples / (workers // tp)
+    if tp > 1:
+        p = replace(p, flops=p.flops * tp, decode_flops=p.decode_flops * tp, mem_bw=p.mem_bw * tp)
+    return cost.decode_seconds(p, m.policy, samples, w.prompt_tokens, w.lengths, w.response_mean,
+                               _policy_bytes(m), m.act_bytes, w.max_rows)
+
+
+def _scored_models(m: MemoryInputs, roles: Roles) -> list[ModelShape]:
+    """The forwards scoring runs per sample: the reference's log-probs, the reward model, the critic's values
+    (the critic's own body, or the actor's when the value head sits on it)."""
+    out = [m.policy]
+    if m.reward is not None:
+        out.append(m.reward)
+    if "critic" in roles:
+        out.append(m.critic or m.policy)
+    return out
+
+
+def _score_seconds(prob: Problem, workers: int) -> float:
+    """Data-parallel scoring: each worker runs every scoring forward over its share, in micro-batches, plus the
+    fused tail's one-sample calls."""
+    w, m, p = prob.workload, prob.memory, prob.profile
+    per_worker = w.samples / workers
+    singles = min(w.score_singles, per_worker)
+    calls = math.ceil((per_worker - singles) / w.score_micro_batch) + singles
+    rows = per_worker / calls
+    return sum(cost.forward_seconds(p, s, rows, w.seq, weight_bytes(s, m.weight_dtype), calls) + calls * p.score_call_s
+               for s in _scored_models(m, prob.roles))
+
+
+def _train_seconds(prob: Problem, workers: int, micro: int, ckpt: bool) -> float:
+    """Actor then critic: per mini-batch, ceil(micro-batches / workers) micro-batches on each rank (DDP), an
+    optimiser step, and (several workers) one gradient all-reduce. Sharding (on paper) changes the
+    memory, not this: each worker gathers the whole weights for its micro-batches, as FSDP does."""
+    w, m, p = prob.workload, prob.memory, prob.profile
+    steps = w.epochs * w.samples / w.mini_batch
+    # each rank runs every world-th micro-batch of each mini-batch, padded to the same count on every rank
+    # (zero-weight micro-batches cost as much as real ones)
+    calls = steps * math.ceil(w.mini_batch / micro / workers)
+    rows = min(micro, w.mini_batch)
+    lora = m.lora_rank > 0
+    train_b = 4.0 if m.train_dtype == "fp32" else 2.0
+    trained = [(m.policy, m.policy.lora_params(m.lora_rank) if lora else m.policy.params, lora)]
+    if "critic" in prob.roles and m.critic is not None:
+        on_base = m.shared_base and lora  # the critic is adapters on the shared base too
+        trained.append((m.critic, m.critic.lora_params(m.lora_rank) if on_base else m.critic.params, on_base))
+    total = 0.0
+    for shape, params, frozen in trained:
+        wb = weight_bytes(shape, m.weight_dtype)
+        total += cost.train_seconds(p, shape, rows, w.padded_seq(rows), wb, calls, ckpt, frozen)
+        total += cost.optimizer_seconds(p, params / (workers if prob.shard else 1), steps)
+        total += cost.allreduce_seconds(p, params * train_b, workers, steps)
+    return total
+
+
+def _migration(prob: Problem, gen_w: int, migrate_below: float) -> tuple[float, float]:
+    """(re-prefill seconds on the keeper, seconds of tail decode the freed workers can score under): the tail starts
+    when fewer than `migrate_below` of the samples are unfinished."""
+    w, p, m = prob.workload, prob.profile, prob.memory
+    per_worker = w.samples / gen_w
+    rows = w.lengths.live_rows(per_worker)
+    start = next((t for t, r in enumerate(rows) if r < migrate_below * per_worker), len(rows))
+    if start >= len(rows):
+        return 0.0, 0.0
+    moved = rows[start] * (gen_w - 1)
+    wb = _policy_bytes(m)
+    replay = cost.migration_seconds(p, m.policy, moved, w.prompt_tokens + start, wb)
+    tail = len(rows[start:]) * (m.policy.layers * (p.decode_layer_call_s or p.layer_call_s) + wb / p.mem_bw)
+    return replay, tail
+
+
+def _sync_seconds(prob: Problem, spec: PlacementSpec) -> float:
+    """The actor's weights to generators outside its group (the object store or NCCL; one receiver after another),
+    in-process copies inside it; the critic's weights to scoring groups without it (they compute the values).
+    Sharded (on paper): every sender and receiver moves its own shard at once, over min(senders, receivers) links."""
+    p, m = prob.profile, prob.memory
+    train_b = 4.0 if m.train_dtype == "fp32" else 2.0
+    trainers = _workers_with(spec, "actor")
+    total = 0.0
+    for g in spec.groups:
+        if "generator" in g.roles:
+            total += _send(prob, m.policy.params * train_b, g.workers, trainers) if "actor" not in g.roles \
+                else m.policy.params * train_b / p.mem_bw
+        if m.critic is not None and "critic" in prob.roles and "critic" not in g.roles \
+                and set(g.roles) & {"reference", "reward"}:
+            total += _send(prob, m.critic.params * train_b, g.workers, trainers)
+    return total
+
+
+def _send(prob: Problem, nbytes: float, receivers: int, senders: int) -> float:
+    if prob.shard:
+        return cost.sync_seconds(prob.profile, nbytes / min(receivers, senders), 1)
+    return cost.sync_seconds(prob.profile, nbytes, receivers)
+
+
+# ----------------------------------------------------------------------------------------------- printing
+
+
+def plan_table(plans: list[Plan], top: int = 12) -> str:
+    """The ranked plans as a markdown table (predicted seconds per stage, peak GiB per worker)."""
+    lines = ["| rank | strategy | split | micro | ckpt | migrate | generate s | score s | rollout s | train s | sync s | "
+             "iteration s | peak GiB/worker | fits |",
+             "|---" * 14 + "|"]
+    for i, pl in enumerate(plans[:top], 1):
+        s = pl.seconds
+        lines.append(f"| {i} | {pl.strategy} | {pl.split} | {pl.micro_batch_size} | "
+                     f"{'on' if pl.gradient_checkpointing else 'off'} | {pl.migrate_below:g} | {s['generate']:.3g} | "
+                     f"{s['score']:.3g} | {s['rollout']:.3g} | {s['train']:.3g} | {s['sync']:.3g} | "
+                     f"{s['iteration']:.3g} | {pl.peak_bytes / GiB:.2f} | {'yes' if pl.fits else 'no: ' + pl.why_not} |")
+    return "\n".join(lines)
+
+
+def plan_memory_table(pl: Plan) -> str:
+    return memory_table({f"{g.name} ({', '.join(g.roles)})": pl.memory[g.name] for g in pl.spec.groups})
+
+
+
+# ------------------------------------------------------------------------------------------ from a config
+
+SYNTHETIC_RESPONSE_MEAN = 17.0
+"""Mean response tokens of PPO on the embedded task (median of rollout/length_mean over the 40 iterations of the
+default run in BENCHMARKS.md); real data runs to rl.max_new_tokens unless --lengths-from says otherwise."""
+PROMPT_TOKENS = {"synthetic": 4.0, "imdb": 15.0}
+"""Mean prompt tokens as the RL stage encodes them (BOS + words; measured by bench/plan.py on the default task and on
+IMDb prompts with the default-task tokenizer). Other data: 32."""
+
+
+def slowed(p: MachineProfile, factor: float) -> MachineProfile:
+    """The rates of a worker that gets 1/factor of its CPU share (factor <= 1: unchanged)."""
+    if factor <= 1:
+        return p
+    return replace(p, flops=p.flops / factor, decode_flops=p.decode_flops / factor, mem_bw=p.mem_bw / factor,
+                   layer_call_s=p.layer_call_s * factor, decode_layer_call_s=p.decode_layer_call_s * factor,
+                   decode_sample_s=p.decode_sample_s * factor, score_call_s=p.score_call_s * factor,
+                   train_layer_call_s=p.train_layer_call_s * factor, optimizer_bytes_s=p.optimizer_bytes_s / factor)
+
+
+def measured_lengths(run_dir) -> tuple[float, int] | None:
+    """(median response mean, longest response) from a run folder's rl/metrics.jsonl, or None."""
+    import json
+    import statistics
+    from pathlib import Path
+
+    f = Path(run_dir) / "rl" / "metrics.jsonl"
+    if not f.is_file():
+        return None
+    rows = [json.loads(line) for line in f.read_text().splitlines() if line.strip()]
+    means = [r["rollout/length_mean"] for r in rows if "rollout/length_mean" in r]
+    if not means:
+        return None
+    return statistics.median(means), int(max(r.get("rollout/length_max", 0) for r in rows))
+
+
+def problem_from_config(cfg, profile: MachineProfile, workers: int | None = None, cpus_per_worker: float | None = None,
+                        gpus_per_worker: float | None = None, memory_budget: float | None = None,
+                        lengths: tuple[float, int] | None = None, prompt_tokens: float | None = None,
+                        cores: float | None = None) -> Problem:
+    """The planning problem of an RL run on `cfg` (rlfuse.config.Config): roles, shapes and batch sizes from the
+    config, placement resources from the arguments or cfg.placement, rates from `profile`. Budget: the argument,
+    else a GPU's memory, else the machine's RAM shared by the workers (0 in the profile: no check). lengths:
+    (mean, longest) response tokens measured by a run; prompt_tokens: their measured mean (default PROMPT_TOKENS);
+    cores: CPU cores the workers share (default this machine's; CPU workers beyond them are slowed)."""
+    from rlfuse.models.roles import derive_roles
+    from rlfuse.placement.cost import policy_shape
+
+    rl, pc = cfg.rl, cfg.placement
+    roles = derive_roles(cfg)
+    shape = policy_shape(cfg.model)
+    workers = workers or pc.workers
+    resources = WorkerResources(cpus_per_worker or pc.cpus_per_worker,
+                                gpus_per_worker if gpus_per_worker is not None else pc.gpus_per_worker)
+    if profile.device == "cpu":  # more worker threads than cores: each gets its share of the cores
+        import os
+
+        profile = slowed(profile, resources.cpus * workers / (cores or os.cpu_count() or 1))
+    if memory_budget is None and profile.memory_bytes:
+        memory_budget = profile.memory_bytes if profile.device == "cuda" else profile.memory_bytes / workers
+    mean, longest = lengths or ((SYNTHETIC_RESPONSE_MEAN if cfg.data.kind == "synthetic" else rl.max_new_tokens), 0)
+    prompt_tokens = prompt_tokens or PROMPT_TOKENS.get(cfg.data.kind, 32.0)
+    workload = Workload(samples=rl.prompts_per_iter * rl.k, prompt_tokens=prompt_tokens,
+                        response_mean=min(mean, rl.max_new_tokens), response_max=rl.max_new_tokens,
+                        epochs=rl.epochs, mini_batch=rl.mini_batch_size, score_micro_batch=cfg.rollout.micro_batch_size,
+                        max_rows=cfg.rollout.max_rows,
+                        score_tail=min(1.0, max(1, cfg.rollout.live_below) / (rl.prompts_per_iter * rl.k)),
+                        score_singles=cfg.rollout.live_below if cfg.rollout.fusion else 0,
+                        response_longest=min(longest, rl.max_new_tokens))
+    has_critic_body = "critic" in roles and roles["critic"].shares_with is None
+    mem = MemoryInputs(policy=shape, critic=shape if has_critic_body else None,
+                       reward=shape if roles["reward"].has_model else None,
+                       lora_rank=cfg.model.lora_r if cfg.model.lora else 0)
+    migrate = tuple(sorted({0.0, cfg.rollout.migrate_below or 0.2}))
+    return Problem(roles, workload, mem, profile, workers, resources, memory_budget, migrate_below=migrate,
+                   address=pc.address)
+
+
+def plan_config(cfg, log=None, **kw) -> list[Plan]:
+    """Every plan for an RL run on `cfg`, best first, with the machine profile at its default place (or the
+    built-in one). Keyword arguments go to problem_from_config."""
+    from rlfuse.placement.profile import load_profile
+
+    budget = cfg.placement.memory_per_worker_gb
+    kw.setdefault("memory_budget", budget * GiB if budget else None)
+    return plan(problem_from_config(cfg, load_profile(log=log), **kw))
+
+
+def resolve_auto(cfg, log=None):
+    """placement.strategy=auto -> a copy of `cfg` with the best plan applied (placement, rl.micro_batch_size,
+    rl.gradient_checkpointing, rollout.migrate_below) and one log line saying what was chosen; other configs as
+    they are. Called once by rlfuse.config.load_config, so the run folder's config.yaml records the choice."""
+    if cfg.placement.strategy != "auto":
+        return cfg
+    plans = plan_config(cfg, log)
+    best = plans[0] if plans and plans[0].fits else None
+    if best is None:
+        raise UserError(f"placement.strategy=auto: no placement of {cfg.placement.workers} worker(s) fits"
+                        + (f" ({plans[0].why_not})" if plans else "") + "; add workers, set "
+                        "placement.memory_per_worker_gb higher, or turn on model.lora or rl.gradient_checkpointing")
+    block = best.config_block()
+    placement = replace(cfg.placement, **{k: v for k, v in block["placement"].items() if k != "workers"},
+                        workers=best.spec.workers)
+    out = replace(cfg, placement=placement, rl=replace(cfg.rl, **block["rl"]),
+                  rollout=replace(cfg.rollout, **block.get("rollout", {})))
+    if log:
+        log(f"[plan] placement.strategy=auto chose {best.label()}: predicted {best.iteration_s:.2f} s per iteration, "
+            f"peak {best.peak_bytes / GiB:.2f} GiB per worker (best of {len(plans)}; `rlfuse plan` prints the table)")
+    return out
+
+
+def memory_of_config(cfg):
+    """The checker's `memory_of` hook (rlfuse.placement.check) for an RL run on `cfg` as configured: predicted
+    peak bytes of one worker of a group, with the config's micro-batch and checkpointing."""
+    from rlfuse.placement.memory import memory_model
+    from rlfuse.placement.profile import load_profile
+
+    prob = problem_from_config(cfg, load_profile())
+    w = prob.workload
+    m = replace(prob.memory, train_rows=cfg.rl.micro_batch_size, checkpointing=cfg.rl.gradient_checkpointing,
+                seq=int(math.ceil(w.prompt_tokens + w.response_max)), score_rows=w.score_micro_batch)
+    return memory_model(m, prob.profile, w.samples, w.max_rows)

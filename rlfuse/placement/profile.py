@@ -1,0 +1,244 @@
+"""`rlfuse plan --profile`: measure this machine's rates (a MachineProfile) in well under a minute, and find the
+profile file later.
+
+The rates are fitted from a few timings of a GPT-2 of the policy's own shape with random weights (the default shape
+when the policy is over 200 M parameters on CPU), run the way the RL loop runs it: the rollout engine's decode
+steps at 1 and 16 rows (fixed cost per step and cost per row), transformers' forward at two batch sizes (fixed cost
+per call and FLOP/s), a backward (its ratio to the forward), an AdamW step, a tensor copy (bandwidth) and a
+state-dict serialisation (what a weight sync through Ray's object store costs per byte). torch is imported inside
+the functions: importing this module stays free.
+
+Where the file goes: `--profile-path`, else `$RLFUSE_CACHE/machine_profile.json` (default
+`~/.cache/rlfuse/machine_profile.json`), shared by every run on the machine. Without one the planner uses
+`BUILTIN_CPU`, this project's 2-core dev machine, and says so.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from pathlib import Path
+
+from rlfuse.placement.cost import GiB, MachineProfile, ModelShape, gpt2_shape
+
+SYNC_LATENCY_S = 0.02
+"""Ray object-store put + get round trip of a weight sync, fixed part: not measured by the profile (starting Ray
+costs more than the whole profile); 0.04-0.055 s for 7.6 MB in two transfers in BENCHMARKS.md's per-strategy runs."""
+RAY_CALL_S = 0.03
+"""Per-iteration driver <-> worker calls on Ray (submit, wait, gather metrics); an estimate from the same runs."""
+RAY_WORKER_BYTES = 54 * 2**20
+"""What a Ray worker process holds beyond the same imports in a plain process (its core worker and gRPC threads):
+438 MiB against 384 MiB, measured on this machine."""
+GLOO_BYTES_S = 1e9
+"""Gradient all-reduce over gloo on loopback TCP (not measured: it needs a second process)."""
+
+BUILTIN_CPU = MachineProfile(
+    name="builtin: AMD EPYC dev VM (2 cores), 1 thread per worker", device="cpu", threads=1, flops=4.82e+10,
+    decode_flops=1.21e+10, mem_bw=3.34e+10, layer_call_s=0.00077,
+    decode_layer_call_s=0.00049, decode_sample_s=0.0016, score_call_s=0.0,
+    train_layer_call_s=0.0034, bwd_ratio=2.72, optimizer_bytes_s=4.98e+09,
+    sync_bytes_s=5.77e+08, sync_latency_s=SYNC_LATENCY_S, allreduce_bytes_s=GLOO_BYTES_S,
+    allreduce_latency_s=1e-3, ray_call_s=RAY_CALL_S, memory_bytes=23.5 * GiB, runtime_bytes=0.46 * GiB,
+    slack_fraction=0.1, source="rlfuse plan --profile on this project's dev machine, 2026-11-22 01:47 UTC, rates "
+    "as measured alone (contention 1.35 taken out)")
+
+
+def default_profile_path() -> Path:
+    return Path(os.environ.get("RLFUSE_CACHE", Path.home() / ".cache" / "rlfuse")) / "machine_profile.json"
+
+
+def load_profile(path: str | Path | None = None, log=None) -> MachineProfile:
+    """The profile at `path` (or the default path); BUILTIN_CPU, with a log line, when there is none."""
+    p = Path(path) if path else default_profile_path()
+    if p.is_file():
+        return MachineProfile.load(p)
+    if path:
+        from rlfuse.errors import UserError
+
+        raise UserError(f"--profile-path {p}: no profile there; run `rlfuse plan --profile --profile-path {p}` first")
+    if log:
+        log(f"[plan] no machine profile at {p}: using the built-in one ({BUILTIN_CPU.name}); "
+            f"`rlfuse plan --profile` measures this machine in under a minute")
+    return BUILTIN_CPU
+
+
+def _timed(fn, repeats: int, sync) -> float:
+    """Fastest of `repeats` calls after a warm-up: on a shared machine other processes only ever add time, and the
+    rates are fitted from differences of timings, which the added time would swamp."""
+    fn()
+    sync()
+    out = []
+    for _ in range(repeats):
+        t = time.perf_counter()
+        fn()
+        sync()
+        out.append(time.perf_counter() - t)
+    return min(out)
+
+
+def _worker_runtime_bytes() -> float:
+    """Resident memory of a worker before any model: this process after importing what a Ray worker imports
+    (torch, transformers' model classes, rlfuse's worker), plus what Ray's own worker runtime adds."""
+    import psutil
+    import transformers  # noqa: F401  (model classes load on first use: touch them as a worker does)
+    from transformers import GPT2LMHeadModel, LlamaForCausalLM  # noqa: F401
+
+    try:
+        import rlfuse.placement.ray_worker  # noqa: F401  (imports Ray where installed)
+    except ImportError:
+        pass
+    return psutil.Process().memory_info().rss + RAY_WORKER_BYTES
+
+
+def _fit(times: dict) -> tuple[float, float]:
+    """Least-squares line through {rows: seconds}: (seconds at 0 rows, seconds per row), both kept positive."""
+    xs, ys = list(times), list(times.values())
+    mx, my = sum(xs) / len(xs), sum(ys) / len(ys)
+    slope = sum((x - mx) * (y - my) for x, y in zip(xs, ys)) / sum((x - mx) ** 2 for x in xs)
+    slope = max(slope, 1e-9)
+    return max(my - slope * mx, 1e-7), slope
+
+
+def _build(shape: ModelShape, device: str):
+    import torch
+    from transformers import GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    if shape.gated:
+        cfg = LlamaConfig(vocab_size=shape.vocab, hidden_size=shape.hidden, intermediate_size=shape.ffn,
+                          num_hidden_layers=shape.layers, num_attention_heads=shape.heads,
+                          num_key_value_heads=shape.kv_heads or shape.heads, max_position_embeddings=shape.context,
+                          bos_token_id=0, eos_token_id=0, pad_token_id=0)
+        return LlamaForCausalLM(cfg).to(device)
+    cfg = GPT2Config(vocab_size=shape.vocab, n_positions=shape.context, n_embd=shape.hidden, n_layer=shape.layers,
+                     n_head=shape.heads, resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, bos_token_id=0,
+                     eos_token_id=0, pad_token_id=0)
+    return GPT2LMHeadModel(cfg).to(device)
+
+
+def measure_profile(shape: ModelShape | None = None, threads: int = 1, device: str | None = None,
+                    log=print) -> MachineProfile:
+    """Time the pieces and fit the rates (see the module docstring). `threads`: torch threads, a worker's
+    cpus_per_worker. device: cpu | cuda (default cuda when present)."""
+    import io
+
+    import psutil
+    import torch
+
+    from rlfuse.rollout.engine import DecodeEngine, SamplingParams
+
+    device = device or ("cuda" if torch.cuda.is_available() else "cpu")
+    torch.set_num_threads(max(1, threads))
+    sync = torch.cuda.synchronize if device == "cuda" else (lambda: None)
+    shape = shape or gpt2_shape("embedded", 4, 128, 4, 1024, 512)
+    if device == "cpu" and shape.params > 200e6:
+        log(f"[profile] {shape.name} has {shape.params / 1e6:.0f} M parameters: profiling the default shape instead")
+        shape = gpt2_shape("embedded", 4, 128, 4, 1024, 512)
+    t_start = time.perf_counter()
+    torch.set_grad_enabled(True)
+    x = torch.randn(256, 256, device=device, requires_grad=True)
+    (x @ x).sum().backward()  # thread pools and allocator up before anything is timed
+    runtime = _worker_runtime_bytes() if device == "cpu" else 0.5 * GiB
+    model = _build(shape, device)
+    n_params = sum(p.numel() for p in model.parameters())
+    wbytes = 4.0 * n_params
+    # bandwidth at the model's own size: on CPU a small model's weights stream from cache, not DRAM
+    big = torch.empty(max(int(wbytes // 4), 2**18), device=device)
+    t_copy = _timed(lambda: big.clone(), 9, sync)
+    mem_bw = 2 * big.numel() * 4 / t_copy  # read + write
+    # decode: per-step cost at 1, 8 and 32 rows (random weights, EOS off: every row runs to the limit); then a
+    # rollout whose 32 samples end one per step, to find what each finished sample costs besides its steps
+    # (prefill share, retiring its row, handing it out)
+    engine = DecodeEngine(model.eval(), eos_token_id=-1, max_rows=64)
+    steps = 24
+    params = SamplingParams(max_new_tokens=steps)
+    prompts = [[1 + (i % 7), 2, 3, 4, 5, 6] for i in range(32)]
+    decode = {}
+    with torch.no_grad():
+        for rows in (1, 8, 32):
+            decode[rows] = _timed(lambda: list(engine.generate(prompts[:rows], 1, params, seed=0)), 3, sync) / steps
+        staggered = _timed(lambda: list(engine.generate(prompts, 1, SamplingParams(max_new_tokens=32), seed=0,
+                                                        lengths=lambda pid, j: pid + 1)), 3, sync)
+    fixed, per_row = _fit(decode)
+    decode_layer_call = max(1e-7, (fixed - wbytes / mem_bw) / shape.layers)
+    decode_flops = shape.forward_flops(1, 6 + steps / 2) / per_row
+    steps_only = sum(fixed + per_row * (32 - t) for t in range(32))
+    decode_sample_s = max(0.0, (staggered - steps_only) / 32)
+    # forward at three batch sizes of RL-like sequences (32 tokens) -> fixed cost per call and FLOP/s; then the
+    # backward's ratio to the forward, with a log-softmax loss as the policy loss has
+    seq = 32
+    ids = {b: torch.randint(0, shape.vocab, (b, seq), device=device) for b in (2, 8, 16)}
+    model.train()
+    fwd = {}
+    with torch.no_grad():
+        for b in ids:
+            fwd[b] = _timed(lambda: model(input_ids=ids[b]).logits, 5, sync)
+    fixed, per_row = _fit(fwd)
+    flops = shape.forward_flops(seq, seq / 2) / per_row
+    call = max(1e-7, (fixed - wbytes / mem_bw) / shape.layers)
+
+    # a scoring call as the Scorer makes it (collate, masked forward, log-probs of the response): what it costs
+    # beyond the bare forward of its tokens
+    from rlfuse.rollout.score import collate, response_logprobs
+
+    one = ([1, 2, 3, 4], list(range(5, 21)))
+    with torch.no_grad():
+        t_score = _timed(lambda: response_logprobs(model, collate([one[0]], [one[1]], 0, device)), 9, sync)
+    score_call_s = max(0.0, t_score - shape.layers * call - shape.forward_flops(20, 10) / flops - wbytes / mem_bw)
+
+    # contention: the same call's mean over its fastest, repeated; on a shared machine the rates above (fitted
+    # from fastest timings) are what a process gets alone, and the run will get about 1 / contention of them
+    times = []
+    with torch.no_grad():
+        for _ in range(15):
+            t = time.perf_counter()
+            model(input_ids=ids[16])
+            sync()
+            times.append(time.perf_counter() - t)
+    contention = max(1.0, sum(times) / len(times) / min(times))
+
+    def fwd_bwd(b: int):
+        model(input_ids=ids[b]).logits.float().log_softmax(-1)[..., 0].mean().backward()
+
+    fb = {b: _timed(lambda: fwd_bwd(b), 5, sync) for b in ids}
+    fixed_fb, per_row_fb = _fit(fb)
+    bwd_ratio = max(0.5, per_row_fb / per_row - 1)  # marginal: per row of the forward + backward over the forward
+    train_call = max(1e-7, (fixed_fb - (1 + bwd_ratio) * wbytes / mem_bw) / shape.layers)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-6)
+    t_opt = _timed(opt.step, 3, sync)
+    optimizer_bytes_s = 16 * n_params / t_opt
+    state = {k: v.detach().cpu() for k, v in model.state_dict().items()}
+
+    def serialise():
+        buf = io.BytesIO()
+        torch.save(state, buf)
+        buf.seek(0)
+        torch.load(buf)
+
+    sync_bytes_s = wbytes / _timed(serialise, 3, sync)
+    memory = (torch.cuda.get_device_properties(0).total_memory if device == "cuda"
+              else psutil.virtual_memory().total)
+    name = torch.cuda.get_device_name(0) if device == "cuda" else f"{_cpu_name()}, {threads} thread(s) per worker"
+    elapsed = time.perf_counter() - t_start
+    log(f"[profile] {name}: {elapsed:.1f} s on {shape.name} ({n_params / 1e6:.2f} M parameters)")
+    c = contention
+    return MachineProfile(
+        name=name, device=device, threads=threads, flops=flops / c, decode_flops=decode_flops / c, mem_bw=mem_bw / c,
+        layer_call_s=call * c, decode_layer_call_s=decode_layer_call * c, decode_sample_s=decode_sample_s * c,
+        score_call_s=score_call_s * c, train_layer_call_s=train_call * c, bwd_ratio=bwd_ratio, optimizer_bytes_s=optimizer_bytes_s / c,
+        sync_bytes_s=sync_bytes_s, sync_latency_s=SYNC_LATENCY_S,
+        allreduce_bytes_s=GLOO_BYTES_S if device == "cpu" else 50e9,
+        allreduce_latency_s=1e-3 if device == "cpu" else 1e-4,
+        ray_call_s=RAY_CALL_S, memory_bytes=float(memory), runtime_bytes=float(runtime), slack_fraction=0.1,
+        source=f"rlfuse plan --profile, {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}, {shape.name}, "
+               f"load average {os.getloadavg()[0]:.1f}, contention {contention:.2f} (rates divided by it)")
+
+
+def _cpu_name() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return "CPU"

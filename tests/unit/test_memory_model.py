@@ -1,0 +1,131 @@
+"""The memory model (rlfuse/placement/memory.py) on cases computed by hand, and its hook into the placement checker."""
+
+import pytest
+
+from rlfuse.placement.check import check_placement
+from rlfuse.placement.cost import KNOWN_SHAPES, MachineProfile, ModelShape, gpt2_shape
+from rlfuse.placement.memory import (
+    COMPONENTS,
+    MemoryInputs,
+    bytes_per_param,
+    memory_model,
+    memory_table,
+    optimizer_bytes_per_param,
+    weight_bytes,
+    worker_memory,
+)
+from rlfuse.placement.spec import PlacementSpec, WorkerGroup
+
+# a 2-layer GPT-2 small enough to count by hand: hidden 4, ffn 16, vocab 10, 8 positions
+TINY = ModelShape("tiny", layers=2, hidden=4, heads=2, ffn=16, vocab=10, context=8)
+NO_RUNTIME = MachineProfile("test", "cpu", 1, flops=1e9, decode_flops=1e9, mem_bw=1e9, layer_call_s=0.0,
+                            runtime_bytes=1000, slack_fraction=0.1)
+
+
+def test_parameter_counts_by_hand_and_published():
+    # per layer: c_attn 4x12 + c_proj 4x4 + c_fc 4x16 + mlp.c_proj 16x4 = 192 weights, 36 biases, 2 LayerNorms 16
+    assert TINY.layer_params == 192 + 36 + 16
+    # token embedding 10x4 + positions 8x4 + final LayerNorm 8 (the head is tied)
+    assert TINY.params == 2 * 244 + 40 + 32 + 8
+    assert gpt2_shape("embedded", 4, 128, 4, 1024, 512).params == 989_952  # transformers' count of the default model
+    assert KNOWN_SHAPES["llama-2-7b"].params == 6_738_415_616  # Llama-2-7B's published count
+    assert KNOWN_SHAPES["llama-2-13b"].params == 13_015_864_320
+    assert KNOWN_SHAPES["distilgpt2"].params == 81_912_576
+
+
+def test_bytes_per_weight_by_dtype():
+    assert bytes_per_param("fp32") == 4 and bytes_per_param("bf16") == 2
+    assert bytes_per_param("nf4") == 0.5625  # 4 bits + one fp32 absmax per 64 weights
+    assert bytes_per_param("nf4-dq") == pytest.approx((4 + 8 / 64 + 32 / (64 * 256)) / 8)  # 4.127 bits (QLoRA)
+    assert optimizer_bytes_per_param("adamw") == 8
+    assert optimizer_bytes_per_param("adamw8bit") == pytest.approx(2 + 8 / 2048)
+
+
+def test_4bit_base_keeps_embeddings_and_head_16bit():
+    llama = KNOWN_SHAPES["llama-2-7b"]
+    linear = 32 * (4 * 4096 * 4096 + 3 * 4096 * 11008)
+    assert weight_bytes(llama, "nf4-dq") == pytest.approx(linear * 0.515869140625 + (6_738_415_616 - linear) * 2)
+    assert 3.5e9 < weight_bytes(llama, "nf4-dq") < 4.0e9  # QLoRA's table: "base 3.5 GB"
+
+
+def test_actor_worker_fp32_adamw_by_hand():
+    m = MemoryInputs(TINY, train_rows=2, seq=3, score_rows=1)
+    mem = worker_memory({"actor"}, m, NO_RUNTIME)
+    assert mem["base"] == 568 * 4
+    assert mem["gradients"] == 568 * 4
+    assert mem["optimizer"] == 568 * 8
+    # per layer and token: 7h + h + 2 ffn = 64 values; 6 tokens x 4 bytes x 2 layers, + fp32 logits and log-softmax
+    assert mem["activations"] == 64 * 6 * 4 * 2 + 6 * 10 * 8
+    assert mem["kv_cache"] == 0 and mem["adapters"] == 0
+    tensors = 2272 + 2272 + 4544 + 3552
+    assert mem["slack"] == pytest.approx(1000 + 0.1 * tensors)
+    assert mem["total"] == pytest.approx(tensors + mem["slack"])
+
+
+def test_checkpointing_keeps_layer_inputs_and_one_layer():
+    m = MemoryInputs(TINY, train_rows=2, seq=3, score_rows=1, checkpointing=True)
+    # 2 layers x h=4 x 6 tokens x 4 bytes + one layer's 64 x 6 x 4 + logits 480
+    assert worker_memory({"actor"}, m, NO_RUNTIME)["activations"] == 2 * 4 * 6 * 4 + 64 * 6 * 4 + 480
+
+
+def test_kv_cache_rows_by_length():
+    m = MemoryInputs(TINY, seq=3, kv_rows=5, score_rows=1)
+    # keys and values x 2 layers x 4 dims x 4 bytes = 64 bytes per token; 5 rows x 3 tokens
+    assert worker_memory({"generator"}, m, NO_RUNTIME)["kv_cache"] == 5 * 3 * 64
+
+
+def test_lora_reference_shares_the_actor_and_only_adapters_train():
+    lora = MemoryInputs(TINY, lora_rank=2, train_rows=1, seq=1, score_rows=1)
+    full = MemoryInputs(TINY, train_rows=1, seq=1, score_rows=1)
+    adapters = 2 * ((4 + 12) + (4 + 4) + (4 + 16) + (16 + 4)) * 2  # (in + out) x r per linear, 2 layers
+    with_lora = worker_memory({"actor", "reference"}, lora, NO_RUNTIME)
+    assert with_lora["base"] == 568 * 4  # one frozen copy serves actor and reference
+    assert with_lora["adapters"] == adapters * 4
+    assert with_lora["gradients"] == adapters * 4 and with_lora["optimizer"] == adapters * 8
+    assert worker_memory({"actor", "reference"}, full, NO_RUNTIME)["base"] == 2 * 568 * 4  # trained + frozen copy
+
+
+def test_shared_4bit_base_counts_one_base_for_every_policy_role():
+    m = MemoryInputs(TINY, weight_dtype="nf4-dq", lora_rank=2, shared_base=True, train_rows=1, seq=1, score_rows=1)
+    one = worker_memory({"actor"}, m, NO_RUNTIME)["base"]
+    assert worker_memory({"actor", "generator", "reference"}, m, NO_RUNTIME)["base"] == one == weight_bytes(TINY, "nf4-dq")
+
+
+def test_sharding_divides_states_not_activations():
+    m = MemoryInputs(TINY, train_rows=2, seq=3, score_rows=1)
+    one, four = worker_memory({"actor"}, m, NO_RUNTIME), worker_memory({"actor"}, MemoryInputs(
+        TINY, train_rows=2, seq=3, score_rows=1, shard=4), NO_RUNTIME)
+    for k in ("base", "gradients", "optimizer"):
+        assert four[k] == one[k] / 4
+    assert four["activations"] == one["activations"]
+
+
+def test_memory_hook_rejects_a_group_over_budget():
+    from rlfuse.config import load_config
+    from rlfuse.models.roles import derive_roles
+
+    roles = derive_roles(load_config(None, []))
+    m = MemoryInputs(TINY, critic=TINY, reward=TINY, train_rows=2, seq=3, score_rows=1)
+    memory_of = memory_model(m, NO_RUNTIME, samples=8, max_rows=4)
+    spec = PlacementSpec("flattened", (WorkerGroup("all", 2, roles.names),))
+    need = memory_of(spec.groups[0])
+    assert need == int(worker_memory(roles.names, MemoryInputs(TINY, critic=TINY, reward=TINY, train_rows=2, seq=3,
+                                                                score_rows=1, kv_rows=4), NO_RUNTIME)["total"])
+    assert check_placement(spec, roles, memory_of=memory_of, memory_budget=need) == []
+    problems = check_placement(spec, roles, memory_of=memory_of, memory_budget=need - 1)
+    assert len(problems) == 1 and "group 'all'" in problems[0] and "exceeds" in problems[0]
+
+
+def test_memory_table_has_every_component():
+    table = memory_table({"w0": worker_memory({"actor"}, MemoryInputs(TINY), NO_RUNTIME)}, unit=1, unit_name="bytes")
+    header = table.splitlines()[1]
+    assert all(c in header for c in COMPONENTS)
+
+
+def test_config_memory_budget_runs_the_checker_hook():
+    from rlfuse.config import load_config
+    from rlfuse.errors import ConfigError
+
+    load_config(None, ["placement.strategy=flattened", "placement.memory_per_worker_gb=4"])
+    with pytest.raises(ConfigError, match="group 'all': predicted .* exceeds the 0.10 GiB budget"):
+        load_config(None, ["placement.strategy=flattened", "placement.memory_per_worker_gb=0.1"])

@@ -1,0 +1,218 @@
+"""The cost model (rlfuse/placement/cost.py) on hand-computed cases, the planner's choices on constructed problems,
+`rlfuse plan` on the default config and placement.strategy=auto."""
+
+import math
+from dataclasses import replace
+
+import pytest
+import yaml
+
+from rlfuse.config import load_config
+from rlfuse.placement import cost
+from rlfuse.placement.cost import MachineProfile, ModelShape, gpt2_shape
+from rlfuse.placement.planner import best_plan, plan, problem_from_config
+from rlfuse.placement.profile import BUILTIN_CPU
+
+TINY = ModelShape("tiny", layers=2, hidden=4, heads=2, ffn=16, vocab=10, context=8)
+RATES = MachineProfile("test", "cpu", 1, flops=1e9, decode_flops=5e8, mem_bw=1e10, layer_call_s=1e-3,
+                       decode_layer_call_s=1e-4, bwd_ratio=2.0, optimizer_bytes_s=1e9, sync_bytes_s=1e8,
+                       sync_latency_s=0.01, allreduce_bytes_s=1e8, allreduce_latency_s=1e-3, runtime_bytes=0)
+
+
+# ------------------------------------------------------------------------------------------ cost model
+
+
+def test_forward_flops_by_hand():
+    # matmul weights: 2 x 192 in the blocks + the 10 x 4 head = 424; 3 tokens attending to 2 positions each
+    assert TINY.matmul_params == 424
+    assert TINY.forward_flops(3, 2) == 3 * (2 * 424 + 4 * 2 * 4 * 2)
+
+
+def test_forward_seconds_by_hand():
+    # 2 calls x (2 layers x 1 ms + flops / 1e9 + 100 bytes / 1e10)
+    flops = TINY.forward_flops(4 * 6, 3)
+    assert cost.forward_seconds(RATES, TINY, 4, 6, 100, calls=2) == pytest.approx(2 * (2e-3 + flops / 1e9 + 1e-8))
+
+
+def test_train_seconds_lora_and_checkpointing():
+    fwd = cost.forward_seconds(RATES, TINY, 2, 4, 0, 3)
+    fixed, variable = 3 * 2 * 1e-3 * 3, 3 * TINY.forward_flops(8, 2) / 1e9  # 3 calls: 2 layers x 1 ms x (1 + 2)
+    assert cost.train_seconds(RATES, TINY, 2, 4, 0, 3, False, False) == pytest.approx(3 * fwd)  # fwd + 2 fwd
+    assert cost.train_seconds(RATES, TINY, 2, 4, 0, 3, True, False) == pytest.approx(4 * fwd)  # + a recompute
+    assert cost.train_seconds(RATES, TINY, 2, 4, 0, 3, False, True) == pytest.approx(fixed + 2 * variable)  # no weight grads
+    slow_autograd = replace(RATES, train_layer_call_s=5e-3)
+    assert cost.train_seconds(slow_autograd, TINY, 2, 4, 0, 3, False, False) == pytest.approx(3 * (2 * 5e-3) + 3 * variable)
+
+
+def test_sync_allreduce_optimizer_by_hand():
+    assert cost.sync_seconds(RATES, 1e8, receivers=2) == pytest.approx(2 * (0.01 + 1.0))
+    assert cost.sync_seconds(RATES, 1e8, receivers=0) == 0
+    assert cost.allreduce_seconds(RATES, 1e8, workers=4) == pytest.approx(1e-3 + 2 * 3 / 4 * 1.0)
+    assert cost.allreduce_seconds(RATES, 1e8, workers=1) == 0
+    assert cost.optimizer_seconds(RATES, 1e6, steps=3) == pytest.approx(3 * 16e6 / 1e9)
+
+
+def test_live_rows_match_the_mean_length():
+    lam = cost.survival_scale(10, 48)
+    assert lam * (1 - math.exp(-48 / lam)) == pytest.approx(10, rel=1e-6)
+    rows = cost.live_rows(32, 10, 48)
+    assert rows[0] == 32 and all(a > b for a, b in zip(rows, rows[1:]))
+    # steps: the expected longest of 32 exponential lengths, lam x H_32 (41 here), or the cap when that is longer
+    assert len(rows) == math.ceil(lam * sum(1 / i for i in range(1, 33))) == 41
+    assert len(cost.live_rows(32, 17, 48)) == 48
+    assert cost.live_rows(8, 48, 48) == [8.0] * 48  # every sample runs to the cap
+
+
+def test_decode_seconds_one_row_by_hand():
+    # one sample always running to 3 tokens, prompt 2: prefill (one call over 2 tokens) + 3 steps at contexts 2, 3, 4
+    p = replace(RATES, mem_bw=math.inf)
+    got = cost.decode_seconds(p, TINY, 1, 2, cost.Lengths.from_mean(3, 3), 3, 0, 4, max_rows=8)
+    prefill = 2e-3 + TINY.forward_flops(2, 1) / 1e9
+    steps = sum(2e-4 + TINY.forward_flops(1, 2 + t) / 5e8 for t in range(3))
+    assert got == pytest.approx(prefill + steps)
+
+
+def test_profile_json_round_trip(tmp_path):
+    path = RATES.save(tmp_path / "p.json")
+    assert MachineProfile.load(path) == RATES
+    assert cost.device_profile("rtx4090").memory_bytes == 24e9
+
+
+# ---------------------------------------------------------------------------------------- planner choices
+
+
+CPU = MachineProfile("a 1-thread CPU worker", "cpu", 1, flops=5e10, decode_flops=2.8e10, mem_bw=3.5e10,
+                     layer_call_s=4.5e-4, decode_layer_call_s=2.5e-4, decode_sample_s=1.2e-3, bwd_ratio=1.7,
+                     optimizer_bytes_s=5e9, sync_bytes_s=5e8, sync_latency_s=0.02, allreduce_bytes_s=1e9,
+                     allreduce_latency_s=1e-3, ray_call_s=0.03)
+"""Fixed rates (not the built-in profile, which follows this machine) so the constructed choices below stay put."""
+
+
+@pytest.fixture
+def default_problem():
+    return problem_from_config(load_config(None, []), CPU, workers=4, cores=4)
+
+
+def _fixed(prob, **kw):
+    # micro-batches of 4: each mini-batch of 16 is one micro-batch per rank on 4 workers
+    return replace(prob, checkpointing=(False,), migrate_below=(0.0,), micro_batches=(4,), **kw)
+
+
+def test_balanced_small_models_choose_flattened(default_problem):
+    # every stage splits over all four workers and nothing waits: flattened, trained data-parallel on 4
+    best = best_plan(_fixed(default_problem))
+    assert best.strategy == "flattened" and best.spec.workers == 4
+
+
+def test_generation_dominating_chooses_separated(default_problem):
+    # decode steps 20 ms per layer (latency-bound: more workers do not shorten them) and a 12-layer reward model to
+    # score: separated hides the scoring under decoding on its own group and keeps most workers training
+    slow_decode = replace(default_problem.profile, decode_layer_call_s=0.02)
+    big_rm = replace(default_problem.memory, reward=gpt2_shape("rm", 12, 768, 12, 1024, 512))
+    plans = plan(_fixed(default_problem, profile=slow_decode, memory=big_rm))
+    best = plans[0]
+    assert best.strategy == "separated" and best.spec.group("generate").workers == 1
+    flattened = next(p for p in plans if p.strategy == "flattened")
+    assert flattened.seconds["rollout"] == pytest.approx(flattened.seconds["generate"] + flattened.seconds["score"])
+    assert best.seconds["rollout"] < flattened.seconds["rollout"]
+    # the same problem with fast decoding goes back to flattened: the choice follows the costs
+    assert best_plan(_fixed(default_problem, memory=big_rm)).strategy == "flattened"
+
+
+def test_memory_binding_moves_the_big_frozen_model_off_the_trainers(default_problem):
+    # a 24-layer reward model does not fit beside the actor, critic and reference: flattened and separated keep it
+    # on the training workers, interleaved puts it on its own scoring group
+    big_rm = replace(default_problem.memory, reward=gpt2_shape("rm", 24, 1024, 16, 1024, 512))
+    prob = _fixed(default_problem, memory=big_rm)
+    unbounded = plan(prob)
+    flat = next(p for p in unbounded if p.strategy == "flattened")
+    inter = next(p for p in unbounded if p.strategy == "interleaved")
+    budget = (flat.peak_bytes + inter.peak_bytes) / 2
+    assert inter.peak_bytes < budget < flat.peak_bytes
+    plans = plan(replace(prob, memory_budget=budget))
+    assert plans[0].strategy == "interleaved" and plans[0].fits
+    assert not any(p.fits for p in plans if p.strategy in ("flattened", "separated"))
+    assert all(p.fits for p in plans[: sum(p.fits for p in plans)])  # those that fit rank first
+
+
+def test_memory_binding_turns_on_checkpointing(default_problem):
+    long = replace(default_problem, workload=replace(default_problem.workload, response_mean=400, response_max=400,
+                                                     response_longest=0))
+    prob = replace(long, migrate_below=(0.0,), micro_batches=(16,), strategies=("flattened",))
+    on, off = (next(p for p in plan(prob) if p.gradient_checkpointing == c) for c in (True, False))
+    assert on.peak_bytes < off.peak_bytes and off.iteration_s < on.iteration_s
+    assert not best_plan(prob).gradient_checkpointing  # without a budget the faster one wins
+    assert best_plan(replace(prob, memory_budget=(on.peak_bytes + off.peak_bytes) / 2)).gradient_checkpointing
+
+
+def test_data_parallel_ranks_pad_to_the_same_micro_batch_count(default_problem):
+    # a mini-batch of 16 in one micro-batch of 16: rank 0 runs it, rank 1 a zero-weight copy (no speed-up); in two
+    # of 8, each rank runs one of 8 rows: half the FLOPs per rank
+    prob = replace(default_problem, workers=2, strategies=("flattened",), checkpointing=(False,), migrate_below=(0.0,))
+    train = {p.micro_batch_size: p.seconds["train"] for p in plan(prob)}
+    one = replace(prob, workers=1, resources=prob.resources)
+    train_one = {p.micro_batch_size: p.seconds["train"] for p in plan(one)}
+    assert train[8] < train[16]
+    assert train[16] >= train_one[16]  # two ranks doing what one does, plus an all-reduce
+
+
+def test_more_cpu_workers_than_cores_share_them():
+    cfg = load_config(None, [])
+    alone = problem_from_config(cfg, CPU, workers=4, cores=4).profile
+    shared = problem_from_config(cfg, CPU, workers=4, cores=2).profile
+    assert shared.flops == alone.flops / 2 and shared.layer_call_s == alone.layer_call_s * 2
+    assert shared.sync_latency_s == alone.sync_latency_s  # not compute
+
+
+def test_nothing_fits_is_one_user_error(default_problem):
+    from rlfuse.errors import UserError
+
+    with pytest.raises(UserError, match="no placement of 4 worker"):
+        best_plan(replace(default_problem, memory_budget=1e3))
+
+
+def test_lora_reference_cannot_be_interleaved_alone():
+    # with LoRA the reference is the actor: interleaved still places the reward on its own group
+    cfg = load_config(None, ["model.lora=true"])
+    plans = plan(problem_from_config(cfg, BUILTIN_CPU, workers=2))
+    inter = [p for p in plans if p.strategy == "interleaved"]
+    assert inter and all(p.spec.group("score").roles == ("reward",) for p in inter)
+
+
+# ------------------------------------------------------------------------------------------ CLI and auto
+
+
+def test_rlfuse_plan_default_config(tmp_path, capsys):
+    from rlfuse.cli import main
+
+    out = tmp_path / "plan.yaml"
+    assert main(["plan", "--out", str(out), "--top", "3"]) == 0
+    printed = capsys.readouterr().out
+    assert "| rank | strategy" in printed and "best: " in printed and "| base | adapters |" in printed
+    block = yaml.safe_load(out.read_text())
+    assert block["placement"]["strategy"] in ("flattened", "interleaved", "separated")
+    cfg = load_config(None, [f"{s}.{k}={v}" for s, d in block.items() for k, v in d.items()])  # runs as written
+    assert cfg.placement.strategy == block["placement"]["strategy"]
+
+
+def test_rlfuse_plan_bad_budget_is_one_line(tmp_path, capsys):
+    from rlfuse.cli import main
+
+    assert main(["plan", "--memory-per-worker", "0.001", "--out", str(tmp_path / "p.yaml")]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err[-1].startswith("rlfuse plan: ") and "nothing fits" in err[-1]
+
+
+def test_strategy_auto_resolves_at_load(capsys):
+    cfg = load_config(None, ["placement.strategy=auto", "placement.workers=2"])
+    assert cfg.placement.strategy in ("flattened", "interleaved", "separated", "custom")
+    assert "placement.strategy=auto chose" in capsys.readouterr().err
+
+
+def test_spec_from_config_plans_auto_built_in_code():
+    from rlfuse.config import Config
+    from rlfuse.placement.strategies import spec_from_config
+
+    cfg = Config()
+    cfg.placement.strategy, cfg.placement.workers = "auto", 2
+    assert spec_from_config(cfg).strategy in ("flattened", "interleaved", "separated", "custom")
