@@ -42,6 +42,7 @@ from rlfuse.data.prompts import encode_prompts, model_context, prompt_budget
 from rlfuse.data.stages import rl_prompts
 from rlfuse.errors import UserError
 from rlfuse.evaluation import evaluate, evaluate_before, iteration_gold, prompt_difficulty
+from rlfuse.metrics.memory import MemoryMeter
 from rlfuse.metrics.tracker import JsonlTracker, memory_metrics, truncate_metrics
 from rlfuse.models.build import Models, build_models
 from rlfuse.models.load import save_trained_model
@@ -368,6 +369,7 @@ def train_rl(cfg: Config, run_dir: Path, log=print, resume: bool = False, on_rea
               else FixedKLController(rl.kl_coef))
     out = run_dir / "rl"
     out.mkdir(parents=True, exist_ok=True)
+    meter = MemoryMeter(models, learners, device, out / "memory.json", cfg.model.quantization)  # per component
     ckpt, start, bad = out / "checkpoint.pt", 0, {"skipped": 0, "consecutive": 0}
     if resume and ckpt.exists():
         state = load_checkpoint(ckpt, *checkpoint_parts(models, learners))
@@ -386,6 +388,7 @@ def train_rl(cfg: Config, run_dir: Path, log=print, resume: bool = False, on_rea
     with build_rollout(cfg, run_dir, engine, scorer, fusion, log) as rollout, \
             Progress(rl.iterations, f"rl/{rl.algo}", cfg.run.quiet, unit="iter") as bar:
         bar.update(start)
+        rollout = meter.watch(rollout)
         for it in range(start, rl.iterations):
             t0 = time.perf_counter()
             # 1. the actor's weights into the generator(s): an explicit copy, never the optimiser's own tensors
