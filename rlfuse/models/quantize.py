@@ -25,6 +25,7 @@ def bnb_config(quantization: str, precision: str = "auto", device="cpu"):
     quantisation (the quantisation constants quantised too: ~0.4 bit per weight saved)."""
     if quantization == "none":
         return None
+    require_bitsandbytes(f"model.quantization={quantization}")
     from transformers import BitsAndBytesConfig
 
     if quantization == "4bit":
@@ -32,6 +33,17 @@ def bnb_config(quantization: str, precision: str = "auto", device="cpu"):
                                   bnb_4bit_compute_dtype=compute_dtype(precision, device),
                                   llm_int8_skip_modules=SKIP_MODULES)
     return BitsAndBytesConfig(load_in_8bit=True, llm_int8_skip_modules=SKIP_MODULES)
+
+
+def require_bitsandbytes(what: str) -> None:
+    """A UserError naming the setting when bitsandbytes is not installed."""
+    try:
+        import bitsandbytes  # noqa: F401
+    except ImportError:
+        from rlfuse.errors import UserError
+
+        raise UserError(f"{what} needs bitsandbytes, which is not installed; pip install -e .[qlora] (or pip install "
+                        "bitsandbytes), or turn the setting off") from None
 
 
 def quantized_load_kwargs(quantization: str, precision: str = "auto", device="cpu") -> dict:

@@ -59,6 +59,9 @@ def build_adamw(model: torch.nn.Module, lr: float, weight_decay: float, kind: st
 
 def _bnb_optimizer(name: str):
     def build(groups, lr):
+        from rlfuse.models.quantize import require_bitsandbytes
+
+        require_bitsandbytes(f"rl.optimizer={name}")
         import bitsandbytes as bnb
 
         return getattr(bnb.optim, name)(groups, lr=lr, betas=(0.9, 0.95))

@@ -1,0 +1,190 @@
+"""Memory benchmark (issue 14: one 4-bit base for every role). PPO with all four roles (actor, reference, critic,
+reward) and the engine's generator, one iteration of the same work, on two models with random weights and the
+default task's tokenizer and prompts:
+
+  (a) separate full-precision models: today's path with LoRA on the actor (reference = its adapters off), a
+      separate critic trained in full, a separate frozen reward model, AdamW;
+  (b) one full-precision base with adapters (model.shared_base): actor, critic and reward adapters + heads, AdamW;
+  (c) one 4-bit (NF4, double quantisation) base with adapters, 8-bit AdamW, gradient checkpointing (the QLoRA
+      pipeline of configs/qlora_1gpu.yaml).
+
+Models: a DistilGPT2-sized GPT-2 (6 layers, 768 wide) and a Llama-style model of about 0.5B parameters. Each arm
+runs in its own process: peak RSS above the process's idle footprint (after imports and a warm-up, before any
+model loads) and in total, time per iteration, and the per-component table the run records (rl/memory.json).
+
+    python bench/memory.py            # both models, writes BENCHMARKS.md (about 20 minutes on 2 cores)
+    python bench/memory.py --quick    # the GPT-2 model only, prints only
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import shutil
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from bench.common import WORK, machine, md_table, peak_rss_mb, reset_peak_rss, rss_mb, run_child, warm_up, write_section  # noqa: E402
+
+ARMS = {
+    "a": ("separate full-precision models", ["model.shared_base=false", "rl.optimizer=adamw",
+                                             "rl.gradient_checkpointing=false"]),
+    "b": ("one full-precision base + adapters", ["model.shared_base=true", "rl.optimizer=adamw",
+                                                 "rl.gradient_checkpointing=false"]),
+    "c": ("one 4-bit base + adapters, 8-bit AdamW", ["model.quantization=4bit", "rl.optimizer=adamw_8bit",
+                                                     "rl.gradient_checkpointing=true"]),
+}
+MODELS = {
+    "gpt2-6x768": {"kind": "gpt2", "n_layer": 6, "n_embd": 768, "n_head": 12},
+    "llama-0.5b": {"kind": "llama", "hidden_size": 1280, "num_hidden_layers": 28, "intermediate_size": 3584,
+                   "num_attention_heads": 16, "num_key_value_heads": 4},
+}
+PROMPTS, NEW_TOKENS = 8, 24
+COMPONENTS = ("base", "adapters", "gradients", "optimizer", "activations", "kv_cache", "slack", "total")
+
+
+def task():
+    from rlfuse.data.task import build_default_task
+
+    return build_default_task(400, 0, 2, 64, 2, log=lambda *_: None)
+
+
+def prepare_stages(name: str, log=print) -> Path:
+    """WORK/memory/<name>: base/ (random weights, the task's tokenizer), run/sft (that model as the SFT stage) and
+    run/rm (a reward model on it: merged model/ and a LoRA adapter/ with a score head, as `rlfuse rm` writes)."""
+    import torch
+    from transformers import AutoTokenizer, GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausalLM
+
+    from rlfuse.config import load_config
+    from rlfuse.models.load import load_reward_model, save_trained_model
+
+    root = WORK / "memory" / name
+    if (root / "run" / "rm" / "adapter" / "adapter_config.json").exists():
+        return root
+    shutil.rmtree(root, ignore_errors=True)
+    log(f"[bench] building {name} (random weights) and its stage folders")
+    tok = AutoTokenizer.from_pretrained(task().tokenizer_dir)
+    spec = dict(MODELS[name])
+    torch.manual_seed(0)
+    if spec.pop("kind") == "gpt2":
+        model = GPT2LMHeadModel(GPT2Config(vocab_size=len(tok), n_positions=512, bos_token_id=0, eos_token_id=0, **spec))
+    else:
+        model = LlamaForCausalLM(LlamaConfig(vocab_size=len(tok), max_position_embeddings=512, bos_token_id=0,
+                                             eos_token_id=0, tie_word_embeddings=False, **spec))
+    log(f"[bench] {name}: {sum(p.numel() for p in model.parameters()) / 1e6:.0f}M parameters")
+    model.save_pretrained(root / "base")
+    tok.save_pretrained(root / "base")
+    save_trained_model(model, tok, root / "run" / "sft", base=str(root / "base"))
+    del model
+    cfg = load_config(None, ["model.lora=true", "model.lora_r=16", "model.lora_alpha=32"])
+    rm = load_reward_model(str(root / "run" / "sft" / "model"), cfg.model, pad_token_id=tok.pad_token_id)
+    with torch.no_grad():  # a reward adapter that is not the identity, as after training
+        for n, p in rm.named_parameters():
+            if "lora_B" in n:
+                p.normal_(std=0.02)
+    save_trained_model(rm, tok, root / "run" / "rm", base=str(root / "run" / "sft" / "model"))
+    return root
+
+
+def overrides(root: Path, arm: str, run_dir: Path) -> list[str]:
+    return [f"run.dir={run_dir}", "run.quiet=true", "run.precision=fp32", "data.num_reviews=400", "model.n_layer=2",
+            "model.n_embd=64", "model.n_head=2", f"model.name={root / 'base'}", "model.lora=true", "model.lora_r=16",
+            "model.lora_alpha=32", f"rl.sft_path={root / 'run' / 'sft' / 'model'}",
+            f"rl.rm_path={root / 'run' / 'rm' / 'model'}", "rl.algo=ppo", "rl.reward=rm", "rl.critic_init=rm",
+            "rl.iterations=1", f"rl.prompts_per_iter={PROMPTS}", "rl.k=1", f"rl.max_new_tokens={NEW_TOKENS}",
+            f"rl.mini_batch_size={PROMPTS}", "rl.micro_batch_size=2", "rl.epochs=1", "rl.eval_prompts=0",
+            "rl.ckpt_every=1000", "rollout.micro_batch_size=4", *ARMS[arm][1]]
+
+
+def child(arm: str, name: str) -> dict:
+    """One arm in this (fresh) process: idle RSS before any model, then the RL stage's one iteration."""
+    import torch
+
+    from rlfuse.config import load_config
+    from rlfuse.trainers.rl import train_rl
+
+    torch.set_num_threads(2)
+    warm_up()
+    idle = rss_mb()
+    root = WORK / "memory" / name
+    run_dir = root / f"arm-{arm}"
+    shutil.rmtree(run_dir, ignore_errors=True)
+    cfg = load_config(None, overrides(root, arm, run_dir))
+    loaded = {}
+
+    def on_ready(models):
+        loaded["rss_mb"] = rss_mb()
+        reset_peak_rss()  # the peak of the work, not of from_pretrained's transient copies while loading
+
+    t0 = time.perf_counter()
+    train_rl(cfg, run_dir, log=lambda *_: None, on_ready=on_ready)
+    wall = time.perf_counter() - t0
+    peak = max(peak_rss_mb(), loaded["rss_mb"])
+    row = json.loads((run_dir / "rl" / "metrics.jsonl").read_text().splitlines()[-1])
+    table = json.loads((run_dir / "rl" / "memory.json").read_text())
+    shutil.rmtree(run_dir / "rl" / "model", ignore_errors=True)  # the saved policy: GBs of disk, not measured
+    return {"arm": arm, "model": name, "idle_mb": idle, "loaded_mb": loaded["rss_mb"], "peak_mb": peak,
+            "peak_above_idle_mb": peak - idle, "iteration_s": row["time/iteration"], "train_s": row["time/training"],
+            "stage_s": wall, "memory": table}
+
+
+def measure(name: str, log=print) -> list[dict]:
+    prepare_stages(name, log)
+    out = []
+    for arm in ARMS:
+        log(f"[bench] {name} arm ({arm}) {ARMS[arm][0]}")
+        res = run_child(Path(__file__), ["--child", arm, "--model", name], timeout=3600)
+        log(f"[bench]   peak {res['peak_mb']:.0f} MB ({res['peak_above_idle_mb']:.0f} above idle), "
+            f"{res['iteration_s']:.1f} s/iteration")
+        out.append(res)
+    return out
+
+
+def section(results: dict[str, list[dict]], info: dict, shared_note: str) -> str:
+    mib = lambda b: f"{b / 2**20:.0f}"
+    lines = [f"Machine: {info['cpu']}, {info['cores']} cores, torch {info['torch']}, no GPU; {shared_note}",
+             f"Command: `python bench/memory.py`. PPO, {PROMPTS} prompts x k=1, {NEW_TOKENS} new tokens, one iteration "
+             "(generate, score with reference, reward and critic, one epoch of actor and critic updates in micro-batches "
+             "of 2), LoRA r=16 on every linear layer, random weights, the default task's tokenizer (vocab "
+             f"{len(__import__('transformers').AutoTokenizer.from_pretrained(task().tokenizer_dir))}). Peak = process "
+             "peak RSS once the models are loaded; idle = RSS after imports and a warm-up, before any model loads.", ""]
+    for name, rows in results.items():
+        a = rows[0]
+        lines += [f"### {name}", "", md_table(
+            ["arm", "peak RSS MB", "peak above idle MB", "peak above idle vs (a)", "total peak vs (a)", "s / iteration",
+             "time vs (a)"],
+            [[f"({r['arm']}) {ARMS[r['arm']][0]}", round(r["peak_mb"]), round(r["peak_above_idle_mb"]),
+              f"{r['peak_above_idle_mb'] / a['peak_above_idle_mb']:.2f}x", f"{r['peak_mb'] / a['peak_mb']:.2f}x",
+              f"{r['iteration_s']:.1f}", f"{r['iteration_s'] / a['iteration_s']:.2f}x"] for r in rows]), "",
+            "Per component (MiB, rl/memory.json; activations and KV cache are measured RSS peaks above the phase's "
+            "start, slack is the rest of the measured total: the Python/torch runtime and allocator caching):", "",
+            md_table(["arm", *COMPONENTS], [[f"({r['arm']})", *(mib(r["memory"]["bytes"][c]) for c in COMPONENTS)]
+                                           for r in rows]), ""]
+    return "\n".join(lines)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--quick", action="store_true", help="the GPT-2 model only; print, do not write BENCHMARKS.md")
+    ap.add_argument("--models", nargs="*", default=list(MODELS), choices=list(MODELS))
+    ap.add_argument("--note", default="the machine was shared with other jobs while this ran",
+                    help="how busy the machine was, for the section's first line")
+    ap.add_argument("--child", choices=list(ARMS))
+    ap.add_argument("--model", choices=list(MODELS))
+    a = ap.parse_args()
+    if a.child:
+        print(json.dumps(child(a.child, a.model)))
+        return
+    names = ["gpt2-6x768"] if a.quick else a.models
+    results = {name: measure(name) for name in names}
+    (WORK / "memory" / "results.json").write_text(json.dumps(results, indent=1))
+    text = section(results, machine(), a.note)
+    print(text)
+    if not a.quick:
+        write_section("memory", text)
+
+
+if __name__ == "__main__":
+    main()
