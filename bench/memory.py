@@ -41,7 +41,7 @@ MODELS = {
     "llama-0.5b": {"kind": "llama", "hidden_size": 1280, "num_hidden_layers": 28, "intermediate_size": 3584,
                    "num_attention_heads": 16, "num_key_value_heads": 4},
 }
-PROMPTS, NEW_TOKENS = 8, 24
+PROMPTS, NEW_TOKENS = 4, 16
 COMPONENTS = ("base", "adapters", "gradients", "optimizer", "activations", "kv_cache", "slack", "total")
 
 
@@ -103,10 +103,12 @@ def child(arm: str, name: str) -> dict:
     import torch
 
     from rlfuse.config import load_config
+    from rlfuse.metrics.memory import release_freed_memory
     from rlfuse.trainers.rl import train_rl
 
     torch.set_num_threads(2)
     warm_up()
+    release_freed_memory()
     idle = rss_mb()
     root = WORK / "memory" / name
     run_dir = root / f"arm-{arm}"
@@ -115,6 +117,7 @@ def child(arm: str, name: str) -> dict:
     loaded = {}
 
     def on_ready(models):
+        release_freed_memory()  # what loading freed is not part of any arm's footprint (glibc keeps it in RSS)
         loaded["rss_mb"] = rss_mb()
         reset_peak_rss()  # the peak of the work, not of from_pretrained's transient copies while loading
 

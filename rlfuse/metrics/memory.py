@@ -55,13 +55,26 @@ def weight_bytes(modules: dict[str, torch.nn.Module]) -> dict[str, int]:
             if id(t) in seen:
                 continue
             seen.add(id(t))
-            out["adapters" if is_adapter_tensor(name) or t.requires_grad else "base"] += tensor_bytes(t)
+            out["adapters" if is_adapter_tensor(name) else "base"] += tensor_bytes(t)  # a fully trained critic: base
     return out
 
 
 def optimizer_bytes(optimizers) -> int:
     return sum(tensor_bytes(v) for opt in optimizers for state in opt.state.values() for v in state.values()
                if isinstance(v, torch.Tensor))
+
+
+def release_freed_memory() -> bool:
+    """Hand the C heap's freed pages back to the OS (glibc malloc_trim), so that RSS measured afterwards is what is
+    in use, not what loading once used: glibc keeps freed memory mapped, and RSS counts it. False where unsupported."""
+    import ctypes
+    import gc
+
+    gc.collect()
+    try:
+        return bool(ctypes.CDLL("libc.so.6").malloc_trim(0))
+    except (OSError, AttributeError):
+        return False
 
 
 def process_level(device) -> int:
