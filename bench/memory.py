@@ -9,8 +9,9 @@ default task's tokenizer and prompts:
       pipeline of configs/qlora_1gpu.yaml).
 
 Models: a DistilGPT2-sized GPT-2 (6 layers, 768 wide) and a Llama-style model of about 0.5B parameters. Each arm
-runs in its own process: peak RSS above the process's idle footprint (after imports and a warm-up, before any
-model loads) and in total, time per iteration, and the per-component table the run records (rl/memory.json).
+runs in its own process: peak RSS above the process's idle footprint (libraries imported and warmed up, no model
+loaded) and in total, time per iteration, and the per-component table the run records (rl/memory.json). Weights are
+copied out of the checkpoints' memory maps once loaded (materialise), so RSS counts what each arm holds.
 
     python bench/memory.py            # both models, writes BENCHMARKS.md (about 20 minutes on 2 cores)
     python bench/memory.py --quick    # the GPT-2 model only, prints only
@@ -98,6 +99,26 @@ def overrides(root: Path, arm: str, run_dir: Path) -> list[str]:
             "rl.ckpt_every=1000", "rollout.micro_batch_size=4", *ARMS[arm][1]]
 
 
+def materialise(models) -> None:
+    """Copy every full-precision weight out of the checkpoint's memory map into the process's own memory. transformers
+    maps safetensors files: a weight is resident only once touched, and file pages count in RSS while any weight
+    still views the file (a 4-bit model's fp32 embeddings keep the whole fp32 file mapped), so RSS would follow what
+    happened to be touched rather than what each arm holds. Quantised tensors are the process's own already."""
+    import torch
+
+    from rlfuse.metrics.memory import role_modules
+    from rlfuse.models.quantize import quantized_layer
+
+    for module in role_modules(models).values():
+        if module is None:
+            continue
+        skip = {id(t) for m in module.modules() if quantized_layer(m) for t in m.parameters(recurse=False)}
+        with torch.no_grad():
+            for t in list(module.parameters()) + list(module.buffers()):
+                if id(t) not in skip:
+                    t.data = t.data.clone()
+
+
 def child(arm: str, name: str) -> dict:
     """One arm in this (fresh) process: idle RSS before any model, then the RL stage's one iteration."""
     import torch
@@ -107,6 +128,10 @@ def child(arm: str, name: str) -> dict:
     from rlfuse.trainers.rl import train_rl
 
     torch.set_num_threads(2)
+    import peft  # noqa: F401  (every arm's idle footprint has the same libraries loaded)
+    import bitsandbytes  # noqa: F401
+    from transformers import AutoModelForSequenceClassification, GPT2LMHeadModel, LlamaForCausalLM  # noqa: F401
+
     warm_up()
     release_freed_memory()
     idle = rss_mb()
@@ -117,6 +142,7 @@ def child(arm: str, name: str) -> dict:
     loaded = {}
 
     def on_ready(models):
+        materialise(models)
         release_freed_memory()  # what loading freed is not part of any arm's footprint (glibc keeps it in RSS)
         loaded["rss_mb"] = rss_mb()
         reset_peak_rss()  # the peak of the work, not of from_pretrained's transient copies while loading
@@ -152,7 +178,8 @@ def section(results: dict[str, list[dict]], info: dict, shared_note: str) -> str
              "(generate, score with reference, reward and critic, one epoch of actor and critic updates in micro-batches "
              "of 2), LoRA r=16 on every linear layer, random weights, the default task's tokenizer (vocab "
              f"{len(__import__('transformers').AutoTokenizer.from_pretrained(task().tokenizer_dir))}). Peak = process "
-             "peak RSS once the models are loaded; idle = RSS after imports and a warm-up, before any model loads.", ""]
+             "peak RSS once the models are loaded (weights copied out of the checkpoints' memory maps, freed heap "
+             "returned to the OS); idle = RSS with the libraries imported and warmed up, no model loaded.", ""]
     for name, rows in results.items():
         a = rows[0]
         lines += [f"### {name}", "", md_table(

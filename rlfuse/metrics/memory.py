@@ -59,6 +59,16 @@ def weight_bytes(modules: dict[str, torch.nn.Module]) -> dict[str, int]:
     return out
 
 
+def role_modules(models) -> dict[str, torch.nn.Module]:
+    """The modules of a models.build.Models by role (None where a role has none): the reward model is the one inside
+    reward_model_fn (a Python reward function has none)."""
+    roles = {"actor": models.actor, "generator": models.generator, "reference": models.ref, "critic": models.critic}
+    for cell in getattr(models.reward_fn, "__closure__", None) or ():
+        if isinstance(cell.cell_contents, torch.nn.Module):
+            roles["reward"] = cell.cell_contents
+    return roles
+
+
 def optimizer_bytes(optimizers) -> int:
     return sum(tensor_bytes(v) for opt in optimizers for state in opt.state.values() for v in state.values()
                if isinstance(v, torch.Tensor))
@@ -127,12 +137,7 @@ class MemoryMeter:
 
     def __init__(self, models, learners, device, path: Path | None = None, quantization: str = "none"):
         self.device, self.path, self.quantization = device, path, quantization
-        roles = {"actor": models.actor, "generator": models.generator, "reference": models.ref, "critic": models.critic}
-        reward_model = getattr(models.reward_fn, "__closure__", None) or ()
-        for cell in reward_model:  # reward_model_fn's model (the function reward has none)
-            if isinstance(cell.cell_contents, torch.nn.Module):
-                roles["reward"] = cell.cell_contents
-        self.weights = weight_bytes(roles)
+        self.weights = weight_bytes(role_modules(models))
         self.learners = [l for l in (learners.actor, learners.critic) if l is not None]
         for learner in self.learners:  # weakly: the meter goes with the run's locals (and its sampler thread with it)
             learner.on_step = _weak_call(weakref.WeakMethod(self._on_step))

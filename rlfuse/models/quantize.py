@@ -54,7 +54,9 @@ def quantized_load_kwargs(quantization: str, precision: str = "auto", device="cp
         return {}
     device = torch.device(device)
     where = device.index if device.type == "cuda" and device.index is not None else (0 if device.type == "cuda" else "cpu")
-    return {"quantization_config": q, "device_map": {"": where}}
+    # disable_mmap: read the checkpoint into memory rather than map it. Mapped, the quantised model kept the whole
+    # full-precision file resident (RSS) for its lifetime: 173 MB beside 27 MB of 4-bit weights for a 6x768 GPT-2
+    return {"quantization_config": q, "device_map": {"": where}, "disable_mmap": True}
 
 
 def is_quantized(model: torch.nn.Module) -> bool:
