@@ -137,6 +137,7 @@ class MemoryMeter:
 
     def __init__(self, models, learners, device, path: Path | None = None, quantization: str = "none"):
         self.device, self.path, self.quantization = device, path, quantization
+        self.cuda = getattr(device, "type", str(device)) == "cuda"
         self.weights = weight_bytes(role_modules(models))
         self.learners = [l for l in (learners.actor, learners.critic) if l is not None]
         for learner in self.learners:  # weakly: the meter goes with the run's locals (and its sampler thread with it)
@@ -165,16 +166,23 @@ class MemoryMeter:
         """The rollout object with its generate() measured (its other methods pass through)."""
         return _WatchedRollout(rollout, self)
 
+    def _start_phase(self) -> int:
+        """On a CPU, hand freed heap back first (a few ms): otherwise the phase reuses what the allocator kept from the
+        one before (the weight sync's transient copies), and its own growth would not show in RSS."""
+        if not self.cuda:
+            release_freed_memory()
+        return process_level(self.device)
+
     def _rollout(self, generate, *args, **kwargs):
         self.peaks["total"] = max(self.peaks["total"], self.sampler.take())
-        start = process_level(self.device)
+        start = self._start_phase()
         try:
             return generate(*args, **kwargs)
         finally:
             peak = self.sampler.take()
             self.peaks["kv_cache"] = max(self.peaks["kv_cache"], peak - start)
             self.peaks["total"] = max(self.peaks["total"], peak)
-            self._phase_start = process_level(self.device)
+            self._phase_start = self._start_phase()
             self._opt_start = optimizer_bytes(l.opt for l in self.learners)
             self.write()
 
@@ -184,8 +192,7 @@ class MemoryMeter:
         """Bytes per component (COMPONENTS), and how total was measured."""
         t = {**self.weights, **{k: max(0, v) for k, v in self.peaks.items()}}
         t["slack"] = t["total"] - sum(t[k] for k in COMPONENTS if k not in ("slack", "total"))
-        cuda = getattr(self.device, "type", str(self.device)) == "cuda"
-        return {"bytes": {k: int(t[k]) for k in COMPONENTS}, "measured_by": "CUDA allocated" if cuda else "process RSS",
+        return {"bytes": {k: int(t[k]) for k in COMPONENTS}, "measured_by": "CUDA allocated" if self.cuda else "process RSS",
                 "quantization": self.quantization}
 
     def write(self) -> None:

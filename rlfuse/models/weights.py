@@ -33,10 +33,13 @@ def merged_state_dict(model) -> dict[str, torch.Tensor]:
     for name, module in base.named_modules():
         if isinstance(module, LoraLayer):
             layer = module.get_base_layer()
-            weight = dequantized_weight(layer) if quantized_layer(layer) else layer.weight
+            quantized = quantized_layer(layer)
+            weight = dequantized_weight(layer) if quantized else layer.weight
             if not module.merged and not module.disable_adapters:  # merged: the delta is in the weight already
-                weight = weight + sum(module.get_delta_weight(a) for a in module.active_adapters if a in module.lora_A)
-            merged[f"{name}.weight"] = weight.t() if quantized_layer(layer) and transpose else weight
+                for a in (a for a in module.active_adapters if a in module.lora_A):
+                    # a dequantised weight is our own copy: add in place rather than hold a second full-size tensor
+                    weight = weight.add_(module.get_delta_weight(a)) if quantized else weight + module.get_delta_weight(a)
+            merged[f"{name}.weight"] = weight.t() if quantized and transpose else weight
             renamed.append((f"{name}.base_layer.", f"{name}."))
             if quantized_layer(layer):
                 quant_states += [f"{name}.base_layer.{k}" for k in QUANT_STATE_KEYS]
