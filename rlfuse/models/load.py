@@ -12,6 +12,7 @@ import torch
 
 from rlfuse.config import ModelConfig
 from rlfuse.errors import UserError
+from rlfuse.models.quantize import keep_one_cpu_layout
 
 # LoRA targets by architecture; anything else gets peft's "all-linear".
 LORA_TARGETS = {
@@ -150,7 +151,7 @@ def load_causal_lm(name: str, cfg: ModelConfig | None = None, trainable_lora: bo
             model = AutoModelForCausalLM.from_pretrained(name, dtype=torch.float32, **quant)
     except Exception as e:
         raise _load_error(name, e) from None
-    fuse_activations(model)
+    fuse_activations(keep_one_cpu_layout(model))
     if cfg is not None and cfg.lora and not _is_adapter(name):
         model = apply_lora(model, cfg)
     return model
@@ -192,7 +193,7 @@ def load_reward_model(name: str, cfg: ModelConfig | None = None, pad_token_id: i
         raise _load_error(name, e) from None
     if pad_token_id is not None:
         model.config.pad_token_id = pad_token_id
-    fuse_activations(model)
+    fuse_activations(keep_one_cpu_layout(model))
     if cfg is not None and cfg.lora and adapter_task != "SEQ_CLS":
         model = apply_lora(model, cfg, task_type="SEQ_CLS", extra_trainable=["score"])
     return model

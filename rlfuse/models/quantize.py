@@ -59,6 +59,18 @@ def quantized_load_kwargs(quantization: str, precision: str = "auto", device="cp
     return {"quantization_config": q, "device_map": {"": where}, "disable_mmap": True}
 
 
+def keep_one_cpu_layout(model: torch.nn.Module) -> torch.nn.Module:
+    """Stop bitsandbytes from repacking 4-bit weights for its CPU inference kernel (on CPUs with AVX512-BF16, on the
+    first no-grad eval forward). That kernel computes in bf16 whatever the compute dtype, so the scorer's reference
+    log-probs and rewards would come from other arithmetic than the update's (logits 2e-3 apart on a tiny Llama: the
+    PPO ratio is no longer 1 on fresh samples), and the repacked layout does not dequantise back to the weights
+    (0.14 off), which the generator sync and the saved model read. Returns the model."""
+    for module in model.modules():
+        if hasattr(module, "support_avx512bf16_for_cpu"):
+            module.support_avx512bf16_for_cpu = False
+    return model
+
+
 def is_quantized(model: torch.nn.Module) -> bool:
     return any(quantized_layer(m) for m in model.modules())
 
@@ -83,6 +95,10 @@ def dequantized_weight(layer: torch.nn.Module, transpose: bool = False) -> torch
     from peft.utils.integrations import dequantize_bnb_weight
 
     w = layer.weight
+    if getattr(getattr(w, "quant_state", None), "packing_format_for_cpu", False):  # repacked before keep_one_cpu_layout
+        from bitsandbytes.functional import _convert_weight_packed_for_cpu_inverse
+
+        w.data, w.quant_state = _convert_weight_packed_for_cpu_inverse(w.data, w.quant_state)  # as its state_dict does
     state = getattr(w, "quant_state", None) if state_is_4bit(layer) else layer.state
     out = dequantize_bnb_weight(w, state).float()
     return out.t().contiguous() if transpose else out

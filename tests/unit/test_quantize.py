@@ -76,3 +76,30 @@ def test_memory_table_rows():
     rows = format_table(table, {"base": 2**21})
     assert rows[0] == ("component", "measured MiB (process RSS)", "predicted MiB")
     assert rows[1] == ("base", "1.0", "2.0") and rows[-1] == ("total", "8.0", "")
+
+
+def test_one_cpu_layout_same_arithmetic_in_eval_and_train_and_stable_merged_weights(tmp_path):
+    """bitsandbytes repacks 4-bit weights for a bf16 CPU kernel on the first no-grad eval forward (AVX512-BF16 CPUs,
+    such as this one): the scorer would then compute in other arithmetic than the update, and the repacked layout
+    does not dequantise back. keep_one_cpu_layout stops it; dequantized_weight also unpacks a repacked weight."""
+    from bitsandbytes.functional import _convert_weight_packed_for_cpu
+
+    from rlfuse.models.quantize import dequantized_weight
+
+    cfg = load_config(None, ["model.lora=true", "model.quantization=4bit"])
+    lm = load_causal_lm(str(make_tiny_llama(tmp_path / "m", TEXTS)), cfg.model, precision="fp32", device="cpu")
+    before = merged_state_dict(lm)
+    ids = torch.tensor([[1, 5, 9, 30, 2, 7, 11]])
+    with torch.no_grad():
+        scored = lm.eval()(input_ids=ids).logits
+        trained = lm.train()(input_ids=ids).logits
+    torch.testing.assert_close(scored, trained)
+    after = merged_state_dict(lm)
+    for k in before:
+        torch.testing.assert_close(after[k], before[k], msg=k)
+    layer = lm.base_model.model.model.layers[0].mlp.down_proj.base_layer
+    want = dequantized_weight(layer)
+    layer.weight.data, layer.weight.quant_state = _convert_weight_packed_for_cpu(layer.weight.data, layer.weight.quant_state)
+    # bitsandbytes' round trip through the repacked layout re-quantises the block scales (8-bit absmax): within 1%
+    # of each weight's block scale, where reading the repacked bytes as the standard layout was 0.14 off
+    torch.testing.assert_close(dequantized_weight(layer), want, rtol=0, atol=0.01 * float(want.abs().max()))
