@@ -118,8 +118,9 @@ def test_every_config_field_is_read_somewhere():
     (["model.quantization=4bit", "model.lora=true", "model.shared_base=false"], "model.shared_base"),
     (["model.shared_base=true", "model.lora=true", "rm.init=base"], "rm.init"),
     (["rl.optimizer=adam8"], "rl.optimizer"),
-    # one shared base: the reference and the reward model cannot run on workers of their own
-    (["model.quantization=4bit", "model.lora=true", "placement.strategy=interleaved"], "placement.strategy"),
+    # one shared base lives in one process: Ray workers would load separate models
+    (["model.quantization=4bit", "model.lora=true", "placement.strategy=separated"], "model.shared_base"),
+    (["model.shared_base=true", "model.lora=true", "placement.strategy=flattened"], "model.shared_base"),
 ])
 def test_quantization_and_shared_base_errors_name_the_field(overrides, field):
     with pytest.raises(ConfigError) as e:
