@@ -25,6 +25,8 @@ from rlfuse.placement.spec import STRATEGIES, is_gpu_share
 from rlfuse.placement.strategies import MIN_WORKERS, spec_from_config
 
 DATA_KINDS = ("synthetic", "imdb", "hh_rlhf", "csv", "jsonl", "parquet")
+QUANTIZATIONS = ("none", "4bit", "8bit")
+OPTIMIZERS = ("adamw", "adamw_8bit", "paged_adamw_8bit")
 
 
 @dataclass
@@ -37,7 +39,7 @@ class RunConfig:
     """auto | cpu | cuda."""
     precision: str = "auto"
     """SFT and reward model: auto (bf16 autocast on a GPU that supports it, fp32 on CPU) | fp32 | bf16 | fp16. The RL
-    stage runs fp32 for now."""
+    stage runs fp32 for now. With model.quantization, also the dtype the quantised layers compute in."""
     quiet: bool = False
     """No live progress bars, only periodic log lines (also the default when stderr is not a terminal)."""
     threads: int = 0
@@ -92,6 +94,19 @@ class ModelConfig:
     """LoRA scaling numerator."""
     lora_targets: Optional[list] = None
     """Module names for LoRA; default chosen per architecture (GPT-2: c_attn, c_proj, c_fc; Llama: q/k/v/o/gate/up/down)."""
+    quantization: str = "none"
+    """none | 4bit (NF4, double quantisation, QLoRA) | 8bit: the frozen base weights through bitsandbytes, in SFT, RM
+    and RL; compute dtype from run.precision. Needs model.lora (only the full-precision adapters train)."""
+    shared_base: Optional[bool] = None
+    """RL with LoRA: one copy of the base (the SFT model) for every role: the actor's adapter, the reference as
+    adapters off, the critic's adapter + value head, the reward model's adapter + score head (from the rm stage).
+    null: on exactly when model.quantization is set (a quantised base only trains through adapters, and exists to
+    save memory); off keeps separate models, which placement can put on different workers."""
+
+    @property
+    def shares_base(self) -> bool:
+        """shared_base, or its default: on with a quantised base."""
+        return self.quantization != "none" if self.shared_base is None else self.shared_base
 
 
 @dataclass
@@ -223,9 +238,14 @@ class RLConfig:
     """Subtracted from the reward of responses that hit max_new_tokens without ending."""
     grad_clip: float = 1.0
     """Gradient-norm clipping (0 disables)."""
-    gradient_checkpointing: bool = False
+    gradient_checkpointing: Optional[bool] = None
     """Recompute each layer's activations in the backward pass of the update instead of keeping them (less memory,
-    about one more forward of time); gradients are unchanged (tested)."""
+    about one more forward of time); gradients are unchanged (tested). null: on with a quantised base
+    (model.quantization), off otherwise."""
+    optimizer: str = "adamw"
+    """adamw (torch) | adamw_8bit (bitsandbytes, 8-bit states: about a quarter of adamw's state memory) |
+    paged_adamw_8bit (the same, states in paged memory that spills to the host under GPU pressure) for actor and
+    critic."""
     disable_dropout: bool = True
     """Switch dropout off in the actor and critic during RL: with dropout the update's log-probs are noisy draws, so
     the PPO ratio is not 1 on the very samples just drawn (OpenRLHF and veRL do the same; TRL's disable_dropout)."""
@@ -436,6 +456,7 @@ def validate(cfg: Config) -> Config:
     r, d, m = cfg.run, cfg.data, cfg.model
     _choice(r.device, "run.device", ("auto", "cpu", "cuda"))
     _choice(r.precision, "run.precision", ("auto", "fp32", "bf16", "fp16"))
+    _validate_quantization(cfg)
     _positive(r, "run", "threads", allow_zero=True)
     _choice(d.kind, "data.kind", DATA_KINDS)
     if d.kind in ("csv", "jsonl", "parquet") and not d.path:
@@ -468,6 +489,27 @@ def validate(cfg: Config) -> Config:
     if cfg.sft.completion_only and d.kind == "synthetic":
         raise ConfigError("sft.completion_only", "the synthetic task has no prompt/response split", "set sft.completion_only=false")
     return cfg
+
+
+def _validate_quantization(cfg: Config) -> None:
+    m = cfg.model
+    _choice(m.quantization, "model.quantization", QUANTIZATIONS)
+    if m.quantization != "none" and not m.lora:
+        raise ConfigError("model.quantization", f"{m.quantization} weights are frozen: only LoRA adapters can train on "
+                          "them", "set model.lora=true (or model.quantization=none)")
+    if m.shared_base and not m.lora:
+        raise ConfigError("model.shared_base", "the roles share one base as LoRA adapters", "set model.lora=true")
+    if m.quantization != "none" and m.shared_base is False:
+        raise ConfigError("model.shared_base", "a quantised base is loaded once and shared by the RL roles as adapters",
+                          "set model.shared_base=true (or leave it unset)")
+    if m.shares_base and cfg.placement.strategy != "single":
+        raise ConfigError("model.shared_base", f"the shared base lives in one process, and placement.strategy="
+                          f"{cfg.placement.strategy} has Ray workers load their roles as separate models",
+                          "set placement.strategy=single (or model.shared_base=false and model.quantization=none)")
+    if m.shares_base and cfg.rm.init != "sft":
+        raise ConfigError("rm.init", "with model.shared_base the reward adapter must be trained on the SFT model, the "
+                          "base it is attached to in RL", "set rm.init=sft")
+    _choice(cfg.rl.optimizer, "rl.optimizer", OPTIMIZERS)
 
 
 def _validate_rl(cfg: Config) -> None:

@@ -96,6 +96,21 @@ def worker_table(rows: list[dict]) -> list[tuple]:
     return out + [("driver (loop, evaluation)", "", "", "", f"{driver:.0f}")]
 
 
+def memory_section(run_dir: Path) -> list[str]:
+    """The RL stage's measured memory per component (rl/memory.json, rlfuse/metrics/memory.py), beside the planner's
+    prediction where the run has one (rl/memory_predicted.json: {"bytes": {component: bytes}})."""
+    from rlfuse.metrics.memory import format_table
+
+    measured = _json(run_dir / "rl" / "memory.json")
+    if not measured:
+        return []
+    predicted = (_json(run_dir / "rl" / "memory_predicted.json") or {}).get("bytes")
+    note = (f"<p class=note>Quantisation: {html.escape(str(measured.get('quantization', 'none')))}. Weights, adapters, "
+            "gradients and optimiser states are tensor bytes by owner; activations, KV cache and total are measured "
+            f"peaks of {html.escape(measured.get('measured_by', ''))} during the update and the rollout.</p>")
+    return ["<h2>Memory per component (RL)</h2>", _table(format_table(measured, predicted)), note]
+
+
 def write_report(run_dir: str | Path, baseline_dir: str | Path | None = None) -> Path:
     run_dir = require_run_dir(run_dir)
     figs = draw_figures(run_dir, Path(baseline_dir) if baseline_dir else None)
@@ -128,6 +143,7 @@ def write_report(run_dir: str | Path, baseline_dir: str | Path | None = None) ->
         parts += ["<h2>Stages</h2>", _table([("stage", "summary")] + stage_rows)]
     if plots.worker_ranks(rows):
         parts += ["<h2>Workers (placement on Ray)</h2>", _table(worker_table(rows))]
+    parts += memory_section(run_dir)
     parts.append("<h2>Figures</h2>")
     for name in FIGURES + (["worker_usage"] if "worker_usage" in figs else []):
         f = figs.get(name)

@@ -30,6 +30,9 @@ class Models:
     roles: Roles
     policy_source: str
     """The SFT folder the policy started from: the base of the saved RL adapter."""
+    shared_base: torch.nn.Module | None = None
+    """model.shared_base: the one peft model holding the base and every role's adapter (the actor itself); the
+    critic (AdapterValueModel) and the reward model are views of it. None: separate models."""
 
 
 def _folder(given: str | None, default: Path, field: str, stage: str) -> str:
@@ -71,27 +74,60 @@ def stage_folders(cfg: Config, run_dir: Path, roles: Roles) -> tuple[str, str | 
 
 
 def build_models(cfg: Config, run_dir: Path, device) -> Models:
-    """Load every role derive_roles(cfg) names, each from its source."""
+    """Load every role derive_roles(cfg) names, each from its source (model.shared_base: all on one base)."""
     rl, roles = cfg.rl, derive_roles(cfg)
     sft_dir, rm_dir = stage_folders(cfg, run_dir, roles)
     tokenizer = load_tokenizer(sft_dir)
+    if cfg.model.shares_base:
+        return build_shared_models(cfg, roles, sft_dir, rm_dir, tokenizer, device)
     actor = load_policy(sft_dir)
     generator = frozen(load_policy(sft_dir), device)
     ref = None if roles["reference"].shares_with == "actor" else frozen(load_policy(sft_dir), device)
     if cfg.model.lora:
         actor = apply_lora(actor, cfg.model)
-    actor = prepare_trainable(actor.to(device), rl)
+    actor = prepare_trainable(actor.to(device), rl, checkpointing_on(cfg))
     reward_fn = reward_function(rm_dir if roles["reward"].has_model else roles["reward"].source, tokenizer, device)
-    critic = build_critic(roles, actor, sft_dir, rm_dir, tokenizer.pad_token_id, device, rl) if "critic" in roles else None
+    critic = (build_critic(roles, actor, sft_dir, rm_dir, tokenizer.pad_token_id, device, rl, checkpointing_on(cfg))
+              if "critic" in roles else None)
     return Models(tokenizer, actor, generator, ref, critic, reward_fn, roles, sft_dir)
 
 
-def build_critic(roles: Roles, actor, sft_dir: str, rm_dir: str | None, pad_id: int, device, rl) -> ValueModel:
+def build_shared_models(cfg: Config, roles: Roles, sft_dir: str, rm_dir: str | None, tokenizer, device) -> Models:
+    """One base (the SFT model, quantised with model.quantization) for every role: the actor's adapter, the reference
+    as adapters off, the critic's adapter + value head, the reward model's adapter + score head (rlfuse/models/
+    shared.py). The generator stays the engine's own plain copy, synced from the actor's merged weights."""
+    from rlfuse.models.quantize import place
+    from rlfuse.models.shared import (AdapterRewardModel, add_critic, attach_reward_adapter, recompute_with_same_adapter,
+                                      reward_adapter_folder)
+
+    rl, pad = cfg.rl, tokenizer.pad_token_id
+    base = place(load_causal_lm(sft_dir, cfg.model, precision=cfg.run.precision, device=device), device)
+    generator = frozen(load_policy(sft_dir), device)
+    score = None
+    if rm_dir is not None:  # the reward model and/or a critic started from it
+        score = attach_reward_adapter(base, reward_adapter_folder(rm_dir, sft_dir), cfg.model)
+    actor = prepare_trainable(base, rl, checkpointing=False)
+    if checkpointing_on(cfg):  # the backward's recompute must run the adapter its forward ran, not the active one
+        enable_gradient_checkpointing(base, context_fn=recompute_with_same_adapter(base))
+    if roles["reward"].has_model:
+        reward_fn = reward_model_fn(AdapterRewardModel(base, score, pad), tokenizer.eos_token_id, pad)
+    else:
+        reward_fn = reward_function(roles["reward"].source, tokenizer, device)
+    critic = None
+    if "critic" in roles:
+        source = roles["critic"].source
+        critic = ValueModel.from_causal_lm(actor).to(device) if source == "actor" else add_critic(base, source, cfg.model, score)
+        critic.train()
+    return Models(tokenizer, actor, generator, None, critic, reward_fn, roles, sft_dir, shared_base=base)
+
+
+def build_critic(roles: Roles, actor, sft_dir: str, rm_dir: str | None, pad_id: int, device, rl,
+                 checkpointing: bool | None = None) -> ValueModel:
     source = roles["critic"].source
     if source == "actor":  # the actor's own body: dropout and checkpointing are already set on it
         return ValueModel.from_causal_lm(actor).to(device).train()
     critic = value_model(source, rm_dir if source == "rm" else sft_dir, pad_id)
-    return prepare_trainable(critic.to(device), rl)
+    return prepare_trainable(critic.to(device), rl, checkpointing)
 
 
 def reward_function(source: str, tokenizer, device):
@@ -111,12 +147,20 @@ def value_model(init: str, folder: str, pad_id: int) -> ValueModel:
     return ValueModel.from_causal_lm(load_policy(folder))
 
 
-def prepare_trainable(model: torch.nn.Module, rl) -> torch.nn.Module:
-    """Training mode, dropout off (rl.disable_dropout), activation checkpointing (rl.gradient_checkpointing)."""
+def checkpointing_on(cfg: Config) -> bool:
+    """rl.gradient_checkpointing, or its default: on with a quantised base (model.quantization)."""
+    if cfg.rl.gradient_checkpointing is None:
+        return cfg.model.quantization != "none"
+    return cfg.rl.gradient_checkpointing
+
+
+def prepare_trainable(model: torch.nn.Module, rl, checkpointing: bool | None = None) -> torch.nn.Module:
+    """Training mode, dropout off (rl.disable_dropout), activation checkpointing (`checkpointing`; None reads
+    rl.gradient_checkpointing, unset meaning off)."""
     model.train()
     if rl.disable_dropout:
         disable_dropout(model)
-    if rl.gradient_checkpointing:
+    if rl.gradient_checkpointing if checkpointing is None else checkpointing:
         enable_gradient_checkpointing(model.backbone if isinstance(model, ValueModel) else model)
     return model
 
@@ -131,10 +175,10 @@ def disable_dropout(model: torch.nn.Module) -> None:
             module.attention_dropout = 0.0
 
 
-def enable_gradient_checkpointing(model: torch.nn.Module) -> None:
+def enable_gradient_checkpointing(model: torch.nn.Module, context_fn=None) -> None:
     """transformers' per-layer activation checkpointing, non-reentrant (works with LoRA's frozen inputs and with the
     backbone called directly, as response_logprobs does). It acts only in training mode: the engine decodes in eval."""
-    kwargs = {"use_reentrant": False}
+    kwargs = {"use_reentrant": False} | ({"context_fn": context_fn} if context_fn is not None else {})
     if hasattr(model, "activation_checkpointing_enable"):  # transformers >= 5.x renamed it
         model.activation_checkpointing_enable(activation_checkpointing_kwargs=kwargs)
     else:

@@ -12,6 +12,7 @@ import torch
 
 from rlfuse.config import ModelConfig
 from rlfuse.errors import UserError
+from rlfuse.models.quantize import keep_one_cpu_layout
 
 # LoRA targets by architecture; anything else gets peft's "all-linear".
 LORA_TARGETS = {
@@ -99,12 +100,21 @@ def lora_targets(model, cfg: ModelConfig):
 
 
 def apply_lora(model, cfg: ModelConfig, task_type: str = "CAUSAL_LM", extra_trainable: list[str] | None = None):
-    from peft import LoraConfig, get_peft_model
+    from peft import get_peft_model
 
-    lcfg = LoraConfig(r=cfg.lora_r, lora_alpha=cfg.lora_alpha, lora_dropout=0.0, target_modules=lora_targets(model, cfg),
+    return get_peft_model(model, lora_config(model, cfg, task_type, extra_trainable))
+
+
+def lora_config(model, cfg: ModelConfig, task_type: str | None = "CAUSAL_LM", extra_trainable: list[str] | None = None):
+    """The run's LoRA settings for `model`. GPT-2's Conv1D stores weights (in, out) (peft's fan_in_fan_out), except
+    once quantised: bitsandbytes layers are Linear, (out, in)."""
+    from peft import LoraConfig
+
+    from rlfuse.models.quantize import conv1d_layout, is_quantized
+
+    return LoraConfig(r=cfg.lora_r, lora_alpha=cfg.lora_alpha, lora_dropout=0.0, target_modules=lora_targets(model, cfg),
                       task_type=task_type, modules_to_save=extra_trainable,
-                      fan_in_fan_out=getattr(model.config, "model_type", "") == "gpt2")
-    return get_peft_model(model, lcfg)
+                      fan_in_fan_out=conv1d_layout(model) and not is_quantized(model))
 
 
 def fuse_activations(model):
@@ -120,38 +130,49 @@ def fuse_activations(model):
     return model
 
 
-def load_causal_lm(name: str, cfg: ModelConfig | None = None, trainable_lora: bool | None = None):
+def load_causal_lm(name: str, cfg: ModelConfig | None = None, trainable_lora: bool | None = None,
+                   precision: str = "auto", device="cpu"):
     """AutoModelForCausalLM from a hub name or folder; a saved peft adapter loads onto its base.
-    With cfg.lora (and a plain model) fresh adapters are added."""
+    With cfg.lora (and a plain model) fresh adapters are added. With cfg.quantization the base is quantised while it
+    loads, onto `device` (precision: run.precision, the quantised layers' compute dtype); otherwise it loads on the
+    CPU and the caller moves it."""
     from transformers import AutoModelForCausalLM
 
+    from rlfuse.models.quantize import quantized_load_kwargs
+
     check_model_folder(name)
+    quant = quantized_load_kwargs(cfg.quantization if cfg is not None else "none", precision, device)
     try:
         if _is_adapter(name):
             from peft import AutoPeftModelForCausalLM
 
             model = AutoPeftModelForCausalLM.from_pretrained(name, is_trainable=bool(trainable_lora))
         else:
-            model = AutoModelForCausalLM.from_pretrained(name, dtype=torch.float32)
+            model = AutoModelForCausalLM.from_pretrained(name, dtype=torch.float32, **quant)
     except Exception as e:
         raise _load_error(name, e) from None
-    fuse_activations(model)
+    fuse_activations(keep_one_cpu_layout(model))
     if cfg is not None and cfg.lora and not _is_adapter(name):
         model = apply_lora(model, cfg)
     return model
 
 
-def load_reward_model(name: str, cfg: ModelConfig | None = None, pad_token_id: int | None = None):
+def load_reward_model(name: str, cfg: ModelConfig | None = None, pad_token_id: int | None = None,
+                      precision: str = "auto", device="cpu"):
     """Scalar-head model (AutoModelForSequenceClassification, one label) on a causal LM backbone. The score is
     read at the rightmost token that is not the pad id (transformers' pooling ignores the attention mask), so the pad
     id must be set in its config; with pad id = EOS id that is the last text token before the trailing EOS.
 
     `name`: a plain folder or hub name (a saved reward model, or a causal LM such as an SFT stage's merged model/,
     which gets a fresh head), or a saved reward-model adapter. An adapter-only SFT folder from an older rlfuse is
-    merged in memory and its body copied into the reward model, so no temporary folder is ever referenced."""
+    merged in memory and its body copied into the reward model, so no temporary folder is ever referenced.
+    cfg.quantization, precision and device: as in load_causal_lm."""
     from transformers import AutoModelForSequenceClassification
 
+    from rlfuse.models.quantize import quantized_load_kwargs
+
     check_model_folder(name)
+    quant = quantized_load_kwargs(cfg.quantization if cfg is not None else "none", precision, device)
     adapter_task = _adapter_config(name).get("task_type") if _is_adapter(name) else None
     try:
         if adapter_task == "SEQ_CLS":  # a saved reward model with LoRA
@@ -165,14 +186,14 @@ def load_reward_model(name: str, cfg: ModelConfig | None = None, pad_token_id: i
             body = lambda m: getattr(m, m.base_model_prefix)
             body(model).load_state_dict(body(lm).state_dict())
         else:
-            model = AutoModelForSequenceClassification.from_pretrained(name, num_labels=1, dtype=torch.float32)
+            model = AutoModelForSequenceClassification.from_pretrained(name, num_labels=1, dtype=torch.float32, **quant)
     except UserError:
         raise
     except Exception as e:
         raise _load_error(name, e) from None
     if pad_token_id is not None:
         model.config.pad_token_id = pad_token_id
-    fuse_activations(model)
+    fuse_activations(keep_one_cpu_layout(model))
     if cfg is not None and cfg.lora and adapter_task != "SEQ_CLS":
         model = apply_lora(model, cfg, task_type="SEQ_CLS", extra_trainable=["score"])
     return model
@@ -212,9 +233,13 @@ def save_trained_model(model, tokenizer, stage_dir: str | Path, base: str) -> Pa
     plain = model.get_base_model() if hasattr(model, "peft_config") else model
 
     def write_model(folder: Path):
+        from rlfuse.models.quantize import is_quantized
         from rlfuse.models.weights import merged_state_dict
 
-        plain.save_pretrained(folder, state_dict=merged_state_dict(model))
+        if is_quantized(plain):  # the merged weights are full precision: a plain folder, no quantization_config
+            save_plain(plain.config, merged_state_dict(model), folder)
+        else:
+            plain.save_pretrained(folder, state_dict=merged_state_dict(model))
         tokenizer.save_pretrained(folder)
         cfg_path = folder / "config.json"
         config = json.loads(cfg_path.read_text())
@@ -223,7 +248,7 @@ def save_trained_model(model, tokenizer, stage_dir: str | Path, base: str) -> Pa
             cfg_path.write_text(json.dumps(config, indent=2))
 
     def write_adapter(folder: Path):
-        model.save_pretrained(folder)
+        model.save_pretrained(folder, selected_adapters=[model.active_adapter])  # a shared base holds other roles' too
         tokenizer.save_pretrained(folder)
         cfg_path = folder / "adapter_config.json"
         config = json.loads(cfg_path.read_text()) | {"base_model_name_or_path": str(base)}
@@ -237,3 +262,19 @@ def save_trained_model(model, tokenizer, stage_dir: str | Path, base: str) -> Pa
 
         shutil.rmtree(stage_dir / "adapter", ignore_errors=True)
     return model_dir
+
+
+def save_plain(config, state: dict, folder: Path) -> None:
+    """A plain transformers folder from a config and full-precision tensors (a quantised model's merged weights):
+    the config without its quantization_config, the tensors as model.safetensors."""
+    import copy
+
+    from safetensors.torch import save_file
+
+    folder.mkdir(parents=True, exist_ok=True)
+    config = copy.deepcopy(config)
+    if hasattr(config, "quantization_config"):
+        del config.quantization_config
+    config.save_pretrained(folder)
+    save_file({k: (v.float() if v.is_floating_point() else v).detach().cpu().contiguous() for k, v in state.items()},
+              str(folder / "model.safetensors"), metadata={"format": "pt"})

@@ -86,8 +86,10 @@ def derive_roles(cfg) -> Roles:
     - critic (ppo only): rl.critic_init=actor puts a value head on the actor's body (shares the actor); rm and sft
       load a separate model from that folder.
     - reward: the reward model (frozen, from the rm folder), or a Python function (no model).
+    With model.shared_base (cfg.model.shares_base) the base exists once, in the actor's process: the critic and the
+    reward model are adapters on it (plus their heads), so both share the actor.
     """
-    rl, lora = cfg.rl, cfg.model.lora
+    rl, lora, shared = cfg.rl, cfg.model.lora, cfg.model.shares_base
     roles = [
         Role("actor", True, "sft", why="the policy"),
         Role("generator", False, "actor", why="decodes rollouts; weights synced from the actor each iteration"),
@@ -95,11 +97,14 @@ def derive_roles(cfg) -> Roles:
              "the actor with LoRA adapters off" if lora else "a frozen copy of the SFT model"),
     ]
     if rl.algo == "ppo":
-        shared = rl.critic_init == "actor"
-        roles.append(Role("critic", True, rl.critic_init, "actor" if shared else None,
-                          "a value head on the actor's body" if shared else f"value head on the {rl.critic_init} model"))
+        on_actor = rl.critic_init == "actor"
+        why = ("a value head on the actor's body" if on_actor else
+               f"its own adapter + value head on the shared base (from {rl.critic_init})" if shared else
+               f"value head on the {rl.critic_init} model")
+        roles.append(Role("critic", True, rl.critic_init, "actor" if on_actor or shared else None, why))
     if rl.reward == "rm":
-        roles.append(Role("reward", False, "rm", why="the reward model"))
+        roles.append(Role("reward", False, "rm", "actor" if shared else None,
+                          "the reward model's adapter + score head on the shared base" if shared else "the reward model"))
     else:
         roles.append(Role("reward", False, f"function:{rl.reward}", why="a Python function of texts"))
     return Roles(tuple(roles))

@@ -6,6 +6,10 @@ from __future__ import annotations
 
 import torch
 
+# bitsandbytes' quantisation state beside a quantised weight in a state dict (4-bit: weight.absmax, weight.quant_map,
+# ...; 8-bit: SCB, weight_format): not weights of the plain model.
+QUANT_STATE_KEYS = ("weight.", "SCB", "weight_format")
+
 
 @torch.no_grad()
 def merged_state_dict(model) -> dict[str, torch.Tensor]:
@@ -21,22 +25,34 @@ def merged_state_dict(model) -> dict[str, torch.Tensor]:
     from peft.tuners.lora import LoraLayer
     from peft.utils import ModulesToSaveWrapper
 
+    from rlfuse.models.quantize import conv1d_layout, dequantized_weight, quantized_layer
+
     base = model.get_base_model() if hasattr(model, "get_base_model") else model
-    merged, renamed = {}, []
+    transpose = conv1d_layout(base)  # a quantised GPT-2 Conv1D is a Linear: back to (in, out) for the plain model
+    merged, renamed, quant_states = {}, [], []
     for name, module in base.named_modules():
         if isinstance(module, LoraLayer):
-            weight = module.get_base_layer().weight
+            layer = module.get_base_layer()
+            quantized = quantized_layer(layer)
+            weight = dequantized_weight(layer) if quantized else layer.weight
             if not module.merged and not module.disable_adapters:  # merged: the delta is in the weight already
-                weight = weight + sum(module.get_delta_weight(a) for a in module.active_adapters if a in module.lora_A)
-            merged[f"{name}.weight"] = weight
+                for a in (a for a in module.active_adapters if a in module.lora_A):
+                    # a dequantised weight is our own copy: add in place rather than hold a second full-size tensor
+                    weight = weight.add_(module.get_delta_weight(a)) if quantized else weight + module.get_delta_weight(a)
+            merged[f"{name}.weight"] = weight.t() if quantized and transpose else weight
             renamed.append((f"{name}.base_layer.", f"{name}."))
+            if quantized_layer(layer):
+                quant_states += [f"{name}.base_layer.{k}" for k in QUANT_STATE_KEYS]
+        elif quantized_layer(module):  # a quantised layer without LoRA: its weight, dequantised
+            merged[f"{name}.weight"] = dequantized_weight(module, transpose)
+            quant_states += [f"{name}.{k}" for k in QUANT_STATE_KEYS]
         elif isinstance(module, ModulesToSaveWrapper):
             renamed.append((f"{name}.modules_to_save.{module.active_adapter}.", f"{name}."))
             renamed.append((f"{name}.original_module.", None))  # the untrained original: not part of the result
     out, seen = {}, set()
     for key, value in base.state_dict().items():
-        if ".lora_" in key or value.data_ptr() in seen:  # a tied weight (GPT-2's lm_head is wte) moves once
-            continue
+        if ".lora_" in key or value.data_ptr() in seen or key.startswith(tuple(quant_states)):
+            continue  # adapters; a tied weight (GPT-2's lm_head is wte) moves once; bitsandbytes' quantisation state
         seen.add(value.data_ptr())
         for old, new in renamed:
             if key.startswith(old):

@@ -45,14 +45,35 @@ def autocast(device: torch.device, precision: str):
     return torch.autocast("cuda", dtype=torch.bfloat16 if precision == "bf16" else torch.float16)
 
 
-def build_adamw(model: torch.nn.Module, lr: float, weight_decay: float) -> torch.optim.AdamW:
-    """AdamW over the trainable parameters, no decay on biases and norms."""
+def build_adamw(model: torch.nn.Module, lr: float, weight_decay: float, kind: str = "adamw",
+                params: list | None = None) -> torch.optim.Optimizer:
+    """AdamW over the trainable parameters (or `params`, when several roles' adapters live in one model), no decay on
+    biases and norms. kind (rl.optimizer): adamw (torch) | adamw_8bit | paged_adamw_8bit (bitsandbytes: 8-bit
+    states; paged ones spill to host memory under GPU pressure)."""
     decay, no_decay = [], []
-    for n, p in model.named_parameters():
-        if p.requires_grad:
-            (no_decay if p.ndim < 2 else decay).append(p)
-    return torch.optim.AdamW([{"params": decay, "weight_decay": weight_decay},
-                              {"params": no_decay, "weight_decay": 0.0}], lr=lr, betas=(0.9, 0.95))
+    for p in (params if params is not None else [p for p in model.parameters() if p.requires_grad]):
+        (no_decay if p.ndim < 2 else decay).append(p)
+    groups = [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
+    return OPTIMIZERS[kind](groups, lr)
+
+
+def _bnb_optimizer(name: str):
+    def build(groups, lr):
+        from rlfuse.models.quantize import require_bitsandbytes
+
+        require_bitsandbytes(f"rl.optimizer={name}")
+        import bitsandbytes as bnb
+
+        return getattr(bnb.optim, name)(groups, lr=lr, betas=(0.9, 0.95))
+
+    return build
+
+
+OPTIMIZERS = {
+    "adamw": lambda groups, lr: torch.optim.AdamW(groups, lr=lr, betas=(0.9, 0.95)),
+    "adamw_8bit": _bnb_optimizer("AdamW8bit"),
+    "paged_adamw_8bit": _bnb_optimizer("PagedAdamW8bit"),
+}
 
 
 def build_optimizer(model: torch.nn.Module, lr: float, weight_decay: float, warmup: int, total: int):
@@ -68,10 +89,10 @@ def build_optimizer(model: torch.nn.Module, lr: float, weight_decay: float, warm
     return opt, torch.optim.lr_scheduler.LambdaLR(opt, factor)
 
 
-def build_constant_optimizer(model: torch.nn.Module, lr: float):
-    """AdamW (build_adamw, no weight decay) at a constant learning rate: an explicit constant schedule, so the
-    scheduler state saved in a checkpoint says what it is."""
-    opt = build_adamw(model, lr, 0.0)
+def build_constant_optimizer(model: torch.nn.Module, lr: float, kind: str = "adamw", params: list | None = None):
+    """AdamW (build_adamw, no weight decay; kind and params as there) at a constant learning rate: an explicit constant
+    schedule, so the scheduler state saved in a checkpoint says what it is."""
+    opt = build_adamw(model, lr, 0.0, kind, params)
     return opt, torch.optim.lr_scheduler.ConstantLR(opt, factor=1.0, total_iters=0)
 
 

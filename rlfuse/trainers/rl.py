@@ -43,6 +43,7 @@ from rlfuse.data.prompts import encode_prompts, model_context, prompt_budget
 from rlfuse.data.stages import rl_prompts
 from rlfuse.errors import UserError
 from rlfuse.evaluation import evaluate, evaluate_before, iteration_gold, prompt_difficulty
+from rlfuse.metrics.memory import MemoryMeter
 from rlfuse.metrics.tracker import JsonlTracker, memory_metrics, truncate_metrics
 from rlfuse.models.build import Models, build_models
 from rlfuse.models.load import save_trained_model
@@ -64,17 +65,28 @@ class Learner:
     module: torch.nn.Module
     opt: torch.optim.Optimizer
     sched: torch.optim.lr_scheduler.LRScheduler
+    params: list | None = None
+    """What it trains when that is not every trainable parameter of `module`: a shared base holds the actor's and
+    the critic's adapters in one model."""
+    on_step: Callable | None = None
+    """Called with the learner after each optimiser step, before the gradients are dropped (the memory meter)."""
 
     @classmethod
-    def constant(cls, module: torch.nn.Module, lr: float) -> "Learner":
-        return cls(module, *build_constant_optimizer(module, lr))
+    def constant(cls, module: torch.nn.Module, lr: float, optimizer: str = "adamw",
+                 params: list | None = None) -> "Learner":
+        return cls(module, *build_constant_optimizer(module, lr, optimizer, params), params)
+
+    def trained(self) -> list:
+        return self.params if self.params is not None else [p for p in self.module.parameters() if p.requires_grad]
 
     def step(self, grad_clip: float) -> torch.Tensor:
         """Clip this learner's own gradient norm (0: no clipping), step, zero; returns the norm before clipping."""
-        params = [p for p in self.module.parameters() if p.requires_grad]
+        params = self.trained()
         norm = torch.nn.utils.clip_grad_norm_(params, grad_clip if grad_clip > 0 else float("inf"))
         self.opt.step()
         self.sched.step()
+        if self.on_step is not None:
+            self.on_step(self)
         self.opt.zero_grad(set_to_none=True)
         return norm.detach()
 
@@ -88,11 +100,20 @@ class Learners:
 
 
 def build_learners(models: Models, rl: RLConfig) -> Learners:
+    """The actor's and the critic's optimisers (rl.optimizer). On a shared base each owns its adapter's tensors."""
+    from rlfuse.models.shared import ACTOR, role_parameters
+
     shared = models.critic is not None and models.roles["critic"].shares_with == "actor"
+    on_actor = models.critic is not None and models.roles["critic"].source == "actor"
     critic = None
     if models.critic is not None:
-        critic = Learner.constant(models.critic.head if shared else models.critic, rl.critic_lr)
-    return Learners(Learner.constant(models.actor, rl.lr), critic, shared)
+        if on_actor:
+            critic = Learner.constant(models.critic.head, rl.critic_lr, rl.optimizer)
+        else:
+            own = models.critic.trainable_parameters() if models.shared_base is not None else None
+            critic = Learner.constant(models.critic, rl.critic_lr, rl.optimizer, own)
+    own = role_parameters(models.actor, ACTOR) if models.shared_base is not None else None
+    return Learners(Learner.constant(models.actor, rl.lr, rl.optimizer, own), critic, shared and on_actor)
 
 
 def learner_sets(learners: Learners) -> list[list[Learner]]:
@@ -385,6 +406,9 @@ def train_rl(cfg: Config, run_dir: Path, log=print, resume: bool = False, on_rea
               else FixedKLController(rl.kl_coef))
     out = run_dir / "rl"
     out.mkdir(parents=True, exist_ok=True)
+    # memory per component of this process's roles; on Ray the roles live in the workers (worker/<rank>/rss_*)
+    meter = None if uses_ray(cfg) else MemoryMeter(models, trainer.learners, device, out / "memory.json",
+                                                   cfg.model.quantization)
     ckpt, start, bad = out / "checkpoint.pt", 0, {"skipped": 0, "consecutive": 0}
     if resume and ckpt.exists():  # on Ray the trainers restore it (below); this process needs only the counters
         state = torch.load(ckpt, weights_only=False, map_location="cpu") if uses_ray(cfg) else trainer.load_checkpoint(ckpt)
@@ -405,6 +429,7 @@ def train_rl(cfg: Config, run_dir: Path, log=print, resume: bool = False, on_rea
         if start and not isinstance(trainer, LocalTrainer):
             trainer.load_checkpoint(ckpt)
         bar.update(start)
+        rollout = meter.watch(rollout) if meter is not None else rollout
         for it in range(start, rl.iterations):
             t0 = time.perf_counter()
             # 1. the actor's weights into the generator(s): an explicit copy, never the optimiser's own tensors

@@ -18,6 +18,7 @@ from rlfuse.errors import UserError
 from rlfuse.metrics.tracker import JsonlTracker
 from rlfuse.data.prompts import check_max_length, model_context
 from rlfuse.models.load import load_reward_model, load_tokenizer, save_trained_model
+from rlfuse.models.quantize import place
 from rlfuse.progress import Progress
 from rlfuse.trainers.common import autocast, batch_indices, build_optimizer, clip_and_step, setup_runtime
 from rlfuse.trainers.sft import resolve_base_model
@@ -74,7 +75,8 @@ def train_rm(cfg: Config, run_dir: Path, log=print, on_trained=None) -> RMResult
     _, task = resolve_base_model(cfg, log)
     name = rm_backbone(cfg, run_dir, log)
     tokenizer = load_tokenizer(name)
-    model = load_reward_model(name, cfg.model, pad_token_id=tokenizer.pad_token_id).to(device)
+    model = place(load_reward_model(name, cfg.model, pad_token_id=tokenizer.pad_token_id, precision=cfg.run.precision,
+                                    device=device), device)
     check_max_length(cfg.data.max_length, model_context(model.config))
     model.train()
     train_pairs, eval_pairs = preference_pairs(cfg, task, log)

@@ -21,6 +21,7 @@ from rlfuse.data.stages import rl_prompts, sft_examples
 from rlfuse.metrics.tracker import JsonlTracker
 from rlfuse.data.prompts import check_max_length, model_context
 from rlfuse.models.load import load_causal_lm, load_tokenizer, save_trained_model
+from rlfuse.models.quantize import place
 from rlfuse.progress import Progress
 from rlfuse.trainers.common import autocast, batch_indices, build_optimizer, clip_and_step, setup_runtime
 
@@ -70,7 +71,7 @@ def train_sft(cfg: Config, run_dir: Path, log=print, on_trained=None) -> SFTResu
     device = setup_runtime(cfg.run)
     name, task = resolve_base_model(cfg, log)
     tokenizer = load_tokenizer(name)
-    model = load_causal_lm(name, cfg.model).to(device)
+    model = place(load_causal_lm(name, cfg.model, precision=cfg.run.precision, device=device), device)
     check_max_length(cfg.data.max_length, model_context(model.config))
     model.train()
     train_ex, eval_ex = sft_examples(cfg, task, log)

@@ -108,3 +108,31 @@ def test_every_config_field_is_read_somewhere():
     unread = [f"{section}.{f.name}" for section, cls in typing.get_type_hints(Config).items()
               for f in dataclasses.fields(cls) if not re.search(rf"\.{f.name}\b", source)]
     assert not unread, unread
+
+
+@pytest.mark.parametrize("overrides,field", [
+    (["model.quantization=4bit"], "model.quantization"),  # 4-bit weights cannot train: LoRA is required
+    (["model.quantization=8bit", "model.lora=false"], "model.quantization"),
+    (["model.quantization=3bit", "model.lora=true"], "model.quantization"),
+    (["model.shared_base=true"], "model.shared_base"),
+    (["model.quantization=4bit", "model.lora=true", "model.shared_base=false"], "model.shared_base"),
+    (["model.shared_base=true", "model.lora=true", "rm.init=base"], "rm.init"),
+    (["rl.optimizer=adam8"], "rl.optimizer"),
+    # one shared base lives in one process: Ray workers would load separate models
+    (["model.quantization=4bit", "model.lora=true", "placement.strategy=separated"], "model.shared_base"),
+    (["model.shared_base=true", "model.lora=true", "placement.strategy=flattened"], "model.shared_base"),
+])
+def test_quantization_and_shared_base_errors_name_the_field(overrides, field):
+    with pytest.raises(ConfigError) as e:
+        load_config(None, overrides)
+    assert e.value.field == field
+
+
+def test_quantised_base_defaults_to_shared_and_checkpointed():
+    from rlfuse.models.build import checkpointing_on
+
+    q = load_config(None, ["model.quantization=4bit", "model.lora=true", "rl.optimizer=paged_adamw_8bit"])
+    plain = load_config(None, ["model.lora=true"])
+    assert q.model.shares_base and checkpointing_on(q) and not plain.model.shares_base and not checkpointing_on(plain)
+    assert not checkpointing_on(load_config(None, ["model.quantization=4bit", "model.lora=true",
+                                                   "rl.gradient_checkpointing=false"]))

@@ -1,0 +1,116 @@
+"""Quantised base weights through bitsandbytes (model.quantization): the from_pretrained arguments, the compute dtype
+from run.precision, and the way back to full-precision weights (the generator's copy, merged saves).
+
+bitsandbytes 0.50 runs NF4 and int8 layers on CPU as well as on GPU, so everything here is tested on CPU."""
+
+from __future__ import annotations
+
+import torch
+
+# Heads stay in full precision: the reward model's score head is trained (modules_to_save), and GPT-2's LM head is
+# the (tied) embedding. transformers' own default skips only the output embedding.
+SKIP_MODULES = ["lm_head", "score"]
+
+
+def compute_dtype(precision: str, device) -> torch.dtype:
+    """The dtype quantised layers compute in: run.precision, where auto is bf16 on a GPU that has it, else fp32."""
+    if precision == "auto":
+        cuda = getattr(device, "type", str(device)) == "cuda"
+        return torch.bfloat16 if cuda and torch.cuda.is_bf16_supported() else torch.float32
+    return {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}[precision]
+
+
+def bnb_config(quantization: str, precision: str = "auto", device="cpu"):
+    """transformers' BitsAndBytesConfig for model.quantization (none -> None): 4bit is QLoRA's NF4 with double
+    quantisation (the quantisation constants quantised too: ~0.4 bit per weight saved)."""
+    if quantization == "none":
+        return None
+    require_bitsandbytes(f"model.quantization={quantization}")
+    from transformers import BitsAndBytesConfig
+
+    if quantization == "4bit":
+        return BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_use_double_quant=True,
+                                  bnb_4bit_compute_dtype=compute_dtype(precision, device),
+                                  llm_int8_skip_modules=SKIP_MODULES)
+    return BitsAndBytesConfig(load_in_8bit=True, llm_int8_skip_modules=SKIP_MODULES)
+
+
+def require_bitsandbytes(what: str) -> None:
+    """A UserError naming the setting when bitsandbytes is not installed."""
+    try:
+        import bitsandbytes  # noqa: F401
+    except ImportError:
+        from rlfuse.errors import UserError
+
+        raise UserError(f"{what} needs bitsandbytes, which is not installed; pip install -e .[qlora] (or pip install "
+                        "bitsandbytes), or turn the setting off") from None
+
+
+def quantized_load_kwargs(quantization: str, precision: str = "auto", device="cpu") -> dict:
+    """Extra from_pretrained arguments: bitsandbytes quantises while loading, onto `device` (a quantised model is not
+    moved afterwards: see place)."""
+    q = bnb_config(quantization, precision, device)
+    if q is None:
+        return {}
+    device = torch.device(device)
+    where = device.index if device.type == "cuda" and device.index is not None else (0 if device.type == "cuda" else "cpu")
+    # disable_mmap: read the checkpoint into memory rather than map it. Mapped, the quantised model kept the whole
+    # full-precision file resident (RSS) for its lifetime: 173 MB beside 27 MB of 4-bit weights for a 6x768 GPT-2
+    return {"quantization_config": q, "device_map": {"": where}, "disable_mmap": True}
+
+
+def keep_one_cpu_layout(model: torch.nn.Module) -> torch.nn.Module:
+    """Stop bitsandbytes from repacking 4-bit weights for its CPU inference kernel (on CPUs with AVX512-BF16, on the
+    first no-grad eval forward). That kernel computes in bf16 whatever the compute dtype, so the scorer's reference
+    log-probs and rewards would come from other arithmetic than the update's (logits 2e-3 apart on a tiny Llama: the
+    PPO ratio is no longer 1 on fresh samples), and the repacked layout does not dequantise back to the weights
+    (0.14 off), which the generator sync and the saved model read. Returns the model."""
+    for module in model.modules():
+        if hasattr(module, "support_avx512bf16_for_cpu"):
+            module.support_avx512bf16_for_cpu = False
+    return model
+
+
+def is_quantized(model: torch.nn.Module) -> bool:
+    return any(quantized_layer(m) for m in model.modules())
+
+
+def quantized_layer(module: torch.nn.Module) -> bool:
+    try:
+        import bitsandbytes as bnb
+    except ImportError:
+        return False
+    return isinstance(module, (bnb.nn.Linear4bit, bnb.nn.Linear8bitLt))
+
+
+def place(model: torch.nn.Module, device) -> torch.nn.Module:
+    """model.to(device), except for a quantised model, which bitsandbytes loaded onto its device already."""
+    return model if is_quantized(model) else model.to(device)
+
+
+@torch.no_grad()
+def dequantized_weight(layer: torch.nn.Module, transpose: bool = False) -> torch.Tensor:
+    """The full-precision (fp32) weight of a bitsandbytes Linear4bit / Linear8bitLt, (out, in); transpose gives
+    (in, out), the layout of GPT-2's Conv1D, which transformers turns into a Linear when it quantises."""
+    from peft.utils.integrations import dequantize_bnb_weight
+
+    w = layer.weight
+    if getattr(getattr(w, "quant_state", None), "packing_format_for_cpu", False):  # repacked before keep_one_cpu_layout
+        from bitsandbytes.functional import _convert_weight_packed_for_cpu_inverse
+
+        w.data, w.quant_state = _convert_weight_packed_for_cpu_inverse(w.data, w.quant_state)  # as its state_dict does
+    state = getattr(w, "quant_state", None) if state_is_4bit(layer) else layer.state
+    out = dequantize_bnb_weight(w, state).float()
+    return out.t().contiguous() if transpose else out
+
+
+def state_is_4bit(layer) -> bool:
+    import bitsandbytes as bnb
+
+    return isinstance(layer, bnb.nn.Linear4bit)
+
+
+def conv1d_layout(model) -> bool:
+    """GPT-2 keeps its projections as Conv1D, (in, out); quantised they became Linear, (out, in)."""
+    config = getattr(model, "config", None)
+    return getattr(config, "model_type", "") == "gpt2"

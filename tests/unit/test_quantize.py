@@ -1,0 +1,105 @@
+"""bitsandbytes pieces on CPU: what a 4-bit weight costs, the merged (dequantised) weights a plain model gets, the
+8-bit optimisers, and the memory table's accounting."""
+
+import pytest
+import torch
+
+pytest.importorskip("bitsandbytes", reason="bitsandbytes is a test dependency (pip install -e .[test])")
+
+from helpers import make_tiny_llama, make_tiny_model  # noqa: E402
+from rlfuse.config import load_config  # noqa: E402
+from rlfuse.metrics.memory import COMPONENTS, format_table, tensor_bytes, weight_bytes  # noqa: E402
+from rlfuse.models.load import load_causal_lm  # noqa: E402
+from rlfuse.models.weights import merged_state_dict  # noqa: E402
+
+TEXTS = ["the film was good and the acting was bad"] * 30
+
+
+@pytest.mark.parametrize("make", [make_tiny_model, make_tiny_llama], ids=["gpt2", "llama"])
+def test_merged_state_dict_of_a_4bit_model_is_a_plain_model_computing_the_same(tmp_path, make):
+    """The generator and the saved model/ get full-precision weights: dequantised base + LoRA delta, GPT-2's Conv1D
+    transposed back to (in, out), no quantisation state. The plain model then computes what the 4-bit one does (to
+    the order of float rounding in bitsandbytes' CPU kernel), and not what the unquantised original did."""
+    from transformers import AutoModelForCausalLM
+
+    folder = make(tmp_path / "m", TEXTS)
+    cfg = load_config(None, ["model.lora=true", "model.quantization=4bit"])
+    q = load_causal_lm(str(folder), cfg.model, precision="fp32", device="cpu")
+    with torch.no_grad():
+        for n, p in q.named_parameters():
+            if "lora_B" in n:
+                p.normal_(std=0.1)
+    plain = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32)
+    original = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32)
+    missing, unexpected = plain.load_state_dict(merged_state_dict(q), strict=False)
+    assert not unexpected and all("lm_head" in k for k in missing), (missing, unexpected)  # GPT-2's head is tied
+    ids = torch.tensor([[1, 5, 9, 30, 2, 7, 11]])
+    with torch.no_grad():
+        want, got, before = q(input_ids=ids).logits, plain(input_ids=ids).logits, original(input_ids=ids).logits
+    # bitsandbytes' CPU kernel accumulates in its own order: 1e-2 on logits of size ~1, while quantisation and the
+    # adapters move them by far more than that (checked below)
+    torch.testing.assert_close(got, want, atol=1e-2, rtol=0)
+    assert (before - want).abs().max() > 0.05
+
+
+def test_4bit_weights_cost_about_half_a_byte_each(tmp_path):
+    cfg = load_config(None, ["model.lora=true", "model.quantization=4bit"])
+    q = load_causal_lm(str(make_tiny_llama(tmp_path / "m", TEXTS)), cfg.model, precision="fp32", device="cpu")
+    layer = q.base_model.model.model.layers[0].self_attn.q_proj.base_layer
+    n = layer.in_features * layer.out_features  # 64 x 64
+    # packed nibbles n/2 + one 8-bit absmax per 64-weight block (double quantisation) + the 16-value NF4 code (fp32)
+    # + the nested 256-value code (fp32) + one fp32 absmax per 256 block absmaxes: 2048 + 64 + 64 + 1024 + 4
+    assert tensor_bytes(layer.weight) == n // 2 + n // 64 + 16 * 4 + 256 * 4 + 4 == 3204
+    w = weight_bytes({"actor": q, "again": q})  # a module seen twice counts once
+    lora = sum(tensor_bytes(p) for name, p in q.named_parameters() if "lora_" in name)
+    assert w["adapters"] == lora and w["base"] > 0
+
+
+@pytest.mark.parametrize("kind", ["adamw_8bit", "paged_adamw_8bit"])
+def test_8bit_optimisers_step_with_8bit_states(kind):
+    import bitsandbytes as bnb
+
+    from rlfuse.trainers.common import build_adamw
+
+    model = torch.nn.Linear(256, 256)  # 65536 weights: above bitsandbytes' 4096-element floor for 8-bit states
+    opt = build_adamw(model, 1e-2, 0.0, kind)
+    assert isinstance(opt, bnb.optim.optimizer.Optimizer8bit)
+    before = model.weight.detach().clone()
+    model(torch.randn(4, 256)).pow(2).sum().backward()
+    opt.step()
+    assert not torch.equal(before, model.weight)
+    assert opt.state[model.weight]["state1"].dtype == torch.uint8
+
+
+def test_memory_table_rows():
+    table = {"bytes": {c: (i + 1) * 2**20 for i, c in enumerate(COMPONENTS)}, "measured_by": "process RSS"}
+    rows = format_table(table, {"base": 2**21})
+    assert rows[0] == ("component", "measured MiB (process RSS)", "predicted MiB")
+    assert rows[1] == ("base", "1.0", "2.0") and rows[-1] == ("total", "8.0", "")
+
+
+def test_one_cpu_layout_same_arithmetic_in_eval_and_train_and_stable_merged_weights(tmp_path):
+    """bitsandbytes repacks 4-bit weights for a bf16 CPU kernel on the first no-grad eval forward (AVX512-BF16 CPUs,
+    such as this one): the scorer would then compute in other arithmetic than the update, and the repacked layout
+    does not dequantise back. keep_one_cpu_layout stops it; dequantized_weight also unpacks a repacked weight."""
+    from bitsandbytes.functional import _convert_weight_packed_for_cpu
+
+    from rlfuse.models.quantize import dequantized_weight
+
+    cfg = load_config(None, ["model.lora=true", "model.quantization=4bit"])
+    lm = load_causal_lm(str(make_tiny_llama(tmp_path / "m", TEXTS)), cfg.model, precision="fp32", device="cpu")
+    before = merged_state_dict(lm)
+    ids = torch.tensor([[1, 5, 9, 30, 2, 7, 11]])
+    with torch.no_grad():
+        scored = lm.eval()(input_ids=ids).logits
+        trained = lm.train()(input_ids=ids).logits
+    torch.testing.assert_close(scored, trained)
+    after = merged_state_dict(lm)
+    for k in before:
+        torch.testing.assert_close(after[k], before[k], msg=k)
+    layer = lm.base_model.model.model.layers[0].mlp.down_proj.base_layer
+    want = dequantized_weight(layer)
+    layer.weight.data, layer.weight.quant_state = _convert_weight_packed_for_cpu(layer.weight.data, layer.weight.quant_state)
+    # bitsandbytes' round trip through the repacked layout re-quantises the block scales (8-bit absmax): within 1%
+    # of each weight's block scale, where reading the repacked bytes as the standard layout was 0.14 off
+    torch.testing.assert_close(dequantized_weight(layer), want, rtol=0, atol=0.01 * float(want.abs().max()))
