@@ -308,10 +308,10 @@ def _train_seconds(prob: Problem, workers: int, micro: int, ckpt: bool) -> float
     memory, not this: each worker gathers the whole weights for its micro-batches, as FSDP does."""
     w, m, p = prob.workload, prob.memory, prob.profile
     steps = w.epochs * w.samples / w.mini_batch
-    # each rank runs every world-th micro-batch of each mini-batch, padded to the same count on every rank
-    # (zero-weight micro-batches cost as much as real ones)
-    calls = steps * math.ceil(w.mini_batch / micro / workers)
-    rows = min(micro, w.mini_batch)
+    # each rank runs every world-th micro-batch of each mini-batch (micro-batches cut smaller where there are fewer
+    # than ranks: rl.dp_micro_size), padded to the same count on every rank (a zero-weight one costs as much)
+    rows = min(micro, w.mini_batch, math.ceil(w.mini_batch / workers))
+    calls = steps * math.ceil(math.ceil(w.mini_batch / rows) / workers)
     lora = m.lora_rank > 0
     train_b = 4.0 if m.train_dtype == "fp32" else 2.0
     trained = [(m.policy, m.policy.lora_params(m.lora_rank) if lora else m.policy.params, lora)]

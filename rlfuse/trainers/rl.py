@@ -180,12 +180,21 @@ def micro_batches(exp: Experience, mini: list[int], size: int, rank: int = 0,
                   world: int = 1) -> Iterator[tuple[list[int], dict]]:
     """(indices, share) per micro-batch; share[level] is its part of the mini-batch's tokens ("token") or samples
     ("sequence"), so that micro-batch means scaled by it sum to the mini-batch mean (accumulation = one big batch).
-    Data parallel (world > 1): rank r gets micro-batches r, r + world, ... of the same list, shares still of the
-    whole mini-batch, so the ranks' share-scaled gradients sum to the single-process one."""
+    Data parallel (world > 1): rank r gets micro-batches r, r + world, ... of the same list (the single process's
+    micro-batches, so the per-micro-batch stats agree too), shares still of the whole mini-batch, so the ranks'
+    share-scaled gradients sum to the single-process one. A mini-batch too small to give every rank a micro-batch
+    of `size` is cut into `world` smaller ones (dp_micro_size), so no rank only pads."""
     tokens = float(exp.mask[mini].sum())
+    size = dp_micro_size(len(mini), size, world)
     for s in range(rank * size, len(mini), size * world):
         idx = mini[s: s + size]
         yield idx, {"token": float(exp.mask[idx].sum()) / tokens, "sequence": len(idx) / len(mini)}
+
+
+def dp_micro_size(mini_len: int, size: int, world: int) -> int:
+    """Micro-batch size with `world` data-parallel ranks: `size`, or smaller where the mini-batch has fewer than
+    `world` micro-batches of it (one micro-batch of 16 over 2 ranks: two of 8)."""
+    return min(size, -(-mini_len // world))
 
 
 def _micro(exp: Experience, idx: list[int], pad_id: int, device):

@@ -1,7 +1,8 @@
 """Data-parallel training on Ray (rlfuse/placement/ray_train.py): 2 workers (gloo, 1 CPU each) updating on the same
 experience end with the same actor and critic weights as one process calling rl.update, for PPO with a separate
-critic (AdamW, 2 epochs x 2 mini-batches, 2 micro-batches per rank) and GRPO (3 micro-batches per mini-batch: one
-rank gets 2, the other 1, and a zero-weight padding one). Summing gradients over ranks is what makes it equal:
+critic (AdamW, 2 epochs x 2 mini-batches, 2 micro-batches per rank), GRPO (3 micro-batches per mini-batch: rank 0
+runs 2, rank 1 runs 1 and a zero-weight padding one) and PPO with the value head on the actor's body (one
+micro-batch of 6 per mini-batch, cut into one of 3 per rank). Summing gradients over ranks is what makes it equal:
 averaging them, as DDP does without the loss scaled by the world size, moves the weights by half as much (test, with
 SGD: Adam would hide a uniform scale)."""
 
@@ -135,7 +136,7 @@ def ppo_workers(ray_cluster, tiny_task, tmp_path_factory):
     # grpo first: its ranks must be gone before ppo_workers takes the cluster's 2 CPUs
     ("grpo", ["rl.prompts_per_iter=6", "rl.mini_batch_size=6", "rl.micro_batch_size=2", "rl.epochs=1"]),
     # the value head on the actor's body: one DDP over the actor and the head, one backward of both losses
-    ("ppo", ["rl.prompts_per_iter=6", "rl.mini_batch_size=6", "rl.micro_batch_size=2", "rl.epochs=1",
+    ("ppo", ["rl.prompts_per_iter=6", "rl.mini_batch_size=6", "rl.micro_batch_size=6", "rl.epochs=1",
              "rl.critic_init=actor"]),
     ("ppo", ["rl.prompts_per_iter=8", "rl.mini_batch_size=4", "rl.micro_batch_size=1", "rl.epochs=2"]),
 ])
@@ -153,7 +154,8 @@ def test_two_workers_equal_one_process(ray_cluster, request, tiny_task, tmp_path
     assert_same_update(dp, one, start, shared)
     assert ("critic" in dp) == (algo == "ppo")
     assert one_stats["train/clip_frac"] > 0  # the clipped branch is exercised
-    for key in ("train/policy_loss", "train/clip_frac", "train/grad_norm"):  # stats are over all ranks' micro-batches
+    cut = "rl.micro_batch_size=6" in extra  # other micro-batches than one process: only the grad norm agrees
+    for key in ("train/grad_norm",) if cut else ("train/policy_loss", "train/clip_frac", "train/grad_norm"):
         assert dp_stats[key] == pytest.approx(one_stats[key], rel=1e-5, abs=1e-6), key
 
 
