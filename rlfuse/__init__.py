@@ -8,3 +8,10 @@ import os as _os
 _os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
 _os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
 _os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+import logging as _logging
+
+# peft imports bitsandbytes wherever it is installed, and on CPUs with AVX512-BF16 bitsandbytes then warns at import
+# that its optional hub kernel (package `kernels`) is missing: a line on every run, about a path rlfuse does not use
+# (models/quantize.py keeps bitsandbytes' plain CPU layout)
+_logging.getLogger("bitsandbytes.backends.cpu.ops").setLevel(_logging.ERROR)
