@@ -195,8 +195,8 @@ def start_ray_placement(cfg, spec: PlacementSpec, run_dir, log=print) -> tuple[R
     from rlfuse.models.roles import derive_roles
     from rlfuse.placement.check import validate_placement
     from rlfuse.placement.ray_rollout import MultiWorkerRollout, RolloutSettings, WorkerModels
-    from rlfuse.placement.ray_train import TrainGroup
-    from rlfuse.placement.ray_worker import join_training, start_role_workers
+    from rlfuse.placement.ray_train import TrainGroup, join_training
+    from rlfuse.placement.ray_worker import start_role_workers
 
     workers = RayWorkers([], [], [], started_ray=start_ray(spec))
     try:  # whatever fails from here (a timeout, a worker's constructor, Ctrl-C) releases what was reserved

@@ -292,26 +292,13 @@ def unfinished_in(state: EngineState) -> int:
 
 def start_generation_workers(n: int, models: WorkerModels, settings: RolloutSettings, cpus_per_worker: int = 1,
                              placement_group=None, first_bundle: int = 0) -> list:
-    """n GenerationWorker actors, one process each, `cpus_per_worker` CPUs reserved and as many torch threads.
-    placement_group: a ray.util.placement_group (worker i in bundle first_bundle + i); else Ray places them.
-    The workers import the same rlfuse as this process (its folder goes first on their PYTHONPATH)."""
-    import ray
-    from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+    """n GenerationWorker actors, one process each, `cpus_per_worker` CPUs reserved and as many torch threads
+    (ray_common.start_actors: worker i in bundle first_bundle + i of placement_group, if given)."""
+    from rlfuse.placement.ray_common import start_actors
 
-    import rlfuse
-
-    src = str(Path(rlfuse.__file__).resolve().parents[1])
-    env = {"env_vars": {"PYTHONPATH": os.pathsep.join([src, os.environ.get("PYTHONPATH", "")]).rstrip(os.pathsep)}}
-    actor = ray.remote(num_cpus=cpus_per_worker)(GenerationWorker)
-    workers = []
-    for i in range(n):
-        opts = {"runtime_env": env}
-        if placement_group is not None:
-            opts["scheduling_strategy"] = PlacementGroupSchedulingStrategy(placement_group,
-                                                                           placement_group_bundle_index=first_bundle + i)
-        workers.append(actor.options(**opts).remote(models, settings, max(1, int(cpus_per_worker))))
-    ray.get([w.ready.remote() for w in workers])  # models loaded: later timings (weight sync) exclude the start
-    return workers
+    threads = max(1, int(cpus_per_worker))
+    return start_actors(GenerationWorker, n, lambda i: (models, settings, threads), cpus_per_worker, 0,
+                        placement_group, first_bundle)
 
 
 # ------------------------------------------------------------------------------------------- the driver

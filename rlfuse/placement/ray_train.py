@@ -139,17 +139,6 @@ class WeightRefs:
     seconds: float
 
 
-def load_weight_refs(engine, weights: WeightRefs) -> dict:
-    """Into a DecodeEngine (on any worker) bucket by bucket, one in memory at a time. Returns the iteration's
-    `time/weight_sync` (send + receive seconds) and `sync/bytes`."""
-    import ray
-
-    t, written = time.perf_counter(), 0
-    for ref in weights.refs:
-        written += engine.load_weights(ray.get(ref))
-    return {"time/weight_sync": weights.seconds + time.perf_counter() - t, "sync/bytes": weights.bytes}
-
-
 # ------------------------------------------------------------------------------------------- the worker
 
 
@@ -175,6 +164,10 @@ class TrainWorker:
             setattr(models, name, None)
         self.models, self.learners = models, build_learners(models, cfg.rl)
         self.group: DataParallelGroup | None = None
+
+    def ready(self) -> bool:
+        """Returns once the actor is built (its models loaded): Ray runs __init__ before any other call."""
+        return True
 
     def rendezvous(self) -> tuple[str, int]:
         """Rank 0: the TCP address every rank joins at (this node's IP, a free port)."""
@@ -320,21 +313,21 @@ def get_failing_fast(refs: list) -> list:
 
 def start_train_workers(cfg: Config, run_dir, world: int, cpus_per_worker: int = 1, gpus_per_worker: float = 0,
                         placement_group=None, first_bundle: int = 0) -> TrainGroup:
-    """world TrainWorker actors (in placement_group's bundles first_bundle.. if given), joined in one process group.
-    Ray must be started (ray_driver.start_ray, or ray.init)."""
-    import ray
-    from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+    """world TrainWorker actors (ray_common.start_actors), joined in one process group. Ray must be started
+    (ray_driver.start_ray, or ray.init)."""
+    from rlfuse.placement.ray_common import start_actors
 
-    def options(rank: int) -> dict:
-        opts = {"num_cpus": cpus_per_worker, "num_gpus": gpus_per_worker}
-        if placement_group is not None:
-            opts["scheduling_strategy"] = PlacementGroupSchedulingStrategy(
-                placement_group, placement_group_bundle_index=first_bundle + rank)
-        return opts
-
-    remote = ray.remote(TrainWorker)
-    workers = [remote.options(**options(r)).remote(cfg, str(run_dir), r, world, max(1, int(cpus_per_worker)))
-               for r in range(world)]
-    host, port = ray.get(workers[0].rendezvous.remote())
-    ray.get([w.join.remote(host, port) for w in workers])
+    threads = max(1, int(cpus_per_worker))
+    workers = start_actors(TrainWorker, world, lambda r: (cfg, str(run_dir), r, world, threads), cpus_per_worker,
+                           gpus_per_worker, placement_group, first_bundle)
+    join_training(workers)
     return TrainGroup(workers)
+
+
+def join_training(workers: list) -> None:
+    """The training ranks into one torch.distributed group (world > 1 only: one rank trains alone)."""
+    import ray
+
+    if len(workers) > 1:
+        host, port = ray.get(workers[0].rendezvous.remote())
+        ray.get([w.join.remote(host, port) for w in workers])

@@ -9,9 +9,7 @@ Ray is imported inside functions only: importing this module does not need Ray.
 
 from __future__ import annotations
 
-import os
 import time
-from pathlib import Path
 
 from rlfuse.placement.ray_rollout import GenerationWorker, RolloutSettings, WorkerModels
 from rlfuse.placement.ray_train import TrainWorker
@@ -55,31 +53,10 @@ class RoleWorker(GenerationWorker, TrainWorker):
 
 def start_role_workers(cfg, run_dir, n: int, models: WorkerModels, settings: RolloutSettings, cpus_per_worker: float,
                        gpus_per_worker: float, placement_group, first_bundle: int, trains: bool) -> list:
-    """n RoleWorker actors in bundles first_bundle.. of placement_group, ranks 0..n-1 of training if `trains`;
-    returns once their models are loaded. The workers import the same rlfuse as this process."""
-    import ray
-    from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+    """n RoleWorker actors in bundles first_bundle.. of placement_group (ray_common.start_actors), ranks 0..n-1 of
+    training if `trains`; returns once their models are loaded."""
+    from rlfuse.placement.ray_common import start_actors
 
-    import rlfuse
-
-    src = str(Path(rlfuse.__file__).resolve().parents[1])
-    env = {"env_vars": {"PYTHONPATH": os.pathsep.join([src, os.environ.get("PYTHONPATH", "")]).rstrip(os.pathsep)}}
-    if not gpus_per_worker:  # Ray no longer hides the GPUs from a worker that reserved none; run.device=auto must
-        env["env_vars"]["CUDA_VISIBLE_DEVICES"] = ""  # not put it on a device another worker owns
-    actor = ray.remote(RoleWorker)
-    workers = [actor.options(num_cpus=cpus_per_worker, num_gpus=gpus_per_worker, runtime_env=env,
-                             scheduling_strategy=PlacementGroupSchedulingStrategy(
-                                 placement_group, placement_group_bundle_index=first_bundle + i))
-               .remote(cfg, str(run_dir), models, settings, max(1, int(cpus_per_worker)), i if trains else None, n)
-               for i in range(n)]
-    ray.get([w.ready.remote() for w in workers])
-    return workers
-
-
-def join_training(workers: list) -> None:
-    """The training ranks into one torch.distributed group (world > 1 only: one rank trains alone)."""
-    import ray
-
-    if len(workers) > 1:
-        host, port = ray.get(workers[0].rendezvous.remote())
-        ray.get([w.join.remote(host, port) for w in workers])
+    threads = max(1, int(cpus_per_worker))
+    return start_actors(RoleWorker, n, lambda i: (cfg, str(run_dir), models, settings, threads, i if trains else None,
+                                                  n), cpus_per_worker, gpus_per_worker, placement_group, first_bundle)
