@@ -28,6 +28,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from bench.common import WORK, machine, md_table, peak_rss_mb, reset_peak_rss, rss_mb, run_child, warm_up, write_section  # noqa: E402
+from rlfuse.placement.memory import COMPONENTS  # noqa: E402
 
 ARMS = {
     "a": ("separate full-precision models", ["model.shared_base=false", "rl.optimizer=adamw",
@@ -43,7 +44,6 @@ MODELS = {
                    "num_attention_heads": 16, "num_key_value_heads": 4},
 }
 PROMPTS, NEW_TOKENS = 4, 16
-COMPONENTS = ("base", "adapters", "gradients", "optimizer", "activations", "kv_cache", "slack", "total")
 
 
 def task():
@@ -90,7 +90,7 @@ def prepare_stages(name: str, log=print) -> Path:
 
 
 def overrides(root: Path, arm: str, run_dir: Path) -> list[str]:
-    return [f"run.dir={run_dir}", "run.quiet=true", "run.precision=fp32", "data.num_reviews=400", "model.n_layer=2",
+    return [f"run.dir={run_dir}", "run.quiet=true", "run.precision=fp32", "run.memory_table=true", "data.num_reviews=400", "model.n_layer=2",
             "model.n_embd=64", "model.n_head=2", f"model.name={root / 'base'}", "model.lora=true", "model.lora_r=16",
             "model.lora_alpha=32", f"rl.sft_path={root / 'run' / 'sft' / 'model'}",
             f"rl.rm_path={root / 'run' / 'rm' / 'model'}", "rl.algo=ppo", "rl.reward=rm", "rl.critic_init=rm",
@@ -195,6 +195,24 @@ def section(results: dict[str, list[dict]], info: dict, shared_note: str) -> str
     return "\n".join(lines + closing_note(results))
 
 
+TARGETS = {"b": 0.6, "c": 0.35}
+"""Issue 14's targets: total peak of arm (b) and (c) at most this fraction of arm (a)'s."""
+
+
+def target_verdicts(results: dict[str, list[dict]]) -> str:
+    """'(b) <= 0.6x: met on llama-0.5b (0.45x), missed on gpt2-6x768 (0.61x); ...', from the measured peaks."""
+    parts = []
+    for arm, target in TARGETS.items():
+        said = []
+        for name, rows in results.items():
+            by = {r["arm"]: r for r in rows}
+            if {"a", arm} <= set(by):
+                ratio = by[arm]["peak_mb"] / by["a"]["peak_mb"]
+                said.append(f"{'met' if ratio <= target else 'missed'} on {name} ({ratio:.2f}x)")
+        parts.append(f"({arm}) at most {target}x: {', '.join(said)}")
+    return "; ".join(parts)
+
+
 def parameter_count(name: str) -> int:
     """Parameters of a benchmark model, counted on the meta device (nothing allocated)."""
     import torch
@@ -225,9 +243,8 @@ def closing_note(results: dict[str, list[dict]]) -> list[str]:
                    f"({generator / 2**20:.0f} MiB) is {generator / max(1, c['total']):.0%} of (c)'s measured total.")
     out += ["", "The pipeline's 8-10 GB of optimiser states cannot be 8-bit AdamW states of r=16 adapters on 7B (about "
             "40M parameters: ~0.1 GB at 2 bytes each); here the optimiser is a rounding error beside the weights, as "
-            "it should be for adapters. Targets: (b) at most 0.6x of (a)'s total peak is met on the 0.5B model and "
-            "missed by a hair on the GPT-2 (its 0.45 GB idle runtime is a large share of every total); (c) at most "
-            "0.35x is not met: on this CPU (c) peaks where (b) does. What (c) holds beyond one 4-bit base is, first, "
+            f"it should be for adapters. Targets (total peak against (a)'s): {target_verdicts(results)}. What (c) "
+            "holds beyond one 4-bit base is, first, "
             "the generator: the rollout engine decodes from its own full-precision copy, synced from the actor's "
             "merged (dequantised) weights each iteration (decoding from the shared base itself, with no copy and no "
             "sync, is the next step: README, Not yet); second, bitsandbytes' CPU path materialises each layer's "

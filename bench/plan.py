@@ -3,7 +3,6 @@ the default task and on real IMDb prompts, predicted vs measured per stage from 
 
     python bench/plan.py --models RUN_DIR     # RUN_DIR/sft/model and RUN_DIR/rm/model (e.g. an `rlfuse run` folder)
     python bench/plan.py                      # first trains them (`rlfuse sft`, `rlfuse rm`, default config)
-    python bench/plan.py --summarize          # the tables again from the run folders under --work
 
 Inputs of the predictions, all taken before any plan runs: the machine profile (`rlfuse plan --profile`, measured
 at the start), the config, the mean prompt tokens of the task (its prompts tokenised), and the response lengths
@@ -141,7 +140,7 @@ def run_plan(task: str, pl, models: Path, work: Path, iterations: int) -> Path:
         block = pl.config_block()
         flat = [f"{s}.{k}={str(v).lower() if isinstance(v, bool) else v}" for s, sec in block.items()
                 for k, v in sec.items()]
-        rlfuse("rl", *common_overrides(models, task, iterations), *flat, f"run.dir={d}", log=d.with_suffix(".log"))
+        rlfuse("rl", *common_overrides(models, task, iterations), *flat, f"run.dir={d}", log=d.parent / (d.name + ".log"))
     return d
 
 

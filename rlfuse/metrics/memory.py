@@ -23,7 +23,7 @@ from pathlib import Path
 
 import torch
 
-COMPONENTS = ("base", "adapters", "gradients", "optimizer", "activations", "kv_cache", "slack", "total")
+from rlfuse.placement.memory import COMPONENTS  # the planner's names: predicted beside measured
 
 
 def tensor_bytes(t: torch.Tensor) -> int:

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import torch
 
-from rlfuse.config import Config
+from rlfuse.config import Config, checkpointing_on
 from rlfuse.errors import ConfigError, UserError
 from rlfuse.models.heads import ValueModel
 from rlfuse.models.load import apply_lora, load_causal_lm, load_reward_model, load_tokenizer
@@ -145,13 +145,6 @@ def value_model(init: str, folder: str, pad_id: int) -> ValueModel:
     if init == "rm":
         return ValueModel.from_reward_model(load_reward_model(folder, pad_token_id=pad_id))
     return ValueModel.from_causal_lm(load_policy(folder))
-
-
-def checkpointing_on(cfg: Config) -> bool:
-    """rl.gradient_checkpointing, or its default: on with a quantised base (model.quantization)."""
-    if cfg.rl.gradient_checkpointing is None:
-        return cfg.model.quantization != "none"
-    return cfg.rl.gradient_checkpointing
 
 
 def prepare_trainable(model: torch.nn.Module, rl, checkpointing: bool | None = None) -> torch.nn.Module:

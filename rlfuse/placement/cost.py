@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import json
 import math
-from dataclasses import asdict, dataclass, fields
+from dataclasses import asdict, dataclass, fields, replace
 from pathlib import Path
 
 GiB = 2**30
@@ -222,7 +222,25 @@ class MachineProfile:
 
     @classmethod
     def load(cls, path: str | Path) -> "MachineProfile":
-        return cls.from_json(Path(path).read_text())
+        try:
+            return cls.from_json(Path(path).read_text())
+        except (ValueError, TypeError) as e:  # a torn write, another file, a profile of an older layout
+            from rlfuse.errors import UserError
+
+            raise UserError(f"{path} is not a machine profile ({type(e).__name__}); rerun `rlfuse plan --profile`"
+                            f"{' --profile-path ' + str(path)}") from None
+
+    def slowed(self, factor: float) -> "MachineProfile":
+        """The rates of a worker that gets 1/factor of what was measured (factor <= 1: unchanged): compute and
+        memory rates divided, per-call overheads multiplied; bandwidths between processes are not compute."""
+        if factor <= 1:
+            return self
+        return replace(self, flops=self.flops / factor, decode_flops=self.decode_flops / factor,
+                       mem_bw=self.mem_bw / factor, layer_call_s=self.layer_call_s * factor,
+                       decode_layer_call_s=self.decode_layer_call_s * factor,
+                       decode_sample_s=self.decode_sample_s * factor, score_call_s=self.score_call_s * factor,
+                       train_layer_call_s=self.train_layer_call_s * factor,
+                       optimizer_bytes_s=self.optimizer_bytes_s / factor)
 
 
 @dataclass(frozen=True)

@@ -102,6 +102,9 @@ class MemoryInputs:
     """adamw (fp32 moments) | adamw8bit."""
     shared_base: bool = False
     """One frozen base for every policy role (generator and reference as adapters on/off), as the 4-bit pipeline."""
+    generator_copy: bool = False
+    """With shared_base: the generator is still its own full-precision copy (rlfuse today: the engine decodes a
+    plain model synced from the actor's merged weights), not adapters on the shared base."""
     checkpointing: bool = False
     train_rows: int = 16
     """Sequences per training micro-batch."""
@@ -131,8 +134,10 @@ def worker_memory(roles: set[str] | tuple[str, ...], m: MemoryInputs, p: Machine
     out = dict.fromkeys(COMPONENTS, 0.0)
     trainable, acts = 0.0, [0.0]
     policy_roles = roles & {"actor", "generator", "reference"}
-    if m.shared_base:  # one frozen base; the actor's adapters serve the generator too
+    if m.shared_base:  # one frozen base; the actor's adapters serve the generator too, unless it has its own copy
         copies = 1 if policy_roles else 0
+        if m.generator_copy and "generator" in roles:
+            out["base"] += weight_bytes(m.policy, m.train_dtype)
     else:
         copies = (("actor" in roles and lora) + ("generator" in roles)
                   + ("reference" in roles and not (lora and "actor" in roles)))
@@ -171,7 +176,7 @@ def worker_memory(roles: set[str] | tuple[str, ...], m: MemoryInputs, p: Machine
     out["optimizer"] = trainable * (optimizer_bytes_per_param(m.optimizer) + (4.0 if m.master_weights else 0.0))
     if "generator" in roles and m.shard > 1:  # the generator's copy and cache shard by its own (tensor-parallel) degree
         gen_shard = m.generator_shard or m.shard
-        gen_copy = 0.0 if m.shared_base else policy_frozen
+        gen_copy = (weight_bytes(m.policy, m.train_dtype) if m.generator_copy else 0.0) if m.shared_base else policy_frozen
         out["base"] += gen_copy * (m.shard / gen_shard - 1)
         out["kv_cache"] *= m.shard / gen_shard
     for k in ("base", "adapters", "gradients", "optimizer", "kv_cache"):

@@ -13,12 +13,23 @@ import sys
 from pathlib import Path
 
 
+def _positive(kind):
+    """An argparse type: a number > 0 (0 workers, CPUs or GiB is never what a user means)."""
+    def parse(text: str):
+        value = kind(text)
+        if value <= 0:
+            raise ValueError(text)
+        return value
+    parse.__name__ = f"positive {kind.__name__}"
+    return parse
+
+
 def add_arguments(p) -> None:
     p.add_argument("args", nargs="*", metavar="CONFIG|section.field=value", help="optional YAML config, then overrides")
-    p.add_argument("--workers", type=int, help="workers in all (default placement.workers)")
-    p.add_argument("--cpus-per-worker", type=float, help="CPUs per worker (default placement.cpus_per_worker)")
+    p.add_argument("--workers", type=_positive(int), help="workers in all (default placement.workers)")
+    p.add_argument("--cpus-per-worker", type=_positive(float), help="CPUs per worker (default placement.cpus_per_worker)")
     p.add_argument("--gpus-per-worker", type=float, help="GPUs per worker (default placement.gpus_per_worker)")
-    p.add_argument("--memory-per-worker", type=float, metavar="GB",
+    p.add_argument("--memory-per-worker", type=_positive(float), metavar="GB",
                    help="GiB one worker may use (default placement.memory_per_worker_gb, else a GPU's memory or the "
                         "machine's RAM divided among the workers)")
     p.add_argument("--profile", action="store_true", help="measure this machine first (under a minute) and save it")
@@ -38,7 +49,8 @@ def run(ns) -> int:
     from rlfuse.config import load_config
     from rlfuse.errors import UserError
     from rlfuse.placement.memory import GiB
-    from rlfuse.placement.planner import measured_lengths, plan, plan_memory_table, plan_table, problem_from_config
+    from rlfuse.placement.planner import (first_fitting, measured_lengths, plan, plan_memory_table, plan_table,
+                                          problem_from_config)
     from rlfuse.placement.profile import default_profile_path, load_profile, measure_profile
 
     log = lambda msg: print(msg, file=sys.stderr, flush=True)
@@ -68,27 +80,23 @@ def run(ns) -> int:
                                 "give an RL run folder")
         budget = ns.memory_per_worker if ns.memory_per_worker is not None else cfg.placement.memory_per_worker_gb
         prob = problem_from_config(cfg, profile, ns.workers, ns.cpus_per_worker, ns.gpus_per_worker,
-                                   budget * GiB if budget else None, lengths)
+                                   None if budget is None else budget * GiB, lengths)
         plans = plan(prob)
-        if not plans:
-            raise UserError("rlfuse plan: no strategy can place this run's roles on "
-                            f"{prob.workers} worker(s); add workers")
-        best = plans[0]
         print(f"profile: {profile.name} ({profile.source})")
         w = prob.workload
         print(f"workload: {w.samples} samples x {w.prompt_tokens:g} prompt + {w.response_mean:.1f} response tokens "
               f"(at most {w.response_max}), {w.epochs} epochs, mini-batch {w.mini_batch}; {prob.workers} workers; "
               f"budget {'none' if prob.memory_budget is None else f'{prob.memory_budget / GiB:.2f} GiB'} per worker\n")
         print(plan_table(plans, ns.top))
-        if not best.fits:
-            raise UserError(f"rlfuse plan: nothing fits: {best.why_not}; add workers, raise --memory-per-worker, or "
-                            "turn on model.lora or rl.gradient_checkpointing")
+        best = first_fitting(plans, prob.workers)  # after the table: it shows what did not fit
         print(f"\nbest: {best.label()}, predicted {best.iteration_s:.3f} s per iteration\n")
         print(best.spec.describe())
         print("\npredicted peak memory per worker of the best plan, by component:")
         print(plan_memory_table(best))
         block = best.config_block()
         text = yaml.safe_dump(block, sort_keys=False)
+        if not Path(ns.out).resolve().parent.is_dir():
+            raise UserError(f"--out {ns.out}: its folder does not exist; create it or give another path")
         Path(ns.out).write_text(text)
         print(f"\n{text}", end="")
         if block["placement"]["strategy"] != "custom":

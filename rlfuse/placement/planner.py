@@ -26,7 +26,7 @@ from rlfuse.models.roles import Roles
 from rlfuse.placement import cost
 from rlfuse.placement.cost import MachineProfile, ModelShape
 from rlfuse.placement.memory import GiB, MemoryInputs, memory_table, weight_bytes, worker_memory
-from rlfuse.placement.spec import PlacementSpec, WorkerResources
+from rlfuse.placement.spec import PlacementSpec, WorkerResources, dp_micro_size
 from rlfuse.placement.strategies import STRATEGY_FNS
 
 TP_MAX = 8
@@ -135,13 +135,13 @@ class Plan:
                     "gradient_checkpointing": self.gradient_checkpointing}}
         placement = {"strategy": self.strategy, "workers": self.spec.workers, "cpus_per_worker": g0.cpus_per_worker,
                      "gpus_per_worker": g0.gpus_per_worker}
-        if self.spec.address:
-            placement["address"] = self.spec.address
         if not _default_split(self.spec):
             placement = {"strategy": "custom", "cpus_per_worker": g0.cpus_per_worker,
                          "gpus_per_worker": g0.gpus_per_worker,
                          "groups": [{"name": g.name, "workers": g.workers, "roles": list(g.roles)}
                                     for g in self.spec.groups]}
+        if self.spec.address:
+            placement["address"] = self.spec.address
         return {"placement": placement,
                 "rl": {"micro_batch_size": self.micro_batch_size, "gradient_checkpointing": self.gradient_checkpointing},
                 "rollout": {"migrate_below": self.migrate_below}}
@@ -190,8 +190,12 @@ def plan(prob: Problem) -> list[Plan]:
     """Every candidate, predicted; those that fit first, each part ranked by iteration time."""
     plans = []
     for spec in candidate_specs(prob):
-        decoders = _workers_with(spec, "generator")
+        decoders, ranks, seen = _workers_with(spec, "generator"), _workers_with(spec, "actor"), set()
         for micro in micro_batch_sizes(prob):
+            rows = dp_micro_size(prob.workload.mini_batch, micro, ranks)
+            if rows in seen:  # the same micro-batches per rank as a smaller size already gave: the same plan
+                continue
+            seen.add(rows)
             for ckpt in prob.checkpointing:
                 for migrate in (prob.migrate_below if decoders > 1 else (0.0,)):
                     plans.append(predict(prob, spec, micro, ckpt, migrate))
@@ -200,11 +204,16 @@ def plan(prob: Problem) -> list[Plan]:
 
 
 def best_plan(prob: Problem) -> Plan:
-    plans = plan(prob)
+    return first_fitting(plan(prob), prob.workers)
+
+
+def first_fitting(plans: list[Plan], workers: int) -> Plan:
+    """The first of plan()'s ranking, or a one-line error saying why nothing of `workers` workers fits."""
     if not plans or not plans[0].fits:
         reason = plans[0].why_not if plans else "no strategy can place these roles"
-        raise UserError(f"placement planner: no placement of {prob.workers} worker(s) fits: {reason}; add workers, "
-                        f"raise --memory-per-worker, or turn on model.lora or rl.gradient_checkpointing")
+        raise UserError(f"placement planner: nothing fits on {workers} worker(s): {reason}; add workers, "
+                        f"raise --memory-per-worker (placement.memory_per_worker_gb), or turn on model.lora or "
+                        f"rl.gradient_checkpointing")
     return plans[0]
 
 
@@ -242,7 +251,8 @@ def predict(prob: Problem, spec: PlacementSpec, micro: int, ckpt: bool, migrate:
     for g in spec.groups:
         replicas = g.workers // _tp(prob, g.workers)  # sharded: tensor-parallel generator replicas
         kv_rows = min(w.max_rows, math.ceil(w.samples / replicas)) if "generator" in g.roles else 0
-        mi = replace(m, train_rows=micro, checkpointing=ckpt, seq=int(math.ceil(w.prompt_tokens + w.response_max)),
+        mi = replace(m, train_rows=dp_micro_size(w.mini_batch, micro, train_w), checkpointing=ckpt,
+                     seq=int(math.ceil(w.prompt_tokens + w.response_max)),
                      score_rows=w.score_micro_batch, kv_rows=kv_rows, shard=shard_of(g.workers),
                      generator_shard=_tp(prob, g.workers))
         memory[g.name] = worker_memory(g.roles, mi, p)
@@ -309,8 +319,8 @@ def _train_seconds(prob: Problem, workers: int, micro: int, ckpt: bool) -> float
     w, m, p = prob.workload, prob.memory, prob.profile
     steps = w.epochs * w.samples / w.mini_batch
     # each rank runs every world-th micro-batch of each mini-batch (micro-batches cut smaller where there are fewer
-    # than ranks: rl.dp_micro_size), padded to the same count on every rank (a zero-weight one costs as much)
-    rows = min(micro, w.mini_batch, math.ceil(w.mini_batch / workers))
+    # than ranks: spec.dp_micro_size), padded to the same count on every rank (a zero-weight one costs as much)
+    rows = dp_micro_size(w.mini_batch, micro, workers)
     calls = steps * math.ceil(math.ceil(w.mini_batch / rows) / workers)
     lora = m.lora_rank > 0
     train_b = 4.0 if m.train_dtype == "fp32" else 2.0
@@ -399,26 +409,17 @@ PROMPT_TOKENS = {"synthetic": 4.0, "imdb": 15.0}
 IMDb prompts with the default-task tokenizer). Other data: 32."""
 
 
-def slowed(p: MachineProfile, factor: float) -> MachineProfile:
-    """The rates of a worker that gets 1/factor of its CPU share (factor <= 1: unchanged)."""
-    if factor <= 1:
-        return p
-    return replace(p, flops=p.flops / factor, decode_flops=p.decode_flops / factor, mem_bw=p.mem_bw / factor,
-                   layer_call_s=p.layer_call_s * factor, decode_layer_call_s=p.decode_layer_call_s * factor,
-                   decode_sample_s=p.decode_sample_s * factor, score_call_s=p.score_call_s * factor,
-                   train_layer_call_s=p.train_layer_call_s * factor, optimizer_bytes_s=p.optimizer_bytes_s / factor)
-
-
 def measured_lengths(run_dir) -> tuple[float, int] | None:
     """(median response mean, longest response) from a run folder's rl/metrics.jsonl, or None."""
-    import json
     import statistics
     from pathlib import Path
+
+    from rlfuse.metrics.tracker import read_metrics
 
     f = Path(run_dir) / "rl" / "metrics.jsonl"
     if not f.is_file():
         return None
-    rows = [json.loads(line) for line in f.read_text().splitlines() if line.strip()]
+    rows = read_metrics(f)
     means = [r["rollout/length_mean"] for r in rows if "rollout/length_mean" in r]
     if not means:
         return None
@@ -440,13 +441,16 @@ def problem_from_config(cfg, profile: MachineProfile, workers: int | None = None
     rl, pc = cfg.rl, cfg.placement
     roles = derive_roles(cfg)
     shape = policy_shape(cfg.model)
-    workers = workers or pc.workers
-    resources = WorkerResources(cpus_per_worker or pc.cpus_per_worker,
-                                gpus_per_worker if gpus_per_worker is not None else pc.gpus_per_worker)
+    workers = pc.workers if workers is None else workers
+    resources = WorkerResources(pc.cpus_per_worker if cpus_per_worker is None else cpus_per_worker,
+                                pc.gpus_per_worker if gpus_per_worker is None else gpus_per_worker)
+    if workers < 1 or resources.cpus <= 0 or resources.gpus < 0:
+        raise UserError(f"placement planner: {workers} worker(s) of {resources.cpus:g} CPU and {resources.gpus:g} GPU "
+                        "each cannot run anything; give at least 1 worker and a positive CPU share")
     if profile.device == "cpu":  # more worker threads than cores: each gets its share of the cores
         import os
 
-        profile = slowed(profile, resources.cpus * workers / (cores or os.cpu_count() or 1))
+        profile = profile.slowed(resources.cpus * workers / (cores or os.cpu_count() or 1))
     if memory_budget is None and profile.memory_bytes:
         memory_budget = profile.memory_bytes if profile.device == "cuda" else profile.memory_bytes / workers
     mean, longest = lengths or ((SYNTHETIC_RESPONSE_MEAN if cfg.data.kind == "synthetic" else rl.max_new_tokens), 0)
@@ -458,13 +462,31 @@ def problem_from_config(cfg, profile: MachineProfile, workers: int | None = None
                         score_tail=min(1.0, max(1, cfg.rollout.live_below) / (rl.prompts_per_iter * rl.k)),
                         score_singles=cfg.rollout.live_below if cfg.rollout.fusion else 0,
                         response_longest=min(longest, rl.max_new_tokens))
-    has_critic_body = "critic" in roles and roles["critic"].shares_with is None
-    mem = MemoryInputs(policy=shape, critic=shape if has_critic_body else None,
-                       reward=shape if roles["reward"].has_model else None,
-                       lora_rank=cfg.model.lora_r if cfg.model.lora else 0)
-    migrate = tuple(sorted({0.0, cfg.rollout.migrate_below or 0.2}))
+    mem = memory_inputs(cfg, roles, shape, profile)
+    migrate = tuple(sorted({0.0, cfg.rollout.migrate_below}))
     return Problem(roles, workload, mem, profile, workers, resources, memory_budget, migrate_below=migrate,
                    address=pc.address)
+
+
+QUANTISED_DTYPE = {"none": "fp32", "4bit": "nf4-dq", "8bit": "int8"}
+"""model.quantization -> the frozen weights' dtype in the memory model."""
+
+
+def memory_inputs(cfg, roles, shape, profile: MachineProfile) -> MemoryInputs:
+    """The memory model's inputs as rlfuse runs `cfg`: the base's dtype (model.quantization), one shared base for
+    the roles (model.shared_base: the critic and reward as adapters on it; the generator still its own
+    full-precision copy today), the optimiser's state size (rl.optimizer), activations in the compute dtype."""
+    mc = cfg.model
+    shared = mc.lora and mc.shares_base
+    critic = "critic" in roles and (roles["critic"].shares_with is None or (shared and roles["critic"].source != "actor"))
+    half = cfg.run.precision in ("bf16", "fp16") or (cfg.run.precision == "auto" and profile.device == "cuda")
+    return MemoryInputs(policy=shape, critic=shape if critic else None,
+                        reward=shape if roles["reward"].has_model else None,
+                        weight_dtype=QUANTISED_DTYPE[mc.quantization],
+                        act_bytes=2.0 if half and mc.quantization != "none" else 4.0,
+                        lora_rank=mc.lora_r if mc.lora else 0,
+                        optimizer="adamw8bit" if cfg.rl.optimizer.endswith("8bit") else "adamw",
+                        shared_base=shared, generator_copy=shared)
 
 
 def plan_config(cfg, log=None, **kw) -> list[Plan]:
@@ -484,14 +506,9 @@ def resolve_auto(cfg, log=None):
     if cfg.placement.strategy != "auto":
         return cfg
     plans = plan_config(cfg, log)
-    best = plans[0] if plans and plans[0].fits else None
-    if best is None:
-        raise UserError(f"placement.strategy=auto: no placement of {cfg.placement.workers} worker(s) fits"
-                        + (f" ({plans[0].why_not})" if plans else "") + "; add workers, set "
-                        "placement.memory_per_worker_gb higher, or turn on model.lora or rl.gradient_checkpointing")
+    best = first_fitting(plans, cfg.placement.workers)
     block = best.config_block()
-    placement = replace(cfg.placement, **{k: v for k, v in block["placement"].items() if k != "workers"},
-                        workers=best.spec.workers)
+    placement = replace(cfg.placement, **block["placement"])
     out = replace(cfg, placement=placement, rl=replace(cfg.rl, **block["rl"]),
                   rollout=replace(cfg.rollout, **block.get("rollout", {})))
     if log:
@@ -500,14 +517,30 @@ def resolve_auto(cfg, log=None):
     return out
 
 
-def memory_of_config(cfg):
-    """The checker's `memory_of` hook (rlfuse.placement.check) for an RL run on `cfg` as configured: predicted
-    peak bytes of one worker of a group, with the config's micro-batch and checkpointing."""
-    from rlfuse.placement.memory import memory_model
+def _configured_memory(cfg):
+    """(memory inputs with the config's micro-batch, checkpointing and lengths; the workload; the profile)."""
     from rlfuse.placement.profile import load_profile
 
     prob = problem_from_config(cfg, load_profile())
     w = prob.workload
-    m = replace(prob.memory, train_rows=cfg.rl.micro_batch_size, checkpointing=cfg.rl.gradient_checkpointing,
+    from rlfuse.config import checkpointing_on
+
+    m = replace(prob.memory, train_rows=cfg.rl.micro_batch_size, checkpointing=checkpointing_on(cfg),
                 seq=int(math.ceil(w.prompt_tokens + w.response_max)), score_rows=w.score_micro_batch)
+    return m, w, prob
+
+
+def memory_of_config(cfg):
+    """The checker's `memory_of` hook (rlfuse.placement.check) for an RL run on `cfg` as configured: predicted
+    peak bytes of one worker of a group, with the config's micro-batch and checkpointing."""
+    from rlfuse.placement.memory import memory_model
+
+    m, w, prob = _configured_memory(cfg)
     return memory_model(m, prob.profile, w.samples, w.max_rows)
+
+
+def predicted_memory(cfg) -> dict[str, float]:
+    """Bytes per component of the single process running every role of `cfg` (the report shows it beside what the
+    run measured, rlfuse/metrics/memory.py)."""
+    m, w, prob = _configured_memory(cfg)
+    return worker_memory(prob.roles.names, replace(m, kv_rows=min(w.max_rows, w.samples)), prob.profile)

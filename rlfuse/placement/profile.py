@@ -221,17 +221,17 @@ def measure_profile(shape: ModelShape | None = None, threads: int = 1, device: s
     name = torch.cuda.get_device_name(0) if device == "cuda" else f"{_cpu_name()}, {threads} thread(s) per worker"
     elapsed = time.perf_counter() - t_start
     log(f"[profile] {name}: {elapsed:.1f} s on {shape.name} ({n_params / 1e6:.2f} M parameters)")
-    c = contention
     return MachineProfile(
-        name=name, device=device, threads=threads, flops=flops / c, decode_flops=decode_flops / c, mem_bw=mem_bw / c,
-        layer_call_s=call * c, decode_layer_call_s=decode_layer_call * c, decode_sample_s=decode_sample_s * c,
-        score_call_s=score_call_s * c, train_layer_call_s=train_call * c, bwd_ratio=bwd_ratio, optimizer_bytes_s=optimizer_bytes_s / c,
-        sync_bytes_s=sync_bytes_s, sync_latency_s=SYNC_LATENCY_S,
+        name=name, device=device, threads=threads, flops=flops, decode_flops=decode_flops, mem_bw=mem_bw,
+        layer_call_s=call, decode_layer_call_s=decode_layer_call, decode_sample_s=decode_sample_s,
+        score_call_s=score_call_s, train_layer_call_s=train_call, bwd_ratio=bwd_ratio,
+        optimizer_bytes_s=optimizer_bytes_s, sync_bytes_s=sync_bytes_s, sync_latency_s=SYNC_LATENCY_S,
         allreduce_bytes_s=GLOO_BYTES_S if device == "cpu" else 50e9,
         allreduce_latency_s=1e-3 if device == "cpu" else 1e-4,
         ray_call_s=RAY_CALL_S, memory_bytes=float(memory), runtime_bytes=float(runtime), slack_fraction=0.1,
         source=f"rlfuse plan --profile, {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}, {shape.name}, "
-               f"load average {os.getloadavg()[0]:.1f}, contention {contention:.2f} (rates divided by it)")
+               f"load average {os.getloadavg()[0]:.1f}, contention {contention:.2f} (rates divided by it)"
+    ).slowed(contention)
 
 
 def _cpu_name() -> str:

@@ -94,7 +94,7 @@ class DataParallelGroup:
     def micro_batch_slots(self, mini_len: int, size: int) -> int:
         """Micro-batches every rank runs per mini-batch: the most any rank has (rl.micro_batches; ranks with fewer
         pad with a zero-weight one, since every rank must take part in the all-reduce)."""
-        from rlfuse.trainers.rl import dp_micro_size
+        from rlfuse.placement.spec import dp_micro_size
 
         n = -(-mini_len // dp_micro_size(mini_len, size, self.world))
         return -(-n // self.world)

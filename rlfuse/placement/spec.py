@@ -141,3 +141,10 @@ class ClusterResources:
     @property
     def gpus(self) -> float:
         return sum(n.gpus for n in self.nodes)
+
+
+def dp_micro_size(mini_batch: int, micro_batch: int, ranks: int) -> int:
+    """Micro-batch size each of `ranks` data-parallel ranks trains with (trainers/rl.py micro_batches, and the
+    planner): rl.micro_batch_size, or smaller where a mini-batch has fewer micro-batches of it than there are ranks
+    (one micro-batch of 16 over 2 ranks: one of 8 each), so that no rank only pads."""
+    return min(micro_batch, mini_batch, -(-mini_batch // max(1, ranks)))

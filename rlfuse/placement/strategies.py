@@ -91,12 +91,9 @@ STRATEGY_FNS = {"flattened": flattened, "interleaved": interleaved, "separated":
 def spec_from_config(cfg) -> PlacementSpec:
     """The placement of an RL run on `cfg` (a rlfuse.config.Config), roles from `derive_roles(cfg)`. Nothing loads."""
     p, roles = cfg.placement, derive_roles(cfg)
-    if p.strategy == "auto":  # load_config resolves it; a Config built in code is planned here
-        import sys
-
-        from rlfuse.placement.planner import resolve_auto
-
-        return spec_from_config(resolve_auto(cfg, log=lambda msg: print(msg, file=sys.stderr, flush=True)))
+    if p.strategy == "auto":  # planned once, where the plan's micro-batch and migration are applied too
+        raise UserError("placement.strategy=auto is resolved when the config loads (rlfuse.config.load_config); "
+                        "a Config built in code: pass it through rlfuse.placement.planner.resolve_auto first")
     if p.strategy == "single":
         return single(roles)
     if p.strategy == "custom":

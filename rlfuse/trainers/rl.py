@@ -48,6 +48,8 @@ from rlfuse.metrics.tracker import JsonlTracker, memory_metrics, truncate_metric
 from rlfuse.models.build import Models, build_models
 from rlfuse.models.load import save_trained_model
 from rlfuse.placement.rollout import build_placement, local_scorer, sync_weights, uses_ray
+from rlfuse.placement.planner import predicted_memory, resolve_auto
+from rlfuse.placement.spec import dp_micro_size
 from rlfuse.progress import Progress
 from rlfuse.rollout.engine import DecodeEngine, SamplingParams
 from rlfuse.rollout.fusion import Experience, FusionPolicy
@@ -103,8 +105,7 @@ def build_learners(models: Models, rl: RLConfig) -> Learners:
     """The actor's and the critic's optimisers (rl.optimizer). On a shared base each owns its adapter's tensors."""
     from rlfuse.models.shared import ACTOR, role_parameters
 
-    shared = models.critic is not None and models.roles["critic"].shares_with == "actor"
-    on_actor = models.critic is not None and models.roles["critic"].source == "actor"
+    on_actor = models.critic is not None and models.roles["critic"].source == "actor"  # a value head on its body
     critic = None
     if models.critic is not None:
         if on_actor:
@@ -113,7 +114,7 @@ def build_learners(models: Models, rl: RLConfig) -> Learners:
             own = models.critic.trainable_parameters() if models.shared_base is not None else None
             critic = Learner.constant(models.critic, rl.critic_lr, rl.optimizer, own)
     own = role_parameters(models.actor, ACTOR) if models.shared_base is not None else None
-    return Learners(Learner.constant(models.actor, rl.lr, rl.optimizer, own), critic, shared and on_actor)
+    return Learners(Learner.constant(models.actor, rl.lr, rl.optimizer, own), critic, on_actor)
 
 
 def learner_sets(learners: Learners) -> list[list[Learner]]:
@@ -183,18 +184,12 @@ def micro_batches(exp: Experience, mini: list[int], size: int, rank: int = 0,
     Data parallel (world > 1): rank r gets micro-batches r, r + world, ... of the same list (the single process's
     micro-batches, so the per-micro-batch stats agree too), shares still of the whole mini-batch, so the ranks'
     share-scaled gradients sum to the single-process one. A mini-batch too small to give every rank a micro-batch
-    of `size` is cut into `world` smaller ones (dp_micro_size), so no rank only pads."""
+    of `size` is cut into `world` smaller ones (placement/spec.py dp_micro_size), so no rank only pads."""
     tokens = float(exp.mask[mini].sum())
     size = dp_micro_size(len(mini), size, world)
     for s in range(rank * size, len(mini), size * world):
         idx = mini[s: s + size]
         yield idx, {"token": float(exp.mask[idx].sum()) / tokens, "sequence": len(idx) / len(mini)}
-
-
-def dp_micro_size(mini_len: int, size: int, world: int) -> int:
-    """Micro-batch size with `world` data-parallel ranks: `size`, or smaller where the mini-batch has fewer than
-    `world` micro-batches of it (one micro-batch of 16 over 2 ranks: two of 8)."""
-    return min(size, -(-mini_len // world))
 
 
 def _micro(exp: Experience, idx: list[int], pad_id: int, device):
@@ -390,6 +385,7 @@ def train_rl(cfg: Config, run_dir: Path, log=print, resume: bool = False, on_rea
     """The RL stage: build -> loop -> save the policy. Returns {"before", "after", "samples_after", "seconds"}; the
     CLI writes eval.json and the report. on_ready(models), if given, is called once the models are loaded, before
     the first iteration (benchmarks read the idle memory footprint there)."""
+    cfg = resolve_auto(cfg, log)  # a Config built in code with placement.strategy=auto (load_config did it already)
     rl, t_start, seed = cfg.rl, time.perf_counter(), cfg.run.seed
     if not (run_dir / "config.yaml").exists():  # called as a library rather than through the CLI
         from rlfuse.config import save_config
@@ -415,9 +411,12 @@ def train_rl(cfg: Config, run_dir: Path, log=print, resume: bool = False, on_rea
               else FixedKLController(rl.kl_coef))
     out = run_dir / "rl"
     out.mkdir(parents=True, exist_ok=True)
-    # memory per component of this process's roles; on Ray the roles live in the workers (worker/<rank>/rss_*)
-    meter = None if uses_ray(cfg) else MemoryMeter(models, trainer.learners, device, out / "memory.json",
-                                                   cfg.model.quantization)
+    # memory per component of this process's roles (run.memory_table); on Ray the roles live in the workers
+    # (worker/<rank>/rss_*)
+    meter = (MemoryMeter(models, trainer.learners, device, out / "memory.json", cfg.model.quantization)
+             if cfg.run.measures_memory(cfg.model) and not uses_ray(cfg) else None)
+    if meter is not None:  # the planner's prediction, shown beside the measurement (rlfuse/placement/memory.py)
+        (out / "memory_predicted.json").write_text(json.dumps({"bytes": predicted_memory(cfg)}))
     ckpt, start, bad = out / "checkpoint.pt", 0, {"skipped": 0, "consecutive": 0}
     if resume and ckpt.exists():  # on Ray the trainers restore it (below); this process needs only the counters
         state = torch.load(ckpt, weights_only=False, map_location="cpu") if uses_ray(cfg) else trainer.load_checkpoint(ckpt)

@@ -32,13 +32,37 @@ def test_qlora_config_runs_end_to_end_on_a_tiny_llama(tmp_path):
                                                           "kv_cache", "slack", "total"}
     assert 0 < b["adapters"] < b["base"] and b["gradients"] > 0 and b["optimizer"] > 0
     assert b["total"] >= b["base"] + b["adapters"]
+    predicted = json.loads((run_dir / "rl" / "memory_predicted.json").read_text())["bytes"]
+    assert set(predicted) == set(b) and predicted["base"] > 0 and predicted["optimizer"] > 0
     report = (run_dir / "report.html").read_text()
-    assert "Memory per component (RL)" in report and "kv_cache" in report
+    assert "Memory per component (RL)" in report and "kv_cache" in report and "predicted" in report
     # the RL adapter alone was saved (not the critic's or the reward model's beside it), on the SFT model
     adapter = run_dir / "rl" / "adapter"
     assert not (adapter / "critic").exists() and not (adapter / "reward").exists()
     assert json.loads((adapter / "adapter_config.json").read_text())["base_model_name_or_path"] == \
         str((run_dir / "sft" / "model").resolve())
+    assert_rl_model_is_the_trained_actor(run_dir)
+
+
+def assert_rl_model_is_the_trained_actor(run_dir):
+    """The trained actor, rebuilt as RL holds it (the 4-bit shared base, the actor's adapter from the last
+    checkpoint), gives the logits of the saved plain rl/model; and training moved it away from the SFT model."""
+    from transformers import AutoModelForCausalLM
+
+    from rlfuse.config import load_config
+    from rlfuse.models.build import build_models
+
+    cfg = load_config(str(run_dir / "config.yaml"), [])
+    models = build_models(cfg, run_dir, torch.device("cpu"))
+    state = torch.load(run_dir / "rl" / "checkpoint.pt", weights_only=False, map_location="cpu")
+    assert not models.actor.load_state_dict(state["actor"], strict=False).unexpected_keys
+    ids = torch.tensor([[1, 5, 9, 11, 40, 7, 30]])
+    saved = AutoModelForCausalLM.from_pretrained(run_dir / "rl" / "model", dtype=torch.float32).eval()
+    sft = AutoModelForCausalLM.from_pretrained(run_dir / "sft" / "model", dtype=torch.float32).eval()
+    with torch.no_grad():
+        trained, reloaded = models.actor.eval()(input_ids=ids).logits, saved(input_ids=ids).logits
+        torch.testing.assert_close(reloaded, trained)
+        assert (reloaded - sft(input_ids=ids).logits).abs().max() > 1e-3
 
 
 def test_quantised_sft_trains_only_full_precision_adapters(tmp_path):
