@@ -24,7 +24,7 @@ from rlfuse.placement.check import check_placement
 from rlfuse.placement.spec import STRATEGIES, is_gpu_share
 from rlfuse.placement.strategies import MIN_WORKERS, spec_from_config
 
-DATA_KINDS = ("synthetic", "imdb", "hh_rlhf", "csv", "jsonl", "parquet")
+DATA_KINDS = ("synthetic", "imdb", "hh_rlhf", "csv", "jsonl", "parquet", "hub")
 QUANTIZATIONS = ("none", "4bit", "8bit")
 OPTIMIZERS = ("adamw", "adamw_8bit", "paged_adamw_8bit")
 
@@ -57,21 +57,31 @@ class RunConfig:
 @dataclass
 class DataConfig:
     kind: str = "synthetic"
-    """synthetic (the embedded default task) | imdb | hh_rlhf | csv | jsonl | parquet."""
+    """synthetic (the embedded default task) | imdb | hh_rlhf | csv | jsonl | parquet | hub. csv, jsonl, parquet and
+    hub rows may be in any of TRL's formats (text; prompt; prompt + completion; prompt + chosen + rejected; or
+    messages), standard or conversational (message lists), detected per data set."""
     path: Optional[str] = None
-    """Local file (csv/jsonl/jsonl.gz/parquet) or, for imdb and hh_rlhf, a hub data set name. Unused by synthetic."""
+    """Local file (csv/jsonl/jsonl.gz/parquet) or a hub data set name (imdb, hh_rlhf, hub). Unused by synthetic."""
+    subset: Optional[str] = None
+    """Hub data sets: the configuration name (e.g. `main` for openai/gsm8k)."""
+    split: str = "train"
+    """Hub data sets: the split to read; rlfuse holds out data.eval_fraction of it itself."""
+    chat_template: Optional[str] = None
+    """Conversational rows are rendered with the tokenizer's chat template; this sets one: `chatml`, a .jinja file,
+    or the template text (saved with the SFT model's tokenizer)."""
     text_column: Optional[str] = None
     """Generic files: column with the text to learn (SFT). Defaults per kind."""
     label_column: Optional[str] = None
     """Generic files: sentiment label column (positive/negative or 1/0), used to build preference pairs."""
     prompt_column: Optional[str] = None
-    """Generic files: prompt column; with response_column SFT can be completion-only."""
+    """Generic files: prompt column (default `prompt`), used whole as the RL prompt; with the completion column
+    SFT can be completion-only."""
     response_column: Optional[str] = None
-    """Generic files: response column (completion-only SFT)."""
+    """Generic files: completion column (default `completion`; completion-only SFT)."""
     chosen_column: Optional[str] = None
-    """Generic files: preferred response column (reward model)."""
+    """Generic files: preferred response column (reward model; default `chosen`)."""
     rejected_column: Optional[str] = None
-    """Generic files: dispreferred response column (reward model)."""
+    """Generic files: dispreferred response column (reward model; default `rejected`)."""
     num_reviews: int = 6000
     """Synthetic task: number of reviews in the corpus."""
     max_examples: Optional[int] = None
@@ -474,8 +484,11 @@ def validate(cfg: Config) -> Config:
     _validate_quantization(cfg)
     _positive(r, "run", "threads", allow_zero=True)
     _choice(d.kind, "data.kind", DATA_KINDS)
-    if d.kind in ("csv", "jsonl", "parquet") and not d.path:
-        raise ConfigError("data.path", f"data.kind={d.kind} needs a file", "set data.path=/path/to/file")
+    if d.kind in ("csv", "jsonl", "parquet", "hub") and not d.path:
+        raise ConfigError("data.path", f"data.kind={d.kind} needs a file or hub name",
+                          "set data.path=/path/to/file (or a hub data set name with data.kind=hub)")
+    if not d.split:
+        raise ConfigError("data.split", "empty", "set data.split=train")
     if d.path and d.kind != "synthetic" and not Path(d.path).exists() and _looks_like_path(d.path):
         raise ConfigError("data.path", f"file {d.path!r} not found", "point data.path at an existing file")
     _positive(d, "data", "num_reviews", "max_length", "prompt_words")

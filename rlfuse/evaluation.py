@@ -12,6 +12,7 @@ import torch
 
 from rlfuse.algos.kl import kl_penalty
 from rlfuse.config import RLConfig
+from rlfuse.data.chat import end_of_turn_ids
 from rlfuse.rollout.engine import DecodeEngine, SamplingParams
 from rlfuse.rollout.fusion import Experience, FusionPolicy, generate_rollouts
 from rlfuse.rollout.score import Scorer
@@ -28,6 +29,13 @@ def texts_of(exp: Experience, tok) -> list[str]:
     return [tok.decode(p + r, skip_special_tokens=True) for p, r in zip(exp.prompt_ids, exp.response_ids)]
 
 
+def sampling_params(models, rl: RLConfig, temperature: float) -> SamplingParams:
+    """rl's sampling settings at this temperature. A sample ends on EOS, on an rl.stop string, or on any end-of-turn
+    id of the tokenizer's chat template and the model's generation config (a chat model's turn ends there)."""
+    stop_ids = end_of_turn_ids(models.tokenizer, getattr(models.generator, "generation_config", None))
+    return SamplingParams(rl.max_new_tokens, temperature, rl.top_k, rl.top_p, tuple(rl.stop or ()), stop_ids)
+
+
 def evaluate(models, engine: DecodeEngine, prompts: list[list[int]], rl: RLConfig, seed: int,
              gold: bool) -> tuple[dict, list[str]]:
     """Held-out prompts, one sample each: reward, KL to the reference, length; gold and grammar on the default task.
@@ -38,7 +46,7 @@ def evaluate(models, engine: DecodeEngine, prompts: list[list[int]], rl: RLConfi
     t = eval_temperature(rl)  # fixed whatever the training schedule: before and after compare
     scorer = Scorer(models.reward_fn, models.tokenizer.pad_token_id, ref=models.ref, actor=models.actor,
                     temperature=t, micro_batch_size=32)
-    params = SamplingParams(rl.max_new_tokens, t, rl.top_k, rl.top_p, tuple(rl.stop or ()))
+    params = sampling_params(models, rl, t)
     exp = generate_rollouts(engine, scorer, prompts, 1, params, seed, FusionPolicy(True))
     texts = texts_of(exp, models.tokenizer)
     out = {
@@ -58,7 +66,7 @@ def sample_rewards(models, engine: DecodeEngine, prompts: list[list[int]], rl: R
                    micro_batch_size: int = 32) -> list[float]:
     """One sample per prompt from the engine's current weights at the evaluation temperature, scored by rl.reward:
     (len(prompts),) rewards in prompt order. The reward alone: no reference or critic pass."""
-    params = SamplingParams(rl.max_new_tokens, eval_temperature(rl), rl.top_k, rl.top_p, tuple(rl.stop or ()))
+    params = sampling_params(models, rl, eval_temperature(rl))
     samples = sorted(engine.generate(prompts, 1, params, seed), key=lambda s: len(s.prompt_ids) + len(s.token_ids))
     rewards = [0.0] * len(prompts)
     for i in range(0, len(samples), micro_batch_size):  # similar lengths together: little padding

@@ -16,8 +16,33 @@ def encode(tokenizer, text: str, bos: bool = True) -> list[int]:
     return ids
 
 
+def encode_chat(tokenizer, prompt: list, completion: list) -> tuple[list[int], list[int]]:
+    """(prompt ids, completion ids) of a conversation rendered with the chat template (data/chat.py), each part
+    tokenised on its own as RL sees them (the prompt's ids, then the generated ones); EOS after the completion unless
+    its turn already ends on an end-of-turn id, so the model learns to stop either way."""
+    from rlfuse.data.chat import encode_rendered, end_of_turn_ids, render_completion, require_template
+
+    require_template(tokenizer, "conversational data")
+    head, tail = render_completion(tokenizer, list(prompt), list(completion))
+    ids = encode_rendered(tokenizer, tail)
+    if not ids or ids[-1] not in end_of_turn_ids(tokenizer):
+        ids = ids + [tokenizer.eos_token_id]
+    return encode_rendered(tokenizer, head), ids
+
+
+def is_chat(*parts) -> bool:
+    return any(isinstance(p, list) for p in parts)
+
+
 def encode_sft(tokenizer, ex: TextExample, max_length: int, completion_only: bool) -> tuple[list[int], list[int]]:
-    """(input ids, labels) with EOS after the response; labels are -100 where the loss does not apply."""
+    """(input ids, labels) with EOS after the response; labels are -100 where the loss does not apply.
+    Conversational examples: the chat template's rendering, the loss on the last assistant turn with
+    completion_only."""
+    if is_chat(ex.prompt, ex.response):
+        prompt, response = encode_chat(tokenizer, ex.prompt or [], ex.response)
+        ids = (prompt + response)[:max_length]
+        labels = ([-100] * len(prompt) if completion_only else list(prompt)) + response
+        return ids, labels[:max_length]
     prompt = encode(tokenizer, ex.prompt) if ex.prompt else encode(tokenizer, "")
     response = tokenizer(ex.response, add_special_tokens=False)["input_ids"] + [tokenizer.eos_token_id]
     if ex.prompt and not ex.prompt.endswith((" ", "\n")) and not ex.response.startswith((" ", "\n")):
@@ -31,6 +56,10 @@ def encode_reward_text(tokenizer, prompt: str, response: str, max_length: int) -
     """Reward-model input: BOS + prompt + response + EOS; truncation keeps the end. The score is read at the rightmost
     token that is not the pad id, and rlfuse's pad id is the EOS id (GPT-2 tokenizers have none), so it is read at the
     text's last token, the one before this EOS; rollout.score.reward_model_fn builds the same input."""
+    if is_chat(prompt, response):  # the rendered conversation, ending on its end-of-turn id, then EOS as above
+        head, tail = encode_chat(tokenizer, prompt or [], response)
+        ids = head + tail + ([] if tail[-1] == tokenizer.eos_token_id else [tokenizer.eos_token_id])
+        return ids[-max_length:]
     text = f"{prompt} {response}".strip() if prompt and not prompt.endswith((" ", "\n")) else prompt + response
     ids = encode(tokenizer, text) + [tokenizer.eos_token_id]
     return ids[-max_length:]

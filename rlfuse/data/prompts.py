@@ -47,12 +47,23 @@ def prompt_budget(rl: RLConfig, context: int | None) -> int:
     return p
 
 
-def encode_prompts(tokenizer, texts: list[str], max_tokens: int) -> tuple[list[list[int]], int]:
-    """Token ids of each prompt (as collate.encode: BOS in front), longer ones cut to their last tokens so that
-    each has at most max_tokens; returns (ids, number of prompts cut)."""
+def encode_prompt(tokenizer, prompt) -> list[int]:
+    """A prompt's ids: text as collate.encode (BOS in front), a message list rendered with the chat template and
+    the assistant's turn header (data/chat.py)."""
+    if isinstance(prompt, list):
+        from rlfuse.data.chat import encode_rendered, render_prompt, require_template
+
+        require_template(tokenizer, "conversational prompts")
+        return encode_rendered(tokenizer, render_prompt(tokenizer, prompt))
+    return encode(tokenizer, prompt)
+
+
+def encode_prompts(tokenizer, texts: list, max_tokens: int) -> tuple[list[list[int]], int]:
+    """Token ids of each prompt (encode_prompt), longer ones cut to their last tokens so that each has at most
+    max_tokens; returns (ids, number of prompts cut)."""
     bos, out, cut = tokenizer.bos_token_id, [], 0
     for text in texts:
-        ids = encode(tokenizer, text)
+        ids = encode_prompt(tokenizer, text)
         if len(ids) > max_tokens:
             cut += 1
             # BOS stays in front: every sequence in SFT and reward-model training began with it, so a prompt without

@@ -18,6 +18,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from rlfuse.config import Config
+from rlfuse.data.formats import is_empty
 from rlfuse.errors import DataError
 
 IMDB_HUB = "stanfordnlp/imdb"
@@ -27,16 +28,18 @@ HH_ASSISTANT = "\n\nAssistant:"
 
 @dataclass(frozen=True)
 class TextExample:
-    """SFT example: the loss covers `response` (completion-only) or `prompt + response` (full text)."""
-    prompt: str
-    response: str
+    """SFT example: the loss covers `response` (completion-only) or `prompt + response` (full text). Each is a
+    string, or a message list (conversational, rendered with the chat template: data/chat.py)."""
+    prompt: str | list
+    response: str | list
 
 
 @dataclass(frozen=True)
 class PreferencePair:
-    prompt: str
-    chosen: str
-    rejected: str
+    """Strings, or message lists (conversational); an empty prompt: the prompt is inside chosen and rejected."""
+    prompt: str | list
+    chosen: str | list
+    rejected: str | list
 
 
 # ------------------------------------------------------------------------------------------ raw records
@@ -91,15 +94,17 @@ def read_records(path: str | Path) -> list[dict]:
     raise DataError(str(p), "unknown file type", "use .csv, .jsonl, .jsonl.gz or .parquet")
 
 
-def load_hub(name: str, split: str = "train") -> list[dict]:
-    """A hub data set through `datasets` (needs network or a local datasets cache)."""
+def load_hub(name: str, subset: str | None = None, split: str = "train") -> list[dict]:
+    """A hub data set through `datasets` (needs network or a local datasets cache): configuration `subset`, `split`."""
     try:
         from datasets import load_dataset
 
-        return list(load_dataset(name, split=split))
-    except Exception as e:  # offline, unknown name, gated: all end the same way for the user
-        raise DataError(name, f"could not load this hub data set ({type(e).__name__})",
-                        "check the name and network, or set data.path to a local file") from None
+        return list(load_dataset(name, subset, split=split))
+    except Exception as e:  # offline, unknown name, gated, missing config: all end the same way for the user
+        detail = str(e).splitlines()[0][:200] if str(e) else ""
+        raise DataError(name, f"could not load this hub data set (subset {subset!r}, split {split!r}: "
+                        f"{type(e).__name__}{': ' + detail if detail else ''})",
+                        "check the name, data.subset, data.split and the network, or set data.path to a local file") from None
 
 
 def require_columns(rows: list[dict], source: str, columns: dict[str, str]) -> None:
@@ -123,8 +128,9 @@ class SkipCounter:
     def __init__(self, source: str):
         self.source, self.skipped = source, 0
 
-    def keep(self, *values: str) -> bool:
-        ok = all(v.strip() for v in values)
+    def keep(self, *values) -> bool:
+        """values: strings or message lists; a row is kept when none is empty."""
+        ok = not any(is_empty(v) for v in values)
         self.skipped += not ok
         return ok
 
@@ -143,7 +149,7 @@ def _rows(cfg: Config, default_hub: str | None) -> tuple[list[dict], str]:
     path = cfg.data.path or default_hub
     if path is None:
         raise DataError(cfg.data.kind, "no data.path given", "set data.path to a file")
-    rows = read_records(path) if Path(path).exists() else load_hub(path)
+    rows = read_records(path) if Path(path).exists() else load_hub(path, cfg.data.subset, cfg.data.split)
     if not rows:
         raise DataError(path, "no rows", "point data.path at a file with rows")
     if cfg.data.max_examples:

@@ -6,6 +6,7 @@ import random
 
 from rlfuse.config import Config
 from rlfuse.data.corpus import prompt_of
+from rlfuse.data.formats import cell, conversation_prompt, detect, is_empty, split_last_turn
 from rlfuse.data.gold import gold_score
 from rlfuse.data.sources import (PreferencePair, SkipCounter, TextExample, generic_rows, hh_pairs, imdb_reviews,
                                  require_columns, sentiment_label, split_holdout)
@@ -22,20 +23,61 @@ def sft_examples(cfg: Config, task: DefaultTask | None, log=print) -> tuple[list
         return split([TextExample("", t) for t, _ in imdb_reviews(cfg, log)], "SFT examples")
     if kind == "hh_rlhf":
         return split([TextExample(p.prompt, p.chosen) for p in hh_pairs(cfg, log)], "SFT examples")
+    rows, src, fmt = generic_format(cfg, log)
+    col, skip, out = fmt.columns, SkipCounter(src), []
+    if "prompt" in col and "completion" in col:
+        for i, r in enumerate(rows, 1):
+            prompt, completion = cell(r.get(col["prompt"]), col["prompt"], src, i), cell(r.get(col["completion"]), col["completion"], src, i)
+            if skip.keep(completion):
+                out.append(TextExample(prompt, completion))
+    elif "messages" in col or ("text" in col and fmt.conversational):
+        name = col.get("messages") or col["text"]
+        for i, r in enumerate(rows, 1):
+            conversation = cell(r.get(name), name, src, i)
+            if skip.keep(conversation):
+                out.append(TextExample(*split_last_turn(_messages(conversation, name, src, i), src, i)))
+    elif "chosen" in col:  # a preference data set: SFT on the preferred replies, as for hh_rlhf
+        log(f"[data] {src}: SFT on column {col['chosen']!r} (the preferred replies)")
+        for i, r in enumerate(rows, 1):
+            prompt = cell(r.get(col["prompt"]), col["prompt"], src, i) if "prompt" in col else ""
+            chosen = cell(r.get(col["chosen"]), col["chosen"], src, i)
+            if skip.keep(chosen):
+                out.append(TextExample(prompt, chosen) if prompt or isinstance(chosen, str)
+                           else TextExample(*split_last_turn(chosen, src, i)))
+    elif "text" in col:
+        for i, r in enumerate(rows, 1):
+            text = cell(r.get(col["text"]), col["text"], src, i)
+            if skip.keep(text):
+                out.append(TextExample("", text))
+    else:
+        raise DataError(src, f"no SFT columns (found: {', '.join(map(str, rows[0])) or 'none'})",
+                        "give a `text`, `prompt` + `completion` or `messages` column, or map yours with "
+                        "data.text_column or data.prompt_column + data.response_column")
+    skip.finish(len(out), log)
+    d = cfg.data
+    return split(out[: d.max_examples] if d.max_examples else out, "SFT examples")
+
+
+def generic_format(cfg: Config, log=print):
+    """A csv/jsonl/parquet/hub data set's rows, source name and TRL format (data/formats.py): each role's column is
+    the configured one, else the TRL name when the data set has it. A configured column that is missing is named."""
     rows, src = generic_rows(cfg)
     d = cfg.data
-    if d.prompt_column and d.response_column:
-        require_columns(rows, src, {"data.prompt_column": d.prompt_column, "data.response_column": d.response_column})
-        skip = SkipCounter(src)
-        out = [TextExample(str(r[d.prompt_column]), str(r[d.response_column])) for r in rows
-               if skip.keep(str(r[d.response_column] or ""))]
-    else:
-        col = d.text_column or "text"
-        require_columns(rows, src, {"data.text_column": col})
-        skip = SkipCounter(src)
-        out = [TextExample("", str(r[col])) for r in rows if skip.keep(str(r[col] or ""))]
-    skip.finish(len(out), log)
-    return split(out[: d.max_examples] if d.max_examples else out, "SFT examples")
+    configured = {"data.text_column": d.text_column, "data.prompt_column": d.prompt_column,
+                  "data.response_column": d.response_column, "data.chosen_column": d.chosen_column,
+                  "data.rejected_column": d.rejected_column, "data.label_column": d.label_column}
+    require_columns(rows, src, {f: c for f, c in configured.items() if c})
+    fmt = detect(rows, src, {"text": d.text_column, "prompt": d.prompt_column, "completion": d.response_column,
+                             "chosen": d.chosen_column, "rejected": d.rejected_column, "messages": None})
+    log(f"[data] {src}: {fmt.name} format (columns: {', '.join(f'{k}={v}' for k, v in fmt.columns.items()) or 'none'})")
+    return rows, src, fmt
+
+
+def _messages(value, column: str, src: str, row: int) -> list:
+    if isinstance(value, str):
+        raise DataError(src, f"column {column!r}, row {row}: text where the data set's other rows hold message lists",
+                        "give every row of this column as a list of messages")
+    return value
 
 
 def _splitter(cfg: Config):
@@ -60,24 +102,25 @@ def preference_pairs(cfg: Config, task: DefaultTask | None, log=print) -> tuple[
         return sentiment_pairs(train, cfg.rm.num_pairs, seed), sentiment_pairs(held, n_eval, seed + 1)
     if kind == "hh_rlhf":
         return split(hh_pairs(cfg, log), "preference pairs")
-    rows, src = generic_rows(cfg)
-    d = cfg.data
-    if d.chosen_column and d.rejected_column:
-        require_columns(rows, src, {"data.chosen_column": d.chosen_column, "data.rejected_column": d.rejected_column})
-        skip = SkipCounter(src)
-        pairs = [PreferencePair(str(r.get(d.prompt_column, "") if d.prompt_column else ""), str(r[d.chosen_column]),
-                                str(r[d.rejected_column])) for r in rows
-                 if skip.keep(str(r[d.chosen_column] or ""), str(r[d.rejected_column] or ""))]
+    rows, src, fmt = generic_format(cfg, log)
+    col, d = fmt.columns, cfg.data
+    if "chosen" in col and "rejected" in col:
+        skip, pairs = SkipCounter(src), []
+        for i, r in enumerate(rows, 1):
+            prompt = cell(r.get(col["prompt"]), col["prompt"], src, i) if "prompt" in col else ""
+            chosen, rejected = (cell(r.get(col[k]), col[k], src, i) for k in ("chosen", "rejected"))
+            if skip.keep(chosen, rejected) and chosen != rejected:
+                pairs.append(PreferencePair(prompt, chosen, rejected))
         skip.finish(len(pairs), log)
         return split(pairs, "preference pairs")
     if d.text_column and d.label_column:
-        require_columns(rows, src, {"data.text_column": d.text_column, "data.label_column": d.label_column})
         items = [(str(r[d.text_column]), sentiment_label(r[d.label_column])) for r in rows]
         items = [(t, y) for t, y in items if t.strip() and y is not None]
         train, held = split(items, "labelled rows")
         return sentiment_pairs(train, cfg.rm.num_pairs, seed), sentiment_pairs(held, max(64, int(cfg.rm.num_pairs * frac)), seed + 1)
-    raise DataError(src, "no preference columns configured",
-                    "set data.chosen_column and data.rejected_column, or data.text_column and data.label_column")
+    raise DataError(src, "no preference columns (`chosen` and `rejected`)",
+                    "give `chosen` and `rejected` columns (and optionally `prompt`), map yours with "
+                    "data.chosen_column and data.rejected_column, or set data.text_column and data.label_column")
 
 
 def _truncated(review: str, rng: random.Random) -> str:
@@ -111,8 +154,8 @@ def sentiment_pairs(items: list[tuple[str, int]], n: int, seed: int) -> list[Pre
     return [PreferencePair("", rng.choice(pos), rng.choice(neg)) for _ in range(n)]
 
 
-def rl_prompts(cfg: Config, task: DefaultTask | None, log=print) -> tuple[list[str], list[str]]:
-    """Prompts for RL and evaluation (train, held out)."""
+def rl_prompts(cfg: Config, task: DefaultTask | None, log=print) -> tuple[list, list]:
+    """Prompts for RL and evaluation (train, held out): strings, or message lists for conversational data."""
     kind, seed, split = cfg.data.kind, cfg.run.seed, _splitter(cfg)
     rng = random.Random(seed + 7)
     if kind == "synthetic":
@@ -123,10 +166,21 @@ def rl_prompts(cfg: Config, task: DefaultTask | None, log=print) -> tuple[list[s
         return split([prompt_of(t, rng, max(cfg.data.prompt_words, 8)) for t in texts], "prompts")
     if kind == "hh_rlhf":
         return split([p.prompt for p in hh_pairs(cfg, log) if p.prompt], "prompts")
-    rows, src = generic_rows(cfg)
-    col = cfg.data.prompt_column or cfg.data.text_column or "prompt"
-    require_columns(rows, src, {"data.prompt_column": col})
-    prompts = [str(r[col]) for r in rows if str(r[col] or "").strip()]
-    if not cfg.data.prompt_column:
-        prompts = [prompt_of(p, rng, max(cfg.data.prompt_words, 8)) for p in prompts]
+    rows, src, fmt = generic_format(cfg, log)
+    col = fmt.columns
+    if "prompt" in col:  # a prompt column is the prompt, whole
+        prompts = [cell(r.get(col["prompt"]), col["prompt"], src, i) for i, r in enumerate(rows, 1)]
+    elif "messages" in col or ("chosen" in col and fmt.conversational):  # the conversation before its last reply
+        name = col.get("messages") or col["chosen"]
+        prompts = [conversation_prompt(_messages(cell(r.get(name), name, src, i), name, src, i))
+                   for i, r in enumerate(rows, 1)]
+    elif "text" in col:  # a text column is not a prompt: its opening words are, as for the reviews of imdb
+        n = max(cfg.data.prompt_words, 8)
+        log(f"[data] {src}: RL prompts are the first 2-{n} words of column {col['text']!r} (a text column); set "
+            "data.prompt_column to use a column whole")
+        prompts = [prompt_of(str(cell(r.get(col["text"]), col["text"], src, i)), rng, n) for i, r in enumerate(rows, 1)]
+    else:
+        raise DataError(src, f"no prompt column (found: {', '.join(map(str, rows[0])) or 'none'})",
+                        "give a `prompt` or `messages` column, or set data.prompt_column")
+    prompts = [p for p in prompts if not is_empty(p)]
     return split(prompts, "prompts")

@@ -40,6 +40,8 @@ class SamplingParams:
     top_p: float = 1.0
     """1.0 disables."""
     stop_strings: tuple[str, ...] = ()
+    stop_token_ids: tuple[int, ...] = ()
+    """Ids that end a sample as EOS does: a chat model's end-of-turn markers (data/chat.py end_of_turn_ids)."""
 
 
 @dataclass
@@ -351,7 +353,7 @@ class DecodeEngine:
             live.select(keep)
 
     def _finish_reason(self, tokens: list[int], params: SamplingParams, limit: int) -> str | None:
-        if tokens[-1] == self.eos:
+        if tokens[-1] == self.eos or tokens[-1] in params.stop_token_ids:
             return "eos"
         if params.stop_strings:
             tail = self.tokenizer.decode(tokens[-8:])

@@ -39,10 +39,11 @@ from rlfuse.algos.schedules import scheduled_value
 from rlfuse.algos.stats import explained_variance, level_mean, masked_mean, whiten
 from rlfuse.config import Config, RLConfig
 from rlfuse.data.curriculum import curriculum_indices, uniform_indices
+from rlfuse.data.chat import set_chat_template
 from rlfuse.data.prompts import encode_prompts, model_context, prompt_budget
 from rlfuse.data.stages import rl_prompts
 from rlfuse.errors import UserError
-from rlfuse.evaluation import evaluate, evaluate_before, iteration_gold, prompt_difficulty
+from rlfuse.evaluation import evaluate, evaluate_before, iteration_gold, prompt_difficulty, sampling_params
 from rlfuse.metrics.memory import MemoryMeter
 from rlfuse.metrics.tracker import JsonlTracker, memory_metrics, truncate_metrics
 from rlfuse.models.build import Models, build_models
@@ -51,7 +52,7 @@ from rlfuse.placement.rollout import build_placement, local_scorer, sync_weights
 from rlfuse.placement.planner import predicted_memory, resolve_auto
 from rlfuse.placement.spec import dp_micro_size
 from rlfuse.progress import Progress
-from rlfuse.rollout.engine import DecodeEngine, SamplingParams
+from rlfuse.rollout.engine import DecodeEngine
 from rlfuse.rollout.fusion import Experience, FusionPolicy
 from rlfuse.rollout.score import collate, response_logprobs, response_values
 from rlfuse.trainers.checkpoint import load_checkpoint, save_checkpoint
@@ -395,6 +396,7 @@ def train_rl(cfg: Config, run_dir: Path, log=print, resume: bool = False, on_rea
     _, task = resolve_base_model(cfg, log) if cfg.data.kind == "synthetic" else (None, None)
     models = build_models(cfg, run_dir, device)
     tok, gold = models.tokenizer, cfg.data.kind == "synthetic"
+    set_chat_template(tok, cfg.data.chat_template)
     train_text, held_text = rl_prompts(cfg, task, log)
     budget = prompt_budget(rl, model_context(models.generator.config))
     train_prompts, cut = encode_prompts(tok, train_text, budget)
@@ -405,7 +407,7 @@ def train_rl(cfg: Config, run_dir: Path, log=print, resume: bool = False, on_rea
     engine = DecodeEngine(models.generator, tok.eos_token_id, max_rows=cfg.rollout.max_rows, tokenizer=tok)
     scorer = local_scorer(models, cfg)
     fusion = FusionPolicy(cfg.rollout.fusion, cfg.rollout.score_every, cfg.rollout.live_below)
-    params = SamplingParams(rl.max_new_tokens, rl.temperature, rl.top_k, rl.top_p, tuple(rl.stop or ()))
+    params = sampling_params(models, rl, rl.temperature)
     trainer = LocalTrainer(models, build_learners(models, rl), rl)
     kl_ctl = (AdaptiveKLController(rl.kl_coef, rl.kl_target, rl.kl_horizon) if rl.kl_target is not None
               else FixedKLController(rl.kl_coef))

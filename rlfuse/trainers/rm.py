@@ -12,6 +12,7 @@ import torch
 
 from rlfuse.algos.losses import pairwise_reward_loss
 from rlfuse.config import Config
+from rlfuse.data.chat import set_chat_template
 from rlfuse.data.collate import encode_pair, pair_batch
 from rlfuse.data.stages import preference_pairs
 from rlfuse.errors import UserError
@@ -75,6 +76,7 @@ def train_rm(cfg: Config, run_dir: Path, log=print, on_trained=None) -> RMResult
     _, task = resolve_base_model(cfg, log)
     name = rm_backbone(cfg, run_dir, log)
     tokenizer = load_tokenizer(name)
+    set_chat_template(tokenizer, cfg.data.chat_template)  # conversational pairs are rendered with it
     model = place(load_reward_model(name, cfg.model, pad_token_id=tokenizer.pad_token_id, precision=cfg.run.precision,
                                     device=device), device)
     check_max_length(cfg.data.max_length, model_context(model.config))

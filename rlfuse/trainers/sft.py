@@ -16,6 +16,7 @@ import torch
 
 from rlfuse.algos.losses import sft_loss
 from rlfuse.config import Config
+from rlfuse.data.chat import set_chat_template
 from rlfuse.data.collate import encode_sft, sft_batch
 from rlfuse.data.stages import rl_prompts, sft_examples
 from rlfuse.metrics.tracker import JsonlTracker
@@ -71,6 +72,7 @@ def train_sft(cfg: Config, run_dir: Path, log=print, on_trained=None) -> SFTResu
     device = setup_runtime(cfg.run)
     name, task = resolve_base_model(cfg, log)
     tokenizer = load_tokenizer(name)
+    set_chat_template(tokenizer, cfg.data.chat_template)  # saved with the model: RL renders prompts with it
     model = place(load_causal_lm(name, cfg.model, precision=cfg.run.precision, device=device), device)
     check_max_length(cfg.data.max_length, model_context(model.config))
     model.train()
