@@ -196,7 +196,19 @@ class MachineProfile:
     allreduce_latency_s: float = 0.0
     """Fixed seconds per all-reduce."""
     ray_call_s: float = 0.0
-    """Fixed seconds per iteration a Ray placement adds (remote calls, object-store puts of experience)."""
+    """The driver's own work per iteration on Ray besides its calls to the workers (advantages, building the
+    experience, the loop's Python): seconds, counted once per iteration."""
+    ray_round_trip_s: float = 0.0
+    """One driver -> worker call and its reply while the workers compute (Ray's submit, the reply through the object
+    store, the driver's wake-up): what each rollout chunk, scoring call, weight sync and update adds."""
+    ray_sample_s: float = 0.0
+    """Seconds per sample a reply or a put carries (pickling a sample's token lists and per-token tensors, and back)."""
+    train_micro_s: float = 0.0
+    """Seconds per training micro-batch beyond the model's forward + backward: collating it, the log-probs and loss
+    and their stats, DDP's hooks on a data-parallel rank."""
+    ray_slowdown: float = 1.0
+    """How much slower a Ray worker computes while every worker and the driver run than one process alone (Ray's
+    own threads and the driver share the cores): the planner slows a Ray placement's compute rates by it."""
     memory_bytes: float = 0.0
     """Memory of one worker: device memory on GPU, the RAM share on CPU (0: unknown)."""
     runtime_bytes: float = 0.0
@@ -239,7 +251,7 @@ class MachineProfile:
                        mem_bw=self.mem_bw / factor, layer_call_s=self.layer_call_s * factor,
                        decode_layer_call_s=self.decode_layer_call_s * factor,
                        decode_sample_s=self.decode_sample_s * factor, score_call_s=self.score_call_s * factor,
-                       train_layer_call_s=self.train_layer_call_s * factor,
+                       train_layer_call_s=self.train_layer_call_s * factor, train_micro_s=self.train_micro_s * factor,
                        optimizer_bytes_s=self.optimizer_bytes_s / factor)
 
 
@@ -326,6 +338,31 @@ def allreduce_seconds(p: MachineProfile, nbytes: float, workers: int, calls: flo
     if workers <= 1:
         return 0.0
     return calls * (p.allreduce_latency_s + 2 * (workers - 1) / workers * nbytes / p.allreduce_bytes_s)
+
+
+def round_trip_seconds(p: MachineProfile, calls: float, samples: float = 0.0) -> float:
+    """`calls` driver -> worker calls on Ray and their replies, carrying `samples` samples in all."""
+    return calls * p.ray_round_trip_s + samples * p.ray_sample_s
+
+
+def rollout_chunks(samples: float, busy_s: float, every: int, chunk_s: float) -> int:
+    """Replies one decoding worker sends the driver in a rollout (ray_rollout.GenerationWorker.advance): a chunk ends
+    after `every` finished samples, or at the first sample to finish after `chunk_s` seconds. So at least
+    ceil(samples / every), never more than one per sample, and about busy_s / chunk_s in between."""
+    if samples <= 0:
+        return 0
+    return max(math.ceil(samples / every), min(math.ceil(samples), math.ceil(busy_s / chunk_s)))
+
+
+DDP_FIRST_BUCKET_BYTES = 2**20
+"""torch's DistributedDataParallel caps its first gradient bucket at 1 MiB (to start communicating early)."""
+
+
+def ddp_buckets(nbytes: float, bucket_bytes: float) -> int:
+    """All-reduces DDP runs in a backward that syncs: the first 1 MiB, then buckets of `bucket_bytes`."""
+    if nbytes <= DDP_FIRST_BUCKET_BYTES:
+        return 1
+    return 1 + math.ceil((nbytes - DDP_FIRST_BUCKET_BYTES) / bucket_bytes)
 
 
 def survival_scale(mean: float, cap: float) -> float:

@@ -16,6 +16,7 @@ Where the file goes: `--profile-path`, else `$RLFUSE_CACHE/machine_profile.json`
 from __future__ import annotations
 
 import os
+import statistics
 import time
 from pathlib import Path
 
@@ -24,21 +25,25 @@ from rlfuse.placement.cost import GiB, MachineProfile, ModelShape, gpt2_shape
 SYNC_LATENCY_S = 0.02
 """Ray object-store put + get round trip of a weight sync, fixed part: not measured by the profile (starting Ray
 costs more than the whole profile); 0.04-0.055 s for 7.6 MB in two transfers in BENCHMARKS.md's per-strategy runs."""
-RAY_CALL_S = 0.03
+RAY_CALL_S = 0.002
 """Per-iteration driver <-> worker calls on Ray (submit, wait, gather metrics); an estimate from the same runs."""
 RAY_WORKER_BYTES = 54 * 2**20
 """What a Ray worker process holds beyond the same imports in a plain process (its core worker and gRPC threads):
 438 MiB against 384 MiB, measured on this machine."""
-GLOO_BYTES_S = 1e9
-"""Gradient all-reduce over gloo on loopback TCP (not measured: it needs a second process)."""
+BUILTIN_OVERHEADS = {"ray_round_trip_s": 2.6e-3, "ray_sample_s": 6.9e-4, "allreduce_latency_s": 1.7e-4,
+                     "allreduce_bytes_s": 7.7e8, "train_micro_s": 0.012}
+"""Ray and gloo overheads (profile_ray.py) as measured on this project's 2-core dev machine (load average 1-4),
+for a profile taken without Ray."""
+GPU_OVERHEADS = {"allreduce_latency_s": 1e-4, "allreduce_bytes_s": 50e9}
+"""NCCL on one node (not measured: the profile's Ray probe runs CPU workers)."""
 
 BUILTIN_CPU = MachineProfile(
     name="builtin: AMD EPYC dev VM (2 cores), 1 thread per worker", device="cpu", threads=1, flops=4.82e+10,
     decode_flops=1.21e+10, mem_bw=3.34e+10, layer_call_s=0.00077,
     decode_layer_call_s=0.00049, decode_sample_s=0.0016, score_call_s=0.0,
     train_layer_call_s=0.0034, bwd_ratio=2.72, optimizer_bytes_s=4.98e+09,
-    sync_bytes_s=5.77e+08, sync_latency_s=SYNC_LATENCY_S, allreduce_bytes_s=GLOO_BYTES_S,
-    allreduce_latency_s=1e-3, ray_call_s=RAY_CALL_S, memory_bytes=23.5 * GiB, runtime_bytes=0.46 * GiB,
+    sync_bytes_s=5.77e+08, sync_latency_s=SYNC_LATENCY_S, ray_call_s=RAY_CALL_S, **BUILTIN_OVERHEADS,
+    memory_bytes=23.5 * GiB, runtime_bytes=0.46 * GiB,
     slack_fraction=0.1, source="rlfuse plan --profile on this project's dev machine, 2026-11-22 01:47 UTC, rates "
     "as measured alone (contention 1.35 taken out)")
 
@@ -117,9 +122,11 @@ def _build(shape: ModelShape, device: str):
 
 
 def measure_profile(shape: ModelShape | None = None, threads: int = 1, device: str | None = None,
-                    log=print) -> MachineProfile:
+                    log=print, ray: bool = True) -> MachineProfile:
     """Time the pieces and fit the rates (see the module docstring). `threads`: torch threads, a worker's
-    cpus_per_worker. device: cpu | cuda (default cuda when present)."""
+    cpus_per_worker. device: cpu | cuda (default cuda when present). ray: also measure the overheads of a run on
+    Ray workers (profile_ray.py: round trips, gloo all-reduce, the training micro-batch's fixed cost); without
+    it (or without Ray installed) those fields keep the built-in profile's values."""
     import io
 
     import psutil
@@ -216,6 +223,13 @@ def measure_profile(shape: ModelShape | None = None, threads: int = 1, device: s
         torch.load(buf)
 
     sync_bytes_s = wbytes / _timed(serialise, 3, sync)
+    driver_s = _driver_seconds(shape.vocab)
+    overheads = {}
+    if ray and device == "cpu":
+        from rlfuse.placement.profile_ray import decode_chunk
+
+        alone = statistics.median(decode_chunk(model, 16) for _ in range(7))  # a rollout chunk's work, alone
+        overheads = _ray_overheads(shape, threads, log, alone)
     memory = (torch.cuda.get_device_properties(0).total_memory if device == "cuda"
               else psutil.virtual_memory().total)
     name = torch.cuda.get_device_name(0) if device == "cuda" else f"{_cpu_name()}, {threads} thread(s) per worker"
@@ -226,12 +240,36 @@ def measure_profile(shape: ModelShape | None = None, threads: int = 1, device: s
         layer_call_s=call, decode_layer_call_s=decode_layer_call, decode_sample_s=decode_sample_s,
         score_call_s=score_call_s, train_layer_call_s=train_call, bwd_ratio=bwd_ratio,
         optimizer_bytes_s=optimizer_bytes_s, sync_bytes_s=sync_bytes_s, sync_latency_s=SYNC_LATENCY_S,
-        allreduce_bytes_s=GLOO_BYTES_S if device == "cpu" else 50e9,
-        allreduce_latency_s=1e-3 if device == "cpu" else 1e-4,
-        ray_call_s=RAY_CALL_S, memory_bytes=float(memory), runtime_bytes=float(runtime), slack_fraction=0.1,
+        ray_call_s=driver_s, **((BUILTIN_OVERHEADS if device == "cpu" else GPU_OVERHEADS) | overheads),
+        memory_bytes=float(memory), runtime_bytes=float(runtime), slack_fraction=0.1,
         source=f"rlfuse plan --profile, {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}, {shape.name}, "
                f"load average {os.getloadavg()[0]:.1f}, contention {contention:.2f} (rates divided by it)"
     ).slowed(contention)
+
+
+def _driver_seconds(vocab: int, samples: int = 32) -> float:
+    """The RL driver's own work per iteration between its calls to workers: advantages and mini-batch order over an
+    iteration's experience (trainers/rl.py steps 3 and 4), timed on a made-up one of `samples` samples."""
+    from rlfuse.config import RLConfig
+    from rlfuse.placement.profile_ray import fake_experience
+    from rlfuse.trainers.rl import compute_advantages, minibatches
+
+    rl, exp = RLConfig(), fake_experience(samples, vocab)
+    return _timed(lambda: (compute_advantages(exp, rl, 0.1), minibatches(len(exp), rl, 0, 0)), 9, lambda: None)
+
+
+def _ray_overheads(shape: ModelShape, threads: int, log, alone_s: float) -> dict:
+    """profile_ray.measure_ray_overheads, or {} (built-in values, said in one line) where Ray is missing or fails
+    to start on this machine: the rest of the profile still holds."""
+    try:
+        from rlfuse.placement.profile_ray import measure_ray_overheads
+
+        return measure_ray_overheads(shape, threads, log, alone_s=alone_s)
+    except ImportError:
+        log("[profile] Ray is not installed: Ray overheads from the built-in profile")
+    except Exception as e:  # noqa: BLE001  (Ray's start can fail many ways: ports, /dev/shm, a stale session)
+        log(f"[profile] Ray overheads not measured ({type(e).__name__}: {str(e)[:120]}); built-in values used")
+    return {}
 
 
 def _cpu_name() -> str:

@@ -104,14 +104,16 @@ def test_balanced_small_models_choose_flattened(default_problem):
     assert best.strategy == "flattened" and best.spec.workers == 4
 
 
-def test_generation_dominating_chooses_separated(default_problem):
+def test_generation_dominating_chooses_a_scoring_group(default_problem):
     # decode steps 20 ms per layer (latency-bound: more workers do not shorten them) and a 12-layer reward model to
-    # score: separated hides the scoring under decoding on its own group and keeps most workers training
+    # score: a layout with two groups hides the scoring under decoding and keeps three workers training (separated
+    # 3 train + 1 generating, or interleaved 3 train-and-generate + 1 scoring: within 2% of each other)
     slow_decode = replace(default_problem.profile, decode_layer_call_s=0.02)
     big_rm = replace(default_problem.memory, reward=gpt2_shape("rm", 12, 768, 12, 1024, 512))
     plans = plan(_fixed(default_problem, profile=slow_decode, memory=big_rm))
     best = plans[0]
-    assert best.strategy == "separated" and best.spec.group("generate").workers == 1
+    assert best.strategy in ("separated", "interleaved") and best.spec.group("train").workers == 3
+    assert best.seconds["rollout"] < best.seconds["generate"] + best.seconds["score"] / 2  # scoring mostly hidden
     flattened = next(p for p in plans if p.strategy == "flattened")
     assert flattened.seconds["rollout"] == pytest.approx(flattened.seconds["generate"] + flattened.seconds["score"])
     assert best.seconds["rollout"] < flattened.seconds["rollout"]
