@@ -6,7 +6,8 @@ the default task and on real IMDb prompts, predicted vs measured per stage from 
     python bench/plan.py --models RUN_DIR --fresh --repeats 3   # rerun every plan (not reusing earlier runs)
 
 Inputs of the predictions, all taken before any plan runs: the machine profile (`rlfuse plan --profile`, measured
-at the start, Ray overheads included), the config, the mean prompt tokens of the task (its prompts tokenised), and
+at the start, Ray overheads included), the config, the mean prompt tokens of the task and the distinct prompt
+lengths in an iteration's prompts (its prompts tokenised: one prefill call per length), and
 the response lengths (mean, longest) of a 3-iteration single-process calibration run per task: samples do not
 depend on the placement, so every plan decodes the same lengths. Each plan runs --repeats times (2 by default), the
 repeats interleaved (every plan once, then every plan again) so that a change of load falls on all plans alike.
@@ -69,8 +70,12 @@ def common_overrides(models: Path, task: str, iterations: int) -> list[str]:
             f"rl.iterations={iterations}", "rl.eval_prompts=0", "run.quiet=true", *TASKS[task]]
 
 
-def mean_prompt_tokens(cfg, sft_dir: Path) -> float:
-    """Mean tokens of the task's RL train prompts as the RL stage encodes them (BOS included, cut to the budget)."""
+def prompt_stats(cfg, sft_dir: Path) -> tuple[float, float]:
+    """(mean tokens, mean distinct lengths in an iteration's rl.prompts_per_iter prompts) of the task's RL train
+    prompts as the RL stage encodes them (BOS included, cut to the budget): the engine prefills each distinct length
+    in its own call."""
+    import random
+
     from rlfuse.data.prompts import encode_prompts, model_context, prompt_budget
     from rlfuse.data.stages import rl_prompts
     from rlfuse.models.load import load_tokenizer
@@ -86,7 +91,9 @@ def mean_prompt_tokens(cfg, sft_dir: Path) -> float:
     context = model_context(transformers.AutoConfig.from_pretrained(str(sft_dir)))
     train, _ = rl_prompts(cfg, task, lambda m: None)
     ids, _ = encode_prompts(tok, train, prompt_budget(cfg.rl, context))
-    return sum(map(len, ids)) / len(ids)
+    lengths, rng, n = [len(i) for i in ids], random.Random(0), min(cfg.rl.prompts_per_iter, len(ids))
+    distinct = statistics.mean(len(set(rng.sample(lengths, n))) for _ in range(50))
+    return sum(lengths) / len(lengths), distinct
 
 
 def metrics(run: Path) -> list[dict]:
@@ -139,7 +146,8 @@ def predict_all(task: str, models: Path, profile_path: Path, work: Path) -> tupl
         rlfuse("rl", *common_overrides(models, task, 3), "run.threads=1", f"run.dir={calib}",
                log=work / f"calibrate_{task}.log")
     cfg = load_config(None, common_overrides(models, task, 3))
-    inputs = {"lengths": measured_lengths(calib), "prompt_tokens": mean_prompt_tokens(cfg, models / "sft" / "model")}
+    tokens, distinct = prompt_stats(cfg, models / "sft" / "model")
+    inputs = {"lengths": measured_lengths(calib), "prompt_tokens": tokens, "prompt_lengths": distinct}
     prob = problem_from_config(cfg, load_profile(profile_path), workers=2, **inputs)
     plans = plan(prob)
     chosen = [plans[0]]  # the planner's own choice always runs
@@ -243,7 +251,8 @@ def main() -> None:
     todo = []  # (task, plan, planner rank, inputs)
     for task in args.tasks:
         inputs, chosen = predict_all(task, models, profile_path, work)
-        print(f"[plan bench] {task}: prompt tokens {inputs['prompt_tokens']:.1f}, response lengths {inputs['lengths']}",
+        print(f"[plan bench] {task}: prompt tokens {inputs['prompt_tokens']:.1f} ({inputs['prompt_lengths']:.1f} "
+              f"distinct lengths per iteration), response lengths {inputs['lengths']}",
               file=sys.stderr)
         todo += [(task, pl, rank, inputs) for pl, rank in chosen[: args.plans or None]]
     if args.dry:

@@ -421,13 +421,27 @@ def live_rows(samples: float, mean: float, cap: int) -> list[float]:
     return Lengths.from_mean(mean, cap).live_rows(samples)
 
 
+def distinct_values(distinct: float, n: float, m: float) -> float:
+    """Expected distinct values among m of n items that hold `distinct` values, each value on n / distinct items:
+    each value is missing from the m with probability prod_i (n - n/distinct - i) / (n - i)."""
+    if distinct <= 1 or m >= n:
+        return min(distinct, max(m, 0.0)) if distinct <= 1 else distinct
+    f, missing = n / distinct, 1.0
+    for i in range(int(math.ceil(m))):
+        missing *= max(0.0, (n - f - i) / (n - i))
+    return distinct * (1 - missing)
+
+
 def decode_seconds(p: MachineProfile, shape: ModelShape, samples: float, prompt: float, lengths: Lengths,
-                   mean: float, weight_bytes: float, kv_elem_bytes: float, max_rows: int) -> float:
-    """Prefill every prompt once, then decode step by step: each step is one call over the live rows (at most
-    `max_rows`), reads the weights and the live rows' KV cache, and does 2 x matmul params FLOPs per row.
+                   mean: float, weight_bytes: float, kv_elem_bytes: float, max_rows: int,
+                   prefill_calls: float = 1.0) -> float:
+    """Prefill every prompt once (one call per distinct prompt length, `prefill_calls`, as DecodeEngine._prefill
+    does; at least one per max_rows samples), then decode step by step: each step is one call over the live rows
+    (at most `max_rows`), reads the weights and the live rows' KV cache, and does 2 x matmul params FLOPs per row.
     More samples than `max_rows`: waiting prompts join as rows finish, so the engine first runs full steps until
     the queue is empty (the queued samples' tokens, max_rows at a time), then the last max_rows rows' tail."""
-    total = forward_seconds(p, shape, samples, prompt, weight_bytes, math.ceil(samples / max_rows))  # prefill
+    calls = max(math.ceil(samples / max_rows), prefill_calls)
+    total = forward_seconds(p, shape, samples / calls, prompt, weight_bytes, calls)  # prefill
     total += samples * p.decode_sample_s
     call = p.decode_layer_call_s or p.layer_call_s
 

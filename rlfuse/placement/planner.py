@@ -62,6 +62,11 @@ class Workload:
     """Longest response of an iteration, measured (--lengths-from); 0: unknown, lengths from the mean alone."""
     score_every: int = 16
     """rollout.score_every: a decoding worker reports back (and a fused one scores) every this many samples."""
+    prompt_lengths: float = 1.0
+    """Distinct token lengths among an iteration's prompts: the engine prefills each length in a call of its own
+    (measured by bench/plan.py from the task's prompts; 1 when unknown)."""
+    k: int = 1
+    """Samples per prompt (rl.k): they share their prompt's prefill."""
     chunk_s: float = CHUNK_SECONDS
     rows_per_worker: int = 16
     """rollout.rows_per_worker: the migration's capacity trigger (rollout/migration.py plan_migration)."""
@@ -319,8 +324,10 @@ def _generate_seconds(prob: Problem, workers: int, tp: int) -> float:
     samples = w.samples / (workers // tp)
     if tp > 1:
         p = replace(p, flops=p.flops * tp, decode_flops=p.decode_flops * tp, mem_bw=p.mem_bw * tp)
+    prompts = w.samples / w.k
+    prefills = cost.distinct_values(w.prompt_lengths, prompts, prompts / (workers // tp))  # this worker's share
     return cost.decode_seconds(p, m.policy, samples, w.prompt_tokens, w.lengths, w.response_mean,
-                               _policy_bytes(m), m.act_bytes, w.max_rows)
+                               _policy_bytes(m), m.act_bytes, w.max_rows, prefills)
 
 
 def _scored_models(m: MemoryInputs, roles: Roles) -> list[ModelShape]:
@@ -476,11 +483,12 @@ def measured_lengths(run_dir) -> tuple[float, int] | None:
 def problem_from_config(cfg, profile: MachineProfile, workers: int | None = None, cpus_per_worker: float | None = None,
                         gpus_per_worker: float | None = None, memory_budget: float | None = None,
                         lengths: tuple[float, int] | None = None, prompt_tokens: float | None = None,
-                        cores: float | None = None) -> Problem:
+                        cores: float | None = None, prompt_lengths: float | None = None) -> Problem:
     """The planning problem of an RL run on `cfg` (rlfuse.config.Config): roles, shapes and batch sizes from the
     config, placement resources from the arguments or cfg.placement, rates from `profile`. Budget: the argument,
     else a GPU's memory, else the machine's RAM shared by the workers (0 in the profile: no check). lengths:
     (mean, longest) response tokens measured by a run; prompt_tokens: their measured mean (default PROMPT_TOKENS);
+    prompt_lengths: distinct prompt lengths in an iteration's prompts, measured (default 1: one prefill call);
     cores: CPU cores the workers share (default this machine's; CPU workers beyond them are slowed)."""
     from rlfuse.models.roles import derive_roles
     from rlfuse.placement.cost import policy_shape
@@ -508,7 +516,7 @@ def problem_from_config(cfg, profile: MachineProfile, workers: int | None = None
                         max_rows=cfg.rollout.max_rows,
                         score_singles=cfg.rollout.live_below if cfg.rollout.fusion else 0,
                         response_longest=min(longest, rl.max_new_tokens), score_every=cfg.rollout.score_every,
-                        rows_per_worker=cfg.rollout.rows_per_worker)
+                        rows_per_worker=cfg.rollout.rows_per_worker, k=rl.k, prompt_lengths=prompt_lengths or 1.0)
     mem = memory_inputs(cfg, roles, shape, profile)
     migrate = tuple(sorted({0.0, cfg.rollout.migrate_below}))
     return Problem(roles, workload, mem, profile, workers, resources, memory_budget, migrate_below=migrate,

@@ -66,6 +66,19 @@ def test_round_trips_chunks_and_buckets_by_hand():
     assert cost.ddp_buckets(2**20 + 64 * 2**20, 32 * 2**20) == 3
 
 
+def test_distinct_prompt_lengths_and_prefill_calls_by_hand(default_problem):
+    # 4 prompts of 2 lengths (2 each), 2 drawn: a length is missing with probability 2/4 x 1/3 = 1/6
+    assert cost.distinct_values(2, 4, 2) == pytest.approx(2 * (1 - 1 / 6))
+    assert cost.distinct_values(32, 32, 16) == pytest.approx(16)  # all distinct: as many as drawn
+    assert cost.distinct_values(1, 32, 16) == 1 and cost.distinct_values(5, 32, 32) == 5
+    # one worker, 32 prompts of 8 lengths: 8 prefill calls instead of 1, the same tokens: 7 more fixed costs
+    one = replace(default_problem, workers=1, checkpointing=(False,), micro_batches=(16,))
+    eight = replace(one, workload=replace(one.workload, prompt_lengths=8))
+    p, shape = one.profile, one.memory.policy
+    extra = 7 * (shape.layers * p.layer_call_s + 4 * shape.params / p.mem_bw)
+    assert plan(eight)[0].seconds["generate"] - plan(one)[0].seconds["generate"] == pytest.approx(extra)
+
+
 def test_live_rows_match_the_mean_length():
     lam = cost.survival_scale(10, 48)
     assert lam * (1 - math.exp(-48 / lam)) == pytest.approx(10, rel=1e-6)
