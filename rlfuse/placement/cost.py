@@ -177,6 +177,9 @@ class MachineProfile:
     decode_sample_s: float = 0.0
     """Seconds per sample a rollout costs besides its decode steps: its share of the prefill call, retiring its
     row from the batch (the KV cache is compacted), handing it out."""
+    prefill_call_s: float = 0.0
+    """Seconds a prefill call costs beyond its forward: the engine prefills each distinct prompt length in a call
+    of its own and merges each call's KV cache into the batch's buffer."""
     score_call_s: float = 0.0
     """Seconds a scoring call costs beyond its forward: collating the micro-batch, the attention mask, gathering the
     response's log-probs or values."""
@@ -251,6 +254,7 @@ class MachineProfile:
                        mem_bw=self.mem_bw / factor, layer_call_s=self.layer_call_s * factor,
                        decode_layer_call_s=self.decode_layer_call_s * factor,
                        decode_sample_s=self.decode_sample_s * factor, score_call_s=self.score_call_s * factor,
+                       prefill_call_s=self.prefill_call_s * factor,
                        train_layer_call_s=self.train_layer_call_s * factor, train_micro_s=self.train_micro_s * factor,
                        optimizer_bytes_s=self.optimizer_bytes_s / factor)
 
@@ -441,7 +445,7 @@ def decode_seconds(p: MachineProfile, shape: ModelShape, samples: float, prompt:
     More samples than `max_rows`: waiting prompts join as rows finish, so the engine first runs full steps until
     the queue is empty (the queued samples' tokens, max_rows at a time), then the last max_rows rows' tail."""
     calls = max(math.ceil(samples / max_rows), prefill_calls)
-    total = forward_seconds(p, shape, samples / calls, prompt, weight_bytes, calls)  # prefill
+    total = forward_seconds(p, shape, samples / calls, prompt, weight_bytes, calls) + calls * p.prefill_call_s
     total += samples * p.decode_sample_s
     call = p.decode_layer_call_s or p.layer_call_s
 

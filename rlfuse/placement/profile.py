@@ -3,10 +3,11 @@ profile file later.
 
 The rates are fitted from a few timings of a GPT-2 of the policy's own shape with random weights (the default shape
 when the policy is over 200 M parameters on CPU), run the way the RL loop runs it: the rollout engine's decode
-steps at 1 and 16 rows (fixed cost per step and cost per row), transformers' forward at two batch sizes (fixed cost
-per call and FLOP/s), a backward (its ratio to the forward), an AdamW step, a tensor copy (bandwidth) and a
-state-dict serialisation (what a weight sync through Ray's object store costs per byte). torch is imported inside
-the functions: importing this module stays free.
+steps at 1, 8 and 32 rows (fixed cost per step and cost per row), its prefill of prompts of many lengths against one
+(cost per prefill call), transformers' forward at three batch sizes (fixed cost per call and FLOP/s), a backward (its
+ratio to the forward), an AdamW step, a tensor copy (bandwidth), a state-dict serialisation (what a weight sync
+through Ray's object store costs per byte), the driver's advantages; then the overheads of a run on two Ray workers
+(profile_ray.py). torch is imported inside the functions: importing this module stays free.
 
 Where the file goes: `--profile-path`, else `$RLFUSE_CACHE/machine_profile.json` (default
 `~/.cache/rlfuse/machine_profile.json`), shared by every run on the machine. Without one the planner uses
@@ -166,6 +167,12 @@ def measure_profile(shape: ModelShape | None = None, threads: int = 1, device: s
             decode[rows] = _timed(lambda: list(engine.generate(prompts[:rows], 1, params, seed=0)), 3, sync) / steps
         staggered = _timed(lambda: list(engine.generate(prompts, 1, SamplingParams(max_new_tokens=32), seed=0,
                                                         lengths=lambda pid, j: pid + 1)), 3, sync)
+        # prefill: 16 prompts of 15 lengths against 16 of one length, the same tokens, one token each; every extra
+        # length is a prefill call of its own (then each call's KV cache merged into the batch's buffer)
+        varied = [[1] * n for n in (*range(2, 17), 9)]
+        one_token = SamplingParams(max_new_tokens=1)
+        t_varied = _timed(lambda: list(engine.generate(varied, 1, one_token, seed=0)), 5, sync)
+        t_same = _timed(lambda: list(engine.generate([[1] * 9] * 16, 1, one_token, seed=0)), 5, sync)
     fixed, per_row = _fit(decode)
     decode_layer_call = max(1e-7, (fixed - wbytes / mem_bw) / shape.layers)
     decode_flops = shape.forward_flops(1, 6 + steps / 2) / per_row
@@ -183,6 +190,7 @@ def measure_profile(shape: ModelShape | None = None, threads: int = 1, device: s
     fixed, per_row = _fit(fwd)
     flops = shape.forward_flops(seq, seq / 2) / per_row
     call = max(1e-7, (fixed - wbytes / mem_bw) / shape.layers)
+    prefill_call_s = max(0.0, (t_varied - t_same) / 14 - shape.layers * call - wbytes / mem_bw)
 
     # a scoring call as the Scorer makes it (collate, masked forward, log-probs of the response): what it costs
     # beyond the bare forward of its tokens
@@ -238,7 +246,7 @@ def measure_profile(shape: ModelShape | None = None, threads: int = 1, device: s
     return MachineProfile(
         name=name, device=device, threads=threads, flops=flops, decode_flops=decode_flops, mem_bw=mem_bw,
         layer_call_s=call, decode_layer_call_s=decode_layer_call, decode_sample_s=decode_sample_s,
-        score_call_s=score_call_s, train_layer_call_s=train_call, bwd_ratio=bwd_ratio,
+        score_call_s=score_call_s, prefill_call_s=prefill_call_s, train_layer_call_s=train_call, bwd_ratio=bwd_ratio,
         optimizer_bytes_s=optimizer_bytes_s, sync_bytes_s=sync_bytes_s, sync_latency_s=SYNC_LATENCY_S,
         ray_call_s=driver_s, **((BUILTIN_OVERHEADS if device == "cpu" else GPU_OVERHEADS) | overheads),
         memory_bytes=float(memory), runtime_bytes=float(runtime), slack_fraction=0.1,

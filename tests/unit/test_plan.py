@@ -77,6 +77,9 @@ def test_distinct_prompt_lengths_and_prefill_calls_by_hand(default_problem):
     p, shape = one.profile, one.memory.policy
     extra = 7 * (shape.layers * p.layer_call_s + 4 * shape.params / p.mem_bw)
     assert plan(eight)[0].seconds["generate"] - plan(one)[0].seconds["generate"] == pytest.approx(extra)
+    # each prefill call's own cost (cache set-up, merging into the batch's buffer): 8 calls
+    costly = replace(eight, profile=replace(p, prefill_call_s=0.01))
+    assert plan(costly)[0].seconds["generate"] - plan(eight)[0].seconds["generate"] == pytest.approx(8 * 0.01)
 
 
 def test_live_rows_match_the_mean_length():
