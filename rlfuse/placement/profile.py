@@ -57,7 +57,7 @@ def load_profile(path: str | Path | None = None, log=None) -> MachineProfile:
     """The profile at `path` (or the default path); BUILTIN_CPU, with a log line, when there is none."""
     p = Path(path) if path else default_profile_path()
     if p.is_file():
-        return MachineProfile.load(p)
+        return _with_overheads(MachineProfile.load(p), p, log)
     if path:
         from rlfuse.errors import UserError
 
@@ -66,6 +66,21 @@ def load_profile(path: str | Path | None = None, log=None) -> MachineProfile:
         log(f"[plan] no machine profile at {p}: using the built-in one ({BUILTIN_CPU.name}); "
             f"`rlfuse plan --profile` measures this machine in under a minute")
     return BUILTIN_CPU
+
+
+def _with_overheads(profile: MachineProfile, path: Path, log) -> MachineProfile:
+    """A CPU profile written before the Ray overhead terms existed has none of them (they would read as free): it
+    gets the built-in ones, and one log line says so."""
+    import json
+    from dataclasses import replace
+
+    missing = [k for k in BUILTIN_OVERHEADS if k not in json.loads(path.read_text())]
+    if not missing or profile.device != "cpu":
+        return profile
+    if log:
+        log(f"[plan] {path} has no {', '.join(missing)} (written by an older rlfuse): using the built-in values; "
+            f"`rlfuse plan --profile` measures them")
+    return replace(profile, **{k: BUILTIN_OVERHEADS[k] for k in missing})
 
 
 def _timed(fn, repeats: int, sync) -> float:

@@ -60,3 +60,17 @@ def test_probe_worker_in_process(monkeypatch):
     finally:
         w.shutdown()
     assert not dist.is_initialized()
+
+
+def test_an_older_profile_gets_the_built_in_overheads(tmp_path):
+    import json
+
+    path = tmp_path / "machine_profile.json"
+    old = {k: v for k, v in json.loads(BUILTIN_CPU.to_json()).items() if k not in BUILTIN_OVERHEADS}
+    path.write_text(json.dumps(old | {"allreduce_latency_s": 0.5}))  # one it had, kept; the rest were never measured
+    said = []
+    p = load_profile(path, log=said.append)
+    assert p.ray_round_trip_s == BUILTIN_OVERHEADS["ray_round_trip_s"] and p.allreduce_latency_s == 0.5
+    assert "train_micro_s" in said[0] and "rlfuse plan --profile" in said[0]
+    path.write_text(BUILTIN_CPU.to_json())  # a current one: as written, nothing said
+    assert load_profile(path, log=said.append) == BUILTIN_CPU and len(said) == 1
