@@ -39,14 +39,13 @@ GPU_OVERHEADS = {"allreduce_latency_s": 1e-4, "allreduce_bytes_s": 50e9}
 """NCCL on one node (not measured: the profile's Ray probe runs CPU workers)."""
 
 BUILTIN_CPU = MachineProfile(
-    name="builtin: AMD EPYC dev VM (2 cores), 1 thread per worker", device="cpu", threads=1, flops=4.82e+10,
-    decode_flops=1.21e+10, mem_bw=3.34e+10, layer_call_s=0.00077,
-    decode_layer_call_s=0.00049, decode_sample_s=0.0016, score_call_s=0.0,
-    train_layer_call_s=0.0034, bwd_ratio=2.72, optimizer_bytes_s=4.98e+09,
-    sync_bytes_s=5.77e+08, sync_latency_s=SYNC_LATENCY_S, ray_call_s=RAY_CALL_S, **BUILTIN_OVERHEADS,
-    memory_bytes=23.5 * GiB, runtime_bytes=0.46 * GiB,
-    slack_fraction=0.1, source="rlfuse plan --profile on this project's dev machine, 2026-11-22 01:47 UTC, rates "
-    "as measured alone (contention 1.35 taken out)")
+    name="builtin: AMD EPYC dev VM (2 cores), 1 thread per worker", device="cpu", threads=1, flops=5.22e10,
+    decode_flops=2.75e10, mem_bw=2.52e10, layer_call_s=3.1e-4, decode_layer_call_s=2.0e-4, decode_sample_s=7.7e-4,
+    score_call_s=2.7e-4, train_layer_call_s=9.9e-4, bwd_ratio=1.79, optimizer_bytes_s=3.49e9, sync_bytes_s=5.28e8,
+    sync_latency_s=SYNC_LATENCY_S, ray_call_s=RAY_CALL_S, **BUILTIN_OVERHEADS, memory_bytes=23.5 * GiB,
+    runtime_bytes=0.46 * GiB, slack_fraction=0.1,
+    source="rlfuse plan --profile on this project's dev machine, 2026-11-22 03:46 UTC at load average 0.6 "
+    "(contention 1.05); Ray overheads measured 04:31 UTC at load average 1-4; no prefill_call_s")
 
 
 def default_profile_path() -> Path:
