@@ -179,6 +179,11 @@ def run_plan(task: str, pl, models: Path, work: Path, iterations: int, repeat: i
     return d
 
 
+def signed(r: dict, stage: str) -> float:
+    """A plan's prediction error of one stage: predicted / measured - 1."""
+    return r["predicted"][stage] / r["measured"][stage] - 1
+
+
 def report(results: list[dict], profile_desc: str, header: str) -> str:
     rows, lines = [], []
     for r in results:
@@ -208,6 +213,9 @@ def report(results: list[dict], profile_desc: str, header: str) -> str:
     lines += [f"- iteration time: mean relative error {statistics.mean(errs) * 100:.1f}% (target <= 15%), max "
               f"{max(errs) * 100:.1f}% (target <= 30%); Kendall tau over all {len(results)} plans {pooled:+.2f} "
               f"(target >= 0.8)",
+              "- per stage, predicted over measured - 1 (mean; mean of absolute values): " + "; ".join(
+                  f"{k} {statistics.mean(signed(r, k) for r in results) * 100:+.0f}% "
+                  f"({statistics.mean(abs(signed(r, k)) for r in results) * 100:.0f}%)" for k in ("rollout", "train")),
               f"- run-to-run spread of iteration time over each plan's runs ((max - min) / median): mean "
               f"{statistics.mean(r['measured']['spread'] for r in results) * 100:.1f}%, max "
               f"{max(r['measured']['spread'] for r in results) * 100:.1f}%: plans closer than that are not told apart",
