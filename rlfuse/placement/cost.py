@@ -181,8 +181,8 @@ class MachineProfile:
     """Seconds a prefill call costs beyond its forward: the engine prefills each distinct prompt length in a call
     of its own and merges each call's KV cache into the batch's buffer."""
     score_call_s: float = 0.0
-    """Seconds a scoring call costs beyond its forward: collating the micro-batch, the attention mask, gathering the
-    response's log-probs or values."""
+    """Seconds a scoring call (reference, reward and critic over one micro-batch) costs beyond its forwards: sorting
+    and collating the samples, the reward model's input, gathering log-probs and values, building the results."""
     train_layer_call_s: float = 0.0
     """Fixed seconds per layer of a forward + backward call (autograd's bookkeeping per op weighs more on small
     tensors than the FLOPs); 0 means layer_call_s x (1 + bwd_ratio)."""

@@ -350,8 +350,9 @@ def _score_seconds(prob: Problem, workers: int, calls: float | None = None) -> f
         singles = min(w.score_singles, per_worker)
         calls = math.ceil((per_worker - singles) / w.score_micro_batch) + singles
     rows = per_worker / calls
-    return sum(cost.forward_seconds(p, s, rows, w.seq, weight_bytes(s, m.weight_dtype), calls) + calls * p.score_call_s
-               for s in _scored_models(m, prob.roles))
+    forwards = sum(cost.forward_seconds(p, s, rows, w.seq, weight_bytes(s, m.weight_dtype), calls)
+                   for s in _scored_models(m, prob.roles))
+    return forwards + calls * p.score_call_s
 
 
 def _train_seconds(prob: Problem, workers: int, micro: int, ckpt: bool, ray: bool = False) -> float:

@@ -41,11 +41,12 @@ GPU_OVERHEADS = {"allreduce_latency_s": 1e-4, "allreduce_bytes_s": 50e9}
 BUILTIN_CPU = MachineProfile(
     name="builtin: AMD EPYC dev VM (2 cores), 1 thread per worker", device="cpu", threads=1, flops=5.22e10,
     decode_flops=2.75e10, mem_bw=2.52e10, layer_call_s=3.1e-4, decode_layer_call_s=2.0e-4, decode_sample_s=7.7e-4,
-    score_call_s=2.7e-4, train_layer_call_s=9.9e-4, bwd_ratio=1.79, optimizer_bytes_s=3.49e9, sync_bytes_s=5.28e8,
+    score_call_s=8.1e-4, train_layer_call_s=9.9e-4, bwd_ratio=1.79, optimizer_bytes_s=3.49e9, sync_bytes_s=5.28e8,
     sync_latency_s=SYNC_LATENCY_S, ray_call_s=RAY_CALL_S, **BUILTIN_OVERHEADS, memory_bytes=23.5 * GiB,
     runtime_bytes=0.46 * GiB, slack_fraction=0.1,
     source="rlfuse plan --profile on this project's dev machine, 2026-11-22 03:46 UTC at load average 0.6 "
-    "(contention 1.05); Ray overheads measured 04:31 UTC at load average 1-4; no prefill_call_s")
+    "(contention 1.05; its per-model scoring overhead x 3 as score_call_s); Ray overheads measured 04:31 UTC at load "
+    "average 1-4; no prefill_call_s")
 
 
 def default_profile_path() -> Path:
@@ -206,14 +207,7 @@ def measure_profile(shape: ModelShape | None = None, threads: int = 1, device: s
     call = max(1e-7, (fixed - wbytes / mem_bw) / shape.layers)
     prefill_call_s = max(0.0, (t_varied - t_same) / 14 - shape.layers * call - wbytes / mem_bw)
 
-    # a scoring call as the Scorer makes it (collate, masked forward, log-probs of the response): what it costs
-    # beyond the bare forward of its tokens
-    from rlfuse.rollout.score import collate, response_logprobs
-
-    one = ([1, 2, 3, 4], list(range(5, 21)))
-    with torch.no_grad():
-        t_score = _timed(lambda: response_logprobs(model, collate([one[0]], [one[1]], 0, device)), 9, sync)
-    score_call_s = max(0.0, t_score - shape.layers * call - shape.forward_flops(20, 10) / flops - wbytes / mem_bw)
+    score_call_s = _score_call_seconds(model, shape, device, sync, shape.layers * call + wbytes / mem_bw, flops)
 
     # contention: the same call's mean over its fastest, repeated; on a shared machine the rates above (fitted
     # from fastest timings) are what a process gets alone, and the run will get about 1 / contention of them
@@ -267,6 +261,26 @@ def measure_profile(shape: ModelShape | None = None, threads: int = 1, device: s
         source=f"rlfuse plan --profile, {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}, {shape.name}, "
                f"load average {os.getloadavg()[0]:.1f}, contention {contention:.2f} (rates divided by it)"
     ).slowed(contention)
+
+
+def _score_call_seconds(model, shape: ModelShape, device: str, sync, forward_fixed_s: float, flops: float) -> float:
+    """What a scoring call costs beyond its forwards: the Scorer on one sample of 4 + 16 tokens with the reference
+    (this model), a reward model and a critic on its body (rollout/score.py: sorting, collating, the reward's
+    input, gathering log-probs and values, the scored samples), less three forwards at the fitted rates."""
+    import torch
+    from transformers import GPT2Config, GPT2ForSequenceClassification
+
+    from rlfuse.models.heads import ValueModel
+    from rlfuse.rollout.engine import Sample
+    from rlfuse.rollout.score import Scorer, reward_model_fn
+
+    rm = GPT2ForSequenceClassification(GPT2Config(
+        vocab_size=shape.vocab, n_positions=shape.context, n_embd=shape.hidden, n_layer=shape.layers,
+        n_head=shape.heads, num_labels=1, pad_token_id=0, resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)).to(device)
+    scorer = Scorer(reward_model_fn(rm.eval(), 0, 0), 0, ref=model, critic=ValueModel.from_reward_model(rm).eval())
+    one = [Sample(0, 0, [1, 2, 3, 4], list(range(5, 21)), torch.zeros(16), "eos")]
+    t = _timed(lambda: scorer.score(one), 9, sync)
+    return max(0.0, t - 3 * (forward_fixed_s + shape.forward_flops(20, 10) / flops))
 
 
 def _driver_seconds(vocab: int, samples: int = 32) -> float:
