@@ -134,7 +134,7 @@ class ProbeWorker:
 
         return timed(small, repeats), timed(big, 5)
 
-    def micro_batch_overhead(self, rows: int = 4, repeats: int = 9) -> float:
+    def micro_batch_overhead(self, rows: int = 4, repeats: int = 15) -> float:
         """Seconds a real training micro-batch (policy loss inside DDP's forward, no gradient sync) takes beyond the
         bare forward + backward over the same tokens: the median over `repeats` pairs."""
         import torch
