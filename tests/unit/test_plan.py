@@ -331,3 +331,12 @@ def test_qlora_config_is_planned_as_it_runs():
     m = memory_inputs(cfg, derive_roles(cfg), policy_shape(cfg.model), CPU)
     assert (m.weight_dtype, m.optimizer, m.shared_base, m.generator_copy) == ("nf4-dq", "adamw8bit", True, True)
     assert m.critic is not None  # the critic's adapter on the shared base is counted
+
+
+def test_planner_constants_match_the_runtime():
+    # the pure planner keeps its own copies of two runtime constants (it may not import torch): they must agree
+    from rlfuse.placement.planner import CHUNK_SECONDS, DDP_BUCKET_BYTES
+    from rlfuse.placement.ray_rollout import RolloutSettings
+    from rlfuse.placement.ray_train import DEFAULT_BUCKET_BYTES
+
+    assert RolloutSettings().chunk_seconds == CHUNK_SECONDS and DEFAULT_BUCKET_BYTES == DDP_BUCKET_BYTES
