@@ -199,12 +199,16 @@ def measure_profile(shape: ModelShape | None = None, threads: int = 1, device: s
     ids = {b: torch.randint(0, shape.vocab, (b, seq), device=device) for b in (2, 8, 16)}
     model.train()
     fwd = {}
+    one_token = torch.ones(1, 1, dtype=torch.long, device=device)
     with torch.no_grad():
         for b in ids:
             fwd[b] = _timed(lambda: model(input_ids=ids[b]).logits, 5, sync)
-    fixed, per_row = _fit(fwd)
+        # the fixed cost per call straight from a one-token forward: the intercept of the fit above is the
+        # difference of noisy timings, and on a busy machine it can land at or under zero
+        t_one = _timed(lambda: model(input_ids=one_token).logits, 9, sync)
+    _, per_row = _fit(fwd)
     flops = shape.forward_flops(seq, seq / 2) / per_row
-    call = max(1e-7, (fixed - wbytes / mem_bw) / shape.layers)
+    call = max(1e-7, (t_one - shape.forward_flops(1, 1) / flops - wbytes / mem_bw) / shape.layers)
     prefill_call_s = max(0.0, (t_varied - t_same) / 14 - shape.layers * call - wbytes / mem_bw)
 
     score_call_s = _score_call_seconds(model, shape, device, sync, shape.layers * call + wbytes / mem_bw, flops)
