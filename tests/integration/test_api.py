@@ -120,3 +120,38 @@ def test_generate_from_a_lora_adapter_equals_its_merged_model(tmp_path):
     merged = api.generate(tmp_path / "sft" / "model", ["the movie"], **kw)
     assert api.generate(tmp_path / "sft" / "adapter", ["the movie"], **kw) == merged
     assert api.generate(base, ["the movie"], **kw) != merged  # the adapter matters
+
+
+def test_stage_paths_resolve_hub_ids_and_say_when_the_hub_fails(tmp_path, monkeypatch):
+    from rlfuse.config import load_config
+    from rlfuse.runs import with_local_stage_paths
+
+    (tmp_path / "config.json").write_text("{}")
+    monkeypatch.setattr("rlfuse.runs._snapshot_download", lambda repo_id, allow_patterns: str(tmp_path))
+    cfg = load_config(None, {"rl.sft_path": "org/sft", "rl.rm_path": "org/rm"})
+    local = with_local_stage_paths(cfg)
+    assert (local.rl.sft_path, local.rl.rm_path) == (str(tmp_path), str(tmp_path)) and cfg.rl.sft_path == "org/sft"
+
+    def offline(repo_id, allow_patterns):
+        raise OSError("We couldn't connect to 'https://huggingface.co'\nmore lines")
+
+    monkeypatch.setattr("rlfuse.runs._snapshot_download", offline)
+    with pytest.raises(UserError, match=r"^config error: rl.rm_path: could not fetch hub model 'org/rm' \(OSError: We "
+                                        r"couldn't connect to 'https://huggingface.co'\); .*set rl.rm_path to a local"):
+        with_local_stage_paths(load_config(None, {"rl.rm_path": "org/rm"}))
+    with pytest.raises(UserError, match="rl.sft_path: folder './missing' not found"):  # a path is never a hub id
+        load_config(None, {"rl.sft_path": "./missing"})
+
+
+def test_a_model_object_is_saved_into_the_run_folder(tmp_path):
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from helpers import make_tiny_model
+
+    folder = make_tiny_model(tmp_path / "tiny", ["a small corpus of words"] * 10)
+    model, tok = AutoModelForCausalLM.from_pretrained(folder), AutoTokenizer.from_pretrained(folder)
+    name = api._model_override(model, tok, tmp_path / "run")
+    assert name == str(tmp_path / "run" / "base_model") and (Path(name) / "config.json").is_file()
+    assert api._model_override("org/model", None, None) == "org/model"
+    with pytest.raises(UserError, match="model: a model object must .* come with tokenizer="):
+        api._model_override(model, None, tmp_path / "run")
