@@ -117,12 +117,13 @@ def train_sft(config: ConfigLike = None, run_dir: str | os.PathLike | None = Non
 
 def train_rm(config: ConfigLike = None, run_dir: str | os.PathLike | None = None, *, overrides: Overrides = None,
              log: Callable = log_stderr):
-    """Reward-model training into RUN_DIR/rm, from RUN_DIR/sft/model (rm.init=sft) or model.name (rm.init=base).
+    """Reward-model training into RUN_DIR/rm, from rm.sft_path (a folder or hub id) or RUN_DIR/sft/model (rm.init=sft),
+    or model.name (rm.init=base).
     Returns the RMResult (model_dir, accuracy, margin, seconds)."""
     from rlfuse.trainers.rm import train_rm as run_rm
 
     cfg = _stage_config(config, overrides, run_dir)
-    return run_rm(cfg, make_run_dir(cfg, "rm"), log)
+    return run_rm(with_local_stage_paths(cfg), make_run_dir(cfg, "rm"), log)
 
 
 @dataclass
@@ -191,8 +192,9 @@ def run_pipeline(config: ConfigLike = None, run_dir: str | os.PathLike | None = 
     run_dir = Path(run_dir) if resume else make_run_dir(cfg, "run")
     log(f"[run] run folder: {run_dir}")
     sft = stage_summary(run_dir, "sft") or _as_dict(run_sft(cfg, run_dir, log))
-    rm = stage_summary(run_dir, "rm") or _as_dict(run_rm(cfg, run_dir, log))
-    rl = _rl_result(run_dir, run_rl(with_local_stage_paths(cfg), run_dir, log, resume=resume))
+    local = with_local_stage_paths(cfg)  # hub ids fetched once the config is saved with them
+    rm = stage_summary(run_dir, "rm") or _as_dict(run_rm(local, run_dir, log))
+    rl = _rl_result(run_dir, run_rl(local, run_dir, log, resume=resume))
     return PipelineResult(run_dir, rl.report, sft, rm, rl, time.perf_counter() - t0)
 
 

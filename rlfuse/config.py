@@ -10,6 +10,7 @@ import dataclasses
 import difflib
 import functools
 import os
+import re
 import sys
 import types
 import typing
@@ -167,7 +168,7 @@ class RMConfig:
     init: str = "sft"
     """Backbone: sft (the SFT model of this run, or sft_path) | base (the model named in model.name)."""
     sft_path: Optional[str] = None
-    """SFT model folder to start from when the run folder has none."""
+    """SFT model folder (or hub id) to start from when the run folder has none."""
     num_pairs: int = 12000
     """Synthetic/IMDb tasks: preference pairs to build."""
     eval_every: int = 100
@@ -268,9 +269,9 @@ class RLConfig:
     """Shift and scale each iteration's advantages to mean 0, std 1: over response tokens for ppo (one advantage per
     token), over samples for rloo and grpo (one advantage per sample)."""
     sft_path: Optional[str] = None
-    """Actor/reference folder for `rlfuse rl`; default RUN_DIR/sft/model."""
+    """Actor/reference folder or hub id for `rlfuse rl`; default RUN_DIR/sft/model."""
     rm_path: Optional[str] = None
-    """Reward model folder; default RUN_DIR/rm/model."""
+    """Reward model folder or hub id; default RUN_DIR/rm/model."""
     ckpt_every: int = 5
     """Checkpoint every this many iterations (and at the end)."""
     eval_prompts: int = 128
@@ -525,8 +526,9 @@ def validate(cfg: Config) -> Config:
         _positive(s, name, "warmup_steps", "weight_decay", "grad_clip", allow_zero=True)
         _divides(s, name)
     _choice(cfg.rm.init, "rm.init", ("sft", "base"))
-    if cfg.rm.sft_path and not Path(cfg.rm.sft_path).exists():
-        raise ConfigError("rm.sft_path", f"folder {cfg.rm.sft_path!r} not found", "point it at an SFT run's sft/model folder")
+    if cfg.rm.sft_path and not Path(cfg.rm.sft_path).exists() and not is_hub_id(cfg.rm.sft_path):
+        raise ConfigError("rm.sft_path", f"folder {cfg.rm.sft_path!r} not found", "point it at an SFT run's sft/model "
+                          "folder or a hub id")
     _positive(cfg.rm, "rm", "num_pairs")
     _positive(cfg.sft, "sft", "eval_samples", allow_zero=True)
     _validate_rl(cfg)
@@ -617,7 +619,7 @@ def _validate_rl(cfg: Config) -> None:
                           "e.g. rl.reward=rlfuse.data.gold:gold_reward")
     for name in ("sft_path", "rm_path"):
         v = getattr(rl, name)
-        if v and not Path(v).exists() and _looks_like_path(v):  # anything else is a hub id, fetched when RL starts
+        if v and not Path(v).exists() and not is_hub_id(v):  # a hub id is fetched when the stage starts
             raise ConfigError(f"rl.{name}", f"folder {v!r} not found", "point it at a saved model folder or a hub id")
     _positive(rl, "rl", "eval_every", "log_samples_every", allow_zero=True)
     _positive(ro, "rollout", "score_every", "max_rows", "micro_batch_size")
@@ -724,6 +726,14 @@ def _validate_temperature_and_curriculum(rl: RLConfig) -> None:
     if not 0 < rl.curriculum_start <= 1:
         raise ConfigError("rl.curriculum_start", f"must be in (0, 1], got {rl.curriculum_start}",
                           "set e.g. rl.curriculum_start=0.25")
+
+
+HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*(/[\w.-]+)?$")
+
+
+def is_hub_id(name: str) -> bool:
+    """'org/name' or 'name', not an existing local path: a model on the hub (rl.sft_path, rl.rm_path, rm.sft_path)."""
+    return bool(HUB_ID.match(name)) and not Path(name).expanduser().exists() and not _looks_like_path(name)
 
 
 def _looks_like_path(name: str) -> bool:

@@ -5,11 +5,10 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import re
 import time
 from pathlib import Path
 
-from rlfuse.config import Config, save_config
+from rlfuse.config import Config, is_hub_id, save_config
 from rlfuse.errors import UserError
 
 
@@ -52,14 +51,8 @@ def write_rl_results(run_dir: Path, result: dict) -> Path:
 
 # ------------------------------------------------------------------------------- stage models by hub id
 
-HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*(/[\w.-]+)?$")
 # what a model needs to load (weights, configs, tokenizer, chat template), not every file of the repository
 HUB_FILES = ["*.json", "*.safetensors", "*.model", "*.txt", "*.jinja", "*.tiktoken"]
-
-
-def is_hub_id(name: str) -> bool:
-    """'org/name' or 'name' that is not an existing local path."""
-    return not Path(name).expanduser().exists() and bool(HUB_ID.match(name)) and not name.startswith((".", "~"))
 
 
 def _snapshot_download(repo_id: str, allow_patterns: list[str]) -> str:
@@ -86,10 +79,16 @@ def hub_model_folder(name: str, field: str) -> str:
     return str(folder)
 
 
+STAGE_PATHS = (("rl", "sft_path"), ("rl", "rm_path"), ("rm", "sft_path"))
+"""The fields that name a stage's starting model, which take hub ids as well as folders."""
+
+
 def with_local_stage_paths(cfg: Config) -> Config:
-    """cfg with rl.sft_path and rl.rm_path given as hub ids replaced by their local folders. Done after the run folder
-    saved the config, so config.yaml keeps the hub ids."""
-    rl = cfg.rl
-    local = {name: hub_model_folder(v, f"rl.{name}") for name in ("sft_path", "rm_path")
-             if (v := getattr(rl, name)) and is_hub_id(v)}
-    return dataclasses.replace(cfg, rl=dataclasses.replace(rl, **local)) if local else cfg
+    """cfg with rl.sft_path, rl.rm_path and rm.sft_path given as hub ids replaced by their local folders. Done after
+    the run folder saved the config, so config.yaml keeps the hub ids."""
+    for section, name in STAGE_PATHS:
+        part = getattr(cfg, section)
+        if (value := getattr(part, name)) and is_hub_id(value):
+            local = hub_model_folder(value, f"{section}.{name}")
+            cfg = dataclasses.replace(cfg, **{section: dataclasses.replace(part, **{name: local})})
+    return cfg

@@ -128,9 +128,10 @@ def test_stage_paths_resolve_hub_ids_and_say_when_the_hub_fails(tmp_path, monkey
 
     (tmp_path / "config.json").write_text("{}")
     monkeypatch.setattr("rlfuse.runs._snapshot_download", lambda repo_id, allow_patterns: str(tmp_path))
-    cfg = load_config(None, {"rl.sft_path": "org/sft", "rl.rm_path": "org/rm"})
+    cfg = load_config(None, {"rl.sft_path": "org/sft", "rl.rm_path": "org/rm", "rm.sft_path": "org/sft"})
     local = with_local_stage_paths(cfg)
-    assert (local.rl.sft_path, local.rl.rm_path) == (str(tmp_path), str(tmp_path)) and cfg.rl.sft_path == "org/sft"
+    assert (local.rl.sft_path, local.rl.rm_path, local.rm.sft_path) == (str(tmp_path),) * 3
+    assert cfg.rl.sft_path == "org/sft"  # the config saved in the run folder keeps the ids
 
     def offline(repo_id, allow_patterns):
         raise OSError("We couldn't connect to 'https://huggingface.co'\nmore lines")
@@ -139,8 +140,9 @@ def test_stage_paths_resolve_hub_ids_and_say_when_the_hub_fails(tmp_path, monkey
     with pytest.raises(UserError, match=r"^config error: rl.rm_path: could not fetch hub model 'org/rm' \(OSError: We "
                                         r"couldn't connect to 'https://huggingface.co'\); .*set rl.rm_path to a local"):
         with_local_stage_paths(load_config(None, {"rl.rm_path": "org/rm"}))
-    with pytest.raises(UserError, match="rl.sft_path: folder './missing' not found"):  # a path is never a hub id
-        load_config(None, {"rl.sft_path": "./missing"})
+    for field, path in (("rl.sft_path", "./missing"), ("rm.sft_path", "runs/x/sft/model")):  # paths, not hub ids
+        with pytest.raises(UserError, match=f"{field}: folder '{path}' not found"):
+            load_config(None, {field: path})
 
 
 def test_a_model_object_is_saved_into_the_run_folder(tmp_path):
