@@ -242,7 +242,7 @@ def generate(model: str | os.PathLike, prompts: list[str] | str, *, max_new_toke
     from rlfuse.trainers.common import pick_device
 
     if temperature <= 0 or max_new_tokens < 1 or n < 1 or not 0 < top_p <= 1 or top_k < 0:
-        raise UserError("generate: needs temperature > 0, max_new_tokens >= 1, n >= 1, 0 < top_p <= 1, top_k >= 0; "
+        raise UserError("sampling needs temperature > 0, max_new_tokens >= 1, n >= 1, 0 < top_p <= 1, top_k >= 0; "
                         "e.g. --temperature 0.7 --max-new-tokens 64")
     prompts = [prompts] if isinstance(prompts, str) else list(prompts)
     name = resolve_model_dir(model)
