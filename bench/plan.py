@@ -3,15 +3,19 @@ the default task and on real IMDb prompts, predicted vs measured per stage from 
 
     python bench/plan.py --models RUN_DIR     # RUN_DIR/sft/model and RUN_DIR/rm/model (e.g. an `rlfuse run` folder)
     python bench/plan.py                      # first trains them (`rlfuse sft`, `rlfuse rm`, default config)
+    python bench/plan.py --models RUN_DIR --fresh --repeats 3   # rerun every plan (not reusing earlier runs)
 
 Inputs of the predictions, all taken before any plan runs: the machine profile (`rlfuse plan --profile`, measured
-at the start), the config, the mean prompt tokens of the task (its prompts tokenised), and the response lengths
-(mean, longest) of a 3-iteration single-process calibration run per task: samples do not depend on the placement,
-so every plan decodes the same lengths. Measured: median over iterations 2..N (the first warms up) of
-time/rollout, time/training, time/weight_sync, time/iteration, and each worker's peak RSS (worker/<i>/rss_peak_mb).
-Reported: relative error of iteration time (mean, max), Kendall tau of predicted vs measured iteration times, the
-planner's choice against the best measured plan, memory error per worker. Writes the `plan_bench` section of
-BENCHMARKS.md.
+at the start, Ray overheads included), the config, the mean prompt tokens of the task and the distinct prompt
+lengths in an iteration's prompts (its prompts tokenised: one prefill call per length), and
+the response lengths (mean, longest) of a 3-iteration single-process calibration run per task: samples do not
+depend on the placement, so every plan decodes the same lengths. Each plan runs --repeats times (2 by default), the
+repeats interleaved (every plan once, then every plan again) so that a change of load falls on all plans alike.
+Measured, per run: median over iterations 2..N (the first warms up) of time/rollout, time/training,
+time/weight_sync, time/iteration, and each worker's peak RSS (worker/<i>/rss_peak_mb); per plan: the median over
+its runs, and the spread of its runs' iteration times ((max - min) / median). Reported: relative error of iteration
+time (mean, max), Kendall tau of predicted vs measured iteration times, the planner's choice against the best
+measured plan, memory error per worker, the run-to-run spread. Writes the `plan_bench` section of BENCHMARKS.md.
 """
 
 from __future__ import annotations
@@ -35,11 +39,12 @@ TASKS = {
     "imdb": ["data.kind=imdb", f"data.path={IMDB}"],
 }
 # which plans run besides the planner's choice: (strategy, micro-batch, checkpointing) per task; migration as the
-# config (0.2)
+# config (0.2). A micro-batch that gives the same per-rank micro-batches as another is the same plan (spec.dp_micro_size:
+# on 2 flattened ranks micro 16 trains 8 rows per rank, as micro 8 does) and runs once.
 RUNS = {
     "default": [("flattened", 16, False), ("separated", 16, False), ("interleaved", 16, False),
-                ("flattened", 4, False), ("flattened", 16, True)],
-    "imdb": [("flattened", 16, False), ("separated", 16, False), ("interleaved", 16, False)],
+                ("flattened", 4, False), ("flattened", 16, True), ("flattened", 2, False)],
+    "imdb": [("flattened", 16, False), ("separated", 16, False), ("interleaved", 16, False), ("flattened", 4, False)],
 }
 
 
@@ -65,8 +70,12 @@ def common_overrides(models: Path, task: str, iterations: int) -> list[str]:
             f"rl.iterations={iterations}", "rl.eval_prompts=0", "run.quiet=true", *TASKS[task]]
 
 
-def mean_prompt_tokens(cfg, sft_dir: Path) -> float:
-    """Mean tokens of the task's RL train prompts as the RL stage encodes them (BOS included, cut to the budget)."""
+def prompt_stats(cfg, sft_dir: Path) -> tuple[float, float]:
+    """(mean tokens, mean distinct lengths in an iteration's rl.prompts_per_iter prompts) of the task's RL train
+    prompts as the RL stage encodes them (BOS included, cut to the budget): the engine prefills each distinct length
+    in its own call."""
+    import random
+
     from rlfuse.data.prompts import encode_prompts, model_context, prompt_budget
     from rlfuse.data.stages import rl_prompts
     from rlfuse.models.load import load_tokenizer
@@ -82,7 +91,9 @@ def mean_prompt_tokens(cfg, sft_dir: Path) -> float:
     context = model_context(transformers.AutoConfig.from_pretrained(str(sft_dir)))
     train, _ = rl_prompts(cfg, task, lambda m: None)
     ids, _ = encode_prompts(tok, train, prompt_budget(cfg.rl, context))
-    return sum(map(len, ids)) / len(ids)
+    lengths, rng, n = [len(i) for i in ids], random.Random(0), min(cfg.rl.prompts_per_iter, len(ids))
+    distinct = statistics.mean(len(set(rng.sample(lengths, n))) for _ in range(50))
+    return sum(lengths) / len(lengths), distinct
 
 
 def metrics(run: Path) -> list[dict]:
@@ -90,13 +101,28 @@ def metrics(run: Path) -> list[dict]:
 
 
 def measured(run: Path) -> dict:
-    rows = metrics(run)[1:]  # the first iteration warms up (first calls, allocator growth)
+    """One run's medians over its iterations after the first (which warms up: first calls, allocator growth)."""
+    rows = metrics(run)[1:]
     med = lambda k: statistics.median(r[k] for r in rows if k in r)
     ranks = sorted({int(k.split("/")[1]) for r in rows for k in r if k.startswith("worker/") and k.endswith("rss_mb")})
     # the peak since the worker started where the workers report it (training included), else the largest sample
     rss = lambda w: max(r.get(f"worker/{w}/rss_peak_mb", r.get(f"worker/{w}/rss_mb", 0.0)) for r in rows)
     return {"rollout": med("time/rollout"), "train": med("time/training"), "sync": med("time/weight_sync"),
             "iteration": med("time/iteration"), "rss_mb": {w: rss(w) for w in ranks}}
+
+
+STAGES = ("rollout", "train", "sync", "iteration")
+
+
+def median_of_runs(runs: list[dict]) -> dict:
+    """A plan's measurement: the median over its runs of each stage and of each worker's peak RSS, and the spread
+    of its runs' iteration times, (max - min) / median."""
+    out = {k: statistics.median(r[k] for r in runs) for k in STAGES}
+    out["rss_mb"] = {w: statistics.median(r["rss_mb"][w] for r in runs) for w in runs[0]["rss_mb"]}
+    its = [r["iteration"] for r in runs]
+    out["spread"] = (max(its) - min(its)) / out["iteration"]
+    out["iterations"] = its
+    return out
 
 
 def kendall_tau(a: list[float], b: list[float]) -> float:
@@ -113,29 +139,38 @@ def predict_all(task: str, models: Path, profile_path: Path, work: Path) -> tupl
     from rlfuse.config import load_config
     from rlfuse.placement.planner import measured_lengths, plan, problem_from_config
     from rlfuse.placement.profile import load_profile
+    from rlfuse.placement.spec import dp_micro_size
 
     calib = work / f"calibrate_{task}"
     if not (calib / "rl" / "metrics.jsonl").exists():
         rlfuse("rl", *common_overrides(models, task, 3), "run.threads=1", f"run.dir={calib}",
                log=work / f"calibrate_{task}.log")
     cfg = load_config(None, common_overrides(models, task, 3))
-    inputs = {"lengths": measured_lengths(calib), "prompt_tokens": mean_prompt_tokens(cfg, models / "sft" / "model")}
+    tokens, distinct = prompt_stats(cfg, models / "sft" / "model")
+    inputs = {"lengths": measured_lengths(calib), "prompt_tokens": tokens, "prompt_lengths": distinct}
     prob = problem_from_config(cfg, load_profile(profile_path), workers=2, **inputs)
     plans = plan(prob)
     chosen = [plans[0]]  # the planner's own choice always runs
     for strategy, micro, ckpt in RUNS[task]:
-        same = [p for p in plans if p.strategy == strategy and p.micro_batch_size == micro
-                and p.gradient_checkpointing == ckpt]  # migration as configured where it applies (several decoders)
+        ranks = lambda p: sum(g.workers for g in p.spec.groups if "actor" in g.roles)
+        same = [p for p in plans if p.strategy == strategy and p.gradient_checkpointing == ckpt
+                and dp_micro_size(cfg.rl.mini_batch_size, p.micro_batch_size, ranks(p))
+                == dp_micro_size(cfg.rl.mini_batch_size, micro, ranks(p))]
+        if not same:
+            print(f"[plan bench] {task}: no plan {strategy} micro {micro} ckpt {ckpt} among the candidates", file=sys.stderr)
+            continue
+        # migration as configured where it applies (several decoders)
         pick = next((p for p in same if p.migrate_below == cfg.rollout.migrate_below), same[0])
-        if pick is not plans[0]:
+        if pick not in chosen:
             chosen.append(pick)
     return inputs, [(p, plans.index(p) + 1) for p in chosen]
 
 
-def run_plan(task: str, pl, models: Path, work: Path, iterations: int) -> Path:
-    d = work / (f"{task}_{pl.strategy}_mb{pl.micro_batch_size}_{'ckpt' if pl.gradient_checkpointing else 'nockpt'}"
-                f"_mig{pl.migrate_below:g}")
-    if not (d / "rl" / "metrics.jsonl").exists() or len(metrics(d)) < iterations:
+def run_plan(task: str, pl, models: Path, work: Path, iterations: int, repeat: int, fresh: bool = False) -> Path:
+    """Run `pl` for `iterations` iterations (its `repeat`-th run), reusing a finished earlier run unless fresh."""
+    d = work / (f"{task}_{pl.strategy}{pl.split}_mb{pl.micro_batch_size}_{'ckpt' if pl.gradient_checkpointing else 'nockpt'}"
+                f"_mig{pl.migrate_below:g}_r{repeat}")
+    if fresh or not (d / "rl" / "metrics.jsonl").exists() or len(metrics(d)) < iterations:
         shutil.rmtree(d, ignore_errors=True)
         block = pl.config_block()
         flat = [f"{s}.{k}={str(v).lower() if isinstance(v, bool) else v}" for s, sec in block.items()
@@ -144,18 +179,25 @@ def run_plan(task: str, pl, models: Path, work: Path, iterations: int) -> Path:
     return d
 
 
+def signed(r: dict, stage: str) -> float:
+    """A plan's prediction error of one stage: predicted / measured - 1."""
+    return r["predicted"][stage] / r["measured"][stage] - 1
+
+
 def report(results: list[dict], profile_desc: str, header: str) -> str:
     rows, lines = [], []
     for r in results:
         p, m = r["predicted"], r["measured"]
         mem = "; ".join(f"w{w}: {r['mem_pred'][w]:.0f} / {m['rss_mb'][w]:.0f}" for w in sorted(m["rss_mb"]))
         rows.append([r["task"], r["label"], r["rank"], p["rollout"], m["rollout"], p["train"], m["train"], p["sync"],
-                     m["sync"], p["iteration"], m["iteration"], f"{(p['iteration'] / m['iteration'] - 1) * 100:+.0f}%", mem])
+                     m["sync"], p["iteration"], m["iteration"], f"{(p['iteration'] / m['iteration'] - 1) * 100:+.0f}%",
+                     f"{m['spread'] * 100:.0f}% ({len(m['iterations'])})", mem])
     errs = [abs(r["predicted"]["iteration"] / r["measured"]["iteration"] - 1) for r in results]
     mem_errs = [abs(r["mem_pred"][w] / r["measured"]["rss_mb"][w] - 1) for r in results for w in r["measured"]["rss_mb"]]
     lines += [header, "", md_table(["task", "plan", "planner rank", "rollout s pred", "rollout s meas", "train s pred",
                                     "train s meas", "sync s pred", "sync s meas", "iteration s pred",
-                                    "iteration s meas", "iteration error", "worker MiB pred / meas"], rows), ""]
+                                    "iteration s meas", "iteration error", "run spread (runs)",
+                                    "worker MiB pred / meas"], rows), ""]
     taus = {}
     for task in dict.fromkeys(r["task"] for r in results):
         rs = [r for r in results if r["task"] == task]
@@ -171,10 +213,28 @@ def report(results: list[dict], profile_desc: str, header: str) -> str:
     lines += [f"- iteration time: mean relative error {statistics.mean(errs) * 100:.1f}% (target <= 15%), max "
               f"{max(errs) * 100:.1f}% (target <= 30%); Kendall tau over all {len(results)} plans {pooled:+.2f} "
               f"(target >= 0.8)",
+              "- per stage, predicted over measured - 1 (mean; mean of absolute values): " + "; ".join(
+                  f"{k} {statistics.mean(signed(r, k) for r in results) * 100:+.0f}% "
+                  f"({statistics.mean(abs(signed(r, k)) for r in results) * 100:.0f}%)" for k in ("rollout", "train")),
+              f"- run-to-run spread of iteration time over each plan's runs ((max - min) / median): mean "
+              f"{statistics.mean(r['measured']['spread'] for r in results) * 100:.1f}%, max "
+              f"{max(r['measured']['spread'] for r in results) * 100:.1f}%: plans closer than that are not told apart",
               f"- peak memory per worker (predicted total vs measured RSS): mean error "
               f"{statistics.mean(mem_errs) * 100:.1f}%, max {max(mem_errs) * 100:.1f}% (target within 20%)",
               f"- profile: {profile_desc}"]
     return "\n".join(lines)
+
+
+def fresh_profile(work: Path, fresh: bool) -> Path:
+    """The machine profile the predictions use: measured now (`rlfuse plan --profile`) unless one with the Ray
+    overheads is there already and --fresh was not given."""
+    from rlfuse.placement.cost import MachineProfile
+
+    path = work / "machine_profile.json"
+    if fresh or not path.exists() or not MachineProfile.load(path).ray_round_trip_s:
+        rlfuse("plan", "--profile", "--profile-path", str(path), "--out", str(work / "plan.yaml"),
+               log=work / "profile.log")
+    return path
 
 
 def main() -> None:
@@ -182,6 +242,10 @@ def main() -> None:
     ap.add_argument("--work", type=Path, default=WORK / "plan")
     ap.add_argument("--models", type=Path, help="a run folder with sft/model and rm/model")
     ap.add_argument("--iterations", type=int, default=8)
+    ap.add_argument("--repeats", type=int, default=2, help="runs per plan (their median is the measurement)")
+    ap.add_argument("--fresh", action="store_true", help="measure the profile and run every plan again")
+    ap.add_argument("--tasks", nargs="+", choices=list(RUNS), default=list(RUNS), help="a subset of the tasks")
+    ap.add_argument("--plans", type=int, default=0, help="only the first N plans of each task (a quick check)")
     ap.add_argument("--no-write", action="store_true", help="print only; leave BENCHMARKS.md alone")
     ap.add_argument("--dry", action="store_true", help="profile, calibrate and print the plans; run none")
     args = ap.parse_args()
@@ -189,39 +253,43 @@ def main() -> None:
 
     work = args.work.resolve()
     work.mkdir(parents=True, exist_ok=True)
-    t0, load0 = time.time(), os.getloadavg()[0]
+    t0, loads = time.time(), [os.getloadavg()[0]]
     models = ensure_models(work, args.models)
-    profile_path = work / "machine_profile.json"
-    if not profile_path.exists():
-        rlfuse("plan", "--profile", "--profile-path", str(profile_path), "--out", str(work / "plan.yaml"),
-               log=work / "profile.log")
-    results = []
-    for task in RUNS:
+    profile_path = fresh_profile(work, args.fresh)
+    todo = []  # (task, plan, planner rank, inputs)
+    for task in args.tasks:
         inputs, chosen = predict_all(task, models, profile_path, work)
-        print(f"[plan bench] {task}: prompt tokens {inputs['prompt_tokens']:.1f}, response lengths {inputs['lengths']}",
+        print(f"[plan bench] {task}: prompt tokens {inputs['prompt_tokens']:.1f} ({inputs['prompt_lengths']:.1f} "
+              f"distinct lengths per iteration), response lengths {inputs['lengths']}",
               file=sys.stderr)
-        for pl, rank in chosen:
-            if args.dry:
-                print(f"{task}: rank {rank} {pl.label()}: {pl.iteration_s:.3f} s", {k: round(v, 3) for k, v in pl.seconds.items()})
-                continue
-            d = run_plan(task, pl, models, work, args.iterations)
-            m = measured(d)
-            mem_pred = {}
-            for g in pl.spec.groups:
-                for w in pl.spec.worker_ranks(g.name):
-                    mem_pred[w] = pl.memory[g.name]["total"] / 2**20
-            results.append({"task": task, "label": f"{pl.strategy} {pl.split}, micro {pl.micro_batch_size}, ckpt "
-                            f"{'on' if pl.gradient_checkpointing else 'off'}, migrate {pl.migrate_below:g}", "rank": rank, "predicted": pl.seconds,
-                            "measured": m, "mem_pred": mem_pred, "inputs": inputs})
-            print(f"[plan bench] {task} {pl.label()}: predicted {pl.iteration_s:.3f} s, measured {m['iteration']:.3f} s",
-                  file=sys.stderr)
+        todo += [(task, pl, rank, inputs) for pl, rank in chosen[: args.plans or None]]
     if args.dry:
+        for task, pl, rank, _ in todo:
+            print(f"{task}: rank {rank} {pl.label()}: {pl.iteration_s:.3f} s", {k: round(v, 3) for k, v in pl.seconds.items()})
         return
-    load1 = os.getloadavg()[0]
+    runs: dict[int, list] = {i: [] for i in range(len(todo))}
+    for repeat in range(args.repeats):  # every plan once, then every plan again: load changes hit all plans alike
+        for i, (task, pl, rank, inputs) in enumerate(todo):
+            d = run_plan(task, pl, models, work, args.iterations, repeat, args.fresh)
+            runs[i].append(measured(d))
+            loads.append(os.getloadavg()[0])
+            print(f"[plan bench] {task} {pl.label()} run {repeat + 1}/{args.repeats}: predicted {pl.iteration_s:.3f} s, "
+                  f"measured {runs[i][-1]['iteration']:.3f} s (load average {loads[-1]:.1f})", file=sys.stderr)
+    results = []
+    for i, (task, pl, rank, inputs) in enumerate(todo):
+        mem_pred = {w: pl.memory[g.name]["total"] / 2**20 for g in pl.spec.groups for w in pl.spec.worker_ranks(g.name)}
+        results.append({"task": task, "label": f"{pl.strategy} {pl.split}, micro {pl.micro_batch_size}, ckpt "
+                        f"{'on' if pl.gradient_checkpointing else 'off'}, migrate {pl.migrate_below:g}", "rank": rank,
+                        "predicted": pl.seconds, "measured": median_of_runs(runs[i]), "runs": runs[i],
+                        "mem_pred": mem_pred, "inputs": inputs})
     prof = load_profile(profile_path)
-    header = (f"Command: `python bench/plan.py{' --models ' + str(args.models) if args.models else ''}` "
-              f"({args.iterations} iterations per plan, 2 workers x 1 CPU; {time.time() - t0:.0f} s; load average "
-              f"{load0:.1f} before, {load1:.1f} after, on 2 cores shared with other work).")
+    cmd = " ".join(["python bench/plan.py", *(["--models", str(args.models)] if args.models else []),
+                    *(["--fresh"] if args.fresh else []), f"--repeats {args.repeats}",
+                    *(["--tasks", *args.tasks] if args.tasks != list(RUNS) else []),
+                    *([f"--plans {args.plans}"] if args.plans else [])])
+    header = (f"Command: `{cmd}` ({args.iterations} iterations per run, {args.repeats} runs per plan, 2 workers x 1 "
+              f"CPU; {time.time() - t0:.0f} s; load average {min(loads):.1f}-{max(loads):.1f} over the runs, on 2 "
+              f"cores shared with other work).")
     text = report(results, f"{prof.name}: {prof.source}", header)
     (work / "results.json").write_text(json.dumps(results, indent=1, default=str))
     print(text)

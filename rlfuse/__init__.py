@@ -15,3 +15,19 @@ import logging as _logging
 # that its optional hub kernel (package `kernels`) is missing: a line on every run, about a path rlfuse does not use
 # (models/quantize.py keeps bitsandbytes' plain CPU layout)
 _logging.getLogger("bitsandbytes.backends.cpu.ops").setLevel(_logging.ERROR)
+
+# The Python API (rlfuse/api.py), imported on first use so `import rlfuse` stays light
+__all__ = ["Config", "load_config", "train_sft", "train_rm", "train_rl", "run_pipeline", "generate", "RLResult",
+           "PipelineResult"]
+
+
+def __getattr__(name: str):
+    if name == "Config":
+        from rlfuse.config import Config
+
+        return Config
+    if name in __all__:
+        from rlfuse import api
+
+        return getattr(api, name)
+    raise AttributeError(f"module 'rlfuse' has no attribute {name!r}")

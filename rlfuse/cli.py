@@ -1,19 +1,20 @@
-"""`rlfuse run|sft|rm|validate CONFIG [section.field=value ...]`: each subcommand loads the config, builds, calls a
-trainer. User errors print one line and exit 2; no traceback."""
+"""`rlfuse run|sft|rm|rl|validate CONFIG [section.field=value ...]`: each subcommand loads the config and calls the
+Python API (rlfuse/api.py); `rlfuse generate MODEL --prompt ...` samples from a saved model, `rlfuse env` prints
+versions. `--help` lists the config fields with their docs. User errors print one line and exit 2; no traceback."""
 
 from __future__ import annotations
 
 import argparse
 import sys
-import time
 from pathlib import Path
 
+from rlfuse import api
+from rlfuse.api import log_stderr
 from rlfuse.config import Config, load_config
 from rlfuse.errors import UserError
 
 
-def log(msg: str) -> None:
-    print(msg, file=sys.stderr, flush=True)
+log = log_stderr
 
 
 def _split_args(args: list[str]) -> tuple[str | None, list[str]]:
@@ -28,53 +29,24 @@ def _split_args(args: list[str]) -> tuple[str | None, list[str]]:
 
 
 def cmd_sft(cfg: Config) -> int:
-    from rlfuse.runs import make_run_dir
-    from rlfuse.trainers.sft import train_sft
-
-    run_dir = make_run_dir(cfg, "sft")
-    train_sft(cfg, run_dir, log)
-    print(f"run folder: {run_dir}")
+    result = api.train_sft(cfg, log=log)
+    print(f"run folder: {result.model_dir.parent.parent}")
     return 0
 
 
 def cmd_rm(cfg: Config) -> int:
-    from rlfuse.runs import make_run_dir
-    from rlfuse.trainers.rm import train_rm
-
-    run_dir = make_run_dir(cfg, "rm")
-    train_rm(cfg, run_dir, log)
-    print(f"run folder: {run_dir}")
+    result = api.train_rm(cfg, log=log)
+    print(f"run folder: {result.model_dir.parent.parent}")
     return 0
-
-
-def write_rl_results(run_dir: Path, result: dict) -> Path:
-    """eval.json (before/after, in rl/ and the run folder), samples_after.json, rl/summary.json (time, prompt budget
-    and how many prompts were cut to it), and the report; returns its path."""
-    import json
-
-    from rlfuse.evaluation import EVAL_SAMPLES_KEPT
-    from rlfuse.metrics.report import write_report
-
-    evals = json.dumps({"before": result["before"], "after": result["after"]}, indent=2)
-    (run_dir / "rl" / "eval.json").write_text(evals)
-    (run_dir / "eval.json").write_text(evals)
-    (run_dir / "rl" / "samples_after.json").write_text(json.dumps(result["samples_after"][:EVAL_SAMPLES_KEPT], indent=1))
-    summary = {"seconds": result["seconds"], **result["prompts"], "model_dir": str(run_dir / "rl" / "model")}
-    (run_dir / "rl" / "summary.json").write_text(json.dumps(summary, indent=2))
-    return write_report(run_dir)
 
 
 def cmd_rl(cfg: Config, resume: str | None = None) -> int:
     from rlfuse.evaluation import eval_table
-    from rlfuse.runs import make_run_dir
-    from rlfuse.trainers.rl import train_rl
 
-    run_dir = Path(resume) if resume else make_run_dir(cfg, "rl")
-    result = train_rl(cfg, run_dir, log, resume=bool(resume))
-    report = write_rl_results(run_dir, result)
-    print(eval_table(result))
-    print(f"report: {report}")
-    print(f"run folder: {run_dir}")
+    result = api.train_rl(cfg, resume, resume=bool(resume), log=log)
+    print(eval_table(vars(result)))
+    print(f"report: {result.report}")
+    print(f"run folder: {result.run_dir}")
     return 0
 
 
@@ -82,41 +54,25 @@ def cmd_run(cfg: Config, resume: str | None = None) -> int:
     """The whole pipeline on one config: SFT, reward model on the SFT backbone, then RL. With --resume, finished
     stages are kept and RL continues from its last checkpoint."""
     from rlfuse.evaluation import eval_table
-    from rlfuse.runs import make_run_dir
-    from rlfuse.trainers.rl import train_rl
-    from rlfuse.trainers.rm import train_rm
-    from rlfuse.trainers.sft import train_sft
 
-    t0 = time.perf_counter()
-    run_dir = Path(resume) if resume else make_run_dir(cfg, "run")
-    log(f"[run] run folder: {run_dir}")
-    done = lambda stage: (run_dir / stage / "summary.json").exists()
-    sft = _summary(run_dir, "sft") if done("sft") else vars(train_sft(cfg, run_dir, log))
-    rm = _summary(run_dir, "rm") if done("rm") else vars(train_rm(cfg, run_dir, log))
-    rl = train_rl(cfg, run_dir, log, resume=bool(resume))
-    report = write_rl_results(run_dir, rl)
-    total = time.perf_counter() - t0
+    r = api.run_pipeline(cfg, resume, resume=bool(resume), log=log)
+    sft, rm = r.sft, r.rm
     gram = f", grammatical rate {sft['grammatical_rate']:.3f}" if sft.get("grammatical_rate") is not None else ""
     print("\n".join([
         "",
         "  stage   seconds  result",
         f"  sft     {sft['seconds']:7.0f}  val perplexity {sft['perplexity']:.2f}{gram}",
-        f"  rm      {rm['seconds']:7.0f}  held-out pairwise accuracy {rm['accuracy']:.3f}",
-        f"  rl      {rl['seconds']:7.0f}  {cfg.rl.algo}, {cfg.rl.iterations} iterations",
-        f"  total   {total:7.0f}",
+        f"  rm      {rm['seconds']:7.0f}  held-out pairwise accuracy {rm['accuracy']:.3f}" if rm else
+        "  rm            -  skipped (no role uses a reward model)",
+        f"  rl      {r.rl.seconds:7.0f}  {cfg.rl.algo}, {cfg.rl.iterations} iterations",
+        f"  total   {r.seconds:7.0f}",
         "",
-        eval_table(rl),
+        eval_table(vars(r.rl)),
         "",
     ]))
-    print(f"report: {report}")
-    print(f"run folder: {run_dir}")
+    print(f"report: {r.report}")
+    print(f"run folder: {r.run_dir}")
     return 0
-
-
-def _summary(run_dir: Path, stage: str) -> dict:
-    import json
-
-    return json.loads((run_dir / stage / "summary.json").read_text())
 
 
 def cmd_report(run_dir: str, baseline: str | None = None) -> int:
@@ -137,6 +93,83 @@ def cmd_validate(cfg: Config) -> int:
     return 0
 
 
+def cmd_env() -> int:
+    """Versions and hardware for a bug report."""
+    for key, value in env_report().items():
+        print(f"{key + ':':<16}{value}")
+    return 0
+
+
+def env_report() -> dict:
+    """python, platform, CPU, torch with CUDA and GPUs, and each library rlfuse uses ("not installed" where absent),
+    read from package metadata so nothing heavy is imported but torch."""
+    import os
+    import platform
+    from importlib import metadata
+
+    import torch
+
+    out = {"rlfuse": metadata.version("rlfuse") if _has_dist("rlfuse") else "not installed (source tree)",
+           "python": sys.version.split()[0], "platform": platform.platform(), "cpu": f"{_cpu_name()}, {os.cpu_count()} "
+           f"logical cores, torch threads {torch.get_num_threads()}", "torch": torch.__version__,
+           "cuda": (f"{torch.version.cuda} (available, {torch.cuda.device_count()} device(s))" if torch.cuda.is_available()
+                    else f"{torch.version.cuda or 'none'} (no GPU visible)")}
+    for i in range(torch.cuda.device_count() if torch.cuda.is_available() else 0):
+        props = torch.cuda.get_device_properties(i)
+        out[f"gpu {i}"] = f"{props.name}, {props.total_memory / 2**30:.1f} GiB"
+    for dist in ENV_PACKAGES:
+        out[dist] = metadata.version(dist) if _has_dist(dist) else "not installed"
+    return out
+
+
+ENV_PACKAGES = ("transformers", "peft", "tokenizers", "datasets", "accelerate", "bitsandbytes", "ray", "trl", "vllm",
+                "tensorboard", "wandb", "trackio", "mlflow", "matplotlib", "numpy")
+
+
+def _has_dist(name: str) -> bool:
+    from importlib import metadata
+
+    try:
+        metadata.version(name)
+        return True
+    except metadata.PackageNotFoundError:
+        return False
+
+
+def _cpu_name() -> str:
+    import platform
+
+    try:
+        for line in open("/proc/cpuinfo"):
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+def cmd_generate(ns) -> int:
+    outs = api.generate(ns.model, ns.prompt, max_new_tokens=ns.max_new_tokens, temperature=ns.temperature,
+                        top_k=ns.top_k, top_p=ns.top_p, n=ns.n, seed=ns.seed, device=ns.device)
+    for prompt, completions in zip(ns.prompt, outs):
+        for c in completions:
+            print(f"{prompt}{c}" if ns.n == 1 and len(ns.prompt) == 1 else f"[{prompt}] {c}")
+    return 0
+
+
+def add_generate_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("model", metavar="MODEL", help="a saved stage model (RUN_DIR/rl/model, RUN_DIR/sft/model), a LoRA "
+                   "adapter folder (RUN_DIR/rl/adapter), a run folder (its rl/model, else sft/model) or a hub id")
+    p.add_argument("--prompt", action="append", required=True, help="prompt text; repeat for several")
+    p.add_argument("--max-new-tokens", type=int, default=64)
+    p.add_argument("--temperature", type=float, default=1.0)
+    p.add_argument("--top-k", type=int, default=0, help="0 disables")
+    p.add_argument("--top-p", type=float, default=1.0, help="1.0 disables")
+    p.add_argument("-n", type=int, default=1, help="samples per prompt")
+    p.add_argument("--seed", type=int, default=0, help="the same seed gives the same samples")
+    p.add_argument("--device", default="auto", help="auto | cpu | cuda")
+
+
 COMMANDS = {
     "run": (cmd_run, "SFT -> reward model -> RL on one config (the embedded default task without a config)"),
     "sft": (cmd_sft, "supervised fine-tuning"),
@@ -145,15 +178,51 @@ COMMANDS = {
     "validate": (cmd_validate, "load and check a config, print it resolved"),
 }
 
+# the config sections each command reads, listed with their fields in its --help
+COMMAND_SECTIONS = {"sft": ("run", "data", "model", "sft"), "rm": ("run", "data", "model", "rm"),
+                    "rl": ("run", "data", "model", "rl", "rollout", "placement")}
 
 RESUMABLE = ("run", "rl")
 
 
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="rlfuse", description="Fast, memory-lean RLHF.")
+def fields_help(sections: tuple[str, ...] | None = None, full: bool = True) -> str:
+    """The config fields of `sections` (default all) with their defaults and docstrings (the dataclasses' own, read
+    once by config.field_docs): full text for a command's --help, the first sentence for rlfuse --help."""
+    import dataclasses
+    import json
+    import shutil
+    import textwrap
+
+    from rlfuse.config import field_docs, field_summary, section_class
+
+    width = min(120, shutil.get_terminal_size((100, 20)).columns)
+    names = sections or tuple(f.name for f in dataclasses.fields(Config))
+    lines = ["config fields (set as section.field=value after the command, or in a YAML file):"]
+    for section in names:
+        cls = section_class(section)
+        docs = field_docs(cls)
+        lines.append(f"\n{section}:")
+        for f in dataclasses.fields(cls):
+            default = f.default if f.default is not dataclasses.MISSING else f.default_factory()
+            head = f"  {section}.{f.name} = {json.dumps(default)}"
+            doc = " ".join(docs.get(f.name, "").split()) if full else field_summary(cls, f.name)
+            if not full:
+                lines.append(f"{head:<44} {doc}" if len(head) < 44 else f"{head}\n{'':<44} {doc}")
+                continue
+            lines.append(head)
+            lines += textwrap.wrap(doc, width, initial_indent=" " * 6, subsequent_indent=" " * 6)
+    return "\n".join(lines)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    raw = argparse.RawDescriptionHelpFormatter
+    parser = argparse.ArgumentParser(prog="rlfuse", description="Fast, memory-lean RLHF. `rlfuse COMMAND --help` "
+                                     "gives each command's fields in full.", formatter_class=raw,
+                                     epilog=fields_help(full=False))
     sub = parser.add_subparsers(dest="command", required=True)
     for name, (_, help_text) in COMMANDS.items():
-        p = sub.add_parser(name, help=help_text, description=help_text)
+        p = sub.add_parser(name, help=help_text, description=help_text, formatter_class=raw,
+                           epilog=fields_help(COMMAND_SECTIONS.get(name)))
         p.add_argument("args", nargs="*", metavar="CONFIG|section.field=value",
                        help="optional YAML config, then overrides like sft.lr=1e-4 run.dir=/tmp/x")
         if name in RESUMABLE:
@@ -163,6 +232,9 @@ def main(argv: list[str] | None = None) -> int:
     rp.add_argument("run_dir", metavar="RUN_DIR")
     rp.add_argument("--baseline", metavar="RUN_DIR", help="a measured baseline run (e.g. rollout.fusion=false) for "
                     "speedup_comparison.png")
+    add_generate_arguments(sub.add_parser("generate", help="sample completions from a saved model with the rollout "
+                                          "engine", description=api.generate.__doc__))
+    sub.add_parser("env", help="print versions and hardware for a bug report")
     from rlfuse.schedule import cli as schedule_cli
 
     sp = sub.add_parser("schedule", help="fused actor/critic pipeline schedule: serial vs 1F1B vs fused, with a chart")
@@ -171,16 +243,27 @@ def main(argv: list[str] | None = None) -> int:
 
     plan_cli.add_arguments(sub.add_parser("plan", help="rank placements of an RL run by predicted time and memory",
                                           description=plan_cli.__doc__))
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
     ns = parser.parse_args(argv)
     if ns.command == "schedule":
+        from rlfuse.schedule import cli as schedule_cli
+
         return schedule_cli.run(ns)
     if ns.command == "plan":
+        from rlfuse.placement import plan_cli
+
         return plan_cli.run(ns)
-    if ns.command == "report":
+    if ns.command == "env":
+        return cmd_env()
+    if ns.command in ("report", "generate"):
         try:
-            return cmd_report(ns.run_dir, ns.baseline)
+            return cmd_report(ns.run_dir, ns.baseline) if ns.command == "report" else cmd_generate(ns)
         except UserError as e:
-            print(f"rlfuse report: {e}", file=sys.stderr)
+            print(f"rlfuse {ns.command}: {e}", file=sys.stderr)
             return e.exit_code
     fn, _ = COMMANDS[ns.command]
     try:

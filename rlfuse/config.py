@@ -8,7 +8,9 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import functools
 import os
+import re
 import sys
 import types
 import typing
@@ -27,6 +29,7 @@ from rlfuse.placement.strategies import MIN_WORKERS, spec_from_config
 DATA_KINDS = ("synthetic", "arithmetic", "imdb", "hh_rlhf", "csv", "jsonl", "parquet", "hub")
 QUANTIZATIONS = ("none", "4bit", "8bit")
 OPTIMIZERS = ("adamw", "adamw_8bit", "paged_adamw_8bit")
+TRACKERS = ("tensorboard", "wandb", "trackio", "mlflow")
 
 
 @dataclass
@@ -48,6 +51,11 @@ class RunConfig:
     """The RL stage measures memory per component (rl/memory.json and the report's table; one process only, Ray
     workers log their RSS). null: on where memory is the point (model.quantization or a shared base). On a CPU
     each measurement hands freed heap back to the OS first, about 0.25 s twice per iteration."""
+    report_to: Optional[list] = None
+    """Where SFT, RM and RL metrics go besides metrics.jsonl: a list of tensorboard | wandb | trackio | mlflow (each an
+    optional install; a missing one is a config error naming the package). null: tensorboard when installed. []: none.
+    wandb and trackio take their project from WANDB_PROJECT / TRACKIO_PROJECT (default rlfuse), mlflow from its own
+    MLFLOW_* variables; one tracker run per stage, named <run folder>-<stage>."""
 
     def measures_memory(self, model) -> bool:
         """memory_table, or its default for this model section."""
@@ -171,7 +179,7 @@ class RMConfig:
     init: str = "sft"
     """Backbone: sft (the SFT model of this run, or sft_path) | base (the model named in model.name)."""
     sft_path: Optional[str] = None
-    """SFT model folder to start from when the run folder has none."""
+    """SFT model folder (or hub id) to start from when the run folder has none."""
     num_pairs: int = 12000
     """Synthetic/IMDb tasks: preference pairs to build."""
     eval_every: int = 100
@@ -276,13 +284,19 @@ class RLConfig:
     """Shift and scale each iteration's advantages to mean 0, std 1: over response tokens for ppo (one advantage per
     token), over samples for rloo and grpo (one advantage per sample)."""
     sft_path: Optional[str] = None
-    """Actor/reference folder for `rlfuse rl`; default RUN_DIR/sft/model."""
+    """Actor/reference folder or hub id for `rlfuse rl`; default RUN_DIR/sft/model."""
     rm_path: Optional[str] = None
-    """Reward model folder; default RUN_DIR/rm/model."""
+    """Reward model folder or hub id; default RUN_DIR/rm/model."""
     ckpt_every: int = 5
     """Checkpoint every this many iterations (and at the end)."""
     eval_prompts: int = 128
     """Held-out prompts for the before/after evaluation (0 skips it)."""
+    eval_every: int = 0
+    """Also evaluate the held-out prompts every this many iterations during RL (eval/* in metrics.jsonl, a table in
+    the report); 0: only before and after."""
+    log_samples_every: int = 10
+    """Every this many iterations, a table of the iteration's first prompts, completions and rewards: rl/samples.jsonl,
+    TensorBoard text, the trackers, the report. 0 turns it off."""
     max_bad_steps: int = 3
     """Stop after this many consecutive updates skipped for NaN/inf (a loss, or a reward of the iteration)."""
 
@@ -356,7 +370,7 @@ def checkpointing_on(cfg: Config) -> bool:
 # --------------------------------------------------------------------------------------------- loading
 
 
-def load_config(path: str | os.PathLike | None = None, overrides: list[str] | tuple = ()) -> Config:
+def load_config(path: str | os.PathLike | None = None, overrides: list[str] | tuple | dict = ()) -> Config:
     """YAML file (optional) + `a.b=c` overrides -> validated Config. Raises ConfigError."""
     raw: dict = {}
     if path is not None:
@@ -371,15 +385,22 @@ def load_config(path: str | os.PathLike | None = None, overrides: list[str] | tu
             raise ConfigError("config", f"{path} is not valid YAML{line}", "fix the YAML syntax") from None
         if not isinstance(raw, dict):
             raise ConfigError("config", f"{path} must hold a mapping of sections", "write e.g. 'sft:\\n  lr: 1e-4'")
-    for item in overrides:
-        key, sep, value = item.partition("=")
-        if not sep or not key or "." not in key:
-            raise ConfigError(item, "overrides take the form section.field=value", "e.g. sft.lr=1e-4 or run.dir=/tmp/x")
-        section, _, name = key.partition(".")
+    return config_from_dict(raw, overrides)
+
+
+def config_from_dict(raw: dict, overrides: list[str] | tuple | dict = ()) -> Config:
+    """Sections as a nested dict + overrides -> validated Config. Overrides: `a.b=c` strings (c parsed as YAML), or a
+    {"a.b": value} mapping whose values are taken as they are (the Python API)."""
+    raw = {k: dict(v) if isinstance(v, dict) else v for k, v in raw.items()}  # the caller's dict stays as it was
+    items = overrides.items() if isinstance(overrides, dict) else [_split_override(o) for o in overrides]
+    for key, value in items:
+        section, dot, name = str(key).partition(".")
+        if not dot or not section or not name:
+            raise ConfigError(str(key), "overrides take the form section.field=value", "e.g. sft.lr=1e-4 or run.dir=/tmp/x")
         raw.setdefault(section, {})
         if not isinstance(raw[section], dict):
             raise ConfigError(section, "must be a mapping of fields", f"write it as '{section}:' with indented fields")
-        raw[section][name] = _parse_scalar(value)
+        raw[section][name] = value
     cfg = _from_dict(Config, raw, prefix="")
     validate(cfg)
     if cfg.placement.strategy == "auto":  # resolved once, here, so the saved config.yaml records the plan
@@ -387,6 +408,13 @@ def load_config(path: str | os.PathLike | None = None, overrides: list[str] | tu
 
         cfg = validate(resolve_auto(cfg, log=lambda msg: print(msg, file=sys.stderr, flush=True)))
     return cfg
+
+
+def _split_override(item: str) -> tuple[str, Any]:
+    key, sep, value = str(item).partition("=")
+    if not sep or not key or "." not in key:
+        raise ConfigError(str(item), "overrides take the form section.field=value", "e.g. sft.lr=1e-4 or run.dir=/tmp/x")
+    return key, _parse_scalar(value)
 
 
 def _parse_scalar(text: str) -> Any:
@@ -406,8 +434,10 @@ def _from_dict(cls, raw: dict, prefix: str):
         name = f"{prefix}{key}"
         if key not in known:
             close = difflib.get_close_matches(str(key), sorted(known), n=1)
-            hint = f"did you mean {prefix}{close[0]}?" if close else f"known: {', '.join(sorted(known))}"
-            raise ConfigError(name, "unknown key", f"remove it ({hint})")
+            doc = field_summary(cls, close[0]) if close else ""
+            hint = (f"did you mean {prefix}{close[0]}" + (f" ({doc.rstrip('.')})" if doc else "") + "?" if close else
+                    f"known: {', '.join(sorted(known))}")
+            raise ConfigError(name, "unknown key", f"remove it ({hint}; `rlfuse --help` lists every field)")
         hint = hints[key]
         if dataclasses.is_dataclass(hint):
             kwargs[key] = _from_dict(hint, value if value is not None else {}, prefix=f"{name}.")
@@ -488,6 +518,7 @@ def validate(cfg: Config) -> Config:
     _choice(r.precision, "run.precision", ("auto", "fp32", "bf16", "fp16"))
     _validate_quantization(cfg)
     _positive(r, "run", "threads", allow_zero=True)
+    _validate_report_to(r.report_to)
     _choice(d.kind, "data.kind", DATA_KINDS)
     if d.kind in ("csv", "jsonl", "parquet", "hub") and not d.path:
         raise ConfigError("data.path", f"data.kind={d.kind} needs a file or hub name",
@@ -513,8 +544,9 @@ def validate(cfg: Config) -> Config:
         _positive(s, name, "warmup_steps", "weight_decay", "grad_clip", allow_zero=True)
         _divides(s, name)
     _choice(cfg.rm.init, "rm.init", ("sft", "base"))
-    if cfg.rm.sft_path and not Path(cfg.rm.sft_path).exists():
-        raise ConfigError("rm.sft_path", f"folder {cfg.rm.sft_path!r} not found", "point it at an SFT run's sft/model folder")
+    if cfg.rm.sft_path and not Path(cfg.rm.sft_path).exists() and not is_hub_id(cfg.rm.sft_path):
+        raise ConfigError("rm.sft_path", f"folder {cfg.rm.sft_path!r} not found", "point it at an SFT run's sft/model "
+                          "folder or a hub id")
     _positive(cfg.rm, "rm", "num_pairs")
     _positive(cfg.sft, "sft", "eval_samples", allow_zero=True)
     _validate_rl(cfg)
@@ -522,6 +554,32 @@ def validate(cfg: Config) -> Config:
     if cfg.sft.completion_only and d.kind == "synthetic":
         raise ConfigError("sft.completion_only", "the synthetic task has no prompt/response split", "set sft.completion_only=false")
     return cfg
+
+
+# the package each tracker imports, as pip installs it
+TRACKER_PACKAGES = {"tensorboard": "tensorboard", "wandb": "wandb", "trackio": "trackio", "mlflow": "mlflow"}
+
+
+def _validate_report_to(report_to) -> None:
+    """Each tracker named and installed, so a missing one stops the run before training rather than at its end."""
+    for name in report_to or ():
+        _choice(name, "run.report_to", TRACKERS)
+        if not package_installed(TRACKER_PACKAGES[name]):
+            raise ConfigError("run.report_to", f"{name} is not installed", f"pip install {TRACKER_PACKAGES[name]} "
+                              f"(or remove {name} from run.report_to)")
+
+
+def package_installed(name: str) -> bool:
+    """Importable without importing it (wandb and mlflow take seconds to import); a module set to None in
+    sys.modules, as tests do to hide one, counts as missing."""
+    import importlib.util
+
+    if name in sys.modules:
+        return sys.modules[name] is not None
+    try:
+        return importlib.util.find_spec(name) is not None
+    except (ImportError, ValueError):
+        return False
 
 
 def _validate_quantization(cfg: Config) -> None:
@@ -589,8 +647,9 @@ def _validate_rl(cfg: Config) -> None:
             raise ConfigError("rl.reward_weights", f"{rl.reward_weights!r} are not all numbers", "e.g. [1.0, 0.5]") from None
     for name in ("sft_path", "rm_path"):
         v = getattr(rl, name)
-        if v and not Path(v).exists():
-            raise ConfigError(f"rl.{name}", f"folder {v!r} not found", "point it at a saved model folder")
+        if v and not Path(v).exists() and not is_hub_id(v):  # a hub id is fetched when the stage starts
+            raise ConfigError(f"rl.{name}", f"folder {v!r} not found", "point it at a saved model folder or a hub id")
+    _positive(rl, "rl", "eval_every", "log_samples_every", allow_zero=True)
     _positive(ro, "rollout", "score_every", "max_rows", "micro_batch_size")
     _positive(ro, "rollout", "live_below", allow_zero=True)
     _positive(ro, "rollout", "rows_per_worker")
@@ -697,6 +756,14 @@ def _validate_temperature_and_curriculum(rl: RLConfig) -> None:
                           "set e.g. rl.curriculum_start=0.25")
 
 
+HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*(/[\w.-]+)?$")
+
+
+def is_hub_id(name: str) -> bool:
+    """'org/name' or 'name', not an existing local path: a model on the hub (rl.sft_path, rl.rm_path, rm.sft_path)."""
+    return bool(HUB_ID.match(name)) and not Path(name).expanduser().exists() and not _looks_like_path(name)
+
+
 def _looks_like_path(name: str) -> bool:
     """Hub names look like 'org/name'; local paths start with . / ~ or end in a file suffix."""
     return name.startswith((".", "/", "~")) or Path(name).suffix in (".csv", ".jsonl", ".gz", ".parquet", ".json")
@@ -719,8 +786,9 @@ def save_config(cfg: Config, run_dir: str | os.PathLike) -> Path:
     return path
 
 
+@functools.lru_cache(maxsize=None)  # inspect.getsource parses the whole module per class: once is enough
 def field_docs(cls) -> dict[str, str]:
-    """Attribute docstrings of a config section, for `rlfuse validate --fields` and the docs."""
+    """Attribute docstrings of a config section, for `rlfuse --help` and unknown-field errors."""
     import ast
     import inspect
 
@@ -731,3 +799,15 @@ def field_docs(cls) -> dict[str, str]:
         if isinstance(a, ast.AnnAssign) and isinstance(b, ast.Expr) and isinstance(getattr(b, "value", None), ast.Constant):
             docs[a.target.id] = b.value.value
     return docs
+
+
+def field_summary(cls, name: str) -> str:
+    """The first sentence of a field's docstring, on one line ("" without one)."""
+    doc = " ".join(field_docs(cls).get(name, "").split())
+    end = doc.find(". ")
+    return doc if end < 0 else doc[: end + 1]
+
+
+def section_class(section: str):
+    """The dataclass of a config section, e.g. section_class("rl") is RLConfig."""
+    return typing.get_type_hints(Config)[section]

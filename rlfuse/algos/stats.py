@@ -53,3 +53,10 @@ def explained_variance(values: Tensor, returns: Tensor, mask: Tensor) -> Tensor:
     """1 - Var[returns - values] / Var[returns] over masked entries (1 is a perfect critic, <= 0 a useless one)."""
     var_r = masked_var(returns, mask)
     return 1 - masked_var(returns - values, mask) / var_r.clamp(min=1e-8)
+
+
+def zero_spread_fraction(rewards: Tensor, k: int) -> Tensor:
+    """Fraction of prompt groups whose k rewards are all equal: their rloo/grpo advantages are all zero, so they teach
+    nothing (TRL's frac_reward_zero_std). rewards: (n_prompts * k,), grouped by prompt; returns a scalar."""
+    r = rewards.view(-1, k)
+    return (r.max(1).values == r.min(1).values).float().mean()

@@ -111,6 +111,36 @@ def memory_section(run_dir: Path) -> list[str]:
     return ["<h2>Memory per component (RL)</h2>", _table(format_table(measured, predicted)), note]
 
 
+def eval_during_section(rows: list[dict], eval_result: dict) -> list[str]:
+    """rl.eval_every: the held-out metrics at each evaluated iteration, between before (iteration 0) and after."""
+    points = [r for r in rows if any(k.startswith("eval/") for k in r)]
+    if not points:
+        return []
+    keys = sorted({k.removeprefix("eval/") for r in points for k in r if k.startswith("eval/")})
+    table = [("iteration", *keys)]
+    if eval_result.get("before"):
+        table.append(("0 (before)", *(_fmt(eval_result["before"].get(k, "")) for k in keys)))
+    table += [(r["step"], *(_fmt(r.get(f"eval/{k}", "")) for k in keys)) for r in points]
+    if eval_result.get("after"):
+        table.append((f"{rows[-1]['step']} (after)", *(_fmt(eval_result["after"].get(k, "")) for k in keys)))
+    return ["<h2>Held-out evaluation during RL</h2>", _table(table)]
+
+
+def samples_section(path: Path) -> list[str]:
+    """rl.log_samples_every: the first and the latest table of sample completions (rl/samples.jsonl)."""
+    rows = read_metrics(path) if path.exists() else []
+    steps = sorted({r["step"] for r in rows})
+    if not steps:
+        return []
+    parts = ["<h2>Sample completions during RL</h2>"]
+    for step in dict.fromkeys([steps[0], steps[-1]]):
+        table = [r for r in rows if r["step"] == step]
+        cols = [c for c in table[0] if c != "step"]
+        parts += [f"<h3>iteration {step}</h3>", _table([tuple(cols)] + [tuple(_fmt(r.get(c, "")) for c in cols)
+                                                                        for r in table])]
+    return parts
+
+
 def write_report(run_dir: str | Path, baseline_dir: str | Path | None = None) -> Path:
     run_dir = require_run_dir(run_dir)
     figs = draw_figures(run_dir, Path(baseline_dir) if baseline_dir else None)
@@ -137,6 +167,7 @@ def write_report(run_dir: str | Path, baseline_dir: str | Path | None = None) ->
         parts += ["<h2>Held-out evaluation, before and after RL</h2>",
                   _table([("metric", "before", "after")] + [(k, _fmt(eval_result.get("before", {}).get(k, "")),
                                                              _fmt(eval_result.get("after", {}).get(k, ""))) for k in keys])]
+    parts += eval_during_section(rows, eval_result)
     stages = [(s, _json(run_dir / s / "summary.json")) for s in ("sft", "rm", "rl")]
     stage_rows = [(s, ", ".join(f"{k} {_fmt(v)}" for k, v in d.items() if k != "model_dir")) for s, d in stages if d]
     if stage_rows:
@@ -157,6 +188,7 @@ def write_report(run_dir: str | Path, baseline_dir: str | Path | None = None) ->
             items = "".join(f"<li>{html.escape(t)}</li>" for t in texts[:8]) or "<li>(none yet)</li>"
             parts.append(f"<div><h3>{title}</h3><ol>{items}</ol></div>")
         parts.append("</div>")
+    parts += samples_section(run_dir / "rl" / "samples.jsonl")
     config = (run_dir / "config.yaml").read_text()
     parts += ["<h2>Config</h2>", f"<pre>{html.escape(config)}</pre>"]
     page = TEMPLATE.replace("{body}", "\n".join(parts))

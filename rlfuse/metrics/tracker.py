@@ -4,41 +4,163 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import time
 from pathlib import Path
 
 
 class JsonlTracker:
-    """JSON lines always; TensorBoard event files beside them when `tensorboard` is installed (tensorboard=True)."""
+    """JSON lines always (metrics.jsonl, and <name>.jsonl per table); every row and table also goes to `sinks`
+    (open_sinks: TensorBoard, wandb, trackio, mlflow by run.report_to). tensorboard=True without sinks: TensorBoard
+    event files beside the JSON lines when it is installed (what every stage did before run.report_to)."""
 
-    def __init__(self, path: str | Path, tensorboard: bool = False):
+    def __init__(self, path: str | Path, tensorboard: bool = False, sinks: list | None = None):
         self.path = Path(path)
         self.path.parent.mkdir(parents=True, exist_ok=True)
         self._f = self.path.open("a", encoding="utf-8")
-        self._tb = None
-        if tensorboard:
-            try:
-                from torch.utils.tensorboard import SummaryWriter
-
-                self._tb = SummaryWriter(str(self.path.parent / "tensorboard"))
-            except ImportError:
-                pass
+        if sinks is None:
+            sinks = open_sinks(None if tensorboard else [], self.path.parent)
+        self.sinks = sinks
 
     def log(self, step: int, **metrics) -> None:
         row = {"step": step, "time": time.time()}
         row.update({k: _plain(v) for k, v in metrics.items()})
         self._f.write(json.dumps(row) + "\n")
         self._f.flush()
-        if self._tb is not None:
-            for k, v in row.items():
-                if k not in ("step", "time") and isinstance(v, (int, float)) and math.isfinite(v):
-                    self._tb.add_scalar(k, v, step)
-            self._tb.flush()
+        scalars = {k: v for k, v in row.items() if k not in ("step", "time") and isinstance(v, (int, float))
+                   and not isinstance(v, bool) and math.isfinite(v)}
+        for sink in self.sinks:
+            sink.log(step, scalars)
+
+    def log_table(self, step: int, name: str, rows: list[dict]) -> None:
+        """A table (rows of the same keys) into <name>.jsonl beside the metrics, one line per row with its step, and
+        into every sink (TensorBoard as a markdown text, wandb/trackio as a Table, mlflow as an artifact)."""
+        with (self.path.parent / f"{name}.jsonl").open("a", encoding="utf-8") as f:
+            f.writelines(json.dumps({"step": step, **{k: _plain(v) for k, v in r.items()}}) + "\n" for r in rows)
+        for sink in self.sinks:
+            sink.table(step, name, rows)
 
     def close(self) -> None:
         self._f.close()
-        if self._tb is not None:
-            self._tb.close()
+        for sink in self.sinks:
+            sink.close()
+
+
+# ------------------------------------------------------------------------------------------- sinks
+# One small class per tracker with the same three methods; each imports its package only when it is opened.
+
+
+def open_sinks(report_to: list | None, stage_dir: Path, run_name: str | None = None, config: dict | None = None) -> list:
+    """The sinks of run.report_to for one stage (stage_dir: RUN_DIR/sft, rm or rl). None: TensorBoard when installed,
+    nothing otherwise. Each named tracker must be installed (validate() checks it first; this says the same)."""
+    from rlfuse.config import TRACKER_PACKAGES, package_installed
+
+    names = (["tensorboard"] if package_installed("tensorboard") else []) if report_to is None else list(report_to)
+    run_name = run_name or f"{stage_dir.parent.name}-{stage_dir.name}"
+    sinks = []
+    for name in names:
+        try:
+            sinks.append(SINKS[name](stage_dir, run_name, config or {}))
+        except ImportError:
+            from rlfuse.errors import ConfigError
+
+            for sink in sinks:
+                sink.close()
+            raise ConfigError("run.report_to", f"{name} is not installed", f"pip install {TRACKER_PACKAGES[name]} "
+                              f"(or remove {name} from run.report_to)") from None
+    return sinks
+
+
+def markdown_table(rows: list[dict]) -> str:
+    """Rows of the same keys as a markdown table (TensorBoard renders it), cells on one line, pipes escaped."""
+    if not rows:
+        return "(no rows)"
+    cols = list(rows[0])
+    cell = lambda v: " ".join(str(_plain(v)).split()).replace("|", "\\|")
+    lines = ["| " + " | ".join(cols) + " |", "|" + "---|" * len(cols)]
+    return "\n".join(lines + ["| " + " | ".join(cell(r.get(c, "")) for c in cols) + " |" for r in rows])
+
+
+class TensorBoardSink:
+    def __init__(self, stage_dir: Path, run_name: str, config: dict):
+        from torch.utils.tensorboard import SummaryWriter
+
+        self.writer = SummaryWriter(str(stage_dir / "tensorboard"))
+
+    def log(self, step: int, scalars: dict) -> None:
+        for k, v in scalars.items():
+            self.writer.add_scalar(k, v, step)
+        self.writer.flush()
+
+    def table(self, step: int, name: str, rows: list[dict]) -> None:
+        self.writer.add_text(name, markdown_table(rows), step)
+        self.writer.flush()
+
+    def close(self) -> None:
+        self.writer.close()
+
+
+class WandbSink:
+    """One wandb run per stage, grouped by run folder; project from WANDB_PROJECT (default rlfuse)."""
+    module = "wandb"
+
+    def __init__(self, stage_dir: Path, run_name: str, config: dict):
+        import importlib
+
+        self.lib = importlib.import_module(self.module)
+        self.run = self.lib.init(**self._init_args(stage_dir, run_name, config))
+
+    def _init_args(self, stage_dir: Path, run_name: str, config: dict) -> dict:
+        return {"project": os.environ.get("WANDB_PROJECT", "rlfuse"), "name": run_name, "group": stage_dir.parent.name,
+                "dir": str(stage_dir), "config": config}
+
+    def log(self, step: int, scalars: dict) -> None:
+        self.run.log(scalars, step=step)
+
+    def table(self, step: int, name: str, rows: list[dict]) -> None:
+        if rows:
+            cols = list(rows[0])
+            self.run.log({name: self.lib.Table(columns=cols, data=[[_plain(r.get(c)) for c in cols] for r in rows])},
+                         step=step)
+
+    def close(self) -> None:
+        self.run.finish()
+
+
+class TrackioSink(WandbSink):
+    """trackio follows wandb's API (init, log, Table, finish); project from TRACKIO_PROJECT (default rlfuse)."""
+    module = "trackio"
+
+    def _init_args(self, stage_dir: Path, run_name: str, config: dict) -> dict:
+        return {"project": os.environ.get("TRACKIO_PROJECT", "rlfuse"), "name": run_name, "config": config}
+
+
+class MlflowSink:
+    """One mlflow run per stage (experiment and tracking URI from mlflow's own MLFLOW_* variables); the config as
+    params (section.field), tables as JSON artifacts."""
+
+    def __init__(self, stage_dir: Path, run_name: str, config: dict):
+        import mlflow
+
+        self.lib = mlflow
+        self.run = mlflow.start_run(run_name=run_name)
+        flat = {f"{s}.{k}": v for s, fields in config.items() if isinstance(fields, dict) for k, v in fields.items()}
+        if flat:
+            mlflow.log_params({k: str(v)[:500] for k, v in flat.items()})
+
+    def log(self, step: int, scalars: dict) -> None:
+        self.lib.log_metrics(scalars, step=step)
+
+    def table(self, step: int, name: str, rows: list[dict]) -> None:
+        if rows:
+            data = {c: [_plain(r.get(c)) for r in rows] for c in rows[0]}
+            self.lib.log_table(data=data, artifact_file=f"{name}/step_{step:06d}.json")
+
+    def close(self) -> None:
+        self.lib.end_run()
+
+
+SINKS = {"tensorboard": TensorBoardSink, "wandb": WandbSink, "trackio": TrackioSink, "mlflow": MlflowSink}
 
 
 def _plain(v):
@@ -106,3 +228,13 @@ def truncate_metrics(path: str | Path, step: int) -> None:
         tmp = path.with_suffix(".tmp")
         tmp.write_text("".join(json.dumps(r) + "\n" for r in rows))
         tmp.replace(path)
+
+
+def stage_tracker(cfg, stage_dir: str | Path) -> JsonlTracker:
+    """A stage's tracker: stage_dir/metrics.jsonl and the sinks of cfg.run.report_to, each given the run's config."""
+    from rlfuse.config import config_to_dict
+
+    stage_dir = Path(stage_dir)
+    stage_dir.mkdir(parents=True, exist_ok=True)
+    return JsonlTracker(stage_dir / "metrics.jsonl", sinks=open_sinks(cfg.run.report_to, stage_dir,
+                                                                       config=config_to_dict(cfg)))

@@ -177,9 +177,12 @@ class MachineProfile:
     decode_sample_s: float = 0.0
     """Seconds per sample a rollout costs besides its decode steps: its share of the prefill call, retiring its
     row from the batch (the KV cache is compacted), handing it out."""
+    prefill_call_s: float = 0.0
+    """Seconds a prefill call costs beyond its forward: the engine prefills each distinct prompt length in a call
+    of its own and merges each call's KV cache into the batch's buffer."""
     score_call_s: float = 0.0
-    """Seconds a scoring call costs beyond its forward: collating the micro-batch, the attention mask, gathering the
-    response's log-probs or values."""
+    """Seconds a scoring call (reference, reward and critic over one micro-batch) costs beyond its forwards: sorting
+    and collating the samples, the reward model's input, gathering log-probs and values, building the results."""
     train_layer_call_s: float = 0.0
     """Fixed seconds per layer of a forward + backward call (autograd's bookkeeping per op weighs more on small
     tensors than the FLOPs); 0 means layer_call_s x (1 + bwd_ratio)."""
@@ -196,7 +199,19 @@ class MachineProfile:
     allreduce_latency_s: float = 0.0
     """Fixed seconds per all-reduce."""
     ray_call_s: float = 0.0
-    """Fixed seconds per iteration a Ray placement adds (remote calls, object-store puts of experience)."""
+    """The driver's own work per iteration on Ray besides its calls to the workers (advantages, building the
+    experience, the loop's Python): seconds, counted once per iteration."""
+    ray_round_trip_s: float = 0.0
+    """One driver -> worker call and its reply while the workers compute (Ray's submit, the reply through the object
+    store, the driver's wake-up): what each rollout chunk, scoring call, weight sync and update adds."""
+    ray_sample_s: float = 0.0
+    """Seconds per sample a reply or a put carries (pickling a sample's token lists and per-token tensors, and back)."""
+    train_micro_s: float = 0.0
+    """Seconds per training micro-batch beyond the model's forward + backward: collating it, the log-probs and loss
+    and their stats, DDP's hooks on a data-parallel rank."""
+    ray_slowdown: float = 1.0
+    """How much slower a Ray worker computes while every worker and the driver run than one process alone (Ray's
+    own threads and the driver share the cores): the planner slows a Ray placement's compute rates by it."""
     memory_bytes: float = 0.0
     """Memory of one worker: device memory on GPU, the RAM share on CPU (0: unknown)."""
     runtime_bytes: float = 0.0
@@ -239,7 +254,8 @@ class MachineProfile:
                        mem_bw=self.mem_bw / factor, layer_call_s=self.layer_call_s * factor,
                        decode_layer_call_s=self.decode_layer_call_s * factor,
                        decode_sample_s=self.decode_sample_s * factor, score_call_s=self.score_call_s * factor,
-                       train_layer_call_s=self.train_layer_call_s * factor,
+                       prefill_call_s=self.prefill_call_s * factor,
+                       train_layer_call_s=self.train_layer_call_s * factor, train_micro_s=self.train_micro_s * factor,
                        optimizer_bytes_s=self.optimizer_bytes_s / factor)
 
 
@@ -328,6 +344,31 @@ def allreduce_seconds(p: MachineProfile, nbytes: float, workers: int, calls: flo
     return calls * (p.allreduce_latency_s + 2 * (workers - 1) / workers * nbytes / p.allreduce_bytes_s)
 
 
+def round_trip_seconds(p: MachineProfile, calls: float, samples: float = 0.0) -> float:
+    """`calls` driver -> worker calls on Ray and their replies, carrying `samples` samples in all."""
+    return calls * p.ray_round_trip_s + samples * p.ray_sample_s
+
+
+def rollout_chunks(samples: float, busy_s: float, every: int, chunk_s: float) -> int:
+    """Replies one decoding worker sends the driver in a rollout (ray_rollout.GenerationWorker.advance): a chunk ends
+    after `every` finished samples, or at the first sample to finish after `chunk_s` seconds. So at least
+    ceil(samples / every), never more than one per sample, and about busy_s / chunk_s in between."""
+    if samples <= 0:
+        return 0
+    return max(math.ceil(samples / every), min(math.ceil(samples), math.ceil(busy_s / chunk_s)))
+
+
+DDP_FIRST_BUCKET_BYTES = 2**20
+"""torch's DistributedDataParallel caps its first gradient bucket at 1 MiB (to start communicating early)."""
+
+
+def ddp_buckets(nbytes: float, bucket_bytes: float) -> int:
+    """All-reduces DDP runs in a backward that syncs: the first 1 MiB, then buckets of `bucket_bytes`."""
+    if nbytes <= DDP_FIRST_BUCKET_BYTES:
+        return 1
+    return 1 + math.ceil((nbytes - DDP_FIRST_BUCKET_BYTES) / bucket_bytes)
+
+
 def survival_scale(mean: float, cap: float) -> float:
     """Scale λ of exponential response lengths whose mean after capping at `cap` is `mean`:
     E[min(L, cap)] = λ (1 - exp(-cap / λ)). Infinite when the mean is the cap (every sample runs to it)."""
@@ -384,13 +425,27 @@ def live_rows(samples: float, mean: float, cap: int) -> list[float]:
     return Lengths.from_mean(mean, cap).live_rows(samples)
 
 
+def distinct_values(distinct: float, n: float, m: float) -> float:
+    """Expected distinct values among m of n items that hold `distinct` values, each value on n / distinct items:
+    each value is missing from the m with probability prod_i (n - n/distinct - i) / (n - i)."""
+    if distinct <= 1 or m >= n:
+        return min(distinct, max(m, 0.0)) if distinct <= 1 else distinct
+    f, missing = n / distinct, 1.0
+    for i in range(int(math.ceil(m))):
+        missing *= max(0.0, (n - f - i) / (n - i))
+    return distinct * (1 - missing)
+
+
 def decode_seconds(p: MachineProfile, shape: ModelShape, samples: float, prompt: float, lengths: Lengths,
-                   mean: float, weight_bytes: float, kv_elem_bytes: float, max_rows: int) -> float:
-    """Prefill every prompt once, then decode step by step: each step is one call over the live rows (at most
-    `max_rows`), reads the weights and the live rows' KV cache, and does 2 x matmul params FLOPs per row.
+                   mean: float, weight_bytes: float, kv_elem_bytes: float, max_rows: int,
+                   prefill_calls: float = 1.0) -> float:
+    """Prefill every prompt once (one call per distinct prompt length, `prefill_calls`, as DecodeEngine._prefill
+    does; at least one per max_rows samples), then decode step by step: each step is one call over the live rows
+    (at most `max_rows`), reads the weights and the live rows' KV cache, and does 2 x matmul params FLOPs per row.
     More samples than `max_rows`: waiting prompts join as rows finish, so the engine first runs full steps until
     the queue is empty (the queued samples' tokens, max_rows at a time), then the last max_rows rows' tail."""
-    total = forward_seconds(p, shape, samples, prompt, weight_bytes, math.ceil(samples / max_rows))  # prefill
+    calls = max(math.ceil(samples / max_rows), prefill_calls)
+    total = forward_seconds(p, shape, samples / calls, prompt, weight_bytes, calls) + calls * p.prefill_call_s
     total += samples * p.decode_sample_s
     call = p.decode_layer_call_s or p.layer_call_s
 

@@ -34,6 +34,10 @@ TP_MAX = 8
 TP_WEIGHT_SHARE = 0.5
 """Sharded (on paper): the generator's tensor-parallel degree is the smallest power of two that puts at most this
 share of a device's memory into its weights, leaving the rest to the KV cache."""
+CHUNK_SECONDS = 0.05
+"""Longest a Ray generation worker decodes before reporting back (ray_rollout.RolloutSettings.chunk_seconds)."""
+DDP_BUCKET_BYTES = 32 * 2**20
+"""Gradient bucket of data-parallel training (ray_train.DEFAULT_BUCKET_BYTES)."""
 STAGES = ("generate", "score", "rollout", "train", "sync", "migration", "overhead", "iteration")
 """Predicted seconds per iteration. rollout: generate and score as the strategy overlaps them (what the RL loop
 logs as time/rollout); iteration = sync + rollout + train + overhead (time/iteration)."""
@@ -51,14 +55,21 @@ class Workload:
     mini_batch: int
     score_micro_batch: int
     max_rows: int
-    score_tail: float = 0.25
-    """Fraction of the samples scored after the last one finishes (fused scoring takes the rest under decoding):
-    those that finish once the live batch is under rollout.live_below rows."""
     score_singles: int = 0
     """Fused scoring scores each sample that finishes once fewer than rollout.live_below rows are live on its own:
     about that many extra one-sample scoring calls per decoding worker (0 with fusion off)."""
     response_longest: float = 0.0
     """Longest response of an iteration, measured (--lengths-from); 0: unknown, lengths from the mean alone."""
+    score_every: int = 16
+    """rollout.score_every: a decoding worker reports back (and a fused one scores) every this many samples."""
+    prompt_lengths: float = 1.0
+    """Distinct token lengths among an iteration's prompts: the engine prefills each length in a call of its own
+    (measured by bench/plan.py from the task's prompts; 1 when unknown)."""
+    k: int = 1
+    """Samples per prompt (rl.k): they share their prompt's prefill."""
+    chunk_s: float = CHUNK_SECONDS
+    rows_per_worker: int = 16
+    """rollout.rows_per_worker: the migration's capacity trigger (rollout/migration.py plan_migration)."""
 
     @property
     def seq(self) -> float:
@@ -226,22 +237,15 @@ def _workers_with(spec: PlacementSpec, role: str) -> int:
 
 def predict(prob: Problem, spec: PlacementSpec, micro: int, ckpt: bool, migrate: float) -> Plan:
     """Seconds per stage and memory per group of one candidate."""
+    if spec.uses_ray:  # Ray workers compute a little slower than one process alone (profile_ray.py)
+        prob = replace(prob, profile=prob.profile.slowed(prob.profile.ray_slowdown))
     w, p, m = prob.workload, prob.profile, prob.memory
     gen_w = _workers_with(spec, "generator")
     train_w = _workers_with(spec, "actor")
     score_w = _workers_with(spec, "reward") or _workers_with(spec, "reference")
     shard_of = lambda workers: workers if prob.shard else 1
-    generate = _generate_seconds(prob, gen_w, _tp(prob, gen_w))
-    score = _score_seconds(prob, score_w)
-    train = _train_seconds(prob, train_w, micro, ckpt)
-    migration, overlap = 0.0, 0.0
-    if migrate > 0 and gen_w > 1:
-        migration, tail = _migration(prob, gen_w, migrate)
-        overlap = min(tail, score)
-    if len(spec.groups) == 1:  # flattened (or one process): decode, then score, on the same workers
-        rollout = generate + score - overlap + migration
-    else:  # the other group scores while this one decodes; the tail's samples are scored after the last one ends
-        rollout = max(generate + migration, score) + w.score_tail * score
+    generate, score, rollout, migration = _rollout_seconds(prob, spec, gen_w, score_w, migrate)
+    train = _train_seconds(prob, train_w, micro, ckpt, spec.uses_ray)
     sync = _sync_seconds(prob, spec)
     overhead = p.ray_call_s if spec.uses_ray else 0.0
     seconds = {"generate": generate, "score": score, "rollout": rollout, "train": train, "sync": sync,
@@ -262,6 +266,41 @@ def predict(prob: Problem, spec: PlacementSpec, micro: int, ckpt: bool, migrate:
         if over:
             fits, why = False, f"{', '.join(over)} per worker, over the {prob.memory_budget / GiB:.2f} GiB budget"
     return Plan(spec.strategy, spec, micro, ckpt, migrate, seconds, memory, fits, why)
+
+
+def _rollout_seconds(prob: Problem, spec: PlacementSpec, gen_w: int, score_w: int,
+                     migrate: float) -> tuple[float, float, float, float]:
+    """(generate, score, rollout, migration) seconds. One group (flattened, or one process): each worker decodes its
+    share, scoring its own finished samples as it goes, with the tail migrated to fewer workers (the freed ones score
+    under it). Two groups: the scoring group starts on the decoders' first chunk and scores each chunk as it comes;
+    the last chunk is scored after decoding ends. On Ray every decoding worker replies to the driver in chunks
+    (ray_rollout.GenerationWorker.advance), each a round trip carrying its samples; a scoring call is one too."""
+    w, p = prob.workload, prob.profile
+    one_group = len(spec.groups) == 1
+    generate = _generate_seconds(prob, gen_w, _tp(prob, gen_w))
+    score = _score_seconds(prob, score_w)
+    calls = 1 if spec.uses_ray else 0  # set_temperature on the scorers before decoding starts
+    score_calls = 1
+    if spec.uses_ray:
+        per_decoder = w.samples / gen_w
+        chunks = cost.rollout_chunks(per_decoder, generate + (score if one_group else 0.0), w.score_every, w.chunk_s)
+        generate += cost.round_trip_seconds(p, chunks, per_decoder)
+        if not one_group:
+            score_calls = max(math.ceil(w.samples / score_w / w.score_every), math.ceil(chunks * gen_w / score_w))
+            score = _score_seconds(prob, score_w, score_calls) + cost.round_trip_seconds(p, score_calls,
+                                                                                        w.samples / score_w)
+    migration, overlap = 0.0, 0.0
+    if migrate > 0 and gen_w > 1:
+        migration, tail = _migration(prob, gen_w, migrate)
+        if migration and spec.uses_ray:
+            migration += cost.round_trip_seconds(p, 2)  # export, then import
+        overlap = min(tail, score)
+    if one_group:
+        rollout = generate + score - overlap + migration
+    else:
+        first = min(generate, w.chunk_s)
+        rollout = max(generate + migration + score / score_calls, first + score)
+    return generate, score, rollout + cost.round_trip_seconds(p, calls), migration
 
 
 def _policy_bytes(m: MemoryInputs) -> float:
@@ -285,8 +324,10 @@ def _generate_seconds(prob: Problem, workers: int, tp: int) -> float:
     samples = w.samples / (workers // tp)
     if tp > 1:
         p = replace(p, flops=p.flops * tp, decode_flops=p.decode_flops * tp, mem_bw=p.mem_bw * tp)
+    prompts = w.samples / w.k
+    prefills = cost.distinct_values(w.prompt_lengths, prompts, prompts / (workers // tp))  # this worker's share
     return cost.decode_seconds(p, m.policy, samples, w.prompt_tokens, w.lengths, w.response_mean,
-                               _policy_bytes(m), m.act_bytes, w.max_rows)
+                               _policy_bytes(m), m.act_bytes, w.max_rows, prefills)
 
 
 def _scored_models(m: MemoryInputs, roles: Roles) -> list[ModelShape]:
@@ -300,22 +341,27 @@ def _scored_models(m: MemoryInputs, roles: Roles) -> list[ModelShape]:
     return out
 
 
-def _score_seconds(prob: Problem, workers: int) -> float:
+def _score_seconds(prob: Problem, workers: int, calls: float | None = None) -> float:
     """Data-parallel scoring: each worker runs every scoring forward over its share, in micro-batches, plus the
-    fused tail's one-sample calls."""
+    fused tail's one-sample calls; or in `calls` calls (a scoring group scores each chunk as it comes)."""
     w, m, p = prob.workload, prob.memory, prob.profile
     per_worker = w.samples / workers
-    singles = min(w.score_singles, per_worker)
-    calls = math.ceil((per_worker - singles) / w.score_micro_batch) + singles
+    if calls is None:
+        singles = min(w.score_singles, per_worker)
+        calls = math.ceil((per_worker - singles) / w.score_micro_batch) + singles
     rows = per_worker / calls
-    return sum(cost.forward_seconds(p, s, rows, w.seq, weight_bytes(s, m.weight_dtype), calls) + calls * p.score_call_s
-               for s in _scored_models(m, prob.roles))
+    forwards = sum(cost.forward_seconds(p, s, rows, w.seq, weight_bytes(s, m.weight_dtype), calls)
+                   for s in _scored_models(m, prob.roles))
+    return forwards + calls * p.score_call_s
 
 
-def _train_seconds(prob: Problem, workers: int, micro: int, ckpt: bool) -> float:
-    """Actor then critic: per mini-batch, ceil(micro-batches / workers) micro-batches on each rank (DDP), an
-    optimiser step, and (several workers) one gradient all-reduce. Sharding (on paper) changes the
-    memory, not this: each worker gathers the whole weights for its micro-batches, as FSDP does."""
+def _train_seconds(prob: Problem, workers: int, micro: int, ckpt: bool, ray: bool = False) -> float:
+    """Actor then critic: per mini-batch, ceil(micro-batches / workers) micro-batches on each rank (DDP), each
+    with the loss path's fixed cost (train_micro_s), an optimiser step, and on several ranks DDP's gradient
+    all-reduce (one per bucket) and the all-reduce that checks every rank's loss was finite; per update, the
+    ranks' stats gathered (all_gather_object: two collectives). On Ray the driver's call and the experience's trip
+    to the ranks. Sharding (on paper) changes the memory, not this: each worker gathers the whole weights for its
+    micro-batches, as FSDP does."""
     w, m, p = prob.workload, prob.memory, prob.profile
     steps = w.epochs * w.samples / w.mini_batch
     # each rank runs every world-th micro-batch of each mini-batch (micro-batches cut smaller where there are fewer
@@ -332,18 +378,25 @@ def _train_seconds(prob: Problem, workers: int, micro: int, ckpt: bool) -> float
     for shape, params, frozen in trained:
         wb = weight_bytes(shape, m.weight_dtype)
         total += cost.train_seconds(p, shape, rows, w.padded_seq(rows), wb, calls, ckpt, frozen)
+        total += calls * p.train_micro_s
         total += cost.optimizer_seconds(p, params / (workers if prob.shard else 1), steps)
-        total += cost.allreduce_seconds(p, params * train_b, workers, steps)
+        buckets = cost.ddp_buckets(params * train_b, DDP_BUCKET_BYTES)
+        total += cost.allreduce_seconds(p, params * train_b / buckets, workers, steps * buckets)
+        total += cost.allreduce_seconds(p, 4, workers, steps + 2)  # finite-loss check per step; the stats
+    if ray:  # the experience goes as a few batched tensors: a round trip, not a per-sample cost
+        total += cost.round_trip_seconds(p, 1)
     return total
 
 
 def _migration(prob: Problem, gen_w: int, migrate_below: float) -> tuple[float, float]:
     """(re-prefill seconds on the keeper, seconds of tail decode the freed workers can score under): the tail starts
-    when fewer than `migrate_below` of the samples are unfinished."""
+    when fewer than `migrate_below` of the samples are unfinished, or as soon as the unfinished rows fit on fewer
+    workers at rollout.rows_per_worker each (rollout/migration.py plan_migration's two triggers)."""
     w, p, m = prob.workload, prob.profile, prob.memory
     per_worker = w.samples / gen_w
     rows = w.lengths.live_rows(per_worker)
-    start = next((t for t, r in enumerate(rows) if r < migrate_below * per_worker), len(rows))
+    fits_fewer = lambda r: math.ceil(r * gen_w / w.rows_per_worker - 1e-9) < gen_w
+    start = next((t for t, r in enumerate(rows) if r < migrate_below * per_worker or fits_fewer(r)), len(rows))
     if start >= len(rows):
         return 0.0, 0.0
     moved = rows[start] * (gen_w - 1)
@@ -361,6 +414,8 @@ def _sync_seconds(prob: Problem, spec: PlacementSpec) -> float:
     train_b = 4.0 if m.train_dtype == "fp32" else 2.0
     trainers = _workers_with(spec, "actor")
     total = 0.0
+    if spec.uses_ray and any({"generator", "actor"} <= set(g.roles) for g in spec.groups):
+        total += cost.round_trip_seconds(p, 1)  # the driver asks each such worker to copy its own replica
     for g in spec.groups:
         if "generator" in g.roles:
             total += _send(prob, m.policy.params * train_b, g.workers, trainers) if "actor" not in g.roles \
@@ -429,11 +484,12 @@ def measured_lengths(run_dir) -> tuple[float, int] | None:
 def problem_from_config(cfg, profile: MachineProfile, workers: int | None = None, cpus_per_worker: float | None = None,
                         gpus_per_worker: float | None = None, memory_budget: float | None = None,
                         lengths: tuple[float, int] | None = None, prompt_tokens: float | None = None,
-                        cores: float | None = None) -> Problem:
+                        cores: float | None = None, prompt_lengths: float | None = None) -> Problem:
     """The planning problem of an RL run on `cfg` (rlfuse.config.Config): roles, shapes and batch sizes from the
     config, placement resources from the arguments or cfg.placement, rates from `profile`. Budget: the argument,
     else a GPU's memory, else the machine's RAM shared by the workers (0 in the profile: no check). lengths:
     (mean, longest) response tokens measured by a run; prompt_tokens: their measured mean (default PROMPT_TOKENS);
+    prompt_lengths: distinct prompt lengths in an iteration's prompts, measured (default 1: one prefill call);
     cores: CPU cores the workers share (default this machine's; CPU workers beyond them are slowed)."""
     from rlfuse.models.roles import derive_roles
     from rlfuse.placement.cost import policy_shape
@@ -459,9 +515,9 @@ def problem_from_config(cfg, profile: MachineProfile, workers: int | None = None
                         response_mean=min(mean, rl.max_new_tokens), response_max=rl.max_new_tokens,
                         epochs=rl.epochs, mini_batch=rl.mini_batch_size, score_micro_batch=cfg.rollout.micro_batch_size,
                         max_rows=cfg.rollout.max_rows,
-                        score_tail=min(1.0, max(1, cfg.rollout.live_below) / (rl.prompts_per_iter * rl.k)),
                         score_singles=cfg.rollout.live_below if cfg.rollout.fusion else 0,
-                        response_longest=min(longest, rl.max_new_tokens))
+                        response_longest=min(longest, rl.max_new_tokens), score_every=cfg.rollout.score_every,
+                        rows_per_worker=cfg.rollout.rows_per_worker, k=rl.k, prompt_lengths=prompt_lengths or 1.0)
     mem = memory_inputs(cfg, roles, shape, profile)
     migrate = tuple(sorted({0.0, cfg.rollout.migrate_below}))
     return Problem(roles, workload, mem, profile, workers, resources, memory_budget, migrate_below=migrate,

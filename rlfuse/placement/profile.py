@@ -3,10 +3,11 @@ profile file later.
 
 The rates are fitted from a few timings of a GPT-2 of the policy's own shape with random weights (the default shape
 when the policy is over 200 M parameters on CPU), run the way the RL loop runs it: the rollout engine's decode
-steps at 1 and 16 rows (fixed cost per step and cost per row), transformers' forward at two batch sizes (fixed cost
-per call and FLOP/s), a backward (its ratio to the forward), an AdamW step, a tensor copy (bandwidth) and a
-state-dict serialisation (what a weight sync through Ray's object store costs per byte). torch is imported inside
-the functions: importing this module stays free.
+steps at 1, 8 and 32 rows (fixed cost per step and cost per row), its prefill of prompts of many lengths against one
+(cost per prefill call), transformers' forward at three batch sizes (fixed cost per call and FLOP/s), a backward (its
+ratio to the forward), an AdamW step, a tensor copy (bandwidth), a state-dict serialisation (what a weight sync
+through Ray's object store costs per byte), the driver's advantages; then the overheads of a run on two Ray workers
+(profile_ray.py). torch is imported inside the functions: importing this module stays free.
 
 Where the file goes: `--profile-path`, else `$RLFUSE_CACHE/machine_profile.json` (default
 `~/.cache/rlfuse/machine_profile.json`), shared by every run on the machine. Without one the planner uses
@@ -16,6 +17,7 @@ Where the file goes: `--profile-path`, else `$RLFUSE_CACHE/machine_profile.json`
 from __future__ import annotations
 
 import os
+import statistics
 import time
 from pathlib import Path
 
@@ -24,23 +26,27 @@ from rlfuse.placement.cost import GiB, MachineProfile, ModelShape, gpt2_shape
 SYNC_LATENCY_S = 0.02
 """Ray object-store put + get round trip of a weight sync, fixed part: not measured by the profile (starting Ray
 costs more than the whole profile); 0.04-0.055 s for 7.6 MB in two transfers in BENCHMARKS.md's per-strategy runs."""
-RAY_CALL_S = 0.03
+RAY_CALL_S = 0.002
 """Per-iteration driver <-> worker calls on Ray (submit, wait, gather metrics); an estimate from the same runs."""
 RAY_WORKER_BYTES = 54 * 2**20
 """What a Ray worker process holds beyond the same imports in a plain process (its core worker and gRPC threads):
 438 MiB against 384 MiB, measured on this machine."""
-GLOO_BYTES_S = 1e9
-"""Gradient all-reduce over gloo on loopback TCP (not measured: it needs a second process)."""
+BUILTIN_OVERHEADS = {"ray_round_trip_s": 2.6e-3, "ray_sample_s": 6.9e-4, "allreduce_latency_s": 1.7e-4,
+                     "allreduce_bytes_s": 7.7e8, "train_micro_s": 0.012}
+"""Ray and gloo overheads (profile_ray.py) as measured on this project's 2-core dev machine (load average 1-4),
+for a profile taken without Ray."""
+GPU_OVERHEADS = {"allreduce_latency_s": 1e-4, "allreduce_bytes_s": 50e9}
+"""NCCL on one node (not measured: the profile's Ray probe runs CPU workers)."""
 
 BUILTIN_CPU = MachineProfile(
-    name="builtin: AMD EPYC dev VM (2 cores), 1 thread per worker", device="cpu", threads=1, flops=4.82e+10,
-    decode_flops=1.21e+10, mem_bw=3.34e+10, layer_call_s=0.00077,
-    decode_layer_call_s=0.00049, decode_sample_s=0.0016, score_call_s=0.0,
-    train_layer_call_s=0.0034, bwd_ratio=2.72, optimizer_bytes_s=4.98e+09,
-    sync_bytes_s=5.77e+08, sync_latency_s=SYNC_LATENCY_S, allreduce_bytes_s=GLOO_BYTES_S,
-    allreduce_latency_s=1e-3, ray_call_s=RAY_CALL_S, memory_bytes=23.5 * GiB, runtime_bytes=0.46 * GiB,
-    slack_fraction=0.1, source="rlfuse plan --profile on this project's dev machine, 2026-11-22 01:47 UTC, rates "
-    "as measured alone (contention 1.35 taken out)")
+    name="builtin: AMD EPYC dev VM (2 cores), 1 thread per worker", device="cpu", threads=1, flops=5.22e10,
+    decode_flops=2.75e10, mem_bw=2.52e10, layer_call_s=3.1e-4, decode_layer_call_s=2.0e-4, decode_sample_s=7.7e-4,
+    score_call_s=8.1e-4, train_layer_call_s=9.9e-4, bwd_ratio=1.79, optimizer_bytes_s=3.49e9, sync_bytes_s=5.28e8,
+    sync_latency_s=SYNC_LATENCY_S, ray_call_s=RAY_CALL_S, **BUILTIN_OVERHEADS, memory_bytes=23.5 * GiB,
+    runtime_bytes=0.46 * GiB, slack_fraction=0.1,
+    source="rlfuse plan --profile on this project's dev machine, 2026-11-22 03:46 UTC at load average 0.6 "
+    "(contention 1.05; its per-model scoring overhead x 3 as score_call_s); Ray overheads measured 04:31 UTC at load "
+    "average 1-4; no prefill_call_s")
 
 
 def default_profile_path() -> Path:
@@ -51,7 +57,7 @@ def load_profile(path: str | Path | None = None, log=None) -> MachineProfile:
     """The profile at `path` (or the default path); BUILTIN_CPU, with a log line, when there is none."""
     p = Path(path) if path else default_profile_path()
     if p.is_file():
-        return MachineProfile.load(p)
+        return _with_overheads(MachineProfile.load(p), p, log)
     if path:
         from rlfuse.errors import UserError
 
@@ -60,6 +66,21 @@ def load_profile(path: str | Path | None = None, log=None) -> MachineProfile:
         log(f"[plan] no machine profile at {p}: using the built-in one ({BUILTIN_CPU.name}); "
             f"`rlfuse plan --profile` measures this machine in under a minute")
     return BUILTIN_CPU
+
+
+def _with_overheads(profile: MachineProfile, path: Path, log) -> MachineProfile:
+    """A CPU profile written before the Ray overhead terms existed has none of them (they would read as free): it
+    gets the built-in ones, and one log line says so."""
+    import json
+    from dataclasses import replace
+
+    missing = [k for k in BUILTIN_OVERHEADS if k not in json.loads(path.read_text())]
+    if not missing or profile.device != "cpu":
+        return profile
+    if log:
+        log(f"[plan] {path} has no {', '.join(missing)} (written by an older rlfuse): using the built-in values; "
+            f"`rlfuse plan --profile` measures them")
+    return replace(profile, **{k: BUILTIN_OVERHEADS[k] for k in missing})
 
 
 def _timed(fn, repeats: int, sync) -> float:
@@ -117,9 +138,11 @@ def _build(shape: ModelShape, device: str):
 
 
 def measure_profile(shape: ModelShape | None = None, threads: int = 1, device: str | None = None,
-                    log=print) -> MachineProfile:
+                    log=print, ray: bool = True) -> MachineProfile:
     """Time the pieces and fit the rates (see the module docstring). `threads`: torch threads, a worker's
-    cpus_per_worker. device: cpu | cuda (default cuda when present)."""
+    cpus_per_worker. device: cpu | cuda (default cuda when present). ray: also measure the overheads of a run on
+    Ray workers (profile_ray.py: round trips, gloo all-reduce, the training micro-batch's fixed cost); without
+    it (or without Ray installed) those fields keep the built-in profile's values."""
     import io
 
     import psutil
@@ -159,6 +182,12 @@ def measure_profile(shape: ModelShape | None = None, threads: int = 1, device: s
             decode[rows] = _timed(lambda: list(engine.generate(prompts[:rows], 1, params, seed=0)), 3, sync) / steps
         staggered = _timed(lambda: list(engine.generate(prompts, 1, SamplingParams(max_new_tokens=32), seed=0,
                                                         lengths=lambda pid, j: pid + 1)), 3, sync)
+        # prefill: 16 prompts of 15 lengths against 16 of one length, the same tokens, one token each; every extra
+        # length is a prefill call of its own (then each call's KV cache merged into the batch's buffer)
+        varied = [[1] * n for n in (*range(2, 17), 9)]
+        one_token = SamplingParams(max_new_tokens=1)
+        t_varied = _timed(lambda: list(engine.generate(varied, 1, one_token, seed=0)), 5, sync)
+        t_same = _timed(lambda: list(engine.generate([[1] * 9] * 16, 1, one_token, seed=0)), 5, sync)
     fixed, per_row = _fit(decode)
     decode_layer_call = max(1e-7, (fixed - wbytes / mem_bw) / shape.layers)
     decode_flops = shape.forward_flops(1, 6 + steps / 2) / per_row
@@ -170,21 +199,19 @@ def measure_profile(shape: ModelShape | None = None, threads: int = 1, device: s
     ids = {b: torch.randint(0, shape.vocab, (b, seq), device=device) for b in (2, 8, 16)}
     model.train()
     fwd = {}
+    one_token = torch.ones(1, 1, dtype=torch.long, device=device)
     with torch.no_grad():
         for b in ids:
             fwd[b] = _timed(lambda: model(input_ids=ids[b]).logits, 5, sync)
-    fixed, per_row = _fit(fwd)
+        # the fixed cost per call straight from a one-token forward: the intercept of the fit above is the
+        # difference of noisy timings, and on a busy machine it can land at or under zero
+        t_one = _timed(lambda: model(input_ids=one_token).logits, 9, sync)
+    _, per_row = _fit(fwd)
     flops = shape.forward_flops(seq, seq / 2) / per_row
-    call = max(1e-7, (fixed - wbytes / mem_bw) / shape.layers)
+    call = max(1e-7, (t_one - shape.forward_flops(1, 1) / flops - wbytes / mem_bw) / shape.layers)
+    prefill_call_s = max(0.0, (t_varied - t_same) / 14 - shape.layers * call - wbytes / mem_bw)
 
-    # a scoring call as the Scorer makes it (collate, masked forward, log-probs of the response): what it costs
-    # beyond the bare forward of its tokens
-    from rlfuse.rollout.score import collate, response_logprobs
-
-    one = ([1, 2, 3, 4], list(range(5, 21)))
-    with torch.no_grad():
-        t_score = _timed(lambda: response_logprobs(model, collate([one[0]], [one[1]], 0, device)), 9, sync)
-    score_call_s = max(0.0, t_score - shape.layers * call - shape.forward_flops(20, 10) / flops - wbytes / mem_bw)
+    score_call_s = _score_call_seconds(model, shape, device, sync, shape.layers * call + wbytes / mem_bw, flops)
 
     # contention: the same call's mean over its fastest, repeated; on a shared machine the rates above (fitted
     # from fastest timings) are what a process gets alone, and the run will get about 1 / contention of them
@@ -216,6 +243,13 @@ def measure_profile(shape: ModelShape | None = None, threads: int = 1, device: s
         torch.load(buf)
 
     sync_bytes_s = wbytes / _timed(serialise, 3, sync)
+    driver_s = _driver_seconds(shape.vocab)
+    overheads = {}
+    if ray and device == "cpu":
+        from rlfuse.placement.profile_ray import decode_chunk
+
+        alone = statistics.median(decode_chunk(model, 16) for _ in range(7))  # a rollout chunk's work, alone
+        overheads = _ray_overheads(shape, threads, log, alone)
     memory = (torch.cuda.get_device_properties(0).total_memory if device == "cuda"
               else psutil.virtual_memory().total)
     name = torch.cuda.get_device_name(0) if device == "cuda" else f"{_cpu_name()}, {threads} thread(s) per worker"
@@ -224,14 +258,58 @@ def measure_profile(shape: ModelShape | None = None, threads: int = 1, device: s
     return MachineProfile(
         name=name, device=device, threads=threads, flops=flops, decode_flops=decode_flops, mem_bw=mem_bw,
         layer_call_s=call, decode_layer_call_s=decode_layer_call, decode_sample_s=decode_sample_s,
-        score_call_s=score_call_s, train_layer_call_s=train_call, bwd_ratio=bwd_ratio,
+        score_call_s=score_call_s, prefill_call_s=prefill_call_s, train_layer_call_s=train_call, bwd_ratio=bwd_ratio,
         optimizer_bytes_s=optimizer_bytes_s, sync_bytes_s=sync_bytes_s, sync_latency_s=SYNC_LATENCY_S,
-        allreduce_bytes_s=GLOO_BYTES_S if device == "cpu" else 50e9,
-        allreduce_latency_s=1e-3 if device == "cpu" else 1e-4,
-        ray_call_s=RAY_CALL_S, memory_bytes=float(memory), runtime_bytes=float(runtime), slack_fraction=0.1,
+        ray_call_s=driver_s, **((BUILTIN_OVERHEADS if device == "cpu" else GPU_OVERHEADS) | overheads),
+        memory_bytes=float(memory), runtime_bytes=float(runtime), slack_fraction=0.1,
         source=f"rlfuse plan --profile, {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}, {shape.name}, "
                f"load average {os.getloadavg()[0]:.1f}, contention {contention:.2f} (rates divided by it)"
     ).slowed(contention)
+
+
+def _score_call_seconds(model, shape: ModelShape, device: str, sync, forward_fixed_s: float, flops: float) -> float:
+    """What a scoring call costs beyond its forwards: the Scorer on one sample of 4 + 16 tokens with the reference
+    (this model), a reward model and a critic on its body (rollout/score.py: sorting, collating, the reward's
+    input, gathering log-probs and values, the scored samples), less three forwards at the fitted rates."""
+    import torch
+    from transformers import GPT2Config, GPT2ForSequenceClassification
+
+    from rlfuse.models.heads import ValueModel
+    from rlfuse.rollout.engine import Sample
+    from rlfuse.rollout.score import Scorer, reward_model_fn
+
+    rm = GPT2ForSequenceClassification(GPT2Config(
+        vocab_size=shape.vocab, n_positions=shape.context, n_embd=shape.hidden, n_layer=shape.layers,
+        n_head=shape.heads, num_labels=1, pad_token_id=0, resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)).to(device)
+    scorer = Scorer(reward_model_fn(rm.eval(), 0, 0), 0, ref=model, critic=ValueModel.from_reward_model(rm).eval())
+    one = [Sample(0, 0, [1, 2, 3, 4], list(range(5, 21)), torch.zeros(16), "eos")]
+    t = _timed(lambda: scorer.score(one), 9, sync)
+    return max(0.0, t - 3 * (forward_fixed_s + shape.forward_flops(20, 10) / flops))
+
+
+def _driver_seconds(vocab: int, samples: int = 32) -> float:
+    """The RL driver's own work per iteration between its calls to workers: advantages and mini-batch order over an
+    iteration's experience (trainers/rl.py steps 3 and 4), timed on a made-up one of `samples` samples."""
+    from rlfuse.config import RLConfig
+    from rlfuse.placement.profile_ray import fake_experience
+    from rlfuse.trainers.rl import compute_advantages, minibatches
+
+    rl, exp = RLConfig(), fake_experience(samples, vocab)
+    return _timed(lambda: (compute_advantages(exp, rl, 0.1), minibatches(len(exp), rl, 0, 0)), 9, lambda: None)
+
+
+def _ray_overheads(shape: ModelShape, threads: int, log, alone_s: float) -> dict:
+    """profile_ray.measure_ray_overheads, or {} (built-in values, said in one line) where Ray is missing or fails
+    to start on this machine: the rest of the profile still holds."""
+    try:
+        from rlfuse.placement.profile_ray import measure_ray_overheads
+
+        return measure_ray_overheads(shape, threads, log, alone_s=alone_s)
+    except ImportError:
+        log("[profile] Ray is not installed: Ray overheads from the built-in profile")
+    except Exception as e:  # noqa: BLE001  (Ray's start can fail many ways: ports, /dev/shm, a stale session)
+        log(f"[profile] Ray overheads not measured ({type(e).__name__}: {str(e)[:120]}); built-in values used")
+    return {}
 
 
 def _cpu_name() -> str:

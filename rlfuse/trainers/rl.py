@@ -45,7 +45,7 @@ from rlfuse.data.stages import rl_prompt_rows
 from rlfuse.errors import UserError
 from rlfuse.evaluation import evaluate, evaluate_before, iteration_gold, prompt_difficulty, sampling_params
 from rlfuse.metrics.memory import MemoryMeter
-from rlfuse.metrics.tracker import JsonlTracker, memory_metrics, truncate_metrics
+from rlfuse.metrics.tracker import memory_metrics, stage_tracker, truncate_metrics
 from rlfuse.models.build import Models, build_models
 from rlfuse.models.load import save_trained_model
 from rlfuse.placement.rollout import build_placement, local_scorer, sync_weights, uses_ray
@@ -58,6 +58,7 @@ from rlfuse.rollout.fusion import Experience, FusionPolicy
 from rlfuse.rollout.score import collate, response_logprobs, response_values
 from rlfuse.trainers.checkpoint import load_checkpoint, save_checkpoint
 from rlfuse.trainers.common import build_constant_optimizer, setup_runtime
+from rlfuse.trainers.observe import due, evaluate_during, group_metrics, learning_rates, sample_table
 from rlfuse.trainers.sft import resolve_base_model
 
 # ------------------------------------------------------------------------------------------- optimisers
@@ -427,12 +428,13 @@ def train_rl(cfg: Config, run_dir: Path, log=print, resume: bool = False, on_rea
         state = torch.load(ckpt, weights_only=False, map_location="cpu") if uses_ray(cfg) else trainer.load_checkpoint(ckpt)
         start, kl_ctl.coef, bad = state["iteration"], state["kl_coef"], state["counters"]
         truncate_metrics(out / "metrics.jsonl", start)
+        truncate_metrics(out / "samples.jsonl", start)
         log(f"[rl] resumed from {ckpt} at iteration {start}")
     sync_weights(engine, models.actor)
     before = evaluate_before(out / "eval_before.json", models, engine, held_prompts, rl, seed + 12345, gold)
     difficulty = prompt_difficulty(models, engine, train_prompts, rl, seed + 23456, out / "difficulty.json", log)
     reward_metrics(models.reward_fn)  # the evaluations' calls are not the first iteration's
-    tracker = JsonlTracker(out / "metrics.jsonl", tensorboard=True)
+    tracker = stage_tracker(cfg, out)
     if on_ready is not None:
         on_ready(models)
     log(f"[rl] {rl.algo}: {rl.iterations} iterations x {rl.prompts_per_iter} prompts x k={rl.k}, fusion "
@@ -468,6 +470,12 @@ def train_rl(cfg: Config, run_dir: Path, log=print, resume: bool = False, on_rea
             row = rollout_metrics(exp, kl, returns, kl_ctl.coef, rl.max_new_tokens) | stats | sync
             row |= rollout.metrics(exp)
             row |= memory_metrics(device) | iteration_gold(exp, tok, gold) | reward_metrics(models.reward_fn)
+            row |= learning_rates(trainer, rl) | group_metrics(exp, rl.k)
+            if due(rl.eval_every, it + 1) and it + 1 < rl.iterations:  # the last one is the "after" evaluation
+                row |= evaluate_during(trainer, models, engine, held_prompts, rl, seed + 12345, gold)
+                reward_metrics(models.reward_fn)  # the evaluation's calls are not the next iteration's
+            if due(rl.log_samples_every, it + 1):
+                tracker.log_table(it + 1, "samples", sample_table(exp, tok, gold))
             row |= {"rollout/temperature": temperature, "time/training": t2 - t1, "time/iteration": t2 - t0,
                     "train/skipped_steps": bad["skipped"],
                     "rollout/samples_per_s": len(exp) / (t2 - t0), "rollout/tokens_per_s": float(exp.mask.sum()) / (t2 - t0)}

@@ -16,7 +16,7 @@ from rlfuse.data.chat import set_chat_template
 from rlfuse.data.collate import encode_pair, pair_batch
 from rlfuse.data.stages import preference_pairs
 from rlfuse.errors import UserError
-from rlfuse.metrics.tracker import JsonlTracker
+from rlfuse.metrics.tracker import stage_tracker
 from rlfuse.data.prompts import check_max_length, model_context
 from rlfuse.models.load import load_reward_model, load_tokenizer, save_trained_model
 from rlfuse.models.quantize import place
@@ -88,7 +88,7 @@ def train_rm(cfg: Config, run_dir: Path, log=print, on_trained=None) -> RMResult
     s = cfg.rm
     opt, sched = build_optimizer(model, s.lr, s.weight_decay, s.warmup_steps, s.steps)
     out = run_dir / "rm"
-    tracker = JsonlTracker(out / "metrics.jsonl")
+    tracker = stage_tracker(cfg, out)
     log(f"[rm] {len(train_items)} train / {len(eval_items)} held-out pairs, backbone {name}")
     acc = float("nan")
     lengths = [max(len(c), len(r)) for c, r in train_items]
@@ -105,7 +105,8 @@ def train_rm(cfg: Config, run_dir: Path, log=print, on_trained=None) -> RMResult
                 loss_sum += float(loss.detach())
                 correct += int((rc > rr).sum())
             grad_norm = clip_and_step(model, opt, sched, s.grad_clip)
-            row = {"train/loss": loss_sum, "train/accuracy": correct / len(batch), "train/grad_norm": grad_norm}
+            row = {"train/loss": loss_sum, "train/accuracy": correct / len(batch), "train/grad_norm": grad_norm,
+                   "train/lr": sched.get_last_lr()[0]}
             if step % s.eval_every == 0 or step == s.steps:
                 row.update(evaluate_pairs(model, eval_items, tokenizer.pad_token_id, s.micro_batch_size, device, cfg.run.precision))
                 acc = row["eval/accuracy"]

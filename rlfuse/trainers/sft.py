@@ -19,7 +19,7 @@ from rlfuse.config import Config
 from rlfuse.data.chat import set_chat_template
 from rlfuse.data.collate import encode_sft, sft_batch
 from rlfuse.data.stages import rl_prompts, sft_examples
-from rlfuse.metrics.tracker import JsonlTracker
+from rlfuse.metrics.tracker import stage_tracker
 from rlfuse.data.prompts import check_max_length, model_context
 from rlfuse.models.load import load_causal_lm, load_tokenizer, save_trained_model
 from rlfuse.models.quantize import place
@@ -82,7 +82,7 @@ def train_sft(cfg: Config, run_dir: Path, log=print, on_trained=None) -> SFTResu
     s = cfg.sft
     opt, sched = build_optimizer(model, s.lr, s.weight_decay, s.warmup_steps, s.steps)
     out = run_dir / "sft"
-    tracker = JsonlTracker(out / "metrics.jsonl")
+    tracker = stage_tracker(cfg, out)
     log(f"[sft] {len(train_items)} train / {len(eval_items)} held-out sequences, model {name}, device {device}")
     val = float("nan")
     with Progress(s.steps, "sft", cfg.run.quiet) as bar:

@@ -52,6 +52,36 @@ def test_sync_allreduce_optimizer_by_hand():
     assert cost.optimizer_seconds(RATES, 1e6, steps=3) == pytest.approx(3 * 16e6 / 1e9)
 
 
+def test_round_trips_chunks_and_buckets_by_hand():
+    p = replace(RATES, ray_round_trip_s=0.002, ray_sample_s=5e-4)
+    assert cost.round_trip_seconds(p, 3, samples=16) == pytest.approx(3 * 0.002 + 16 * 5e-4)
+    # a chunk ends after 16 finished samples or at the first to finish after 0.05 s
+    assert cost.rollout_chunks(16, busy_s=0.13, every=16, chunk_s=0.05) == 3  # by time: ceil(0.13 / 0.05)
+    assert cost.rollout_chunks(32, busy_s=0.01, every=16, chunk_s=0.05) == 2  # by count: ceil(32 / 16)
+    assert cost.rollout_chunks(4, busy_s=10.0, every=16, chunk_s=0.05) == 4  # never more than one per sample
+    assert cost.rollout_chunks(0, busy_s=1.0, every=16, chunk_s=0.05) == 0
+    # DDP: the first bucket holds 1 MiB, the others bucket_bytes
+    assert cost.ddp_buckets(2**19, 32 * 2**20) == 1 and cost.ddp_buckets(2**20, 32 * 2**20) == 1
+    assert cost.ddp_buckets(2**20 + 1, 32 * 2**20) == 2
+    assert cost.ddp_buckets(2**20 + 64 * 2**20, 32 * 2**20) == 3
+
+
+def test_distinct_prompt_lengths_and_prefill_calls_by_hand(default_problem):
+    # 4 prompts of 2 lengths (2 each), 2 drawn: a length is missing with probability 2/4 x 1/3 = 1/6
+    assert cost.distinct_values(2, 4, 2) == pytest.approx(2 * (1 - 1 / 6))
+    assert cost.distinct_values(32, 32, 16) == pytest.approx(16)  # all distinct: as many as drawn
+    assert cost.distinct_values(1, 32, 16) == 1 and cost.distinct_values(5, 32, 32) == 5
+    # one worker, 32 prompts of 8 lengths: 8 prefill calls instead of 1, the same tokens: 7 more fixed costs
+    one = replace(default_problem, workers=1, checkpointing=(False,), micro_batches=(16,))
+    eight = replace(one, workload=replace(one.workload, prompt_lengths=8))
+    p, shape = one.profile, one.memory.policy
+    extra = 7 * (shape.layers * p.layer_call_s + 4 * shape.params / p.mem_bw)
+    assert plan(eight)[0].seconds["generate"] - plan(one)[0].seconds["generate"] == pytest.approx(extra)
+    # each prefill call's own cost (cache set-up, merging into the batch's buffer): 8 calls
+    costly = replace(eight, profile=replace(p, prefill_call_s=0.01))
+    assert plan(costly)[0].seconds["generate"] - plan(eight)[0].seconds["generate"] == pytest.approx(8 * 0.01)
+
+
 def test_live_rows_match_the_mean_length():
     lam = cost.survival_scale(10, 48)
     assert lam * (1 - math.exp(-48 / lam)) == pytest.approx(10, rel=1e-6)
@@ -104,14 +134,16 @@ def test_balanced_small_models_choose_flattened(default_problem):
     assert best.strategy == "flattened" and best.spec.workers == 4
 
 
-def test_generation_dominating_chooses_separated(default_problem):
+def test_generation_dominating_chooses_a_scoring_group(default_problem):
     # decode steps 20 ms per layer (latency-bound: more workers do not shorten them) and a 12-layer reward model to
-    # score: separated hides the scoring under decoding on its own group and keeps most workers training
+    # score: a layout with two groups hides the scoring under decoding and keeps three workers training (separated
+    # 3 train + 1 generating, or interleaved 3 train-and-generate + 1 scoring: within 2% of each other)
     slow_decode = replace(default_problem.profile, decode_layer_call_s=0.02)
     big_rm = replace(default_problem.memory, reward=gpt2_shape("rm", 12, 768, 12, 1024, 512))
     plans = plan(_fixed(default_problem, profile=slow_decode, memory=big_rm))
     best = plans[0]
-    assert best.strategy == "separated" and best.spec.group("generate").workers == 1
+    assert best.strategy in ("separated", "interleaved") and best.spec.group("train").workers == 3
+    assert best.seconds["rollout"] < best.seconds["generate"] + best.seconds["score"] / 2  # scoring mostly hidden
     flattened = next(p for p in plans if p.strategy == "flattened")
     assert flattened.seconds["rollout"] == pytest.approx(flattened.seconds["generate"] + flattened.seconds["score"])
     assert best.seconds["rollout"] < flattened.seconds["rollout"]
@@ -154,6 +186,71 @@ def test_data_parallel_ranks_split_every_mini_batch(default_problem):
     train_one = {p.micro_batch_size: p.seconds["train"] for p in plan(one)}
     assert 16 not in train and 8 in train  # micro 16 trains 8 rows per rank, as micro 8 does: one plan, not two
     assert train[8] < train_one[16]
+
+
+def _flat2(prob, **profile):
+    """The default problem on 2 flattened workers, micro-batches of 4, no migration, with these profile fields."""
+    return replace(prob, workers=2, strategies=("flattened",), checkpointing=(False,), migrate_below=(0.0,),
+                   micro_batches=(4,), profile=replace(prob.profile, **profile))
+
+
+def test_training_micro_batch_and_all_reduce_terms_count_as_the_runtime(default_problem):
+    # 32 samples, 4 epochs, mini-batches of 16: 8 steps; micro 4 on 2 ranks: ceil(4 / 2) = 2 micro-batches per rank
+    # per step; actor and critic each: 16 micro-batches
+    base = plan(_flat2(default_problem, train_micro_s=0.0, allreduce_latency_s=0.0))[0]
+    micro = plan(_flat2(default_problem, train_micro_s=0.01, allreduce_latency_s=0.0))[0]
+    assert micro.seconds["train"] - base.seconds["train"] == pytest.approx(2 * 16 * 0.01)
+    # all-reduces per learner: 8 steps x 2 DDP buckets (4 bytes x 0.99 M parameters: the 1 MiB first bucket, then
+    # one of 32 MiB) + 8 finite-loss checks + 2 for the stats (all_gather_object) = 26; actor and critic: 52
+    params = default_problem.memory.policy.params
+    assert cost.ddp_buckets(4 * params, 32 * 2**20) == 2
+    latency = plan(_flat2(default_problem, train_micro_s=0.0, allreduce_latency_s=0.001))[0]
+    assert latency.seconds["train"] - base.seconds["train"] == pytest.approx(52 * 0.001)
+    # one rank: no all-reduce at all
+    one = replace(_flat2(default_problem, allreduce_latency_s=0.0), workers=1)
+    one_slow = replace(_flat2(default_problem, allreduce_latency_s=1.0), workers=1)
+    assert plan(one)[0].seconds["train"] == pytest.approx(plan(one_slow)[0].seconds["train"])
+
+
+def test_ray_round_trips_per_rollout_chunk_sync_and_update(default_problem):
+    # flattened on 2 Ray workers: each decoding worker's chunks, the scorers' set_temperature, the weight-sync call,
+    # the update call; the per-sample cost rides on every chunk's samples (16 per worker)
+    base = plan(_flat2(default_problem, ray_round_trip_s=0.0, ray_sample_s=0.0, ray_call_s=0.0))[0]
+    rt = plan(_flat2(default_problem, ray_round_trip_s=0.001, ray_sample_s=0.0, ray_call_s=0.0))[0]
+    s = base.seconds
+    chunks = cost.rollout_chunks(16, s["generate"] + s["score"], 16, 0.05)
+    assert chunks >= 1
+    assert rt.seconds["rollout"] - s["rollout"] == pytest.approx((chunks + 1) * 0.001)
+    assert rt.seconds["sync"] - s["sync"] == pytest.approx(0.001)
+    assert rt.seconds["train"] - s["train"] == pytest.approx(0.001)
+    per_sample = plan(_flat2(default_problem, ray_round_trip_s=0.0, ray_sample_s=0.001, ray_call_s=0.0))[0]
+    assert per_sample.seconds["rollout"] - s["rollout"] == pytest.approx(16 * 0.001)
+    driver = plan(_flat2(default_problem, ray_round_trip_s=0.0, ray_sample_s=0.0, ray_call_s=0.005))[0]
+    assert driver.seconds["iteration"] - s["iteration"] == pytest.approx(0.005)
+
+
+def test_ray_slowdown_slows_ray_placements_only(default_problem):
+    quiet = dict(ray_round_trip_s=0.0, ray_sample_s=0.0)
+    flat = plan(_flat2(default_problem, ray_slowdown=1.0, **quiet))[0]
+    slow = plan(_flat2(default_problem, ray_slowdown=2.0, **quiet))[0]
+    assert slow.seconds["generate"] == pytest.approx(2 * flat.seconds["generate"])  # every decode term is compute
+    single = replace(_flat2(default_problem, ray_slowdown=1.0), workers=1)
+    single_slow = replace(_flat2(default_problem, ray_slowdown=2.0), workers=1)
+    assert plan(single)[0].seconds == plan(single_slow)[0].seconds  # one process: no Ray
+
+
+def test_a_scoring_group_starts_on_the_first_chunk(default_problem):
+    # separated 1 + 1: the scorer waits for the decoder's first chunk (0.05 s, or all of decoding if shorter), then
+    # scores chunk by chunk; the last chunk is scored after decoding ends
+    prob = replace(default_problem, workers=2, strategies=("separated",), checkpointing=(False,),
+                   migrate_below=(0.0,), micro_batches=(16,), profile=replace(default_problem.profile,
+                                                                              ray_round_trip_s=0.0))
+    best = plan(prob)[0]
+    s = best.seconds
+    generate, score = s["generate"], s["score"]
+    chunks = cost.rollout_chunks(32, generate, 16, 0.05)
+    calls = max(2, chunks)  # one scoring call per chunk, at least one per 16 samples
+    assert s["rollout"] == pytest.approx(max(generate + score / calls, min(generate, 0.05) + score))
 
 
 def test_more_cpu_workers_than_cores_share_them():
@@ -234,3 +331,12 @@ def test_qlora_config_is_planned_as_it_runs():
     m = memory_inputs(cfg, derive_roles(cfg), policy_shape(cfg.model), CPU)
     assert (m.weight_dtype, m.optimizer, m.shared_base, m.generator_copy) == ("nf4-dq", "adamw8bit", True, True)
     assert m.critic is not None  # the critic's adapter on the shared base is counted
+
+
+def test_planner_constants_match_the_runtime():
+    # the pure planner keeps its own copies of two runtime constants (it may not import torch): they must agree
+    from rlfuse.placement.planner import CHUNK_SECONDS, DDP_BUCKET_BYTES
+    from rlfuse.placement.ray_rollout import RolloutSettings
+    from rlfuse.placement.ray_train import DEFAULT_BUCKET_BYTES
+
+    assert RolloutSettings().chunk_seconds == CHUNK_SECONDS and DEFAULT_BUCKET_BYTES == DDP_BUCKET_BYTES

@@ -1,11 +1,12 @@
 """`rlfuse plan --profile` measures rates that the cost model can use, and the file round-trips."""
 
 from rlfuse.placement.cost import MachineProfile, gpt2_shape
-from rlfuse.placement.profile import BUILTIN_CPU, load_profile, measure_profile
+from rlfuse.placement.profile import BUILTIN_CPU, BUILTIN_OVERHEADS, load_profile, measure_profile
 
 
 def test_measure_profile_tiny_model(tmp_path):
-    p = measure_profile(gpt2_shape("tiny", 2, 64, 2, 256, 128), threads=1, device="cpu", log=lambda m: None)
+    p = measure_profile(gpt2_shape("tiny", 2, 64, 2, 256, 128), threads=1, device="cpu", log=lambda m: None,
+                        ray=False)
     # plausible for any CPU this runs on, and far from the 1e-7 floors the fits clamp to (a failed fit lands there)
     plausible = {"flops": (1e8, 1e13), "decode_flops": (1e7, 1e13), "mem_bw": (1e7, 1e12),
                  "layer_call_s": (1e-6, 0.1), "decode_layer_call_s": (1e-6, 0.1), "optimizer_bytes_s": (1e6, 1e12),
@@ -13,6 +14,9 @@ def test_measure_profile_tiny_model(tmp_path):
     for name, (low, high) in plausible.items():
         assert low < getattr(p, name) < high, (name, getattr(p, name))
     assert p.device == "cpu" and p.threads == 1 and "rlfuse plan --profile" in p.source
+    assert 1e-6 < p.ray_call_s < 0.5  # the driver's own work per iteration, measured in this process
+    # without the Ray probe the Ray overheads are the built-in ones (scaled like every per-call cost)
+    assert p.ray_round_trip_s == BUILTIN_OVERHEADS["ray_round_trip_s"] and p.train_micro_s > 0
     path = p.save(tmp_path / "machine_profile.json")
     assert load_profile(path) == p == MachineProfile.load(path)
 
@@ -33,3 +37,40 @@ def test_a_broken_profile_file_is_one_line(tmp_path):
     path.write_text('{"name": "half a fi')
     with pytest.raises(UserError, match="is not a machine profile.*rlfuse plan --profile"):
         load_profile(path)
+
+
+def test_probe_worker_in_process(monkeypatch):
+    """The Ray probe's pieces in this process, as rank 0 of a one-rank gloo group: a decode chunk, replies with
+    samples, collectives, and the training micro-batch's overhead over the bare forward + backward."""
+    import torch.distributed as dist
+
+    from rlfuse.placement.profile_ray import ProbeWorker, decode_chunk, fake_samples
+    from rlfuse.placement.ray_common import free_port
+
+    tiny = gpt2_shape("tiny", 2, 64, 2, 256, 128)
+    w = ProbeWorker(tiny, 0, 1)
+    busy, samples = w.chunk(4, 3)
+    assert 0 < busy < 5 and len(samples) == 3 and len(samples[0].sample.token_ids) == len(samples[0].values)
+    assert decode_chunk(w.model, 2) > 0 and len(fake_samples(0)) == 0
+    w.join("127.0.0.1", free_port())
+    try:
+        latency, big = w.collectives(2**20, repeats=3)
+        assert 0 < latency < 1 and 0 < big < 5
+        assert 0 <= w.micro_batch_overhead(rows=2, repeats=3) < 1
+    finally:
+        w.shutdown()
+    assert not dist.is_initialized()
+
+
+def test_an_older_profile_gets_the_built_in_overheads(tmp_path):
+    import json
+
+    path = tmp_path / "machine_profile.json"
+    old = {k: v for k, v in json.loads(BUILTIN_CPU.to_json()).items() if k not in BUILTIN_OVERHEADS}
+    path.write_text(json.dumps(old | {"allreduce_latency_s": 0.5}))  # one it had, kept; the rest were never measured
+    said = []
+    p = load_profile(path, log=said.append)
+    assert p.ray_round_trip_s == BUILTIN_OVERHEADS["ray_round_trip_s"] and p.allreduce_latency_s == 0.5
+    assert "train_micro_s" in said[0] and "rlfuse plan --profile" in said[0]
+    path.write_text(BUILTIN_CPU.to_json())  # a current one: as written, nothing said
+    assert load_profile(path, log=said.append) == BUILTIN_CPU and len(said) == 1

@@ -1,0 +1,269 @@
+"""The Python API: each stage, and the whole pipeline, as one function call.
+
+    from rlfuse import load_config, train_sft, train_rm, train_rl, run_pipeline
+
+Every function takes a config (a `Config`, a YAML path, a dict of sections, or None for the defaults), `overrides`
+(a {"section.field": value} dict or ["section.field=value", ...] strings) and a run folder (str or Path; default
+run.dir, else a new runs/<stage>-<timestamp>), and returns what the stage produced. The rlfuse CLI calls the same
+functions. Live objects: a reward callable (rl.reward), a transformers model and tokenizer (model.name), and hub ids
+for rl.sft_path / rl.rm_path.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable, Union
+
+from rlfuse.config import Config, config_from_dict, config_to_dict, load_config as _load_yaml
+from rlfuse.errors import ConfigError, UserError
+from rlfuse.live_rewards import is_live, reward_spec
+from rlfuse.runs import make_run_dir, stage_summary, with_local_stage_paths, write_rl_results
+
+ConfigLike = Union[Config, str, os.PathLike, dict, None]
+Overrides = Union[dict, list, tuple, None]
+
+
+def log_stderr(msg: str) -> None:
+    """The default `log`: progress lines on stderr, so stdout keeps only results."""
+    print(msg, file=sys.stderr, flush=True)
+
+
+def load_config(config: ConfigLike = None, overrides: Overrides = None) -> Config:
+    """A validated Config from a Config (copied, with overrides applied), a YAML path, a dict of sections
+    ({"rl": {"algo": "grpo"}}) or None (the defaults: the embedded task), plus overrides ({"rl.k": 4} or
+    ["rl.k=4"]). Override values may be Paths (made str) and, for rl.reward, a callable (see train_rl)."""
+    overrides = _plain_overrides(overrides)
+    if isinstance(config, Config):
+        return config_from_dict(config_to_dict(config), overrides)
+    if isinstance(config, dict):
+        return config_from_dict(config, overrides)
+    if config is None or isinstance(config, (str, os.PathLike)):
+        return _load_yaml(config, overrides)
+    raise UserError(f"config error: config: expected a Config, a YAML path, a dict of sections or None, got "
+                    f"{type(config).__name__}; pass e.g. rlfuse.load_config('configs/default.yaml')")
+
+
+def _plain_overrides(overrides: Overrides) -> dict | list:
+    """Paths as str and a reward callable as its module:function spec, so the saved config.yaml holds plain values."""
+    if overrides is None:
+        return []
+    if isinstance(overrides, str):
+        return [overrides]
+    if not isinstance(overrides, dict):
+        return list(overrides)
+    out = {}
+    for key, value in overrides.items():
+        if isinstance(value, os.PathLike):
+            value = os.fspath(value)
+        elif key == "rl.reward" and callable(value):
+            value = reward_spec(value)
+        out[key] = value
+    return out
+
+
+def _stage_config(config: ConfigLike, overrides: Overrides, run_dir, **extra) -> Config:
+    """load_config with run.dir and the stage's live objects applied on top of the overrides."""
+    cfg = load_config(config, overrides)
+    updates = {k: v for k, v in extra.items() if v is not None}
+    if run_dir is not None:
+        updates["run.dir"] = os.fspath(run_dir)
+    return config_from_dict(config_to_dict(cfg), _plain_overrides(updates)) if updates else cfg
+
+
+def _model_override(model, tokenizer, run_dir) -> str | None:
+    """model.name for `model`: a hub id or folder as given (str or Path), or a transformers model object saved with
+    its tokenizer into RUN_DIR/base_model, the folder the stages then load (and the saved adapters name as base)."""
+    if model is None or isinstance(model, (str, os.PathLike)):
+        if tokenizer is not None:
+            raise UserError("config error: tokenizer: only used with a model object (a model folder or hub id brings "
+                            "its own); remove tokenizer=, or pass model= as a loaded transformers model")
+        return None if model is None else os.fspath(model)
+    if not hasattr(model, "save_pretrained") or tokenizer is None or not hasattr(tokenizer, "save_pretrained"):
+        raise UserError("config error: model: a model object must be a transformers PreTrainedModel and come with "
+                        "tokenizer= (its transformers tokenizer); or pass a folder or hub id instead")
+    if run_dir is None:
+        raise UserError("config error: run_dir: a model object is saved into the run folder before training; pass "
+                        "run_dir=... too")
+    folder = Path(run_dir) / "base_model"
+    model.save_pretrained(folder)
+    tokenizer.save_pretrained(folder)
+    return str(folder)
+
+
+def _refuse_live_reward_on_workers(cfg: Config) -> None:
+    if is_live(cfg.rl.reward) and cfg.placement.strategy != "single":
+        raise ConfigError("rl.reward", f"a callable that is not importable by name lives in this process, and "
+                          f"placement.strategy={cfg.placement.strategy} scores on Ray workers that import it",
+                          "define it in an importable module (module:function), or set placement.strategy=single")
+
+
+# ------------------------------------------------------------------------------------------------- stages
+
+
+def train_sft(config: ConfigLike = None, run_dir: str | os.PathLike | None = None, *, overrides: Overrides = None,
+              model=None, tokenizer=None, log: Callable = log_stderr):
+    """Supervised fine-tuning into RUN_DIR/sft. model: a hub id or folder (model.name), or a transformers model
+    object with its `tokenizer`. Returns the SFTResult (model_dir, val_loss, perplexity, seconds, ...)."""
+    from rlfuse.trainers.sft import train_sft as run_sft
+
+    cfg = _stage_config(config, overrides, run_dir, **{"model.name": _model_override(model, tokenizer, run_dir)})
+    return run_sft(cfg, make_run_dir(cfg, "sft"), log)
+
+
+def train_rm(config: ConfigLike = None, run_dir: str | os.PathLike | None = None, *, overrides: Overrides = None,
+             log: Callable = log_stderr):
+    """Reward-model training into RUN_DIR/rm, from rm.sft_path (a folder or hub id) or RUN_DIR/sft/model (rm.init=sft),
+    or model.name (rm.init=base).
+    Returns the RMResult (model_dir, accuracy, margin, seconds)."""
+    from rlfuse.trainers.rm import train_rm as run_rm
+
+    cfg = _stage_config(config, overrides, run_dir)
+    return run_rm(with_local_stage_paths(cfg), make_run_dir(cfg, "rm"), log)
+
+
+@dataclass
+class RLResult:
+    run_dir: Path
+    model_dir: Path
+    """RUN_DIR/rl/model: the trained policy, a plain transformers folder."""
+    report: Path
+    before: dict
+    """Held-out metrics of the SFT policy (eval.json's "before")."""
+    after: dict
+    """The same after RL."""
+    samples_after: list
+    seconds: float
+    prompts: dict
+    """Prompt budget and how many prompts were cut to it."""
+
+
+def train_rl(config: ConfigLike = None, run_dir: str | os.PathLike | None = None, *, overrides: Overrides = None,
+             reward: Callable | str | None = None, resume: bool = False, log: Callable = log_stderr) -> RLResult:
+    """Online RL (rl.algo) into RUN_DIR/rl from rl.sft_path / rl.rm_path (folders or hub ids) or RUN_DIR's sft/ and
+    rm/ models; writes eval.json and report.html.
+
+    reward: overrides rl.reward with a function of a list of texts (prompt + completion) returning one float each, or
+    a 'module:function' string. An importable function is saved in config.yaml by its module:function; any other
+    callable (a lambda, a local function) works in this process, and resuming it needs reward= again.
+    resume=True continues RUN_DIR from its last checkpoint, with its saved config.yaml unless config is given
+    (overrides apply either way)."""
+    from rlfuse.trainers.rl import train_rl as run_rl
+
+    config = _resume_config(config, run_dir) if resume else config
+    cfg = _stage_config(config, overrides, run_dir, **{"rl.reward": reward})
+    _refuse_live_reward_on_workers(cfg)
+    run_dir = Path(run_dir) if resume else make_run_dir(cfg, "rl")
+    return _rl_result(run_dir, run_rl(with_local_stage_paths(cfg), run_dir, log, resume=resume))
+
+
+@dataclass
+class PipelineResult:
+    run_dir: Path
+    report: Path
+    sft: dict
+    """SFT summary: model_dir, val_loss, perplexity, seconds (grammatical_rate on the embedded task)."""
+    rm: dict | None
+    """Reward-model summary: model_dir, accuracy, margin, seconds; None when no role uses a reward model."""
+    rl: RLResult
+    seconds: float
+
+
+def run_pipeline(config: ConfigLike = None, run_dir: str | os.PathLike | None = None, *, overrides: Overrides = None,
+                 model=None, tokenizer=None, reward: Callable | str | None = None, resume: bool = False,
+                 log: Callable = log_stderr) -> PipelineResult:
+    """SFT, the reward model on the SFT backbone, then RL, into one run folder (what `rlfuse run` does). The reward
+    model is trained only when a role loads from it (rl.reward=rm, or a critic from it); with reward functions and
+    no such critic (GRPO or RLOO on a verifiable reward) its stage is skipped, and rm is None. resume=True keeps the finished
+    stages of RUN_DIR and continues RL from its last checkpoint. model/tokenizer as in train_sft, reward as in
+    train_rl."""
+    from rlfuse.trainers.rl import train_rl as run_rl
+    from rlfuse.trainers.rm import train_rm as run_rm
+    from rlfuse.trainers.sft import train_sft as run_sft
+
+    t0 = time.perf_counter()
+    config = _resume_config(config, run_dir) if resume else config
+    cfg = _stage_config(config, overrides, run_dir, **{"rl.reward": reward,
+                                                       "model.name": _model_override(model, tokenizer, run_dir)})
+    _refuse_live_reward_on_workers(cfg)
+    run_dir = Path(run_dir) if resume else make_run_dir(cfg, "run")
+    log(f"[run] run folder: {run_dir}")
+    sft = stage_summary(run_dir, "sft") or _as_dict(run_sft(cfg, run_dir, log))
+    local = with_local_stage_paths(cfg)  # hub ids fetched once the config is saved with them
+    if needs_reward_model(cfg):
+        rm = stage_summary(run_dir, "rm") or _as_dict(run_rm(local, run_dir, log))
+    else:
+        rm = None
+        log(f"[run] no RL role loads a reward model (rl.reward={cfg.rl.reward}): the reward-model stage is skipped")
+    rl = _rl_result(run_dir, run_rl(local, run_dir, log, resume=resume))
+    return PipelineResult(run_dir, rl.report, sft, rm, rl, time.perf_counter() - t0)
+
+
+def needs_reward_model(cfg: Config) -> bool:
+    from rlfuse.models.roles import derive_roles
+
+    return any(r.source == "rm" for r in derive_roles(cfg).roles)
+
+
+def _resume_config(config: ConfigLike, run_dir) -> ConfigLike:
+    """The config of a resumed run: the one given, else the run folder's saved config.yaml."""
+    if run_dir is None or not (Path(run_dir) / "config.yaml").is_file():
+        raise UserError(f"resume: {run_dir} is not a run folder (no config.yaml); give the folder a run printed")
+    return Path(run_dir) / "config.yaml" if config is None else config
+
+
+def _rl_result(run_dir: Path, result: dict) -> RLResult:
+    """The trainer's result dict, its files written (eval.json, summary, report.html), as an RLResult."""
+    report = write_rl_results(run_dir, result)
+    return RLResult(run_dir, run_dir / "rl" / "model", report, result["before"], result["after"],
+                    result["samples_after"], result["seconds"], result["prompts"])
+
+
+def _as_dict(result) -> dict:
+    return {k: str(v) if isinstance(v, Path) else v for k, v in dataclasses.asdict(result).items()}
+
+
+# ----------------------------------------------------------------------------------------------- sampling
+
+
+def resolve_model_dir(model: str | os.PathLike) -> str:
+    """A saved stage model to sample from: a run folder means its rl/model (else sft/model); a stage folder (RUN/rl)
+    its model/; anything else (a model or adapter folder, a hub id) as given."""
+    p = Path(model)
+    for cand in (p / "rl" / "model", p / "sft" / "model", p / "model"):
+        if (cand / "config.json").is_file():
+            return str(cand)
+    return os.fspath(model)
+
+
+def generate(model: str | os.PathLike, prompts: list[str] | str, *, max_new_tokens: int = 64, temperature: float = 1.0,
+             top_k: int = 0, top_p: float = 1.0, n: int = 1, seed: int = 0, device: str = "auto") -> list[list[str]]:
+    """Sample n completions per prompt from a saved model (any stage's model/, a LoRA adapter folder on its base, a
+    run folder, a hub id) with the RL rollout engine, prompts encoded as in RL (BOS in front, cut to the context).
+    Returns the completions (without the prompt), a list of n per prompt; the same seed gives the same samples."""
+    from rlfuse.config import RLConfig, RunConfig
+    from rlfuse.data.prompts import encode_prompts, model_context, prompt_budget
+    from rlfuse.models.build import load_policy
+    from rlfuse.models.load import load_tokenizer
+    from rlfuse.rollout.engine import DecodeEngine, SamplingParams
+    from rlfuse.trainers.common import pick_device
+
+    if temperature <= 0 or max_new_tokens < 1 or n < 1 or not 0 < top_p <= 1 or top_k < 0:
+        raise UserError("sampling needs temperature > 0, max_new_tokens >= 1, n >= 1, 0 < top_p <= 1, top_k >= 0; "
+                        "e.g. --temperature 0.7 --max-new-tokens 64")
+    prompts = [prompts] if isinstance(prompts, str) else list(prompts)
+    name = resolve_model_dir(model)
+    tok = load_tokenizer(name)
+    dev = pick_device(RunConfig(device=device))
+    policy = load_policy(name).eval().to(dev)
+    budget = prompt_budget(RLConfig(max_new_tokens=max_new_tokens), model_context(policy.config))
+    ids, _ = encode_prompts(tok, prompts, budget)
+    engine = DecodeEngine(policy, tok.eos_token_id, tokenizer=tok)
+    out = [[""] * n for _ in prompts]
+    for s in engine.generate(ids, n, SamplingParams(max_new_tokens, temperature, top_k, top_p), seed):
+        out[s.prompt_id][s.sample_index] = tok.decode(s.token_ids, skip_special_tokens=True)
+    return out

@@ -1,0 +1,248 @@
+"""The overheads of a run placed on Ray workers, measured the way the run incurs them: two Ray workers of one CPU
+each (ray_common.start_actors, as the RL run starts its workers), driven from this process. Part of
+`rlfuse plan --profile` (rlfuse/placement/profile.py); ~15 s on 2 cores, most of it starting Ray and the workers.
+
+What is timed, and which MachineProfile field it gives:
+- chunks: both workers decode a few steps (decode_chunk: the rollout engine on the policy's shape) and reply,
+  again and again, while the driver waits on whichever replies first and calls it again (MultiWorkerRollout's
+  loop). A call's wall time beyond the worker's own compute is `ray_round_trip_s`; the same with replies carrying
+  CHUNK_SAMPLES finished samples gives `ray_sample_s`; the median chunk's compute there over the same chunk's in
+  the profile's own process alone is `ray_slowdown` (Ray's threads and the driver share the cores).
+- collectives: the two workers join a gloo group as training ranks do (ray_train.join_training) and all-reduce a
+  4-byte tensor (`allreduce_latency_s`, the median: a collective waits for the slower rank, as in a run) and a
+  buffer of the model's gradient size (`allreduce_bytes_s`, ring bytes over the time beyond the latency).
+- a training micro-batch: the real one (trainers/rl.py micro_policy_loss inside DDP's forward, then backward,
+  ray_train.DataParallelGroup.micro_batch) against the bare model's forward + backward over the same tokens:
+  the difference is `train_micro_s`.
+
+Ray and torch are imported inside the functions: importing this module needs neither.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+
+CHUNKS = 10
+"""Calls per worker in each chunk pattern."""
+CHUNK_SAMPLES = 16
+"""Finished samples a full chunk carries (rollout.score_every)."""
+PROBE_PROMPT, PROBE_RESPONSE = 4, 16
+"""Token counts of the probe's samples and micro-batches (the default task's prompts and responses)."""
+
+
+def fake_samples(n: int, prompt: int = PROBE_PROMPT, response: int = PROBE_RESPONSE) -> list:
+    """n scored samples shaped as a rollout's (token lists, per-token log-probs and values): what a chunk carries."""
+    import torch
+
+    from rlfuse.rollout.engine import Sample
+    from rlfuse.rollout.score import ScoredSample
+
+    out = []
+    for i in range(n):
+        s = Sample(i, 0, list(range(1, prompt + 1)), list(range(5, 5 + response)), torch.randn(response), "eos")
+        out.append(ScoredSample(s, 0.5, torch.randn(response), torch.randn(response), s.logprobs))
+    return out
+
+
+CHUNK_ROWS = 8
+
+
+def decode_chunk(model, steps: int) -> float:
+    """Seconds the rollout engine takes to decode CHUNK_ROWS rows for `steps` tokens: a chunk's work, timed the same
+    way in the profile's own process (alone) and on two Ray workers at once."""
+    import torch
+
+    from rlfuse.rollout.engine import DecodeEngine, SamplingParams
+
+    engine = DecodeEngine(model, eos_token_id=-1, max_rows=64)
+    prompts = [[1 + i, 2, 3, 4] for i in range(CHUNK_ROWS)]
+    t0 = time.perf_counter()
+    with torch.no_grad():
+        list(engine.generate(prompts, 1, SamplingParams(max_new_tokens=steps), seed=0))
+    return time.perf_counter() - t0
+
+
+def fake_experience(n: int, vocab: int, prompt: int = PROBE_PROMPT, response: int = PROBE_RESPONSE):
+    """An Experience of n samples with random tokens (every response `response` tokens long: no padding)."""
+    import torch
+
+    from rlfuse.rollout.engine import Sample
+    from rlfuse.rollout.fusion import build_experience
+    from rlfuse.rollout.score import ScoredSample
+
+    g = torch.Generator().manual_seed(0)
+    ids = lambda k: torch.randint(1, vocab, (k,), generator=g).tolist()
+    scored = []
+    for i in range(n):
+        lp = -torch.rand(response, generator=g)
+        scored.append(ScoredSample(Sample(i, 0, ids(prompt), ids(response), lp, "eos"), 0.0, lp.clone(),
+                                   torch.zeros(response), lp))
+    return build_experience(scored)
+
+
+class ProbeWorker:
+    """One probe process (a Ray actor): a model of the policy's shape with random weights, one rank of a gloo group."""
+
+    def __init__(self, shape, rank: int, world: int, threads: int = 1):
+        from rlfuse.placement.profile import _build
+        from rlfuse.placement.ray_common import pin_threads
+
+        pin_threads(threads)
+        self.shape, self.rank, self.world = shape, rank, world
+        self.model = _build(shape, "cpu").train()
+        self._samples = {}
+
+    def ready(self) -> bool:
+        return True
+
+    def chunk(self, steps: int, samples: int) -> tuple[float, list]:
+        """The rollout engine decoding CHUNK_ROWS rows for `steps` tokens (decode_chunk), then a reply with `samples`
+        finished samples. -> (seconds computed, samples)."""
+        if samples not in self._samples:
+            self._samples[samples] = fake_samples(samples)
+        return decode_chunk(self.model, steps), self._samples[samples]
+
+    def rendezvous(self) -> tuple[str, int]:
+        from rlfuse.placement.ray_common import free_port, node_address
+
+        return node_address(), free_port()
+
+    def join(self, host: str, port: int) -> None:
+        from datetime import timedelta
+
+        import torch.distributed as dist
+
+        dist.init_process_group("gloo", init_method=f"tcp://{host}:{port}", rank=self.rank, world_size=self.world,
+                                timeout=timedelta(seconds=60))
+
+    def collectives(self, nbytes: int, repeats: int = 20) -> tuple[float, float]:
+        """(median seconds of a 4-byte all-reduce, median seconds of an all-reduce of nbytes)."""
+        import torch
+        import torch.distributed as dist
+
+        small, big = torch.zeros(1), torch.zeros(max(1, nbytes // 4))
+
+        def timed(t, n):
+            dist.all_reduce(t)  # warm-up: the first call sets the connection up
+            out = []
+            for _ in range(n):
+                t0 = time.perf_counter()
+                dist.all_reduce(t)
+                out.append(time.perf_counter() - t0)
+            return statistics.median(out)
+
+        return timed(small, repeats), timed(big, 5)
+
+    def micro_batch_overhead(self, rows: int = 4, repeats: int = 15) -> float:
+        """Seconds a real training micro-batch (policy loss inside DDP's forward, no gradient sync) takes beyond the
+        bare forward + backward over the same tokens: the median over `repeats` pairs."""
+        import torch
+
+        from rlfuse.config import RLConfig
+        from rlfuse.placement.ray_train import DataParallelGroup
+        from rlfuse.trainers.rl import micro_policy_loss
+
+        exp = fake_experience(rows, self.shape.vocab)
+        adv, rl, idx = torch.randn(exp.mask.shape), RLConfig(), list(range(rows))
+        group = DataParallelGroup(self.rank, self.world, torch.device("cpu"))
+        share = {"token": 1.0, "sequence": 1.0}
+
+        def loss_of(i, sh):
+            loss, stats = micro_policy_loss(self.model, exp, i, adv, rl, 0.1, 0, 1.0)
+            return loss * sh[rl.loss_level], stats
+
+        def real():
+            with group.micro_batch([self.model], sync=False) as run:
+                loss, _ = run(loss_of, idx, share)
+                loss.backward()
+
+        ids = torch.randint(1, self.shape.vocab, (rows, PROBE_PROMPT + PROBE_RESPONSE))
+
+        def bare():
+            self.model(input_ids=ids).logits.float().log_softmax(-1)[..., 0].mean().backward()
+
+        real(), bare()  # warm-up (DDP's first forward builds its buckets)
+        diffs = []
+        for _ in range(repeats):  # in pairs, so both see the same load; the median difference
+            t0 = time.perf_counter()
+            real()
+            t1 = time.perf_counter()
+            bare()
+            diffs.append((t1 - t0) - (time.perf_counter() - t1))
+        return max(0.0, statistics.median(diffs))
+
+    def shutdown(self) -> None:
+        import torch.distributed as dist
+
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def _chunk_pattern(workers: list, steps: int, samples: int) -> tuple[float, float]:
+    """(median wall seconds of a call beyond the worker's compute, median compute seconds of a call), the workers
+    called as the rollout driver calls its generation workers (ray.wait on whichever replies first, then call it
+    again)."""
+    import ray
+
+    inflight, extra, busy = {}, [], []
+    calls = {i: 0 for i in range(len(workers))}
+
+    def submit(i):
+        inflight[workers[i].chunk.remote(steps, samples)] = (i, time.perf_counter())
+        calls[i] += 1
+
+    for i in range(len(workers)):
+        submit(i)
+    while inflight:
+        ready, _ = ray.wait(list(inflight), num_returns=1)
+        i, t0 = inflight.pop(ready[0])
+        b, _ = ray.get(ready[0])
+        extra.append(time.perf_counter() - t0 - b)
+        busy.append(b)
+        if calls[i] < CHUNKS:
+            submit(i)
+    n = len(workers)  # the first call of each worker warms its path up
+    return statistics.median(extra[n:]), statistics.median(busy[n:])
+
+
+def measure_ray_overheads(shape, threads: int = 1, log=print, steps: int = 16,
+                          alone_s: float | None = None) -> dict:
+    """The Ray-side MachineProfile fields (module docstring), measured on 2 Ray workers of `threads` CPUs each, with
+    chunks of `steps` decode steps; alone_s: the median seconds of such a chunk in the profile's process alone
+    (default: on one Ray worker while the other waits). Starts a local Ray when none is up (and shuts it down)."""
+    import ray
+
+    from rlfuse.placement.ray_common import start_actors
+
+    t_start = time.perf_counter()
+    started = not ray.is_initialized()
+    if started:
+        ray.init(num_cpus=2 * threads, include_dashboard=False, log_to_driver=False)
+    workers = []
+    try:
+        workers = start_actors(ProbeWorker, 2, lambda i: (shape, i, 2, threads), threads)
+        alone = alone_s or _chunk_pattern(workers[:1], steps, 0)[1]
+        empty, together = _chunk_pattern(workers, steps, 0)
+        full, _ = _chunk_pattern(workers, steps, CHUNK_SAMPLES)
+        host, port = ray.get(workers[0].rendezvous.remote())
+        ray.get([w.join.remote(host, port) for w in workers])
+        nbytes = max(4 * 2**20, 4 * shape.params)
+        latency, t_big = ray.get([w.collectives.remote(nbytes) for w in workers])[0]
+        micro = statistics.mean(ray.get([w.micro_batch_overhead.remote() for w in workers]))
+        ray.get([w.shutdown.remote() for w in workers])
+    finally:
+        for w in workers:
+            ray.kill(w)
+        if started:
+            ray.shutdown()
+    out = {"ray_round_trip_s": max(1e-5, empty), "ray_sample_s": max(0.0, (full - empty) / CHUNK_SAMPLES),
+           "allreduce_latency_s": latency,
+           "allreduce_bytes_s": nbytes / max(t_big - latency, 1e-6),  # 2 ranks: each sends 2 (w-1)/w = 1 buffer
+           # measured with both ranks busy: stored as one process alone would pay it (the planner slows it again)
+           "train_micro_s": micro / max(1.0, together / alone), "ray_slowdown": max(1.0, together / alone)}
+    log(f"[profile] Ray, 2 workers: {time.perf_counter() - t_start:.1f} s; round trip {empty * 1e3:.2f} ms, "
+        f"{out['ray_sample_s'] * 1e6:.0f} us per sample, all-reduce {latency * 1e3:.2f} ms + "
+        f"{out['allreduce_bytes_s'] / 1e9:.2f} GB/s, training micro-batch +{micro * 1e3:.2f} ms, compute on "
+        f"both workers {together / alone:.2f}x slower than on one")
+    return out
