@@ -167,8 +167,8 @@ class PipelineResult:
     report: Path
     sft: dict
     """SFT summary: model_dir, val_loss, perplexity, seconds (grammatical_rate on the embedded task)."""
-    rm: dict
-    """Reward-model summary: model_dir, accuracy, margin, seconds."""
+    rm: dict | None
+    """Reward-model summary: model_dir, accuracy, margin, seconds; None when no role uses a reward model."""
     rl: RLResult
     seconds: float
 
@@ -176,8 +176,9 @@ class PipelineResult:
 def run_pipeline(config: ConfigLike = None, run_dir: str | os.PathLike | None = None, *, overrides: Overrides = None,
                  model=None, tokenizer=None, reward: Callable | str | None = None, resume: bool = False,
                  log: Callable = log_stderr) -> PipelineResult:
-    """SFT, the reward model on the SFT backbone, then RL, into one run folder (what `rlfuse run` does). With
-    rl.reward not 'rm' (or reward=) the reward model is still trained, for the report. resume=True keeps the finished
+    """SFT, the reward model on the SFT backbone, then RL, into one run folder (what `rlfuse run` does). The reward
+    model is trained only when a role loads from it (rl.reward=rm, or a critic from it); with reward functions and
+    no such critic (GRPO or RLOO on a verifiable reward) its stage is skipped, and rm is None. resume=True keeps the finished
     stages of RUN_DIR and continues RL from its last checkpoint. model/tokenizer as in train_sft, reward as in
     train_rl."""
     from rlfuse.trainers.rl import train_rl as run_rl
@@ -193,9 +194,19 @@ def run_pipeline(config: ConfigLike = None, run_dir: str | os.PathLike | None = 
     log(f"[run] run folder: {run_dir}")
     sft = stage_summary(run_dir, "sft") or _as_dict(run_sft(cfg, run_dir, log))
     local = with_local_stage_paths(cfg)  # hub ids fetched once the config is saved with them
-    rm = stage_summary(run_dir, "rm") or _as_dict(run_rm(local, run_dir, log))
+    if needs_reward_model(cfg):
+        rm = stage_summary(run_dir, "rm") or _as_dict(run_rm(local, run_dir, log))
+    else:
+        rm = None
+        log(f"[run] no RL role loads a reward model (rl.reward={cfg.rl.reward}): the reward-model stage is skipped")
     rl = _rl_result(run_dir, run_rl(local, run_dir, log, resume=resume))
     return PipelineResult(run_dir, rl.report, sft, rm, rl, time.perf_counter() - t0)
+
+
+def needs_reward_model(cfg: Config) -> bool:
+    from rlfuse.models.roles import derive_roles
+
+    return any(r.source == "rm" for r in derive_roles(cfg).roles)
 
 
 def _resume_config(config: ConfigLike, run_dir) -> ConfigLike:

@@ -62,7 +62,8 @@ def cmd_run(cfg: Config, resume: str | None = None) -> int:
         "",
         "  stage   seconds  result",
         f"  sft     {sft['seconds']:7.0f}  val perplexity {sft['perplexity']:.2f}{gram}",
-        f"  rm      {rm['seconds']:7.0f}  held-out pairwise accuracy {rm['accuracy']:.3f}",
+        f"  rm      {rm['seconds']:7.0f}  held-out pairwise accuracy {rm['accuracy']:.3f}" if rm else
+        "  rm            -  skipped (no role uses a reward model)",
         f"  rl      {r.rl.seconds:7.0f}  {cfg.rl.algo}, {cfg.rl.iterations} iterations",
         f"  total   {r.seconds:7.0f}",
         "",

@@ -26,7 +26,7 @@ from rlfuse.placement.check import check_placement
 from rlfuse.placement.spec import STRATEGIES, is_gpu_share
 from rlfuse.placement.strategies import MIN_WORKERS, spec_from_config
 
-DATA_KINDS = ("synthetic", "imdb", "hh_rlhf", "csv", "jsonl", "parquet", "hub")
+DATA_KINDS = ("synthetic", "arithmetic", "imdb", "hh_rlhf", "csv", "jsonl", "parquet", "hub")
 QUANTIZATIONS = ("none", "4bit", "8bit")
 OPTIMIZERS = ("adamw", "adamw_8bit", "paged_adamw_8bit")
 TRACKERS = ("tensorboard", "wandb", "trackio", "mlflow")
@@ -65,7 +65,8 @@ class RunConfig:
 @dataclass
 class DataConfig:
     kind: str = "synthetic"
-    """synthetic (the embedded default task) | imdb | hh_rlhf | csv | jsonl | parquet | hub. csv, jsonl, parquet and
+    """synthetic (the embedded default task) | arithmetic (embedded word problems with a verifiable answer) | imdb |
+    hh_rlhf | csv | jsonl | parquet | hub. csv, jsonl, parquet and
     hub rows may be in any of TRL's formats (text; prompt; prompt + completion; prompt + chosen + rejected; or
     messages), standard or conversational (message lists), detected per data set."""
     path: Optional[str] = None
@@ -256,7 +257,11 @@ class RLConfig:
     """Adaptive KL controller horizon (samples): with 32 samples per iteration the coefficient moves up to 2.5% per
     iteration (Ziegler et al.'s 10000 suits runs a hundred times longer)."""
     reward: str = "rm"
-    """rm (the reward model) | module:function taking a list of texts and returning floats."""
+    """rm (the reward model) | module:function | several module:function separated by commas. A function is
+    f(prompts, completions, **columns) -> list[float | None] (TRL's form: the prompts' other data set columns come
+    by name; None abstains) or, older, f(texts) -> list[float] of prompt + response texts."""
+    reward_weights: Optional[list] = None
+    """One weight per function in rl.reward (default 1.0 each); the reward is the weighted sum."""
     critic_init: str = "rm"
     """ppo critic: rm (separate model from the reward model's backbone and head) | sft (separate model from the SFT
     backbone, zero head) | actor (a value head on the actor's own backbone: no second model)."""
@@ -627,9 +632,19 @@ def _validate_rl(cfg: Config) -> None:
     if rl.algo != "ppo" and rl.mini_batch_size % rl.k:
         raise ConfigError("rl.mini_batch_size", f"must be a multiple of rl.k={rl.k} so a prompt's samples stay together",
                           f"set it to a multiple of {rl.k}")
-    if rl.reward != "rm" and ":" not in rl.reward:
-        raise ConfigError("rl.reward", f"{rl.reward!r} is neither 'rm' nor 'module:function'",
-                          "e.g. rl.reward=rlfuse.data.gold:gold_reward")
+    specs = [] if rl.reward == "rm" else [x.strip() for x in rl.reward.split(",")]
+    bad = [x for x in specs if x.count(":") != 1 or not all(x.split(":"))]
+    if bad:
+        raise ConfigError("rl.reward", f"{bad[0]!r} is neither 'rm' nor 'module:function'",
+                          "e.g. rl.reward=rlfuse.data.gold:gold_reward (several: separate them with commas)")
+    if rl.reward_weights is not None:
+        if len(rl.reward_weights) != len(specs):
+            raise ConfigError("rl.reward_weights", f"{len(rl.reward_weights)} weights for {len(specs)} reward "
+                              "function(s) in rl.reward", "give one weight per function, or leave it unset")
+        try:
+            rl.reward_weights = [float(w) for w in rl.reward_weights]
+        except (TypeError, ValueError):
+            raise ConfigError("rl.reward_weights", f"{rl.reward_weights!r} are not all numbers", "e.g. [1.0, 0.5]") from None
     for name in ("sft_path", "rm_path"):
         v = getattr(rl, name)
         if v and not Path(v).exists() and not is_hub_id(v):  # a hub id is fetched when the stage starts

@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import random
+from dataclasses import dataclass
 
 from rlfuse.config import Config
+from rlfuse.data.arithmetic import problems, wrong_completion
 from rlfuse.data.corpus import prompt_of
 from rlfuse.data.formats import cell, conversation_prompt, detect, is_empty, split_last_turn
 from rlfuse.data.gold import gold_score
@@ -12,6 +14,10 @@ from rlfuse.data.sources import (PreferencePair, SkipCounter, TextExample, gener
                                  require_columns, sentiment_label, split_holdout)
 from rlfuse.data.task import DefaultTask
 from rlfuse.errors import DataError
+
+
+ARITHMETIC_PROBLEMS = 4000
+"""data.kind=arithmetic: problems generated when data.max_examples is not set."""
 
 
 def sft_examples(cfg: Config, task: DefaultTask | None, log=print) -> tuple[list[TextExample], list[TextExample]]:
@@ -23,6 +29,8 @@ def sft_examples(cfg: Config, task: DefaultTask | None, log=print) -> tuple[list
         return split([TextExample("", t) for t, _ in imdb_reviews(cfg, log)], "SFT examples")
     if kind == "hh_rlhf":
         return split([TextExample(p.prompt, p.chosen) for p in hh_pairs(cfg, log)], "SFT examples")
+    if kind == "arithmetic":
+        return split([TextExample(r["prompt"], r["completion"]) for r in arithmetic_rows(cfg)], "SFT examples")
     rows, src, fmt = generic_format(cfg, log)
     col, skip, out = fmt.columns, SkipCounter(src), []
     if "prompt" in col and "completion" in col:
@@ -102,6 +110,10 @@ def preference_pairs(cfg: Config, task: DefaultTask | None, log=print) -> tuple[
         return sentiment_pairs(train, cfg.rm.num_pairs, seed), sentiment_pairs(held, n_eval, seed + 1)
     if kind == "hh_rlhf":
         return split(hh_pairs(cfg, log), "preference pairs")
+    if kind == "arithmetic":
+        rng = random.Random(seed)
+        return split([PreferencePair(r["prompt"], r["completion"], wrong_completion(r, rng)) for r in arithmetic_rows(cfg)],
+                     "preference pairs")
     rows, src, fmt = generic_format(cfg, log)
     col, d = fmt.columns, cfg.data
     if "chosen" in col and "rejected" in col:
@@ -154,33 +166,56 @@ def sentiment_pairs(items: list[tuple[str, int]], n: int, seed: int) -> list[Pre
     return [PreferencePair("", rng.choice(pos), rng.choice(neg)) for _ in range(n)]
 
 
+@dataclass(frozen=True)
+class PromptRow:
+    """An RL prompt as the data set gives it (text, or a message list) and its row's other columns, which reward
+    functions receive by name (rlfuse/rollout/rewards.py)."""
+    prompt: object
+    columns: dict
+
+
 def rl_prompts(cfg: Config, task: DefaultTask | None, log=print) -> tuple[list, list]:
     """Prompts for RL and evaluation (train, held out): strings, or message lists for conversational data."""
+    train, held = rl_prompt_rows(cfg, task, log)
+    return [r.prompt for r in train], [r.prompt for r in held]
+
+
+def rl_prompt_rows(cfg: Config, task: DefaultTask | None, log=print) -> tuple[list[PromptRow], list[PromptRow]]:
+    """rl_prompts with each prompt's other columns (train, held out)."""
     kind, seed, split = cfg.data.kind, cfg.run.seed, _splitter(cfg)
     rng = random.Random(seed + 7)
+    bare = lambda prompts: [PromptRow(p, {}) for p in prompts]
     if kind == "synthetic":
         train, held = synthetic_split(cfg, task)
-        return [prompt_of(r, rng, cfg.data.prompt_words) for r in train], [prompt_of(r, rng, cfg.data.prompt_words) for r in held]
+        return (bare(prompt_of(r, rng, cfg.data.prompt_words) for r in train),
+                bare(prompt_of(r, rng, cfg.data.prompt_words) for r in held))
     if kind == "imdb":
         texts = [t for t, _ in imdb_reviews(cfg, log)]
-        return split([prompt_of(t, rng, max(cfg.data.prompt_words, 8)) for t in texts], "prompts")
+        return split(bare(prompt_of(t, rng, max(cfg.data.prompt_words, 8)) for t in texts), "prompts")
     if kind == "hh_rlhf":
-        return split([p.prompt for p in hh_pairs(cfg, log) if p.prompt], "prompts")
+        return split(bare(p.prompt for p in hh_pairs(cfg, log) if p.prompt), "prompts")
+    if kind == "arithmetic":
+        return split([PromptRow(r["prompt"], {"answer": r["answer"]}) for r in arithmetic_rows(cfg)], "prompts")
     rows, src, fmt = generic_format(cfg, log)
     col = fmt.columns
     if "prompt" in col:  # a prompt column is the prompt, whole
-        prompts = [cell(r.get(col["prompt"]), col["prompt"], src, i) for i, r in enumerate(rows, 1)]
+        used = col["prompt"]
+        prompts = [cell(r.get(used), used, src, i) for i, r in enumerate(rows, 1)]
     elif "messages" in col or ("chosen" in col and fmt.conversational):  # the conversation before its last reply
-        name = col.get("messages") or col["chosen"]
-        prompts = [conversation_prompt(_messages(cell(r.get(name), name, src, i), name, src, i))
+        used = col.get("messages") or col["chosen"]
+        prompts = [conversation_prompt(_messages(cell(r.get(used), used, src, i), used, src, i))
                    for i, r in enumerate(rows, 1)]
     elif "text" in col:  # a text column is not a prompt: its opening words are, as for the reviews of imdb
-        n = max(cfg.data.prompt_words, 8)
-        log(f"[data] {src}: RL prompts are the first 2-{n} words of column {col['text']!r} (a text column); set "
+        n, used = max(cfg.data.prompt_words, 8), col["text"]
+        log(f"[data] {src}: RL prompts are the first 2-{n} words of column {used!r} (a text column); set "
             "data.prompt_column to use a column whole")
-        prompts = [prompt_of(str(cell(r.get(col["text"]), col["text"], src, i)), rng, n) for i, r in enumerate(rows, 1)]
+        prompts = [prompt_of(str(cell(r.get(used), used, src, i)), rng, n) for i, r in enumerate(rows, 1)]
     else:
         raise DataError(src, f"no prompt column (found: {', '.join(map(str, rows[0])) or 'none'})",
                         "give a `prompt` or `messages` column, or set data.prompt_column")
-    prompts = [p for p in prompts if not is_empty(p)]
-    return split(prompts, "prompts")
+    out = [PromptRow(p, {k: v for k, v in r.items() if k != used}) for p, r in zip(prompts, rows) if not is_empty(p)]
+    return split(out, "prompts")
+
+
+def arithmetic_rows(cfg: Config) -> list[dict]:
+    return problems(cfg.data.max_examples or ARITHMETIC_PROBLEMS, cfg.run.seed)

@@ -14,7 +14,8 @@ from rlfuse.errors import ConfigError, UserError
 from rlfuse.models.heads import ValueModel
 from rlfuse.models.load import apply_lora, load_causal_lm, load_reward_model, load_tokenizer
 from rlfuse.models.roles import Roles, derive_roles
-from rlfuse.rollout.score import function_reward_fn, reward_model_fn
+from rlfuse.rollout.rewards import FunctionReward
+from rlfuse.rollout.score import reward_model_fn
 
 
 @dataclass
@@ -49,7 +50,7 @@ def load_reward_function(spec: str):
         return getattr(importlib.import_module(module), name)
     except (ImportError, AttributeError) as e:
         raise ConfigError("rl.reward", f"cannot import {spec!r} ({type(e).__name__})",
-                          "give module:function of an importable function of a list of texts") from None
+                          "give module:function of an importable function, e.g. f(prompts, completions, **columns)") from None
 
 
 def load_policy(folder: str) -> torch.nn.Module:
@@ -86,7 +87,8 @@ def build_models(cfg: Config, run_dir: Path, device) -> Models:
     if cfg.model.lora:
         actor = apply_lora(actor, cfg.model)
     actor = prepare_trainable(actor.to(device), rl, checkpointing_on(cfg))
-    reward_fn = reward_function(rm_dir if roles["reward"].has_model else roles["reward"].source, tokenizer, device)
+    reward_fn = reward_function(rm_dir if roles["reward"].has_model else roles["reward"].source, tokenizer, device,
+                                rl.reward_weights)
     critic = (build_critic(roles, actor, sft_dir, rm_dir, tokenizer.pad_token_id, device, rl, checkpointing_on(cfg))
               if "critic" in roles else None)
     return Models(tokenizer, actor, generator, ref, critic, reward_fn, roles, sft_dir)
@@ -112,7 +114,7 @@ def build_shared_models(cfg: Config, roles: Roles, sft_dir: str, rm_dir: str | N
     if roles["reward"].has_model:
         reward_fn = reward_model_fn(AdapterRewardModel(base, score, pad), tokenizer.eos_token_id, pad)
     else:
-        reward_fn = reward_function(roles["reward"].source, tokenizer, device)
+        reward_fn = reward_function(roles["reward"].source, tokenizer, device, rl.reward_weights)
     critic = None
     if "critic" in roles:
         source = roles["critic"].source
@@ -130,11 +132,13 @@ def build_critic(roles: Roles, actor, sft_dir: str, rm_dir: str | None, pad_id: 
     return prepare_trainable(critic.to(device), rl, checkpointing)
 
 
-def reward_function(source: str, tokenizer, device):
+def reward_function(source: str, tokenizer, device, weights: list[float] | None = None):
     """The reward as a function of finished samples: a reward-model folder (frozen, scored at its last text token), or
-    "function:module:name", a Python function of texts (Role.source of the reward)."""
+    "function:module:name[,module:name...]", Python reward functions (rollout/rewards.py) summed with `weights`
+    (Role.source of the reward)."""
     if source.startswith("function:"):
-        return function_reward_fn(load_reward_function(source.removeprefix("function:")), tokenizer)
+        specs = source.removeprefix("function:").split(",")
+        return FunctionReward([load_reward_function(s.strip()) for s in specs], weights, tokenizer)
     rm = frozen(load_reward_model(source, pad_token_id=tokenizer.pad_token_id), device)
     return reward_model_fn(rm, tokenizer.eos_token_id, tokenizer.pad_token_id)
 

@@ -97,12 +97,15 @@ class RolloutSettings:
     """None: the tokenizer's EOS ends a row; -1: only the length limit does (benchmarks that set the lengths)."""
     device: str = "cpu"
     """run.device: auto (a GPU when the worker was given one), cpu or cuda."""
+    reward_weights: tuple[float, ...] | None = None
+    """rl.reward_weights: the weights of several reward functions."""
 
     @classmethod
     def from_config(cls, cfg) -> "RolloutSettings":
         ro, rl = cfg.rollout, cfg.rl
         return cls(ro.max_rows, ro.micro_batch_size, rl.temperature, rl.unfinished_penalty, ro.score_every,
-                   ro.live_below, ro.migrate_below, ro.rows_per_worker, device=cfg.run.device)
+                   ro.live_below, ro.migrate_below, ro.rows_per_worker, device=cfg.run.device,
+                   reward_weights=tuple(rl.reward_weights) if rl.reward_weights else None)
 
 
 def build_worker_roles(models: WorkerModels, settings: RolloutSettings) -> tuple[DecodeEngine | None, Scorer | None]:
@@ -124,7 +127,7 @@ def build_worker_roles(models: WorkerModels, settings: RolloutSettings) -> tuple
     if not models.scores:
         return engine, None
     ref = frozen(load_policy(models.reference), device)
-    reward_fn = reward_function(models.reward, tok, device)
+    reward_fn = reward_function(models.reward, tok, device, settings.reward_weights and list(settings.reward_weights))
     critic = None
     if models.critic is not None:
         critic = frozen(value_model(models.critic_source, models.critic, tok.pad_token_id), device)

@@ -41,7 +41,7 @@ from rlfuse.config import Config, RLConfig
 from rlfuse.data.curriculum import curriculum_indices, uniform_indices
 from rlfuse.data.chat import set_chat_template
 from rlfuse.data.prompts import encode_prompts, model_context, prompt_budget
-from rlfuse.data.stages import rl_prompts
+from rlfuse.data.stages import rl_prompt_rows
 from rlfuse.errors import UserError
 from rlfuse.evaluation import evaluate, evaluate_before, iteration_gold, prompt_difficulty, sampling_params
 from rlfuse.metrics.memory import MemoryMeter
@@ -53,6 +53,7 @@ from rlfuse.placement.planner import predicted_memory, resolve_auto
 from rlfuse.placement.spec import dp_micro_size
 from rlfuse.progress import Progress
 from rlfuse.rollout.engine import DecodeEngine
+from rlfuse.rollout.rewards import attach_rows, reward_metrics
 from rlfuse.rollout.fusion import Experience, FusionPolicy
 from rlfuse.rollout.score import collate, response_logprobs, response_values
 from rlfuse.trainers.checkpoint import load_checkpoint, save_checkpoint
@@ -398,10 +399,12 @@ def train_rl(cfg: Config, run_dir: Path, log=print, resume: bool = False, on_rea
     models = build_models(cfg, run_dir, device)
     tok, gold = models.tokenizer, cfg.data.kind == "synthetic"
     set_chat_template(tok, cfg.data.chat_template)
-    train_text, held_text = rl_prompts(cfg, task, log)
+    train_rows, held_rows = rl_prompt_rows(cfg, task, log)
+    held_rows = held_rows[: rl.eval_prompts]
     budget = prompt_budget(rl, model_context(models.generator.config))
-    train_prompts, cut = encode_prompts(tok, train_text, budget)
-    held_prompts, cut_held = encode_prompts(tok, held_text[: rl.eval_prompts], budget)
+    train_prompts, cut = encode_prompts(tok, [r.prompt for r in train_rows], budget)
+    held_prompts, cut_held = encode_prompts(tok, [r.prompt for r in held_rows], budget)
+    attach_rows(models.reward_fn, train_prompts + held_prompts, train_rows + held_rows)
     if cut or cut_held:  # left-truncated: the end of a prompt is what the response continues
         log(f"[rl] prompts cut to their last {budget} tokens: {cut} of {len(train_prompts)} train, "
             f"{cut_held} of {len(held_prompts)} held out")
@@ -430,6 +433,7 @@ def train_rl(cfg: Config, run_dir: Path, log=print, resume: bool = False, on_rea
     sync_weights(engine, models.actor)
     before = evaluate_before(out / "eval_before.json", models, engine, held_prompts, rl, seed + 12345, gold)
     difficulty = prompt_difficulty(models, engine, train_prompts, rl, seed + 23456, out / "difficulty.json", log)
+    reward_metrics(models.reward_fn)  # the evaluations' calls are not the first iteration's
     tracker = stage_tracker(cfg, out)
     if on_ready is not None:
         on_ready(models)
@@ -465,10 +469,11 @@ def train_rl(cfg: Config, run_dir: Path, log=print, resume: bool = False, on_rea
             # 5. record (every iteration, skipped or not) and checkpoint
             row = rollout_metrics(exp, kl, returns, kl_ctl.coef, rl.max_new_tokens) | stats | sync
             row |= rollout.metrics(exp)
-            row |= memory_metrics(device) | iteration_gold(exp, tok, gold)
+            row |= memory_metrics(device) | iteration_gold(exp, tok, gold) | reward_metrics(models.reward_fn)
             row |= learning_rates(trainer, rl) | group_metrics(exp, rl.k)
             if due(rl.eval_every, it + 1) and it + 1 < rl.iterations:  # the last one is the "after" evaluation
                 row |= evaluate_during(trainer, models, engine, held_prompts, rl, seed + 12345, gold)
+                reward_metrics(models.reward_fn)  # the evaluation's calls are not the next iteration's
             if due(rl.log_samples_every, it + 1):
                 tracker.log_table(it + 1, "samples", sample_table(exp, tok, gold))
             row |= {"rollout/temperature": temperature, "time/training": t2 - t1, "time/iteration": t2 - t0,

@@ -1,0 +1,125 @@
+"""Reward functions as users write them (TRL's form): `f(prompts, completions, **columns) -> list[float | None]`.
+
+`prompts` are the data set's prompts (text, or message lists for conversational data), `completions` the decoded
+responses (text, or `[{"role": "assistant", "content": ...}]` for conversational prompts), and each other column
+of the prompt's row (a ground-truth `answer`, say) comes as a keyword list. A function that returns None for a
+sample abstains (another function scores that kind of sample); several functions are summed with
+`rl.reward_weights`, abstentions left out. The older form, a function of one list of texts (prompt + response),
+still works: a function with no `completions` parameter is called that way.
+"""
+
+from __future__ import annotations
+
+import inspect
+from collections import defaultdict
+from typing import Callable
+
+import torch
+from torch import Tensor
+
+from rlfuse.errors import ConfigError, UserError
+
+
+def takes_completions(fn: Callable) -> bool:
+    try:
+        params = inspect.signature(fn).parameters
+    except (TypeError, ValueError):  # builtins and some callables have no signature: the older form
+        return False
+    return "completions" in params
+
+
+def column_parameters(fn: Callable) -> tuple[set[str], bool]:
+    """(named parameters besides prompts and completions, whether it takes **kwargs)."""
+    params = inspect.signature(fn).parameters.values()
+    named = {p.name for p in params if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)} - {"prompts", "completions"}
+    return named, any(p.kind == p.VAR_KEYWORD for p in params)
+
+
+def weighted_sum(values: list[list[float | None]], weights: list[float]) -> list[float]:
+    """Per sample, the weighted sum of the functions that scored it (None: abstained); 0 where every function
+    abstained (as TRL's nansum; FunctionReward counts those samples)."""
+    return [sum(w * v for w, v in zip(weights, row) if v is not None) for row in zip(*values)]
+
+
+def function_name(fn: Callable) -> str:
+    return getattr(fn, "__name__", type(fn).__name__)
+
+
+class FunctionReward:
+    """The reward as Python functions of finished samples (Scorer's reward_fn). `rows` maps a prompt's token ids to
+    (the prompt as the data set gives it, its other columns); the trainer fills it before RL. `metrics()` returns
+    and resets each function's mean over the samples scored since the last call."""
+
+    def __init__(self, fns: list[Callable], weights: list[float] | None, tokenizer):
+        if weights is not None and len(weights) != len(fns):
+            raise ConfigError("rl.reward_weights", f"{len(weights)} weights for {len(fns)} reward functions",
+                              "give one weight per function in rl.reward, or none (all 1.0)")
+        self.fns, self.weights, self.tokenizer = fns, list(weights or [1.0] * len(fns)), tokenizer
+        self.rows: dict[tuple[int, ...], tuple[object, dict]] = {}
+        self._sums: dict[str, list[float]] = defaultdict(lambda: [0.0, 0])
+        self._abstained = self._scored = 0
+
+    def __call__(self, samples) -> Tensor:
+        completions = [self.tokenizer.decode(s.token_ids, skip_special_tokens=True) for s in samples]
+        values = [self._call(fn, samples, completions) for fn in self.fns]
+        self._abstained += sum(all(v is None for v in row) for row in zip(*values))
+        self._scored += len(samples)
+        for fn, vals in zip(self.fns, values):
+            acc = self._sums[function_name(fn)]
+            for v in vals:
+                if v is not None:
+                    acc[0], acc[1] = acc[0] + float(v), acc[1] + 1
+        return torch.tensor(weighted_sum(values, self.weights), dtype=torch.float32)
+
+    def _call(self, fn: Callable, samples, completions: list[str]) -> list[float | None]:
+        if not takes_completions(fn):  # the older form: one text per sample, prompt and response together
+            texts = [self.tokenizer.decode(s.prompt_ids + s.token_ids, skip_special_tokens=True) for s in samples]
+            out = list(fn(texts))
+        else:
+            rows = [self.rows.get(tuple(s.prompt_ids)) for s in samples]
+            prompts = [r[0] if r else self.tokenizer.decode(s.prompt_ids, skip_special_tokens=True)
+                       for r, s in zip(rows, samples)]
+            completions = [[{"role": "assistant", "content": c}] if isinstance(p, list) else c
+                           for p, c in zip(prompts, completions)]
+            out = list(fn(prompts=prompts, completions=completions, **self._columns(fn, rows)))
+        if len(out) != len(samples):
+            raise UserError(f"reward error: rl.reward: {function_name(fn)} returned {len(out)} values for "
+                            f"{len(samples)} completions; return one float (or None) per completion")
+        return [None if v is None else float(v) for v in out]
+
+    def _columns(self, fn: Callable, rows) -> dict[str, list]:
+        named, any_kw = column_parameters(fn)
+        known = set().union(*(r[1].keys() for r in rows if r)) if any(rows) else set()
+        wanted = known if any_kw else named & known
+        missing = named - known - defaulted_parameters(fn)
+        if missing:
+            raise UserError(f"reward error: rl.reward: {function_name(fn)} takes column(s) {', '.join(sorted(missing))}"
+                            f" but the prompts' rows have {', '.join(sorted(known)) or 'no other columns'}; add the "
+                            "column to the data set, give the parameter a default, or (on Ray placements, which do "
+                            "not carry columns yet) run with placement.strategy=single")
+        return {c: [r[1].get(c) if r else None for r in rows] for c in wanted}
+
+    def metrics(self) -> dict[str, float]:
+        out = {f"reward/fn/{name}": s / n for name, (s, n) in self._sums.items() if n}
+        if self._scored:
+            out["reward/all_abstained"] = self._abstained / self._scored
+        self._sums.clear()
+        self._abstained = self._scored = 0
+        return out
+
+
+def defaulted_parameters(fn: Callable) -> set[str]:
+    return {p.name for p in inspect.signature(fn).parameters.values() if p.default is not p.empty}
+
+
+def attach_rows(reward_fn, prompt_ids: list[list[int]], rows) -> None:
+    """Give function rewards each prompt's row (data/stages.py PromptRow), keyed by the prompt's token ids as the
+    samples carry them; a reward model needs none."""
+    if isinstance(reward_fn, FunctionReward):
+        reward_fn.rows = {tuple(ids): (r.prompt, r.columns) for ids, r in zip(prompt_ids, rows)}
+
+
+def reward_metrics(reward_fn) -> dict[str, float]:
+    """Each reward function's mean since the last call (reward/fn/<name>), and the fraction every function
+    abstained on; {} for a reward model."""
+    return reward_fn.metrics() if isinstance(reward_fn, FunctionReward) else {}

@@ -1,0 +1,118 @@
+"""Reward functions as users write them: f(prompts, completions, **columns) with None abstaining, several weighted,
+per-function metrics; the older f(texts) form; the embedded arithmetic task's exact-match reward."""
+
+import json
+import re
+from dataclasses import dataclass
+
+import pytest
+
+from rlfuse.config import load_config
+from rlfuse.data.arithmetic import exact_match, problems
+from rlfuse.data.stages import rl_prompt_rows
+from rlfuse.errors import ConfigError, UserError
+from rlfuse.rollout.rewards import FunctionReward, attach_rows, reward_metrics, weighted_sum
+
+
+class WordTokenizer:
+    """Ids are word indices: enough to decode prompts and responses the way the reward sees them."""
+    words = ["<eos>", "What", "is", "2+2?", "3+4?", "4", "7", "five", "Hi"]
+
+    def decode(self, ids, skip_special_tokens=True):
+        return " ".join(self.words[i] for i in ids if not (skip_special_tokens and i == 0))
+
+
+@dataclass
+class FakeSample:
+    prompt_ids: list
+    token_ids: list
+
+
+@dataclass
+class Row:
+    prompt: object
+    columns: dict
+
+
+Q1, Q2 = [1, 2, 3], [1, 2, 4]
+
+
+def correct(prompts, completions, answer):
+    return [float(c.strip() == a) for c, a in zip(completions, answer)]
+
+
+def is_number(prompts, completions, **_):
+    return [None if c.strip() == "Hi" else float(bool(re.fullmatch(r"\s*\d+", c))) for c in completions]
+
+
+def test_weighted_sum_leaves_abstentions_out():
+    assert weighted_sum([[1.0, None, None], [0.5, 1.0, None]], [2.0, -1.0]) == [1.5, -1.0, 0.0]
+
+
+def test_functions_get_prompts_completions_and_columns_by_name():
+    reward = FunctionReward([correct, is_number], [1.0, 0.5], WordTokenizer())
+    attach_rows(reward, [Q1, Q2], [Row("What is 2+2?", {"answer": "4"}), Row("What is 3+4?", {"answer": "7"})])
+    samples = [FakeSample(Q1, [5, 0]), FakeSample(Q2, [5, 0]), FakeSample(Q2, [7, 0]), FakeSample(Q1, [8, 0])]
+    # correct: 1, 0, 0, 0; is_number: 1, 1, 0, None (abstains on "Hi")
+    assert reward(samples).tolist() == [1.5, 0.5, 0.0, 0.0]
+    assert reward_metrics(reward) == {"reward/fn/correct": 0.25, "reward/fn/is_number": 2 / 3, "reward/all_abstained": 0.0}
+    assert reward_metrics(reward) == {}  # read once
+
+
+def test_the_older_form_gets_prompt_and_response_texts():
+    seen = []
+    reward = FunctionReward([lambda texts: seen.extend(texts) or [len(t) for t in texts]], None, WordTokenizer())
+    assert reward([FakeSample(Q1, [5, 0])]).tolist() == [len("What is 2+2? 4")]
+    assert seen == ["What is 2+2? 4"]
+
+
+def test_conversational_prompts_get_message_completions():
+    got = {}
+
+    def record(prompts, completions):
+        got.update(prompts=prompts, completions=completions)
+        return [1.0] * len(prompts)
+
+    reward = FunctionReward([record], None, WordTokenizer())
+    messages = [{"role": "user", "content": "What is 2+2?"}]
+    attach_rows(reward, [Q1], [Row(messages, {})])
+    reward([FakeSample(Q1, [5])])
+    assert got == {"prompts": [messages], "completions": [[{"role": "assistant", "content": "4"}]]}
+
+
+def test_a_missing_column_or_wrong_count_says_what_to_do():
+    reward = FunctionReward([correct], None, WordTokenizer())
+    attach_rows(reward, [Q1], [Row("What is 2+2?", {"solution": "4"})])
+    with pytest.raises(UserError, match=r"takes column\(s\) answer but the prompts' rows have solution"):
+        reward([FakeSample(Q1, [5])])
+    short = FunctionReward([lambda prompts, completions: [1.0]], None, WordTokenizer())
+    with pytest.raises(UserError, match="returned 1 values for 2 completions"):
+        short([FakeSample(Q1, [5]), FakeSample(Q2, [6])])
+
+
+def test_reward_weights_are_checked_against_the_functions():
+    with pytest.raises(ConfigError, match="rl.reward_weights: 1 weights for 2 reward function"):
+        load_config(None, ["rl.reward=a:f,b:g", "rl.reward_weights=[1.0]"])
+    with pytest.raises(ConfigError, match="rl.reward: 'nocolon' is neither"):
+        load_config(None, ["rl.reward=a:f,nocolon"])
+    assert load_config(None, ["rl.reward=a:f,b:g", "rl.reward_weights=[1, 0.5]"]).rl.reward_weights == [1.0, 0.5]
+
+
+def test_arithmetic_problems_and_exact_match():
+    rows = problems(50, seed=3)
+    assert rows == problems(50, seed=3)
+    for r in rows:
+        a, b = map(int, re.findall(r"\d+", r["prompt"])[:2])
+        assert int(r["answer"]) in (a + b, a - b) and r["completion"] == f" {r['answer']}" and int(r["answer"]) >= 0
+    assert exact_match(["q"] * 4, [" 12", "12 apples", " 13", "none"], ["12", "12", "12", "12"]) == [1.0, 1.0, 0.0, 0.0]
+
+
+def test_prompt_rows_carry_the_other_columns(tmp_path):
+    path = tmp_path / "gsm.jsonl"
+    path.write_text("".join(json.dumps({"question": f"What is {i}+{i}?", "answer": str(2 * i), "level": i % 3}) + "\n"
+                            for i in range(10)))
+    cfg = load_config(None, ["data.kind=jsonl", f"data.path={path}", "data.prompt_column=question"])
+    train, held = rl_prompt_rows(cfg, None, log=lambda *_: None)
+    for row in train + held:
+        i = int(re.findall(r"\d+", row.prompt)[0])
+        assert row.columns == {"answer": str(2 * i), "level": i % 3}
