@@ -1,4 +1,5 @@
-"""The second embedded task: small arithmetic word problems with a verifiable answer (`data.kind=arithmetic`).
+"""The second embedded task: small arithmetic word problems with a verifiable answer (`data.kind=arithmetic`):
+sums of two small numbers, and the larger or smaller of two numbers.
 
 Offline like the first: problems are generated from a seed, each row a TRL prompt-completion row with the
 ground truth in its own column, `{"prompt", "completion", "answer"}`. SFT learns the answer format from the
@@ -15,19 +16,23 @@ NAMES = ("Tom", "Ana", "Sam", "Mia", "Leo", "Ivy", "Max", "Zoe")
 THINGS = ("apples", "books", "coins", "shells", "stamps", "pens", "cards", "eggs")
 ADD = ("{n} has {a} {t} and gets {b} more. How many {t} does {n} have now?",
        "{n} had {a} {t}. A friend gave {n} {b} {t}. How many {t} does {n} have?")
-SUB = ("{n} has {a} {t} and gives away {b}. How many {t} are left?",
-       "{n} had {a} {t} and lost {b} of them. How many {t} does {n} have now?")
+MORE = "{n} has {a} {t} and {m} has {b} {t}. How many {t} does the one with more have?"
+FEWER = "{n} has {a} {t} and {m} has {b} {t}. How many {t} does the one with fewer have?"
 
 
 def problem(rng: random.Random, max_operand: int) -> dict:
-    a, b = rng.randint(1, max_operand), rng.randint(1, max_operand)
-    subtract = rng.random() < 0.5
-    if subtract and b > a:
-        a, b = b, a
-    template = rng.choice(SUB if subtract else ADD)
-    answer = a - b if subtract else a + b
-    prompt = "Question: " + template.format(n=rng.choice(NAMES), a=a, b=b, t=rng.choice(THINGS)) + "\nAnswer:"
-    return {"prompt": prompt, "completion": f" {answer}", "answer": str(answer)}
+    """One of three kinds, equally often: a sum of two small numbers (up to max_operand // 2 each, so a small model
+    can learn it), or the larger or the smaller of two different numbers up to max_operand."""
+    kind = rng.choice(("add", "more", "fewer"))
+    n, m = rng.sample(NAMES, 2)
+    if kind == "add":
+        a, b = rng.randint(1, max_operand // 2), rng.randint(1, max_operand // 2)
+        question, answer = rng.choice(ADD).format(n=n, a=a, b=b, t=rng.choice(THINGS)), a + b
+    else:
+        a, b = rng.sample(range(1, max_operand + 1), 2)
+        template, pick = (MORE, max) if kind == "more" else (FEWER, min)
+        question, answer = template.format(n=n, m=m, a=a, b=b, t=rng.choice(THINGS)), pick(a, b)
+    return {"prompt": f"Question: {question}\nAnswer:", "completion": f" {answer}", "answer": str(answer)}
 
 
 def problems(n: int, seed: int, max_operand: int = 9) -> list[dict]:

@@ -103,7 +103,9 @@ def test_arithmetic_problems_and_exact_match():
     assert rows == problems(50, seed=3)
     for r in rows:
         a, b = map(int, re.findall(r"\d+", r["prompt"])[:2])
-        assert int(r["answer"]) in (a + b, a - b) and r["completion"] == f" {r['answer']}" and int(r["answer"]) >= 0
+        assert int(r["answer"]) == (a + b if "more." in r["prompt"] or "gave" in r["prompt"] else
+                                    max(a, b) if "with more" in r["prompt"] else min(a, b))
+        assert r["completion"] == f" {r['answer']}"
     assert exact_match(["q"] * 4, [" 12", "12 apples", " 13", "none"], ["12", "12", "12", "12"]) == [1.0, 1.0, 0.0, 0.0]
 
 
