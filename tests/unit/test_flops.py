@@ -1,0 +1,54 @@
+"""FLOPs of an iteration's work against a hand count, and the compute fraction (rlfuse/metrics/flops.py)."""
+
+import pytest
+
+from rlfuse.metrics.flops import (Passes, compute_fraction, decode_flops, iteration_flops, measure_matmul_rate,
+                                  prefill_flops, sequence_flops)
+from rlfuse.placement.cost import ModelShape
+
+# 1 layer, hidden 2, ffn 8, vocabulary 3: weights that multiply each token = c_attn 2x6 + c_proj 2x2 + c_fc 2x8
+# + mlp.c_proj 8x2 + head 3x2 = 12 + 4 + 16 + 16 + 6 = 54, so 108 FLOPs per token, plus 4 x 1 x 2 = 8 per attended
+# position
+SHAPE = ModelShape("hand", layers=1, hidden=2, heads=1, ffn=8, vocab=3, context=16)
+
+
+def test_hand_count_of_one_prompt_with_two_samples():
+    assert SHAPE.matmul_params == 54
+    # prefill of 2 tokens attending to 1 and 2 positions: 2 x 108 + 8 x 3
+    assert prefill_flops(SHAPE, 2) == 240
+    # 3 response tokens: the prefill gives the first, then 2 single-token forwards attending to 3 and 4 positions
+    assert decode_flops(SHAPE, 2, 3) == 2 * 108 + 8 * 7
+    assert decode_flops(SHAPE, 2, 1) == 0
+    # full sequences of 5 and 3 tokens: 5 x 108 + 8 x 15 and 3 x 108 + 8 x 6
+    assert sequence_flops(SHAPE, 2, 3) == 660
+    assert sequence_flops(SHAPE, 2, 1) == 372
+    f = iteration_flops(SHAPE, [2, 2], [3, 1], k=2, passes=Passes(scoring=2, trained=1, epochs=2, backward_ratio=2.0))
+    # the prompt is prefilled once for its 2 samples; 2 scoring forwards; 2 epochs of forward + 2x backward
+    assert f == {"generation": 240 + 272, "scoring": 2 * 1032, "training": 2 * 3 * 1032, "total": 512 + 2064 + 6192}
+
+
+def test_prefill_and_decode_add_up_to_one_forward_over_the_sequence():
+    # generating L + 1 tokens runs every position of prompt + L tokens once, as a full forward does
+    assert prefill_flops(SHAPE, 7) + decode_flops(SHAPE, 7, 5 + 1) == sequence_flops(SHAPE, 7, 5)
+    assert prefill_flops(SHAPE, 7) + decode_flops(SHAPE, 7, 5) != sequence_flops(SHAPE, 7, 5)
+
+
+def test_k_groups_share_a_prefill_and_a_frozen_base_backward_is_one_forward():
+    one = iteration_flops(SHAPE, [4] * 4, [2] * 4, k=4, passes=Passes(1, 1))
+    own = iteration_flops(SHAPE, [4] * 4, [2] * 4, k=1, passes=Passes(1, 1))
+    assert own["generation"] - one["generation"] == 3 * prefill_flops(SHAPE, 4)
+    lora = iteration_flops(SHAPE, [4] * 4, [2] * 4, k=4, passes=Passes(1, 1, backward_ratio=1.0))
+    assert lora["training"] == 2 * 4 * sequence_flops(SHAPE, 4, 2)
+    with pytest.raises(ValueError):
+        iteration_flops(SHAPE, [4] * 3, [2] * 3, k=2, passes=Passes(1, 1))
+
+
+def test_compute_fraction():
+    assert compute_fraction(50e9, 2.0, 100e9) == 0.25
+    assert compute_fraction(50e9, 0.0, 100e9) == 0.0
+
+
+def test_matmul_rate_is_a_plausible_cpu_rate():
+    # between 1 GFLOP/s (a very slow core) and 10 TFLOP/s (far beyond any CPU) for fp32 on this process's threads
+    rate = measure_matmul_rate("cpu", n=256, repeats=2)
+    assert 1e9 < rate < 1e13
