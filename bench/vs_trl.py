@@ -253,6 +253,8 @@ def child_rlfuse(a) -> dict:
             "mean_length": [r["rollout/length_mean"] for r in rows], "reward": [r["reward/mean"] for r in rows],
             "completions_per_step": a.prompts * a.k, "train_peak_rss_mb": rows[-1]["mem/rss_peak_mb"],
             "flops": [r["perf/flops"] for r in rows], "matmul_flops_s": rows[0]["perf/matmul_flops_s"],
+            "stage_flops": {k: statistics.median(r[f"perf/flops_{k}"] for r in rows[a.warmup:])
+                            for k in ("generation", "scoring", "training")},
             "split": {k: statistics.median(r[f"time/{k}"] for r in rows[a.warmup:]) for k in ("generation", "scoring", "training")},
             # the tracker resets CUDA peaks at every iteration: the run's peak is the largest of them
             **({"cuda_peak_allocated_mb": max(r["mem/cuda_allocated_peak_mb"] for r in rows),
@@ -360,7 +362,8 @@ def main() -> None:
     ap.add_argument("--workloads", default="abc", help="which of the workloads a, b, c to run (default all)")
     ap.add_argument("--small", action="store_true",
                     help="workloads at a smaller size (fewer prompts and iterations, one round): a few minutes; "
-                         "prints, writes nothing")
+                         "prints, writes nothing unless --write")
+    ap.add_argument("--write", action="store_true", help="--small: write the sections of BENCHMARKS.md anyway")
     ap.add_argument("--trl-default-precision", action="store_true",
                     help="leave TRL's own precision default (bf16 on, also on CPU) instead of fp32 for both")
     a = ap.parse_args()
@@ -401,7 +404,7 @@ def matrix(a) -> None:
     if a.quick:
         return
     sections = [f"Machine: {json.dumps(machine() | {'trl': __import__('trl').__version__})}", "",
-                f"Command: `python bench/vs_trl.py` (GPT-2 {a.n_layer} layers x {a.n_embd} dims, random weights, the "
+                f"Command: `python bench/vs_trl.py --matrix` (GPT-2 {a.n_layer} layers x {a.n_embd} dims, random weights, the "
                 f"default task's tokenizer; {a.prompts} prompts x k={a.k} per iteration, up to {a.max_new} new tokens, "
                 f"temperature 1.0, lr {a.lr}, KL coefficient 0.05, AdamW; {W} warm-up + {N} measured iterations per "
                 f"run, {a.rounds} alternated rounds, median iteration; both update in micro-batches of {a.micro_batch} "
@@ -512,13 +515,23 @@ def mean_prompt_tokens(case: Case) -> float:
 
 
 def workloads(a) -> None:
-    """Workloads (a), (b), (c): TRL RLOO and rlfuse RLOO alternated per case; the table, the targets' verdicts."""
+    """Workloads (a), (b), (c): TRL RLOO and rlfuse RLOO alternated per case. Each workload's table and target
+    verdicts are printed, and (full size, or --write) written to its own BENCHMARKS.md section as soon as it ends."""
+    cases = workload_cases(a)
+    for w in dict.fromkeys(c.workload for c in cases):
+        section = measure_workload(a, w, [c for c in cases if c.workload == w])
+        print(section, flush=True)
+        if a.write or not a.small:
+            gpu = "_gpu" if __import__("torch").cuda.is_available() else ""
+            write_section(f"vs_trl_workload_{w}{gpu}", section)
+
+
+def measure_workload(a, w: str, cases: list[Case]) -> str:
+    """One workload's cases, systems alternated A B A B; -> its markdown section."""
     import os
 
     t0, load0 = time.time(), os.getloadavg()
-    warmup, iters, rounds = (1, 2, 1) if a.small else (1, 3, 2)
-    warmup, iters = (2, 4) if not a.small and a.workloads == "a" else (warmup, iters)
-    cases = workload_cases(a)
+    warmup, iters, rounds = (1, 2, 1) if a.small else ((2, 4, 2) if w == "a" else (1, 3, 2))
     names = ("trl-rloo", "rlfuse-rloo")
     rows, results = [], {}
     for case in cases:
@@ -526,42 +539,30 @@ def workloads(a) -> None:
         for _ in range(rounds):  # alternate A B A B
             for n in names:
                 runs[n].append(run(n, case.model, case.k, case.prompts, case.max_new, warmup, iters, case.prompts_kind))
-                print(f"[bench] ({case.workload}) k={case.k} {n}: {runs[n][-1]['samples_per_s']:.2f} samples/s, "
+                print(f"[bench] ({w}) k={case.k} {n}: {runs[n][-1]['samples_per_s']:.2f} samples/s, "
                       f"{runs[n][-1]['compute_fraction']:.3f} of the compute limit", file=sys.stderr, flush=True)
-        res = {n: summarise(r, warmup) for n, r in runs.items()}
-        results[(case.workload, case.k)] = res
-        prompt_tokens = mean_prompt_tokens(case)
+        res = results[(w, case.k)] = {n: summarise(r, warmup) for n, r in runs.items()}
+        prompt_tokens, trl = mean_prompt_tokens(case), res["trl-rloo"]
         for n, r in res.items():
-            trl = res["trl-rloo"]
-            rows.append([case.workload, n, case.k, f"{case.prompts} x {case.k}", case.max_new, prompt_tokens,
-                         r["mean_completion_length"], r["samples_per_s"], r["tokens_per_s"], r["median_step_s"],
-                         r["peak_above_idle_mb"], r["compute_fraction"], r["matmul_flops_s"] / r["flops_per_sample"],
+            rows.append([n, case.k, f"{case.prompts} x {case.k}", case.max_new, prompt_tokens, r["mean_completion_length"],
+                         r["samples_per_s"], r["tokens_per_s"], r["median_step_s"], r["peak_above_idle_mb"],
+                         r["compute_fraction"], r["matmul_flops_s"] / r["flops_per_sample"],
                          r["samples_per_s"] / trl["samples_per_s"], r["peak_above_idle_mb"] / trl["peak_above_idle_mb"]])
-    table = md_table(["workload", "system", "k", "prompts x k", "max new", "mean prompt tokens", "mean completion tokens",
-                      "samples/s", "tokens/s", "median iteration s", "peak above idle MiB", "fraction of compute limit",
-                      "compute limit samples/s", "samples/s vs TRL", "memory above idle vs TRL"], rows)
-    verdicts = target_verdicts(results)
     load1 = os.getloadavg()
-    size = "--small" if a.small else ""
-    sections = [f"Machine: {json.dumps(machine() | {'trl': __import__('trl').__version__})}", "",
-                f"Command: `python bench/vs_trl.py {size} --workloads {a.workloads}`; wall time {time.time() - t0:.0f} s; "
-                f"load average (1, 5, 15 min) {' '.join(f'{x:.2f}' for x in load0)} before, "
-                f"{' '.join(f'{x:.2f}' for x in load1)} after (2 cores; above ~2 other work shared them).", "",
-                f"RLOO on both sides, fp32, dropout off, micro-batches of {a.micro_batch} completions, TRL's gradient "
-                f"checkpointing on (its default), rlfuse's defaults (rollout.fusion=auto); {warmup} warm-up + {iters} "
-                f"measured iterations per run, {rounds} alternated round(s), median iteration. Fraction of the compute "
-                "limit: FLOPs of each iteration's work (rlfuse/metrics/flops.py, one count for both systems: one "
-                "prefill per prompt, one forward per generated token, one reference forward and one forward + "
-                "backward per sample) over its seconds times the bare fp32 1024^3 matmul rate measured in the same "
-                "process; compute limit samples/s = that rate / FLOPs per sample.", "",
-                "\n".join(f"- {WORKLOAD_TITLES[w].format(shape=f'{a.n_layer} x {a.n_embd}')}"
-                          for w in dict.fromkeys(c.workload for c in cases)), "", table, "", *verdicts, ""]
-    print("\n".join(sections))
-    (WORK / "vs_trl_workloads.json").write_text(json.dumps({f"{w}_k{k}": v for (w, k), v in results.items()},
-                                                           indent=1, default=str))
-    if not a.small:
-        write_section("vs_trl_workloads_gpu" if __import__("torch").cuda.is_available() else "vs_trl_workloads",
-                      "\n".join(sections))
+    (WORK / f"vs_trl_workload_{w}.json").write_text(json.dumps({f"k{k}": v for (_, k), v in results.items()},
+                                                              indent=1, default=str))
+    loads = lambda xs: " ".join(f"{x:.2f}" for x in xs)
+    command = f"python bench/vs_trl.py --workloads {w}" + (" --small" if a.small else "")
+    return "\n".join([
+        f"#### {WORKLOAD_TITLES[w].format(shape=f'{a.n_layer} x {a.n_embd}')}", "",
+        f"Command: `{command}`; wall time {time.time() - t0:.0f} s; load average (1, 5, 15 min) {loads(load0)} before, "
+        f"{loads(load1)} after (2 cores: above 2, other work shared them). {warmup} warm-up + {iters} measured "
+        f"iterations per run, {rounds} alternated round(s). Machine: "
+        f"{json.dumps(machine() | {'trl': __import__('trl').__version__})}", "",
+        md_table(["system", "k", "prompts x k", "max new", "mean prompt tokens", "mean completion tokens", "samples/s",
+                  "tokens/s", "median iteration s", "peak above idle MiB", "fraction of compute limit",
+                  "compute limit samples/s", "samples/s vs TRL", "memory above idle vs TRL"], rows), "",
+        *target_verdicts(results), ""])
 
 
 def target_verdicts(results: dict) -> list[str]:
@@ -576,8 +577,14 @@ def target_verdicts(results: dict) -> list[str]:
                        f"{'met' if speed >= 3 else 'not met'}), memory above idle {mem:.2f}x TRL's (target <= 0.5x: "
                        f"{'met' if mem <= 0.5 else 'not met'}).")
     if ("a", 4) in results:
-        f = results[("a", 4)]["rlfuse-rloo"]["compute_fraction"]
+        r = results[("a", 4)]["rlfuse-rloo"]
+        f = r["compute_fraction"]
         out.append(f"- Target (a): rlfuse at {f:.2f} of the compute limit (target >= 0.60: {'met' if f >= 0.6 else 'not met'}).")
+    for (w, k), res in results.items():  # where the limit is lost: each stage's FLOPs over its seconds
+        r = res["rlfuse-rloo"]
+        out.append(f"- rlfuse per stage, ({w}) k = {k} (median seconds, fraction of the compute limit): " + ", ".join(
+            f"{st} {r['split'][st]:.3f} s at {r['stage_flops'][st] / (r['split'][st] * r['matmul_flops_s']):.2f}"
+            for st in ("generation", "scoring", "training")) + ".")
     return out
 
 
