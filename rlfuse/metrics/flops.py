@@ -98,8 +98,12 @@ class ComputeMeter:
     matmul_flops_s: float
     """The limit: the bare matmul rate of the devices the run uses (measured once at the start)."""
 
-    def metrics(self, prompt_lens: Sequence[int], response_lens: Sequence[int], seconds: float) -> dict[str, float]:
+    def metrics(self, prompt_lens: Sequence[int], response_lens: Sequence[int], seconds: float,
+                trained: bool = True) -> dict[str, float]:
+        """trained=False: the update was skipped (non-finite rewards), so no training FLOPs were done."""
         f = iteration_flops(self.shape, prompt_lens, response_lens, self.k, self.passes)
+        if not trained:
+            f["total"], f["training"] = f["total"] - f["training"], 0.0
         return {"perf/flops": f["total"], "perf/flops_generation": f["generation"], "perf/flops_scoring": f["scoring"],
                 "perf/flops_training": f["training"], "perf/matmul_flops_s": self.matmul_flops_s,
                 "perf/compute_fraction": compute_fraction(f["total"], seconds, self.matmul_flops_s)}

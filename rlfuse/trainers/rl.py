@@ -464,7 +464,8 @@ def train_rl(cfg: Config, run_dir: Path, log=print, resume: bool = False, on_rea
             row = rollout_metrics(exp, kl, returns, kl_ctl.coef, rl.max_new_tokens) | stats | sync
             row |= rollout.metrics(exp)
             row |= memory_metrics(device) | iteration_gold(exp, tok, gold)
-            row |= flops.metrics([len(p) for p in exp.prompt_ids], [len(r) for r in exp.response_ids], t2 - t0)
+            row |= flops.metrics([len(p) for p in exp.prompt_ids], [len(r) for r in exp.response_ids], t2 - t0,
+                                 trained=bool(stats))
             row |= {"rollout/temperature": temperature, "time/training": t2 - t1, "time/iteration": t2 - t0,
                     "train/skipped_steps": bad["skipped"],
                     "rollout/samples_per_s": len(exp) / (t2 - t0), "rollout/tokens_per_s": float(exp.mask.sum()) / (t2 - t0)}

@@ -48,6 +48,16 @@ def test_compute_fraction():
     assert compute_fraction(50e9, 0.0, 100e9) == 0.0
 
 
+def test_meter_counts_no_training_for_a_skipped_update():
+    from rlfuse.metrics.flops import ComputeMeter
+
+    meter = ComputeMeter(SHAPE, Passes(scoring=2, trained=1, epochs=2), k=2, matmul_flops_s=8768.0)
+    done = meter.metrics([2, 2], [3, 1], seconds=1.0)
+    assert done["perf/flops"] == 8768 and done["perf/compute_fraction"] == 1.0
+    skipped = meter.metrics([2, 2], [3, 1], seconds=1.0, trained=False)
+    assert skipped["perf/flops"] == 512 + 2064 and skipped["perf/flops_training"] == 0.0
+
+
 def test_matmul_rate_is_a_plausible_cpu_rate():
     # FLOP/s, not seconds or FLOPs: above 10 MFLOP/s (a core shared with a dozen busy processes still gives ~0.5
     # GFLOP/s) and below 10 TFLOP/s (far beyond any CPU) for fp32 on this process's threads
