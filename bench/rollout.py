@@ -11,6 +11,7 @@ sample's length is drawn from a lognormal of given spread. Each measurement runs
 
     python bench/rollout.py            # full matrix, writes BENCHMARKS.md (about 15 minutes on 2 cores)
     python bench/rollout.py --quick    # small smoke run, prints only
+    python bench/rollout.py --fusion   # fusion off vs on at k = 4 and 8 and what rollout.fusion=auto picks (~3 min)
 """
 
 from __future__ import annotations
@@ -232,6 +233,17 @@ def measure(model: Path, workload: str, rows: str, k: int, prompts: int, max_new
     return out
 
 
+def auto_note(results: dict) -> str:
+    """Which row rollout.fusion=auto (the default) runs here, and fusion on's speed against off."""
+    from rlfuse.config import fusion_on, load_config
+
+    on = fusion_on(load_config(None))
+    ratio = results["b"]["total_s"] / results["c"]["total_s"]
+    return (f"rollout.fusion=auto (the default) runs row {'(c)' if on else '(b)'} here (one process on "
+            f"{'CUDA' if __import__('torch').cuda.is_available() else 'CPU'}); fusion on runs at {ratio:.2f}x the speed "
+            "of fusion off.")
+
+
 def table(results: dict, base: str = "a") -> str:
     rows = []
     for r, m in results.items():
@@ -239,7 +251,24 @@ def table(results: dict, base: str = "a") -> str:
                      m["completions"], m["tokens"] / m["completions"], m["peak_rss_mb"], m["peak_above_idle_mb"],
                      results[base]["total_s"] / m["total_s"], m["peak_above_idle_mb"] / results[base]["peak_above_idle_mb"]])
     return md_table(["row", "gen+score s", "generation s", "scoring s", "tokens/s", "completions", "mean length",
-                     "peak RSS MB", "peak above idle MB", "speedup vs (a)", "memory above idle vs (a)"], rows)
+                     "peak RSS MB", "peak above idle MB", f"speedup vs ({base})", f"memory above idle vs ({base})"], rows)
+
+
+def fusion_matrix(model: Path, repeats: int, prompts: int, max_new: int) -> None:
+    """Fusion off (b) against on (c) on the default task's SFT model, k = 4 and 8, alternated b c b c; the section
+    says which one rollout.fusion=auto runs on this device."""
+    import os
+
+    t0, sections = time.time(), [f"Machine: {json.dumps(machine())}; load average before: "
+                                 f"{' '.join(f'{x:.2f}' for x in os.getloadavg())}", ""]
+    for k in (4, 8):
+        r = measure(model, "default", "bc", k, prompts, max_new, repeats)
+        sections += [f"### Fusion off and on: default task SFT model, {prompts} prompts x k={k}, up to {max_new} new "
+                     f"tokens (median of {repeats} alternated runs)", "", table(r, base="b"), "", auto_note(r), ""]
+    sections += [f"Command: `python bench/rollout.py --fusion --repeats {repeats}`; wall time {time.time() - t0:.0f} s, "
+                 f"load average after: {' '.join(f'{x:.2f}' for x in os.getloadavg())}.", ""]
+    write_section("rollout_fusion", "\n".join(sections))
+    print("\n".join(sections))
 
 
 def main() -> None:
@@ -254,6 +283,8 @@ def main() -> None:
     ap.add_argument("--median", type=int, default=32)
     ap.add_argument("--repeats", type=int, default=1)
     ap.add_argument("--quick", action="store_true", help="16 prompts, 64 new tokens; prints, writes nothing")
+    ap.add_argument("--fusion", action="store_true",
+                    help="only rows (b) and (c), k = 4 and 8, --repeats alternations (default 2); writes its own section")
     args = ap.parse_args()
     if args.child:
         return child(args)
@@ -265,18 +296,20 @@ def main() -> None:
     if args.quick:
         print(table(measure(model, "default", "abc", 4, 16, 64, 1)))
         return
+    if args.fusion:
+        return fusion_matrix(model, max(2, args.repeats), args.prompts, args.max_new)
     sections = [f"Machine: {json.dumps(machine())}", "", "Command: `python bench/rollout.py` (one invocation, rows "
                 "alternated a b c ..., each measurement in its own process; median of repeats).", ""]
     res = {}
     res["default_k4"] = measure(model, "default", "abcd", 4, 64, 256, args.repeats)
     sections += ["### Default task SFT model, natural lengths: 64 prompts x k=4, up to 256 new tokens", "",
-                 table(res["default_k4"]), ""]
+                 table(res["default_k4"]), "", auto_note(res["default_k4"]), ""]
     res["default_k8"] = measure(model, "default", "abc", 8, 64, 256, 1)
-    sections += ["### Same, k=8 (memory)", "", table(res["default_k8"]), ""]
+    sections += ["### Same, k=8 (memory)", "", table(res["default_k8"]), "", auto_note(res["default_k8"]), ""]
     if (SHARED_DATA / "imdb_reviews_2000.csv").exists():
         res["imdb_k4"] = measure(model, "imdb", "abc", 4, 64, 128, 1)
         sections += ["### Real IMDb prompts (first 8 words of held-out reviews), k=4, up to 128 new tokens", "",
-                     table(res["imdb_k4"]), ""]
+                     table(res["imdb_k4"]), "", auto_note(res["imdb_k4"]), ""]
     sweep_rows = []
     for sigma in (0.0, 0.5, 1.0, 1.5):
         r = measure(model, "sweep", "abc", 4, 32, 256, 1, sigma=sigma, median=32)

@@ -1,15 +1,28 @@
-"""rlfuse vs TRL on identical work: samples/s and peak memory, one command.
+"""rlfuse vs TRL on identical work: samples/s, tokens/s, peak memory above idle and the fraction of the compute limit.
 
-    pip install -e ".[bench]"          # TRL pinned (trl==1.16.0)
-    python bench/vs_trl.py             # default matrix, writes BENCHMARKS.md and bench/.work/vs_trl_k.png
-    python bench/vs_trl.py --n-layer 6 --n-embd 768   # DistilGPT2-sized, for a GPU (CUDA peaks are added there)
+    pip install -e ".[bench]"                  # TRL pinned (trl==1.16.0)
+    python bench/vs_trl.py                     # workloads (a), (b), (c); writes BENCHMARKS.md (about 15 minutes)
+    python bench/vs_trl.py --workloads c       # one workload
+    python bench/vs_trl.py --small             # every workload at a smaller size, a few minutes; prints only
+    python bench/vs_trl.py --matrix            # the earlier system matrix (TRL/rlfuse variants, k sweep, reward rise)
+
+Workloads (RLOO on both sides, alternated A B A B, each run its own process):
+  (a) worst case: GPT-2 4 x 256 with random weights, prompts of a few tokens, every sample runs to 64 new tokens,
+      so rlfuse's levers (finished rows leave the batch, one prefill per prompt) have nothing to remove;
+  (b) long-tailed: the default task's SFT model (trained once into bench/.work) with its natural response lengths,
+      up to 256 new tokens, k = 4 and 8;
+  (c) long prompts: hh-rlhf conversations up to their last "Assistant:" (hundreds of tokens) from
+      ../shared/data/hh_rlhf_harmless_1800.jsonl.gz, k = 8, up to 64 new tokens, on a tiny GPT-2 with 1024 positions
+      and a tokenizer trained on those conversations (built once into bench/.work); skipped when the file is absent.
 
 Both systems load the same saved weights and tokenizer, draw prompts from the same pool, and use the same k, new-token
 limit, temperature, learning rate, optimiser family (AdamW), KL coefficient (0.05, so both score a reference model),
 number of iterations and reward: the default task's gold scorer as a Python function. One iteration = generate
-prompts x k completions, score them, one optimiser step. Each run is its own process; systems alternate (A B A B);
-the median iteration after the warm-up is reported. Memory: peak RSS of the process, and the peak above the
-footprint right after the models are loaded (the part the algorithm controls).
+prompts x k completions, score them, one optimiser step. The median iteration after the warm-up is reported. Memory:
+peak RSS of the process, and the peak above the footprint right after the models are loaded (the part the algorithm
+controls). Fraction of the compute limit: the FLOPs of the work (rlfuse/metrics/flops.py, counted the same way for
+both from the model's shape and each iteration's prompt and completion lengths) over the iteration's seconds times a
+bare matmul rate measured in the same process.
 """
 
 from __future__ import annotations
@@ -20,11 +33,15 @@ import statistics
 import sys
 import tempfile
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from bench.common import (SHARED_DATA, WORK, cuda_peaks_mb, machine, md_table, peak_rss_mb, reset_cuda_peak,  # noqa: E402
                           reset_peak_rss, rss_mb, run_child, warm_up, write_section)
+
+HH_DATA = SHARED_DATA / "hh_rlhf_harmless_1800.jsonl.gz"
+HH_DIR = WORK / "hh_long_prompts"  # the tiny long-context model, its tokenizer and the prompt file
 
 TRL_DEFAULT_PRECISION = False
 MICRO_BATCH = 4
@@ -35,8 +52,11 @@ SYSTEMS = {
     "trl-rloo": ("trl", "rloo", {"gc": True}), "trl-rloo-nogc": ("trl", "rloo", {"gc": False}),
     "trl-rloo-b8": ("trl", "rloo", {"gc": True, "micro": 8}),
     "trl-grpo": ("trl", "grpo", {"gc": True}), "trl-grpo-nogc": ("trl", "grpo", {"gc": False}),
-    "rlfuse-rloo": ("rlfuse", "rloo", {"fusion": True}), "rlfuse-rloo-unfused": ("rlfuse", "rloo", {"fusion": False}),
-    "rlfuse-grpo": ("rlfuse", "grpo", {"fusion": True}), "rlfuse-grpo-unfused": ("rlfuse", "grpo", {"fusion": False}),
+    # rollout.fusion: rlfuse's default (auto), and explicitly on (-fused) and off (-unfused)
+    "rlfuse-rloo": ("rlfuse", "rloo", {"fusion": "auto"}), "rlfuse-rloo-fused": ("rlfuse", "rloo", {"fusion": True}),
+    "rlfuse-rloo-unfused": ("rlfuse", "rloo", {"fusion": False}),
+    "rlfuse-grpo": ("rlfuse", "grpo", {"fusion": "auto"}), "rlfuse-grpo-fused": ("rlfuse", "grpo", {"fusion": True}),
+    "rlfuse-grpo-unfused": ("rlfuse", "grpo", {"fusion": False}),
 }
 
 
@@ -71,20 +91,68 @@ def prepare_model(n_layer: int, n_embd: int, out: Path) -> Path:
     return out
 
 
-def prompt_pool(kind: str, tok, n: int = 512) -> list[str]:
+def prepare_long_prompts(out: Path = HH_DIR, max_new: int = 64, n: int = 400, min_tokens: int = 128) -> Path | None:
+    """Workload (c), built once: hh-rlhf conversations up to their last "Assistant:" (rlfuse's own hh_rlhf reader), a
+    tiny GPT-2 with 1024 positions and a BPE tokenizer trained on them (tests/helpers.make_tiny_model), and
+    out/prompts.jsonl with the first `n` prompts of min_tokens .. 1024 - max_new tokens: the long half of the
+    conversations (their median is about 107 tokens with this tokenizer), and none that TRL, which does not truncate
+    prompts, would run past the context with. None when the data file is absent."""
+    if not HH_DATA.exists():
+        return None
+    if (out / "prompts.jsonl").exists() and (out / "config.json").exists():
+        return out
+    if (out / "config.json").exists():
+        import shutil
+
+        shutil.rmtree(out)  # a half-built folder from an interrupted run
+    from transformers import AutoTokenizer
+
     from rlfuse.config import load_config
     from rlfuse.data.stages import rl_prompts
 
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
+    from helpers import make_tiny_model
+
+    train, held = rl_prompts(load_config(None, ["data.kind=hh_rlhf", f"data.path={HH_DATA}"]), None, log=lambda *_: None)
+    texts = train + held
+    out.mkdir(parents=True, exist_ok=True)
+    make_tiny_model(out, texts, vocab_size=2000, n_positions=1024)
+    tok = AutoTokenizer.from_pretrained(out)
+    keep = [t for t in texts if min_tokens <= len(tok(t).input_ids) <= 1024 - max_new][:n]
+    (out / "prompts.jsonl").write_text("".join(json.dumps({"prompt": t}) + "\n" for t in keep))
+    return out
+
+
+def data_overrides(kind: str) -> list[str]:
+    """The prompt source as rlfuse config overrides: both systems read their pool through them."""
     if kind == "imdb":
-        cfg = load_config(None, ["data.kind=imdb", f"data.path={SHARED_DATA / 'imdb_reviews_2000.csv'}"])
-        train, _ = rl_prompts(cfg, None, log=lambda *_: None)
-    else:
+        return ["data.kind=imdb", f"data.path={SHARED_DATA / 'imdb_reviews_2000.csv'}"]
+    if kind == "hh":
+        return ["data.kind=jsonl", f"data.path={HH_DIR / 'prompts.jsonl'}", "data.prompt_column=prompt"]
+    return []
+
+
+def prompt_pool(kind: str, n: int = 512) -> list[str]:
+    from rlfuse.config import load_config
+    from rlfuse.data.stages import rl_prompts
+
+    cfg, task = load_config(None, data_overrides(kind)), None
+    if kind == "default":
         from rlfuse.data.task import build_default_task
 
-        cfg = load_config(None)
         task = build_default_task(cfg.data.num_reviews, 0, cfg.model.n_layer, cfg.model.n_embd, cfg.model.n_head, log=lambda *_: None)
-        train, _ = rl_prompts(cfg, task)
+    train, _ = rl_prompts(cfg, task, log=lambda *_: None)
     return train[:n]
+
+
+def work_flops(model, lengths: list[tuple[list[int], list[int]]], k: int) -> list[float]:
+    """FLOPs of each iteration's work from (prompt lengths, completion lengths) per iteration: rlfuse's own count
+    (rlfuse/metrics/flops.py) for an RLOO iteration (one reference pass, the actor trained, one epoch)."""
+    from rlfuse.metrics.flops import Passes, iteration_flops
+    from rlfuse.placement.cost import shape_from_hf_config
+
+    shape = shape_from_hf_config("policy", model.config.to_dict())
+    return [iteration_flops(shape, p, c, k, Passes(scoring=1, trained=1))["total"] for p, c in lengths]
 
 
 # ------------------------------------------------------------------------------------------- children
@@ -97,9 +165,16 @@ def child_trl(a) -> dict:
 
     from trl import GRPOConfig, GRPOTrainer, RLOOConfig, RLOOTrainer
 
+    from rlfuse.metrics.flops import measure_matmul_rate
+
     tok = AutoTokenizer.from_pretrained(a.model)
     model = AutoModelForCausalLM.from_pretrained(a.model)
-    data = Dataset.from_dict({"prompt": prompt_pool(a.prompts_kind, tok)})
+    data = Dataset.from_dict({"prompt": prompt_pool(a.prompts_kind)})
+    lengths = []  # (prompt lengths, completion lengths) per iteration, for the FLOPs of its work
+
+    def reward(prompts, completions, completion_ids=None, **kw):
+        lengths.append(([len(tok(p).input_ids) for p in prompts], [len(c) for c in completion_ids]))
+        return text_reward(prompts, completions)
     steps = a.warmup + a.iters
     n = a.prompts * a.k
     micro = min(a.micro_batch, n) if a.micro_batch else n
@@ -118,6 +193,7 @@ def child_trl(a) -> dict:
 
     class Timer(TrainerCallback):
         def on_train_begin(self, *args, **kw):
+            rec["matmul_flops_s"] = measure_matmul_rate(str(kw.get("model").device))
             warm_up(kw.get("model"))
             rec["idle_rss_mb"] = rss_mb()
             reset_cuda_peak()
@@ -137,12 +213,13 @@ def child_trl(a) -> dict:
             if logs:
                 rec["logs"].append({k: v for k, v in logs.items() if isinstance(v, (int, float))})
 
-    trainer = Trainer(model=model, reward_funcs=text_reward, args=Config(**common), train_dataset=data,
+    trainer = Trainer(model=model, reward_funcs=reward, args=Config(**common), train_dataset=data,
                       processing_class=tok, callbacks=[Timer()])
     trainer.train()
-    lengths = [l["completions/mean_length"] for l in rec["logs"] if "completions/mean_length" in l]
+    mean_lengths = [l["completions/mean_length"] for l in rec["logs"] if "completions/mean_length" in l]
     rewards = [l["reward"] for l in rec["logs"] if "reward" in l]
-    return {"step_s": rec["step_s"], "idle_rss_mb": rec["idle_rss_mb"], "mean_length": lengths, "reward": rewards,
+    return {"step_s": rec["step_s"], "idle_rss_mb": rec["idle_rss_mb"], "mean_length": mean_lengths, "reward": rewards,
+            "flops": work_flops(model, lengths, a.k), "matmul_flops_s": rec["matmul_flops_s"],
             "completions_per_step": a.prompts * a.k, "train_peak_rss_mb": rec["train_peak_rss_mb"],
             **{k: v for k, v in rec.items() if k.startswith("cuda_")}}
 
@@ -153,7 +230,7 @@ def child_rlfuse(a) -> dict:
     from rlfuse.trainers.rl import train_rl
 
     run_dir = Path(tempfile.mkdtemp())
-    data = ["data.kind=imdb", f"data.path={SHARED_DATA / 'imdb_reviews_2000.csv'}"] if a.prompts_kind == "imdb" else []
+    data = data_overrides(a.prompts_kind)
     mb = a.prompts * a.k
     micro = min(a.micro_batch, mb) if a.micro_batch else mb
     cfg = load_config(None, [f"run.dir={run_dir}", "run.quiet=true", f"run.seed={a.seed}", f"rl.sft_path={a.model}",
@@ -161,7 +238,7 @@ def child_rlfuse(a) -> dict:
                              f"rl.prompts_per_iter={a.prompts}", f"rl.mini_batch_size={mb}", f"rl.micro_batch_size={micro}",
                              "rl.epochs=1", f"rl.max_new_tokens={a.max_new}", "rl.temperature=1.0", f"rl.lr={a.lr}",
                              "rl.kl_coef=0.05", "rl.kl_target=null", f"rl.iterations={a.warmup + a.iters}",
-                             "rl.eval_prompts=0", "rl.ckpt_every=100000", f"rollout.fusion={str(a.fusion).lower()}",
+                             "rl.eval_prompts=0", "rl.ckpt_every=100000", f"rollout.fusion={a.fusion}",
                              f"rl.gradient_checkpointing={str(a.gc).lower()}", *data])  # fusion policy: rlfuse defaults
     rec = {}
     def ready(models):
@@ -175,6 +252,9 @@ def child_rlfuse(a) -> dict:
     return {"step_s": [r["time/iteration"] for r in rows], "idle_rss_mb": rec["idle_rss_mb"],
             "mean_length": [r["rollout/length_mean"] for r in rows], "reward": [r["reward/mean"] for r in rows],
             "completions_per_step": a.prompts * a.k, "train_peak_rss_mb": rows[-1]["mem/rss_peak_mb"],
+            "flops": [r["perf/flops"] for r in rows], "matmul_flops_s": rows[0]["perf/matmul_flops_s"],
+            "stage_flops": {k: statistics.median(r[f"perf/flops_{k}"] for r in rows[a.warmup:])
+                            for k in ("generation", "scoring", "training")},
             "split": {k: statistics.median(r[f"time/{k}"] for r in rows[a.warmup:]) for k in ("generation", "scoring", "training")},
             # the tracker resets CUDA peaks at every iteration: the run's peak is the largest of them
             **({"cuda_peak_allocated_mb": max(r["mem/cuda_allocated_peak_mb"] for r in rows),
@@ -217,36 +297,36 @@ def run(name: str, model: Path, k: int, prompts: int, max_new: int, warmup: int,
             "--max-new", str(max_new), "--warmup", str(warmup), "--iters", str(iters), "--prompts-kind", prompts_kind,
             "--micro-batch", str(opts.get("micro", MICRO_BATCH))]
     args += ["--gc"] if opts.get("gc") else []
-    args += ["--fusion"] if opts.get("fusion") else []
+    args += ["--fusion", str(opts.get("fusion", "auto")).lower()]
     args += ["--profile"] if profile else []
     args += ["--lr", str(lr)] if lr is not None else []
     args += ["--trl-default-precision"] if TRL_DEFAULT_PRECISION else []
-    r = run_child(Path(__file__), args, timeout=1800)
-    measured = r["step_s"][warmup:]
-    r["median_step_s"] = statistics.median(measured)
-    r["samples_per_s"] = r["completions_per_step"] / r["median_step_s"]
-    ml = r["mean_length"][warmup:] or r["mean_length"]
-    r["mean_completion_length"] = statistics.mean(ml) if ml else float("nan")
-    r["tokens_per_s"] = r["samples_per_s"] * r["mean_completion_length"]
-    r["peak_above_idle_mb"] = r["peak_rss_mb"] - r["idle_rss_mb"]
-    r["completions"] = r["completions_per_step"] * len(measured)
-    return r
+    return summarise([run_child(Path(__file__), args, timeout=1800)], warmup)
 
 
-def merge(runs: list[dict], warmup: int) -> dict:
-    """Several alternated runs of one system: median over all measured iterations, max of the peaks."""
+def summarise(runs: list[dict], warmup: int) -> dict:
+    """One or several alternated runs of one system: the median over all measured iterations (iteration seconds and
+    fraction of the compute limit, each iteration's FLOPs over its seconds times its process's matmul rate), the max
+    of the peaks."""
     steps = [s for r in runs for s in r["step_s"][warmup:]]
     out = dict(runs[-1])
     out["median_step_s"] = statistics.median(steps)
     out["samples_per_s"] = out["completions_per_step"] / out["median_step_s"]
-    out["mean_completion_length"] = statistics.mean(r["mean_completion_length"] for r in runs)
+    lengths = [statistics.mean(r["mean_length"][warmup:] or r["mean_length"]) for r in runs if r["mean_length"]]
+    out["mean_completion_length"] = statistics.mean(lengths) if lengths else float("nan")
     out["tokens_per_s"] = out["samples_per_s"] * out["mean_completion_length"]
     out["peak_rss_mb"] = max(r["peak_rss_mb"] for r in runs)
-    out["peak_above_idle_mb"] = max(r["peak_above_idle_mb"] for r in runs)
+    out["peak_above_idle_mb"] = max(r["peak_rss_mb"] - r["idle_rss_mb"] for r in runs)
     for key in ("cuda_peak_allocated_mb", "cuda_peak_reserved_mb"):
         if all(key in r for r in runs):
             out[key] = max(r[key] for r in runs)
     out["completions"] = out["completions_per_step"] * len(steps)
+    if all("flops" in r for r in runs):
+        fractions = [f / (t * r["matmul_flops_s"]) for r in runs
+                     for f, t in zip(r["flops"][warmup:], r["step_s"][warmup:])]
+        out["compute_fraction"] = statistics.median(fractions)
+        out["flops_per_sample"] = statistics.median(f for r in runs for f in r["flops"][warmup:]) / out["completions_per_step"]
+        out["matmul_flops_s"] = statistics.median(r["matmul_flops_s"] for r in runs)
     return out
 
 
@@ -257,7 +337,7 @@ def main() -> None:
     ap.add_argument("--algo")
     ap.add_argument("--model")
     ap.add_argument("--gc", action="store_true")
-    ap.add_argument("--fusion", action="store_true")
+    ap.add_argument("--fusion", default="auto", choices=["auto", "true", "false"])
     ap.add_argument("--profile", action="store_true")
     ap.add_argument("--prompts-kind", default="default")
     ap.add_argument("--k", type=int, default=4)
@@ -275,7 +355,15 @@ def main() -> None:
     ap.add_argument("--mem-budget", type=float, default=1500.0, help="MiB of peak RSS a run may use")
     ap.add_argument("--reward-iters", type=int, default=30, help="iterations of the longer run that checks reward rises")
     ap.add_argument("--reward-lr", type=float, default=3e-4, help="learning rate of that run (the same for both)")
-    ap.add_argument("--quick", action="store_true", help="one round of RLOO only; prints, writes nothing")
+    ap.add_argument("--quick", action="store_true", help="--matrix: one round of RLOO only; prints, writes nothing")
+    ap.add_argument("--matrix", action="store_true",
+                    help="the earlier system matrix on workload (a) (TRL and rlfuse variants, k = 2, 4, 8, IMDb "
+                         "prompts, reward over a longer run, profiles) instead of the three workloads")
+    ap.add_argument("--workloads", default="abc", help="which of the workloads a, b, c to run (default all)")
+    ap.add_argument("--small", action="store_true",
+                    help="workloads at a smaller size (fewer prompts and iterations, one round): a few minutes; "
+                         "prints, writes nothing unless --write")
+    ap.add_argument("--write", action="store_true", help="--small: write the sections of BENCHMARKS.md anyway")
     ap.add_argument("--trl-default-precision", action="store_true",
                     help="leave TRL's own precision default (bf16 on, also on CPU) instead of fp32 for both")
     a = ap.parse_args()
@@ -283,6 +371,13 @@ def main() -> None:
         return child(a)
     global TRL_DEFAULT_PRECISION, MICRO_BATCH
     TRL_DEFAULT_PRECISION, MICRO_BATCH = a.trl_default_precision, a.micro_batch
+    if not a.matrix:
+        return workloads(a)
+    matrix(a)
+
+
+def matrix(a) -> None:
+    """The earlier system matrix on workload (a); writes BENCHMARKS.md's vs_trl section."""
     t0 = time.time()
     model = prepare_model(a.n_layer, a.n_embd, WORK / f"gpt2-{a.n_layer}x{a.n_embd}")
     W, N = a.warmup, a.iters
@@ -292,7 +387,7 @@ def main() -> None:
         for n in names:
             runs[n].append(run(n, model, a.k, a.prompts, a.max_new, W, N))
             print(f"[bench] {n}: {runs[n][-1]['samples_per_s']:.2f} samples/s", file=sys.stderr, flush=True)
-    res = {n: merge(r, W) for n, r in runs.items()}
+    res = {n: summarise(r, W) for n, r in runs.items()}
 
     def table(results: dict, base: str) -> str:
         cuda = all("cuda_peak_allocated_mb" in r for r in results.values())
@@ -309,7 +404,7 @@ def main() -> None:
     if a.quick:
         return
     sections = [f"Machine: {json.dumps(machine() | {'trl': __import__('trl').__version__})}", "",
-                f"Command: `python bench/vs_trl.py` (GPT-2 {a.n_layer} layers x {a.n_embd} dims, random weights, the "
+                f"Command: `python bench/vs_trl.py --matrix` (GPT-2 {a.n_layer} layers x {a.n_embd} dims, random weights, the "
                 f"default task's tokenizer; {a.prompts} prompts x k={a.k} per iteration, up to {a.max_new} new tokens, "
                 f"temperature 1.0, lr {a.lr}, KL coefficient 0.05, AdamW; {W} warm-up + {N} measured iterations per "
                 f"run, {a.rounds} alternated rounds, median iteration; both update in micro-batches of {a.micro_batch} "
@@ -369,6 +464,128 @@ def main() -> None:
     # a GPU run gets its own section, so the CPU tables stay
     write_section("vs_trl_gpu" if __import__("torch").cuda.is_available() else "vs_trl", "\n".join(sections))
     print("\n".join(sections))
+
+
+@dataclass(frozen=True)
+class Case:
+    """One side-by-side measurement: both systems on the same model, prompts and limits."""
+    workload: str
+    model: Path
+    prompts_kind: str
+    k: int
+    prompts: int
+    max_new: int
+
+
+WORKLOAD_TITLES = {
+    "a": "(a) worst case: GPT-2 {shape}, random weights, default-task prompts of a few tokens, every sample runs to "
+         "the limit",
+    "b": "(b) long-tailed: the default task's SFT model, natural response lengths",
+    "c": "(c) long prompts: hh-rlhf conversations up to the last \"Assistant:\" of 128-960 tokens, random-weight tiny "
+         "GPT-2 (2 x 64, 1024 positions, a 2,000-token BPE trained on the conversations)",
+}
+
+
+def workload_cases(a, log=print) -> list[Case]:
+    """The cases of the chosen workloads at the run's size; (c) is left out, with a line, without its data."""
+    from bench.rollout import ensure_sft_model
+
+    small, cases = a.small, []
+    if "a" in a.workloads:
+        model = prepare_model(a.n_layer, a.n_embd, WORK / f"gpt2-{a.n_layer}x{a.n_embd}")
+        cases.append(Case("a", model, "default", 4, 4, 64))
+    if "b" in a.workloads:
+        sft = ensure_sft_model(log)
+        cases += [Case("b", sft, "default", k, 4 if small else 8, 128 if small else 256) for k in (4, 8)]
+    if "c" in a.workloads:
+        model = prepare_long_prompts()
+        if model is None:
+            log(f"[bench] workload (c) skipped: {HH_DATA} not found (the hh-rlhf sample; see tests/helpers.py)")
+        else:
+            cases.append(Case("c", model, "hh", 8, 2 if small else 4, 64))
+    return cases
+
+
+def mean_prompt_tokens(case: Case) -> float:
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(case.model)
+    pool = prompt_pool(case.prompts_kind)
+    return statistics.mean(len(tok(p).input_ids) for p in pool)
+
+
+def workloads(a) -> None:
+    """Workloads (a), (b), (c): TRL RLOO and rlfuse RLOO alternated per case. Each workload's table and target
+    verdicts are printed, and (full size, or --write) written to its own BENCHMARKS.md section as soon as it ends."""
+    cases = workload_cases(a)
+    for w in dict.fromkeys(c.workload for c in cases):
+        section = measure_workload(a, w, [c for c in cases if c.workload == w])
+        print(section, flush=True)
+        if a.write or not a.small:
+            gpu = "_gpu" if __import__("torch").cuda.is_available() else ""
+            write_section(f"vs_trl_workload_{w}{gpu}", section)
+
+
+def measure_workload(a, w: str, cases: list[Case]) -> str:
+    """One workload's cases, systems alternated A B A B; -> its markdown section."""
+    import os
+
+    t0, load0 = time.time(), os.getloadavg()
+    warmup, iters, rounds = (1, 2, 1) if a.small else ((2, 4, 2) if w == "a" else (1, 3, 2))
+    names = ("trl-rloo", "rlfuse-rloo")
+    rows, results = [], {}
+    for case in cases:
+        runs = {n: [] for n in names}
+        for _ in range(rounds):  # alternate A B A B
+            for n in names:
+                runs[n].append(run(n, case.model, case.k, case.prompts, case.max_new, warmup, iters, case.prompts_kind))
+                print(f"[bench] ({w}) k={case.k} {n}: {runs[n][-1]['samples_per_s']:.2f} samples/s, "
+                      f"{runs[n][-1]['compute_fraction']:.3f} of the compute limit", file=sys.stderr, flush=True)
+        res = results[(w, case.k)] = {n: summarise(r, warmup) for n, r in runs.items()}
+        prompt_tokens, trl = mean_prompt_tokens(case), res["trl-rloo"]
+        for n, r in res.items():
+            rows.append([n, case.k, f"{case.prompts} x {case.k}", case.max_new, prompt_tokens, r["mean_completion_length"],
+                         r["samples_per_s"], r["tokens_per_s"], r["median_step_s"], r["peak_above_idle_mb"],
+                         r["compute_fraction"], r["matmul_flops_s"] / r["flops_per_sample"],
+                         r["samples_per_s"] / trl["samples_per_s"], r["peak_above_idle_mb"] / trl["peak_above_idle_mb"]])
+    load1 = os.getloadavg()
+    (WORK / f"vs_trl_workload_{w}.json").write_text(json.dumps({f"k{k}": v for (_, k), v in results.items()},
+                                                              indent=1, default=str))
+    loads = lambda xs: " ".join(f"{x:.2f}" for x in xs)
+    command = f"python bench/vs_trl.py --workloads {w}" + (" --small" if a.small else "")
+    return "\n".join([
+        f"#### {WORKLOAD_TITLES[w].format(shape=f'{a.n_layer} x {a.n_embd}')}", "",
+        f"Command: `{command}`; wall time {time.time() - t0:.0f} s; load average (1, 5, 15 min) {loads(load0)} before, "
+        f"{loads(load1)} after (2 cores: above 2, other work shared them). {warmup} warm-up + {iters} measured "
+        f"iterations per run, {rounds} alternated round(s). Machine: "
+        f"{json.dumps(machine() | {'trl': __import__('trl').__version__})}", "",
+        md_table(["system", "k", "prompts x k", "max new", "mean prompt tokens", "mean completion tokens", "samples/s",
+                  "tokens/s", "median iteration s", "peak above idle MiB", "fraction of compute limit",
+                  "compute limit samples/s", "samples/s vs TRL", "memory above idle vs TRL"], rows), "",
+        *target_verdicts(results), ""])
+
+
+def target_verdicts(results: dict) -> list[str]:
+    """Issue 19's targets, each with its measured value: (b) and (c) at k = 8 >= 3x TRL's samples/s and <= 0.5x its
+    memory above idle; (a) >= 60% of the compute limit."""
+    out = []
+    for w in ("b", "c"):
+        if (w, 8) in results:
+            t, r = results[(w, 8)]["trl-rloo"], results[(w, 8)]["rlfuse-rloo"]
+            speed, mem = r["samples_per_s"] / t["samples_per_s"], r["peak_above_idle_mb"] / t["peak_above_idle_mb"]
+            out.append(f"- Target ({w}), k = 8: samples/s {speed:.2f}x TRL's (target >= 3x: "
+                       f"{'met' if speed >= 3 else 'not met'}), memory above idle {mem:.2f}x TRL's (target <= 0.5x: "
+                       f"{'met' if mem <= 0.5 else 'not met'}).")
+    if ("a", 4) in results:
+        r = results[("a", 4)]["rlfuse-rloo"]
+        f = r["compute_fraction"]
+        out.append(f"- Target (a): rlfuse at {f:.2f} of the compute limit (target >= 0.60: {'met' if f >= 0.6 else 'not met'}).")
+    for (w, k), res in results.items():  # where the limit is lost: each stage's FLOPs over its seconds
+        r = res["rlfuse-rloo"]
+        out.append(f"- rlfuse per stage, ({w}) k = {k} (median seconds, fraction of the compute limit): " + ", ".join(
+            f"{st} {r['split'][st]:.3f} s at {r['stage_flops'][st] / (r['split'][st] * r['matmul_flops_s']):.2f}"
+            for st in ("generation", "scoring", "training")) + ".")
+    return out
 
 
 def plot_k(per_k: dict, path: Path) -> None:

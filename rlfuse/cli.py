@@ -230,7 +230,7 @@ def build_parser() -> argparse.ArgumentParser:
                            "(its saved config.yaml is used; overrides still apply)")
     rp = sub.add_parser("report", help="redraw a run's figures and report.html (also on a running or killed run)")
     rp.add_argument("run_dir", metavar="RUN_DIR")
-    rp.add_argument("--baseline", metavar="RUN_DIR", help="a measured baseline run (e.g. rollout.fusion=false) for "
+    rp.add_argument("--baseline", metavar="RUN_DIR", help="a measured baseline run (e.g. rollout.fusion=true) for "
                     "speedup_comparison.png")
     add_generate_arguments(sub.add_parser("generate", help="sample completions from a saved model with the rollout "
                                           "engine", description=api.generate.__doc__))

@@ -308,8 +308,12 @@ class RLConfig:
 
 @dataclass
 class RolloutConfig:
-    fusion: bool = True
-    """Score finished samples while the rest still decode (off: decode everything, then score)."""
+    fusion: Any = "auto"
+    """auto | true | false. true: score finished samples while the rest still decode; false: decode everything, then
+    score. auto: on only where scoring can overlap decoding. In one process (placement.strategy=single, CPU or CUDA)
+    scoring runs between decode steps on the same device, so interleaving it only adds small calls (0.8-0.94x on CPU,
+    BENCHMARKS.md's rollout section): auto is off there. Ray placements always score on their workers as samples
+    finish (rlfuse/placement/ray_rollout.py) and do not read this field. See `fusion_on`."""
     score_every: int = 16
     """Fusion: score whenever this many samples have finished..."""
     live_below: int = 8
@@ -358,6 +362,11 @@ class Config:
     rl: RLConfig = field(default_factory=RLConfig)
     rollout: RolloutConfig = field(default_factory=RolloutConfig)
     placement: PlacementConfig = field(default_factory=PlacementConfig)
+
+
+def fusion_on(cfg: Config) -> bool:
+    """rollout.fusion resolved for the single-process rollout: true/false as given; auto is off (see the field)."""
+    return cfg.rollout.fusion is True
 
 
 def checkpointing_on(cfg: Config) -> bool:
@@ -650,6 +659,9 @@ def _validate_rl(cfg: Config) -> None:
         if v and not Path(v).exists() and not is_hub_id(v):  # a hub id is fetched when the stage starts
             raise ConfigError(f"rl.{name}", f"folder {v!r} not found", "point it at a saved model folder or a hub id")
     _positive(rl, "rl", "eval_every", "log_samples_every", allow_zero=True)
+    if not (isinstance(ro.fusion, bool) or ro.fusion == "auto"):
+        raise ConfigError("rollout.fusion", f"expected auto, true or false, got {ro.fusion!r}",
+                          "set rollout.fusion=auto (the default), true or false")
     _positive(ro, "rollout", "score_every", "max_rows", "micro_batch_size")
     _positive(ro, "rollout", "live_below", allow_zero=True)
     _positive(ro, "rollout", "rows_per_worker")

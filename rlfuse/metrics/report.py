@@ -61,7 +61,7 @@ def draw_figures(run_dir: Path, baseline_dir: Path | None = None) -> dict[str, P
         stale = out_dir / "speedup_comparison.png"
         stale.unlink(missing_ok=True)
         figs["speedup_comparison"] = ("not drawn: no baseline run given (rlfuse report RUN_DIR --baseline OTHER_RUN, "
-                                      "e.g. the same config with rollout.fusion=false); a speedup is only ever measured")
+                                      "e.g. the same config with rollout.fusion=true); a speedup is only ever measured")
     return figs
 
 

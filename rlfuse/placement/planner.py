@@ -515,7 +515,8 @@ def problem_from_config(cfg, profile: MachineProfile, workers: int | None = None
                         response_mean=min(mean, rl.max_new_tokens), response_max=rl.max_new_tokens,
                         epochs=rl.epochs, mini_batch=rl.mini_batch_size, score_micro_batch=cfg.rollout.micro_batch_size,
                         max_rows=cfg.rollout.max_rows,
-                        score_singles=cfg.rollout.live_below if cfg.rollout.fusion else 0,
+                        # Ray's decoding workers fuse (auto means on there: scoring overlaps on other workers)
+                        score_singles=cfg.rollout.live_below if cfg.rollout.fusion is not False else 0,
                         response_longest=min(longest, rl.max_new_tokens), score_every=cfg.rollout.score_every,
                         rows_per_worker=cfg.rollout.rows_per_worker, k=rl.k, prompt_lengths=prompt_lengths or 1.0)
     mem = memory_inputs(cfg, roles, shape, profile)

@@ -37,13 +37,14 @@ from rlfuse.algos.kl import AdaptiveKLController, FixedKLController, kl_penalty,
 from rlfuse.algos.losses import ppo_policy_loss, value_loss
 from rlfuse.algos.schedules import scheduled_value
 from rlfuse.algos.stats import explained_variance, level_mean, masked_mean, whiten
-from rlfuse.config import Config, RLConfig
+from rlfuse.config import Config, RLConfig, fusion_on
 from rlfuse.data.curriculum import curriculum_indices, uniform_indices
 from rlfuse.data.chat import set_chat_template
 from rlfuse.data.prompts import encode_prompts, model_context, prompt_budget
 from rlfuse.data.stages import rl_prompt_rows
 from rlfuse.errors import UserError
 from rlfuse.evaluation import evaluate, evaluate_before, iteration_gold, prompt_difficulty, sampling_params
+from rlfuse.metrics.flops import compute_meter_for_run
 from rlfuse.metrics.memory import MemoryMeter
 from rlfuse.metrics.tracker import memory_metrics, stage_tracker, truncate_metrics
 from rlfuse.models.build import Models, build_models
@@ -410,7 +411,7 @@ def train_rl(cfg: Config, run_dir: Path, log=print, resume: bool = False, on_rea
             f"{cut_held} of {len(held_prompts)} held out")
     engine = DecodeEngine(models.generator, tok.eos_token_id, max_rows=cfg.rollout.max_rows, tokenizer=tok)
     scorer = local_scorer(models, cfg)
-    fusion = FusionPolicy(cfg.rollout.fusion, cfg.rollout.score_every, cfg.rollout.live_below)
+    fusion = FusionPolicy(fusion_on(cfg), cfg.rollout.score_every, cfg.rollout.live_below)
     params = sampling_params(models, rl, rl.temperature)
     trainer = LocalTrainer(models, build_learners(models, rl), rl)
     kl_ctl = (AdaptiveKLController(rl.kl_coef, rl.kl_target, rl.kl_horizon) if rl.kl_target is not None
@@ -435,6 +436,7 @@ def train_rl(cfg: Config, run_dir: Path, log=print, resume: bool = False, on_rea
     difficulty = prompt_difficulty(models, engine, train_prompts, rl, seed + 23456, out / "difficulty.json", log)
     reward_metrics(models.reward_fn)  # the evaluations' calls are not the first iteration's
     tracker = stage_tracker(cfg, out)
+    flops = compute_meter_for_run(cfg, models, device)  # perf/: FLOPs done over the bare matmul rate (< 1 s)
     if on_ready is not None:
         on_ready(models)
     log(f"[rl] {rl.algo}: {rl.iterations} iterations x {rl.prompts_per_iter} prompts x k={rl.k}, fusion "
@@ -470,6 +472,8 @@ def train_rl(cfg: Config, run_dir: Path, log=print, resume: bool = False, on_rea
             row = rollout_metrics(exp, kl, returns, kl_ctl.coef, rl.max_new_tokens) | stats | sync
             row |= rollout.metrics(exp)
             row |= memory_metrics(device) | iteration_gold(exp, tok, gold) | reward_metrics(models.reward_fn)
+            row |= flops.metrics([len(p) for p in exp.prompt_ids], [len(r) for r in exp.response_ids], t2 - t0,
+                                 trained=bool(stats))
             row |= learning_rates(trainer, rl) | group_metrics(exp, rl.k)
             if due(rl.eval_every, it + 1) and it + 1 < rl.iterations:  # the last one is the "after" evaluation
                 row |= evaluate_during(trainer, models, engine, held_prompts, rl, seed + 12345, gold)

@@ -35,6 +35,7 @@ def test_rl_algorithms_run_and_change_every_parameter(tiny_task, tmp_path, algo,
     rows = [json.loads(l) for l in (tmp_path / "rl" / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in rows] == [1, 2]
     assert {"reward/mean", "train/policy_loss", "time/generation", "time/scoring", "time/training"} <= set(rows[0])
+    assert all(0 < r["perf/compute_fraction"] < 1 and r["perf/flops"] > 0 for r in rows)
     before, after = weights(tiny_task.model_dir), weights(tmp_path / "rl" / "model")
     unchanged = [n for n in before if n in after and torch.equal(before[n], after[n])]
     assert not unchanged, unchanged[:5]
