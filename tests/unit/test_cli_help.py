@@ -31,7 +31,7 @@ def test_top_level_help_lists_every_section_with_first_sentences(capsys):
 def test_command_help_lists_its_own_sections_in_full(capsys):
     rl = " ".join(help_of(["rl"], capsys).split())
     assert " ".join(field_docs(RLConfig)["kl_horizon"].split()) in rl
-    assert "rollout.fusion = true" in rl and "placement.strategy" in rl and "sft.lr =" not in rl
+    assert "rollout.fusion = \"auto\"" in rl and "placement.strategy" in rl and "sft.lr =" not in rl
     sft = help_of(["sft"], capsys)
     assert "sft.lr = 0.002" in sft and "rl.kl_horizon" not in sft
 
