@@ -1,10 +1,11 @@
 """Memory benchmark (issue 14: one 4-bit base for every role). PPO with all four roles (actor, reference, critic,
-reward) and the engine's generator, one iteration of the same work, on two models with random weights and the
-default task's tokenizer and prompts:
+reward) and the rollout engine (arm (a): its own generator copy; (b), (c): the shared base itself), one iteration of
+the same work, on two models with random weights and the default task's tokenizer and prompts:
 
   (a) separate full-precision models: today's path with LoRA on the actor (reference = its adapters off), a
       separate critic trained in full, a separate frozen reward model, AdamW;
   (b) one full-precision base with adapters (model.shared_base): actor, critic and reward adapters + heads, AdamW;
+      the engine decodes that base with the actor's adapter (no generator copy, no weight sync);
   (c) one 4-bit (NF4, double quantisation) base with adapters, 8-bit AdamW, gradient checkpointing (the QLoRA
       pipeline of configs/qlora_1gpu.yaml).
 
@@ -233,14 +234,15 @@ def closing_note(results: dict[str, list[dict]]) -> list[str]:
         if not {"a", "c"} <= set(by):
             continue
         n, c = parameter_count(name), by["c"]["memory"]["bytes"]
-        generator = 4 * n  # the engine's own fp32 copy, counted in base
-        shared = c["base"] - generator
+        shared = c["base"]  # the one base every role and the engine use: no generator copy
         out.append(f"- {name} ({n / 1e6:.0f}M parameters): the 4-bit shared base holds {shared / n:.2f} bytes per "
                    f"parameter ({shared / 2**20:.0f} MiB; fp32 embeddings and norms stay unquantised, a larger share "
-                   f"of a small model than of a 7B one); adapters and heads {c['adapters'] / 2**20:.0f} MiB; 8-bit "
+                   f"of a small model than of a 7B one) and is all the base weights (c) holds: the engine decodes it "
+                   f"(no generator copy, no weight sync); adapters and heads {c['adapters'] / 2**20:.0f} MiB; 8-bit "
                    f"AdamW states {c['optimizer'] / 2**20:.1f} MiB against {by['a']['memory']['bytes']['optimizer'] / 2**20:.0f} "
-                   f"MiB of AdamW states in (a) (whose critic trains in full). The generator's fp32 copy "
-                   f"({generator / 2**20:.0f} MiB) is {generator / max(1, c['total']):.0%} of (c)'s measured total.")
+                   f"MiB of AdamW states in (a) (whose critic trains in full); the rollout phase grew by "
+                   f"{c['kv_cache'] / 2**20:.0f} MiB (kv_cache) and the update by {c['activations'] / 2**20:.0f} MiB "
+                   f"(activations).")
     out += ["", "The pipeline's 8-10 GB of optimiser states cannot be 8-bit AdamW states of r=16 adapters on 7B (about "
             "40M parameters: ~0.1 GB at 2 bytes each); here the optimiser is a rounding error beside the weights, as "
             f"it should be for adapters. Targets (total peak against (a)'s): {target_verdicts(results)}. What (c) "
