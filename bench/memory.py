@@ -120,9 +120,14 @@ def materialise(models) -> None:
                     t.data = t.data.clone()
 
 
-def child(arm: str, name: str) -> dict:
-    """One arm in this (fresh) process: idle RSS before any model, then the RL stage's one iteration."""
+def child(arm: str, name: str, glibc_default: bool = False) -> dict:
+    """One arm in this (fresh) process: idle RSS before any model, then the RL stage's one iteration. glibc_default:
+    leave glibc's malloc thresholds alone (rlfuse.models.quantize.fix_cpu_heap off), to measure what fixing them saves."""
     import torch
+
+    from rlfuse.models import quantize
+
+    quantize.FIX_CPU_HEAP = not glibc_default
 
     from rlfuse.config import load_config
     from rlfuse.metrics.memory import release_freed_memory
@@ -264,6 +269,8 @@ def main() -> None:
                     help="how busy the machine was, for the section's first line")
     ap.add_argument("--child", choices=list(ARMS))
     ap.add_argument("--model", choices=list(MODELS))
+    ap.add_argument("--glibc-default", action="store_true",
+                    help="with --child: leave glibc's malloc thresholds as they are (no fix_cpu_heap)")
     ap.add_argument("--from-results", action="store_true",
                     help="rewrite the section from the last run's bench/.work/memory/results.json")
     a = ap.parse_args()
@@ -273,7 +280,7 @@ def main() -> None:
         write_section("memory", text)
         return
     if a.child:
-        print(json.dumps(child(a.child, a.model)))
+        print(json.dumps(child(a.child, a.model, a.glibc_default)))
         return
     names = ["gpt2-6x768"] if a.quick else a.models
     results = {name: measure(name) for name in names}
