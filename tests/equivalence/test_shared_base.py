@@ -6,8 +6,7 @@ import pytest
 import torch
 
 from conftest import TINY
-from helpers import make_tiny_llama
-from rlfuse.cli import main
+from helpers import llama_sft_and_rm
 from rlfuse.config import load_config
 from rlfuse.models.build import build_models
 from rlfuse.rollout.engine import Sample
@@ -20,12 +19,7 @@ STAGES = [o for o in TINY if not o.startswith(("model.n_", "sft.eval_samples"))]
 @pytest.fixture(scope="module")
 def llama_run(tiny_task, tmp_path_factory):
     """SFT then reward model, both LoRA, on a tiny Llama; the run folder."""
-    root = tmp_path_factory.mktemp("shared")
-    model = make_tiny_llama(root / "tiny-llama", tiny_task.reviews()[:300])
-    run_dir = root / "run"
-    for stage in ("sft", "rm"):
-        assert main([stage, f"model.name={model}", f"run.dir={run_dir}", *STAGES]) == 0
-    return run_dir
+    return llama_sft_and_rm(tmp_path_factory.mktemp("shared"), tiny_task.reviews()[:300], STAGES)[1]
 
 
 def _models(run_dir, shared: bool, *extra):

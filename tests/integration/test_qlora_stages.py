@@ -8,8 +8,7 @@ import pytest
 import torch
 
 from conftest import TINY
-from helpers import make_tiny_llama
-from rlfuse.cli import main
+from helpers import llama_sft_and_rm
 from rlfuse.config import load_config
 
 pytest.importorskip("bitsandbytes", reason="bitsandbytes is a test dependency (pip install -e .[test])")
@@ -24,12 +23,7 @@ RL = ["rl.algo=ppo", "rl.reward=rm", "rl.critic_init=rm", "rl.optimizer=adamw_8b
 @pytest.fixture(scope="module")
 def stages(tiny_task, tmp_path_factory):
     """SFT then the reward model, both on a 4-bit base with LoRA; (base model folder, run folder)."""
-    root = tmp_path_factory.mktemp("qlora")
-    model = make_tiny_llama(root / "tiny-llama", tiny_task.reviews()[:300])
-    run_dir = root / "run"
-    for stage in ("sft", "rm"):
-        assert main([stage, f"model.name={model}", f"run.dir={run_dir}", *STAGES]) == 0
-    return model, run_dir
+    return llama_sft_and_rm(tmp_path_factory.mktemp("qlora"), tiny_task.reviews()[:300], STAGES)
 
 
 def _probe(tok):
