@@ -16,6 +16,7 @@ copied out of the checkpoints' memory maps once loaded (materialise), so RSS cou
 
     python bench/memory.py            # both models, writes BENCHMARKS.md (about 20 minutes on 2 cores)
     python bench/memory.py --quick    # the GPT-2 model only, prints only
+    python bench/memory.py --glibc-arm  # also (c) with glibc's default malloc thresholds (no fix_cpu_heap)
 """
 
 from __future__ import annotations
@@ -39,6 +40,8 @@ ARMS = {
     "c": ("one 4-bit base + adapters, 8-bit AdamW", ["model.quantization=4bit", "rl.optimizer=adamw_8bit",
                                                      "rl.gradient_checkpointing=true"]),
 }
+ARMS["c-glibc"] = ("(c) with glibc's default malloc thresholds", ARMS["c"][1])
+"""(c) without rlfuse.models.quantize.fix_cpu_heap: what fixing the thresholds saves (--glibc-arm)."""
 MODELS = {
     "gpt2-6x768": {"kind": "gpt2", "n_layer": 6, "n_embd": 768, "n_head": 12},
     "llama-0.5b": {"kind": "llama", "hidden_size": 1280, "num_hidden_layers": 28, "intermediate_size": 3584,
@@ -120,14 +123,13 @@ def materialise(models) -> None:
                     t.data = t.data.clone()
 
 
-def child(arm: str, name: str, glibc_default: bool = False) -> dict:
-    """One arm in this (fresh) process: idle RSS before any model, then the RL stage's one iteration. glibc_default:
-    leave glibc's malloc thresholds alone (rlfuse.models.quantize.fix_cpu_heap off), to measure what fixing them saves."""
+def child(arm: str, name: str) -> dict:
+    """One arm in this (fresh) process: idle RSS before any model, then the RL stage's one iteration."""
     import torch
 
     from rlfuse.models import quantize
 
-    quantize.FIX_CPU_HEAP = not glibc_default
+    quantize.FIX_CPU_HEAP = arm != "c-glibc"
 
     from rlfuse.config import load_config
     from rlfuse.metrics.memory import release_freed_memory
@@ -165,10 +167,10 @@ def child(arm: str, name: str, glibc_default: bool = False) -> dict:
             "stage_s": wall, "memory": table}
 
 
-def measure(name: str, log=print) -> list[dict]:
+def measure(name: str, log=print, glibc_arm: bool = False) -> list[dict]:
     prepare_stages(name, log)
     out = []
-    for arm in ARMS:
+    for arm in [a for a in ARMS if glibc_arm or a != "c-glibc"]:
         log(f"[bench] {name} arm ({arm}) {ARMS[arm][0]}")
         res = run_child(Path(__file__), ["--child", arm, "--model", name], timeout=3600)
         log(f"[bench]   peak {res['peak_mb']:.0f} MB ({res['peak_above_idle_mb']:.0f} above idle), "
@@ -250,15 +252,36 @@ def closing_note(results: dict[str, list[dict]]) -> list[str]:
                    f"(activations).")
     out += ["", "The pipeline's 8-10 GB of optimiser states cannot be 8-bit AdamW states of r=16 adapters on 7B (about "
             "40M parameters: ~0.1 GB at 2 bytes each); here the optimiser is a rounding error beside the weights, as "
-            f"it should be for adapters. Targets (total peak against (a)'s): {target_verdicts(results)}. What (c) "
-            "holds beyond one 4-bit base is, first, "
-            "the generator: the rollout engine decodes from its own full-precision copy, synced from the actor's "
-            "merged (dequantised) weights each iteration (decoding from the shared base itself, with no copy and no "
-            "sync, is the next step: README, Not yet); second, bitsandbytes' CPU path materialises each layer's "
-            "dequantised fp32 weight at every 4-bit matmul, and glibc keeps those pages, which is (c)'s rollout-phase "
-            "growth (kv_cache column: the scoring passes run there) and its slower iterations. On a GPU those are "
-            "transient CUDA allocations freed layer by layer (not measured here: no GPU was available to this work)."]
+            f"it should be for adapters. Targets (total peak against (a)'s): {target_verdicts(results)}.", ""]
+    out += glibc_note(results)
+    slow = [f"{by['c']['iteration_s'] / by['a']['iteration_s']:.1f}x on {name}" for name, by in
+            ((n, {r["arm"]: r for r in rows}) for n, rows in results.items()) if {"a", "c"} <= set(by)]
+    out += ["(c) holds one 4-bit base and no other copy of the weights: the rollout engine decodes that base with the "
+            "actor's adapter (eval mode per forward, no generator copy, `sync/bytes` 0), and on the CPU glibc's mmap and "
+            "trim thresholds are fixed (rlfuse.models.quantize.fix_cpu_heap), so bitsandbytes' dequantised fp32 weight "
+            "of each 4-bit matmul is unmapped when freed instead of staying resident. The price is time: every decode "
+            "step now runs the 4-bit matmuls, which on this CPU dequantise each layer's weight at every call, and every "
+            f"freed weight is a fresh mapping to fault in: (c) takes {', '.join(slow)} of (a)'s time per iteration. On "
+            "a GPU the dequantised weights are transient CUDA allocations and the matmuls fused kernels (not measured "
+            "here: no GPU was available to this work)."]
     return out
+
+
+def glibc_note(results: dict[str, list[dict]]) -> list[str]:
+    """(c) with and without fixed glibc thresholds, where the run had --glibc-arm."""
+    mib = lambda b: f"{b / 2**20:.0f}"
+    out = []
+    for name, rows in results.items():
+        by = {r["arm"]: r for r in rows}
+        if {"c", "c-glibc"} <= set(by):
+            fixed, default = by["c"], by["c-glibc"]
+            grew = lambda r, k: mib(r["memory"]["bytes"][k])
+            out.append(f"- fix_cpu_heap on {name}: (c) peaks at {fixed['peak_mb']:.0f} MB with fixed glibc thresholds, "
+                       f"{default['peak_mb']:.0f} MB with glibc's defaults (rollout growth {grew(fixed, 'kv_cache')} "
+                       f"against {grew(default, 'kv_cache')} MiB, update growth {grew(fixed, 'activations')} against "
+                       f"{grew(default, 'activations')} MiB; {fixed['iteration_s']:.0f} against "
+                       f"{default['iteration_s']:.0f} s per iteration).")
+    return out + ([""] if out else [])
 
 
 def main() -> None:
@@ -269,8 +292,9 @@ def main() -> None:
                     help="how busy the machine was, for the section's first line")
     ap.add_argument("--child", choices=list(ARMS))
     ap.add_argument("--model", choices=list(MODELS))
-    ap.add_argument("--glibc-default", action="store_true",
-                    help="with --child: leave glibc's malloc thresholds as they are (no fix_cpu_heap)")
+    ap.add_argument("--glibc-default", action="store_true", help=argparse.SUPPRESS)  # TEMP alias
+    ap.add_argument("--glibc-arm", action="store_true",
+                    help="also run (c) with glibc's default malloc thresholds (no fix_cpu_heap)")
     ap.add_argument("--from-results", action="store_true",
                     help="rewrite the section from the last run's bench/.work/memory/results.json")
     a = ap.parse_args()
@@ -280,10 +304,10 @@ def main() -> None:
         write_section("memory", text)
         return
     if a.child:
-        print(json.dumps(child(a.child, a.model, a.glibc_default)))
+        print(json.dumps(child("c-glibc" if a.glibc_default else a.child, a.model)))  # TEMP alias
         return
     names = ["gpt2-6x768"] if a.quick else a.models
-    results = {name: measure(name) for name in names}
+    results = {name: measure(name, glibc_arm=a.glibc_arm) for name in names}
     (WORK / "memory" / "results.json").write_text(json.dumps(results, indent=1))
     text = section(results, machine(), a.note)
     print(text)

@@ -1,5 +1,5 @@
 """Quantised base weights through bitsandbytes (model.quantization): the from_pretrained arguments, the compute dtype
-from run.precision, and the way back to full-precision weights (the generator's copy, merged saves).
+from run.precision, and the way back to full-precision weights (merged saves, a separate generator's copy).
 
 bitsandbytes 0.50 runs NF4 and int8 layers on CPU as well as on GPU, so everything here is tested on CPU."""
 
