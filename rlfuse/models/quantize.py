@@ -72,7 +72,8 @@ def fix_cpu_heap(device="cpu") -> bool:
     mapping (up to 32 MiB), after which these buffers come from the heap, whose freed pages stay resident: RSS grew by
     GBs on a 0.5B model. Fixed thresholds (set once per process; this also stops that growth) keep every allocation
     of MMAP_THRESHOLD or more an mmap of its own, unmapped when freed, and trim the heap top above twice that.
-    Linux/glibc on the CPU only (a GPU's dequantised weights are CUDA allocations): False where nothing was set."""
+    Linux/glibc on the CPU only (a GPU's dequantised weights are CUDA allocations). Returns whether the thresholds are
+    fixed in this process (by this call or an earlier one)."""
     global _heap_fixed
     if _heap_fixed or not FIX_CPU_HEAP or torch.device(device).type != "cpu":
         return _heap_fixed

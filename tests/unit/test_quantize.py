@@ -130,4 +130,3 @@ def test_fixed_heap_thresholds_return_a_dequantised_weights_pages():
     kept = {how: float(subprocess.run([sys.executable, "-c", HEAP_PROBE, how], cwd=root, capture_output=True, text=True,
                                       check=True).stdout.split()[-1]) for how in ("fix", "default")}
     assert kept["fix"] < 1 and kept["default"] > 8, kept
-    assert not __import__("rlfuse.models.quantize", fromlist=["x"]).fix_cpu_heap("cuda")  # a GPU: nothing to set
