@@ -1,10 +1,11 @@
 """Memory benchmark (issue 14: one 4-bit base for every role). PPO with all four roles (actor, reference, critic,
-reward) and the engine's generator, one iteration of the same work, on two models with random weights and the
-default task's tokenizer and prompts:
+reward) and the rollout engine (arm (a): its own generator copy; (b), (c): the shared base itself), one iteration of
+the same work, on two models with random weights and the default task's tokenizer and prompts:
 
   (a) separate full-precision models: today's path with LoRA on the actor (reference = its adapters off), a
       separate critic trained in full, a separate frozen reward model, AdamW;
   (b) one full-precision base with adapters (model.shared_base): actor, critic and reward adapters + heads, AdamW;
+      the engine decodes that base with the actor's adapter (no generator copy, no weight sync);
   (c) one 4-bit (NF4, double quantisation) base with adapters, 8-bit AdamW, gradient checkpointing (the QLoRA
       pipeline of configs/qlora_1gpu.yaml).
 
@@ -15,6 +16,7 @@ copied out of the checkpoints' memory maps once loaded (materialise), so RSS cou
 
     python bench/memory.py            # both models, writes BENCHMARKS.md (about 20 minutes on 2 cores)
     python bench/memory.py --quick    # the GPT-2 model only, prints only
+    python bench/memory.py --glibc-arm  # also (c) with glibc's default malloc thresholds (no fix_cpu_heap)
 """
 
 from __future__ import annotations
@@ -38,6 +40,8 @@ ARMS = {
     "c": ("one 4-bit base + adapters, 8-bit AdamW", ["model.quantization=4bit", "rl.optimizer=adamw_8bit",
                                                      "rl.gradient_checkpointing=true"]),
 }
+ARMS["c-glibc"] = ("as (c), glibc's default malloc thresholds", ARMS["c"][1])
+"""(c) without rlfuse.models.quantize.fix_cpu_heap: what fixing the thresholds saves (--glibc-arm)."""
 MODELS = {
     "gpt2-6x768": {"kind": "gpt2", "n_layer": 6, "n_embd": 768, "n_head": 12},
     "llama-0.5b": {"kind": "llama", "hidden_size": 1280, "num_hidden_layers": 28, "intermediate_size": 3584,
@@ -123,6 +127,10 @@ def child(arm: str, name: str) -> dict:
     """One arm in this (fresh) process: idle RSS before any model, then the RL stage's one iteration."""
     import torch
 
+    from rlfuse.models import quantize
+
+    quantize.FIX_CPU_HEAP = arm != "c-glibc"
+
     from rlfuse.config import load_config
     from rlfuse.metrics.memory import release_freed_memory
     from rlfuse.trainers.rl import train_rl
@@ -159,10 +167,10 @@ def child(arm: str, name: str) -> dict:
             "stage_s": wall, "memory": table}
 
 
-def measure(name: str, log=print) -> list[dict]:
+def measure(name: str, log=print, glibc_arm: bool = False) -> list[dict]:
     prepare_stages(name, log)
     out = []
-    for arm in ARMS:
+    for arm in [a for a in ARMS if glibc_arm or a != "c-glibc"]:
         log(f"[bench] {name} arm ({arm}) {ARMS[arm][0]}")
         res = run_child(Path(__file__), ["--child", arm, "--model", name], timeout=3600)
         log(f"[bench]   peak {res['peak_mb']:.0f} MB ({res['peak_above_idle_mb']:.0f} above idle), "
@@ -177,17 +185,22 @@ def section(results: dict[str, list[dict]], info: dict, shared_note: str) -> str
              f"Command: `python bench/memory.py`. PPO, {PROMPTS} prompts x k=1, {NEW_TOKENS} new tokens, one iteration "
              "(generate, score with reference, reward and critic, one epoch of actor and critic updates in micro-batches "
              "of 2), LoRA r=16 on every linear layer, random weights, the default task's tokenizer (vocab "
-             f"{len(__import__('transformers').AutoTokenizer.from_pretrained(task().tokenizer_dir))}). Peak = process "
-             "peak RSS once the models are loaded (weights copied out of the checkpoints' memory maps, freed heap "
-             "returned to the OS); idle = RSS with the libraries imported and warmed up, no model loaded.", ""]
+             f"{len(__import__('transformers').AutoTokenizer.from_pretrained(task().tokenizer_dir))}). Iteration peak = "
+             "the run's memory meter (rl/memory.json total: RSS sampled every 5 ms through the rollout and the update, "
+             "once the models are loaded, their weights copied out of the checkpoints' memory maps and freed heap "
+             "returned to the OS); idle = RSS with the libraries imported and warmed up, no model loaded; process peak "
+             "= peak RSS of the whole RL stage after loading, which also covers the final save of the policy as a plain "
+             "full-precision folder (merged_state_dict dequantises the whole base, and safetensors serialises it in "
+             "memory: in the 4-bit arm the save, not the iteration, is the process's peak).", ""]
     for name, rows in results.items():
         a = rows[0]
         lines += [f"### {name}", "", md_table(
-            ["arm", "peak RSS MB", "peak above idle MB", "peak above idle vs (a)", "total peak vs (a)", "s / iteration",
-             "time vs (a)"],
-            [[f"({r['arm']}) {ARMS[r['arm']][0]}", round(r["peak_mb"]), round(r["peak_above_idle_mb"]),
-              f"{r['peak_above_idle_mb'] / a['peak_above_idle_mb']:.2f}x", f"{r['peak_mb'] / a['peak_mb']:.2f}x",
-              f"{r['iteration_s']:.1f}", f"{r['iteration_s'] / a['iteration_s']:.2f}x"] for r in rows]), "",
+            ["arm", "iteration peak MB", "above idle MB", "above idle vs (a)", "iteration peak vs (a)",
+             "process peak MB (with the final save)", "s / iteration", "time vs (a)"],
+            [[f"({r['arm']}) {ARMS[r['arm']][0]}", round(peak(r)), round(peak(r) - r["idle_mb"]),
+              f"{(peak(r) - r['idle_mb']) / (peak(a) - a['idle_mb']):.2f}x", f"{peak(r) / peak(a):.2f}x",
+              round(r["peak_mb"]), f"{r['iteration_s']:.1f}", f"{r['iteration_s'] / a['iteration_s']:.2f}x"]
+             for r in rows]), "",
             "Per component (MiB, rl/memory.json; activations and KV cache are measured RSS peaks above the phase's "
             "start, slack is the rest of the measured total: the Python/torch runtime and allocator caching):", "",
             md_table(["arm", *COMPONENTS], [[f"({r['arm']})", *(mib(r["memory"]["bytes"][c]) for c in COMPONENTS)]
@@ -195,19 +208,24 @@ def section(results: dict[str, list[dict]], info: dict, shared_note: str) -> str
     return "\n".join(lines + closing_note(results))
 
 
+def peak(r: dict) -> float:
+    """An arm's iteration peak (MiB): the memory meter's measured total."""
+    return r["memory"]["bytes"]["total"] / 2**20
+
+
 TARGETS = {"b": 0.6, "c": 0.35}
 """Issue 14's targets: total peak of arm (b) and (c) at most this fraction of arm (a)'s."""
 
 
 def target_verdicts(results: dict[str, list[dict]]) -> str:
-    """'(b) <= 0.6x: met on llama-0.5b (0.45x), missed on gpt2-6x768 (0.61x); ...', from the measured peaks."""
+    """'(b) <= 0.6x: met on llama-0.5b (0.45x), missed on gpt2-6x768 (0.61x); ...', from the iteration peaks."""
     parts = []
     for arm, target in TARGETS.items():
         said = []
         for name, rows in results.items():
             by = {r["arm"]: r for r in rows}
             if {"a", arm} <= set(by):
-                ratio = by[arm]["peak_mb"] / by["a"]["peak_mb"]
+                ratio = peak(by[arm]) / peak(by["a"])
                 said.append(f"{'met' if ratio <= target else 'missed'} on {name} ({ratio:.2f}x)")
         parts.append(f"({arm}) at most {target}x: {', '.join(said)}")
     return "; ".join(parts)
@@ -233,25 +251,47 @@ def closing_note(results: dict[str, list[dict]]) -> list[str]:
         if not {"a", "c"} <= set(by):
             continue
         n, c = parameter_count(name), by["c"]["memory"]["bytes"]
-        generator = 4 * n  # the engine's own fp32 copy, counted in base
-        shared = c["base"] - generator
+        shared = c["base"]  # the one base every role and the engine use: no generator copy
         out.append(f"- {name} ({n / 1e6:.0f}M parameters): the 4-bit shared base holds {shared / n:.2f} bytes per "
                    f"parameter ({shared / 2**20:.0f} MiB; fp32 embeddings and norms stay unquantised, a larger share "
-                   f"of a small model than of a 7B one); adapters and heads {c['adapters'] / 2**20:.0f} MiB; 8-bit "
+                   f"of a small model than of a 7B one) and is all the base weights (c) holds: the engine decodes it "
+                   f"(no generator copy, no weight sync); adapters and heads {c['adapters'] / 2**20:.0f} MiB; 8-bit "
                    f"AdamW states {c['optimizer'] / 2**20:.1f} MiB against {by['a']['memory']['bytes']['optimizer'] / 2**20:.0f} "
-                   f"MiB of AdamW states in (a) (whose critic trains in full). The generator's fp32 copy "
-                   f"({generator / 2**20:.0f} MiB) is {generator / max(1, c['total']):.0%} of (c)'s measured total.")
+                   f"MiB of AdamW states in (a) (whose critic trains in full); the rollout phase grew by "
+                   f"{c['kv_cache'] / 2**20:.0f} MiB (kv_cache) and the update by {c['activations'] / 2**20:.0f} MiB "
+                   f"(activations).")
     out += ["", "The pipeline's 8-10 GB of optimiser states cannot be 8-bit AdamW states of r=16 adapters on 7B (about "
             "40M parameters: ~0.1 GB at 2 bytes each); here the optimiser is a rounding error beside the weights, as "
-            f"it should be for adapters. Targets (total peak against (a)'s): {target_verdicts(results)}. What (c) "
-            "holds beyond one 4-bit base is, first, "
-            "the generator: the rollout engine decodes from its own full-precision copy, synced from the actor's "
-            "merged (dequantised) weights each iteration (decoding from the shared base itself, with no copy and no "
-            "sync, is the next step: README, Not yet); second, bitsandbytes' CPU path materialises each layer's "
-            "dequantised fp32 weight at every 4-bit matmul, and glibc keeps those pages, which is (c)'s rollout-phase "
-            "growth (kv_cache column: the scoring passes run there) and its slower iterations. On a GPU those are "
-            "transient CUDA allocations freed layer by layer (not measured here: no GPU was available to this work)."]
+            f"it should be for adapters. Targets (iteration peak against (a)'s): {target_verdicts(results)}.", ""]
+    out += glibc_note(results)
+    slow = [f"{by['c']['iteration_s'] / by['a']['iteration_s']:.1f}x on {name}" for name, by in
+            ((n, {r["arm"]: r for r in rows}) for n, rows in results.items()) if {"a", "c"} <= set(by)]
+    out += ["(c) holds one 4-bit base and no other copy of the weights: the rollout engine decodes that base with the "
+            "actor's adapter (eval mode per forward, no generator copy, `sync/bytes` 0), and on the CPU glibc's mmap and "
+            "trim thresholds are fixed (rlfuse.models.quantize.fix_cpu_heap), so bitsandbytes' dequantised fp32 weight "
+            "of each 4-bit matmul is unmapped when freed instead of staying resident. The price is time: every decode "
+            "step now runs the 4-bit matmuls, which on this CPU dequantise each layer's weight at every call, and every "
+            f"freed weight is a fresh mapping to fault in: (c) takes {', '.join(slow)} of (a)'s time per iteration. On "
+            "a GPU the dequantised weights are transient CUDA allocations and the matmuls fused kernels (not measured "
+            "here: no GPU was available to this work)."]
     return out
+
+
+def glibc_note(results: dict[str, list[dict]]) -> list[str]:
+    """(c) with and without fixed glibc thresholds, where the run had --glibc-arm."""
+    mib = lambda b: f"{b / 2**20:.0f}"
+    out = []
+    for name, rows in results.items():
+        by = {r["arm"]: r for r in rows}
+        if {"c", "c-glibc"} <= set(by):
+            fixed, default = by["c"], by["c-glibc"]
+            grew = lambda r, k: mib(r["memory"]["bytes"][k])
+            out.append(f"- fix_cpu_heap on {name}: (c)'s iteration peaks at {peak(fixed):.0f} MB with fixed glibc "
+                       f"thresholds, {peak(default):.0f} MB with glibc's defaults (rollout growth {grew(fixed, 'kv_cache')} "
+                       f"against {grew(default, 'kv_cache')} MiB, update growth {grew(fixed, 'activations')} against "
+                       f"{grew(default, 'activations')} MiB; {fixed['iteration_s']:.0f} against "
+                       f"{default['iteration_s']:.0f} s per iteration).")
+    return out + ([""] if out else [])
 
 
 def main() -> None:
@@ -262,6 +302,8 @@ def main() -> None:
                     help="how busy the machine was, for the section's first line")
     ap.add_argument("--child", choices=list(ARMS))
     ap.add_argument("--model", choices=list(MODELS))
+    ap.add_argument("--glibc-arm", action="store_true",
+                    help="also run (c) with glibc's default malloc thresholds (no fix_cpu_heap)")
     ap.add_argument("--from-results", action="store_true",
                     help="rewrite the section from the last run's bench/.work/memory/results.json")
     a = ap.parse_args()
@@ -274,7 +316,7 @@ def main() -> None:
         print(json.dumps(child(a.child, a.model)))
         return
     names = ["gpt2-6x768"] if a.quick else a.models
-    results = {name: measure(name) for name in names}
+    results = {name: measure(name, glibc_arm=a.glibc_arm) for name in names}
     (WORK / "memory" / "results.json").write_text(json.dumps(results, indent=1))
     text = section(results, machine(), a.note)
     print(text)

@@ -32,7 +32,8 @@ def texts_of(exp: Experience, tok) -> list[str]:
 def sampling_params(models, rl: RLConfig, temperature: float) -> SamplingParams:
     """rl's sampling settings at this temperature. A sample ends on EOS, on an rl.stop string, or on any end-of-turn
     id of the tokenizer's chat template and the model's generation config (a chat model's turn ends there)."""
-    stop_ids = end_of_turn_ids(models.tokenizer, getattr(models.generator, "generation_config", None))
+    policy = models.generator if models.generator is not None else models.actor  # None: decodes the shared base
+    stop_ids = end_of_turn_ids(models.tokenizer, getattr(policy, "generation_config", None))
     return SamplingParams(rl.max_new_tokens, temperature, rl.top_k, rl.top_p, tuple(rl.stop or ()), stop_ids)
 
 

@@ -128,3 +128,15 @@ def adapter_bases(run_dir) -> dict[str, str]:
 
     return {str(p.parent): json.loads(p.read_text())["base_model_name_or_path"]
             for p in Path(run_dir).rglob("adapter_config.json")}
+
+
+def llama_sft_and_rm(root: Path, texts: list[str], stage_overrides: list[str]) -> tuple[Path, Path]:
+    """A tiny Llama (make_tiny_llama) and the SFT then reward-model stages on it through the CLI; (model folder, run
+    folder)."""
+    from rlfuse.cli import main
+
+    model = make_tiny_llama(root / "tiny-llama", texts)
+    run_dir = root / "run"
+    for stage in ("sft", "rm"):
+        assert main([stage, f"model.name={model}", f"run.dir={run_dir}", *stage_overrides]) == 0
+    return model, run_dir

@@ -118,12 +118,13 @@ def compute_meter_for_run(cfg, models, device) -> ComputeMeter:
     from rlfuse.placement.cost import shape_from_hf_config
     from rlfuse.placement.strategies import spec_from_config
 
-    shape = shape_from_hf_config("policy", models.generator.config.to_dict())
+    policy = models.generator if models.generator is not None else models.actor  # None: decoding the shared base
+    shape = shape_from_hf_config("policy", policy.config.to_dict())
     critic_on_actor = models.critic is not None and models.roles["critic"].source == "actor"
     passes = Passes(scoring=1 + (models.critic is not None) + (cfg.rl.reward == "rm"),
                     trained=1 + (models.critic is not None and not critic_on_actor), epochs=cfg.rl.epochs,
                     backward_ratio=1.0 if cfg.model.lora else 2.0)
-    dtype = next(models.generator.parameters()).dtype
+    dtype = next(policy.parameters()).dtype
     rate = measure_matmul_rate(str(device), dtype if dtype.is_floating_point else None)
     spec = spec_from_config(cfg)
     if spec.uses_ray and getattr(device, "type", str(device)) == "cuda":

@@ -14,6 +14,7 @@ from rlfuse.errors import ConfigError, UserError
 from rlfuse.models.heads import ValueModel
 from rlfuse.models.load import apply_lora, load_causal_lm, load_reward_model, load_tokenizer
 from rlfuse.models.roles import Roles, derive_roles
+from rlfuse.rollout.engine import DecodeEngine
 from rlfuse.rollout.rewards import FunctionReward
 from rlfuse.rollout.score import reward_model_fn
 
@@ -22,8 +23,9 @@ from rlfuse.rollout.score import reward_model_fn
 class Models:
     tokenizer: object
     actor: torch.nn.Module
-    generator: torch.nn.Module
-    """The engine's own plain causal LM; gets the actor's weights through DecodeEngine.load_weights."""
+    generator: torch.nn.Module | None
+    """The engine's own plain causal LM; gets the actor's weights through DecodeEngine.load_weights. None with
+    model.shared_base: the engine decodes the shared base itself (decode_engine), so no copy exists."""
     ref: torch.nn.Module | None
     """None: the actor with its LoRA adapters disabled."""
     critic: ValueModel | None
@@ -97,14 +99,13 @@ def build_models(cfg: Config, run_dir: Path, device) -> Models:
 def build_shared_models(cfg: Config, roles: Roles, sft_dir: str, rm_dir: str | None, tokenizer, device) -> Models:
     """One base (the SFT model, quantised with model.quantization) for every role: the actor's adapter, the reference
     as adapters off, the critic's adapter + value head, the reward model's adapter + score head (rlfuse/models/
-    shared.py). The generator stays the engine's own plain copy, synced from the actor's merged weights."""
+    shared.py). There is no generator: the engine decodes this base with the actor's adapter (decode_engine)."""
     from rlfuse.models.quantize import place
     from rlfuse.models.shared import (AdapterRewardModel, add_critic, attach_reward_adapter, recompute_with_same_adapter,
                                       reward_adapter_folder)
 
     rl, pad = cfg.rl, tokenizer.pad_token_id
     base = place(load_causal_lm(sft_dir, cfg.model, precision=cfg.run.precision, device=device), device)
-    generator = frozen(load_policy(sft_dir), device)
     score = None
     if rm_dir is not None:  # the reward model and/or a critic started from it
         score = attach_reward_adapter(base, reward_adapter_folder(rm_dir, sft_dir), cfg.model)
@@ -120,7 +121,22 @@ def build_shared_models(cfg: Config, roles: Roles, sft_dir: str, rm_dir: str | N
         source = roles["critic"].source
         critic = ValueModel.from_causal_lm(actor).to(device) if source == "actor" else add_critic(base, source, cfg.model, score)
         critic.train()
-    return Models(tokenizer, actor, generator, None, critic, reward_fn, roles, sft_dir, shared_base=base)
+    return Models(tokenizer, actor, None, None, critic, reward_fn, roles, sft_dir, shared_base=base)
+
+
+def decode_engine(models: Models, max_rows: int) -> DecodeEngine:
+    """The rollout engine of this process: on the generator, or with a shared base on that base itself, running the
+    actor's adapter in eval mode per forward (shared.actor_decoding): no copy of the weights and no sync. The engine
+    gets the transformers model under the peft wrapper, whose LoRA layers run the active adapter, so the lean
+    Llama decode step (rollout/kv.py) applies to it as to a plain model."""
+    tok = models.tokenizer
+    if models.shared_base is None:
+        return DecodeEngine(models.generator, tok.eos_token_id, max_rows=max_rows, tokenizer=tok)
+    from rlfuse.models.shared import actor_decoding
+
+    base = models.shared_base
+    return DecodeEngine(base.get_base_model(), tok.eos_token_id, max_rows=max_rows, tokenizer=tok,
+                        decode_context=lambda: actor_decoding(base))
 
 
 def build_critic(roles: Roles, actor, sft_dir: str, rm_dir: str | None, pad_id: int, device, rl,

@@ -12,7 +12,7 @@ import torch
 
 from rlfuse.config import ModelConfig
 from rlfuse.errors import UserError
-from rlfuse.models.quantize import keep_one_cpu_layout
+from rlfuse.models.quantize import fix_cpu_heap, keep_one_cpu_layout
 
 # LoRA targets by architecture; anything else gets peft's "all-linear".
 LORA_TARGETS = {
@@ -142,6 +142,8 @@ def load_causal_lm(name: str, cfg: ModelConfig | None = None, trainable_lora: bo
 
     check_model_folder(name)
     quant = quantized_load_kwargs(cfg.quantization if cfg is not None else "none", precision, device)
+    if quant:
+        fix_cpu_heap(device)
     try:
         if _is_adapter(name):
             from peft import AutoPeftModelForCausalLM
@@ -173,6 +175,8 @@ def load_reward_model(name: str, cfg: ModelConfig | None = None, pad_token_id: i
 
     check_model_folder(name)
     quant = quantized_load_kwargs(cfg.quantization if cfg is not None else "none", precision, device)
+    if quant:
+        fix_cpu_heap(device)
     adapter_task = _adapter_config(name).get("task_type") if _is_adapter(name) else None
     try:
         if adapter_task == "SEQ_CLS":  # a saved reward model with LoRA

@@ -1,5 +1,5 @@
 """Quantised base weights through bitsandbytes (model.quantization): the from_pretrained arguments, the compute dtype
-from run.precision, and the way back to full-precision weights (the generator's copy, merged saves).
+from run.precision, and the way back to full-precision weights (merged saves, a separate generator's copy).
 
 bitsandbytes 0.50 runs NF4 and int8 layers on CPU as well as on GPU, so everything here is tested on CPU."""
 
@@ -57,6 +57,36 @@ def quantized_load_kwargs(quantization: str, precision: str = "auto", device="cp
     # disable_mmap: read the checkpoint into memory rather than map it. Mapped, the quantised model kept the whole
     # full-precision file resident (RSS) for its lifetime: 173 MB beside 27 MB of 4-bit weights for a 6x768 GPT-2
     return {"quantization_config": q, "device_map": {"": where}, "disable_mmap": True}
+
+
+MMAP_THRESHOLD = 1 << 20
+"""Bytes from which glibc serves an allocation by its own mmap (returned to the OS when freed); see fix_cpu_heap."""
+FIX_CPU_HEAP = True
+"""Whether a quantised load on the CPU fixes glibc's thresholds (bench/memory.py --glibc-default turns it off)."""
+_heap_fixed = False
+
+
+def fix_cpu_heap(device="cpu") -> bool:
+    """Make glibc give back the pages of bitsandbytes' dequantised weights. On the CPU every 4-bit matmul dequantises
+    its layer's weight to fp32 (MBs) and frees it; glibc's mmap threshold grows to the size of the largest freed
+    mapping (up to 32 MiB), after which these buffers come from the heap, whose freed pages stay resident: RSS grew by
+    GBs on a 0.5B model. Fixed thresholds (set once per process; this also stops that growth) keep every allocation
+    of MMAP_THRESHOLD or more an mmap of its own, unmapped when freed, and trim the heap top above twice that.
+    Linux/glibc on the CPU only (a GPU's dequantised weights are CUDA allocations). Returns whether the thresholds are
+    fixed in this process (by this call or an earlier one)."""
+    global _heap_fixed
+    if _heap_fixed or not FIX_CPU_HEAP or torch.device(device).type != "cpu":
+        return _heap_fixed
+    import ctypes
+
+    try:
+        libc = ctypes.CDLL("libc.so.6")
+        M_TRIM_THRESHOLD, M_MMAP_THRESHOLD = -1, -3  # glibc's malloc.h
+        _heap_fixed = bool(libc.mallopt(M_MMAP_THRESHOLD, MMAP_THRESHOLD)) and bool(
+            libc.mallopt(M_TRIM_THRESHOLD, 2 * MMAP_THRESHOLD))
+    except (OSError, AttributeError):  # not glibc (macOS, Windows, musl without mallopt)
+        _heap_fixed = False
+    return _heap_fixed
 
 
 def keep_one_cpu_layout(model: torch.nn.Module) -> torch.nn.Module:

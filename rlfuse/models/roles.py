@@ -80,7 +80,8 @@ def derive_roles(cfg) -> Roles:
 
     - actor: the policy, from the SFT model; trains.
     - generator: the rollout engine's own copy of the policy, a plain causal LM (with LoRA the adapters merged) that
-      gets the actor's weights through an explicit sync before each rollout; it can live anywhere.
+      gets the actor's weights through an explicit sync before each rollout; it can live anywhere. With
+      model.shared_base it is the shared base itself running the actor's adapter (shares the actor, no sync).
     - reference: with model.lora, the actor with its adapters switched off (no second copy: shares the actor);
       otherwise a frozen copy of the SFT model.
     - critic (ppo only): rl.critic_init=actor puts a value head on the actor's body (shares the actor); rm and sft
@@ -92,7 +93,9 @@ def derive_roles(cfg) -> Roles:
     rl, lora, shared = cfg.rl, cfg.model.lora, cfg.model.shares_base
     roles = [
         Role("actor", True, "sft", why="the policy"),
-        Role("generator", False, "actor", why="decodes rollouts; weights synced from the actor each iteration"),
+        Role("generator", False, "actor", "actor" if shared else None,
+             "decodes rollouts on the shared base with the actor's adapter" if shared
+             else "decodes rollouts; weights synced from the actor each iteration"),
         Role("reference", False, "sft", "actor" if lora else None,
              "the actor with LoRA adapters off" if lora else "a frozen copy of the SFT model"),
     ]

@@ -35,6 +35,26 @@ def use_adapter(peft_model, name: str):
             p.requires_grad_(flag)
 
 
+@contextlib.contextmanager
+def actor_decoding(peft_model):
+    """The context of one decode forward on the shared base (DecodeEngine's decode_context): the actor's adapter
+    active (the critic's or the reward model's may have been the last used), never the reference's adapters-off, and
+    eval mode for that forward only (no LoRA or model dropout; transformers turns the KV cache off when a checkpointed
+    model is in training mode), then the mode before: scoring and updates between the engine's yields see the model as
+    they would without it."""
+    if getattr(peft_model, "_adapters_disabled", False):  # peft's disable_adapter() flag
+        raise RuntimeError("decoding on the shared base inside its adapters-off (reference) context")
+    was_training = peft_model.training
+    with use_adapter(peft_model, ACTOR):
+        if was_training:
+            peft_model.eval()
+        try:
+            yield
+        finally:
+            if was_training:
+                peft_model.train()
+
+
 def recompute_with_same_adapter(peft_model):
     """torch.utils.checkpoint's context_fn: a checkpointed layer's recompute (in the backward) runs with the adapter
     that was active in its forward. The critic's backward comes after its forward has switched back to the actor's

@@ -32,7 +32,10 @@ from rlfuse.rollout.score import Scorer
 
 
 def sync_weights(engine: DecodeEngine, actor: torch.nn.Module) -> dict:
-    """The actor's current weights into the generator, by an explicit copy."""
+    """The actor's current weights into the generator, by an explicit copy; none when the engine decodes the actor's
+    own shared base (model.shared_base), which reports 0 bytes."""
+    if engine.shares_weights:
+        return {"time/weight_sync": 0.0, "sync/bytes": 0}
     t = time.perf_counter()
     n = engine.load_weights(merged_state_dict(actor))
     return {"time/weight_sync": time.perf_counter() - t, "sync/bytes": n}

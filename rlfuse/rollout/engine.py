@@ -11,7 +11,8 @@ Over any transformers causal LM with a KV cache (our own loop; see BENCHMARKS.md
   samples (e.g. scoring them), or which engine decodes a row;
 - state: while the iterator is suspended, export_state() hands out the unfinished rows and waiting prompts as plain
   data (rollout/state.py) and ends it; resume(state) on any engine with the same weights continues them to the same
-  samples. Weights arrive by an explicit copy, load_weights (rollout/weights.py).
+  samples. Weights arrive by an explicit copy, load_weights (rollout/weights.py), unless the engine decodes the
+  trainer's own model (decode_context given: a shared base, see models/build.py decode_engine), which needs none.
 The log-probs recorded are those of the sampled tokens under softmax(logits / temperature), the distribution the
 RL losses optimise; they equal a full forward pass over the finished sequence (tested to 1e-4 in fp32).
 """
@@ -21,6 +22,8 @@ from __future__ import annotations
 from collections import defaultdict, deque
 from dataclasses import dataclass, field
 from typing import Iterator
+
+import contextlib
 
 import torch
 from torch import Tensor
@@ -156,8 +159,16 @@ def _queue_of(state: EngineState) -> list[_Entry]:
 
 
 class DecodeEngine:
-    def __init__(self, model, eos_token_id: int, max_rows: int = 256, tokenizer=None, fast_decode: bool = True):
+    """decode_context: None for the engine's own model (put in eval mode for the whole generate() call); or a
+    function giving the context every forward of `model` runs in, when the model is also trained and scored between
+    the iterator's yields (a shared base: the actor's adapter active, eval mode for that forward only, see
+    models/shared.py actor_decoding). Such an engine shares the trainer's weights: there is nothing to load."""
+
+    def __init__(self, model, eos_token_id: int, max_rows: int = 256, tokenizer=None, fast_decode: bool = True,
+                 decode_context=None):
         self.model, self.eos, self.max_rows, self.tokenizer = model, eos_token_id, max_rows, tokenizer
+        self.decode_context = decode_context
+        self._forward = decode_context or contextlib.nullcontext
         self.stats = EngineStats()
         self.live_rows = 0
         self._run: _Run | None = None
@@ -168,10 +179,18 @@ class DecodeEngine:
     def device(self) -> torch.device:
         return next(self.model.parameters()).device
 
+    @property
+    def shares_weights(self) -> bool:
+        """Whether the engine decodes the trainer's own model (decode_context given): no weight sync is needed."""
+        return self.decode_context is not None
+
     def load_weights(self, tensors: NamedTensors) -> int:
         """Copy named tensors (the names of the engine model's own state_dict; a whole state dict or one bucket of
         it, see weight_buckets) into the engine's model in place. Returns bytes written. ValueError on an unknown name
         or a shape mismatch, before anything is copied."""
+        if self.shares_weights:  # copying merged weights into the trainer's own base would corrupt what it trains
+            raise RuntimeError("load_weights: this engine decodes the trainer's own model (a shared base): it has no "
+                               "weights of its own to load")
         written = copy_weights(self.model, tensors)
         if self.fast_step is not None:
             self.fast_step.refresh()
@@ -244,7 +263,8 @@ class DecodeEngine:
     @torch.no_grad()
     def _loop(self, run: _Run) -> Iterator[Sample]:
         was_training = self.model.training
-        self.model.eval()
+        if self.decode_context is None:  # our own model: eval for the whole call; a shared one per forward instead
+            self.model.eval()
         try:
             while run.outbox:
                 yield run.outbox.popleft()
@@ -270,7 +290,8 @@ class DecodeEngine:
                 while run.outbox:
                     yield run.outbox.popleft()
         finally:
-            self.model.train(was_training)
+            if self.decode_context is None:
+                self.model.train(was_training)
             if self._run is run:
                 self._run = None
 
@@ -292,7 +313,8 @@ class DecodeEngine:
         kv, attn, last, logits, order = None, [], [], [], []
         for length, group in sorted(by_len.items()):
             ids = torch.tensor([e.ids for e in group], device=self.device)
-            out = self.model(input_ids=ids, use_cache=True, logits_to_keep=1)
+            with self._forward():
+                out = self.model(input_ids=ids, use_cache=True, logits_to_keep=1)
             self.stats.prefill_tokens += ids.numel()
             part = HFCacheKV(out.past_key_values)
             if kv is None:
@@ -319,7 +341,8 @@ class DecodeEngine:
 
     def _decode_step(self, live: _Live) -> Tensor:
         attn = torch.cat([live.attn, torch.ones_like(live.attn[:, :1])], dim=1)
-        logits = live.kv.decode(self.model, live.last, live.pos, attn)
+        with self._forward():
+            logits = live.kv.decode(self.model, live.last, live.pos, attn)
         live.attn = attn
         live.pos = live.pos + 1
         self.stats.decode_steps += 1

@@ -141,7 +141,11 @@ class Gpt2DecodeStep:
     @staticmethod
     def supports(model) -> bool:
         cfg = getattr(model, "config", None)
+        # it reads the projections' weights itself: a LoRA-wrapped (shared base) or quantised layer would be skipped
+        plain = lambda m: type(m).__name__ == "Conv1D"
+        blocks = getattr(getattr(model, "transformer", None), "h", [])
         return (type(model).__name__ == "GPT2LMHeadModel" and cfg is not None
+                and all(plain(m) for b in blocks for m in (b.attn.c_attn, b.attn.c_proj, b.mlp.c_fc, b.mlp.c_proj))
                 and not getattr(cfg, "scale_attn_by_inverse_layer_idx", False)
                 and not getattr(cfg, "reorder_and_upcast_attn", False)
                 and not getattr(cfg, "add_cross_attention", False))

@@ -11,7 +11,8 @@ Departures from the papers, on purpose:
   its own gradient norm and stepping its own optimiser; a value head on the actor's body (rl.critic_init=actor)
   joins the actor's update instead (see update_actor);
 - the generator is its own model: it gets the actor's weights through DecodeEngine.load_weights before every
-  rollout and evaluation, never by sharing the optimiser's tensors;
+  rollout and evaluation, never by sharing the optimiser's tensors (with model.shared_base the engine decodes the
+  shared base itself, with the actor's adapter: no copy, no sync);
 - every random draw (prompt batch, sampling, mini-batch order) and the scheduled temperature are functions of
   (seed, iteration), so a resumed run repeats an uninterrupted one exactly;
 - with a temperature schedule each iteration optimises softmax(logits / T_it): sampling, the reference log-probs
@@ -47,13 +48,12 @@ from rlfuse.evaluation import evaluate, evaluate_before, iteration_gold, prompt_
 from rlfuse.metrics.flops import compute_meter_for_run
 from rlfuse.metrics.memory import MemoryMeter
 from rlfuse.metrics.tracker import memory_metrics, stage_tracker, truncate_metrics
-from rlfuse.models.build import Models, build_models
+from rlfuse.models.build import Models, build_models, decode_engine
 from rlfuse.models.load import save_trained_model
 from rlfuse.placement.rollout import build_placement, local_scorer, sync_weights, uses_ray
 from rlfuse.placement.planner import predicted_memory, resolve_auto
 from rlfuse.placement.spec import dp_micro_size
 from rlfuse.progress import Progress
-from rlfuse.rollout.engine import DecodeEngine
 from rlfuse.rollout.rewards import attach_rows, reward_metrics
 from rlfuse.rollout.fusion import Experience, FusionPolicy
 from rlfuse.rollout.score import collate, response_logprobs, response_values
@@ -402,14 +402,14 @@ def train_rl(cfg: Config, run_dir: Path, log=print, resume: bool = False, on_rea
     set_chat_template(tok, cfg.data.chat_template)
     train_rows, held_rows = rl_prompt_rows(cfg, task, log)
     held_rows = held_rows[: rl.eval_prompts]
-    budget = prompt_budget(rl, model_context(models.generator.config))
+    budget = prompt_budget(rl, model_context(models.actor.config))
     train_prompts, cut = encode_prompts(tok, [r.prompt for r in train_rows], budget)
     held_prompts, cut_held = encode_prompts(tok, [r.prompt for r in held_rows], budget)
     attach_rows(models.reward_fn, train_prompts + held_prompts, train_rows + held_rows)
     if cut or cut_held:  # left-truncated: the end of a prompt is what the response continues
         log(f"[rl] prompts cut to their last {budget} tokens: {cut} of {len(train_prompts)} train, "
             f"{cut_held} of {len(held_prompts)} held out")
-    engine = DecodeEngine(models.generator, tok.eos_token_id, max_rows=cfg.rollout.max_rows, tokenizer=tok)
+    engine = decode_engine(models, cfg.rollout.max_rows)
     scorer = local_scorer(models, cfg)
     fusion = FusionPolicy(fusion_on(cfg), cfg.rollout.score_every, cfg.rollout.live_below)
     params = sampling_params(models, rl, rl.temperature)

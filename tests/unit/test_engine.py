@@ -249,3 +249,18 @@ def test_lean_llama_style_step_equals_transformers_forward(arch, monkeypatch):
     for a, b in zip(out[True], out[False]):
         assert a.token_ids == b.token_ids and a.finish_reason == b.finish_reason
         assert_close(a.logprobs, b.logprobs, atol=1e-5, rtol=0)
+
+
+def test_lean_gpt2_step_refuses_lora_wrapped_projections(lm):
+    """The GPT-2 step reads the projections' weights itself, so on a shared base (LoRA layers in the model the engine
+    decodes) it would silently drop the adapter: such a model keeps transformers' forward."""
+    import copy
+
+    from rlfuse.config import load_config
+    from rlfuse.models.load import apply_lora
+    from rlfuse.rollout.kv import decode_step_for
+
+    _, model = lm
+    assert decode_step_for(model) is not None
+    peft_model = apply_lora(copy.deepcopy(model), load_config(None, ["model.lora=true"]).model)
+    assert decode_step_for(peft_model.get_base_model()) is None

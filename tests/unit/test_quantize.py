@@ -103,3 +103,30 @@ def test_one_cpu_layout_same_arithmetic_in_eval_and_train_and_stable_merged_weig
     # bitsandbytes' round trip through the repacked layout re-quantises the block scales (8-bit absmax): within 1%
     # of each weight's block scale, where reading the repacked bytes as the standard layout was 0.14 off
     torch.testing.assert_close(dequantized_weight(layer), want, rtol=0, atol=0.01 * float(want.abs().max()))
+
+
+HEAP_PROBE = """
+import sys, torch
+from rlfuse.models.quantize import fix_cpu_heap
+rss = lambda: int(open("/proc/self/statm").read().split()[1]) * 4096
+if sys.argv[1] == "fix":
+    assert fix_cpu_heap("cpu") and fix_cpu_heap("cpu")  # once per process; a second call changes nothing
+big = torch.ones(4 << 20); del big  # a freed 16 MiB mapping: glibc's dynamic mmap threshold grows to 16 MiB
+start = rss()
+w = torch.ones(3 << 20); del w  # as a 4-bit matmul's dequantised fp32 weight: 12 MiB, touched, then freed
+print((rss() - start) / 2**20)
+"""
+
+
+@pytest.mark.skipif(not __import__("sys").platform.startswith("linux"), reason="glibc's mallopt: Linux only")
+def test_fixed_heap_thresholds_return_a_dequantised_weights_pages():
+    """fix_cpu_heap: a freed multi-MiB buffer leaves the process's RSS; with glibc's defaults it stays resident (the
+    bench's 4-bit arm grew by GBs that way)."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[2]
+    kept = {how: float(subprocess.run([sys.executable, "-c", HEAP_PROBE, how], cwd=root, capture_output=True, text=True,
+                                      check=True).stdout.split()[-1]) for how in ("fix", "default")}
+    assert kept["fix"] < 1 and kept["default"] > 8, kept

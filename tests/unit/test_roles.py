@@ -62,12 +62,13 @@ def test_sharing_is_transitive():
 
 
 @pytest.mark.parametrize("extra,shared", [
-    (["model.shared_base=true"], [{"actor", "reference", "critic", "reward"}]),
-    (["model.quantization=4bit"], [{"actor", "reference", "critic", "reward"}]),  # shared by default when quantised
-    (["model.shared_base=true", f"rl.reward={FN}", "rl.critic_init=sft"], [{"actor", "reference", "critic"}]),
+    (["model.shared_base=true"], [{"actor", "generator", "reference", "critic", "reward"}]),
+    (["model.quantization=4bit"], [{"actor", "generator", "reference", "critic", "reward"}]),  # the default, quantised
+    (["model.shared_base=true", f"rl.reward={FN}", "rl.critic_init=sft"], [{"actor", "generator", "reference", "critic"}]),
     (["model.shared_base=false"], [{"actor", "reference"}]),
 ])
 def test_a_shared_base_puts_every_model_role_with_the_actor(extra, shared):
     roles = derive_roles(load_config(None, ["model.lora=true", *extra]))
     assert [set(g) for g in roles.colocated_groups() if len(g) > 1] == shared
-    assert roles["generator"].shares_with is None  # the engine's own copy can live anywhere
+    # the engine decodes the shared base itself; otherwise its own copy, which can live anywhere
+    assert roles["generator"].shares_with == ("actor" if "generator" in shared[0] else None)
