@@ -103,8 +103,8 @@ class MemoryInputs:
     shared_base: bool = False
     """One frozen base for every policy role (generator and reference as adapters on/off), as the 4-bit pipeline."""
     generator_copy: bool = False
-    """With shared_base: the generator is still its own full-precision copy (rlfuse today: the engine decodes a
-    plain model synced from the actor's merged weights), not adapters on the shared base."""
+    """With shared_base: the generator is its own full-precision copy synced from the actor's merged weights (a
+    layout rlfuse ran before its engine decoded the shared base; kept to price that choice), not adapters on it."""
     checkpointing: bool = False
     train_rows: int = 16
     """Sequences per training micro-batch."""

@@ -48,9 +48,8 @@ def qlora_7b_one_gpu(device: str = "rtx4090") -> PaperCase:
                     score_micro_batch=4, max_rows=16)
     prob = Problem(_roles(True), work, mem, device_profile(device), 1, WorkerResources(4, 1), 24 * 1e9)
     return PaperCase(f"Llama-2-7B, 4-bit base + LoRA, one {device_profile(device).name} (24 GB)", prob,
-                     "one process: every role time-shares the GPU; the published pipeline's layout, with the "
-                     "generator decoding on the shared base (rlfuse today keeps its own fp32 generator copy, about "
-                     "27 GB more at 7B: not counted here)")
+                     "one process: every role time-shares the GPU; the published pipeline's layout, the generator "
+                     "decoding on the shared base as rlfuse's engine does")
 
 
 def distilgpt2_two_gpus(device: str = "rtx4090") -> PaperCase:

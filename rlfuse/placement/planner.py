@@ -543,7 +543,7 @@ def memory_inputs(cfg, roles, shape, profile: MachineProfile) -> MemoryInputs:
                         act_bytes=2.0 if half and mc.quantization != "none" else 4.0,
                         lora_rank=mc.lora_r if mc.lora else 0,
                         optimizer="adamw8bit" if cfg.rl.optimizer.endswith("8bit") else "adamw",
-                        shared_base=shared, generator_copy=shared)
+                        shared_base=shared)  # the engine decodes the shared base: no generator copy
 
 
 def plan_config(cfg, log=None, **kw) -> list[Plan]:

@@ -329,7 +329,7 @@ def test_qlora_config_is_planned_as_it_runs():
     cfg = load_config(None, ["model.lora=true", "model.quantization=4bit", "rl.optimizer=paged_adamw_8bit",
                              "rl.algo=ppo", "rl.critic_init=rm"])
     m = memory_inputs(cfg, derive_roles(cfg), policy_shape(cfg.model), CPU)
-    assert (m.weight_dtype, m.optimizer, m.shared_base, m.generator_copy) == ("nf4-dq", "adamw8bit", True, True)
+    assert (m.weight_dtype, m.optimizer, m.shared_base, m.generator_copy) == ("nf4-dq", "adamw8bit", True, False)
     assert m.critic is not None  # the critic's adapter on the shared base is counted
 
 
