@@ -270,6 +270,12 @@ class RLConfig:
     """Held-out prompts for the before/after evaluation (0 skips it)."""
     max_bad_steps: int = 3
     """Stop after this many consecutive updates skipped for NaN/inf (a loss, or a reward of the iteration)."""
+    # --- prefix sharing and micro-batches (issue 19)
+    share_prompt: bool = True
+    """The k samples of a prompt in one micro-batch run its forward once (reference, reward, critic and the training
+    forward and backward; rlfuse/models/prefix.py), the same numbers with prompt tokens x (k - 1) fewer
+    token-forwards per pass (perf/prompt_tokens_shared). GPT-2 and Llama-style models; others keep the full forward.
+    With ppo and k > 1 a prompt's samples then stay in one mini-batch, as for rloo and grpo. false: today's path."""
 
     @property
     def kl_estimator_used(self) -> str:

@@ -47,13 +47,14 @@ from rlfuse.metrics.memory import MemoryMeter
 from rlfuse.metrics.tracker import JsonlTracker, memory_metrics, truncate_metrics
 from rlfuse.models.build import Models, build_models
 from rlfuse.models.load import save_trained_model
+from rlfuse.models.prefix import prompt_tokens_saved
 from rlfuse.placement.rollout import build_placement, local_scorer, sync_weights, uses_ray
 from rlfuse.placement.planner import predicted_memory, resolve_auto
 from rlfuse.placement.spec import dp_micro_size
 from rlfuse.progress import Progress
 from rlfuse.rollout.engine import DecodeEngine, SamplingParams
 from rlfuse.rollout.fusion import Experience, FusionPolicy
-from rlfuse.rollout.score import collate, response_logprobs, response_values
+from rlfuse.rollout.score import can_share, collate, response_logprobs, response_values
 from rlfuse.trainers.checkpoint import load_checkpoint, save_checkpoint
 from rlfuse.trainers.common import build_constant_optimizer, setup_runtime
 from rlfuse.trainers.sft import resolve_base_model
@@ -167,9 +168,10 @@ def compute_advantages(exp: Experience, rl: RLConfig, kl_coef: float):
 
 def minibatches(n: int, rl: RLConfig, seed: int, iteration: int) -> list[list[int]]:
     """Epochs x mini-batches of sample indices, a function of (seed, iteration); a prompt's k samples stay in one
-    mini-batch (rloo, grpo). The actor and critic updates walk the same list."""
+    mini-batch (rloo, grpo; ppo too with rl.share_prompt, where rl.mini_batch_size is a multiple of rl.k, so that its
+    micro-batches can share prompts). The actor and critic updates walk the same list."""
     gen = torch.Generator().manual_seed(seed * 7919 + iteration)
-    group = rl.k if rl.algo != "ppo" else 1
+    group = rl.k if rl.algo != "ppo" or (rl.share_prompt and rl.mini_batch_size % rl.k == 0) else 1
     out = []
     for _ in range(rl.epochs):
         order = (torch.randperm(n // group, generator=gen)[:, None] * group + torch.arange(group)).view(-1).tolist()
@@ -192,8 +194,19 @@ def micro_batches(exp: Experience, mini: list[int], size: int, rank: int = 0,
         yield idx, {"token": float(exp.mask[idx].sum()) / tokens, "sequence": len(idx) / len(mini)}
 
 
-def _micro(exp: Experience, idx: list[int], pad_id: int, device):
-    mb = collate([exp.prompt_ids[i] for i in idx], [exp.response_ids[i] for i in idx], pad_id, device)
+def prompt_tokens_shared(exp: Experience, batches: list[list[int]], micro_size: int, world: int = 1) -> int:
+    """Prompt token-forwards that one prefix-shared pass over these mini-batches' micro-batches (every rank's)
+    does not compute: per micro-batch, each repeated prompt's length x (its samples - 1)."""
+    return sum(prompt_tokens_saved([exp.prompt_ids[i] for i in idx]) for mini in batches for rank in range(world)
+               for idx, _ in micro_batches(exp, mini, micro_size, rank, world))
+
+
+def _micro(exp: Experience, idx: list[int], pad_id: int, model, share_prompt: bool):
+    """The micro-batch's inputs on model's device (prefix-shared where rl.share_prompt, the model supports it and a
+    prompt repeats), and a function taking its rows of an (N,) or (N, T) experience tensor."""
+    device = next(model.parameters()).device
+    mb = collate([exp.prompt_ids[i] for i in idx], [exp.response_ids[i] for i in idx], pad_id, device,
+                 share_prompt and can_share(model))
     T = mb.mask.shape[1]
     return mb, lambda t: (t[idx] if t.dim() == 1 else t[idx][:, :T]).to(device)
 
@@ -202,7 +215,7 @@ def micro_policy_loss(actor, exp: Experience, idx: list[int], adv, rl: RLConfig,
                       temperature: float):
     """Clipped surrogate (plus grpo's in-loss KL, same estimator and averaging level) of one micro-batch, unscaled.
     temperature: the one the samples were drawn and the reference scored at (the iteration's)."""
-    mb, take = _micro(exp, idx, pad_id, next(actor.parameters()).device)
+    mb, take = _micro(exp, idx, pad_id, actor, rl.share_prompt)
     new_lp, entropy = response_logprobs(actor, mb, temperature, with_entropy=True)
     loss, st = ppo_policy_loss(new_lp, take(exp.logprobs), take(adv), mb.mask, rl.clip, rl.loss_level)
     stats = {"train/policy_loss": loss.detach(), "train/clip_frac": st["clip_frac"], "train/approx_kl": st["approx_kl"],
@@ -215,7 +228,7 @@ def micro_policy_loss(actor, exp: Experience, idx: list[int], adv, rl: RLConfig,
 
 def micro_value_loss(critic, exp: Experience, idx: list[int], returns, rl: RLConfig, pad_id: int):
     """Clipped value loss of one micro-batch (a token mean), unscaled."""
-    mb, take = _micro(exp, idx, pad_id, next(critic.parameters()).device)
+    mb, take = _micro(exp, idx, pad_id, critic, rl.share_prompt)
     loss, st = value_loss(response_values(critic, mb), take(exp.values), take(returns), mb.mask, rl.vf_clip)
     return loss, {"train/value_loss": loss.detach(), "train/value_clip_frac": st["clip_frac"]}
 
@@ -350,7 +363,10 @@ def update(models: Models, learners: Learners, exp: Experience, adv, returns, rl
     t1 = time.perf_counter()
     if learners.critic is not None and not learners.shared_body:
         stats |= update_critic(learners.critic, exp, returns, batches, rl, pad, bad, group)
-    return stats | {"time/train_actor": t1 - t0, "time/train_critic": time.perf_counter() - t1}
+    passes = rl.share_prompt * (can_share(models.actor) + can_share(models.critic))  # a value head runs the body again
+    shared = passes * prompt_tokens_shared(exp, batches, rl.micro_batch_size, group.world if group else 1) if passes else 0
+    return stats | {"time/train_actor": t1 - t0, "time/train_critic": time.perf_counter() - t1,
+                    "perf/prompt_tokens_shared_train": shared}
 
 
 def count_nonfinite_rewards(exp: Experience, rl: RLConfig, bad: dict) -> int:
@@ -447,8 +463,10 @@ def train_rl(cfg: Config, run_dir: Path, log=print, resume: bool = False, on_rea
             temperature = iteration_temperature(rl, it)
             prompts = prompt_batch(train_prompts, it, rl.prompts_per_iter, seed, difficulty, rl.iterations,
                                    rl.curriculum_start)
+            shared_before = scorer.prompt_tokens_shared  # this process's scorer (Ray workers score on their own)
             exp = rollout.generate(prompts, rl.k, dataclasses.replace(params, temperature=temperature),
                                    seed * 1_000_003 + it)
+            shared_scoring = scorer.prompt_tokens_shared - shared_before
             # 3. KL-shaped rewards and advantages (pure functions in rlfuse/algos)
             adv, returns, kl = compute_advantages(exp, rl, kl_ctl.coef)
             # 4. update actor and critic (skipped, and counted, when a reward is not finite)
@@ -462,7 +480,8 @@ def train_rl(cfg: Config, run_dir: Path, log=print, resume: bool = False, on_rea
             row = rollout_metrics(exp, kl, returns, kl_ctl.coef, rl.max_new_tokens) | stats | sync
             row |= rollout.metrics(exp)
             row |= memory_metrics(device) | iteration_gold(exp, tok, gold)
-            row |= {"rollout/temperature": temperature, "time/training": t2 - t1, "time/iteration": t2 - t0,
+            row |= {"perf/prompt_tokens_shared": shared_scoring + stats.get("perf/prompt_tokens_shared_train", 0),
+                    "rollout/temperature": temperature, "time/training": t2 - t1, "time/iteration": t2 - t0,
                     "train/skipped_steps": bad["skipped"],
                     "rollout/samples_per_s": len(exp) / (t2 - t0), "rollout/tokens_per_s": float(exp.mask.sum()) / (t2 - t0)}
             tracker.log(it + 1, **row)
