@@ -159,3 +159,45 @@ def test_prompt_tokens_shared_counts_by_hand():
                      torch.zeros(9, 7), torch.zeros(9, 7), None, torch.ones(9, 7), ["eos"] * 9)
     assert prompt_tokens_shared(exp, [list(range(9))], 4) == 22
     assert prefix.prompt_tokens_saved([[1, 2], [1, 2], [3]]) == 2
+
+
+def test_shared_base_roles_equal_unshared():
+    """model.shared_base: the critic (AdapterValueModel) and the reward model (AdapterRewardModel) are adapters on the
+    actor's base, run prefix-shared under their own adapter: scores, values and the critic's gradients (through the
+    checkpointed base, its recompute under the critic's adapter) equal the unshared ones."""
+    from peft import LoraConfig, get_peft_model
+
+    from rlfuse.models.shared import CRITIC, REWARD, AdapterRewardModel, AdapterValueModel, recompute_with_same_adapter
+    from rlfuse.rollout.score import response_values
+
+    lora = lambda: LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj", "up_proj"], lora_dropout=0.0)
+    base = get_peft_model(tiny("llama", 0), lora())
+    base.add_adapter(CRITIC, lora())
+    base.add_adapter(REWARD, lora())
+    torch.manual_seed(4)
+    for n, p in base.named_parameters():
+        if "lora_B" in n:
+            torch.nn.init.normal_(p, std=0.3)
+            p.requires_grad_(f".{CRITIC}." in n)
+    enable_gradient_checkpointing(base, context_fn=recompute_with_same_adapter(base))
+    critic = AdapterValueModel(base, torch.nn.Linear(32, 1, bias=False))
+    torch.nn.init.normal_(critic.head.weight, std=0.5)
+    rm = AdapterRewardModel(base, torch.nn.Linear(32, 1, bias=False), PAD)
+    ss = samples()
+    got = {}
+    for share in (False, True):
+        mb = collate([s.prompt_ids for s in ss], [s.token_ids for s in ss], PAD, "cpu", share)
+        assert (mb.prefix is not None) == share
+        base.zero_grad(set_to_none=True)
+        values = response_values(critic, mb)
+        values.pow(2).mean().backward()  # a mean, as the real losses: O(1) gradients
+        with torch.no_grad():
+            scores = reward_model_fn(rm, PAD, PAD, share)(ss)
+        got[share] = (values.detach(), scores, {n: p.grad.clone() for n, p in base.named_parameters()
+                                                if p.grad is not None})
+        assert got[share][2] and all(f".{CRITIC}." in n for n in got[share][2])
+    for want, have in zip(got[False][:2], got[True][:2]):
+        torch.testing.assert_close(have, want)
+    assert got[True][2].keys() == got[False][2].keys()
+    for n in got[False][2]:
+        torch.testing.assert_close(got[True][2][n], got[False][2][n], msg=n)
