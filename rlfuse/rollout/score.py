@@ -72,6 +72,15 @@ def collate(prompts: list[list[int]], responses: list[list[int]], pad_id: int, d
     return MicroBatch(ids.to(device), attn.to(device), pos, tgt, mask)
 
 
+def forward_tokens(prompts: list[list[int]], responses: list[list[int]], share_prompt: bool) -> int:
+    """Token positions collate's micro-batch puts through a model, padding included: rows x longest sequence, or
+    (shared, some prompt repeating) distinct prompts x longest prompt + rows x longest response less its last token."""
+    if share_prompt and prefix.prompt_tokens_saved(prompts) > 0:
+        distinct = {tuple(p) for p in prompts}
+        return len(distinct) * max(map(len, distinct)) + len(responses) * (max(map(len, responses)) - 1)
+    return len(prompts) * max(len(p) + len(r) for p, r in zip(prompts, responses))
+
+
 def response_hidden(body, mb: MicroBatch) -> Tensor:
     """The body's last hidden state at mb.positions: (B, T, H), one full forward or the prefix-shared pair."""
     if mb.prefix is not None:

@@ -54,7 +54,8 @@ from rlfuse.placement.spec import dp_micro_size
 from rlfuse.progress import Progress
 from rlfuse.rollout.engine import DecodeEngine, SamplingParams
 from rlfuse.rollout.fusion import Experience, FusionPolicy
-from rlfuse.rollout.score import can_share, collate, response_logprobs, response_values
+from rlfuse.data.collate import pack_by_tokens, prompt_runs
+from rlfuse.rollout.score import can_share, collate, forward_tokens, response_logprobs, response_values
 from rlfuse.trainers.checkpoint import load_checkpoint, save_checkpoint
 from rlfuse.trainers.common import build_constant_optimizer, setup_runtime
 from rlfuse.trainers.sft import resolve_base_model
@@ -179,26 +180,44 @@ def minibatches(n: int, rl: RLConfig, seed: int, iteration: int) -> list[list[in
     return out
 
 
-def micro_batches(exp: Experience, mini: list[int], size: int, rank: int = 0,
-                  world: int = 1) -> Iterator[tuple[list[int], dict]]:
-    """(indices, share) per micro-batch; share[level] is its part of the mini-batch's tokens ("token") or samples
-    ("sequence"), so that micro-batch means scaled by it sum to the mini-batch mean (accumulation = one big batch).
-    Data parallel (world > 1): rank r gets micro-batches r, r + world, ... of the same list (the single process's
-    micro-batches, so the per-micro-batch stats agree too), shares still of the whole mini-batch, so the ranks'
-    share-scaled gradients sum to the single-process one. A mini-batch too small to give every rank a micro-batch
-    of `size` is cut into `world` smaller ones (placement/spec.py dp_micro_size), so no rank only pads."""
-    tokens = float(exp.mask[mini].sum())
+def micro_batch_indices(exp: Experience, mini: list[int], size: int, world: int = 1, tokens: int | None = None,
+                        shared: bool = False) -> list[list[int]]:
+    """A mini-batch's micro-batches, every rank's, in order: `size` samples each, or with a token budget (`tokens`,
+    rl.micro_batch_tokens) packed by collate.pack_by_tokens, a prompt's samples kept together, similar lengths
+    together, each micro-batch's forward (score.forward_tokens; prompts once when `shared`) within the budget. A
+    mini-batch too small to give each of `world` ranks a micro-batch is cut into `world` smaller ones
+    (placement/spec.py dp_micro_size), so no rank only pads."""
+    if tokens is not None:
+        prompts, responses = exp.prompt_ids, exp.response_ids
+        units = prompt_runs(mini, exp.prompt_index.tolist())
+        units.sort(key=lambda u: max(len(prompts[i]) + len(responses[i]) for i in u))
+        cost = lambda idx: forward_tokens([prompts[i] for i in idx], [responses[i] for i in idx], shared)
+        packed = pack_by_tokens(units, cost, tokens)
+        if len(packed) >= world:
+            return packed
     size = dp_micro_size(len(mini), size, world)
-    for s in range(rank * size, len(mini), size * world):
-        idx = mini[s: s + size]
-        yield idx, {"token": float(exp.mask[idx].sum()) / tokens, "sequence": len(idx) / len(mini)}
+    return [mini[s: s + size] for s in range(0, len(mini), size)]
 
 
-def prompt_tokens_shared(exp: Experience, batches: list[list[int]], micro_size: int, world: int = 1) -> int:
+def micro_batches(exp: Experience, mini: list[int], size: int, rank: int = 0, world: int = 1,
+                  tokens: int | None = None, shared: bool = False) -> Iterator[tuple[list[int], dict]]:
+    """(indices, share) per micro-batch (micro_batch_indices); share[level] is its part of the mini-batch's tokens
+    ("token") or samples ("sequence"), so that micro-batch means scaled by it sum to the mini-batch mean
+    (accumulation = one big batch). Data parallel (world > 1): rank r gets micro-batches r, r + world, ... of the same
+    list (the single process's micro-batches, so the per-micro-batch stats agree too), shares still of the whole
+    mini-batch, so the ranks' share-scaled gradients sum to the single-process one."""
+    lengths = exp.mask.sum(1).tolist()  # one host read per mini-batch (exp lives on the host anyway)
+    total = sum(lengths[i] for i in mini)
+    for idx in micro_batch_indices(exp, mini, size, world, tokens, shared)[rank::world]:
+        yield idx, {"token": sum(lengths[i] for i in idx) / total, "sequence": len(idx) / len(mini)}
+
+
+def prompt_tokens_shared(exp: Experience, batches: list[list[int]], rl: RLConfig, world: int = 1) -> int:
     """Prompt token-forwards that one prefix-shared pass over these mini-batches' micro-batches (every rank's)
     does not compute: per micro-batch, each repeated prompt's length x (its samples - 1)."""
-    return sum(prompt_tokens_saved([exp.prompt_ids[i] for i in idx]) for mini in batches for rank in range(world)
-               for idx, _ in micro_batches(exp, mini, micro_size, rank, world))
+    return sum(prompt_tokens_saved([exp.prompt_ids[i] for i in idx]) for mini in batches
+               for idx in micro_batch_indices(exp, mini, rl.micro_batch_size, world, rl.micro_batch_tokens,
+                                              rl.share_prompt))
 
 
 def _micro(exp: Experience, idx: list[int], pad_id: int, model, share_prompt: bool):
@@ -263,16 +282,16 @@ def optimise(learners: list[Learner], batches: list[list[int]], exp: Experience,
     sums: dict = {}
     count, steps, norms = 0, 0, [0.0] * len(learners)
     for mini in batches:
-        finite = True
-        for idx, share in micro_batches(exp, mini, micro_size):
+        finite = torch.ones((), dtype=torch.bool)
+        # the finite flag stays a tensor: one host sync per mini-batch (at the step), none per micro-batch; a NaN
+        # micro-batch's backward makes NaN gradients, which the skipped step drops
+        for idx, share in micro_batches(exp, mini, micro_size, 0, 1, rl.micro_batch_tokens, rl.share_prompt):
             loss, stats = loss_of(idx, share)
-            if not torch.isfinite(loss):
-                finite = False
-                break
+            finite = finite.to(loss.device) & torch.isfinite(loss.detach())
             loss.backward()
-            count = _add_stats(sums, stats, count)
-        steps, norms = _step_or_skip(learners, finite, rl, bad, steps, norms)
-    return {k: float(v) / max(1, count) for k, v in sums.items()}, [float(n) / max(1, steps) for n in norms]
+            count = _add_stats(sums, stats, count, finite)
+        steps, norms = _step_or_skip(learners, bool(finite), rl, bad, steps, norms)
+    return {k: float(v) / max(1, int(count)) for k, v in sums.items()}, [float(n) / max(1, steps) for n in norms]
 
 
 def _optimise_data_parallel(learners, batches, exp, micro_size, loss_of, rl, bad, group):
@@ -282,29 +301,33 @@ def _optimise_data_parallel(learners, batches, exp, micro_size, loss_of, rl, bad
     count, steps, norms = 0, 0, [0.0] * len(learners)
     modules = [learner.module for learner in learners]
     zero = {"token": 0.0, "sequence": 0.0}
+    tokens, shared = rl.micro_batch_tokens, rl.share_prompt
     for n, mini in enumerate(batches):
-        mine = list(micro_batches(exp, mini, micro_size, group.rank, group.world))
-        slots = group.micro_batch_slots(len(mini), micro_size)
-        finite = True
+        every = micro_batch_indices(exp, mini, micro_size, group.world, tokens, shared)
+        mine = list(micro_batches(exp, mini, micro_size, group.rank, group.world, tokens, shared))
+        slots = -(-len(every) // group.world)  # the most any rank has: every rank takes part in each all-reduce
+        finite = torch.ones((), dtype=torch.bool)
         for j in range(slots):
-            idx, share = mine[j] if j < len(mine) else (mini[:micro_size], zero)  # a padding slot adds nothing
+            idx, share = mine[j] if j < len(mine) else (every[0], zero)  # a padding slot adds nothing
             with group.micro_batch(modules, sync=j == slots - 1) as run:
                 loss, stats = run(loss_of, idx, share)
-                finite = finite and bool(torch.isfinite(loss))
+                finite = finite.to(loss.device) & torch.isfinite(loss.detach())
                 loss.backward()
-            if j < len(mine) and finite:  # as one process: no stats from a NaN micro-batch on
-                count = _add_stats(sums, stats, count)
+            if j < len(mine):  # as one process: no stats from a NaN micro-batch on
+                count = _add_stats(sums, stats, count, finite)
         if n == 0:
             group.check_all_used(modules)
-        steps, norms = _step_or_skip(learners, group.all_finite(finite), rl, bad, steps, norms)
-    sums, count = group.sum_stats(sums, count)
+        steps, norms = _step_or_skip(learners, group.all_finite(bool(finite)), rl, bad, steps, norms)
+    sums, count = group.sum_stats(sums, int(count))
     return {k: float(v) / max(1, count) for k, v in sums.items()}, [float(n) / max(1, steps) for n in norms]
 
 
-def _add_stats(sums: dict, stats: dict, count: int) -> int:
-    for key, v in stats.items():  # tensors: no host sync per micro-batch
-        sums[key] = sums.get(key, 0.0) + v.detach()
-    return count + 1
+def _add_stats(sums: dict, stats: dict, count, finite: torch.Tensor):
+    """Adds a micro-batch's stats where `finite` (all losses of its mini-batch so far were): tensors throughout, no
+    host sync per micro-batch. count: a tensor once added to."""
+    for key, v in stats.items():
+        sums[key] = sums.get(key, 0.0) + torch.where(finite, v.detach(), 0.0)
+    return count + finite.long()
 
 
 def _step_or_skip(learners, finite: bool, rl: RLConfig, bad: dict, steps: int, norms: list) -> tuple[int, list]:
@@ -364,7 +387,7 @@ def update(models: Models, learners: Learners, exp: Experience, adv, returns, rl
     if learners.critic is not None and not learners.shared_body:
         stats |= update_critic(learners.critic, exp, returns, batches, rl, pad, bad, group)
     passes = rl.share_prompt * (can_share(models.actor) + can_share(models.critic))  # a value head runs the body again
-    shared = passes * prompt_tokens_shared(exp, batches, rl.micro_batch_size, group.world if group else 1) if passes else 0
+    shared = passes * prompt_tokens_shared(exp, batches, rl, group.world if group else 1) if passes else 0
     return stats | {"time/train_actor": t1 - t0, "time/train_critic": time.perf_counter() - t1,
                     "perf/prompt_tokens_shared_train": shared}
 

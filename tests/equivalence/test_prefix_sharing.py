@@ -157,7 +157,10 @@ def test_prompt_tokens_shared_counts_by_hand():
     ss = samples()
     exp = Experience([s.prompt_ids for s in ss], [s.token_ids for s in ss], torch.arange(9) // K, torch.zeros(9),
                      torch.zeros(9, 7), torch.zeros(9, 7), None, torch.ones(9, 7), ["eos"] * 9)
-    assert prompt_tokens_shared(exp, [list(range(9))], 4) == 22
+    rl = load_config(None, ["rl.algo=grpo", f"rl.k={K}", "rl.prompts_per_iter=3", "rl.mini_batch_size=9",
+                            "rl.micro_batch_size=1"]).rl
+    rl.micro_batch_size = 4  # a size that cuts groups (config validation wants a divisor of the mini-batch)
+    assert prompt_tokens_shared(exp, [list(range(9))], rl) == 22
     assert prefix.prompt_tokens_saved([[1, 2], [1, 2], [3]]) == 2
 
 
