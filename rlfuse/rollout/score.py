@@ -154,14 +154,14 @@ def reward_model_fn(rm, eos_id: int, pad_id: int, share_prompt: bool = True) -> 
     from rlfuse.data.prompts import model_context
 
     context = model_context(rm.config)
-    share_prompt = share_prompt and can_share(rm)
+    supported = can_share(rm)
 
-    def score(samples: list[Sample]) -> Tensor:
+    def score(samples: list[Sample], share_prompt: bool = share_prompt) -> Tensor:
         ends = [s.token_ids + ([] if s.token_ids[-1:] == [eos_id] else [eos_id]) for s in samples]
         seqs = [s.prompt_ids + e for s, e in zip(samples, ends)]
         dev = next(rm.parameters()).device
         prompts = [s.prompt_ids for s in samples]
-        saved = prefix.prompt_tokens_saved(prompts) if share_prompt else 0
+        saved = prefix.prompt_tokens_saved(prompts) if share_prompt and supported else 0
         if saved and not (context and max(map(len, seqs)) > context):
             score.prompt_tokens_shared += saved
             return _shared_reward(rm, prompts, ends, seqs, pad_id, dev)
@@ -213,13 +213,20 @@ class Scorer:
         self.recompute_old, self.unfinished_penalty = recompute_old_logprobs, unfinished_penalty
         self.times: dict[str, float] = defaultdict(float)
         roles = [ref or actor] + ([critic] if critic is not None else []) + ([actor] if recompute_old_logprobs else [])
-        self.share = share_prompt and all(map(can_share, roles))
+        self.share_prompt, self.share = share_prompt, share_prompt and all(map(can_share, roles))
         self._shared_here = 0
 
     @property
     def prompt_tokens_shared(self) -> int:
         """Prompt token-forwards saved so far by prefix sharing: every scoring pass, the reward model's included."""
         return self._shared_here + getattr(self.reward_fn, "prompt_tokens_shared", 0)
+
+    def _reward(self, chunk: list[Sample]) -> Tensor:
+        """The reward; a reward model's (reward_model_fn) follows this scorer's share_prompt, a Python function of
+        texts has nothing to share."""
+        if hasattr(self.reward_fn, "prompt_tokens_shared"):
+            return self.reward_fn(chunk, share_prompt=self.share_prompt)
+        return self.reward_fn(chunk)
 
     def _order(self, samples: list[Sample]) -> list[Sample]:
         """Similar lengths together (less padding); shared, a prompt's samples together first."""
@@ -251,7 +258,7 @@ class Scorer:
             self._shared_here += passes * (mb.prefix.saved_tokens if mb.prefix is not None else 0)
             unfinished = torch.tensor([s.finish_reason == "length" for s in chunk], dtype=torch.float32)
             with self._timed("reward"):
-                scores = self.reward_fn(chunk) - self.unfinished_penalty * unfinished
+                scores = self._reward(chunk) - self.unfinished_penalty * unfinished
             with self._timed("reference"), self._ref_context():
                 ref_lp = response_logprobs(self.ref or self.actor, mb, self.temperature).cpu()
             values = old = None

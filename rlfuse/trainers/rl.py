@@ -38,6 +38,7 @@ from rlfuse.algos.losses import ppo_policy_loss, value_loss
 from rlfuse.algos.schedules import scheduled_value
 from rlfuse.algos.stats import explained_variance, level_mean, masked_mean, whiten
 from rlfuse.config import Config, RLConfig
+from rlfuse.data.collate import pack_by_tokens, prompt_runs
 from rlfuse.data.curriculum import curriculum_indices, uniform_indices
 from rlfuse.data.prompts import encode_prompts, model_context, prompt_budget
 from rlfuse.data.stages import rl_prompts
@@ -54,7 +55,6 @@ from rlfuse.placement.spec import dp_micro_size
 from rlfuse.progress import Progress
 from rlfuse.rollout.engine import DecodeEngine, SamplingParams
 from rlfuse.rollout.fusion import Experience, FusionPolicy
-from rlfuse.data.collate import pack_by_tokens, prompt_runs
 from rlfuse.rollout.score import can_share, collate, forward_tokens, response_logprobs, response_values
 from rlfuse.trainers.checkpoint import load_checkpoint, save_checkpoint
 from rlfuse.trainers.common import build_constant_optimizer, setup_runtime

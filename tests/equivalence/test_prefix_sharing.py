@@ -61,7 +61,7 @@ def test_scores_equal_unshared(arch, attn):
     torch.nn.init.normal_(critic.head.weight, std=0.5)
     got = {}
     for share in (False, True):
-        scorer = Scorer(reward_model_fn(rm, PAD, PAD, share), PAD, ref=ref, actor=actor, critic=critic,
+        scorer = Scorer(reward_model_fn(rm, PAD, PAD), PAD, ref=ref, actor=actor, critic=critic,  # its switch rules
                         micro_batch_size=len(RESPONSE_LENS), recompute_old_logprobs=True, share_prompt=share)
         got[share] = scorer.score(samples())
         # 4 passes (reference, critic, old log-probs, reward) x each prompt's length x (K - 1)
