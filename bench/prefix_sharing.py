@@ -129,6 +129,7 @@ def main(argv=None) -> None:
     ap.add_argument("--reps", type=int, default=3)
     ap.add_argument("--micro", type=int, default=16)
     ap.add_argument("--tokens", type=int, default=0, help="also time rl.micro_batch_tokens=this (0: skip)")
+    ap.add_argument("--only", choices=("b", "c"), help="one workload")
     args = ap.parse_args(argv)
     torch.set_num_threads(int(os.environ.get("THREADS", "2")))
     hh, vocab, mean_all = hh_prompts_and_tokenizer(args.prompts)
@@ -145,10 +146,9 @@ def main(argv=None) -> None:
         settings += [(f"on, {args.tokens} tokens", True, args.tokens)]
     print(f"load: {os.getloadavg()}")
     for name, ss in workloads.items():
-        res = {label: [] for label, *_ in settings}
-        for _ in range(1):  # settings alternated inside each rep by time_setting's reps
-            for label, share, tokens in settings:
-                res[label] = time_setting(models, ss, share, args.micro, tokens, args.reps)
+        if args.only and not name.startswith(f"({args.only})"):
+            continue
+        res = {label: time_setting(models, ss, share, args.micro, tokens, args.reps) for label, share, tokens in settings}
         print(f"\n{name}: {len(ss)} samples, {sum(len(s.prompt_ids) for s in ss)} prompt + "
               f"{sum(len(s.token_ids) for s in ss)} response tokens")
         for label, r in res.items():

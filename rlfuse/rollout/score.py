@@ -49,11 +49,40 @@ class MicroBatch:
     (nothing reads the state after it)."""
 
 
+SHARE_BELOW = 0.8
+"""A micro-batch runs prefix-shared only where that cuts its forward (forward_tokens, padding included) to this
+fraction of the full one or less: the shared forward is two passes with explicit masks, which costs more than it
+saves where prompts are short next to their responses (bench/prefix_sharing.py)."""
+
+
+def _token_counts(prompts: list[list[int]], responses: list[list[int]]) -> tuple[int, int]:
+    """(full, shared) token positions of a micro-batch's forward, padding included: rows x longest sequence, and
+    distinct prompts x longest prompt + rows x longest response less its last token."""
+    distinct = {tuple(p) for p in prompts}
+    full = len(prompts) * max(len(p) + len(r) for p, r in zip(prompts, responses))
+    return full, len(distinct) * max(map(len, distinct)) + len(responses) * (max(map(len, responses)) - 1)
+
+
+def worth_sharing(prompts: list[list[int]], responses: list[list[int]]) -> bool:
+    """Whether these samples' forward runs prefix-shared (with rl.share_prompt): a prompt repeats and sharing cuts
+    the forward to SHARE_BELOW of the full one or less."""
+    if prefix.prompt_tokens_saved(prompts) == 0:
+        return False
+    full, shared = _token_counts(prompts, responses)
+    return shared <= SHARE_BELOW * full
+
+
+def forward_tokens(prompts: list[list[int]], responses: list[list[int]], share_prompt: bool) -> int:
+    """Token positions collate's micro-batch puts through a model, padding included (_token_counts)."""
+    full, shared = _token_counts(prompts, responses)
+    return shared if share_prompt and worth_sharing(prompts, responses) else full
+
+
 def collate(prompts: list[list[int]], responses: list[list[int]], pad_id: int, device,
             share_prompt: bool = False) -> MicroBatch:
-    """share_prompt: group samples of one prompt (prefix-shared forwards) where some prompt repeats."""
+    """share_prompt: group samples of one prompt (prefix-shared forwards) where that pays (worth_sharing)."""
     B, T = len(prompts), max(map(len, responses))
-    shared = share_prompt and prefix.prompt_tokens_saved(prompts) > 0
+    shared = share_prompt and worth_sharing(prompts, responses)
     pos, tgt, mask = torch.zeros(B, T, dtype=torch.long), torch.zeros(B, T, dtype=torch.long), torch.zeros(B, T)
     for b, (p, r) in enumerate(zip(prompts, responses)):
         pos[b, : len(r)] = torch.arange(len(p) - 1, len(p) + len(r) - 1)
@@ -70,15 +99,6 @@ def collate(prompts: list[list[int]], responses: list[list[int]], pad_id: int, d
     for b, s in enumerate(seqs):
         ids[b, : len(s)], attn[b, : len(s)] = torch.tensor(s), 1
     return MicroBatch(ids.to(device), attn.to(device), pos, tgt, mask)
-
-
-def forward_tokens(prompts: list[list[int]], responses: list[list[int]], share_prompt: bool) -> int:
-    """Token positions collate's micro-batch puts through a model, padding included: rows x longest sequence, or
-    (shared, some prompt repeating) distinct prompts x longest prompt + rows x longest response less its last token."""
-    if share_prompt and prefix.prompt_tokens_saved(prompts) > 0:
-        distinct = {tuple(p) for p in prompts}
-        return len(distinct) * max(map(len, distinct)) + len(responses) * (max(map(len, responses)) - 1)
-    return len(prompts) * max(len(p) + len(r) for p, r in zip(prompts, responses))
 
 
 def response_hidden(body, mb: MicroBatch) -> Tensor:
@@ -161,8 +181,9 @@ def reward_model_fn(rm, eos_id: int, pad_id: int, share_prompt: bool = True) -> 
         seqs = [s.prompt_ids + e for s, e in zip(samples, ends)]
         dev = next(rm.parameters()).device
         prompts = [s.prompt_ids for s in samples]
-        saved = prefix.prompt_tokens_saved(prompts) if share_prompt and supported else 0
-        if saved and not (context and max(map(len, seqs)) > context):
+        share = share_prompt and supported and worth_sharing(prompts, ends)
+        if share and not (context and max(map(len, seqs)) > context):
+            saved = prefix.prompt_tokens_saved(prompts)
             score.prompt_tokens_shared += saved
             return _shared_reward(rm, prompts, ends, seqs, pad_id, dev)
         if context:  # a full-budget prompt + a length-capped response + EOS is one past the context: keep the end,

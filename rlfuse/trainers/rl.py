@@ -55,7 +55,8 @@ from rlfuse.placement.spec import dp_micro_size
 from rlfuse.progress import Progress
 from rlfuse.rollout.engine import DecodeEngine, SamplingParams
 from rlfuse.rollout.fusion import Experience, FusionPolicy
-from rlfuse.rollout.score import can_share, collate, forward_tokens, response_logprobs, response_values
+from rlfuse.rollout.score import (can_share, collate, forward_tokens, response_logprobs, response_values,
+                                  worth_sharing)
 from rlfuse.trainers.checkpoint import load_checkpoint, save_checkpoint
 from rlfuse.trainers.common import build_constant_optimizer, setup_runtime
 from rlfuse.trainers.sft import resolve_base_model
@@ -214,10 +215,13 @@ def micro_batches(exp: Experience, mini: list[int], size: int, rank: int = 0, wo
 
 def prompt_tokens_shared(exp: Experience, batches: list[list[int]], rl: RLConfig, world: int = 1) -> int:
     """Prompt token-forwards that one prefix-shared pass over these mini-batches' micro-batches (every rank's)
-    does not compute: per micro-batch, each repeated prompt's length x (its samples - 1)."""
-    return sum(prompt_tokens_saved([exp.prompt_ids[i] for i in idx]) for mini in batches
-               for idx in micro_batch_indices(exp, mini, rl.micro_batch_size, world, rl.micro_batch_tokens,
-                                              rl.share_prompt))
+    does not compute: per micro-batch that shares (worth_sharing), each repeated prompt's length x (its samples - 1)."""
+    total = 0
+    for mini in batches:
+        for idx in micro_batch_indices(exp, mini, rl.micro_batch_size, world, rl.micro_batch_tokens, rl.share_prompt):
+            prompts, responses = [exp.prompt_ids[i] for i in idx], [exp.response_ids[i] for i in idx]
+            total += prompt_tokens_saved(prompts) if worth_sharing(prompts, responses) else 0
+    return total
 
 
 def _micro(exp: Experience, idx: list[int], pad_id: int, model, share_prompt: bool):

@@ -204,3 +204,19 @@ def test_shared_base_roles_equal_unshared():
     assert got[True][2].keys() == got[False][2].keys()
     for n in got[False][2]:
         torch.testing.assert_close(got[True][2][n], got[False][2][n], msg=n)
+
+
+def test_rl_run_logs_prompt_tokens_shared(tiny_task, tmp_path):
+    """rloo with k=4 on the tiny default task through the CLI: the loop runs prefix-shared and logs what it saved."""
+    import json
+
+    from conftest import TINY
+    from rlfuse.cli import main
+
+    args = [f"rl.sft_path={tiny_task.model_dir}", "rl.reward=rlfuse.data.gold:gold_reward", "rl.algo=rloo", "rl.k=4",
+            "rl.iterations=1", "rl.prompts_per_iter=2", "rl.mini_batch_size=8", "rl.micro_batch_size=8",
+            "rl.max_new_tokens=8", "rl.epochs=1", "rl.eval_prompts=0", "rollout.score_every=8", f"run.dir={tmp_path}",
+            *TINY]
+    assert main(["rl", *args]) == 0
+    row = json.loads((tmp_path / "rl" / "metrics.jsonl").read_text().splitlines()[0])
+    assert row["perf/prompt_tokens_shared"] > row["perf/prompt_tokens_shared_train"] > 0
