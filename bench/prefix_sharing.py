@@ -1,16 +1,17 @@
 """Prefix sharing and token-budget micro-batches (issue 19 items 2 and 3): the same scoring and training work with
-rl.share_prompt off and on (and micro-batches by count or by token budget), alternated, on one model and two
-workloads, in one process:
+rl.share_prompt off and on (and micro-batches by count or by token budget), one after the other, on one model and
+two workloads, in one process:
 
   (b) long-tailed: short prompts (8-16 tokens), k = 8, responses long-tailed up to 256 tokens;
-  (c) long prompts: hh-rlhf prompts (the conversation up to the last "Assistant:"), k = 8, responses up to 64.
+  (c) long prompts: hh-rlhf prompts (the conversation up to the last "Assistant:"), k = 8, responses 32-64 tokens.
 
 Model: a randomly initialised GPT-2 of the default task's shape (4 layers, 128 wide), fp32; tokenizer: a byte-level
-BPE (16k) trained here on the hh-rlhf conversations, so prompt lengths are about GPT-2's. Per setting it times the
-scorer (reference log-probs, critic values, reward) and one training pass (actor's PPO loss and the critic's value
-loss, forward and backward, per micro-batch), and counts the prompt token-forwards sharing saves per pass.
+BPE (16k) trained here on the hh-rlhf conversations, so prompt lengths are about GPT-2's. Per setting it times
+(process CPU seconds, median of --reps) the scorer (reference log-probs, critic values, reward) and one training
+pass (actor's PPO loss and the critic's value loss, forward and backward, per micro-batch), and counts the prompt
+token-forwards sharing saves per pass.
 
-    python bench/prefix_sharing.py [--prompts 8] [--reps 3]
+    python bench/prefix_sharing.py [--prompts 8] [--reps 3] [--tokens 3072] [--only b|c]
 """
 
 from __future__ import annotations
@@ -107,16 +108,17 @@ def time_setting(models, samples, share: bool, micro: int, micro_tokens: int | N
     mini = list(range(n))
     score_t, train_t = [], []
     for _ in range(reps):
-        t = time.perf_counter()
+        # process CPU seconds: on a 2-core machine shared with other jobs they vary less than wall seconds
+        t = time.process_time()
         scorer.score(samples)
-        score_t.append(time.perf_counter() - t)
-        t = time.perf_counter()
+        score_t.append(time.process_time() - t)
+        t = time.process_time()
         for idx, share_of in micro_batches(exp, mini, rl.micro_batch_size, 0, 1, rl.micro_batch_tokens,
                                                rl.share_prompt):
             loss = micro_policy_loss(actor, exp, idx, adv, rl, 0.1, 0, 1.0)[0] * share_of["token"]
             loss = loss + micro_value_loss(critic, exp, idx, adv, rl, 0)[0] * share_of["token"]
             loss.backward()
-        train_t.append(time.perf_counter() - t)
+        train_t.append(time.process_time() - t)
         actor.zero_grad(set_to_none=True)
         critic.zero_grad(set_to_none=True)
     saved = prompt_tokens_shared(exp, [mini], rl) if share else 0
@@ -152,7 +154,7 @@ def main(argv=None) -> None:
         print(f"\n{name}: {len(ss)} samples, {sum(len(s.prompt_ids) for s in ss)} prompt + "
               f"{sum(len(s.token_ids) for s in ss)} response tokens")
         for label, r in res.items():
-            print(f"  share {label:>18}: scoring {r['score_s']:.2f} s, training pass {r['train_s']:.2f} s, "
+            print(f"  share {label:>18}: scoring {r['score_s']:.2f} CPU s, training pass {r['train_s']:.2f} CPU s, "
                   f"prompt token-forwards saved per pass {r['saved_per_pass']}")
     print(f"load: {os.getloadavg()}")
 

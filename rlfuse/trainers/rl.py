@@ -12,6 +12,8 @@ Departures from the papers, on purpose:
   joins the actor's update instead (see update_actor);
 - the generator is its own model: it gets the actor's weights through DecodeEngine.load_weights before every
   rollout and evaluation, never by sharing the optimiser's tensors;
+- with rl.share_prompt (default) a prompt's k samples stay in one mini-batch for ppo too (as for rloo and grpo), so
+  that their forwards share the prompt (rlfuse/models/prefix.py; equal numbers, fewer token-forwards);
 - every random draw (prompt batch, sampling, mini-batch order) and the scheduled temperature are functions of
   (seed, iteration), so a resumed run repeats an uninterrupted one exactly;
 - with a temperature schedule each iteration optimises softmax(logits / T_it): sampling, the reference log-probs
