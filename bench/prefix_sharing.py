@@ -1,5 +1,5 @@
 """Prefix sharing and token-budget micro-batches (issue 19 items 2 and 3): the same scoring and training work with
-rl.share_prompt off and on (and micro-batches by count or by token budget), one after the other, on one model and
+rl.share_prompt off and on (and micro-batches by count or by token budget), alternated, on one model and
 two workloads, in one process:
 
   (b) long-tailed: short prompts (8-16 tokens), k = 8, responses long-tailed up to 256 tokens;
@@ -91,7 +91,8 @@ def experience_of(samples):
                       torch.randn(n, generator=g), lp, lp, torch.randn(n, T, generator=g) * mask, mask, ["length"] * n)
 
 
-def time_setting(models, samples, share: bool, micro: int, micro_tokens: int | None, reps: int) -> dict:
+def setting(models, samples, share: bool, micro: int, micro_tokens: int | None):
+    """-> (run once: (scoring CPU s, training CPU s), prompt token-forwards saved per pass) for one setting."""
     from rlfuse.config import load_config
     from rlfuse.rollout.score import Scorer
     from rlfuse.trainers.rl import micro_batches, micro_policy_loss, micro_value_loss, prompt_tokens_shared
@@ -103,26 +104,39 @@ def time_setting(models, samples, share: bool, micro: int, micro_tokens: int | N
                             f"rl.share_prompt={str(share).lower()}", f"rl.prompts_per_iter={n // 8}",
                             f"rl.mini_batch_size={n}", f"rl.micro_batch_size={micro}", *extra]).rl
     adv = torch.randn(exp.mask.shape) * exp.mask
-    reward = lambda ss: torch.zeros(len(ss))
-    scorer = Scorer(reward, 0, ref=ref, actor=actor, critic=critic, micro_batch_size=micro, share_prompt=share)
+    scorer = Scorer(lambda ss: torch.zeros(len(ss)), 0, ref=ref, actor=actor, critic=critic, micro_batch_size=micro,
+                    share_prompt=share)
     mini = list(range(n))
-    score_t, train_t = [], []
-    for _ in range(reps):
+
+    def once() -> tuple[float, float]:
         # process CPU seconds: on a 2-core machine shared with other jobs they vary less than wall seconds
         t = time.process_time()
         scorer.score(samples)
-        score_t.append(time.process_time() - t)
-        t = time.process_time()
-        for idx, share_of in micro_batches(exp, mini, rl.micro_batch_size, 0, 1, rl.micro_batch_tokens,
-                                               rl.share_prompt):
-            loss = micro_policy_loss(actor, exp, idx, adv, rl, 0.1, 0, 1.0)[0] * share_of["token"]
-            loss = loss + micro_value_loss(critic, exp, idx, adv, rl, 0)[0] * share_of["token"]
+        t_score, t = time.process_time() - t, time.process_time()
+        for idx, part in micro_batches(exp, mini, rl.micro_batch_size, 0, 1, rl.micro_batch_tokens, rl.share_prompt):
+            loss = micro_policy_loss(actor, exp, idx, adv, rl, 0.1, 0, 1.0)[0] * part["token"]
+            loss = loss + micro_value_loss(critic, exp, idx, adv, rl, 0)[0] * part["token"]
             loss.backward()
-        train_t.append(time.process_time() - t)
+        t_train = time.process_time() - t
         actor.zero_grad(set_to_none=True)
         critic.zero_grad(set_to_none=True)
-    saved = prompt_tokens_shared(exp, [mini], rl) if share else 0
-    return {"score_s": statistics.median(score_t), "train_s": statistics.median(train_t), "saved_per_pass": saved}
+        return t_score, t_train
+
+    return once, prompt_tokens_shared(exp, [mini], rl) if share else 0
+
+
+def time_settings(models, samples, settings, micro: int, reps: int) -> dict:
+    """Settings alternated rep by rep after one warm-up run each (the allocator's first use is not counted)."""
+    runs = {label: setting(models, samples, share, micro, tokens) for label, share, tokens in settings}
+    for once, _ in runs.values():
+        once()
+    times = {label: [] for label in runs}
+    for _ in range(reps):
+        for label, (once, _) in runs.items():
+            times[label].append(once())
+    return {label: {"score_s": statistics.median(t[0] for t in times[label]),
+                    "train_s": statistics.median(t[1] for t in times[label]), "saved_per_pass": runs[label][1]}
+            for label in runs}
 
 
 def main(argv=None) -> None:
@@ -150,7 +164,7 @@ def main(argv=None) -> None:
     for name, ss in workloads.items():
         if args.only and not name.startswith(f"({args.only})"):
             continue
-        res = {label: time_setting(models, ss, share, args.micro, tokens, args.reps) for label, share, tokens in settings}
+        res = time_settings(models, ss, settings, args.micro, args.reps)
         print(f"\n{name}: {len(ss)} samples, {sum(len(s.prompt_ids) for s in ss)} prompt + "
               f"{sum(len(s.token_ids) for s in ss)} response tokens")
         for label, r in res.items():
