@@ -299,6 +299,17 @@ class RLConfig:
     TensorBoard text, the trackers, the report. 0 turns it off."""
     max_bad_steps: int = 3
     """Stop after this many consecutive updates skipped for NaN/inf (a loss, or a reward of the iteration)."""
+    # --- prefix sharing and micro-batches (issue 19)
+    share_prompt: bool = True
+    """The k samples of a prompt in one micro-batch run its forward once (reference, reward, critic and the training
+    forward and backward; rlfuse/models/prefix.py), the same numbers with prompt tokens x (k - 1) fewer
+    token-forwards per pass (perf/prompt_tokens_shared). GPT-2 and Llama-style models; others keep the full forward.
+    With ppo and k > 1 a prompt's samples then stay in one mini-batch, as for rloo and grpo. false: today's path."""
+    micro_batch_tokens: Optional[int] = None
+    """The update's micro-batches by a token budget instead of rl.micro_batch_size samples: each holds the most
+    samples (a prompt's samples together, similar lengths together) whose forward, padding included (prompts once with
+    rl.share_prompt), stays within this many token positions; a sample longer than the budget gets one of its own.
+    null: rl.micro_batch_size samples each."""
 
     @property
     def kl_estimator_used(self) -> str:
@@ -627,6 +638,8 @@ def _validate_rl(cfg: Config) -> None:
     _validate_temperature_and_curriculum(rl)
     if rl.max_prompt_tokens is not None:
         _positive(rl, "rl", "max_prompt_tokens")
+    if rl.micro_batch_tokens is not None:
+        _positive(rl, "rl", "micro_batch_tokens")
     if not 0 < rl.top_p <= 1:
         raise ConfigError("rl.top_p", f"must be in (0, 1], got {rl.top_p}", "set rl.top_p=1.0 to disable nucleus sampling")
     if not (0 <= rl.gamma <= 1 and 0 <= rl.lam <= 1):

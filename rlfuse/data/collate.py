@@ -89,3 +89,29 @@ def pair_batch(items: list[tuple[list[int], list[int]]], pad_id: int) -> dict:
 def encode_pair(tokenizer, p: PreferencePair, max_length: int) -> tuple[list[int], list[int]]:
     return (encode_reward_text(tokenizer, p.prompt, p.chosen, max_length),
             encode_reward_text(tokenizer, p.prompt, p.rejected, max_length))
+
+
+def prompt_runs(order: list[int], prompt_of: list) -> list[list[int]]:
+    """`order` cut into runs of consecutive samples of one prompt (prompt_of[i]: sample i's prompt id): the units a
+    token-budget packing keeps together. [4, 5, 0, 1, 2] with prompts [0, 0, 1, 1, 2, 2] -> [[4, 5], [0, 1], [2]]."""
+    runs: list[list[int]] = []
+    for i in order:
+        if runs and prompt_of[runs[-1][-1]] == prompt_of[i]:
+            runs[-1].append(i)
+        else:
+            runs.append([i])
+    return runs
+
+
+def pack_by_tokens(units: list[list[int]], cost, budget: int) -> list[list[int]]:
+    """Greedy packing of units (lists of sample indices) in order into micro-batches whose cost(indices) (tokens as
+    forwarded, padding included) stays within `budget`. A unit is split into single samples only when it alone
+    exceeds the budget; a single sample over the budget gets a micro-batch of its own."""
+    out, cur = [], []
+    for unit in units:
+        for piece in [unit] if cost(unit) <= budget else [[i] for i in unit]:
+            if cur and cost(cur + piece) > budget:
+                out.append(cur)
+                cur = []
+            cur = cur + piece
+    return out + ([cur] if cur else [])

@@ -99,13 +99,15 @@ class RolloutSettings:
     """run.device: auto (a GPU when the worker was given one), cpu or cuda."""
     reward_weights: tuple[float, ...] | None = None
     """rl.reward_weights: the weights of several reward functions."""
+    share_prompt: bool = True
+    """rl.share_prompt: a prompt's samples share its forward in the scoring passes (rlfuse/models/prefix.py)."""
 
     @classmethod
     def from_config(cls, cfg) -> "RolloutSettings":
         ro, rl = cfg.rollout, cfg.rl
         return cls(ro.max_rows, ro.micro_batch_size, rl.temperature, rl.unfinished_penalty, ro.score_every,
                    ro.live_below, ro.migrate_below, ro.rows_per_worker, device=cfg.run.device,
-                   reward_weights=tuple(rl.reward_weights) if rl.reward_weights else None)
+                   reward_weights=tuple(rl.reward_weights) if rl.reward_weights else None, share_prompt=rl.share_prompt)
 
 
 def build_worker_roles(models: WorkerModels, settings: RolloutSettings) -> tuple[DecodeEngine | None, Scorer | None]:
@@ -132,7 +134,8 @@ def build_worker_roles(models: WorkerModels, settings: RolloutSettings) -> tuple
     if models.critic is not None:
         critic = frozen(value_model(models.critic_source, models.critic, tok.pad_token_id), device)
     scorer = Scorer(reward_fn, tok.pad_token_id, ref=ref, critic=critic, temperature=settings.temperature,
-                    micro_batch_size=settings.micro_batch_size, unfinished_penalty=settings.unfinished_penalty)
+                    micro_batch_size=settings.micro_batch_size, unfinished_penalty=settings.unfinished_penalty,
+                    share_prompt=settings.share_prompt)
     return engine, scorer
 
 

@@ -91,14 +91,6 @@ class DataParallelGroup:
         with contextlib.nullcontext() if sync else ddp.no_sync():
             yield run
 
-    def micro_batch_slots(self, mini_len: int, size: int) -> int:
-        """Micro-batches every rank runs per mini-batch: the most any rank has (rl.micro_batches; ranks with fewer
-        pad with a zero-weight one, since every rank must take part in the all-reduce)."""
-        from rlfuse.placement.spec import dp_micro_size
-
-        n = -(-mini_len // dp_micro_size(mini_len, size, self.world))
-        return -(-n // self.world)
-
     def check_all_used(self, modules: list[torch.nn.Module]) -> None:
         """After a mini-batch's backward: every trainable parameter got a gradient. DDP (find_unused_parameters off,
         which saves a graph walk per forward) would otherwise fail at the next mini-batch with a message that does

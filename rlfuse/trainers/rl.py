@@ -13,6 +13,8 @@ Departures from the papers, on purpose:
 - the generator is its own model: it gets the actor's weights through DecodeEngine.load_weights before every
   rollout and evaluation, never by sharing the optimiser's tensors (with model.shared_base the engine decodes the
   shared base itself, with the actor's adapter: no copy, no sync);
+- with rl.share_prompt (default) a prompt's k samples stay in one mini-batch for ppo too (as for rloo and grpo), so
+  that their forwards share the prompt (rlfuse/models/prefix.py; equal numbers, fewer token-forwards);
 - every random draw (prompt batch, sampling, mini-batch order) and the scheduled temperature are functions of
   (seed, iteration), so a resumed run repeats an uninterrupted one exactly;
 - with a temperature schedule each iteration optimises softmax(logits / T_it): sampling, the reference log-probs
@@ -39,6 +41,7 @@ from rlfuse.algos.losses import ppo_policy_loss, value_loss
 from rlfuse.algos.schedules import scheduled_value
 from rlfuse.algos.stats import explained_variance, level_mean, masked_mean, whiten
 from rlfuse.config import Config, RLConfig, fusion_on
+from rlfuse.data.collate import pack_by_tokens, prompt_runs
 from rlfuse.data.curriculum import curriculum_indices, uniform_indices
 from rlfuse.data.chat import set_chat_template
 from rlfuse.data.prompts import encode_prompts, model_context, prompt_budget
@@ -50,13 +53,15 @@ from rlfuse.metrics.memory import MemoryMeter
 from rlfuse.metrics.tracker import memory_metrics, stage_tracker, truncate_metrics
 from rlfuse.models.build import Models, build_models, decode_engine
 from rlfuse.models.load import save_trained_model
+from rlfuse.models.prefix import prompt_tokens_saved
 from rlfuse.placement.rollout import build_placement, local_scorer, sync_weights, uses_ray
 from rlfuse.placement.planner import predicted_memory, resolve_auto
 from rlfuse.placement.spec import dp_micro_size
 from rlfuse.progress import Progress
 from rlfuse.rollout.rewards import attach_rows, reward_metrics
 from rlfuse.rollout.fusion import Experience, FusionPolicy
-from rlfuse.rollout.score import collate, response_logprobs, response_values
+from rlfuse.rollout.score import (can_share, collate, forward_tokens, response_logprobs, response_values,
+                                  worth_sharing)
 from rlfuse.trainers.checkpoint import load_checkpoint, save_checkpoint
 from rlfuse.trainers.common import build_constant_optimizer, setup_runtime
 from rlfuse.trainers.observe import due, evaluate_during, group_metrics, learning_rates, sample_table
@@ -171,9 +176,10 @@ def compute_advantages(exp: Experience, rl: RLConfig, kl_coef: float):
 
 def minibatches(n: int, rl: RLConfig, seed: int, iteration: int) -> list[list[int]]:
     """Epochs x mini-batches of sample indices, a function of (seed, iteration); a prompt's k samples stay in one
-    mini-batch (rloo, grpo). The actor and critic updates walk the same list."""
+    mini-batch (rloo, grpo; ppo too with rl.share_prompt, where rl.mini_batch_size is a multiple of rl.k, so that its
+    micro-batches can share prompts). The actor and critic updates walk the same list."""
     gen = torch.Generator().manual_seed(seed * 7919 + iteration)
-    group = rl.k if rl.algo != "ppo" else 1
+    group = rl.k if rl.algo != "ppo" or (rl.share_prompt and rl.mini_batch_size % rl.k == 0) else 1
     out = []
     for _ in range(rl.epochs):
         order = (torch.randperm(n // group, generator=gen)[:, None] * group + torch.arange(group)).view(-1).tolist()
@@ -181,23 +187,55 @@ def minibatches(n: int, rl: RLConfig, seed: int, iteration: int) -> list[list[in
     return out
 
 
-def micro_batches(exp: Experience, mini: list[int], size: int, rank: int = 0,
-                  world: int = 1) -> Iterator[tuple[list[int], dict]]:
-    """(indices, share) per micro-batch; share[level] is its part of the mini-batch's tokens ("token") or samples
-    ("sequence"), so that micro-batch means scaled by it sum to the mini-batch mean (accumulation = one big batch).
-    Data parallel (world > 1): rank r gets micro-batches r, r + world, ... of the same list (the single process's
-    micro-batches, so the per-micro-batch stats agree too), shares still of the whole mini-batch, so the ranks'
-    share-scaled gradients sum to the single-process one. A mini-batch too small to give every rank a micro-batch
-    of `size` is cut into `world` smaller ones (placement/spec.py dp_micro_size), so no rank only pads."""
-    tokens = float(exp.mask[mini].sum())
+def micro_batch_indices(exp: Experience, mini: list[int], size: int, world: int = 1, tokens: int | None = None,
+                        shared: bool = False) -> list[list[int]]:
+    """A mini-batch's micro-batches, every rank's, in order: `size` samples each, or with a token budget (`tokens`,
+    rl.micro_batch_tokens) packed by collate.pack_by_tokens, a prompt's samples kept together, similar lengths
+    together, each micro-batch's forward (score.forward_tokens; prompts once when `shared`) within the budget. A
+    mini-batch too small to give each of `world` ranks a micro-batch is cut into `world` smaller ones
+    (placement/spec.py dp_micro_size), so no rank only pads."""
+    if tokens is not None:
+        prompts, responses = exp.prompt_ids, exp.response_ids
+        units = prompt_runs(mini, exp.prompt_index.tolist())
+        units.sort(key=lambda u: max(len(prompts[i]) + len(responses[i]) for i in u))
+        cost = lambda idx: forward_tokens([prompts[i] for i in idx], [responses[i] for i in idx], shared)
+        packed = pack_by_tokens(units, cost, tokens)
+        if len(packed) >= world:
+            return packed
     size = dp_micro_size(len(mini), size, world)
-    for s in range(rank * size, len(mini), size * world):
-        idx = mini[s: s + size]
-        yield idx, {"token": float(exp.mask[idx].sum()) / tokens, "sequence": len(idx) / len(mini)}
+    return [mini[s: s + size] for s in range(0, len(mini), size)]
 
 
-def _micro(exp: Experience, idx: list[int], pad_id: int, device):
-    mb = collate([exp.prompt_ids[i] for i in idx], [exp.response_ids[i] for i in idx], pad_id, device)
+def micro_batches(exp: Experience, mini: list[int], size: int, rank: int = 0, world: int = 1,
+                  tokens: int | None = None, shared: bool = False) -> Iterator[tuple[list[int], dict]]:
+    """(indices, share) per micro-batch (micro_batch_indices); share[level] is its part of the mini-batch's tokens
+    ("token") or samples ("sequence"), so that micro-batch means scaled by it sum to the mini-batch mean
+    (accumulation = one big batch). Data parallel (world > 1): rank r gets micro-batches r, r + world, ... of the same
+    list (the single process's micro-batches, so the per-micro-batch stats agree too), shares still of the whole
+    mini-batch, so the ranks' share-scaled gradients sum to the single-process one."""
+    lengths = exp.mask.sum(1).tolist()  # one host read per mini-batch (exp lives on the host anyway)
+    total = sum(lengths[i] for i in mini)
+    for idx in micro_batch_indices(exp, mini, size, world, tokens, shared)[rank::world]:
+        yield idx, {"token": sum(lengths[i] for i in idx) / total, "sequence": len(idx) / len(mini)}
+
+
+def prompt_tokens_shared(exp: Experience, batches: list[list[int]], rl: RLConfig, world: int = 1) -> int:
+    """Prompt token-forwards that one prefix-shared pass over these mini-batches' micro-batches (every rank's)
+    does not compute: per micro-batch that shares (worth_sharing), each repeated prompt's length x (its samples - 1)."""
+    total = 0
+    for mini in batches:
+        for idx in micro_batch_indices(exp, mini, rl.micro_batch_size, world, rl.micro_batch_tokens, rl.share_prompt):
+            prompts, responses = [exp.prompt_ids[i] for i in idx], [exp.response_ids[i] for i in idx]
+            total += prompt_tokens_saved(prompts) if worth_sharing(prompts, responses) else 0
+    return total
+
+
+def _micro(exp: Experience, idx: list[int], pad_id: int, model, share_prompt: bool):
+    """The micro-batch's inputs on model's device (prefix-shared where rl.share_prompt, the model supports it and a
+    prompt repeats), and a function taking its rows of an (N,) or (N, T) experience tensor."""
+    device = next(model.parameters()).device
+    mb = collate([exp.prompt_ids[i] for i in idx], [exp.response_ids[i] for i in idx], pad_id, device,
+                 share_prompt and can_share(model))
     T = mb.mask.shape[1]
     return mb, lambda t: (t[idx] if t.dim() == 1 else t[idx][:, :T]).to(device)
 
@@ -206,7 +244,7 @@ def micro_policy_loss(actor, exp: Experience, idx: list[int], adv, rl: RLConfig,
                       temperature: float):
     """Clipped surrogate (plus grpo's in-loss KL, same estimator and averaging level) of one micro-batch, unscaled.
     temperature: the one the samples were drawn and the reference scored at (the iteration's)."""
-    mb, take = _micro(exp, idx, pad_id, next(actor.parameters()).device)
+    mb, take = _micro(exp, idx, pad_id, actor, rl.share_prompt)
     new_lp, entropy = response_logprobs(actor, mb, temperature, with_entropy=True)
     loss, st = ppo_policy_loss(new_lp, take(exp.logprobs), take(adv), mb.mask, rl.clip, rl.loss_level)
     stats = {"train/policy_loss": loss.detach(), "train/clip_frac": st["clip_frac"], "train/approx_kl": st["approx_kl"],
@@ -219,7 +257,7 @@ def micro_policy_loss(actor, exp: Experience, idx: list[int], adv, rl: RLConfig,
 
 def micro_value_loss(critic, exp: Experience, idx: list[int], returns, rl: RLConfig, pad_id: int):
     """Clipped value loss of one micro-batch (a token mean), unscaled."""
-    mb, take = _micro(exp, idx, pad_id, next(critic.parameters()).device)
+    mb, take = _micro(exp, idx, pad_id, critic, rl.share_prompt)
     loss, st = value_loss(response_values(critic, mb), take(exp.values), take(returns), mb.mask, rl.vf_clip)
     return loss, {"train/value_loss": loss.detach(), "train/value_clip_frac": st["clip_frac"]}
 
@@ -254,16 +292,16 @@ def optimise(learners: list[Learner], batches: list[list[int]], exp: Experience,
     sums: dict = {}
     count, steps, norms = 0, 0, [0.0] * len(learners)
     for mini in batches:
-        finite = True
-        for idx, share in micro_batches(exp, mini, micro_size):
+        finite = torch.ones((), dtype=torch.bool)
+        # the finite flag stays a tensor: one host sync per mini-batch (at the step), none per micro-batch; a NaN
+        # micro-batch's backward makes NaN gradients, which the skipped step drops
+        for idx, share in micro_batches(exp, mini, micro_size, 0, 1, rl.micro_batch_tokens, rl.share_prompt):
             loss, stats = loss_of(idx, share)
-            if not torch.isfinite(loss):
-                finite = False
-                break
+            finite = finite.to(loss.device) & torch.isfinite(loss.detach())
             loss.backward()
-            count = _add_stats(sums, stats, count)
-        steps, norms = _step_or_skip(learners, finite, rl, bad, steps, norms)
-    return {k: float(v) / max(1, count) for k, v in sums.items()}, [float(n) / max(1, steps) for n in norms]
+            count = _add_stats(sums, stats, count, finite)
+        steps, norms = _step_or_skip(learners, bool(finite), rl, bad, steps, norms)
+    return {k: float(v) / max(1, int(count)) for k, v in sums.items()}, [float(n) / max(1, steps) for n in norms]
 
 
 def _optimise_data_parallel(learners, batches, exp, micro_size, loss_of, rl, bad, group):
@@ -273,29 +311,33 @@ def _optimise_data_parallel(learners, batches, exp, micro_size, loss_of, rl, bad
     count, steps, norms = 0, 0, [0.0] * len(learners)
     modules = [learner.module for learner in learners]
     zero = {"token": 0.0, "sequence": 0.0}
+    tokens, shared = rl.micro_batch_tokens, rl.share_prompt
     for n, mini in enumerate(batches):
-        mine = list(micro_batches(exp, mini, micro_size, group.rank, group.world))
-        slots = group.micro_batch_slots(len(mini), micro_size)
-        finite = True
+        every = micro_batch_indices(exp, mini, micro_size, group.world, tokens, shared)
+        mine = list(micro_batches(exp, mini, micro_size, group.rank, group.world, tokens, shared))
+        slots = -(-len(every) // group.world)  # the most any rank has: every rank takes part in each all-reduce
+        finite = torch.ones((), dtype=torch.bool)
         for j in range(slots):
-            idx, share = mine[j] if j < len(mine) else (mini[:micro_size], zero)  # a padding slot adds nothing
+            idx, share = mine[j] if j < len(mine) else (every[0], zero)  # a padding slot adds nothing
             with group.micro_batch(modules, sync=j == slots - 1) as run:
                 loss, stats = run(loss_of, idx, share)
-                finite = finite and bool(torch.isfinite(loss))
+                finite = finite.to(loss.device) & torch.isfinite(loss.detach())
                 loss.backward()
-            if j < len(mine) and finite:  # as one process: no stats from a NaN micro-batch on
-                count = _add_stats(sums, stats, count)
+            if j < len(mine):  # as one process: no stats from a NaN micro-batch on
+                count = _add_stats(sums, stats, count, finite)
         if n == 0:
             group.check_all_used(modules)
-        steps, norms = _step_or_skip(learners, group.all_finite(finite), rl, bad, steps, norms)
-    sums, count = group.sum_stats(sums, count)
+        steps, norms = _step_or_skip(learners, group.all_finite(bool(finite)), rl, bad, steps, norms)
+    sums, count = group.sum_stats(sums, int(count))
     return {k: float(v) / max(1, count) for k, v in sums.items()}, [float(n) / max(1, steps) for n in norms]
 
 
-def _add_stats(sums: dict, stats: dict, count: int) -> int:
-    for key, v in stats.items():  # tensors: no host sync per micro-batch
-        sums[key] = sums.get(key, 0.0) + v.detach()
-    return count + 1
+def _add_stats(sums: dict, stats: dict, count, finite: torch.Tensor):
+    """Adds a micro-batch's stats where `finite` (all losses of its mini-batch so far were): tensors throughout, no
+    host sync per micro-batch. count: a tensor once added to."""
+    for key, v in stats.items():
+        sums[key] = sums.get(key, 0.0) + torch.where(finite, v.detach(), 0.0)
+    return count + finite.long()
 
 
 def _step_or_skip(learners, finite: bool, rl: RLConfig, bad: dict, steps: int, norms: list) -> tuple[int, list]:
@@ -354,7 +396,10 @@ def update(models: Models, learners: Learners, exp: Experience, adv, returns, rl
     t1 = time.perf_counter()
     if learners.critic is not None and not learners.shared_body:
         stats |= update_critic(learners.critic, exp, returns, batches, rl, pad, bad, group)
-    return stats | {"time/train_actor": t1 - t0, "time/train_critic": time.perf_counter() - t1}
+    passes = rl.share_prompt * (can_share(models.actor) + can_share(models.critic))  # a value head runs the body again
+    shared = passes * prompt_tokens_shared(exp, batches, rl, group.world if group else 1) if passes else 0
+    return stats | {"time/train_actor": t1 - t0, "time/train_critic": time.perf_counter() - t1,
+                    "perf/prompt_tokens_shared_train": shared}
 
 
 def count_nonfinite_rewards(exp: Experience, rl: RLConfig, bad: dict) -> int:
@@ -457,8 +502,10 @@ def train_rl(cfg: Config, run_dir: Path, log=print, resume: bool = False, on_rea
             temperature = iteration_temperature(rl, it)
             prompts = prompt_batch(train_prompts, it, rl.prompts_per_iter, seed, difficulty, rl.iterations,
                                    rl.curriculum_start)
+            shared_before = scorer.prompt_tokens_shared  # this process's scorer (Ray workers score on their own)
             exp = rollout.generate(prompts, rl.k, dataclasses.replace(params, temperature=temperature),
                                    seed * 1_000_003 + it)
+            shared_scoring = scorer.prompt_tokens_shared - shared_before
             # 3. KL-shaped rewards and advantages (pure functions in rlfuse/algos)
             adv, returns, kl = compute_advantages(exp, rl, kl_ctl.coef)
             # 4. update actor and critic (skipped, and counted, when a reward is not finite)
@@ -480,7 +527,8 @@ def train_rl(cfg: Config, run_dir: Path, log=print, resume: bool = False, on_rea
                 reward_metrics(models.reward_fn)  # the evaluation's calls are not the next iteration's
             if due(rl.log_samples_every, it + 1):
                 tracker.log_table(it + 1, "samples", sample_table(exp, tok, gold))
-            row |= {"rollout/temperature": temperature, "time/training": t2 - t1, "time/iteration": t2 - t0,
+            row |= {"perf/prompt_tokens_shared": shared_scoring + stats.get("perf/prompt_tokens_shared_train", 0),
+                    "rollout/temperature": temperature, "time/training": t2 - t1, "time/iteration": t2 - t0,
                     "train/skipped_steps": bad["skipped"],
                     "rollout/samples_per_s": len(exp) / (t2 - t0), "rollout/tokens_per_s": float(exp.mask.sum()) / (t2 - t0)}
             tracker.log(it + 1, **row)

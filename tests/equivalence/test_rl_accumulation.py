@@ -40,11 +40,11 @@ def experience(actor, k):
                       lp + noise(0.3), noise(1.0), mb.mask, ["eos"] * N)
 
 
-def run_update(algo, level, shared, micro):
+def run_update(algo, level, shared, micro, *extra):
     k = 1 if algo == "ppo" else 4
     rl = load_config(None, [f"rl.algo={algo}", f"rl.k={k}", "rl.epochs=1", f"rl.mini_batch_size={N}",
                             f"rl.micro_batch_size={micro}", "rl.grad_clip=0", f"rl.loss_level={level}",
-                            "rl.prompts_per_iter=8"]).rl
+                            "rl.prompts_per_iter=8", *extra]).rl
     actor = tiny_lm(0)
     exp = experience(actor, k)
     critic = None
@@ -76,6 +76,21 @@ def test_micro_batches_1x8_equal_8x1(algo, level, shared):
     assert whole.keys() == split.keys()
     moved = [n for n in start if not torch.equal(start[n], whole[n])]
     assert len(moved) == len(start), "every actor parameter must change"
+    for n in whole:
+        torch.testing.assert_close(split[n], whole[n], msg=n)
+
+
+@pytest.mark.parametrize("algo,level,shared,budget", [("ppo", "token", True, 14), ("grpo", "sequence", False, 14)])
+def test_token_budget_micro_batches_equal_one_batch(algo, level, shared, budget):
+    """rl.micro_batch_tokens: micro-batches of different sizes (here 2, 2, 2, 1, 1 and 4, 3, 1 of 8) still accumulate to the
+    whole mini-batch's update."""
+    from rlfuse.trainers.rl import micro_batch_indices
+
+    whole = run_update(algo, level, shared, N)
+    split = run_update(algo, level, shared, N, f"rl.micro_batch_tokens={budget}")
+    exp = experience(tiny_lm(0), 1 if algo == "ppo" else 4)
+    sizes = [len(m) for m in micro_batch_indices(exp, list(range(N)), N, tokens=budget, shared=True)]
+    assert len(sizes) > 1 and len(set(sizes)) > 1, sizes
     for n in whole:
         torch.testing.assert_close(split[n], whole[n], msg=n)
 

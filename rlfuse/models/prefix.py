@@ -1,0 +1,161 @@
+"""Prefix-shared forward: the k samples of one prompt run the prompt through the transformer body once; each sample's
+continuation then attends to that prompt's keys and values (repeated to its rows) through a transformers cache.
+The prompt's activations get the summed gradient of the k continuations through autograd (indexing's backward
+sums the rows), so a training forward is shared as well as a scoring one.
+
+Why our own cache layers and not DynamicCache: DynamicCache appends on every update, so a checkpointed layer
+replayed in the backward would append the prompt a second time; transformers therefore drops any cache under
+gradient checkpointing. _PromptLayer records a layer's keys/values once and _SharedPrefixLayer stores nothing, so a
+replay reads exactly what the forward read, and `_cache_through_checkpointing` lets the cache reach the layers.
+
+Masks are explicit 4D masks and positions explicit ids (prompts right-padded: no query row is fully masked, so no
+NaN can reach the keys). GPT-2 and Llama-style models (Llama, Qwen2, Mistral without a sliding window) with eager or
+SDPA attention; `supports` says no to any other, and callers keep the full forward there.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+from transformers.cache_utils import Cache, DynamicLayer
+
+MODEL_TYPES = ("gpt2", "llama", "qwen2", "mistral")
+
+
+@dataclass
+class PrefixBatch:
+    """Samples grouped by prompt: each distinct prompt once, each sample's continuation after it."""
+    prompt_ids: Tensor     # (U, P) distinct prompts, right-padded
+    prompt_lens: Tensor    # (U,)
+    group: Tensor          # (B,) row in prompt_ids of each sample's prompt
+    cont_ids: Tensor       # (B, C) continuations, right-padded (C may be 0)
+    cont_lens: Tensor      # (B,)
+    saved_tokens: int
+    """Prompt token-forwards not computed: sum over distinct prompts of length x (samples - 1)."""
+
+
+def group_by_prompt(prompts: list[list[int]], continuations: list[list[int]], pad_id: int, device) -> PrefixBatch:
+    """PrefixBatch of B samples; prompts equal as token lists share one row, in order of first appearance."""
+    rows: dict[tuple, int] = {}
+    group = [rows.setdefault(tuple(p), len(rows)) for p in prompts]
+    distinct = list(rows)
+    P, C = max(map(len, distinct)), max(map(len, continuations))
+    ids = torch.full((len(distinct), P), pad_id, dtype=torch.long)
+    for u, p in enumerate(distinct):
+        ids[u, : len(p)] = torch.tensor(p)
+    cont = torch.full((len(prompts), C), pad_id, dtype=torch.long)
+    for b, c in enumerate(continuations):
+        cont[b, : len(c)] = torch.tensor(c, dtype=torch.long)
+    saved = sum(map(len, prompts)) - sum(map(len, distinct))
+    lens, cont_lens = torch.tensor([len(p) for p in distinct]), torch.tensor([len(c) for c in continuations])
+    return PrefixBatch(ids.to(device), lens.to(device), torch.tensor(group).to(device), cont.to(device),
+                       cont_lens.to(device), saved)
+
+
+def prompt_tokens_saved(prompts: list[list[int]]) -> int:
+    """Prompt token-forwards a shared forward saves on these samples' prompts (0: no prompt repeats)."""
+    return sum(map(len, prompts)) - sum(len(p) for p in {tuple(p) for p in prompts})
+
+
+def supports(model) -> bool:
+    """Whether the prefix-shared forward is implemented (and tested) for this model's body."""
+    cfg = getattr(model, "config", None)
+    if cfg is None or getattr(cfg, "model_type", None) not in MODEL_TYPES:
+        return False
+    sliding = getattr(cfg, "sliding_window", None) is not None and getattr(cfg, "use_sliding_window", True)
+    return not sliding and getattr(cfg, "_attn_implementation", None) in ("eager", "sdpa")
+
+
+class _PromptLayer(DynamicLayer):
+    """Keeps the first keys/values it is given (the prompt's); a checkpointed layer's replay leaves them."""
+
+    def update(self, key_states: Tensor, value_states: Tensor, *args, **kwargs) -> tuple[Tensor, Tensor]:
+        if not self.is_initialized:
+            self.keys, self.values, self.is_initialized = key_states, value_states, True
+        return key_states, value_states
+
+
+class _SharedPrefixLayer(DynamicLayer):
+    """The prompt's keys/values repeated to each sample's row, in front of the continuation's own; stores nothing."""
+
+    def __init__(self, keys: Tensor, values: Tensor):
+        super().__init__()
+        self.keys, self.values, self.is_initialized = keys, values, True
+
+    def update(self, key_states: Tensor, value_states: Tensor, *args, **kwargs) -> tuple[Tensor, Tensor]:
+        return torch.cat([self.keys, key_states], -2), torch.cat([self.values, value_states], -2)
+
+
+@contextlib.contextmanager
+def _cache_through_checkpointing(body):
+    """Under gradient checkpointing transformers hands layers no cache (GPT2Model passes None; each checkpointed
+    layer drops a `past_key_values` keyword unless its `_can_checkpoint_with_cache`). Our cache layers replay
+    identically, so let the cache through; the layers still checkpoint."""
+    if not (getattr(body, "gradient_checkpointing", False) and body.training):
+        yield
+        return
+    layers = [m for m in body.modules() if hasattr(type(m), "_can_checkpoint_with_cache")]
+    body.gradient_checkpointing = False  # the body's own flag: its layers keep theirs
+    for layer in layers:
+        layer._can_checkpoint_with_cache = True
+    try:
+        yield
+    finally:
+        body.gradient_checkpointing = True
+        for layer in layers:
+            del layer._can_checkpoint_with_cache
+
+
+def _mask(allowed: Tensor, body) -> Tensor:
+    """(N, 1, Q, K) attention mask from a bool `allowed` in the format the body's attention takes: bool for SDPA,
+    additive float for eager (as transformers' own mask builders give)."""
+    if body.config._attn_implementation == "sdpa":
+        return allowed[:, None]
+    dtype = body.get_input_embeddings().weight.dtype
+    return torch.zeros(allowed.shape, dtype=dtype, device=allowed.device).masked_fill_(
+        ~allowed, torch.finfo(dtype).min)[:, None]
+
+
+def prefix_shared_hidden(body, pb: PrefixBatch) -> tuple[Tensor, Tensor]:
+    """-> (prompt hidden (U, P, H), continuation hidden (B, C, H)): the body's last hidden states of each distinct
+    prompt, and of each sample's continuation as if it followed its prompt in one sequence. Differentiable."""
+    dev = pb.prompt_ids.device
+    U, P = pb.prompt_ids.shape
+    B, C = pb.cont_ids.shape
+    ar_p, ar_c = torch.arange(P, device=dev), torch.arange(C, device=dev)
+    causal_p = ar_p[None, :, None] >= ar_p[None, None, :]                                   # (1, P, P)
+    prompt_keys = ar_p[None, :] < pb.prompt_lens[:, None]                                   # (U, P)
+    cache = Cache(layer_class_to_replicate=_PromptLayer)
+    with _cache_through_checkpointing(body):
+        h_prompt = body(input_ids=pb.prompt_ids, attention_mask=_mask(causal_p & prompt_keys[:, None], body),
+                        position_ids=ar_p[None].expand(U, P), past_key_values=cache, use_cache=False).last_hidden_state
+        if C == 0:
+            return h_prompt, h_prompt.new_zeros(B, 0, h_prompt.shape[-1])
+        # indexing, not index_select: on CPU index_select of these strided (U, heads, P, D) views is 5-30x slower
+        shared = Cache(layers=[_SharedPrefixLayer(layer.keys[pb.group], layer.values[pb.group]) for layer in cache.layers])
+        lens = pb.prompt_lens[pb.group]                                                     # (B,)
+        allowed = torch.cat([prompt_keys[pb.group][:, None].expand(B, C, P),                # a sample's own prompt
+                             (ar_c[:, None] >= ar_c[None, :])[None].expand(B, C, C)], -1)   # causal continuation
+        # padding stays at its sample's last position: a short continuation after a long prompt must not index
+        # past the model's context (GPT-2's position table)
+        steps = torch.minimum(ar_c[None], (pb.cont_lens[:, None] - 1).clamp(min=0))
+        h_cont = body(input_ids=pb.cont_ids, attention_mask=_mask(allowed, body), position_ids=lens[:, None] + steps,
+                      past_key_values=shared, use_cache=False).last_hidden_state
+    return h_prompt, h_cont
+
+
+def hidden_at(h_prompt: Tensor, h_cont: Tensor, pb: PrefixBatch, positions: Tensor) -> Tensor:
+    """(B, T, H) hidden states at sequence positions (B, T) of prompt + continuation (positions past a sample's
+    sequence give some row's state: callers mask them)."""
+    lens = pb.prompt_lens[pb.group][:, None]                                                # (B, 1)
+    in_prompt = positions < lens
+    H = h_prompt.shape[-1]
+    from_prompt = h_prompt[pb.group[:, None], positions.clamp(max=h_prompt.shape[1] - 1)]   # (B, T, H)
+    if h_cont.shape[1] == 0:
+        return from_prompt
+    at = (positions - lens).clamp(0, h_cont.shape[1] - 1)
+    from_cont = h_cont.gather(1, at[..., None].expand(-1, -1, H))
+    return torch.where(in_prompt[..., None], from_prompt, from_cont)
