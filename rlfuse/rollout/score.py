@@ -210,16 +210,6 @@ def _shared_reward(rm, prompts, ends, seqs, pad_id: int, dev) -> Tensor:
     return head(h.to(head.weight.dtype)).squeeze(-1).float().cpu()
 
 
-def function_reward_fn(fn: Callable, tokenizer) -> Callable[[list[Sample]], Tensor]:
-    """Reward from a Python function of texts (prompt + response, special tokens removed)."""
-
-    def score(samples: list[Sample]) -> Tensor:
-        texts = [tokenizer.decode(s.prompt_ids + s.token_ids, skip_special_tokens=True) for s in samples]
-        return torch.tensor([float(x) for x in fn(texts)], dtype=torch.float32)
-
-    return score
-
-
 class Scorer:
     """Scores finished samples, one micro-batch of similar lengths at a time, and keeps time per role.
 

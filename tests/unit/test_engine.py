@@ -11,7 +11,8 @@ from rlfuse.models.heads import ValueModel
 from rlfuse.models.load import load_causal_lm, load_tokenizer
 from rlfuse.rollout.engine import DecodeEngine, SamplingParams, filter_logits
 from rlfuse.rollout.fusion import FusionPolicy, generate_rollouts
-from rlfuse.rollout.score import Scorer, function_reward_fn
+from rlfuse.rollout.rewards import FunctionReward
+from rlfuse.rollout.score import Scorer
 
 PROMPTS = ["the acting", "the old detective finds the", "i really", "this film was", "later, the thief"]
 
@@ -119,7 +120,7 @@ def test_fused_and_unfused_give_same_samples_and_scores(lm, tiny_task):
     prompts = [encode(tok, p) for p in PROMPTS]
     out = {}
     for fused in (True, False):
-        scorer = Scorer(function_reward_fn(gold_reward, tok), tok.pad_token_id, ref=ref, actor=model, critic=critic,
+        scorer = Scorer(FunctionReward([gold_reward], None, tok), tok.pad_token_id, ref=ref, actor=model, critic=critic,
                         micro_batch_size=3)
         eng = DecodeEngine(model, tok.eos_token_id)
         # per-sample limits, so rows finish at different steps whatever the model draws
@@ -139,7 +140,7 @@ def test_recomputed_old_logprobs_equal_the_engines(lm):
     tok, model = lm
     samples = list(DecodeEngine(model, tok.eos_token_id).generate([encode(tok, p) for p in PROMPTS], 2,
                                                                   SamplingParams(max_new_tokens=10, temperature=0.8), 4))
-    scorer = Scorer(function_reward_fn(gold_reward, tok), tok.pad_token_id, actor=model, temperature=0.8,
+    scorer = Scorer(FunctionReward([gold_reward], None, tok), tok.pad_token_id, actor=model, temperature=0.8,
                     micro_batch_size=4, recompute_old_logprobs=True)
     scored = scorer.score(samples)
     assert scorer.times["old_logprobs"] > 0
