@@ -62,6 +62,8 @@ def _plain_overrides(overrides: Overrides) -> dict | list:
             value = os.fspath(value)
         elif key == "rl.reward" and callable(value):
             value = reward_spec(value)
+        elif key == "rl.reward" and isinstance(value, (list, tuple)):  # several functions, summed (rl.reward_weights)
+            value = ",".join(reward_spec(f) if callable(f) else str(f) for f in value)
         out[key] = value
     return out
 
@@ -95,6 +97,31 @@ def _model_override(model, tokenizer, run_dir) -> str | None:
     return str(folder)
 
 
+def _dataset_override(dataset, run_dir) -> dict:
+    """data.kind/data.path for a `datasets.Dataset` (or a list of row dicts): its rows written to RUN_DIR/data.jsonl,
+    a file the stages read in any of TRL's formats and a resumed run finds again. {} for None."""
+    import json
+
+    if dataset is None:
+        return {}
+    if run_dir is None:
+        raise UserError("config error: run_dir: a dataset object is saved into the run folder before training; pass "
+                        "run_dir=... too")
+    if hasattr(dataset, "keys") and not hasattr(dataset, "column_names"):  # a DatasetDict: which split is ambiguous
+        raise UserError(f"config error: dataset: a DatasetDict with splits {', '.join(dataset.keys())}; pass one "
+                        "split, e.g. dataset=ds['train'] (rlfuse holds out data.eval_fraction itself)")
+    path = Path(run_dir) / "data.jsonl"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with path.open("w", encoding="utf-8") as f:
+        for i, row in enumerate(dataset, 1):
+            try:
+                f.write(json.dumps(dict(row), ensure_ascii=False) + "\n")
+            except (TypeError, ValueError) as e:
+                raise UserError(f"data error: dataset: row {i} has a value that is not text, a number or a list of "
+                                f"messages ({e}); drop or convert that column first") from None
+    return {"data.kind": "jsonl", "data.path": str(path)}
+
+
 def _refuse_live_reward_on_workers(cfg: Config) -> None:
     if is_live(cfg.rl.reward) and cfg.placement.strategy != "single":
         raise ConfigError("rl.reward", f"a callable that is not importable by name lives in this process, and "
@@ -106,23 +133,25 @@ def _refuse_live_reward_on_workers(cfg: Config) -> None:
 
 
 def train_sft(config: ConfigLike = None, run_dir: str | os.PathLike | None = None, *, overrides: Overrides = None,
-              model=None, tokenizer=None, log: Callable = log_stderr):
+              model=None, tokenizer=None, dataset=None, log: Callable = log_stderr):
     """Supervised fine-tuning into RUN_DIR/sft. model: a hub id or folder (model.name), or a transformers model
-    object with its `tokenizer`. Returns the SFTResult (model_dir, val_loss, perplexity, seconds, ...)."""
+    object with its `tokenizer`. dataset: a `datasets.Dataset` (or list of row dicts) in any of TRL's formats,
+    saved as RUN_DIR/data.jsonl. Returns the SFTResult (model_dir, val_loss, perplexity, seconds, ...)."""
     from rlfuse.trainers.sft import train_sft as run_sft
 
-    cfg = _stage_config(config, overrides, run_dir, **{"model.name": _model_override(model, tokenizer, run_dir)})
+    cfg = _stage_config(config, overrides, run_dir, **{"model.name": _model_override(model, tokenizer, run_dir)},
+                        **_dataset_override(dataset, run_dir))
     return run_sft(cfg, make_run_dir(cfg, "sft"), log)
 
 
 def train_rm(config: ConfigLike = None, run_dir: str | os.PathLike | None = None, *, overrides: Overrides = None,
-             log: Callable = log_stderr):
+             dataset=None, log: Callable = log_stderr):
     """Reward-model training into RUN_DIR/rm, from rm.sft_path (a folder or hub id) or RUN_DIR/sft/model (rm.init=sft),
     or model.name (rm.init=base).
     Returns the RMResult (model_dir, accuracy, margin, seconds)."""
     from rlfuse.trainers.rm import train_rm as run_rm
 
-    cfg = _stage_config(config, overrides, run_dir)
+    cfg = _stage_config(config, overrides, run_dir, **_dataset_override(dataset, run_dir))
     return run_rm(with_local_stage_paths(cfg), make_run_dir(cfg, "rm"), log)
 
 
@@ -143,19 +172,23 @@ class RLResult:
 
 
 def train_rl(config: ConfigLike = None, run_dir: str | os.PathLike | None = None, *, overrides: Overrides = None,
-             reward: Callable | str | None = None, resume: bool = False, log: Callable = log_stderr) -> RLResult:
+             reward: Callable | str | list | None = None, dataset=None, resume: bool = False,
+             log: Callable = log_stderr) -> RLResult:
     """Online RL (rl.algo) into RUN_DIR/rl from rl.sft_path / rl.rm_path (folders or hub ids) or RUN_DIR's sft/ and
     rm/ models; writes eval.json and report.html.
 
-    reward: overrides rl.reward with a function of a list of texts (prompt + completion) returning one float each, or
-    a 'module:function' string. An importable function is saved in config.yaml by its module:function; any other
+    reward: overrides rl.reward with a reward function (f(prompts, completions, **columns) -> one float or None per
+    completion, or the older f(texts)), a 'module:function' string, or a list of them (summed with
+    rl.reward_weights). dataset: the prompts as a `datasets.Dataset` or list of row dicts (its other columns reach the
+    reward functions). An importable function is saved in config.yaml by its module:function; any other
     callable (a lambda, a local function) works in this process, and resuming it needs reward= again.
     resume=True continues RUN_DIR from its last checkpoint, with its saved config.yaml unless config is given
     (overrides apply either way)."""
     from rlfuse.trainers.rl import train_rl as run_rl
 
     config = _resume_config(config, run_dir) if resume else config
-    cfg = _stage_config(config, overrides, run_dir, **{"rl.reward": reward})
+    cfg = _stage_config(config, overrides, run_dir, **{"rl.reward": reward},
+                        **({} if resume else _dataset_override(dataset, run_dir)))
     _refuse_live_reward_on_workers(cfg)
     run_dir = Path(run_dir) if resume else make_run_dir(cfg, "rl")
     return _rl_result(run_dir, run_rl(with_local_stage_paths(cfg), run_dir, log, resume=resume))
@@ -174,13 +207,13 @@ class PipelineResult:
 
 
 def run_pipeline(config: ConfigLike = None, run_dir: str | os.PathLike | None = None, *, overrides: Overrides = None,
-                 model=None, tokenizer=None, reward: Callable | str | None = None, resume: bool = False,
-                 log: Callable = log_stderr) -> PipelineResult:
+                 model=None, tokenizer=None, reward: Callable | str | list | None = None, dataset=None,
+                 resume: bool = False, log: Callable = log_stderr) -> PipelineResult:
     """SFT, the reward model on the SFT backbone, then RL, into one run folder (what `rlfuse run` does). The reward
     model is trained only when a role loads from it (rl.reward=rm, or a critic from it); with reward functions and
     no such critic (GRPO or RLOO on a verifiable reward) its stage is skipped, and rm is None. resume=True keeps the finished
-    stages of RUN_DIR and continues RL from its last checkpoint. model/tokenizer as in train_sft, reward as in
-    train_rl."""
+    stages of RUN_DIR and continues RL from its last checkpoint. model/tokenizer/dataset as in train_sft, reward as
+    in train_rl."""
     from rlfuse.trainers.rl import train_rl as run_rl
     from rlfuse.trainers.rm import train_rm as run_rm
     from rlfuse.trainers.sft import train_sft as run_sft
@@ -188,7 +221,8 @@ def run_pipeline(config: ConfigLike = None, run_dir: str | os.PathLike | None = 
     t0 = time.perf_counter()
     config = _resume_config(config, run_dir) if resume else config
     cfg = _stage_config(config, overrides, run_dir, **{"rl.reward": reward,
-                                                       "model.name": _model_override(model, tokenizer, run_dir)})
+                                                       "model.name": _model_override(model, tokenizer, run_dir)},
+                        **({} if resume else _dataset_override(dataset, run_dir)))
     _refuse_live_reward_on_workers(cfg)
     run_dir = Path(run_dir) if resume else make_run_dir(cfg, "run")
     log(f"[run] run folder: {run_dir}")

@@ -157,3 +157,34 @@ def test_a_model_object_is_saved_into_the_run_folder(tmp_path):
     assert api._model_override("org/model", None, None) == "org/model"
     with pytest.raises(UserError, match="model: a model object must .* come with tokenizer="):
         api._model_override(model, None, tmp_path / "run")
+
+
+def says_yes(prompts, completions, answer):  # a reward of TRL's form that reads the data set's `answer` column
+    return [float(a in c) for c, a in zip(completions, answer)]
+
+
+def is_short(prompts, completions, **_):
+    return [None if not c.strip() else float(len(c) < 20) for c in completions]
+
+
+def test_a_datasets_object_and_several_reward_functions(demo, tmp_path):
+    from datasets import Dataset
+
+    run_dir, _ = demo
+    rows = [{"prompt": f"the movie was number {i}", "answer": "great"} for i in range(12)]
+    out = tmp_path / "rl-ds"
+    result = api.train_rl(overrides={"rl.sft_path": run_dir / "sft" / "model", "rl.algo": "grpo", "rl.k": 2,
+                                     "rl.iterations": 1, "rl.prompts_per_iter": 4, "rl.mini_batch_size": 8,
+                                     "rl.micro_batch_size": 4, "rl.max_new_tokens": 6, "rl.eval_prompts": 2,
+                                     "rl.reward_weights": [1.0, 0.5], "run.quiet": True},
+                          run_dir=out, dataset=Dataset.from_list(rows), reward=[says_yes, is_short])
+    saved = yaml.safe_load((out / "config.yaml").read_text())
+    assert saved["data"]["kind"] == "jsonl" and Path(saved["data"]["path"]) == out / "data.jsonl"
+    assert [spec.split(":")[1] for spec in saved["rl"]["reward"].split(",")] == ["says_yes", "is_short"]
+    row = rows_of(out / "rl" / "metrics.jsonl")[0]
+    assert 0.0 <= row["reward/fn/says_yes"] <= 1.0 and 0.0 <= row["reward/fn/is_short"] <= 1.0
+    assert result.model_dir.is_dir()
+    with pytest.raises(UserError, match="DatasetDict"):
+        from datasets import DatasetDict
+
+        api.train_rl(run_dir=tmp_path / "x", dataset=DatasetDict(train=Dataset.from_list(rows)))
