@@ -107,7 +107,7 @@ def _dataset_override(dataset, run_dir) -> dict:
     if run_dir is None:
         raise UserError("config error: run_dir: a dataset object is saved into the run folder before training; pass "
                         "run_dir=... too")
-    if hasattr(dataset, "keys") and not hasattr(dataset, "column_names"):  # a DatasetDict: which split is ambiguous
+    if isinstance(dataset, dict):  # a DatasetDict (a dict of splits): which split is meant is ambiguous
         raise UserError(f"config error: dataset: a DatasetDict with splits {', '.join(dataset.keys())}; pass one "
                         "split, e.g. dataset=ds['train'] (rlfuse holds out data.eval_fraction itself)")
     path = Path(run_dir) / "data.jsonl"
