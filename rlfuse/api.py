@@ -69,11 +69,15 @@ def _plain_overrides(overrides: Overrides) -> dict | list:
 
 
 def _stage_config(config: ConfigLike, overrides: Overrides, run_dir, **extra) -> Config:
-    """load_config with run.dir and the stage's live objects applied on top of the overrides."""
-    cfg = load_config(config, overrides)
+    """load_config with run.dir and the stage's live objects applied on top of the overrides, validated together
+    (rl.reward_weights in overrides and reward= given separately are checked as one config)."""
     updates = {k: v for k, v in extra.items() if v is not None}
     if run_dir is not None:
         updates["run.dir"] = os.fspath(run_dir)
+    plain = _plain_overrides(overrides)
+    if isinstance(plain, dict) or not plain:
+        return load_config(config, {**(plain or {}), **_plain_overrides(updates)})
+    cfg = load_config(config, plain)
     return config_from_dict(config_to_dict(cfg), _plain_overrides(updates)) if updates else cfg
 
 
