@@ -208,6 +208,9 @@ def measure_profile(shape: ModelShape | None = None, threads: int = 1, device: s
         t_one = _timed(lambda: model(input_ids=one_token).logits, 9, sync)
     _, per_row = _fit(fwd)
     flops = shape.forward_flops(seq, seq / 2) / per_row
+    # a decode row's slope is fitted from step times nearly flat in rows on small models: noise can put it near 0
+    # and the rate at 1e14+; one token per row never runs at a higher FLOP rate than a batched forward does
+    decode_flops = min(decode_flops, flops)
     call = max(1e-7, (t_one - shape.forward_flops(1, 1) / flops - wbytes / mem_bw) / shape.layers)
     prefill_call_s = max(0.0, (t_varied - t_same) / 14 - shape.layers * call - wbytes / mem_bw)
 
