@@ -585,8 +585,13 @@ def _validate_report_to(report_to) -> None:
     for name in report_to or ():
         _choice(name, "run.report_to", TRACKERS)
         if not package_installed(TRACKER_PACKAGES[name]):
-            raise ConfigError("run.report_to", f"{name} is not installed", f"pip install {TRACKER_PACKAGES[name]} "
-                              f"(or remove {name} from run.report_to)")
+            raise tracker_missing(name)
+
+
+def tracker_missing(name: str) -> ConfigError:
+    """The one-line error for a run.report_to tracker that is not installed (validation and opening it alike)."""
+    return ConfigError("run.report_to", f"{name} is not installed", f"pip install {TRACKER_PACKAGES[name]} "
+                       f"(or remove {name} from run.report_to)")
 
 
 def package_installed(name: str) -> bool:

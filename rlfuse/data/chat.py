@@ -85,7 +85,8 @@ def end_of_turn_ids(tokenizer, generation_config=None) -> tuple[int, ...]:
     eos = getattr(generation_config, "eos_token_id", None)
     ids += list(eos) if isinstance(eos, (list, tuple)) else [eos]
     template = getattr(tokenizer, "chat_template", None) or ""
-    if isinstance(template, str):
-        vocab = tokenizer.get_vocab()
-        ids += [vocab[t] for t in END_OF_TURN_TOKENS if t in template and t in vocab]
+    if isinstance(template, str):  # token by token, not get_vocab(): this runs once per SFT example
+        for t in (t for t in END_OF_TURN_TOKENS if t in template):
+            i = tokenizer.convert_tokens_to_ids(t)
+            ids.append(None if i == tokenizer.unk_token_id else i)  # not a single token of this vocabulary
     return tuple(dict.fromkeys(i for i in ids if isinstance(i, int)))

@@ -31,8 +31,7 @@ def decode_flops(shape: ModelShape, prompt_len: int, response_len: int) -> float
     """The single-token forwards after the prefill: the prefill's logits give response token 1, and token j + 1
     (j = 1 .. L - 1) needs a forward of token j, which attends to P + j positions."""
     steps = max(0, response_len - 1)
-    attended = prompt_len * steps + steps * (steps + 1) / 2  # sum over j of (P + j)
-    return steps * 2 * shape.matmul_params + 4 * shape.layers * shape.hidden * attended
+    return shape.forward_flops(steps, prompt_len + (steps + 1) / 2)  # the mean of P + j over j = 1 .. steps
 
 
 def sequence_flops(shape: ModelShape, prompt_len: int, response_len: int) -> float:

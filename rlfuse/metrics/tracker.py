@@ -53,7 +53,7 @@ class JsonlTracker:
 def open_sinks(report_to: list | None, stage_dir: Path, run_name: str | None = None, config: dict | None = None) -> list:
     """The sinks of run.report_to for one stage (stage_dir: RUN_DIR/sft, rm or rl). None: TensorBoard when installed,
     nothing otherwise. Each named tracker must be installed (validate() checks it first; this says the same)."""
-    from rlfuse.config import TRACKER_PACKAGES, package_installed
+    from rlfuse.config import package_installed, tracker_missing
 
     names = (["tensorboard"] if package_installed("tensorboard") else []) if report_to is None else list(report_to)
     run_name = run_name or f"{stage_dir.parent.name}-{stage_dir.name}"
@@ -62,12 +62,9 @@ def open_sinks(report_to: list | None, stage_dir: Path, run_name: str | None = N
         try:
             sinks.append(SINKS[name](stage_dir, run_name, config or {}))
         except ImportError:
-            from rlfuse.errors import ConfigError
-
             for sink in sinks:
                 sink.close()
-            raise ConfigError("run.report_to", f"{name} is not installed", f"pip install {TRACKER_PACKAGES[name]} "
-                              f"(or remove {name} from run.report_to)") from None
+            raise tracker_missing(name) from None
     return sinks
 
 

@@ -19,11 +19,10 @@ RL losses optimise; they equal a full forward pass over the finished sequence (t
 
 from __future__ import annotations
 
+import contextlib
 from collections import defaultdict, deque
 from dataclasses import dataclass, field
 from typing import Iterator
-
-import contextlib
 
 import torch
 from torch import Tensor

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import inspect
 from collections import defaultdict
+from dataclasses import dataclass
 from typing import Callable
 
 import torch
@@ -20,19 +21,28 @@ from torch import Tensor
 from rlfuse.errors import ConfigError, UserError
 
 
-def takes_completions(fn: Callable) -> bool:
+@dataclass(frozen=True)
+class RewardSignature:
+    """How a reward function is called, read once from its signature."""
+    takes_completions: bool
+    """TRL's form f(prompts, completions, **columns); False: the older f(texts)."""
+    columns: frozenset
+    """Named parameters besides prompts and completions: data set columns it asks for."""
+    required: frozenset
+    """Those of them without a default."""
+    any_column: bool
+    """It takes **kwargs: every column is passed."""
+
+
+def signature_of(fn: Callable) -> RewardSignature:
     try:
-        params = inspect.signature(fn).parameters
+        params = list(inspect.signature(fn).parameters.values())
     except (TypeError, ValueError):  # builtins and some callables have no signature: the older form
-        return False
-    return "completions" in params
-
-
-def column_parameters(fn: Callable) -> tuple[set[str], bool]:
-    """(named parameters besides prompts and completions, whether it takes **kwargs)."""
-    params = inspect.signature(fn).parameters.values()
+        return RewardSignature(False, frozenset(), frozenset(), False)
     named = {p.name for p in params if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)} - {"prompts", "completions"}
-    return named, any(p.kind == p.VAR_KEYWORD for p in params)
+    required = {p.name for p in params if p.name in named and p.default is p.empty}
+    return RewardSignature("completions" in {p.name for p in params}, frozenset(named), frozenset(required),
+                           any(p.kind == p.VAR_KEYWORD for p in params))
 
 
 def weighted_sum(values: list[list[float | None]], weights: list[float]) -> list[float]:
@@ -55,13 +65,17 @@ class FunctionReward:
             raise ConfigError("rl.reward_weights", f"{len(weights)} weights for {len(fns)} reward functions",
                               "give one weight per function in rl.reward, or none (all 1.0)")
         self.fns, self.weights, self.tokenizer = fns, list(weights or [1.0] * len(fns)), tokenizer
+        self.signatures = [signature_of(fn) for fn in fns]
         self.rows: dict[tuple[int, ...], tuple[object, dict]] = {}
         self._sums: dict[str, list[float]] = defaultdict(lambda: [0.0, 0])
         self._abstained = self._scored = 0
 
     def __call__(self, samples) -> Tensor:
-        completions = [self.tokenizer.decode(s.token_ids, skip_special_tokens=True) for s in samples]
-        values = [self._call(fn, samples, completions) for fn in self.fns]
+        decode = lambda ids: self.tokenizer.decode(ids, skip_special_tokens=True)
+        forms = {sig.takes_completions for sig in self.signatures}  # decode only what some function reads
+        completions = [decode(s.token_ids) for s in samples] if True in forms else None
+        texts = [decode(s.prompt_ids + s.token_ids) for s in samples] if False in forms else None
+        values = [self._call(fn, sig, samples, completions, texts) for fn, sig in zip(self.fns, self.signatures)]
         self._abstained += sum(all(v is None for v in row) for row in zip(*values))
         self._scored += len(samples)
         for fn, vals in zip(self.fns, values):
@@ -71,9 +85,8 @@ class FunctionReward:
                     acc[0], acc[1] = acc[0] + float(v), acc[1] + 1
         return torch.tensor(weighted_sum(values, self.weights), dtype=torch.float32)
 
-    def _call(self, fn: Callable, samples, completions: list[str]) -> list[float | None]:
-        if not takes_completions(fn):  # the older form: one text per sample, prompt and response together
-            texts = [self.tokenizer.decode(s.prompt_ids + s.token_ids, skip_special_tokens=True) for s in samples]
+    def _call(self, fn: Callable, sig: RewardSignature, samples, completions, texts) -> list[float | None]:
+        if not sig.takes_completions:  # the older form: one text per sample, prompt and response together
             out = list(fn(texts))
         else:
             rows = [self.rows.get(tuple(s.prompt_ids)) for s in samples]
@@ -81,17 +94,16 @@ class FunctionReward:
                        for r, s in zip(rows, samples)]
             completions = [[{"role": "assistant", "content": c}] if isinstance(p, list) else c
                            for p, c in zip(prompts, completions)]
-            out = list(fn(prompts=prompts, completions=completions, **self._columns(fn, rows)))
+            out = list(fn(prompts=prompts, completions=completions, **self._columns(fn, sig, rows)))
         if len(out) != len(samples):
             raise UserError(f"reward error: rl.reward: {function_name(fn)} returned {len(out)} values for "
                             f"{len(samples)} completions; return one float (or None) per completion")
         return [None if v is None else float(v) for v in out]
 
-    def _columns(self, fn: Callable, rows) -> dict[str, list]:
-        named, any_kw = column_parameters(fn)
+    def _columns(self, fn: Callable, sig: RewardSignature, rows) -> dict[str, list]:
         known = set().union(*(r[1].keys() for r in rows if r)) if any(rows) else set()
-        wanted = known if any_kw else named & known
-        missing = named - known - defaulted_parameters(fn)
+        wanted = known if sig.any_column else sig.columns & known
+        missing = sig.required - known
         if missing:
             raise UserError(f"reward error: rl.reward: {function_name(fn)} takes column(s) {', '.join(sorted(missing))}"
                             f" but the prompts' rows have {', '.join(sorted(known)) or 'no other columns'}; add the "
@@ -106,10 +118,6 @@ class FunctionReward:
         self._sums.clear()
         self._abstained = self._scored = 0
         return out
-
-
-def defaulted_parameters(fn: Callable) -> set[str]:
-    return {p.name for p in inspect.signature(fn).parameters.values() if p.default is not p.empty}
 
 
 def attach_rows(reward_fn, prompt_ids: list[list[int]], rows) -> None:

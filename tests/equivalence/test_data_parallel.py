@@ -135,6 +135,9 @@ def ppo_workers(ray_cluster, tiny_task, tmp_path_factory):
 @pytest.mark.parametrize("algo,extra", [
     # grpo first: its ranks must be gone before ppo_workers takes the cluster's 2 CPUs
     ("grpo", ["rl.prompts_per_iter=6", "rl.mini_batch_size=6", "rl.micro_batch_size=2", "rl.epochs=1"]),
+    # token-budget micro-batches (rl.micro_batch_tokens): the ranks split the same packed list one process walks
+    ("grpo", ["rl.prompts_per_iter=6", "rl.mini_batch_size=12", "rl.micro_batch_size=2", "rl.epochs=1",
+              "rl.micro_batch_tokens=24"]),
     # the value head on the actor's body: one DDP over the actor and the head, one backward of both losses
     ("ppo", ["rl.prompts_per_iter=6", "rl.mini_batch_size=6", "rl.micro_batch_size=6", "rl.epochs=1",
              "rl.critic_init=actor"]),
@@ -153,6 +156,8 @@ def test_two_workers_equal_one_process(ray_cluster, request, tiny_task, tmp_path
             workers.shutdown()
     assert_same_update(dp, one, start, shared)
     assert ("critic" in dp) == (algo == "ppo")
+    if algo == "grpo":  # k = 2 samples per prompt: some micro-batches ran prefix-shared (rl.share_prompt, the default)
+        assert one_stats["perf/prompt_tokens_shared_train"] > 0
     assert one_stats["train/clip_frac"] > 0  # the clipped branch is exercised
     cut = "rl.micro_batch_size=6" in extra  # other micro-batches than one process: only the grad norm agrees
     for key in ("train/grad_norm",) if cut else ("train/policy_loss", "train/clip_frac", "train/grad_norm"):
