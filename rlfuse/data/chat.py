@@ -73,6 +73,24 @@ def render_completion(tokenizer, prompt: Messages, completion: Messages) -> tupl
     return head, full[len(head):].rstrip()
 
 
+def assistant_spans(tokenizer, messages: Messages) -> tuple[list[tuple[int, int]], str] | None:
+    """Character spans of every assistant reply (its first token through its end-of-turn marker) in the rendered
+    conversation, and the rendering they index: up to the end of the last assistant turn, a prefix of any rendering
+    of this conversation continued. For SFT's loss on every assistant turn (TRL's assistant_only_loss). None when the
+    template renders earlier turns differently once later ones follow (e.g. one that drops past reasoning): there
+    the turns cannot be located in the full text."""
+    spans, done = [], ""
+    for i, message in enumerate(messages):
+        if message["role"] != "assistant":
+            continue
+        head, reply = render_completion(tokenizer, messages[:i], [message])
+        if not head.startswith(done):
+            return None
+        spans.append((len(head), len(head) + len(reply)))
+        done = head + reply
+    return spans, done
+
+
 def encode_rendered(tokenizer, text: str) -> list[int]:
     """Token ids of template-rendered text: its special tokens are in the text already."""
     return tokenizer(text, add_special_tokens=False)["input_ids"] if text else []

@@ -30,19 +30,56 @@ def encode_chat(tokenizer, prompt: list, completion: list) -> tuple[list[int], l
     return encode_rendered(tokenizer, head), ids
 
 
+def assistant_turn_labels(tokenizer, history: list, ids: list[int]) -> list[int]:
+    """Labels over the ids of a conversation's history (everything before its last assistant turn, rendered with
+    the assistant's generation header): the earlier assistant replies' tokens keep their ids, the rest -100, so
+    completion-only SFT learns every assistant turn. Tokens are matched to replies by character offsets, so the ids
+    are the ones the whole text tokenises to. Where the turns cannot be located (a template that re-renders earlier
+    turns, a tokenizer without offsets) the history is masked whole, as before, with one warning."""
+    from rlfuse.data.chat import assistant_spans, render_prompt
+
+    if not any(m["role"] == "assistant" for m in history):
+        return [-100] * len(ids)
+    found, text = assistant_spans(tokenizer, history), render_prompt(tokenizer, history)
+    try:
+        enc = tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)
+    except (NotImplementedError, ValueError):  # slow (Python) tokenizers have no offsets
+        enc = None
+    if found is None or enc is None or enc["input_ids"] != ids or not text.startswith(found[1]):
+        _warn_once("completion-only SFT: the earlier assistant turns of a conversation could not be located (the chat "
+                   "template renders them differently once later turns follow, or the tokenizer gives no offsets): "
+                   "the loss is on the last assistant turn only")
+        return [-100] * len(ids)
+    inside = lambda a, b: b > a and any(s <= a and b <= e for s, e in found[0])
+    return [t if inside(a, b) else -100 for t, (a, b) in zip(ids, enc["offset_mapping"])]
+
+
+_WARNED: set[str] = set()
+
+
+def _warn_once(message: str) -> None:
+    if message not in _WARNED:
+        _WARNED.add(message)
+        import warnings
+
+        warnings.warn(message, stacklevel=3)
+
+
 def is_chat(*parts) -> bool:
     return any(isinstance(p, list) for p in parts)
 
 
 def encode_sft(tokenizer, ex: TextExample, max_length: int, completion_only: bool) -> tuple[list[int], list[int]]:
     """(input ids, labels) with EOS after the response; labels are -100 where the loss does not apply.
-    Conversational examples: the chat template's rendering, the loss on the last assistant turn with
-    completion_only."""
+    Conversational examples: the chat template's rendering; with completion_only the loss is on every assistant
+    turn (the last one's ids as RL sees them, encode_chat)."""
     if is_chat(ex.prompt, ex.response):
         prompt, response = encode_chat(tokenizer, ex.prompt or [], ex.response)
         ids = (prompt + response)[:max_length]
-        labels = ([-100] * len(prompt) if completion_only else list(prompt)) + response
-        return ids, labels[:max_length]
+        if not completion_only:
+            return ids, list(ids)
+        labels = assistant_turn_labels(tokenizer, list(ex.prompt or []), prompt)
+        return ids, (labels + response)[:max_length]
     prompt = encode(tokenizer, ex.prompt) if ex.prompt else encode(tokenizer, "")
     response = tokenizer(ex.response, add_special_tokens=False)["input_ids"] + [tokenizer.eos_token_id]
     if ex.prompt and not ex.prompt.endswith((" ", "\n")) and not ex.response.startswith((" ", "\n")):

@@ -120,6 +120,38 @@ def test_chat_template_rendering_and_stop_ids(chat_tokenizer):
     assert chosen == ids + [tok.eos_token_id]
 
 
+def test_completion_only_sft_learns_every_assistant_turn(chat_tokenizer):
+    tok = chat_tokenizer
+    first = [{"role": "assistant", "content": "No."}]
+    convo = USER + first + USER + REPLY
+    ids, labels = encode_sft(tok, TextExample(convo[:-1], REPLY), 256, completion_only=True)
+    learned = tok.decode([t for t, l in zip(ids, labels) if l != -100])
+    # both replies with their end-of-turn markers; no user text, no role headers
+    assert learned == "No.<|im_end|>Mix flour and water.<|im_end|>"
+    assert all(l in (-100, t) for t, l in zip(ids, labels))
+    full_ids, full_labels = encode_sft(tok, TextExample(convo[:-1], REPLY), 256, completion_only=False)
+    assert full_ids == ids and full_labels == ids
+
+
+def test_a_template_that_rerenders_earlier_turns_falls_back_to_the_last_one(chat_tokenizer):
+    import warnings
+
+    tok = chat_tokenizer
+    saved = tok.chat_template  # earlier assistant turns lose their text once another turn follows (reasoning-style)
+    tok.chat_template = CHATML.replace("message['content']", "(message['content'] if loop.last or "
+                                                             "message['role'] != 'assistant' else '')")
+    try:
+        with warnings.catch_warnings(record=True) as said:
+            warnings.simplefilter("always")
+            ids, labels = encode_sft(tok, TextExample(USER + WORSE + USER, REPLY), 256, completion_only=True)
+        assert tok.decode([t for t, l in zip(ids, labels) if l != -100]) == "Mix flour and water.<|im_end|>"
+    finally:
+        tok.chat_template = saved
+    import rlfuse.data.collate as collate
+    assert any("last assistant turn only" in str(w.message) for w in said) or \
+        any("last assistant turn only" in m for m in collate._WARNED)  # warned once per process
+
+
 def test_conversational_rows_without_a_template_say_how_to_fix(chat_tokenizer):
     tok = chat_tokenizer
     saved, tok.chat_template = tok.chat_template, None
