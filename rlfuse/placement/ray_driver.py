@@ -185,7 +185,8 @@ class RayRollout:
             return worker_metrics(exp.timing, self.workers.ranks, self.driver.rss_mb())
 
 
-def start_ray_placement(cfg, spec: PlacementSpec, run_dir, log=print) -> tuple[RayRollout, RayTrainer, RayWorkers]:
+def start_ray_placement(cfg, spec: PlacementSpec, run_dir, log=print, reward_rows: dict | None = None
+                        ) -> tuple[RayRollout, RayTrainer, RayWorkers]:
     """Validate the spec against the cluster, reserve one bundle per worker (PACK), start each group's workers with
     the models of its roles, join the training ranks, and return the RL loop's rollout and trainer objects (and the
     workers, to close)."""
@@ -206,7 +207,7 @@ def start_ray_placement(cfg, spec: PlacementSpec, run_dir, log=print) -> tuple[R
         workers.placement_group = placement_group(bundles, strategy="PACK")
         ray.get(workers.placement_group.ready(), timeout=120)
         pg = workers.placement_group
-        models, settings = WorkerModels.from_config(cfg, run_dir), RolloutSettings.from_config(cfg)
+        models, settings = WorkerModels.from_config(cfg, run_dir), RolloutSettings.from_config(cfg, reward_rows)
         t = time.perf_counter()
         for g in spec.groups:
             decodes, scores = "generator" in g.roles, any(r in g.roles for r in SCORING_ROLES)

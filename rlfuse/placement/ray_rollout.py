@@ -101,13 +101,16 @@ class RolloutSettings:
     """rl.reward_weights: the weights of several reward functions."""
     share_prompt: bool = True
     """rl.share_prompt: a prompt's samples share its forward in the scoring passes (rlfuse/models/prefix.py)."""
+    reward_rows: dict | None = None
+    """Each prompt's data row by its token ids (rewards.attach_rows): the columns reward functions read."""
 
     @classmethod
-    def from_config(cls, cfg) -> "RolloutSettings":
+    def from_config(cls, cfg, reward_rows: dict | None = None) -> "RolloutSettings":
         ro, rl = cfg.rollout, cfg.rl
         return cls(ro.max_rows, ro.micro_batch_size, rl.temperature, rl.unfinished_penalty, ro.score_every,
                    ro.live_below, ro.migrate_below, ro.rows_per_worker, device=cfg.run.device,
-                   reward_weights=tuple(rl.reward_weights) if rl.reward_weights else None, share_prompt=rl.share_prompt)
+                   reward_weights=tuple(rl.reward_weights) if rl.reward_weights else None, share_prompt=rl.share_prompt,
+                   reward_rows=reward_rows)
 
 
 def build_worker_roles(models: WorkerModels, settings: RolloutSettings) -> tuple[DecodeEngine | None, Scorer | None]:
@@ -176,6 +179,8 @@ class GenerationWorker:
         """Hold this engine and scorer (either may be None); a worker that also trains builds them from its own
         models (placement/ray_worker.py)."""
         self.settings, self.engine, self.scorer = settings, engine, scorer
+        if scorer is not None and settings.reward_rows is not None and hasattr(scorer.reward_fn, "rows"):
+            scorer.reward_fn.rows = settings.reward_rows  # reward functions' columns (rewards.attach_rows)
         self.fusion = FusionPolicy(True, settings.score_every, settings.live_below)
         self._prefill_s = 0.0
         if self.engine is not None:

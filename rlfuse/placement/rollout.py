@@ -92,7 +92,9 @@ def build_placement(cfg: Config, run_dir: Path, engine: DecodeEngine, scorer: Sc
     from rlfuse.placement.ray_driver import start_ray_placement
 
     log(spec.describe())
-    rollout, trainer, workers = start_ray_placement(cfg, spec, run_dir, log)
+    # reward functions' dataset columns travel with the settings (rewards.attach_rows did it for this process)
+    rows = getattr(scorer.reward_fn, "rows", None)
+    rollout, trainer, workers = start_ray_placement(cfg, spec, run_dir, log, reward_rows=rows)
     try:
         yield rollout, trainer
     finally:

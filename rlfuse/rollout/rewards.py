@@ -107,8 +107,7 @@ class FunctionReward:
         if missing:
             raise UserError(f"reward error: rl.reward: {function_name(fn)} takes column(s) {', '.join(sorted(missing))}"
                             f" but the prompts' rows have {', '.join(sorted(known)) or 'no other columns'}; add the "
-                            "column to the data set, give the parameter a default, or (on Ray placements, which do "
-                            "not carry columns yet) run with placement.strategy=single")
+                            "column to the data set, or give the parameter a default")
         return {c: [r[1].get(c) if r else None for r in rows] for c in wanted}
 
     def metrics(self) -> dict[str, float]:

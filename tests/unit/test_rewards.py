@@ -118,3 +118,21 @@ def test_prompt_rows_carry_the_other_columns(tmp_path):
     for row in train + held:
         i = int(re.findall(r"\d+", row.prompt)[0])
         assert row.columns == {"answer": str(2 * i), "level": i % 3}
+
+
+def test_a_ray_scoring_worker_reads_the_columns_the_driver_sends(tiny_task):
+    """Placement workers build their reward from folders and names; the prompts' rows travel in RolloutSettings."""
+    from rlfuse.models.load import load_tokenizer
+    from rlfuse.placement.ray_rollout import GenerationWorker, RolloutSettings, WorkerModels
+
+    base = str(tiny_task.model_dir)
+    tok = load_tokenizer(base)
+    q1, q2 = tok("two and two").input_ids, tok("three and four").input_ids
+    rows = {tuple(q1): ("two and two", {"answer": "4"}), tuple(q2): ("three and four", {"answer": "7"})}
+    models = WorkerModels(generator=None, reference=base, reward="function:rlfuse.data.arithmetic:exact_match")
+    worker = GenerationWorker(models, RolloutSettings(reward_rows=rows))  # in this process: Ray is not needed here
+    samples = [FakeSample(q1, tok(" 4").input_ids), FakeSample(q2, tok(" 4").input_ids)]
+    assert worker.scorer.reward_fn(samples).tolist() == [1.0, 0.0]
+    bare = GenerationWorker(models, RolloutSettings())  # without the rows the column is missing: one line
+    with pytest.raises(UserError, match="takes column"):
+        bare.scorer.reward_fn(samples)
