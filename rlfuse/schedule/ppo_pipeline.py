@@ -97,6 +97,8 @@ class PipelineTrainer:
     task_costs: tuple[float, float, float, float] = (1.0, 2.0, 1.0, 2.0)
     """(actor forward, actor backward, critic forward, critic backward) per stage, relative: what the fused search
     plans with."""
+    owners: list = field(default_factory=list)
+    """(parameter of the whole actor or critic, rank whose stage trains it): what sync_whole_models broadcasts."""
     plans: dict = field(default_factory=dict)
     spans: list = field(default_factory=list)
     """(mini-batch number, rank, Task, start, end) of every task run, perf_counter seconds (one clock per host)."""
@@ -239,12 +241,36 @@ class PipelineTrainer:
             out.append(norm)
         return out
 
+    def sync_whole_models(self) -> None:
+        """Every stage's weights, from the rank that trains it, into every rank's whole actor and critic (a collective),
+        so that any rank can hand out, evaluate or save the whole models (Ray's rank 0 does)."""
+        for p, owner in self.owners:
+            dist.broadcast(p.data, src=owner)
+
+    def optimizer_state(self) -> dict:
+        """This rank's stages' optimiser and schedule states (a checkpoint holds one per rank)."""
+        return {m: {"opt": part.opt.state_dict(), "sched": part.sched.state_dict()} for m, part in self.parts.items()}
+
+    def load_optimizer_state(self, state: dict) -> None:
+        for m, part in self.parts.items():
+            part.opt.load_state_dict(state[m]["opt"])
+            part.sched.load_state_dict(state[m]["sched"])
+
     def gathered_spans(self) -> list:
         """Every rank's spans (a collective: every rank calls it), then this rank's are cleared."""
         everyone = [None] * self.world
         dist.all_gather_object(everyone, self.spans)
         self.spans = []
         return [s for part in everyone for s in part]
+
+
+def task_times(spans: list) -> tuple[float, float, float, float]:
+    """Mean (actor forward, actor backward, critic forward, critic backward) seconds of recorded spans
+    (PipelineTrainer.spans): the task costs to plan or simulate a schedule with."""
+    def mean(model, kind):
+        d = [e - s for *_, t, s, e in spans if t.model == model and t.kind == kind]
+        return sum(d) / len(d)
+    return mean(ACTOR, "F"), mean(ACTOR, "B"), mean(CRITIC, "F"), mean(CRITIC, "B")
 
 
 def _received(inbox: dict, prob: Problem, t: Task) -> torch.Tensor:
@@ -260,8 +286,16 @@ def build_pipeline(actor, critic, rl: RLConfig, mode: str, pad_id: int) -> Pipel
     if mode not in MODES:
         raise ValueError(f"pipeline mode {mode!r}: one of {', '.join(MODES)}")
     rank, world = dist.get_rank(), dist.get_world_size()
-    a_stage, c_index = split_actor(actor, world)[rank], world - 1 - rank
-    c_stage = split_critic(critic, world)[c_index]
+    actor_stages, critic_stages = split_actor(actor, world), split_critic(critic, world)
+    a_stage, c_index = actor_stages[rank], world - 1 - rank
+    c_stage = critic_stages[c_index]
+    owners, seen = [], set()
+    for stages, owner_of in ((actor_stages, lambda s: s), (critic_stages, lambda s: world - 1 - s)):
+        for s, stage in enumerate(stages):
+            for p in stage.parameters():
+                if id(p) not in seen:  # the tied LM head: trained on both ends, the same tensor after each step
+                    seen.add(id(p))
+                    owners.append((p, owner_of(s)))
     tied = bool(getattr(actor.config, "tie_word_embeddings", False)) and world > 1
     tied_group = dist.new_group([0, world - 1]) if tied else None  # every rank creates it
     parts = {}
@@ -273,7 +307,7 @@ def build_pipeline(actor, critic, rl: RLConfig, mode: str, pad_id: int) -> Pipel
             shared = stage.embed.weight if stage.first else stage.head.weight
         counted = [p for p in params if not (shared is not None and stage.last and not stage.first and p is shared)]
         parts[m] = StagePart(stage, index, opt, sched, counted, shared)
-    return PipelineTrainer(mode, rl, pad_id, rank, world, parts, tied_group)
+    return PipelineTrainer(mode, rl, pad_id, rank, world, parts, tied_group, owners=owners)
 
 
 def stage_state(pipe: PipelineTrainer, actor, critic) -> dict:
