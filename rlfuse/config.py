@@ -719,23 +719,27 @@ def _validate_train_parallel(cfg: Config) -> None:
         raise ConfigError(field_name, f"{rl.train_parallel} cuts the models into one stage per training worker, and "
                           f"placement.strategy={p.strategy} gives {P}", "set placement.strategy=flattened with "
                           "placement.workers=2 (or more), or rl.train_parallel=data")
-    kind, layers = _policy_shape(cfg)
     from rlfuse.schedule.stages import SPLITTABLE
 
-    if kind is not None and kind not in SPLITTABLE:
-        raise ConfigError(field_name, f"{kind} models cannot be split into pipeline stages (splittable: "
-                          f"{', '.join(SPLITTABLE)})", "set rl.train_parallel=data")
-    if layers is not None and layers < P:
-        raise ConfigError(field_name, f"the policy's {layers} layers cannot be cut into {P} stages (one per training "
-                          "worker)", f"use at most {layers} training workers (placement.workers), or rl.train_parallel=data")
+    critic_from = [cfg.rl.rm_path] if rl.critic_init == "rm" else [cfg.rl.sft_path, cfg.model.name]
+    for role, (kind, layers) in (("policy", _model_shape(cfg, [cfg.rl.sft_path, cfg.model.name])),
+                                 ("critic", _model_shape(cfg, critic_from))):
+        if kind is not None and kind not in SPLITTABLE:
+            raise ConfigError(field_name, f"the {role} is a {kind} model, which cannot be split into pipeline stages "
+                              f"(splittable: {', '.join(SPLITTABLE)})", "set rl.train_parallel=data")
+        if layers is not None and layers < P:
+            raise ConfigError(field_name, f"the {role}'s {layers} layers cannot be cut into {P} stages (one per "
+                              f"training worker)", f"use at most {layers} training workers (placement.workers), or "
+                              "rl.train_parallel=data")
 
 
-def _policy_shape(cfg: Config) -> tuple[str | None, int | None]:
-    """(model type, layers) of the policy RL starts from, where known before any stage runs: its folder's
-    config.json, or the embedded model's size; (None, None) for a hub id (checked when the workers load it)."""
+def _model_shape(cfg: Config, folders: list) -> tuple[str | None, int | None]:
+    """(model type, layers) of the first of `folders` holding a config.json, else of the embedded model (the run's
+    own SFT/RM stages build it at model.n_layer), where known before any stage runs; (None, None) for a hub id
+    (the workers check it when they load it)."""
     import json
 
-    for folder in (cfg.rl.sft_path, cfg.model.name):
+    for folder in folders:
         conf = Path(folder) / "config.json" if folder else None
         if conf is not None and conf.is_file():
             c = json.loads(conf.read_text())

@@ -167,11 +167,13 @@ class PipelineTrainer:
         device = next(self.parts[ACTOR].stage.parameters()).device
         rows = [collate([exp.prompt_ids[i] for i in idx], [exp.response_ids[i] for i in idx], self.pad_id, device)
                 for idx, _ in mbs]
-        hidden = self.parts[ACTOR].stage.body_config.hidden_size
-        dtype = next(self.parts[ACTOR].stage.parameters()).dtype
+        # the critic may be another model than the actor (a reward model's body): its own width and dtype
+        width = {m: (part.stage.body_config.hidden_size, next(part.stage.parameters()).dtype)
+                 for m, part in self.parts.items()}
         inbox, outbox, ctx, pending = {}, {}, {}, []
         for op in program:
             if isinstance(op, Recv):  # activations and their gradients alike: (rows, length, hidden) of its micro-batch
+                hidden, dtype = width[op.message.task.model]
                 buf = torch.empty((*rows[op.message.task.mb].input_ids.shape, hidden), dtype=dtype, device=device)
                 inbox[op.message] = (buf, dist.irecv(buf, op.message.src))
                 continue

@@ -15,7 +15,7 @@ def config(*overrides):
 
 @pytest.mark.parametrize("overrides,problem", [
     (["rl.train_parallel=pipeline_fused"], "placement.strategy=single gives 1"),
-    (["rl.train_parallel=pipeline_serial", *RAY2[:1], "placement.workers=3"], "2 layers cannot be cut into 3 stages"),
+    (["rl.train_parallel=pipeline_serial", *RAY2[:1], "placement.workers=3"], "policy's 2 layers cannot be cut into 3 stages"),
     (["rl.train_parallel=pipeline_fused", *RAY2, "rl.algo=grpo", "rl.k=2"], "a separate critic"),
     (["rl.train_parallel=pipeline_fused", *RAY2, "rl.critic_init=actor"], "a separate critic"),
     (["rl.train_parallel=pipeline_fused", *RAY2, "model.lora=true"], "no LoRA"),
