@@ -24,7 +24,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from bench.common import ROOT, WORK, machine, md_table, write_section  # noqa: E402
 from rlfuse.schedule.chart import gantt, simulated_spans  # noqa: E402
 from rlfuse.schedule.model import Problem, PipeModel, simulate  # noqa: E402
-from rlfuse.schedule.ppo_pipeline import build_pipeline, spawn, task_times  # noqa: E402
+from rlfuse.schedule.ppo_pipeline import build_pipeline, schedule_summary, spawn, task_times  # noqa: E402
 
 P = 2
 DEFAULT_SFT = Path("/work/main/bench/.work/sft_run/sft/model")
@@ -75,7 +75,7 @@ def bench_rank(rank, cfg, mode, exp, adv, returns, batches, counts, repeats, out
     pipe = build_pipeline(models.actor, models.critic, cfg.rl, mode, models.tokenizer.pad_token_id)
     bad = {"skipped": 0, "consecutive": 0}
     pipe.update(exp, adv, returns, cfg.rl.kl_coef, batches, bad)
-    pipe.task_costs, pipe.plans = task_times(pipe.gathered_spans()), {}  # gathered: the same on every rank
+    pipe.task_costs, pipe.plans = task_times(pipe.last_spans), {}  # every rank's spans: the same costs everywhere
     for n in sorted(set(counts)):  # the fused search, once per micro-batch count, before the clock starts
         pipe.plan(n)
     runs = []
@@ -84,27 +84,10 @@ def bench_rank(rank, cfg, mode, exp, adv, returns, batches, counts, repeats, out
         t0 = time.perf_counter()
         pipe.update(exp, adv, returns, cfg.rl.kl_coef, batches, bad)
         dist.barrier()
-        runs.append((time.perf_counter() - t0, pipe.gathered_spans()))
+        runs.append((time.perf_counter() - t0, pipe.last_spans))
     if rank == 0:
         torch.save({"runs": runs, "plans": {n: p[:2] for n, p in pipe.plans.items()}, "costs": pipe.task_costs},
                    Path(out) / f"{mode}.pt")
-
-
-def schedule_times(spans: list, plans: dict, micro: dict, costs: tuple) -> dict:
-    """Per mini-batch: the executed schedule's makespan and busy time, and the simulator's makespan given `costs`."""
-    out = {"executed": 0.0, "busy": 0.0, "simulated": 0.0, "sim_busy": 0.0}
-    fa, ba, fc, bc = costs
-    for n in sorted({s[0] for s in spans}):
-        mine = [s for s in spans if s[0] == n]
-        out["executed"] += max(s[4] for s in mine) - min(s[3] for s in mine)
-        out["busy"] += sum(s[4] - s[3] for s in mine)
-        prob, sched = plans[micro[n]]
-        measured = Problem(P, (PipeModel(P, 1, prob.models[0].micro_batches, fa, ba),
-                               PipeModel(P, 1, prob.models[1].micro_batches, fc, bc)))
-        sim = simulate(measured, sched)
-        out["simulated"] += sim.makespan
-        out["sim_busy"] += sum(sim.busy)
-    return out
 
 
 def chart(results: dict, M: int, path: Path) -> Path:
@@ -154,7 +137,8 @@ def main() -> None:
             r["pooled"] = task_times(every)
             r["update"] = min(t for t, _ in r["runs"])  # the best of the repeats: least disturbed by other load
             best = min(range(len(r["runs"])), key=lambda i: r["runs"][i][0])  # the run whose time is reported
-            r["sched"] = schedule_times(r["runs"][best][1], r["plans"], micro, r["pooled"])
+            schedules = {n: r["plans"][m][1] for n, m in micro.items()}
+            r["sched"] = schedule_summary(r["runs"][best][1], schedules, r["pooled"], P)
         s, f = results["pipeline_serial"], results["pipeline_fused"]
         predicted = s["sched"]["simulated"] / f["sched"]["simulated"]
         measured = s["update"] / f["update"]

@@ -35,7 +35,7 @@ from rlfuse.rollout.fusion import Experience
 from rlfuse.rollout.score import collate
 from rlfuse.schedule.build import fused, serial
 from rlfuse.schedule.comm import Op, Recv, Send, input_of, message_of, programs, verify
-from rlfuse.schedule.model import PipeModel, Problem, Schedule, Task, check
+from rlfuse.schedule.model import PipeModel, Problem, Schedule, Task, check, simulate
 from rlfuse.schedule.stages import Stage, split_actor, split_critic
 from rlfuse.trainers.common import build_constant_optimizer
 from rlfuse.trainers.rl import _add_stats, count_bad_step, micro_batches, micro_policy_loss, micro_value_loss
@@ -101,7 +101,10 @@ class PipelineTrainer:
     """(parameter of the whole actor or critic, rank whose stage trains it): what sync_whole_models broadcasts."""
     plans: dict = field(default_factory=dict)
     spans: list = field(default_factory=list)
-    """(mini-batch number, rank, Task, start, end) of every task run, perf_counter seconds (one clock per host)."""
+    """(mini-batch number, rank, Task, start, end) of every task this rank ran in the current update, perf_counter
+    seconds (one clock per host)."""
+    last_spans: list = field(default_factory=list)
+    """Every rank's spans of the last update (gathered at its end)."""
 
     # ----------------------------------------------------------------------------------------- schedules
 
@@ -146,20 +149,25 @@ class PipelineTrainer:
 
         sums: dict = {ACTOR: {}, CRITIC: {}}
         counts = {ACTOR: 0, CRITIC: 0}
-        norms, steps = [0.0, 0.0], [0, 0]
+        norms, steps, schedules, self.spans = [0.0, 0.0], [0, 0], {}, []
         for n, mini in enumerate(batches):
             mbs = list(micro_batches(exp, mini, rl.micro_batch_size, 0, 1, rl.micro_batch_tokens, rl.share_prompt))
-            prob, _, program = self.plan(len(mbs))
+            prob, schedules[n], program = self.plan(len(mbs))
             counts = self._run(n, prob, program, exp, mbs, (actor_loss, critic_loss), sums, counts)
             for m, norm in enumerate(self._step(bad)):
                 if norm is not None:
                     norms[m], steps[m] = norms[m] + norm, steps[m] + 1
         mine = {k: float(v) / max(1, int(counts[m])) for m in (ACTOR, CRITIC) for k, v in sums[m].items()}
         everyone = [None] * self.world
-        dist.all_gather_object(everyone, mine)  # once per update: the actor's stats live on rank P-1, the critic's on 0
-        stats = {k: v for part in everyone for k, v in part.items()}
+        # once per update: the actor's stats live on rank P-1, the critic's on rank 0, the spans everywhere
+        dist.all_gather_object(everyone, (mine, self.spans))
+        stats = {k: v for part, _ in everyone for k, v in part.items()}
+        self.last_spans = [span for _, spans in everyone for span in spans]
+        times = schedule_summary(self.last_spans, schedules, task_times(self.last_spans), self.world)
         return stats | {"train/grad_norm": norms[ACTOR] / max(1, steps[ACTOR]),
                         "train/critic_grad_norm": norms[CRITIC] / max(1, steps[CRITIC]),
+                        "train/pipeline_bubble": 1 - times["busy"] / (self.world * times["executed"]),
+                        "train/pipeline_bubble_simulated": 1 - times["sim_busy"] / (self.world * times["simulated"]),
                         "time/train_pipeline": time.perf_counter() - t0}
 
     def _run(self, n: int, prob: Problem, program: list[Op], exp: Experience, mbs: list, loss_fns, sums, counts):
@@ -258,14 +266,6 @@ class PipelineTrainer:
             part.opt.load_state_dict(state[m]["opt"])
             part.sched.load_state_dict(state[m]["sched"])
 
-    def gathered_spans(self) -> list:
-        """Every rank's spans (a collective: every rank calls it), then this rank's are cleared."""
-        everyone = [None] * self.world
-        dist.all_gather_object(everyone, self.spans)
-        self.spans = []
-        return [s for part in everyone for s in part]
-
-
 def task_times(spans: list) -> tuple[float, float, float, float]:
     """Mean (actor forward, actor backward, critic forward, critic backward) seconds of recorded spans
     (PipelineTrainer.spans): the task costs to plan or simulate a schedule with."""
@@ -273,6 +273,23 @@ def task_times(spans: list) -> tuple[float, float, float, float]:
         d = [e - s for *_, t, s, e in spans if t.model == model and t.kind == kind]
         return sum(d) / len(d)
     return mean(ACTOR, "F"), mean(ACTOR, "B"), mean(CRITIC, "F"), mean(CRITIC, "B")
+
+
+def schedule_summary(spans: list, schedules: dict[int, Schedule], costs: tuple, devices: int) -> dict:
+    """Summed over mini-batches (schedules: mini-batch number -> the schedule it ran): each executed schedule's
+    makespan (first start to last end) and busy time, and the simulator's makespan and busy time for the same
+    schedule given `costs` (task_times)."""
+    out = {"executed": 0.0, "busy": 0.0, "simulated": 0.0, "sim_busy": 0.0}
+    fa, ba, fc, bc = costs
+    for n, sched in schedules.items():
+        mine = [s for s in spans if s[0] == n]
+        out["executed"] += max(s[4] for s in mine) - min(s[3] for s in mine)
+        out["busy"] += sum(s[4] - s[3] for s in mine)
+        M = sum(1 for t in sched.orders[0] if t.model == ACTOR and t.kind == "F")  # micro-batches
+        sim = simulate(Problem(devices, (PipeModel(devices, 1, M, fa, ba), PipeModel(devices, 1, M, fc, bc))), sched)
+        out["simulated"] += sim.makespan
+        out["sim_busy"] += sum(sim.busy)
+    return out
 
 
 def _received(inbox: dict, prob: Problem, t: Task) -> torch.Tensor:

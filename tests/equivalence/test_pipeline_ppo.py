@@ -38,7 +38,7 @@ def pipeline_rank(rank, cfg, modes, exp, adv, returns, batches, out_dir):
         bad = {"skipped": 0, "consecutive": 0}
         stats = pipe.update(exp, adv, returns, KL, batches, bad)
         torch.save({"state": stage_state(pipe, models.actor, models.critic), "stats": stats, "bad": bad,
-                    "spans": pipe.gathered_spans(), "plans": {n: p[1] for n, p in pipe.plans.items()}},
+                    "spans": pipe.last_spans, "plans": {n: p[1] for n, p in pipe.plans.items()}},
                    Path(out_dir) / f"{mode}_rank{rank}.pt")
 
 
@@ -112,6 +112,7 @@ def test_pipelined_update_equals_one_process(setting, tmp_path, modes):
         for key in ("train/policy_loss", "train/value_loss", "train/grad_norm", "train/critic_grad_norm"):
             assert stats[key] == pytest.approx(one_stats[key], rel=1e-4), key
         assert min(stats["train/grad_norm"], stats["train/critic_grad_norm"]) > 2 * CLIP  # clipping binds
+        assert 0 <= stats["train/pipeline_bubble_simulated"] < 1 and 0 < stats["train/pipeline_bubble"] < 1
         spans = parts[0]["spans"]
         assert len(spans) == 4 * 2 * 2 * 3 * 2  # mini-batches x models x stages x micro-batches x (F, B)
         assert all(e > s for *_, s, e in spans)
