@@ -224,7 +224,8 @@ class PipelineTrainer:
                 if part.tied.grad is None:  # both ends must join the all-reduce
                     part.tied.grad = torch.zeros_like(part.tied)
                 dist.all_reduce(part.tied.grad, group=self.tied_group)
-        squares = torch.zeros(2, dtype=torch.float64)
+        device = next(self.parts[ACTOR].stage.parameters()).device  # NCCL reduces device tensors only
+        squares = torch.zeros(2, dtype=torch.float64, device=device)
         for m, part in self.parts.items():
             grads = [p.grad for p in part.norm_params if p.grad is not None]
             if grads:
