@@ -21,6 +21,7 @@ Departures from rl.update, on purpose:
 
 from __future__ import annotations
 
+import os
 import socket
 import time
 from dataclasses import dataclass, field
@@ -349,7 +350,11 @@ def free_port() -> int:
 
 
 def _init_then(rank: int, world: int, port: int, fn, args: tuple) -> None:
-    torch.set_num_threads(1)  # one core per rank: the pipeline is the parallelism
+    from rlfuse.placement.ray_common import pin_threads
+
+    pin_threads(1)  # one core per rank: the pipeline is the parallelism
+    if os.environ.get("RLFUSE_PIN_CORES") and len(os.sched_getaffinity(0)) >= world:
+        os.sched_setaffinity(0, {sorted(os.sched_getaffinity(0))[rank]})
     dist.init_process_group("gloo", rank=rank, world_size=world, init_method=f"tcp://127.0.0.1:{port}")
     try:
         fn(rank, *args)
