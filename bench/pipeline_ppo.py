@@ -9,7 +9,8 @@ The experience is one real rollout of the default task (32 prompts, 48 new token
 each process runs one warm-up update (whose task times the fused search then plans with), then `--repeats` measured
 updates (the fastest reported) (4 epochs x 2 mini-batches of 16 samples, as configs/default.yaml). The critic starts from the SFT model
 (rl.critic_init=sft: the reward model's body has the same shape, so the same cost) and the reward is the gold scorer,
-so no reward model is needed.
+so no reward model is needed. RLFUSE_PIN_CORES=1 pins each rank to its own core (os.sched_setaffinity): steadier on
+an idle machine, worse where other processes hold a core.
 """
 
 from __future__ import annotations
