@@ -310,6 +310,13 @@ class RLConfig:
     samples (a prompt's samples together, similar lengths together) whose forward, padding included (prompts once with
     rl.share_prompt), stays within this many token positions; a sample longer than the budget gets one of its own.
     null: rl.micro_batch_size samples each."""
+    # --- training across workers (issue 15)
+    train_parallel: str = "data"
+    """How a Ray placement's training workers share the update: data (data parallel: full replicas, gradients
+    all-reduced; one process with placement.strategy=single) | pipeline_serial (actor and critic each cut into P
+    stages over the P training workers, the critic reversed; the actor's 1F1B, then the critic's) | pipeline_fused
+    (the same stages, one fused actor+critic schedule filling each other's bubbles; rlfuse/schedule/ppo_pipeline.py)
+    | single (one process: placement.strategy=single)."""
 
     @property
     def kl_estimator_used(self) -> str:
@@ -571,6 +578,7 @@ def validate(cfg: Config) -> Config:
     _positive(cfg.sft, "sft", "eval_samples", allow_zero=True)
     _validate_rl(cfg)
     _validate_placement(cfg)
+    _validate_train_parallel(cfg)
     if cfg.sft.completion_only and d.kind == "synthetic":
         raise ConfigError("sft.completion_only", "the synthetic task has no prompt/response split", "set sft.completion_only=false")
     return cfg
@@ -691,6 +699,57 @@ def _validate_rl(cfg: Config) -> None:
 
 
 GROUP_KEYS = ("name", "workers", "roles", "cpus_per_worker", "gpus_per_worker")
+
+
+def _validate_train_parallel(cfg: Config) -> None:
+    """A pipeline mode needs a separate PPO critic, plain (not LoRA) models, >= 2 training workers and at least one
+    layer per stage; single needs one process."""
+    rl, p, field_name = cfg.rl, cfg.placement, "rl.train_parallel"
+    _choice(rl.train_parallel, field_name, ("single", "data", "pipeline_serial", "pipeline_fused"))
+    if rl.train_parallel == "single" and p.strategy not in ("single", "auto"):
+        raise ConfigError(field_name, f"single trains in one process, but placement.strategy={p.strategy} trains on "
+                          "Ray workers", "set rl.train_parallel=data (or a pipeline mode), or placement.strategy=single")
+    if not rl.train_parallel.startswith("pipeline") or p.strategy == "auto":  # auto: checked once resolved
+        return
+    if rl.algo != "ppo" or rl.critic_init == "actor":
+        raise ConfigError(field_name, f"{rl.train_parallel} pipelines an actor and a separate critic (rl.algo=ppo, "
+                          f"rl.critic_init sft or rm), got rl.algo={rl.algo}, rl.critic_init={rl.critic_init}",
+                          "set rl.algo=ppo and rl.critic_init=rm, or rl.train_parallel=data")
+    if cfg.model.lora or cfg.model.shares_base or cfg.model.quantization != "none":
+        raise ConfigError(field_name, "pipeline stages hold plain full-weight models (no LoRA, shared base or "
+                          "quantisation)", "set model.lora=false, or rl.train_parallel=data")
+    spec = spec_from_config(cfg)
+    P = sum(spec.group(g).workers for g in spec.groups_of("actor")) if spec.uses_ray else 1
+    if P < 2:
+        raise ConfigError(field_name, f"{rl.train_parallel} cuts the models into one stage per training worker, and "
+                          f"placement.strategy={p.strategy} gives {P}", "set placement.strategy=flattened with "
+                          "placement.workers=2 (or more), or rl.train_parallel=data")
+    from rlfuse.schedule.stages import SPLITTABLE
+
+    critic_from = [cfg.rl.rm_path] if rl.critic_init == "rm" else [cfg.rl.sft_path, cfg.model.name]
+    for role, (kind, layers) in (("policy", _model_shape(cfg, [cfg.rl.sft_path, cfg.model.name])),
+                                 ("critic", _model_shape(cfg, critic_from))):
+        if kind is not None and kind not in SPLITTABLE:
+            raise ConfigError(field_name, f"the {role} is a {kind} model, which cannot be split into pipeline stages "
+                              f"(splittable: {', '.join(SPLITTABLE)})", "set rl.train_parallel=data")
+        if layers is not None and layers < P:
+            raise ConfigError(field_name, f"the {role}'s {layers} layers cannot be cut into {P} stages (one per "
+                              f"training worker)", f"use at most {layers} training workers (placement.workers), or "
+                              "rl.train_parallel=data")
+
+
+def _model_shape(cfg: Config, folders: list) -> tuple[str | None, int | None]:
+    """(model type, layers) of the first of `folders` holding a config.json, else of the embedded model (the run's
+    own SFT/RM stages build it at model.n_layer), where known before any stage runs; (None, None) for a hub id
+    (the workers check it when they load it)."""
+    import json
+
+    for folder in folders:
+        conf = Path(folder) / "config.json" if folder else None
+        if conf is not None and conf.is_file():
+            c = json.loads(conf.read_text())
+            return c.get("model_type"), c.get("n_layer", c.get("num_hidden_layers"))
+    return ("gpt2", cfg.model.n_layer) if cfg.model.name == "embedded" else (None, None)
 
 
 def _validate_placement(cfg: Config) -> None:

@@ -140,3 +140,25 @@ def llama_sft_and_rm(root: Path, texts: list[str], stage_overrides: list[str]) -
     for stage in ("sft", "rm"):
         assert main([stage, f"model.name={model}", f"run.dir={run_dir}", *stage_overrides]) == 0
     return model, run_dir
+
+
+def hand_experience(actor, n: int, k: int, seed: int = 1, longest: int = 6):
+    """An Experience of n samples, n/k prompts of 2..5 tokens, responses of 1..`longest` tokens (unequal lengths);
+    old log-probs near the actor's own so some ratios clip; random values and scores."""
+    import torch
+
+    from rlfuse.rollout.fusion import Experience
+    from rlfuse.rollout.score import collate, response_logprobs
+
+    g = torch.Generator().manual_seed(seed)
+    vocab = actor.config.vocab_size
+    prompts = [torch.randint(1, vocab, (2 + i % 4,), generator=g).tolist() for i in range(n // k)]
+    prompt_ids = [prompts[i // k] for i in range(n)]
+    step = 3 if longest == 6 else 5  # 3 keeps the lengths the data-parallel tests were written with
+    response_ids = [torch.randint(1, vocab, (1 + (step * i) % longest,), generator=g).tolist() for i in range(n)]
+    mb = collate(prompt_ids, response_ids, 0, "cpu")
+    with torch.no_grad():
+        lp = response_logprobs(actor, mb)
+    noise = lambda s: s * torch.randn(*mb.mask.shape, generator=g) * mb.mask
+    return Experience(prompt_ids, response_ids, torch.arange(n) // k, torch.randn(n, generator=g), lp + noise(0.2),
+                      lp + noise(0.3), noise(1.0), mb.mask, ["eos"] * n)

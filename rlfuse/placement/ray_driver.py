@@ -118,13 +118,16 @@ class RayTrainer:
     group: object
     """ray_train.TrainGroup over the workers holding the actor."""
     workers: RayWorkers
+    train_parallel: str = "data"
+    """rl.train_parallel: data (replicas) or pipeline_* (one stage of each model per rank)."""
 
     def update(self, exp, adv, returns, kl_coef: float, batches, bad: dict, temperature: float | None = None) -> dict:
         with self.workers.naming_dead_workers("update"):
             stats, counters, seconds = self.group.update(exp, adv, returns, kl_coef, batches, bad, temperature)
         bad.update(counters)
         ranks = [self.workers.ranks[i] for i in self.workers.trainers]
-        return stats | {"train/data_parallel_ranks": len(ranks)} | {
+        key = "train/data_parallel_ranks" if self.train_parallel == "data" else "train/pipeline_stages"
+        return stats | {key: len(ranks)} | {
             f"worker/{r}/train_s": s for r, s in zip(ranks, seconds)}
 
     def save_checkpoint(self, path, iteration: int, kl_coef: float, counters: dict) -> None:
@@ -228,10 +231,10 @@ def start_ray_placement(cfg, spec: PlacementSpec, run_dir, log=print, reward_row
         pids = ray.get([w.pid.remote() for w in workers.handles])
         log(f"[placement] {len(workers.handles)} Ray worker(s) up in {time.perf_counter() - t:.1f}s (pids "
             f"{', '.join(f'{r}:{p}' for r, p in zip(workers.ranks, pids))}); {len(train.workers)} train "
-            f"data-parallel")
+            f"{'data-parallel' if cfg.rl.train_parallel == 'data' else 'as ' + cfg.rl.train_parallel + ' stages'}")
         driver = MultiWorkerRollout(workers.handles, settings, decoders=workers.decoders, scorers=workers.scorers)
         rollout = RayRollout(driver, workers, train, cfg.rollout.migrate_below > 0, models.critic is not None)
-        return rollout, RayTrainer(train, workers), workers
+        return rollout, RayTrainer(train, workers, cfg.rl.train_parallel), workers
     except BaseException:
         workers.close()
         raise

@@ -156,6 +156,7 @@ class TrainWorker:
             setattr(models, name, None)
         self.models, self.learners = models, build_learners(models, cfg.rl)
         self.group: DataParallelGroup | None = None
+        self.pipeline = None  # rl.train_parallel=pipeline_*: this rank's stages (rlfuse/schedule/ppo_pipeline.py)
 
     def ready(self) -> bool:
         """Returns once the actor is built (its models loaded): Ray runs __init__ before any other call."""
@@ -173,6 +174,12 @@ class TrainWorker:
         backend = "nccl" if self.device.type == "cuda" else "gloo"
         dist.init_process_group(backend, init_method=f"tcp://{host}:{port}", rank=self.rank, world_size=self.world,
                                 timeout=timedelta(seconds=timeout_s))
+        if self.cfg.rl.train_parallel.startswith("pipeline"):  # stages instead of replicas: no DDP
+            from rlfuse.schedule.ppo_pipeline import build_pipeline
+
+            self.pipeline = build_pipeline(self.models.actor, self.models.critic, self.cfg.rl,
+                                           self.cfg.rl.train_parallel, self.models.tokenizer.pad_token_id)
+            return
         self.group = DataParallelGroup(self.rank, self.world, self.device)
         from rlfuse.trainers.rl import learner_sets
 
@@ -186,6 +193,10 @@ class TrainWorker:
         from rlfuse.trainers.rl import update
 
         t = time.perf_counter()
+        if self.pipeline is not None:
+            stats = self.pipeline.update(exp, adv, returns, kl_coef, batches, bad, temperature)
+            self.pipeline.sync_whole_models()  # rank 0 hands out, evaluates and saves the whole models
+            return {"stats": stats, "bad": bad, "seconds": time.perf_counter() - t}
         stats = update(self.models, self.learners, exp, adv, returns, self.cfg.rl, kl_coef, batches, bad,
                        temperature=temperature, group=self.group)
         return {"stats": stats, "bad": bad, "seconds": time.perf_counter() - t}
@@ -213,6 +224,8 @@ class TrainWorker:
         if self.rank == 0:
             save_checkpoint(Path(path), **dict(zip(CHECKPOINT_KEYS, checkpoint_parts(self.models, self.learners))),
                             iteration=iteration, kl_coef=kl_coef, counters=counters)
+        if self.pipeline is not None:  # the stages' optimiser states, one file per rank beside the checkpoint
+            torch.save(self.pipeline.optimizer_state(), f"{path}.stage{self.rank}")
 
     def load_checkpoint(self, path: str) -> dict:
         """Every rank restores the same file; returns its iteration, kl_coef and counters."""
@@ -220,6 +233,8 @@ class TrainWorker:
         from rlfuse.trainers.rl import checkpoint_parts
 
         state = load_checkpoint(Path(path), *checkpoint_parts(self.models, self.learners))
+        if self.pipeline is not None:
+            self.pipeline.load_optimizer_state(torch.load(f"{path}.stage{self.rank}", weights_only=False))
         return {k: state[k] for k in ("iteration", "kl_coef", "counters")}
 
     def trainable_state(self) -> dict:
@@ -270,7 +285,8 @@ class TrainGroup:
     def save_checkpoint(self, path, iteration: int, kl_coef: float, counters: dict) -> None:
         import ray
 
-        ray.get(self.workers[0].save_checkpoint.remote(str(path), iteration, kl_coef, counters))
+        # every rank: with pipeline stages each saves its own optimiser states (data parallel: only rank 0 writes)
+        ray.get([w.save_checkpoint.remote(str(path), iteration, kl_coef, counters) for w in self.workers])
 
     def load_checkpoint(self, path) -> dict:
         import ray

@@ -72,6 +72,15 @@ def stage_loss(prob: Problem, model: int, out: torch.Tensor, data: dict) -> torc
     return loss / (pm.micro_batches * pm.replicas)
 
 
+def head_output(stage, h: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
+    """The last stage's head on its hidden states (B, T, H): the actor's log-probs of the next tokens, the critic's
+    values, both (B, T-1)."""
+    if stage.kind == "actor":
+        logp = torch.log_softmax(stage.head(h[:, :-1]).float(), dim=-1)
+        return logp.gather(-1, tokens[:, 1:, None]).squeeze(-1)
+    return stage.head(h[:, :-1]).squeeze(-1).float()
+
+
 def _received(inbox: dict, prob: Problem, t: Task) -> torch.Tensor:
     """The input of `t`, waiting for its receive (posted earlier, in the agreed order)."""
     buf, handle = inbox.pop(input_of(prob, t))
@@ -123,8 +132,9 @@ def _worker(rank: int, prob: Problem, progs: list[list[Op]], spec: ExecSpec, por
             data = micro_batch_data(spec, prob, t.model, t.replica * pm.micro_batches + t.mb, vocab)
             x = data["tokens"] if t.stage == 0 else _received(inbox, prob, t).requires_grad_(True)
             start = time.perf_counter()
-            y = stage(x, data["tokens"])
+            y = stage(x)
             if last:
+                y = head_output(stage, y, data["tokens"])
                 y = stage_loss(prob, t.model, y, data)
             else:
                 outbox[message_of(prob, t)] = y.detach().contiguous()

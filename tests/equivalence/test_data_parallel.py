@@ -13,11 +13,10 @@ import torch
 
 ray = pytest.importorskip("ray", reason="ray is not installed: pip install 'ray==2.60.*' to run the Ray tests")
 
+from helpers import hand_experience  # noqa: E402
 from rlfuse.config import load_config  # noqa: E402
 from rlfuse.models.build import build_models  # noqa: E402
 from rlfuse.placement.ray_train import start_train_workers  # noqa: E402
-from rlfuse.rollout.fusion import Experience  # noqa: E402
-from rlfuse.rollout.score import collate, response_logprobs  # noqa: E402
 from rlfuse.trainers.rl import build_learners, compute_advantages, minibatches, update  # noqa: E402
 
 ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])  # the helpers below run inside the workers
@@ -36,22 +35,6 @@ def rl_config(tiny_task, algo, *extra):
     return load_config(None, [f"rl.sft_path={tiny_task.model_dir}", "rl.reward=rlfuse.data.gold:gold_reward",
                               f"rl.algo={algo}", f"rl.k={k}", "rl.critic_init=sft", "rl.lr=1e-3", "rl.critic_lr=1e-3",
                               "run.threads=1", *extra])
-
-
-def hand_experience(actor, n, k, seed=1):
-    """n samples (n/k prompts of 2..5 tokens, responses of 1..6 tokens); old log-probs near the actor's own so some
-    ratios clip; random values and scores."""
-    g = torch.Generator().manual_seed(seed)
-    vocab = actor.config.vocab_size
-    prompts = [torch.randint(1, vocab, (2 + i % 4,), generator=g).tolist() for i in range(n // k)]
-    prompt_ids = [prompts[i // k] for i in range(n)]
-    response_ids = [torch.randint(1, vocab, (1 + (3 * i) % 6,), generator=g).tolist() for i in range(n)]
-    mb = collate(prompt_ids, response_ids, 0, "cpu")
-    with torch.no_grad():
-        lp = response_logprobs(actor, mb)
-    noise = lambda s: s * torch.randn(*mb.mask.shape, generator=g) * mb.mask
-    return Experience(prompt_ids, response_ids, torch.arange(n) // k, torch.randn(n, generator=g), lp + noise(0.2),
-                      lp + noise(0.3), noise(1.0), mb.mask, ["eos"] * n)
 
 
 def single_process(cfg, tmp_path, start: dict, sgd_lr=None):

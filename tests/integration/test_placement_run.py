@@ -89,6 +89,10 @@ def test_strategy_runs_on_two_workers_and_trains_as_one_process(strategy, tiny_t
     for got, want in zip(rows, want_rows):
         assert got["rollout/length_mean"] == want["rollout/length_mean"]
         assert_close(got["reward/mean"], want["reward/mean"])
+    assert_actor_as_single(actor, want_actor, start)
+
+
+def assert_actor_as_single(actor, want_actor, start):
     # Samples are identical; what differs is rounding: the workers score other micro-batches than the single
     # process, and a migrated row's re-prefilled log-probs round differently (< 1e-5). Adam divides each gradient by
     # its own running scale, so in a coordinate whose gradient is near zero a rounding-level change moves the weight
@@ -101,3 +105,18 @@ def test_strategy_runs_on_two_workers_and_trains_as_one_process(strategy, tiny_t
         assert_close(actor[name], want_actor[name], atol=atol, rtol=1.3e-6, msg=lambda m: f"{name}: {m}")
     moved = max(float((actor[n] - start[n]).abs().max()) for n in actor if n in start)
     assert moved > 10 * atol
+
+
+def test_pipeline_stages_on_two_workers_train_as_one_process(tiny_task, folders, single, ray_session, tmp_path):
+    """rl.train_parallel=pipeline_fused: each worker trains actor stage r and critic stage 1 - r on one fused schedule
+    (rlfuse/schedule/ppo_pipeline.py); the run's actor equals the single process's, and each rank checkpoints its
+    stages' optimiser states beside the checkpoint."""
+    start = load_file(str(tiny_task.model_dir / "model.safetensors"))
+    rows, actor, rewards = run_rl(tmp_path, folders, "placement.strategy=flattened", "placement.workers=2",
+                                  "rl.train_parallel=pipeline_fused")
+    want_rows, want_actor, want_rewards = single
+    assert [r["train/pipeline_stages"] for r in rows] == [2, 2, 2]
+    assert all("train/data_parallel_ranks" not in r and r["time/train_pipeline"] > 0 for r in rows)
+    assert_close(rewards, want_rewards)  # the critic scored with (synced from both stages) is the single process's
+    assert all((tmp_path / "rl" / f"checkpoint.pt.stage{r}").stat().st_size > 0 for r in (0, 1))
+    assert_actor_as_single(actor, want_actor, start)

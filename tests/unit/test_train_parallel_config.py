@@ -1,0 +1,34 @@
+"""rl.train_parallel is validated eagerly: each pipeline mode that cannot run says so in one line naming the field
+and the fix."""
+
+import pytest
+
+from rlfuse.config import load_config
+from rlfuse.errors import ConfigError
+
+RAY2 = ["placement.strategy=flattened", "placement.workers=2"]
+
+
+def config(*overrides):
+    return load_config(None, ["model.n_layer=2", *overrides])
+
+
+@pytest.mark.parametrize("overrides,problem", [
+    (["rl.train_parallel=pipeline_fused"], "placement.strategy=single gives 1"),
+    (["rl.train_parallel=pipeline_serial", *RAY2[:1], "placement.workers=3"], "policy's 2 layers cannot be cut into 3 stages"),
+    (["rl.train_parallel=pipeline_fused", *RAY2, "rl.algo=grpo", "rl.k=2"], "a separate critic"),
+    (["rl.train_parallel=pipeline_fused", *RAY2, "rl.critic_init=actor"], "a separate critic"),
+    (["rl.train_parallel=pipeline_fused", *RAY2, "model.lora=true"], "no LoRA"),
+    (["rl.train_parallel=single", *RAY2], "trains on Ray workers"),
+    (["rl.train_parallel=tensor"], "not one of single, data, pipeline_serial, pipeline_fused"),
+])
+def test_a_pipeline_that_cannot_run_is_refused_in_one_line(overrides, problem):
+    with pytest.raises(ConfigError, match="rl.train_parallel") as e:
+        config(*overrides)
+    assert problem in str(e.value) and "\n" not in str(e.value)
+
+
+def test_runnable_settings_pass():
+    assert config("rl.train_parallel=pipeline_fused", *RAY2).rl.train_parallel == "pipeline_fused"
+    assert config("rl.train_parallel=pipeline_serial", *RAY2).rl.train_parallel == "pipeline_serial"
+    assert config().rl.train_parallel == "data"
