@@ -217,9 +217,9 @@ def fused(prob: Problem, seed: int = 0, time_limit: float = 60.0, memory_pass: b
     bound, at the time limit or after `max_evals` schedules (each priority-rule schedule, forward-backward pass,
     search restart and swap counts as one). In order:
     1. priority rules (critical path, 1F1B-like greedy, longest tail) and forward-backward improvement of the best;
-    2. a depth-first search for a schedule at the bound, restarted with noisy priorities (25% of the time);
-    3. if still more than 1% above the bound, the same search for a schedule within 1% (until 35% of the time);
-    4. annealing of the best rule's priorities (until 50%), then of adjacent swaps; then the memory pass.
+    2. a depth-first search for a schedule at the bound or halfway to it, restarted with noisy and guided priorities
+       (until 50% of the time);
+    3. annealing of the best rule's priorities (until 65%), then of adjacent swaps; then the memory pass.
     With max_evals (and a time limit that does not bind) the result depends only on the seed."""
     budget = max_evals if max_evals is not None else 10**12
     t0 = time.perf_counter()
@@ -243,16 +243,23 @@ def fused(prob: Problem, seed: int = 0, time_limit: float = 60.0, memory_pass: b
     if evals < budget:
         evals += _forward_backward(prob, best, goal, rounds=min(20, (budget - evals) // 2), deadline=deadline(0.25))
     unit = min(pm.fwd for pm in prob.models)
-    for target, share in ((lb, 0.25), (lb * 1.01, 0.35)):
-        prio, restart_nodes = list(tails), 2 * n
-        while best.span > max(goal, target) and evals < budget and time.perf_counter() < deadline(share):
-            orders = _reach(prob, target, prio, restart_nodes, deadline(share))
-            evals += 1
-            if orders is not None:
-                best.offer(_makespan(c, orders), orders)
-            prio = [q + rng.gauss(0, unit) for q in tails]  # another restart: ties and near-ties broken at random
+    # restarts alternate between the tails and the tails less the best schedule's start times (follow what already
+    # works, repair where the bound needs it), and between the bound, halfway to it and one step below the best
+    # (each gain there guides the next restarts), with ties and near-ties broken at random from the third restart on
+    guided, guide_span, restart = None, None, 0
+    while best.span > goal and evals < budget and time.perf_counter() < deadline(0.5):
+        if guide_span != best.span:
+            guide_span = best.span
+            guided = [q - s for q, s in zip(tails, _list_times(prob, best.orders, start=True))]
+        base = guided if restart % 2 else tails
+        prio = [q + rng.gauss(0, unit) for q in base] if restart > 1 else list(base)
+        target = (lb, lb, (lb + best.span) / 2, best.span - unit)[restart % 4]
+        orders = _reach(prob, max(goal, target), prio, 2 * n, deadline(0.5))
+        evals, restart = evals + 1, restart + 1
+        if orders is not None:
+            best.offer(_makespan(c, orders), orders)
     if best.span > goal:
-        evals += _anneal_priorities(prob, rule, best, goal, rng, deadline(0.5), budget - evals)
+        evals += _anneal_priorities(prob, rule, best, goal, rng, deadline(0.65), budget - evals)
     sched = _schedule(c, best.orders)
     if best.span > goal and time.perf_counter() < deadline(1.0) and evals < budget:
         sched, more = anneal_swaps(prob, sched, goal, deadline(1.0) - time.perf_counter(), rng, budget - evals)
@@ -308,6 +315,13 @@ def _forward_backward(prob: Problem, best: _Best, goal: float, rounds: int, dead
         stale = 0 if span < best.span - 1e-9 else stale + 1
         best.offer(span, orders, back_end)
     return built
+
+
+def _list_times(prob: Problem, orders: list[list[int]], start: bool = False) -> list[float]:
+    """End (or start) time of every task under these orders."""
+    times = list_schedule(compiled(prob), orders)
+    assert times is not None, "orders built by a construction never deadlock"
+    return times[0] if start else times[1]
 
 
 def _anneal_priorities(prob: Problem, start: _Best, best: _Best, goal: float, rng: random.Random, deadline: float,
