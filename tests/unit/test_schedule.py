@@ -47,19 +47,21 @@ def test_reference_serial_and_lower_bound_exact(row):
 
 @pytest.mark.parametrize("row", REFERENCE, ids=ids)
 def test_reference_fused_search(row):
-    """The issue asks for the target in at least 5 of 6 rows and within 2% in the other; row 4 is the one we
-    reach within 1% rather than exactly, so it is held to 2%."""
+    """The 8-stage RLHFuse rows: the K = 2 rows and the M = 8 and 32 rows of K = 1 reach the bound in seconds; the
+    K = 1, M = 16 row (5:2) is the hardest of them (reached in about a minute), so it is held to the issue's 1% within
+    20 s."""
     pp, pps, m, ms, f, fs, ser, target = row
     prob = Problem.fused(pp, pps, m, ms, f, fs)
-    # makespan only (the memory pass is tested on its own); exact rows stop as soon as they reach the bound
-    res = fused(prob, seed=0, time_limit=60 if row == REFERENCE[3] else 120, memory_pass=False)
+    hardest = row == REFERENCE[4]
+    # makespan only (the memory pass is tested on its own); rows stop as soon as they reach the bound
+    res = fused(prob, seed=0, time_limit=20 if hardest else 60, memory_pass=False)
     check(prob, res.schedule)
     assert res.result.makespan >= target  # never below the lower bound
-    if row == REFERENCE[3]:
-        assert res.result.makespan <= target * 1.02
+    if hardest:
+        assert res.result.makespan <= target * 1.01
     else:
         assert res.result.makespan == target
-    assert res.seconds < 125
+        assert res.seconds < 10
 
 
 @pytest.mark.parametrize("shape", [(16, 8, 16, 8, 3, 2), (4, 2, 8, 4, 3, 2), (6, 3, 12, 6, 5, 3), (16, 16, 8, 8, 5, 2)])
