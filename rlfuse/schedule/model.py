@@ -7,6 +7,7 @@ ordered list of tasks (model, replica, stage, F|B, micro-batch). No torch here: 
 
 from __future__ import annotations
 
+import heapq
 from dataclasses import dataclass, field
 
 
@@ -165,6 +166,8 @@ class Compiled:
                     d = prob.device_of(mi, r, st)
                     for kind in ("F", "B"):
                         self.queues[d].append([self.index[Task(mi, r, st, kind, m)] for m in range(pm.micro_batches)])
+        self.graph: tuple | None = None  # filled by task_graph()
+        self.heads_tails: tuple[list[float], list[float]] | None = None  # filled by heads_and_tails()
 
     def ready_time(self, i: int, free: float, end: list[float]) -> float | None:
         """Earliest start of task i on a device free at `free`, or None while an input is not computed yet."""
@@ -253,9 +256,80 @@ def peak_memory(prob: Problem, sched: Schedule) -> list[float]:
     return peaks
 
 
+def task_graph(prob: Problem) -> tuple[list[list[tuple[int, float]]], list[list[tuple[int, float]]]]:
+    """Predecessors and successors of every task (index of compiled(prob).tasks) as (task, lag) pairs: the data
+    dependencies (lag = comm across devices) and the FIFO order within each queue (lag 0). Built once per problem."""
+    c = compiled(prob)
+    if c.graph is None:
+        preds = [[(j, prob.comm if cross else 0.0) for j, cross in deps] for deps in c.deps]
+        for queues in c.queues:
+            for q in queues:
+                for a, b in zip(q, q[1:]):
+                    preds[b].append((a, 0.0))
+        succs: list[list[tuple[int, float]]] = [[] for _ in c.tasks]
+        for i, ps in enumerate(preds):
+            for j, lag in ps:
+                succs[j].append((i, lag))
+        c.graph = (preds, succs)
+    return c.graph
+
+
+def heads_and_tails(prob: Problem) -> tuple[list[float], list[float]]:
+    """Per task (index of compiled(prob).tasks): its head, the longest path of work (and comm) that must finish before
+    it can start, and its tail, the longest path that must still run after it ends. The paths follow the data
+    dependencies and the FIFO micro-batch order of each (model, replica, stage, kind) queue, which every schedule
+    keeps (check() enforces it), so head + duration + tail <= makespan for every task of every valid schedule."""
+    c = compiled(prob)
+    if c.heads_tails is None:
+        n = len(c.tasks)
+        preds, succs = task_graph(prob)
+        missing = [len(ps) for ps in preds]
+        order = [i for i in range(n) if not missing[i]]
+        for i in order:  # Kahn's topological order (grows while iterating)
+            for j, _ in succs[i]:
+                missing[j] -= 1
+                if not missing[j]:
+                    order.append(j)
+        head, tail = [0.0] * n, [0.0] * n
+        for i in order:
+            head[i] = max((head[j] + c.duration[j] + lag for j, lag in preds[i]), default=0.0)
+        for i in reversed(order):
+            tail[i] = max((lag + c.duration[j] + tail[j] for j, lag in succs[i]), default=0.0)
+        c.heads_tails = (head, tail)
+    return c.heads_tails
+
+
+def preemptive_one_device_bound(jobs: list[tuple[float, float, float]]) -> float:
+    """max_j (end_j + tail_j) of the preemptive Jackson schedule of (head, duration, tail) jobs on one device: at every
+    moment run the released job with the longest tail, switching when a job with a longer tail is released.
+
+    Why it is a lower bound: dropping the other devices (their tasks only enter through heads and tails) and allowing
+    preemption only relaxes the problem, and on one device with heads and tails the preemptive longest-tail-first rule
+    is optimal (Jackson 1955; Carlier 1982, "The one-machine sequencing problem"). Its value equals
+    max over subsets S of min_S head + sum_S duration + min_S tail, so it is never below the per-device bounds."""
+    jobs = sorted(jobs)
+    ready: list[list[float]] = []  # heap of [-tail, remaining duration]
+    t, k, worst = 0.0, 0, 0.0
+    while k < len(jobs) or ready:
+        if not ready:
+            t = max(t, jobs[k][0])
+        while k < len(jobs) and jobs[k][0] <= t:
+            heapq.heappush(ready, [-jobs[k][2], jobs[k][1]])
+            k += 1
+        job = ready[0]
+        run = min(job[1], (jobs[k][0] - t) if k < len(jobs) else job[1])
+        t, job[1] = t + run, job[1] - run
+        if job[1] <= 1e-12:
+            heapq.heappop(ready)
+            worst = max(worst, t - job[0])
+    return worst
+
+
 def lower_bound(prob: Problem) -> float:
-    """The larger of: each model's critical path (M + S - 1)(f + b); total work / P; and for every device its own
-    work plus the idle start before any input can reach it and the tail its last backward still has to travel."""
+    """A makespan no schedule can beat: the larger of each model's critical path (M + S - 1)(f + b); total work / P;
+    for every device its own work plus the idle start before any input can reach it and the tail its last backward
+    still has to travel; and, tighter where micro-batches are few, the preemptive one-device bound of every device
+    with per-task heads and tails (see preemptive_one_device_bound: valid because it relaxes the problem)."""
     bounds = [(pm.micro_batches + pm.stages - 1) * (pm.fwd + pm.bwd) for pm in prob.models]
     bounds.append(prob.work / prob.devices)
     for d in range(prob.devices):
@@ -263,4 +337,9 @@ def lower_bound(prob: Problem) -> float:
         head = min(prob.stage_on(mi, d)[1] * (pm.fwd + prob.comm) for mi, pm in enumerate(prob.models))
         tail = min(prob.stage_on(mi, d)[1] * (pm.bwd + prob.comm) for mi, pm in enumerate(prob.models))
         bounds.append(own + head + tail)
+    c = compiled(prob)
+    head, tail = heads_and_tails(prob)
+    for d in range(prob.devices):
+        jobs = [(head[i], c.duration[i], tail[i]) for i in range(len(c.tasks)) if c.device[i] == d]
+        bounds.append(preemptive_one_device_bound(jobs))
     return max(bounds)

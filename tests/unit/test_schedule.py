@@ -3,8 +3,11 @@ lower bound exact, fused target reached), the checker's rejections, and determin
 
 import pytest
 
+import math
+
 from rlfuse.schedule.build import fused, one_f_one_b, serial
-from rlfuse.schedule.model import Problem, Schedule, ScheduleError, Task, check, lower_bound, simulate
+from rlfuse.schedule.model import (Problem, Schedule, ScheduleError, Task, check, compiled, lower_bound,
+                                   preemptive_one_device_bound, simulate)
 
 REFERENCE = [  # pp, pp_small, m, m_small, f, f_small, serial, target
     (8, 4, 32, 16, 5, 4, 813, 708), (8, 4, 16, 8, 5, 4, 477, 372), (8, 4, 8, 4, 5, 4, 309, 225),
@@ -44,19 +47,21 @@ def test_reference_serial_and_lower_bound_exact(row):
 
 @pytest.mark.parametrize("row", REFERENCE, ids=ids)
 def test_reference_fused_search(row):
-    """The issue asks for the target in at least 5 of 6 rows and within 2% in the other; row 4 is the one we
-    reach within 1% rather than exactly, so it is held to 2%."""
+    """The 8-stage RLHFuse rows: the K = 2 rows and the M = 8 and 32 rows of K = 1 reach the bound in seconds; the
+    K = 1, M = 16 row (5:2) is the hardest of them (reached in about a minute), so it is held to the issue's 1% within
+    20 s."""
     pp, pps, m, ms, f, fs, ser, target = row
     prob = Problem.fused(pp, pps, m, ms, f, fs)
-    # makespan only (the memory pass is tested on its own); exact rows stop as soon as they reach the bound
-    res = fused(prob, seed=0, time_limit=60 if row == REFERENCE[3] else 120, memory_pass=False)
+    hardest = row == REFERENCE[4]
+    # makespan only (the memory pass is tested on its own); rows stop as soon as they reach the bound
+    res = fused(prob, seed=0, time_limit=20 if hardest else 60, memory_pass=False)
     check(prob, res.schedule)
     assert res.result.makespan >= target  # never below the lower bound
-    if row == REFERENCE[3]:
-        assert res.result.makespan <= target * 1.02
+    if hardest:
+        assert res.result.makespan <= target * 1.01
     else:
         assert res.result.makespan == target
-    assert res.seconds < 125
+        assert res.seconds < 10
 
 
 @pytest.mark.parametrize("shape", [(16, 8, 16, 8, 3, 2), (4, 2, 8, 4, 3, 2), (6, 3, 12, 6, 5, 3), (16, 16, 8, 8, 5, 2)])
@@ -69,10 +74,82 @@ def test_other_shapes_against_the_lower_bound(shape):
     assert res.result.makespan < simulate(prob, serial(prob)).makespan
 
 
+def brute_force_optimum(prob: Problem) -> float:
+    """Exact optimum by enumerating every active schedule (Giffler-Thompson branching, which contains an optimal
+    schedule), pruned only by the makespan of the best complete one: independent of lower_bound's heads and tails."""
+    c = compiled(prob)
+    pos = [[0] * len(q) for q in c.queues]
+    free, end, best = [0.0] * prob.devices, [-1.0] * len(c.tasks), [math.inf]
+
+    def branch(placed, span):
+        if span >= best[0]:
+            return
+        if placed == len(c.tasks):
+            best[0] = span
+            return
+        cand = [(r, d, qi, q[pos[d][qi]]) for d in range(prob.devices) for qi, q in enumerate(c.queues[d])
+                if pos[d][qi] < len(q) for r in [c.ready_time(q[pos[d][qi]], free[d], end)] if r is not None]
+        first_end, d = min((r + c.duration[i], d) for r, d, _, i in cand)
+        for r, dd, qi, i in cand:
+            if dd == d and r < first_end:
+                was = free[d]
+                end[i] = free[d] = r + c.duration[i]
+                pos[d][qi] += 1
+                branch(placed + 1, max(span, end[i]))
+                pos[d][qi] -= 1
+                free[d], end[i] = was, -1.0
+
+    branch(0, 0.0)
+    return best[0]
+
+
+def test_preemptive_one_device_bound_by_hand():
+    # (head, duration, tail): A runs 0-1, B (released at 1, longer tail) preempts and ends at 2 -> 2 + 5 = 7;
+    # A finishes 2-4 -> 4 + 0. The bound is 7 = B alone (1 + 1 + 5).
+    assert preemptive_one_device_bound([(0, 3, 0), (1, 1, 5)]) == 7
+    # without preemption the best order is also 7 here; with equal tails it is plain work after the first head
+    assert preemptive_one_device_bound([(2, 3, 1), (0, 1, 1), (0, 2, 1)]) == 7  # 0-1, 1-3, 3-6 then +1
+    assert preemptive_one_device_bound([(0, 3, 0), (1, 1, 5)]) != 6  # a wrong value fails
+
+
+@pytest.mark.parametrize("shape", [(2, 2, 2, 2, 1, 1), (2, 1, 2, 1, 2, 1), (2, 2, 2, 2, 5, 2), (4, 4, 2, 2, 1, 1),
+                                   (4, 2, 2, 1, 1, 1), (3, 3, 2, 2, 2, 1), (4, 4, 1, 1, 5, 4)])
+def test_lower_bound_never_above_the_exhaustive_optimum(shape):
+    prob = Problem.fused(*shape)
+    optimum = brute_force_optimum(prob)
+    assert lower_bound(prob) <= optimum
+    found = fused(prob, time_limit=5, memory_pass=False)
+    check(prob, found.schedule)
+    assert found.result.makespan == optimum == lower_bound(prob)  # tight on these, and the search reaches it
+
+
+def test_lower_bound_with_comm_never_above_the_optimum():
+    prob = Problem.fused(2, 2, 2, 2, 2, 1, comm=1.0)
+    assert lower_bound(prob) <= brute_force_optimum(prob)
+
+
+def test_one_device_bound_is_tighter_where_micro_batches_are_few():
+    # 4 stages, 2 micro-batches, f = 1 for both: the per-device bound (own work + least head + least tail) gives 15,
+    # which no schedule reaches; the preemptive one-device bound with per-task heads and tails gives the optimum 16
+    prob = Problem.fused(4, 4, 2, 2, 1, 1)
+    own, head, tail = 12, 1, 2  # device 1: 2 x 2 x (1 + 2) of work; big stage 1 starts after 1, ends 2 before the end
+    assert own + head + tail == 15 < lower_bound(prob) == 16 == brute_force_optimum(prob)
+
+
+@pytest.mark.parametrize("shape", [(4, 4, 8, 8, 5, 2), (4, 2, 8, 4, 5, 4), (8, 4, 8, 4, 2, 1), (8, 8, 8, 8, 1, 1),
+                                   (16, 8, 4, 2, 5, 4), (16, 16, 4, 4, 2, 1)])
+def test_search_reaches_the_bound_on_small_grids(shape):
+    prob = Problem.fused(*shape)
+    res = fused(prob, seed=0, time_limit=20)
+    check(prob, res.schedule)
+    assert res.result.makespan == lower_bound(prob)
+    assert res.seconds < 10  # stops at the bound (plus the memory pass: 15% of the limit)
+
+
 def test_search_is_deterministic_for_a_seed():
     prob = Problem.fused(8, 8, 16, 16, 5, 2)
-    a = fused(prob, seed=3, time_limit=1e9, max_evals=300)
-    b = fused(prob, seed=3, time_limit=1e9, max_evals=300)
+    a = fused(prob, seed=3, time_limit=1e9, max_evals=60)
+    b = fused(prob, seed=3, time_limit=1e9, max_evals=60)
     assert a.schedule.orders == b.schedule.orders
 
 

@@ -70,7 +70,9 @@ def test_serial_schedule_programs_verify():
 
 def test_tag_matched_order_disagrees_on_a_shared_channel():
     """Why the order is derived: posting each receive when its task needs it pairs the wrong tensors under NCCL."""
-    prob, sched = fused_schedule((4, 2, 6, 3))
+    # a shape whose fused schedule (seeded, fixed evaluation budget) interleaves the two pipelines' messages on a
+    # channel out of step; not every schedule does, so the shape follows the search
+    prob, sched = fused_schedule((4, 4, 6, 6))
     progs = tag_matched_programs(prob, sched)
     assert any(sent != received for sent, received in channels(progs).values())
     with pytest.raises(ScheduleError, match=r"channel \d->\d: send #\d+ is .* but receive #\d+ is"):
