@@ -74,7 +74,17 @@ def _with_overheads(profile: MachineProfile, path: Path, log) -> MachineProfile:
     import json
     from dataclasses import replace
 
-    missing = [k for k in BUILTIN_OVERHEADS if k not in json.loads(path.read_text())]
+    stored = json.loads(path.read_text())
+    if "ray_slowdown" in stored and "pair_train_slowdown" not in stored and profile.ray_slowdown > 1:
+        # an older profile's ray_slowdown was two busy workers against the profile's process alone: as pair
+        # slowdowns it slows only the compute that overlaps (it would otherwise slow every Ray worker's)
+        profile = replace(profile, ray_slowdown=1.0, pair_decode_slowdown=profile.ray_slowdown,
+                          pair_train_slowdown=profile.ray_slowdown)
+        if log:
+            log(f"[plan] {path} measured compute on two busy workers as one figure, {profile.pair_train_slowdown:.2f}x "
+                f"(written by an older rlfuse): used where workers compute at once; `rlfuse plan --profile` "
+                f"measures decoding and training apart, with their spread")
+    missing = [k for k in BUILTIN_OVERHEADS if k not in stored]
     if not missing or profile.device != "cpu":
         return profile
     if log:
