@@ -13,7 +13,10 @@ rlfuse/placement/cost.py):
 - separated (train T, generate G): G decode while T score the finished samples as they stream in (fused), then T
   train; the actor's weights go to the G generating workers each iteration.
 - interleaved (train T, score S): T decode while S score concurrently, then T train; the critic's weights go to S.
-Plus the weight sync and a fixed per-iteration cost of Ray calls (`MachineProfile.ray_call_s`).
+Plus the weight sync and a fixed per-iteration cost of Ray calls (`MachineProfile.ray_call_s`). Workers computing at
+the same moment slow each other (`pair_decode_slowdown`, `pair_train_slowdown`): only the overlapping share of a
+stage is slowed (all of flattened's stages; in two groups decoding and scoring as far as they overlap; training on
+several ranks).
 """
 
 from __future__ import annotations

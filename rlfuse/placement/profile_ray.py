@@ -8,12 +8,11 @@ What is timed, and which MachineProfile field it gives:
   loop). A call's wall time beyond the worker's own compute is `ray_round_trip_s`; the same with replies carrying
   CHUNK_SAMPLES finished samples gives `ray_sample_s`.
 - two workers at once (pair_slowdowns): in each of PAIR_ROUNDS rounds, a decode chunk and a few training
-  micro-batches (forward + backward) on one worker while the other waits, then on both at once: the slower
-  worker's time over the lone one's, the median over the rounds, is `pair_decode_slowdown` and
-  `pair_train_slowdown` (their (max - min) / median over the rounds goes in `pair_decode_spread` and
-  `pair_train_spread`, to say how far to trust them); the lone worker's decode chunk over the same chunk in the
-  profile's own process is `ray_slowdown`. Solo and pair alternate within each round, so a change of the machine's
-  load falls on both.
+  micro-batches (forward + backward) on both workers at once against the same on one worker alone just before and
+  on the other just after: the slower worker's time over the lone mean, the median over the rounds, is
+  `pair_decode_slowdown` and `pair_train_slowdown` (their (max - min) / median over the rounds goes in
+  `pair_decode_spread` and `pair_train_spread`, to say how far to trust them); the lone worker's decode chunk over
+  the same chunk in the profile's own process is `ray_slowdown`.
 - collectives: the two workers join a gloo group as training ranks do (ray_train.join_training) and all-reduce a
   4-byte tensor (`allreduce_latency_s`, the median: a collective waits for the slower rank, as in a run) and a
   buffer of the model's gradient size (`allreduce_bytes_s`, ring bytes over the time beyond the latency).
@@ -236,17 +235,19 @@ def spread(xs: list[float]) -> float:
 
 def pair_slowdowns(workers: list, steps: int) -> dict:
     """{kind: [ratio per round]} for kind in (decode, train), and {"solo_decode": [seconds per round]}: in each
-    round, the work on one worker while the other waits, then on both at once (the slower one's time: a flattened
-    rollout or a data-parallel step waits for it), its ratio to the lone time. The lone worker alternates."""
+    round, the work on both workers at once (the slower one's time: a flattened rollout or a data-parallel step
+    waits for it) over the mean of the same work on one worker alone just before and on the other just after (so a
+    load that rises or falls during the round, or one slower worker, weighs on both sides alike)."""
     import ray
 
     out = {"decode": [], "train": [], "solo_decode": []}
     for kind in ("decode", "train"):  # warm-up: each worker's first call of each kind
         ray.get([w.compute.remote(kind, steps) for w in workers])
-    for r in range(PAIR_ROUNDS):
+    for _ in range(PAIR_ROUNDS):
         for kind in ("decode", "train"):
-            solo = ray.get(workers[r % len(workers)].compute.remote(kind, steps))
+            before = ray.get(workers[0].compute.remote(kind, steps))
             pair = max(ray.get([w.compute.remote(kind, steps) for w in workers]))
+            solo = (before + ray.get(workers[-1].compute.remote(kind, steps))) / 2
             out[kind].append(pair / solo)
             if kind == "decode":
                 out["solo_decode"].append(solo)
