@@ -53,7 +53,7 @@ def fake_samples(n: int, prompt: int = PROBE_PROMPT, response: int = PROBE_RESPO
 CHUNK_ROWS = 8
 PROBE_ROWS, TRAIN_CALLS = 4, 6
 """Rows of a probe training micro-batch, and micro-batches per timed unit (about as long as a decode chunk)."""
-PAIR_ROUNDS = 7
+PAIR_ROUNDS = 9
 """Rounds of (one worker alone, both at once) per kind of work: the median over them, and their spread, are kept."""
 
 
