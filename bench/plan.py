@@ -265,6 +265,15 @@ def repredict(stored: Path, models: Path | None, profile_path: Path) -> list[dic
     return out
 
 
+def profile_line(prof) -> str:
+    """The profile the predictions came from: its source and how slow two workers computing at once were."""
+    from dataclasses import asdict
+
+    from rlfuse.placement.profile_ray import pair_note
+
+    return f"{prof.name}: {prof.source}; {pair_note(asdict(prof), 'its')}"
+
+
 def fresh_profile(work: Path, fresh: bool) -> Path:
     """The machine profile the predictions use: measured now (`rlfuse plan --profile`) unless one with the Ray
     overheads is there already and --fresh was not given."""
@@ -299,7 +308,7 @@ def main() -> None:
     if args.repredict:
         profile_path = args.profile or args.repredict.parent / "machine_profile.json"
         results, prof = repredict(args.repredict, args.models, profile_path), load_profile(profile_path)
-        print(report(results, f"{prof.name}: {prof.source}", f"Re-predicted `{args.repredict}` (measured runs as "
+        print(report(results, profile_line(prof), f"Re-predicted `{args.repredict}` (measured runs as "
                      f"stored) from `{profile_path}`."))
         return
     work = args.work.resolve()
@@ -337,7 +346,7 @@ def main() -> None:
     header = (f"Command: `{cmd}` ({args.iterations} iterations per run, {args.repeats} runs per plan, 2 workers x 1 "
               f"CPU; {time.time() - t0:.0f} s; load average {min(loads):.1f}-{max(loads):.1f} over the runs, on 2 "
               f"cores shared with other work).")
-    text = report(results, f"{prof.name}: {prof.source}", header)
+    text = report(results, profile_line(prof), header)
     (work / "results.json").write_text(json.dumps(results, indent=1, default=str))
     print(text)
     if not args.no_write:
