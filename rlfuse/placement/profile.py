@@ -49,6 +49,10 @@ BUILTIN_CPU = MachineProfile(
     "average 1-4; no prefill_call_s")
 
 
+NOISY_SPREAD = 0.25
+"""A pair slowdown whose rounds spread wider than this (profile_ray.pair_slowdowns) is called noisy."""
+
+
 def default_profile_path() -> Path:
     return Path(os.environ.get("RLFUSE_CACHE", Path.home() / ".cache" / "rlfuse")) / "machine_profile.json"
 
@@ -57,7 +61,13 @@ def load_profile(path: str | Path | None = None, log=None) -> MachineProfile:
     """The profile at `path` (or the default path); BUILTIN_CPU, with a log line, when there is none."""
     p = Path(path) if path else default_profile_path()
     if p.is_file():
-        return _with_overheads(MachineProfile.load(p), p, log)
+        profile = _with_overheads(MachineProfile.load(p), p, log)
+        if log and max(profile.pair_decode_spread, profile.pair_train_spread) > NOISY_SPREAD:
+            log(f"[plan] {p} was measured on a busy machine: workers computing at once came out decode "
+                f"{profile.pair_decode_slowdown:.2f}x, train {profile.pair_train_slowdown:.2f}x, spread "
+                f"{max(profile.pair_decode_spread, profile.pair_train_spread) * 100:.0f}% over its rounds; the "
+                f"predicted times are rough: `rlfuse plan --profile` again on a quieter machine")
+        return profile
     if path:
         from rlfuse.errors import UserError
 

@@ -300,15 +300,13 @@ def measure_ray_overheads(shape, threads: int = 1, log=print, steps: int = 16,
     return out
 
 
-NOISY_SPREAD = 0.25
-"""A pair slowdown whose rounds spread wider than this is flagged in the profile's output as noisy."""
-
-
 def pair_note(out: dict, rounds) -> str:
     """One clause saying how much slower both workers compute at once than one alone, and how noisy that was."""
     spread_of = lambda kind: (f"spread {out[f'pair_{kind}_spread'] * 100:.0f}%" if out[f"pair_{kind}_spread"]
                               else "spread not measured")  # a profile from before the rounds
     parts = [f"{kind} {out[f'pair_{kind}_slowdown']:.2f}x ({spread_of(kind)})" for kind in ("decode", "train")]
+    from rlfuse.placement.profile import NOISY_SPREAD
+
     noisy = max(out["pair_decode_spread"], out["pair_train_spread"]) > NOISY_SPREAD
     return (f"both workers computing at once against one alone, median of {rounds} rounds: {', '.join(parts)}"
             + ("; NOISY (other work on the cores): profile again on a quieter machine" if noisy else ""))

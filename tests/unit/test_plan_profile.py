@@ -105,3 +105,15 @@ def test_probe_worker_compute_units():
 
     w = ProbeWorker(gpt2_shape("tiny", 2, 64, 2, 256, 128), 0, 1)
     assert 0 < w.compute("decode", 2) < 5 and 0 < w.compute("train", 2) < 5
+
+
+def test_a_noisy_profile_says_so_when_loaded(tmp_path):
+    from dataclasses import replace
+
+    said = []
+    quiet = replace(BUILTIN_CPU, pair_train_slowdown=1.2, pair_train_spread=0.1).save(tmp_path / "quiet.json")
+    load_profile(quiet, log=said.append)
+    assert said == []
+    noisy = replace(BUILTIN_CPU, pair_train_slowdown=1.8, pair_train_spread=0.9).save(tmp_path / "noisy.json")
+    load_profile(noisy, log=said.append)
+    assert len(said) == 1 and "busy machine" in said[0] and "90%" in said[0] and "rlfuse plan --profile" in said[0]
