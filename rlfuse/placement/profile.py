@@ -17,7 +17,6 @@ Where the file goes: `--profile-path`, else `$RLFUSE_CACHE/machine_profile.json`
 from __future__ import annotations
 
 import os
-import statistics
 import time
 from pathlib import Path
 
@@ -271,8 +270,8 @@ def measure_profile(shape: ModelShape | None = None, threads: int = 1, device: s
     if ray and device == "cpu":
         from rlfuse.placement.profile_ray import decode_chunk
 
-        alone = statistics.median(decode_chunk(model, 16) for _ in range(7))  # a rollout chunk's work, alone
-        overheads = _ray_overheads(shape, threads, log, alone)
+        decode_chunk(model, 16)  # warm-up; then timed in each round of the Ray probe, beside a Ray worker's
+        overheads = _ray_overheads(shape, threads, log, lambda: decode_chunk(model, 16))
     memory = (torch.cuda.get_device_properties(0).total_memory if device == "cuda"
               else psutil.virtual_memory().total)
     name = torch.cuda.get_device_name(0) if device == "cuda" else f"{_cpu_name()}, {threads} thread(s) per worker"
@@ -321,13 +320,13 @@ def _driver_seconds(vocab: int, samples: int = 32) -> float:
     return _timed(lambda: (compute_advantages(exp, rl, 0.1), minibatches(len(exp), rl, 0, 0)), 9, lambda: None)
 
 
-def _ray_overheads(shape: ModelShape, threads: int, log, alone_s: float) -> dict:
+def _ray_overheads(shape: ModelShape, threads: int, log, here) -> dict:
     """profile_ray.measure_ray_overheads, or {} (built-in values, said in one line) where Ray is missing or fails
     to start on this machine: the rest of the profile still holds."""
     try:
         from rlfuse.placement.profile_ray import measure_ray_overheads
 
-        return measure_ray_overheads(shape, threads, log, alone_s=alone_s)
+        return measure_ray_overheads(shape, threads, log, here=here)
     except ImportError:
         log("[profile] Ray is not installed: Ray overheads from the built-in profile")
     except Exception as e:  # noqa: BLE001  (Ray's start can fail many ways: ports, /dev/shm, a stale session)

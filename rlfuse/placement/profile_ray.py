@@ -12,7 +12,8 @@ What is timed, and which MachineProfile field it gives:
   on the other just after: the slower worker's time over the lone mean, the median over the rounds, is
   `pair_decode_slowdown` and `pair_train_slowdown` (their (max - min) / median over the rounds goes in
   `pair_decode_spread` and `pair_train_spread`, to say how far to trust them); the lone worker's decode chunk over
-  the same chunk in the profile's own process is `ray_slowdown`.
+  the same chunk in the profile's own process, timed in the same round just before, is `ray_slowdown` (the median
+  over the rounds).
 - collectives: the two workers join a gloo group as training ranks do (ray_train.join_training) and all-reduce a
   4-byte tensor (`allreduce_latency_s`, the median: a collective waits for the slower rank, as in a run) and a
   buffer of the model's gradient size (`allreduce_bytes_s`, ring bytes over the time beyond the latency).
@@ -233,32 +234,34 @@ def spread(xs: list[float]) -> float:
     return (max(xs) - min(xs)) / statistics.median(xs)
 
 
-def pair_slowdowns(workers: list, steps: int) -> dict:
-    """{kind: [ratio per round]} for kind in (decode, train), and {"solo_decode": [seconds per round]}: in each
-    round, the work on both workers at once (the slower one's time: a flattened rollout or a data-parallel step
-    waits for it) over the mean of the same work on one worker alone just before and on the other just after (so a
-    load that rises or falls during the round, or one slower worker, weighs on both sides alike)."""
+def pair_slowdowns(workers: list, steps: int, here=None) -> dict:
+    """{kind: [ratio per round]} for kind in (decode, train), and {"ray_solo": [ratio per round]}: in each round,
+    the work on both workers at once (the slower one's time: a flattened rollout or a data-parallel step waits for
+    it) over the mean of the same work on one worker alone just before and on the other just after (so a load that
+    rises or falls during the round, or one slower worker, weighs on both sides alike); and the first lone decode
+    chunk over the same chunk timed by `here()` in this process just before it (no ray_solo without `here`)."""
     import ray
 
-    out = {"decode": [], "train": [], "solo_decode": []}
+    out = {"decode": [], "train": [], "ray_solo": []}
     for kind in ("decode", "train"):  # warm-up: each worker's first call of each kind
         ray.get([w.compute.remote(kind, steps) for w in workers])
     for _ in range(PAIR_ROUNDS):
         for kind in ("decode", "train"):
+            in_process = here() if kind == "decode" and here else None
             before = ray.get(workers[0].compute.remote(kind, steps))
             pair = max(ray.get([w.compute.remote(kind, steps) for w in workers]))
             solo = (before + ray.get(workers[-1].compute.remote(kind, steps))) / 2
             out[kind].append(pair / solo)
-            if kind == "decode":
-                out["solo_decode"].append(solo)
+            if in_process:
+                out["ray_solo"].append(before / in_process)
     return out
 
 
 def measure_ray_overheads(shape, threads: int = 1, log=print, steps: int = 16,
-                          alone_s: float | None = None) -> dict:
+                          here=None) -> dict:
     """The Ray-side MachineProfile fields (module docstring), measured on 2 Ray workers of `threads` CPUs each, with
-    chunks of `steps` decode steps; alone_s: the median seconds of such a chunk in the profile's process alone
-    (None: ray_slowdown is not measured, 1.0). Starts a local Ray when none is up (and shuts it down)."""
+    chunks of `steps` decode steps; here: a function timing such a chunk in the profile's process (decode_chunk on
+    its model; None: ray_slowdown is not measured, 1.0). Starts a local Ray when none is up (and shuts it down)."""
     import ray
 
     from rlfuse.placement.ray_common import start_actors
@@ -272,7 +275,7 @@ def measure_ray_overheads(shape, threads: int = 1, log=print, steps: int = 16,
         workers = start_actors(ProbeWorker, 2, lambda i: (shape, i, 2, threads), threads)
         empty, _ = _chunk_pattern(workers, steps, 0)
         full, _ = _chunk_pattern(workers, steps, CHUNK_SAMPLES)
-        pairs = pair_slowdowns(workers, steps)
+        pairs = pair_slowdowns(workers, steps, here)
         host, port = ray.get(workers[0].rendezvous.remote())
         ray.get([w.join.remote(host, port) for w in workers])
         nbytes = max(4 * 2**20, 4 * shape.params)
@@ -284,13 +287,12 @@ def measure_ray_overheads(shape, threads: int = 1, log=print, steps: int = 16,
             ray.kill(w)
         if started:
             ray.shutdown()
-    solo = statistics.median(pairs["solo_decode"])
     pair_decode, pair_train = (max(1.0, statistics.median(pairs[k])) for k in ("decode", "train"))
     out = {"ray_round_trip_s": max(1e-5, empty), "ray_sample_s": max(0.0, (full - empty) / CHUNK_SAMPLES),
            "allreduce_latency_s": latency,
            "allreduce_bytes_s": nbytes / max(t_big - latency, 1e-6),  # 2 ranks: each sends 2 (w-1)/w = 1 buffer
            # measured with both ranks busy: stored as one worker alone pays it (the planner slows it again)
-           "train_micro_s": micro / pair_train, "ray_slowdown": max(1.0, solo / alone_s) if alone_s else 1.0,
+           "train_micro_s": micro / pair_train, "ray_slowdown": max(1.0, statistics.median(pairs["ray_solo"] or [1.0])),
            "pair_decode_slowdown": pair_decode, "pair_train_slowdown": pair_train,
            "pair_decode_spread": spread(pairs["decode"]), "pair_train_spread": spread(pairs["train"])}
     log(f"[profile] Ray, 2 workers: {time.perf_counter() - t_start:.1f} s; round trip {empty * 1e3:.2f} ms, "
