@@ -135,10 +135,21 @@ def kendall_tau(a: list[float], b: list[float]) -> float:
     return s / (n * (n - 1) / 2) if n > 1 else float("nan")
 
 
+def plans_for(task: str, models: Path, profile_path: Path, inputs: dict) -> list:
+    """Every plan for 2 workers on `task`, ranked, from the profile and the measured inputs (lengths, prompt tokens,
+    distinct prompt lengths): no model runs, so a stored run can be predicted again in a second."""
+    from rlfuse.config import load_config
+    from rlfuse.placement.planner import plan, problem_from_config
+    from rlfuse.placement.profile import load_profile
+
+    cfg = load_config(None, common_overrides(models, task, 3))
+    inputs = dict(inputs, lengths=tuple(inputs["lengths"]) if inputs.get("lengths") else None)
+    return plan(problem_from_config(cfg, load_profile(profile_path), workers=2, **inputs))
+
+
 def predict_all(task: str, models: Path, profile_path: Path, work: Path) -> tuple[dict, list]:
     from rlfuse.config import load_config
-    from rlfuse.placement.planner import measured_lengths, plan, problem_from_config
-    from rlfuse.placement.profile import load_profile
+    from rlfuse.placement.planner import measured_lengths
     from rlfuse.placement.spec import dp_micro_size
 
     calib = work / f"calibrate_{task}"
@@ -148,8 +159,7 @@ def predict_all(task: str, models: Path, profile_path: Path, work: Path) -> tupl
     cfg = load_config(None, common_overrides(models, task, 3))
     tokens, distinct = prompt_stats(cfg, models / "sft" / "model")
     inputs = {"lengths": measured_lengths(calib), "prompt_tokens": tokens, "prompt_lengths": distinct}
-    prob = problem_from_config(cfg, load_profile(profile_path), workers=2, **inputs)
-    plans = plan(prob)
+    plans = plans_for(task, models, profile_path, inputs)
     chosen = [plans[0]]  # the planner's own choice always runs
     for strategy, micro, ckpt in RUNS[task]:
         ranks = lambda p: sum(g.workers for g in p.spec.groups if "actor" in g.roles)
@@ -225,6 +235,45 @@ def report(results: list[dict], profile_desc: str, header: str) -> str:
     return "\n".join(lines)
 
 
+def planned(task: str, pl, rank: int, inputs: dict) -> dict:
+    """A plan's prediction as results.json keeps it (the measurement is added beside it)."""
+    mem_pred = {w: pl.memory[g.name]["total"] / 2**20 for g in pl.spec.groups for w in pl.spec.worker_ranks(g.name)}
+    return {"task": task, "label": pl.label(), "rank": rank, "predicted": pl.seconds, "mem_pred": mem_pred,
+            "inputs": inputs}
+
+
+def repredict(stored: Path, models: Path | None, profile_path: Path) -> list[dict]:
+    """The runs measured in `stored` (a results.json this script wrote) predicted again by the current model from
+    `profile_path` and the inputs stored with them: a model change checked against real runs in seconds, without
+    running any. The measurements are the stored ones; so is the label of each plan (it must still be a candidate)."""
+    results = json.loads(stored.read_text())
+    models = models or (Path(results[0]["models"]) if results and "models" in results[0] else None)
+    if models is None:
+        raise SystemExit(f"--repredict: {stored} does not say which models its runs used; give --models RUN_DIR")
+    out = []
+    for task in dict.fromkeys(r["task"] for r in results):
+        rs = [r for r in results if r["task"] == task]
+        plans = plans_for(task, models, profile_path, rs[0]["inputs"])
+        by_label = {pl.label(): (pl, i + 1) for i, pl in reversed(list(enumerate(plans)))}
+        for r in rs:
+            if r["label"] not in by_label:
+                raise SystemExit(f"--repredict: {task} plan {r['label']!r} is no longer among the candidates")
+            pl, rank = by_label[r["label"]]
+            new = planned(task, pl, rank, r["inputs"])
+            new["mem_pred"] = {str(w): v for w, v in new["mem_pred"].items()}  # as the stored measurement's keys
+            out.append(r | new)
+    return out
+
+
+def profile_line(prof) -> str:
+    """The profile the predictions came from: its source and how slow two workers computing at once were."""
+    from dataclasses import asdict
+
+    from rlfuse.placement.profile_ray import pair_note
+
+    return f"{prof.name}: {prof.source}; {pair_note(asdict(prof), 'its')}"
+
+
 def fresh_profile(work: Path, fresh: bool) -> Path:
     """The machine profile the predictions use: measured now (`rlfuse plan --profile`) unless one with the Ray
     overheads is there already and --fresh was not given."""
@@ -248,9 +297,20 @@ def main() -> None:
     ap.add_argument("--plans", type=int, default=0, help="only the first N plans of each task (a quick check)")
     ap.add_argument("--no-write", action="store_true", help="print only; leave BENCHMARKS.md alone")
     ap.add_argument("--dry", action="store_true", help="profile, calibrate and print the plans; run none")
+    ap.add_argument("--repredict", type=Path, metavar="RESULTS_JSON",
+                    help="run nothing: predict the runs stored in a results.json again with the current model and "
+                         "print the report (BENCHMARKS.md is left alone)")
+    ap.add_argument("--profile", type=Path, help="with --repredict: the machine profile to predict from (default: "
+                                                 "machine_profile.json beside the results)")
     args = ap.parse_args()
     from rlfuse.placement.profile import load_profile
 
+    if args.repredict:
+        profile_path = args.profile or args.repredict.parent / "machine_profile.json"
+        results, prof = repredict(args.repredict, args.models, profile_path), load_profile(profile_path)
+        print(report(results, profile_line(prof), f"Re-predicted `{args.repredict}` (measured runs as "
+                     f"stored) from `{profile_path}`."))
+        return
     work = args.work.resolve()
     work.mkdir(parents=True, exist_ok=True)
     t0, loads = time.time(), [os.getloadavg()[0]]
@@ -275,13 +335,9 @@ def main() -> None:
             loads.append(os.getloadavg()[0])
             print(f"[plan bench] {task} {pl.label()} run {repeat + 1}/{args.repeats}: predicted {pl.iteration_s:.3f} s, "
                   f"measured {runs[i][-1]['iteration']:.3f} s (load average {loads[-1]:.1f})", file=sys.stderr)
-    results = []
-    for i, (task, pl, rank, inputs) in enumerate(todo):
-        mem_pred = {w: pl.memory[g.name]["total"] / 2**20 for g in pl.spec.groups for w in pl.spec.worker_ranks(g.name)}
-        results.append({"task": task, "label": f"{pl.strategy} {pl.split}, micro {pl.micro_batch_size}, ckpt "
-                        f"{'on' if pl.gradient_checkpointing else 'off'}, migrate {pl.migrate_below:g}", "rank": rank,
-                        "predicted": pl.seconds, "measured": median_of_runs(runs[i]), "runs": runs[i],
-                        "mem_pred": mem_pred, "inputs": inputs})
+    results = [planned(task, pl, rank, inputs) | {"measured": median_of_runs(runs[i]), "runs": runs[i],
+                                                   "models": str(models)}
+               for i, (task, pl, rank, inputs) in enumerate(todo)]
     prof = load_profile(profile_path)
     cmd = " ".join(["python bench/plan.py", *(["--models", str(args.models)] if args.models else []),
                     *(["--fresh"] if args.fresh else []), f"--repeats {args.repeats}",
@@ -290,7 +346,7 @@ def main() -> None:
     header = (f"Command: `{cmd}` ({args.iterations} iterations per run, {args.repeats} runs per plan, 2 workers x 1 "
               f"CPU; {time.time() - t0:.0f} s; load average {min(loads):.1f}-{max(loads):.1f} over the runs, on 2 "
               f"cores shared with other work).")
-    text = report(results, f"{prof.name}: {prof.source}", header)
+    text = report(results, profile_line(prof), header)
     (work / "results.json").write_text(json.dumps(results, indent=1, default=str))
     print(text)
     if not args.no_write:

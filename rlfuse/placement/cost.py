@@ -210,8 +210,19 @@ class MachineProfile:
     """Seconds per training micro-batch beyond the model's forward + backward: collating it, the log-probs and loss
     and their stats, DDP's hooks on a data-parallel rank."""
     ray_slowdown: float = 1.0
-    """How much slower a Ray worker computes while every worker and the driver run than one process alone (Ray's
-    own threads and the driver share the cores): the planner slows a Ray placement's compute rates by it."""
+    """How much slower one Ray worker computes (the others waiting) than the profile's own process alone (Ray's
+    threads in the worker): the planner slows every Ray worker's compute rates by it."""
+    pair_decode_slowdown: float = 1.0
+    """How much slower decoding runs while another worker computes at the same moment than on one worker alone
+    (the cores' shared cache, memory bandwidth and Ray's threads): measured on two Ray workers, the slower one's
+    time. The planner slows decoding by it only for the part of it that overlaps another worker's compute."""
+    pair_train_slowdown: float = 1.0
+    """The same for forwards and backwards (training, scoring)."""
+    pair_decode_spread: float = 0.0
+    """(max - min) / median of pair_decode_slowdown over the profile's rounds: how noisy it was (not used by the
+    model; on a shared machine a wide spread says the figure is not to be trusted)."""
+    pair_train_spread: float = 0.0
+    """The same for pair_train_slowdown."""
     memory_bytes: float = 0.0
     """Memory of one worker: device memory on GPU, the RAM share on CPU (0: unknown)."""
     runtime_bytes: float = 0.0
@@ -342,6 +353,13 @@ def allreduce_seconds(p: MachineProfile, nbytes: float, workers: int, calls: flo
     if workers <= 1:
         return 0.0
     return calls * (p.allreduce_latency_s + 2 * (workers - 1) / workers * nbytes / p.allreduce_bytes_s)
+
+
+def overlap_slowdown(pair_slowdown: float, share: float) -> float:
+    """The factor a stage's compute is slowed by when `share` (0..1) of its time overlaps another worker's compute
+    and each such second runs `pair_slowdown` times slower: 1 + (pair_slowdown - 1) x share. A flattened stage, every
+    worker doing the same work at once, has share 1; work alone on its worker (the other group waiting), 0."""
+    return 1.0 + (pair_slowdown - 1.0) * min(1.0, max(0.0, share))
 
 
 def round_trip_seconds(p: MachineProfile, calls: float, samples: float = 0.0) -> float:

@@ -13,7 +13,10 @@ rlfuse/placement/cost.py):
 - separated (train T, generate G): G decode while T score the finished samples as they stream in (fused), then T
   train; the actor's weights go to the G generating workers each iteration.
 - interleaved (train T, score S): T decode while S score concurrently, then T train; the critic's weights go to S.
-Plus the weight sync and a fixed per-iteration cost of Ray calls (`MachineProfile.ray_call_s`).
+Plus the weight sync and a fixed per-iteration cost of Ray calls (`MachineProfile.ray_call_s`). Workers computing at
+the same moment slow each other (`pair_decode_slowdown`, `pair_train_slowdown`): only the overlapping share of a
+stage is slowed (all of flattened's stages; in two groups decoding and scoring as far as they overlap; training on
+several ranks).
 """
 
 from __future__ import annotations
@@ -237,15 +240,20 @@ def _workers_with(spec: PlacementSpec, role: str) -> int:
 
 def predict(prob: Problem, spec: PlacementSpec, micro: int, ckpt: bool, migrate: float) -> Plan:
     """Seconds per stage and memory per group of one candidate."""
-    if spec.uses_ray:  # Ray workers compute a little slower than one process alone (profile_ray.py)
-        prob = replace(prob, profile=prob.profile.slowed(prob.profile.ray_slowdown))
+    if spec.uses_ray:  # a Ray worker computes a little slower than the profile's process alone (profile_ray.py)
+        prob = _slowed(prob, prob.profile.ray_slowdown)
     w, p, m = prob.workload, prob.profile, prob.memory
     gen_w = _workers_with(spec, "generator")
     train_w = _workers_with(spec, "actor")
     score_w = _workers_with(spec, "reward") or _workers_with(spec, "reference")
     shard_of = lambda workers: workers if prob.shard else 1
-    generate, score, rollout, migration = _rollout_seconds(prob, spec, gen_w, score_w, migrate)
-    train = _train_seconds(prob, train_w, micro, ckpt, spec.uses_ray)
+    # workers computing at the same moment slow each other (profile_ray.pair_slowdowns): only where they overlap
+    gen_share, score_share = _pair_shares(prob, spec, gen_w, score_w, migrate)
+    generate, score, rollout, migration = _rollout_seconds(
+        prob, spec, gen_w, score_w, migrate, cost.overlap_slowdown(p.pair_decode_slowdown, gen_share),
+        cost.overlap_slowdown(p.pair_train_slowdown, score_share))
+    train_slow = cost.overlap_slowdown(p.pair_train_slowdown, 1.0 if train_w > 1 else 0.0)  # ranks step together
+    train = _train_seconds(_slowed(prob, train_slow), train_w, micro, ckpt, spec.uses_ray)
     sync = _sync_seconds(prob, spec)
     overhead = p.ray_call_s if spec.uses_ray else 0.0
     seconds = {"generate": generate, "score": score, "rollout": rollout, "train": train, "sync": sync,
@@ -268,16 +276,33 @@ def predict(prob: Problem, spec: PlacementSpec, micro: int, ckpt: bool, migrate:
     return Plan(spec.strategy, spec, micro, ckpt, migrate, seconds, memory, fits, why)
 
 
-def _rollout_seconds(prob: Problem, spec: PlacementSpec, gen_w: int, score_w: int,
-                     migrate: float) -> tuple[float, float, float, float]:
+def _slowed(prob: Problem, factor: float) -> Problem:
+    return prob if factor <= 1 else replace(prob, profile=prob.profile.slowed(factor))
+
+
+def _pair_shares(prob: Problem, spec: PlacementSpec, gen_w: int, score_w: int, migrate: float) -> tuple[float, float]:
+    """(share of decoding, share of scoring) that overlaps another worker's compute. One group: every worker decodes,
+    then scores, at the same moment as the others (all of it when there are several; none in one process). Two
+    groups: decoding and scoring overlap for at most the shorter of the two (predicted as if alone), unless a group
+    has several workers, which then overlap each other throughout."""
+    if len(spec.groups) == 1:
+        return (1.0, 1.0) if gen_w > 1 else (0.0, 0.0)
+    generate, score, _, _ = _rollout_seconds(prob, spec, gen_w, score_w, migrate)
+    return (1.0 if gen_w > 1 else min(1.0, score / generate)), (1.0 if score_w > 1 else min(1.0, generate / score))
+
+
+def _rollout_seconds(prob: Problem, spec: PlacementSpec, gen_w: int, score_w: int, migrate: float,
+                     gen_slow: float = 1.0, score_slow: float = 1.0) -> tuple[float, float, float, float]:
     """(generate, score, rollout, migration) seconds. One group (flattened, or one process): each worker decodes its
     share, scoring its own finished samples as it goes, with the tail migrated to fewer workers (the freed ones score
     under it). Two groups: the scoring group starts on the decoders' first chunk and scores each chunk as it comes;
     the last chunk is scored after decoding ends. On Ray every decoding worker replies to the driver in chunks
-    (ray_rollout.GenerationWorker.advance), each a round trip carrying its samples; a scoring call is one too."""
+    (ray_rollout.GenerationWorker.advance), each a round trip carrying its samples; a scoring call is one too.
+    gen_slow, score_slow: decoding's and scoring's compute slowed by these (workers computing at the same moment)."""
     w, p = prob.workload, prob.profile
     one_group = len(spec.groups) == 1
-    generate = _generate_seconds(prob, gen_w, _tp(prob, gen_w))
+    gen_prob, prob = _slowed(prob, gen_slow), _slowed(prob, score_slow)
+    generate = _generate_seconds(gen_prob, gen_w, _tp(prob, gen_w))
     score = _score_seconds(prob, score_w)
     calls = 1 if spec.uses_ray else 0  # set_temperature on the scorers before decoding starts
     score_calls = 1
@@ -291,7 +316,7 @@ def _rollout_seconds(prob: Problem, spec: PlacementSpec, gen_w: int, score_w: in
                                                                                         w.samples / score_w)
     migration, overlap = 0.0, 0.0
     if migrate > 0 and gen_w > 1:
-        migration, tail = _migration(prob, gen_w, migrate)
+        migration, tail = _migration(gen_prob, gen_w, migrate)
         if migration and spec.uses_ray:
             migration += cost.round_trip_seconds(p, 2)  # export, then import
         overlap = min(tail, score)

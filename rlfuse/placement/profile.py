@@ -17,7 +17,6 @@ Where the file goes: `--profile-path`, else `$RLFUSE_CACHE/machine_profile.json`
 from __future__ import annotations
 
 import os
-import statistics
 import time
 from pathlib import Path
 
@@ -49,6 +48,10 @@ BUILTIN_CPU = MachineProfile(
     "average 1-4; no prefill_call_s")
 
 
+NOISY_SPREAD = 0.25
+"""A pair slowdown whose rounds spread wider than this (profile_ray.pair_slowdowns) is called noisy."""
+
+
 def default_profile_path() -> Path:
     return Path(os.environ.get("RLFUSE_CACHE", Path.home() / ".cache" / "rlfuse")) / "machine_profile.json"
 
@@ -57,7 +60,13 @@ def load_profile(path: str | Path | None = None, log=None) -> MachineProfile:
     """The profile at `path` (or the default path); BUILTIN_CPU, with a log line, when there is none."""
     p = Path(path) if path else default_profile_path()
     if p.is_file():
-        return _with_overheads(MachineProfile.load(p), p, log)
+        profile = _with_overheads(MachineProfile.load(p), p, log)
+        if log and max(profile.pair_decode_spread, profile.pair_train_spread) > NOISY_SPREAD:
+            log(f"[plan] {p} was measured on a busy machine: workers computing at once came out decode "
+                f"{profile.pair_decode_slowdown:.2f}x, train {profile.pair_train_slowdown:.2f}x, spread "
+                f"{max(profile.pair_decode_spread, profile.pair_train_spread) * 100:.0f}% over its rounds; the "
+                f"predicted times are rough: `rlfuse plan --profile` again on a quieter machine")
+        return profile
     if path:
         from rlfuse.errors import UserError
 
@@ -74,7 +83,17 @@ def _with_overheads(profile: MachineProfile, path: Path, log) -> MachineProfile:
     import json
     from dataclasses import replace
 
-    missing = [k for k in BUILTIN_OVERHEADS if k not in json.loads(path.read_text())]
+    stored = json.loads(path.read_text())
+    if "ray_slowdown" in stored and "pair_train_slowdown" not in stored and profile.ray_slowdown > 1:
+        # an older profile's ray_slowdown was two busy workers against the profile's process alone: as pair
+        # slowdowns it slows only the compute that overlaps (it would otherwise slow every Ray worker's)
+        profile = replace(profile, ray_slowdown=1.0, pair_decode_slowdown=profile.ray_slowdown,
+                          pair_train_slowdown=profile.ray_slowdown)
+        if log:
+            log(f"[plan] {path} measured compute on two busy workers as one figure, {profile.pair_train_slowdown:.2f}x "
+                f"(written by an older rlfuse): used where workers compute at once; `rlfuse plan --profile` "
+                f"measures decoding and training apart, with their spread")
+    missing = [k for k in BUILTIN_OVERHEADS if k not in stored]
     if not missing or profile.device != "cpu":
         return profile
     if log:
@@ -251,8 +270,8 @@ def measure_profile(shape: ModelShape | None = None, threads: int = 1, device: s
     if ray and device == "cpu":
         from rlfuse.placement.profile_ray import decode_chunk
 
-        alone = statistics.median(decode_chunk(model, 16) for _ in range(7))  # a rollout chunk's work, alone
-        overheads = _ray_overheads(shape, threads, log, alone)
+        decode_chunk(model, 16)  # warm-up; then timed in each round of the Ray probe, beside a Ray worker's
+        overheads = _ray_overheads(shape, threads, log, lambda: decode_chunk(model, 16))
     memory = (torch.cuda.get_device_properties(0).total_memory if device == "cuda"
               else psutil.virtual_memory().total)
     name = torch.cuda.get_device_name(0) if device == "cuda" else f"{_cpu_name()}, {threads} thread(s) per worker"
@@ -301,13 +320,13 @@ def _driver_seconds(vocab: int, samples: int = 32) -> float:
     return _timed(lambda: (compute_advantages(exp, rl, 0.1), minibatches(len(exp), rl, 0, 0)), 9, lambda: None)
 
 
-def _ray_overheads(shape: ModelShape, threads: int, log, alone_s: float) -> dict:
+def _ray_overheads(shape: ModelShape, threads: int, log, here) -> dict:
     """profile_ray.measure_ray_overheads, or {} (built-in values, said in one line) where Ray is missing or fails
     to start on this machine: the rest of the profile still holds."""
     try:
         from rlfuse.placement.profile_ray import measure_ray_overheads
 
-        return measure_ray_overheads(shape, threads, log, alone_s=alone_s)
+        return measure_ray_overheads(shape, threads, log, here=here)
     except ImportError:
         log("[profile] Ray is not installed: Ray overheads from the built-in profile")
     except Exception as e:  # noqa: BLE001  (Ray's start can fail many ways: ports, /dev/shm, a stale session)

@@ -6,8 +6,14 @@ What is timed, and which MachineProfile field it gives:
 - chunks: both workers decode a few steps (decode_chunk: the rollout engine on the policy's shape) and reply,
   again and again, while the driver waits on whichever replies first and calls it again (MultiWorkerRollout's
   loop). A call's wall time beyond the worker's own compute is `ray_round_trip_s`; the same with replies carrying
-  CHUNK_SAMPLES finished samples gives `ray_sample_s`; the median chunk's compute there over the same chunk's in
-  the profile's own process alone is `ray_slowdown` (Ray's threads and the driver share the cores).
+  CHUNK_SAMPLES finished samples gives `ray_sample_s`.
+- two workers at once (pair_slowdowns): in each of PAIR_ROUNDS rounds, a decode chunk and a few training
+  micro-batches (forward + backward) on both workers at once against the same on one worker alone just before and
+  on the other just after: the slower worker's time over the lone mean, the median over the rounds, is
+  `pair_decode_slowdown` and `pair_train_slowdown` (their (max - min) / median over the rounds goes in
+  `pair_decode_spread` and `pair_train_spread`, to say how far to trust them); the lone worker's decode chunk over
+  the same chunk in the profile's own process, timed in the same round just before, is `ray_slowdown` (the median
+  over the rounds).
 - collectives: the two workers join a gloo group as training ranks do (ray_train.join_training) and all-reduce a
   4-byte tensor (`allreduce_latency_s`, the median: a collective waits for the slower rank, as in a run) and a
   buffer of the model's gradient size (`allreduce_bytes_s`, ring bytes over the time beyond the latency).
@@ -46,6 +52,10 @@ def fake_samples(n: int, prompt: int = PROBE_PROMPT, response: int = PROBE_RESPO
 
 
 CHUNK_ROWS = 8
+PROBE_ROWS, TRAIN_CALLS = 4, 6
+"""Rows of a probe training micro-batch, and micro-batches per timed unit (about as long as a decode chunk)."""
+PAIR_ROUNDS = 9
+"""Rounds of (one worker alone, both at once) per kind of work: the median over them, and their spread, are kept."""
 
 
 def decode_chunk(model, steps: int) -> float:
@@ -102,6 +112,19 @@ class ProbeWorker:
         if samples not in self._samples:
             self._samples[samples] = fake_samples(samples)
         return decode_chunk(self.model, steps), self._samples[samples]
+
+    def compute(self, kind: str, steps: int) -> float:
+        """Seconds of one unit of work alone in this process: `decode` is a rollout chunk (decode_chunk),
+        `train` is TRAIN_CALLS forwards + backwards of the bare model over PROBE_ROWS probe-length rows."""
+        if kind == "decode":
+            return decode_chunk(self.model, steps)
+        import torch
+
+        ids = torch.randint(1, self.shape.vocab, (PROBE_ROWS, PROBE_PROMPT + PROBE_RESPONSE))
+        t0 = time.perf_counter()
+        for _ in range(TRAIN_CALLS):
+            self.model(input_ids=ids).logits.float().log_softmax(-1)[..., 0].mean().backward()
+        return time.perf_counter() - t0
 
     def rendezvous(self) -> tuple[str, int]:
         from rlfuse.placement.ray_common import free_port, node_address
@@ -206,11 +229,39 @@ def _chunk_pattern(workers: list, steps: int, samples: int) -> tuple[float, floa
     return statistics.median(extra[n:]), statistics.median(busy[n:])
 
 
+def spread(xs: list[float]) -> float:
+    """(max - min) / median: how far apart repeated measurements of one quantity landed."""
+    return (max(xs) - min(xs)) / statistics.median(xs)
+
+
+def pair_slowdowns(workers: list, steps: int, here=None) -> dict:
+    """{kind: [ratio per round]} for kind in (decode, train), and {"ray_solo": [ratio per round]}: in each round,
+    the work on both workers at once (the slower one's time: a flattened rollout or a data-parallel step waits for
+    it) over the mean of the same work on one worker alone just before and on the other just after (so a load that
+    rises or falls during the round, or one slower worker, weighs on both sides alike); and the first lone decode
+    chunk over the same chunk timed by `here()` in this process just before it (no ray_solo without `here`)."""
+    import ray
+
+    out = {"decode": [], "train": [], "ray_solo": []}
+    for kind in ("decode", "train"):  # warm-up: each worker's first call of each kind
+        ray.get([w.compute.remote(kind, steps) for w in workers])
+    for _ in range(PAIR_ROUNDS):
+        for kind in ("decode", "train"):
+            in_process = here() if kind == "decode" and here else None
+            before = ray.get(workers[0].compute.remote(kind, steps))
+            pair = max(ray.get([w.compute.remote(kind, steps) for w in workers]))
+            solo = (before + ray.get(workers[-1].compute.remote(kind, steps))) / 2
+            out[kind].append(pair / solo)
+            if in_process:
+                out["ray_solo"].append(before / in_process)
+    return out
+
+
 def measure_ray_overheads(shape, threads: int = 1, log=print, steps: int = 16,
-                          alone_s: float | None = None) -> dict:
+                          here=None) -> dict:
     """The Ray-side MachineProfile fields (module docstring), measured on 2 Ray workers of `threads` CPUs each, with
-    chunks of `steps` decode steps; alone_s: the median seconds of such a chunk in the profile's process alone
-    (default: on one Ray worker while the other waits). Starts a local Ray when none is up (and shuts it down)."""
+    chunks of `steps` decode steps; here: a function timing such a chunk in the profile's process (decode_chunk on
+    its model; None: ray_slowdown is not measured, 1.0). Starts a local Ray when none is up (and shuts it down)."""
     import ray
 
     from rlfuse.placement.ray_common import start_actors
@@ -222,9 +273,9 @@ def measure_ray_overheads(shape, threads: int = 1, log=print, steps: int = 16,
     workers = []
     try:
         workers = start_actors(ProbeWorker, 2, lambda i: (shape, i, 2, threads), threads)
-        alone = alone_s or _chunk_pattern(workers[:1], steps, 0)[1]
-        empty, together = _chunk_pattern(workers, steps, 0)
+        empty, _ = _chunk_pattern(workers, steps, 0)
         full, _ = _chunk_pattern(workers, steps, CHUNK_SAMPLES)
+        pairs = pair_slowdowns(workers, steps, here)
         host, port = ray.get(workers[0].rendezvous.remote())
         ray.get([w.join.remote(host, port) for w in workers])
         nbytes = max(4 * 2**20, 4 * shape.params)
@@ -236,13 +287,28 @@ def measure_ray_overheads(shape, threads: int = 1, log=print, steps: int = 16,
             ray.kill(w)
         if started:
             ray.shutdown()
+    pair_decode, pair_train = (max(1.0, statistics.median(pairs[k])) for k in ("decode", "train"))
     out = {"ray_round_trip_s": max(1e-5, empty), "ray_sample_s": max(0.0, (full - empty) / CHUNK_SAMPLES),
            "allreduce_latency_s": latency,
            "allreduce_bytes_s": nbytes / max(t_big - latency, 1e-6),  # 2 ranks: each sends 2 (w-1)/w = 1 buffer
-           # measured with both ranks busy: stored as one process alone would pay it (the planner slows it again)
-           "train_micro_s": micro / max(1.0, together / alone), "ray_slowdown": max(1.0, together / alone)}
+           # measured with both ranks busy: stored as one worker alone pays it (the planner slows it again)
+           "train_micro_s": micro / pair_train, "ray_slowdown": max(1.0, statistics.median(pairs["ray_solo"] or [1.0])),
+           "pair_decode_slowdown": pair_decode, "pair_train_slowdown": pair_train,
+           "pair_decode_spread": spread(pairs["decode"]), "pair_train_spread": spread(pairs["train"])}
     log(f"[profile] Ray, 2 workers: {time.perf_counter() - t_start:.1f} s; round trip {empty * 1e3:.2f} ms, "
         f"{out['ray_sample_s'] * 1e6:.0f} us per sample, all-reduce {latency * 1e3:.2f} ms + "
-        f"{out['allreduce_bytes_s'] / 1e9:.2f} GB/s, training micro-batch +{micro * 1e3:.2f} ms, compute on "
-        f"both workers {together / alone:.2f}x slower than on one")
+        f"{out['allreduce_bytes_s'] / 1e9:.2f} GB/s, training micro-batch +{micro * 1e3:.2f} ms; "
+        f"one Ray worker alone {out['ray_slowdown']:.2f}x the profile's process; {pair_note(out, PAIR_ROUNDS)}")
     return out
+
+
+def pair_note(out: dict, rounds) -> str:
+    """One clause saying how much slower both workers compute at once than one alone, and how noisy that was."""
+    spread_of = lambda kind: (f"spread {out[f'pair_{kind}_spread'] * 100:.0f}%" if out[f"pair_{kind}_spread"]
+                              else "spread not measured")  # a profile from before the rounds
+    parts = [f"{kind} {out[f'pair_{kind}_slowdown']:.2f}x ({spread_of(kind)})" for kind in ("decode", "train")]
+    from rlfuse.placement.profile import NOISY_SPREAD
+
+    noisy = max(out["pair_decode_spread"], out["pair_train_spread"]) > NOISY_SPREAD
+    return (f"both workers computing at once against one alone, median of {rounds} rounds: {', '.join(parts)}"
+            + ("; NOISY (other work on the cores): profile again on a quieter machine" if noisy else ""))

@@ -239,6 +239,47 @@ def test_ray_slowdown_slows_ray_placements_only(default_problem):
     assert plan(single)[0].seconds == plan(single_slow)[0].seconds  # one process: no Ray
 
 
+def test_overlap_slowdown_by_hand():
+    assert cost.overlap_slowdown(1.5, 1.0) == pytest.approx(1.5)  # every second overlaps: the whole pair slowdown
+    assert cost.overlap_slowdown(1.5, 0.4) == pytest.approx(1.2)  # 1 + 0.5 x 0.4
+    assert cost.overlap_slowdown(1.5, 0.0) == 1.0  # alone on its worker
+    assert cost.overlap_slowdown(1.5, 3.0) == pytest.approx(1.5) and cost.overlap_slowdown(1.5, -1.0) == 1.0
+
+
+def _compute_only(prob, **profile):
+    """No Ray round trips, no all-reduce, decoding chunked by count only: every predicted second is compute."""
+    quiet = dict(ray_round_trip_s=0.0, ray_sample_s=0.0, ray_call_s=0.0, allreduce_latency_s=0.0,
+                 allreduce_bytes_s=1e30)
+    return replace(prob, workload=replace(prob.workload, chunk_s=1e3),
+                   profile=replace(prob.profile, **(quiet | profile)))
+
+
+def test_pair_slowdowns_slow_flattened_stages_where_both_workers_compute(default_problem):
+    base = _compute_only(_flat2(default_problem))
+    s = plan(base)[0].seconds
+    slow = plan(_compute_only(_flat2(default_problem), pair_decode_slowdown=2.0, pair_train_slowdown=1.5))[0].seconds
+    # flattened 2: both workers decode at once, score at once and train as DDP ranks at once
+    assert slow["generate"] == pytest.approx(2 * s["generate"])
+    assert slow["score"] == pytest.approx(1.5 * s["score"])
+    assert slow["train"] == pytest.approx(1.5 * s["train"])
+    single = replace(base, workers=1)
+    slow_single = replace(single, profile=replace(single.profile, pair_decode_slowdown=2.0, pair_train_slowdown=1.5))
+    assert plan(slow_single)[0].seconds == plan(single)[0].seconds  # one process: nothing computes beside it
+
+
+def test_pair_slowdowns_slow_two_groups_only_where_they_overlap(default_problem):
+    sep = lambda **p: _compute_only(replace(default_problem, workers=2, strategies=("separated",),
+                                            checkpointing=(False,), migrate_below=(0.0,), micro_batches=(16,)), **p)
+    s = plan(sep())[0].seconds
+    slow = plan(sep(pair_decode_slowdown=2.0, pair_train_slowdown=1.5))[0].seconds
+    gen, score = s["generate"], s["score"]
+    assert score < gen  # this case: the scorer is busy for part of the decode only
+    # the decoder is overlapped by the scorer for score / generate of its time; the scorer all of its time
+    assert slow["generate"] == pytest.approx(gen * (1 + (2.0 - 1) * score / gen))
+    assert slow["score"] == pytest.approx(1.5 * score)
+    assert slow["train"] == pytest.approx(s["train"])  # one training worker, the generator waiting: alone
+
+
 def test_a_scoring_group_starts_on_the_first_chunk(default_problem):
     # separated 1 + 1: the scorer waits for the decoder's first chunk (0.05 s, or all of decoding if shorter), then
     # scores chunk by chunk; the last chunk is scored after decoding ends

@@ -1,5 +1,7 @@
 """`rlfuse plan --profile` measures rates that the cost model can use, and the file round-trips."""
 
+import pytest
+
 from rlfuse.placement.cost import MachineProfile, gpt2_shape
 from rlfuse.placement.profile import BUILTIN_CPU, BUILTIN_OVERHEADS, load_profile, measure_profile
 
@@ -74,3 +76,44 @@ def test_an_older_profile_gets_the_built_in_overheads(tmp_path):
     assert "train_micro_s" in said[0] and "rlfuse plan --profile" in said[0]
     path.write_text(BUILTIN_CPU.to_json())  # a current one: as written, nothing said
     assert load_profile(path, log=said.append) == BUILTIN_CPU and len(said) == 1
+
+
+def test_an_older_single_ray_slowdown_becomes_the_pair_slowdowns(tmp_path):
+    import json
+
+    path = tmp_path / "machine_profile.json"
+    old = {k: v for k, v in json.loads(BUILTIN_CPU.to_json()).items() if not k.startswith("pair_")}
+    path.write_text(json.dumps(old | {"ray_slowdown": 1.7}))  # two busy workers over one process, as one figure
+    said = []
+    p = load_profile(path, log=said.append)
+    assert (p.ray_slowdown, p.pair_decode_slowdown, p.pair_train_slowdown) == (1.0, 1.7, 1.7)
+    assert "1.70x" in said[0] and "rlfuse plan --profile" in said[0]
+
+
+def test_pair_spread_and_the_noisy_note():
+    from rlfuse.placement.profile_ray import pair_note, spread
+
+    assert spread([1.0, 1.2, 1.1]) == pytest.approx(0.2 / 1.1)
+    quiet = {"pair_decode_slowdown": 1.1, "pair_train_slowdown": 1.3, "pair_decode_spread": 0.05,
+             "pair_train_spread": 0.1}
+    assert "decode 1.10x (spread 5%), train 1.30x (spread 10%)" in pair_note(quiet, 7)
+    assert "NOISY" not in pair_note(quiet, 7) and "NOISY" in pair_note(quiet | {"pair_train_spread": 0.6}, 7)
+
+
+def test_probe_worker_compute_units():
+    from rlfuse.placement.profile_ray import ProbeWorker
+
+    w = ProbeWorker(gpt2_shape("tiny", 2, 64, 2, 256, 128), 0, 1)
+    assert 0 < w.compute("decode", 2) < 5 and 0 < w.compute("train", 2) < 5
+
+
+def test_a_noisy_profile_says_so_when_loaded(tmp_path):
+    from dataclasses import replace
+
+    said = []
+    quiet = replace(BUILTIN_CPU, pair_train_slowdown=1.2, pair_train_spread=0.1).save(tmp_path / "quiet.json")
+    load_profile(quiet, log=said.append)
+    assert said == []
+    noisy = replace(BUILTIN_CPU, pair_train_slowdown=1.8, pair_train_spread=0.9).save(tmp_path / "noisy.json")
+    load_profile(noisy, log=said.append)
+    assert len(said) == 1 and "busy machine" in said[0] and "90%" in said[0] and "rlfuse plan --profile" in said[0]
