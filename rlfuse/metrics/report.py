@@ -54,6 +54,11 @@ def draw_figures(run_dir: Path, baseline_dir: Path | None = None) -> dict[str, P
     }
     if plots.worker_ranks(rows):  # placement on Ray: per-worker time and memory (not in FIGURES: optional)
         figs["worker_usage"] = plots.worker_usage(rows, out_dir / "worker_usage.png")
+    schedule = _json(run_dir / "rl" / "pipeline_schedule.json")
+    if schedule:  # rl.train_parallel=pipeline_*: the executed schedule beside the simulated one
+        from rlfuse.schedule.chart import draw_record
+
+        figs["pipeline_schedule"] = draw_record(schedule, out_dir / "pipeline_schedule.png")
     if base_rows:
         figs["speedup_comparison"] = plots.speedup_comparison(rows, base_rows, out_dir / "speedup_comparison.png",
                                                               (run_dir.name, Path(baseline_dir).name))

@@ -146,7 +146,7 @@ class TrainWorker:
 
         pin_threads(threads)
         seed_everything(cfg.run.seed)
-        self.cfg, self.rank, self.world = cfg, rank, world
+        self.cfg, self.rank, self.world, self.run_dir = cfg, rank, world, Path(run_dir)
         self.device = pick_device(cfg.run)
         # build_models loads every role; a trainer keeps the trainable ones (actor, critic) and those in `keep`
         # ("generator", "ref", "reward_fn": a worker that also decodes or scores) and lets the rest go. One loader,
@@ -196,10 +196,23 @@ class TrainWorker:
         if self.pipeline is not None:
             stats = self.pipeline.update(exp, adv, returns, kl_coef, batches, bad, temperature)
             self.pipeline.sync_whole_models()  # rank 0 hands out, evaluates and saves the whole models
+            if self.rank == 0:  # the last update's schedule, executed and simulated, for the report
+                self._save_schedule()
             return {"stats": stats, "bad": bad, "seconds": time.perf_counter() - t}
         stats = update(self.models, self.learners, exp, adv, returns, self.cfg.rl, kl_coef, batches, bad,
                        temperature=temperature, group=self.group)
         return {"stats": stats, "bad": bad, "seconds": time.perf_counter() - t}
+
+    def _save_schedule(self) -> None:
+        import json
+
+        from rlfuse.schedule.ppo_pipeline import schedule_record
+
+        pipe, path = self.pipeline, self.run_dir / "rl" / "pipeline_schedule.json"
+        record = schedule_record(pipe.last_spans, pipe.last_schedules, pipe.world, pipe.mode)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.with_suffix(".tmp").write_text(json.dumps(record))
+        path.with_suffix(".tmp").replace(path)
 
     def actor_weights(self, bucket_bytes: int = DEFAULT_BUCKET_BYTES, role: str = "actor") -> WeightRefs:
         """The actor's (or role="critic": the critic's) merged weights (models/weights.merged_state_dict) in

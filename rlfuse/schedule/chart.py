@@ -44,5 +44,17 @@ def gantt(timelines: list[tuple[str, list[Span]]], path: str | Path, title: str 
     return path
 
 
+def draw_record(record: dict, path: str | Path) -> Path:
+    """A run's executed pipeline schedule above the simulated one (ppo_pipeline.schedule_record)."""
+    from rlfuse.schedule.model import Task
+
+    spans = lambda rows: [(d, Task(m, r, s, k, mb), a, b) for d, m, r, s, k, mb, a, b in rows]
+    mode, m = record["mode"], record["micro_batches"]
+    return gantt([(f"executed: bubble {record['bubble_executed']:.3f} (seconds)", spans(record["executed"])),
+                  (f"simulated with the measured task times: bubble {record['bubble_simulated']:.3f}",
+                   spans(record["simulated"]))], path,
+                 f"{mode}: the first mini-batch of the last update, {m} micro-batches on {record['devices']} workers")
+
+
 def simulated_spans(prob, result) -> list[Span]:
     return [(prob.device_of(t.model, t.replica, t.stage), t, result.start[t], result.end[t]) for t in result.start]

@@ -106,6 +106,8 @@ class PipelineTrainer:
     seconds (one clock per host)."""
     last_spans: list = field(default_factory=list)
     """Every rank's spans of the last update (gathered at its end)."""
+    last_schedules: dict = field(default_factory=dict)
+    """Mini-batch number -> the schedule it ran, in the last update."""
 
     # ----------------------------------------------------------------------------------------- schedules
 
@@ -163,7 +165,7 @@ class PipelineTrainer:
         # once per update: the actor's stats live on rank P-1, the critic's on rank 0, the spans everywhere
         dist.all_gather_object(everyone, (mine, self.spans))
         stats = {k: v for part, _ in everyone for k, v in part.items()}
-        self.last_spans = [span for _, spans in everyone for span in spans]
+        self.last_spans, self.last_schedules = [span for _, spans in everyone for span in spans], schedules
         times = schedule_summary(self.last_spans, schedules, task_times(self.last_spans), self.world)
         return stats | {"train/grad_norm": norms[ACTOR] / max(1, steps[ACTOR]),
                         "train/critic_grad_norm": norms[CRITIC] / max(1, steps[CRITIC]),
@@ -267,6 +269,26 @@ class PipelineTrainer:
         for m, part in self.parts.items():
             part.opt.load_state_dict(state[m]["opt"])
             part.sched.load_state_dict(state[m]["sched"])
+
+def schedule_record(spans: list, schedules: dict[int, Schedule], devices: int, mode: str) -> dict:
+    """The first mini-batch of an update as executed (seconds from its first task's start) and as the simulator
+    runs the same schedule with the update's mean task times, with both bubble ratios: what a run saves
+    (rl/pipeline_schedule.json) and its report draws side by side (schedule/chart.draw_record)."""
+    mine = [s for s in spans if s[0] == 0]
+    t0 = min(s[3] for s in mine)
+    executed = [(rank, t, start - t0, end - t0) for _, rank, t, start, end in mine]
+    fa, ba, fc, bc = task_times(spans)
+    sched = schedules[0]
+    M = sum(1 for t in sched.orders[0] if t.model == ACTOR and t.kind == "F")
+    prob = Problem(devices, (PipeModel(devices, 1, M, fa, ba), PipeModel(devices, 1, M, fc, bc)))
+    sim = simulate(prob, sched)
+    simulated = [(prob.device_of(t.model, t.replica, t.stage), t, sim.start[t], sim.end[t]) for t in sim.start]
+    bubble = lambda xs: 1 - sum(e - s for *_, s, e in xs) / (devices * max(e for *_, e in xs))
+    row = lambda d, t, s, e: [d, t.model, t.replica, t.stage, t.kind, t.mb, s, e]
+    return {"mode": mode, "devices": devices, "micro_batches": M, "bubble_executed": bubble(executed),
+            "bubble_simulated": bubble(simulated), "executed": [row(*x) for x in executed],
+            "simulated": [row(*x) for x in simulated]}
+
 
 def task_times(spans: list) -> tuple[float, float, float, float]:
     """Mean (actor forward, actor backward, critic forward, critic backward) seconds of recorded spans

@@ -120,3 +120,12 @@ def test_pipeline_stages_on_two_workers_train_as_one_process(tiny_task, folders,
     assert_close(rewards, want_rewards)  # the critic scored with (synced from both stages) is the single process's
     assert all((tmp_path / "rl" / f"checkpoint.pt.stage{r}").stat().st_size > 0 for r in (0, 1))
     assert_actor_as_single(actor, want_actor, start)
+    # the last update's schedule, executed and simulated, and the report's chart of both
+    import json
+
+    from rlfuse.metrics.report import draw_figures
+    record = json.loads((tmp_path / "rl" / "pipeline_schedule.json").read_text())
+    tasks = 2 * 2 * 2 * record["micro_batches"]  # 2 models x 2 stages x (F, B) per micro-batch
+    assert record["devices"] == 2 and len(record["executed"]) == len(record["simulated"]) == tasks
+    assert 0 <= record["bubble_simulated"] < 1 and 0 <= record["bubble_executed"] < 1
+    assert draw_figures(tmp_path)["pipeline_schedule"].stat().st_size > 0
