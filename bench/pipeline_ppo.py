@@ -16,6 +16,7 @@ an idle machine, worse where other processes hold a core.
 from __future__ import annotations
 
 import argparse
+import os
 import subprocess
 import sys
 import time
@@ -163,7 +164,9 @@ def main() -> None:
         charts.append(chart(results, M, WORK / f"pipeline_ppo_M{M}.png"))
     load = subprocess.run(["uptime"], capture_output=True, text=True).stdout.strip()
     m = machine()
-    lines = [f"Machine: {m['cpu']}, {m['cores']} cores, load: `{load}`; `python bench/pipeline_ppo.py` "
+    pinned = "RLFUSE_PIN_CORES=1 " if os.environ.get("RLFUSE_PIN_CORES") else ""
+    lines = [f"Machine: {m['cpu']}, {m['cores']} cores, load: `{load}`; `{pinned}python bench/pipeline_ppo.py "
+             f"--repeats {a.repeats} --rounds {a.rounds}` "
              f"(P={P} gloo processes, 1 torch thread each; the default task's PPO update on one real rollout: "
              f"{len(exp)} samples, {rl_shape(config(a.sft, 4))}; best of {a.repeats} updates after a warm-up; serial and "
              f"fused alternated {a.rounds} times, the median round's numbers shown, every round's speedup beside them; "
