@@ -117,3 +117,13 @@ def test_a_noisy_profile_says_so_when_loaded(tmp_path):
     noisy = replace(BUILTIN_CPU, pair_train_slowdown=1.8, pair_train_spread=0.9).save(tmp_path / "noisy.json")
     load_profile(noisy, log=said.append)
     assert len(said) == 1 and "busy machine" in said[0] and "90%" in said[0] and "rlfuse plan --profile" in said[0]
+
+
+def test_a_near_flat_fit_is_capped_by_a_bare_matmul(monkeypatch):
+    """A busy machine can flatten the forward's timings in rows (a slope near 0 once gave 4.5e15 FLOP/s): the rate
+    is then the bare matrix multiply's, never above it."""
+    import rlfuse.placement.profile as profile
+
+    monkeypatch.setattr(profile, "_fit", lambda times: (1e-3, 1e-12))
+    p = measure_profile(gpt2_shape("tiny", 2, 64, 2, 256, 128), threads=1, device="cpu", log=lambda m: None, ray=False)
+    assert 1e8 < p.flops < 1e13 and p.decode_flops <= p.flops
