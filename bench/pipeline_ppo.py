@@ -77,7 +77,7 @@ def bench_rank(rank, cfg, mode, exp, adv, returns, batches, counts, repeats, out
     pipe = build_pipeline(models.actor, models.critic, cfg.rl, mode, models.tokenizer.pad_token_id)
     bad = {"skipped": 0, "consecutive": 0}
     pipe.update(exp, adv, returns, cfg.rl.kl_coef, batches, bad)
-    pipe.task_costs, pipe.plans = task_times(pipe.last_spans), {}  # every rank's spans: the same costs everywhere
+    pipe.adopt_measured_costs()  # the warm-up's task times: what the fused search plans with from here
     for n in sorted(set(counts)):  # the fused search, once per micro-batch count, before the clock starts
         pipe.plan(n)
     runs = []

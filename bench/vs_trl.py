@@ -326,7 +326,9 @@ def summarise(runs: list[dict], warmup: int) -> dict:
             out[key] = max(r[key] for r in runs)
     out["completions"] = out["completions_per_step"] * len(steps)
     if all("flops" in r for r in runs):
-        fractions = [f / (t * r["matmul_flops_s"]) for r in runs
+        from rlfuse.metrics.flops import compute_fraction
+
+        fractions = [compute_fraction(f, t, r["matmul_flops_s"]) for r in runs
                      for f, t in zip(r["flops"][warmup:], r["step_s"][warmup:])]
         out["compute_fraction"] = statistics.median(fractions)
         out["flops_per_sample"] = statistics.median(f for r in runs for f in r["flops"][warmup:]) / out["completions_per_step"]

@@ -284,6 +284,7 @@ def generate(model: str | os.PathLike, prompts: list[str] | str, *, max_new_toke
     run folder, a hub id) with the RL rollout engine, prompts encoded as in RL (BOS in front, cut to the context).
     Returns the completions (without the prompt), a list of n per prompt; the same seed gives the same samples."""
     from rlfuse.config import RLConfig, RunConfig
+    from rlfuse.data.chat import end_of_turn_ids
     from rlfuse.data.prompts import encode_prompts, model_context, prompt_budget
     from rlfuse.models.build import load_policy
     from rlfuse.models.load import load_tokenizer
@@ -302,6 +303,8 @@ def generate(model: str | os.PathLike, prompts: list[str] | str, *, max_new_toke
     ids, _ = encode_prompts(tok, prompts, budget)
     engine = DecodeEngine(policy, tok.eos_token_id, tokenizer=tok)
     out = [[""] * n for _ in prompts]
-    for s in engine.generate(ids, n, SamplingParams(max_new_tokens, temperature, top_k, top_p), seed):
+    # a chat model's turn ends on its end-of-turn ids, as in RL and evaluation (evaluation.sampling_params)
+    stop_ids = end_of_turn_ids(tok, getattr(policy, "generation_config", None))
+    for s in engine.generate(ids, n, SamplingParams(max_new_tokens, temperature, top_k, top_p, (), stop_ids), seed):
         out[s.prompt_id][s.sample_index] = tok.decode(s.token_ids, skip_special_tokens=True)
     return out

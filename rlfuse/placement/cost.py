@@ -456,14 +456,14 @@ def distinct_values(distinct: float, n: float, m: float) -> float:
 
 def decode_seconds(p: MachineProfile, shape: ModelShape, samples: float, prompt: float, lengths: Lengths,
                    mean: float, weight_bytes: float, kv_elem_bytes: float, max_rows: int,
-                   prefill_calls: float = 1.0) -> float:
-    """Prefill every prompt once (one call per distinct prompt length, `prefill_calls`, as DecodeEngine._prefill
-    does; at least one per max_rows samples), then decode step by step: each step is one call over the live rows
+                   prefill_calls: float = 1.0, k: float = 1.0) -> float:
+    """Prefill every prompt once for its `k` samples (DecodeEngine._prefill repeats the prompt's KV cache for them;
+    one call per distinct prompt length, `prefill_calls`, at least one per max_rows samples), then decode step by step: each step is one call over the live rows
     (at most `max_rows`), reads the weights and the live rows' KV cache, and does 2 x matmul params FLOPs per row.
     More samples than `max_rows`: waiting prompts join as rows finish, so the engine first runs full steps until
     the queue is empty (the queued samples' tokens, max_rows at a time), then the last max_rows rows' tail."""
     calls = max(math.ceil(samples / max_rows), prefill_calls)
-    total = forward_seconds(p, shape, samples / calls, prompt, weight_bytes, calls) + calls * p.prefill_call_s
+    total = forward_seconds(p, shape, samples / k / calls, prompt, weight_bytes, calls) + calls * p.prefill_call_s
     total += samples * p.decode_sample_s
     call = p.decode_layer_call_s or p.layer_call_s
 

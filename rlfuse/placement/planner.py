@@ -352,7 +352,7 @@ def _generate_seconds(prob: Problem, workers: int, tp: int) -> float:
     prompts = w.samples / w.k
     prefills = cost.distinct_values(w.prompt_lengths, prompts, prompts / (workers // tp))  # this worker's share
     return cost.decode_seconds(p, m.policy, samples, w.prompt_tokens, w.lengths, w.response_mean,
-                               _policy_bytes(m), m.act_bytes, w.max_rows, prefills)
+                               _policy_bytes(m), m.act_bytes, w.max_rows, prefills, w.k)
 
 
 def _scored_models(m: MemoryInputs, roles: Roles) -> list[ModelShape]:
@@ -443,8 +443,10 @@ def _sync_seconds(prob: Problem, spec: PlacementSpec) -> float:
         total += cost.round_trip_seconds(p, 1)  # the driver asks each such worker to copy its own replica
     for g in spec.groups:
         if "generator" in g.roles:
-            total += _send(prob, m.policy.params * train_b, g.workers, trainers) if "actor" not in g.roles \
-                else m.policy.params * train_b / p.mem_bw
+            if "actor" not in g.roles:
+                total += _send(prob, m.policy.params * train_b, g.workers, trainers)
+            elif not (m.shared_base and not m.generator_copy):  # decoding the shared base itself: nothing to copy
+                total += m.policy.params * train_b / p.mem_bw
         if m.critic is not None and "critic" in prob.roles and "critic" not in g.roles \
                 and set(g.roles) & {"reference", "reward"}:
             total += _send(prob, m.critic.params * train_b, g.workers, trainers)

@@ -139,14 +139,6 @@ def _fit(times: dict) -> tuple[float, float]:
     return max(my - slope * mx, 1e-7), slope
 
 
-def _matmul_rate(device: str, sync, n: int = 512) -> float:
-    """FLOP/s of a bare n x n fp32 matrix multiply here (the fastest of a few): the ceiling of any fitted rate."""
-    import torch
-
-    a, b = torch.randn(n, n, device=device), torch.randn(n, n, device=device)
-    return 2 * n ** 3 / _timed(lambda: a @ b, 9, sync)
-
-
 def _build(shape: ModelShape, device: str):
     import torch
     from transformers import GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausalLM
@@ -236,7 +228,9 @@ def measure_profile(shape: ModelShape | None = None, threads: int = 1, device: s
     _, per_row = _fit(fwd)
     # the slope between three noisy timings can come out near 0 on a busy machine (once: 4.5e15 FLOP/s); a model's
     # forward never outruns a bare matrix multiply on the same cores
-    flops = min(shape.forward_flops(seq, seq / 2) / per_row, _matmul_rate(device, sync))
+    from rlfuse.metrics.flops import measure_matmul_rate
+
+    flops = min(shape.forward_flops(seq, seq / 2) / per_row, measure_matmul_rate(device, n=512))
     # a decode row's slope is fitted from step times nearly flat in rows on small models: noise can put it near 0
     # and the rate at 1e14+; one token per row never runs at a higher FLOP rate than a batched forward does
     decode_flops = min(decode_flops, flops)

@@ -94,7 +94,9 @@ class BufferKV:
         if self.kv.device.type != "cpu":
             self.kv = self.kv[:, :, idx]
             return
-        for dst, src in enumerate(idx.tolist()):
+        keep = idx.tolist()
+        assert keep == sorted(keep), "in-place compaction needs the kept rows in ascending order"
+        for dst, src in enumerate(keep):
             if dst != src:
                 self.kv[:, :, dst].copy_(self.kv[:, :, src])
         self.kv = self.kv[:, :, : len(idx)]

@@ -21,6 +21,7 @@ Departures from rl.update, on purpose:
 
 from __future__ import annotations
 
+import math
 import os
 import socket
 import time
@@ -97,7 +98,8 @@ class PipelineTrainer:
     tied_group: object | None
     task_costs: tuple[float, float, float, float] = (1.0, 2.0, 1.0, 2.0)
     """(actor forward, actor backward, critic forward, critic backward) per stage, relative: what the fused search
-    plans with."""
+    plans with; measured after the first update."""
+    costs_measured: bool = False
     owners: list = field(default_factory=list)
     """(parameter of the whole actor or critic, rank whose stage trains it): what sync_whole_models broadcasts."""
     plans: dict = field(default_factory=dict)
@@ -135,11 +137,18 @@ class PipelineTrainer:
 
     # ----------------------------------------------------------------------------------------- the update
 
+    def adopt_measured_costs(self) -> None:
+        """Once, after the first update: its measured task times replace the guessed ones and the schedules are
+        planned again on them (every rank holds the same gathered spans, so the same costs and schedules)."""
+        if not self.costs_measured and self.last_spans:
+            self.task_costs, self.plans, self.costs_measured = task_times(self.last_spans), {}, True
+
     def update(self, exp: Experience, adv, returns, kl_coef: float, batches: list[list[int]], bad: dict,
                temperature: float | None = None) -> dict:
         """All PPO epochs and mini-batches (`batches`, rl.minibatches) on this rank's stages; returns the same
         train/ stats as rl.update (gathered from the last stages' ranks) and the time."""
         rl, t0 = self.rl, time.perf_counter()
+        self.adopt_measured_costs()
         temperature = rl.temperature if temperature is None else temperature
 
         def actor_loss(view, idx, share):
@@ -238,12 +247,11 @@ class PipelineTrainer:
         for m, part in sorted(self.parts.items()):
             norm = float(squares[m].sqrt())
             params = [p for group in part.opt.param_groups for p in group["params"]]
-            if not torch.isfinite(torch.tensor(norm)):
+            if not math.isfinite(norm):
                 part.opt.zero_grad(set_to_none=True)
                 count_bad_step(bad, self.rl, "a NaN/inf loss")
                 out.append(None)
                 continue
-            bad["consecutive"] = 0
             if self.rl.grad_clip > 0:  # as clip_grad_norm_: the same coefficient on every stage
                 coef = min(1.0, self.rl.grad_clip / (norm + 1e-6))
                 for p in params:
@@ -253,6 +261,10 @@ class PipelineTrainer:
             part.sched.step()
             part.opt.zero_grad(set_to_none=True)
             out.append(norm)
+        # a run of bad steps ends only where every model stepped: a finite critic must not hide a diverging actor
+        # from rl.max_bad_steps (stop_if_diverged)
+        if all(n is not None for n in out):
+            bad["consecutive"] = 0
         return out
 
     def sync_whole_models(self) -> None:

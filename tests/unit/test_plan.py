@@ -102,6 +102,14 @@ def test_decode_seconds_one_row_by_hand():
     assert got == pytest.approx(prefill + steps)
 
 
+def test_a_prompt_is_prefilled_once_for_its_k_samples():
+    # 8 samples of a 100-token prompt: with k = 4 the prefill runs 2 prompt rows, not 8 (the decode steps are the same)
+    p, lengths = replace(RATES, mem_bw=math.inf), cost.Lengths.from_mean(3, 3)
+    one, four = (cost.decode_seconds(p, TINY, 8, 100, lengths, 3, 0, 4, max_rows=8, k=k) for k in (1, 4))
+    assert one - four == pytest.approx(cost.forward_seconds(p, TINY, 8, 100, 0) - cost.forward_seconds(p, TINY, 2, 100, 0))
+    assert one - four > 0
+
+
 def test_profile_json_round_trip(tmp_path):
     path = RATES.save(tmp_path / "p.json")
     assert MachineProfile.load(path) == RATES
@@ -381,3 +389,16 @@ def test_planner_constants_match_the_runtime():
     from rlfuse.placement.ray_train import DEFAULT_BUCKET_BYTES
 
     assert RolloutSettings().chunk_seconds == CHUNK_SECONDS and DEFAULT_BUCKET_BYTES == DDP_BUCKET_BYTES
+
+
+def test_decoding_the_shared_base_copies_no_weights(default_problem):
+    # flattened: each worker's generator is its actor's replica; with a shared base the engine decodes the base
+    # itself (no copy, sync/bytes 0 at run time), so only the driver's call is left
+    from rlfuse.placement.planner import _sync_seconds
+
+    one = replace(_fixed(default_problem), workers=1)
+    spec = best_plan(one).spec
+    copies = _sync_seconds(one, spec)
+    shared = replace(one, memory=replace(one.memory, shared_base=True, generator_copy=False))
+    assert _sync_seconds(shared, spec) == pytest.approx(copies - one.memory.policy.params * 4.0 / one.profile.mem_bw)
+    assert _sync_seconds(shared, spec) < copies
