@@ -227,11 +227,19 @@ def truncate_metrics(path: str | Path, step: int) -> None:
         tmp.replace(path)
 
 
-def stage_tracker(cfg, stage_dir: str | Path) -> JsonlTracker:
-    """A stage's tracker: stage_dir/metrics.jsonl and the sinks of cfg.run.report_to, each given the run's config."""
+TABLES = ("samples",)
+"""The tables stages log (JsonlTracker.log_table), each in stage_dir/<name>.jsonl."""
+
+
+def stage_tracker(cfg, stage_dir: str | Path, from_step: int = 0) -> JsonlTracker:
+    """A stage's tracker: stage_dir/metrics.jsonl and the sinks of cfg.run.report_to, each given the run's config.
+    Rows a folder already holds after `from_step` are dropped first: a new run into a folder that held one starts
+    its metrics afresh (not appended to the old run's), a resumed one logs its steps after from_step again."""
     from rlfuse.config import config_to_dict
 
     stage_dir = Path(stage_dir)
     stage_dir.mkdir(parents=True, exist_ok=True)
+    for name in ("metrics", *TABLES):
+        truncate_metrics(stage_dir / f"{name}.jsonl", from_step)
     return JsonlTracker(stage_dir / "metrics.jsonl", sinks=open_sinks(cfg.run.report_to, stage_dir,
                                                                        config=config_to_dict(cfg)))

@@ -185,7 +185,9 @@ class RayRollout:
 
     def metrics(self, exp) -> dict:
         with self.workers.naming_dead_workers("rollout"):
-            return worker_metrics(exp.timing, self.workers.ranks, self.driver.rss_mb())
+            # the reward functions ran on the scoring workers: their means come from there
+            return (worker_metrics(exp.timing, self.workers.ranks, self.driver.rss_mb())
+                    | self.driver.reward_metrics())
 
 
 def start_ray_placement(cfg, spec: PlacementSpec, run_dir, log=print, reward_rows: dict | None = None

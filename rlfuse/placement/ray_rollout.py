@@ -221,6 +221,12 @@ class GenerationWorker:
     def pid(self) -> int:
         return os.getpid()
 
+    def reward_sums(self) -> dict | None:
+        """This worker's reward-function tallies since the last call (rewards.FunctionReward.take_sums), then
+        reset; None where it does not score or scores with a reward model."""
+        fn = getattr(self.scorer, "reward_fn", None)
+        return fn.take_sums() if hasattr(fn, "take_sums") else None
+
     def rss_mb(self) -> tuple[float, float]:
         """This worker process's resident memory now and its peak so far, in MiB (the report's per-worker memory;
         the peak includes training on a worker that trains)."""
@@ -362,6 +368,14 @@ class MultiWorkerRollout:
         import ray
 
         return ray.get([w.rss_mb.remote() for w in self.workers])
+
+    def reward_metrics(self) -> dict[str, float]:
+        """The scoring workers' reward-function means since the last call, pooled (rewards.metrics_of_sums)."""
+        import ray
+
+        from rlfuse.rollout.rewards import metrics_of_sums
+
+        return metrics_of_sums(ray.get([self.workers[w].reward_sums.remote() for w in self.scorers]))
 
     def generate(self, prompts: list[list[int]], k: int, params: SamplingParams, seed: int, lengths=None,
                  prompt_ids: list[int] | None = None, migrate: bool = True) -> Experience:

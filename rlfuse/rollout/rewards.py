@@ -110,13 +110,32 @@ class FunctionReward:
                             "column to the data set, or give the parameter a default")
         return {c: [r[1].get(c) if r else None for r in rows] for c in wanted}
 
-    def metrics(self) -> dict[str, float]:
-        out = {f"reward/fn/{name}": s / n for name, (s, n) in self._sums.items() if n}
-        if self._scored:
-            out["reward/all_abstained"] = self._abstained / self._scored
+    def take_sums(self) -> dict:
+        """The raw tallies since the last call, then reset: {"fn": {name: (sum, count)}, "abstained": n,
+        "scored": n}. Tallies add across processes (each Ray scoring worker keeps its own); means do not."""
+        out = {"fn": {name: (s, n) for name, (s, n) in self._sums.items()}, "abstained": self._abstained,
+               "scored": self._scored}
         self._sums.clear()
         self._abstained = self._scored = 0
         return out
+
+    def metrics(self) -> dict[str, float]:
+        return metrics_of_sums([self.take_sums()])
+
+
+def metrics_of_sums(tallies: list[dict | None]) -> dict[str, float]:
+    """reward/fn/<name> (each function's mean over the samples it scored) and reward/all_abstained (the fraction
+    every function abstained on) from FunctionReward.take_sums of one or more processes (None: a reward model)."""
+    fn: dict[str, list[float]] = defaultdict(lambda: [0.0, 0])
+    abstained = scored = 0
+    for t in filter(None, tallies):
+        for name, (s, n) in t["fn"].items():
+            fn[name][0], fn[name][1] = fn[name][0] + s, fn[name][1] + n
+        abstained, scored = abstained + t["abstained"], scored + t["scored"]
+    out = {f"reward/fn/{name}": s / n for name, (s, n) in fn.items() if n}
+    if scored:
+        out["reward/all_abstained"] = abstained / scored
+    return out
 
 
 def attach_rows(reward_fn, prompt_ids: list[list[int]], rows) -> None:
@@ -130,3 +149,9 @@ def reward_metrics(reward_fn) -> dict[str, float]:
     """Each reward function's mean since the last call (reward/fn/<name>), and the fraction every function
     abstained on; {} for a reward model."""
     return reward_fn.metrics() if isinstance(reward_fn, FunctionReward) else {}
+
+
+def reset_reward_metrics(reward_fn) -> None:
+    """Forget the calls so far (an evaluation's are not an iteration's)."""
+    if isinstance(reward_fn, FunctionReward):
+        reward_fn.take_sums()

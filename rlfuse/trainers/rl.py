@@ -50,7 +50,7 @@ from rlfuse.errors import UserError
 from rlfuse.evaluation import evaluate, evaluate_before, iteration_gold, prompt_difficulty, sampling_params
 from rlfuse.metrics.flops import compute_meter_for_run
 from rlfuse.metrics.memory import MemoryMeter
-from rlfuse.metrics.tracker import memory_metrics, stage_tracker, truncate_metrics
+from rlfuse.metrics.tracker import memory_metrics, stage_tracker
 from rlfuse.models.build import Models, build_models, decode_engine
 from rlfuse.models.load import save_trained_model
 from rlfuse.models.prefix import prompt_tokens_saved
@@ -58,7 +58,7 @@ from rlfuse.placement.rollout import build_placement, local_scorer, sync_weights
 from rlfuse.placement.planner import predicted_memory, resolve_auto
 from rlfuse.placement.spec import dp_micro_size
 from rlfuse.progress import Progress
-from rlfuse.rollout.rewards import attach_rows, reward_metrics
+from rlfuse.rollout.rewards import attach_rows, reward_metrics, reset_reward_metrics
 from rlfuse.rollout.fusion import Experience, FusionPolicy
 from rlfuse.rollout.score import (can_share, collate, forward_tokens, response_logprobs, response_values,
                                   worth_sharing)
@@ -473,14 +473,12 @@ def train_rl(cfg: Config, run_dir: Path, log=print, resume: bool = False, on_rea
     if resume and ckpt.exists():  # on Ray the trainers restore it (below); this process needs only the counters
         state = torch.load(ckpt, weights_only=False, map_location="cpu") if uses_ray(cfg) else trainer.load_checkpoint(ckpt)
         start, kl_ctl.coef, bad = state["iteration"], state["kl_coef"], state["counters"]
-        truncate_metrics(out / "metrics.jsonl", start)
-        truncate_metrics(out / "samples.jsonl", start)
         log(f"[rl] resumed from {ckpt} at iteration {start}")
     sync_weights(engine, models.actor)
     before = evaluate_before(out / "eval_before.json", models, engine, held_prompts, rl, seed + 12345, gold)
     difficulty = prompt_difficulty(models, engine, train_prompts, rl, seed + 23456, out / "difficulty.json", log)
-    reward_metrics(models.reward_fn)  # the evaluations' calls are not the first iteration's
-    tracker = stage_tracker(cfg, out)
+    reset_reward_metrics(models.reward_fn)  # the evaluations' calls are not the first iteration's
+    tracker = stage_tracker(cfg, out, from_step=start)
     flops = compute_meter_for_run(cfg, models, device)  # perf/: FLOPs done over the bare matmul rate (< 1 s)
     if on_ready is not None:
         on_ready(models)
@@ -524,7 +522,7 @@ def train_rl(cfg: Config, run_dir: Path, log=print, resume: bool = False, on_rea
             row |= learning_rates(trainer, rl) | group_metrics(exp, rl.k)
             if due(rl.eval_every, it + 1) and it + 1 < rl.iterations:  # the last one is the "after" evaluation
                 row |= evaluate_during(trainer, models, engine, held_prompts, rl, seed + 12345, gold)
-                reward_metrics(models.reward_fn)  # the evaluation's calls are not the next iteration's
+                reset_reward_metrics(models.reward_fn)  # the evaluation's calls are not the next iteration's
             if due(rl.log_samples_every, it + 1):
                 tracker.log_table(it + 1, "samples", sample_table(exp, tok, gold))
             row |= {"perf/prompt_tokens_shared": shared_scoring + stats.get("perf/prompt_tokens_shared_train", 0),

@@ -62,6 +62,9 @@ def test_killed_worker_stops_the_run_and_resume_finishes_it(tiny_task, tmp_path,
     assert resumed.returncode == 0, resumed.stderr[-2000:]
     rows = [json.loads(l) for l in metrics.read_text().splitlines()]
     assert [r["step"] for r in rows] == list(range(1, 7))  # nothing lost, nothing logged twice
+    # the reward function ran on the scoring workers: its mean is every iteration's reward (GRPO: no KL in it)
+    for row, want in zip(rows, (json.loads(l) for l in (full / "rl" / "metrics.jsonl").read_text().splitlines())):
+        assert row["reward/fn/gold_reward"] == pytest.approx(want["reward/fn/gold_reward"], abs=1e-6)
     a, b = load_file(str(full / "rl" / "model" / "model.safetensors")), load_file(str(killed / "rl" / "model" /
                                                                                      "model.safetensors"))
     for n in a:  # tolerance: see test_placement_run.py (lr / 10; Adam and rounding-level gradient differences)

@@ -11,7 +11,7 @@ from rlfuse.config import load_config
 from rlfuse.data.arithmetic import exact_match, problems
 from rlfuse.data.stages import rl_prompt_rows
 from rlfuse.errors import ConfigError, UserError
-from rlfuse.rollout.rewards import FunctionReward, attach_rows, reward_metrics, weighted_sum
+from rlfuse.rollout.rewards import FunctionReward, attach_rows, metrics_of_sums, reward_metrics, weighted_sum
 
 
 class WordTokenizer:
@@ -57,6 +57,20 @@ def test_functions_get_prompts_completions_and_columns_by_name():
     assert reward(samples).tolist() == [1.5, 0.5, 0.0, 0.0]
     assert reward_metrics(reward) == {"reward/fn/correct": 0.25, "reward/fn/is_number": 2 / 3, "reward/all_abstained": 0.0}
     assert reward_metrics(reward) == {}  # read once
+
+
+def test_tallies_of_several_scoring_workers_pool_into_one_process_means():
+    # the samples above split over two Ray scoring workers: the pooled means are the one process's, not the mean of
+    # each worker's means (is_number: 2/2 on the first, 0/1 on the second -> 2/3, not 1/2)
+    rows = [Row("What is 2+2?", {"answer": "4"}), Row("What is 3+4?", {"answer": "7"})]
+    workers = [FunctionReward([correct, is_number], [1.0, 0.5], WordTokenizer()) for _ in range(2)]
+    for w in workers:
+        attach_rows(w, [Q1, Q2], rows)
+    workers[0]([FakeSample(Q1, [5, 0]), FakeSample(Q2, [5, 0])])
+    workers[1]([FakeSample(Q2, [7, 0]), FakeSample(Q1, [8, 0])])
+    pooled = metrics_of_sums([w.take_sums() for w in workers] + [None])  # None: a worker scoring with a model
+    assert pooled == {"reward/fn/correct": 0.25, "reward/fn/is_number": 2 / 3, "reward/all_abstained": 0.0}
+    assert metrics_of_sums([w.take_sums() for w in workers]) == {}  # taken once
 
 
 def test_the_older_form_gets_prompt_and_response_texts():

@@ -12,7 +12,7 @@ from rlfuse.algos.stats import zero_spread_fraction
 from rlfuse.cli import main
 from rlfuse.config import load_config
 from rlfuse.errors import ConfigError
-from rlfuse.metrics.tracker import JsonlTracker, markdown_table, open_sinks
+from rlfuse.metrics.tracker import JsonlTracker, markdown_table, open_sinks, read_metrics, stage_tracker
 
 
 def fake_wandb_like(name: str, calls: list) -> types.ModuleType:
@@ -110,6 +110,26 @@ def test_report_to_empty_list_writes_only_json_lines(tmp_path):
     t.log(1, loss=1.0)
     t.close()
     assert not (stage / "tensorboard").exists() and (stage / "metrics.jsonl").read_text().count("\n") == 1
+
+
+def test_a_new_run_in_a_used_folder_starts_its_metrics_afresh(tmp_path):
+    # a second run into the same folder used to append to the first one's rows (steps 1, 2, 3, 1, 2, ...)
+    stage, cfg = tmp_path / "rl", load_config(None, ["run.report_to=[]"])
+    first = stage_tracker(cfg, stage)
+    for step in (1, 2, 3):
+        first.log(step, loss=float(step))
+        first.log_table(step, "samples", [{"prompt": "p", "completion": str(step)}])
+    first.close()
+    resumed = stage_tracker(cfg, stage, from_step=2)  # a resume from the checkpoint of step 2 logs step 3 again
+    resumed.log(3, loss=30.0)
+    resumed.close()
+    assert [(r["step"], r["loss"]) for r in read_metrics(stage / "metrics.jsonl")] == [(1, 1.0), (2, 2.0), (3, 30.0)]
+    assert [r["step"] for r in read_metrics(stage / "samples.jsonl")] == [1, 2]
+    second = stage_tracker(cfg, stage)
+    second.log(1, loss=5.0)
+    second.close()
+    assert [(r["step"], r["loss"]) for r in read_metrics(stage / "metrics.jsonl")] == [(1, 5.0)]
+    assert read_metrics(stage / "samples.jsonl") == []
 
 
 def test_zero_spread_fraction_by_hand():
