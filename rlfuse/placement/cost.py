@@ -430,9 +430,21 @@ class Lengths:
         """Expected longest of n samples: what a micro-batch of n random samples is padded to."""
         return self.cap if math.isinf(self.scale) else min(self.cap, self.shift + self.scale * harmonic(n))
 
-    def live_rows(self, samples: float) -> list[float]:
-        """Expected rows still decoding at each step, until the expected longest of the samples ends."""
-        steps = max(1, int(math.ceil(self.expected_max(samples))))
+    def synced_max(self, rows: float, ranks: int, calls: float = 1.0) -> float:
+        """Padded length per micro-batch that ranks stepping together pay: each rank runs `calls` micro-batches of
+        `rows` samples, then all wait for the slowest. One call each: the slowest pads to the longest of
+        rows x ranks samples. Several: a rank's total is a sum of `calls` padded lengths, whose excess over the
+        mean shrinks as 1 / sqrt(calls) per call (the spread of a sum grows as sqrt(calls), its mean as calls)."""
+        own = self.expected_max(rows)
+        if ranks <= 1:
+            return own
+        return own + (self.expected_max(rows * ranks) - own) / math.sqrt(max(1.0, calls))
+
+    def live_rows(self, samples: float, waited_for: float = 0.0) -> list[float]:
+        """Expected rows still decoding at each step, until the expected longest of the samples ends; or, where the
+        stage ends only when `waited_for` samples in all (these and other workers') have ended, until the longest of
+        those: a worker whose own samples ended early idles on, and the last worker decodes the longest alone."""
+        steps = max(1, int(math.ceil(self.expected_max(max(samples, waited_for)))))
         if math.isinf(self.scale):
             return [float(samples)] * steps
         return [samples * (1.0 if t < self.shift else math.exp(-(t - self.shift) / self.scale)) for t in range(steps)]
@@ -456,12 +468,14 @@ def distinct_values(distinct: float, n: float, m: float) -> float:
 
 def decode_seconds(p: MachineProfile, shape: ModelShape, samples: float, prompt: float, lengths: Lengths,
                    mean: float, weight_bytes: float, kv_elem_bytes: float, max_rows: int,
-                   prefill_calls: float = 1.0, k: float = 1.0) -> float:
+                   prefill_calls: float = 1.0, k: float = 1.0, waited_for: float = 0.0) -> float:
     """Prefill every prompt once for its `k` samples (DecodeEngine._prefill repeats the prompt's KV cache for them;
     one call per distinct prompt length, `prefill_calls`, at least one per max_rows samples), then decode step by step: each step is one call over the live rows
     (at most `max_rows`), reads the weights and the live rows' KV cache, and does 2 x matmul params FLOPs per row.
     More samples than `max_rows`: waiting prompts join as rows finish, so the engine first runs full steps until
-    the queue is empty (the queued samples' tokens, max_rows at a time), then the last max_rows rows' tail."""
+    the queue is empty (the queued samples' tokens, max_rows at a time), then the last max_rows rows' tail.
+    waited_for: the samples of every decoding worker, this one's included (Lengths.live_rows): the stage lasts
+    until the longest of them ends."""
     calls = max(math.ceil(samples / max_rows), prefill_calls)
     total = forward_seconds(p, shape, samples / k / calls, prompt, weight_bytes, calls) + calls * p.prefill_call_s
     total += samples * p.decode_sample_s
@@ -475,7 +489,7 @@ def decode_seconds(p: MachineProfile, shape: ModelShape, samples: float, prompt:
         full_steps = (samples - max_rows) * mean / max_rows
         total += full_steps * step(max_rows, prompt + mean / 2)
         samples = max_rows
-    for t, rows in enumerate(lengths.live_rows(samples)):
+    for t, rows in enumerate(lengths.live_rows(samples, waited_for)):
         total += step(rows, prompt + t)
     return total
 

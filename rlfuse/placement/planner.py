@@ -85,9 +85,11 @@ class Workload:
             return cost.Lengths.from_measured(self.response_mean, self.response_longest, self.samples, self.response_max)
         return cost.Lengths.from_mean(self.response_mean, self.response_max)
 
-    def padded_seq(self, rows: float) -> float:
-        """Tokens per sequence of a training micro-batch of `rows` random samples: padded to its longest."""
-        return self.prompt_tokens + self.lengths.expected_max(rows)
+    def padded_seq(self, rows: float, ranks: int = 1, calls: float = 1.0) -> float:
+        """Tokens per sequence of a training micro-batch of `rows` random samples: padded to its longest; on `ranks`
+        data-parallel ranks of `calls` micro-batches per step each, as long as the slowest rank's
+        (Lengths.synced_max)."""
+        return self.prompt_tokens + self.lengths.synced_max(rows, ranks, calls)
 
 
 @dataclass(frozen=True)
@@ -351,8 +353,9 @@ def _generate_seconds(prob: Problem, workers: int, tp: int) -> float:
         p = replace(p, flops=p.flops * tp, decode_flops=p.decode_flops * tp, mem_bw=p.mem_bw * tp)
     prompts = w.samples / w.k
     prefills = cost.distinct_values(w.prompt_lengths, prompts, prompts / (workers // tp))  # this worker's share
+    # the rollout ends with the longest sample of every decoder's: one decoder's own longest is shorter
     return cost.decode_seconds(p, m.policy, samples, w.prompt_tokens, w.lengths, w.response_mean,
-                               _policy_bytes(m), m.act_bytes, w.max_rows, prefills, w.k)
+                               _policy_bytes(m), m.act_bytes, w.max_rows, prefills, w.k, waited_for=w.samples)
 
 
 def _scored_models(m: MemoryInputs, roles: Roles) -> list[ModelShape]:
@@ -402,7 +405,8 @@ def _train_seconds(prob: Problem, workers: int, micro: int, ckpt: bool, ray: boo
     total = 0.0
     for shape, params, frozen in trained:
         wb = weight_bytes(shape, m.weight_dtype)
-        total += cost.train_seconds(p, shape, rows, w.padded_seq(rows), wb, calls, ckpt, frozen)
+        seq = w.padded_seq(rows, workers, calls / steps)  # every optimiser step waits for the slowest rank
+        total += cost.train_seconds(p, shape, rows, seq, wb, calls, ckpt, frozen)
         total += calls * p.train_micro_s
         total += cost.optimizer_seconds(p, params / (workers if prob.shard else 1), steps)
         buckets = cost.ddp_buckets(params * train_b, DDP_BUCKET_BYTES)
@@ -419,7 +423,7 @@ def _migration(prob: Problem, gen_w: int, migrate_below: float) -> tuple[float, 
     workers at rollout.rows_per_worker each (rollout/migration.py plan_migration's two triggers)."""
     w, p, m = prob.workload, prob.profile, prob.memory
     per_worker = w.samples / gen_w
-    rows = w.lengths.live_rows(per_worker)
+    rows = w.lengths.live_rows(per_worker, w.samples)  # the keeper decodes on to the longest of all
     fits_fewer = lambda r: math.ceil(r * gen_w / w.rows_per_worker - 1e-9) < gen_w
     start = next((t for t, r in enumerate(rows) if r < migrate_below * per_worker or fits_fewer(r)), len(rows))
     if start >= len(rows):
@@ -492,7 +496,8 @@ IMDb prompts with the default-task tokenizer). Other data: 32."""
 
 
 def measured_lengths(run_dir) -> tuple[float, int] | None:
-    """(median response mean, longest response) from a run folder's rl/metrics.jsonl, or None."""
+    """(median response mean, median of each iteration's longest response) from a run folder's rl/metrics.jsonl,
+    or None: one iteration's figures (Workload.response_longest), not the longest over all its iterations."""
     import statistics
     from pathlib import Path
 
@@ -505,7 +510,7 @@ def measured_lengths(run_dir) -> tuple[float, int] | None:
     means = [r["rollout/length_mean"] for r in rows if "rollout/length_mean" in r]
     if not means:
         return None
-    return statistics.median(means), int(max(r.get("rollout/length_max", 0) for r in rows))
+    return statistics.median(means), int(statistics.median(r.get("rollout/length_max", 0) for r in rows))
 
 
 def problem_from_config(cfg, profile: MachineProfile, workers: int | None = None, cpus_per_worker: float | None = None,

@@ -17,6 +17,7 @@ Where the file goes: `--profile-path`, else `$RLFUSE_CACHE/machine_profile.json`
 from __future__ import annotations
 
 import os
+import statistics
 import time
 from pathlib import Path
 
@@ -48,6 +49,8 @@ BUILTIN_CPU = MachineProfile(
     "average 1-4; no prefill_call_s")
 
 
+PASSES = 3
+"""Times the profile takes every timing in its own process; the rates are fitted to each timing's fastest."""
 NOISY_SPREAD = 0.25
 """A pair slowdown whose rounds spread wider than this (profile_ray.pair_slowdowns) is called noisy."""
 
@@ -184,91 +187,120 @@ def measure_profile(shape: ModelShape | None = None, threads: int = 1, device: s
     model = _build(shape, device)
     n_params = sum(p.numel() for p in model.parameters())
     wbytes = 4.0 * n_params
-    # bandwidth at the model's own size: on CPU a small model's weights stream from cache, not DRAM
-    big = torch.empty(max(int(wbytes // 4), 2**18), device=device)
-    t_copy = _timed(lambda: big.clone(), 9, sync)
-    mem_bw = 2 * big.numel() * 4 / t_copy  # read + write
-    # decode: per-step cost at 1, 8 and 32 rows (random weights, EOS off: every row runs to the limit); then a
-    # rollout whose 32 samples end one per step, to find what each finished sample costs besides its steps
-    # (prefill share, retiring its row, handing it out)
-    engine = DecodeEngine(model.eval(), eos_token_id=-1, max_rows=64)
-    steps = 24
-    params = SamplingParams(max_new_tokens=steps)
-    prompts = [[1 + (i % 7), 2, 3, 4, 5, 6] for i in range(32)]
-    decode = {}
-    with torch.no_grad():
-        for rows in (1, 8, 32):
-            decode[rows] = _timed(lambda: list(engine.generate(prompts[:rows], 1, params, seed=0)), 3, sync) / steps
-        staggered = _timed(lambda: list(engine.generate(prompts, 1, SamplingParams(max_new_tokens=32), seed=0,
-                                                        lengths=lambda pid, j: pid + 1)), 3, sync)
-        # prefill: 16 prompts of 15 lengths against 16 of one length, the same tokens, one token each; every extra
-        # length is a prefill call of its own (then each call's KV cache merged into the batch's buffer)
-        varied = [[1] * n for n in (*range(2, 17), 9)]
-        one_token = SamplingParams(max_new_tokens=1)
-        t_varied = _timed(lambda: list(engine.generate(varied, 1, one_token, seed=0)), 5, sync)
-        t_same = _timed(lambda: list(engine.generate([[1] * 9] * 16, 1, one_token, seed=0)), 5, sync)
-    fixed, per_row = _fit(decode)
-    decode_layer_call = max(1e-7, (fixed - wbytes / mem_bw) / shape.layers)
-    decode_flops = shape.forward_flops(1, 6 + steps / 2) / per_row
-    steps_only = sum(fixed + per_row * (32 - t) for t in range(32))
-    decode_sample_s = max(0.0, (staggered - steps_only) / 32)
-    # forward at three batch sizes of RL-like sequences (32 tokens) -> fixed cost per call and FLOP/s; then the
-    # backward's ratio to the forward, with a log-softmax loss as the policy loss has
-    seq = 32
-    ids = {b: torch.randint(0, shape.vocab, (b, seq), device=device) for b in (2, 8, 16)}
-    model.train()
-    fwd = {}
-    one_token = torch.ones(1, 1, dtype=torch.long, device=device)
-    with torch.no_grad():
-        for b in ids:
-            fwd[b] = _timed(lambda: model(input_ids=ids[b]).logits, 5, sync)
-        # the fixed cost per call straight from a one-token forward: the intercept of the fit above is the
-        # difference of noisy timings, and on a busy machine it can land at or under zero
-        t_one = _timed(lambda: model(input_ids=one_token).logits, 9, sync)
-    _, per_row = _fit(fwd)
-    # the slope between three noisy timings can come out near 0 on a busy machine (once: 4.5e15 FLOP/s); a model's
-    # forward never outruns a bare matrix multiply on the same cores
-    from rlfuse.metrics.flops import measure_matmul_rate
+    # PASSES passes, each rate fitted in the last from the fastest of every pass's timings of each point (one pass
+    # has a few repeats per point, and on a jittery VM its fits swung by half between profiles an hour apart: the
+    # fixed cost per layer of a training call 0.99 ms, then 2.0 ms, the backward's ratio 1.9, then 2.7)
+    fastest: dict = {}
 
-    flops = min(shape.forward_flops(seq, seq / 2) / per_row, measure_matmul_rate(device, n=512))
-    # a decode row's slope is fitted from step times nearly flat in rows on small models: noise can put it near 0
-    # and the rate at 1e14+; one token per row never runs at a higher FLOP rate than a batched forward does
-    decode_flops = min(decode_flops, flops)
-    call = max(1e-7, (t_one - shape.forward_flops(1, 1) / flops - wbytes / mem_bw) / shape.layers)
-    prefill_call_s = max(0.0, (t_varied - t_same) / 14 - shape.layers * call - wbytes / mem_bw)
+    def timed(key: str, fn, repeats: int) -> float:
+        fastest[key] = min(fastest.get(key, float("inf")), _timed(fn, repeats, sync))
+        return fastest[key]
 
-    score_call_s = _score_call_seconds(model, shape, device, sync, shape.layers * call + wbytes / mem_bw, flops)
+    def one_pass() -> dict:
+        """Every rate measured in this process, once, by its MachineProfile field (and the contention)."""
+        # bandwidth at the model's own size: on CPU a small model's weights stream from cache, not DRAM
+        big = torch.empty(max(int(wbytes // 4), 2**18), device=device)
+        t_copy = timed("copy", lambda: big.clone(), 9)
+        mem_bw = 2 * big.numel() * 4 / t_copy  # read + write
+        # decode: per-step cost at 1, 8 and 32 rows (random weights, EOS off: every row runs to the limit); then a
+        # rollout whose 32 samples end one per step, to find what each finished sample costs besides its steps
+        # (prefill share, retiring its row, handing it out)
+        engine = DecodeEngine(model.eval(), eos_token_id=-1, max_rows=64)
+        steps = 24
+        params = SamplingParams(max_new_tokens=steps)
+        prompts = [[1 + (i % 7), 2, 3, 4, 5, 6] for i in range(32)]
+        decode = {}
+        with torch.no_grad():
+            for rows in (1, 8, 32):
+                run = lambda: list(engine.generate(prompts[:rows], 1, params, seed=0))
+                decode[rows] = timed(f"decode{rows}", run, 3) / steps
+            staggered = timed("staggered", lambda: list(engine.generate(prompts, 1, SamplingParams(max_new_tokens=32),
+                                                                       seed=0, lengths=lambda pid, j: pid + 1)), 3)
+            # prefill: 16 prompts of 15 lengths against 16 of one length, the same tokens, one token each; every extra
+            # length is a prefill call of its own (then each call's KV cache merged into the batch's buffer)
+            varied = [[1] * n for n in (*range(2, 17), 9)]
+            one_token = SamplingParams(max_new_tokens=1)
+            t_varied = timed("varied", lambda: list(engine.generate(varied, 1, one_token, seed=0)), 5)
+            t_same = timed("same", lambda: list(engine.generate([[1] * 9] * 16, 1, one_token, seed=0)), 5)
+        fixed, per_row = _fit(decode)
+        decode_layer_call = max(1e-7, (fixed - wbytes / mem_bw) / shape.layers)
+        decode_flops = shape.forward_flops(1, 6 + steps / 2) / per_row
+        steps_only = sum(fixed + per_row * (32 - t) for t in range(32))
+        decode_sample_s = max(0.0, (staggered - steps_only) / 32)
+        # forward at three batch sizes of RL-like sequences (32 tokens) -> fixed cost per call and FLOP/s; then the
+        # backward's ratio to the forward, with a log-softmax loss as the policy loss has
+        seq = 32
+        ids = {b: torch.randint(0, shape.vocab, (b, seq), device=device) for b in (2, 8, 16)}
+        model.train()
+        fwd = {}
+        one_token = torch.ones(1, 1, dtype=torch.long, device=device)
+        with torch.no_grad():
+            for b in ids:
+                fwd[b] = timed(f"forward{b}", lambda: model(input_ids=ids[b]).logits, 5)
+            # the fixed cost per call straight from a one-token forward: the intercept of the fit above is the
+            # difference of noisy timings, and on a busy machine it can land at or under zero
+            t_one = timed("forward_one", lambda: model(input_ids=one_token).logits, 9)
+        _, per_row = _fit(fwd)
+        # the slope between three noisy timings can come out near 0 on a busy machine (once: 4.5e15 FLOP/s); a model's
+        # forward never outruns a bare matrix multiply on the same cores
+        from rlfuse.metrics.flops import measure_matmul_rate
 
-    # contention: the same call's mean over its fastest, repeated; on a shared machine the rates above (fitted
-    # from fastest timings) are what a process gets alone, and the run will get about 1 / contention of them
-    times = []
-    with torch.no_grad():
-        for _ in range(15):
-            t = time.perf_counter()
-            model(input_ids=ids[16])
-            sync()
-            times.append(time.perf_counter() - t)
-    contention = max(1.0, sum(times) / len(times) / min(times))
+        fastest["matmul_rate"] = max(fastest.get("matmul_rate", 0.0), measure_matmul_rate(device, n=512))
+        flops = min(shape.forward_flops(seq, seq / 2) / per_row, fastest["matmul_rate"])
+        # a decode row's slope is fitted from step times nearly flat in rows on small models: noise can put it near 0
+        # and the rate at 1e14+; one token per row never runs at a higher FLOP rate than a batched forward does
+        decode_flops = min(decode_flops, flops)
+        call = max(1e-7, (t_one - shape.forward_flops(1, 1) / flops - wbytes / mem_bw) / shape.layers)
+        prefill_call_s = max(0.0, (t_varied - t_same) / 14 - shape.layers * call - wbytes / mem_bw)
 
-    def fwd_bwd(b: int):
-        model(input_ids=ids[b]).logits.float().log_softmax(-1)[..., 0].mean().backward()
+        score_call_s = _score_call_seconds(model, shape, device, timed, shape.layers * call + wbytes / mem_bw,
+                                           flops)
 
-    fb = {b: _timed(lambda: fwd_bwd(b), 5, sync) for b in ids}
-    fixed_fb, per_row_fb = _fit(fb)
-    bwd_ratio = max(0.5, per_row_fb / per_row - 1)  # marginal: per row of the forward + backward over the forward
-    train_call = max(1e-7, (fixed_fb - (1 + bwd_ratio) * wbytes / mem_bw) / shape.layers)
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-6)
-    t_opt = _timed(opt.step, 3, sync)
-    optimizer_bytes_s = 16 * n_params / t_opt
-    state = {k: v.detach().cpu() for k, v in model.state_dict().items()}
+        # contention: the same call's mean over its fastest, repeated; on a shared machine the rates above (fitted
+        # from fastest timings) are what a process gets alone, and the run will get about 1 / contention of them
+        times = []
+        with torch.no_grad():
+            for _ in range(15):
+                t = time.perf_counter()
+                model(input_ids=ids[16])
+                sync()
+                times.append(time.perf_counter() - t)
+        contention = max(1.0, sum(times) / len(times) / min(times))
 
-    def serialise():
-        buf = io.BytesIO()
-        torch.save(state, buf)
-        buf.seek(0)
-        torch.load(buf)
+        def fwd_bwd(b: int):
+            model(input_ids=ids[b]).logits.float().log_softmax(-1)[..., 0].mean().backward()
 
-    sync_bytes_s = wbytes / _timed(serialise, 3, sync)
+        fb = {b: timed(f"train{b}", lambda: fwd_bwd(b), 5) for b in ids}
+        fixed_fb, per_row_fb = _fit(fb)
+        bwd_ratio = max(0.5, per_row_fb / per_row - 1)  # marginal: per row of the forward + backward over the forward
+        train_call = max(1e-7, (fixed_fb - (1 + bwd_ratio) * wbytes / mem_bw) / shape.layers)
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-6)
+        t_opt = timed("adamw", opt.step, 3)
+        optimizer_bytes_s = 16 * n_params / t_opt
+        state = {k: v.detach().cpu() for k, v in model.state_dict().items()}
+
+        def serialise():
+            buf = io.BytesIO()
+            torch.save(state, buf)
+            buf.seek(0)
+            torch.load(buf)
+
+        sync_bytes_s = wbytes / timed("serialise", serialise, 3)
+        return {"flops": flops, "decode_flops": decode_flops, "mem_bw": mem_bw, "layer_call_s": call,
+                "decode_layer_call_s": decode_layer_call, "decode_sample_s": decode_sample_s,
+                "score_call_s": score_call_s, "prefill_call_s": prefill_call_s, "train_layer_call_s": train_call,
+                "bwd_ratio": bwd_ratio, "optimizer_bytes_s": optimizer_bytes_s, "sync_bytes_s": sync_bytes_s,
+                "contention": contention}
+
+    from rlfuse.placement.profile_ray import spread
+
+    passes = [one_pass() for _ in range(PASSES)]
+    rates = dict(passes[-1])
+    contention = statistics.median(r["contention"] for r in passes)
+    del rates["contention"]
+    # how far the fits moved from pass to pass: the rate that moved most (a zero, a term that measured nothing, aside)
+    widest, widest_spread = max(((k, spread([r[k] for r in passes])) for k in rates
+                                 if statistics.median(r[k] for r in passes) > 0), key=lambda kv: kv[1])
     driver_s = _driver_seconds(shape.vocab)
     overheads = {}
     if ray and device == "cpu":
@@ -282,18 +314,18 @@ def measure_profile(shape: ModelShape | None = None, threads: int = 1, device: s
     elapsed = time.perf_counter() - t_start
     log(f"[profile] {name}: {elapsed:.1f} s on {shape.name} ({n_params / 1e6:.2f} M parameters)")
     return MachineProfile(
-        name=name, device=device, threads=threads, flops=flops, decode_flops=decode_flops, mem_bw=mem_bw,
-        layer_call_s=call, decode_layer_call_s=decode_layer_call, decode_sample_s=decode_sample_s,
-        score_call_s=score_call_s, prefill_call_s=prefill_call_s, train_layer_call_s=train_call, bwd_ratio=bwd_ratio,
-        optimizer_bytes_s=optimizer_bytes_s, sync_bytes_s=sync_bytes_s, sync_latency_s=SYNC_LATENCY_S,
-        ray_call_s=driver_s, **((BUILTIN_OVERHEADS if device == "cpu" else GPU_OVERHEADS) | overheads),
+        name=name, device=device, threads=threads, **rates, sync_latency_s=SYNC_LATENCY_S, ray_call_s=driver_s,
+        **((BUILTIN_OVERHEADS if device == "cpu" else GPU_OVERHEADS) | overheads),
         memory_bytes=float(memory), runtime_bytes=float(runtime), slack_fraction=0.1,
         source=f"rlfuse plan --profile, {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}, {shape.name}, "
-               f"load average {os.getloadavg()[0]:.1f}, contention {contention:.2f} (rates divided by it)"
+               f"load average {os.getloadavg()[0]:.1f}, contention {contention:.2f} (rates divided by it), each "
+               f"rate fitted to the fastest of {PASSES} passes' timings (moved most over the passes: {widest}, "
+               f"{widest_spread * 100:.0f}%)"
     ).slowed(contention)
 
 
-def _score_call_seconds(model, shape: ModelShape, device: str, sync, forward_fixed_s: float, flops: float) -> float:
+def _score_call_seconds(model, shape: ModelShape, device: str, timed, forward_fixed_s: float,
+                        flops: float) -> float:
     """What a scoring call costs beyond its forwards: the Scorer on one sample of 4 + 16 tokens with the reference
     (this model), a reward model and a critic on its body (rollout/score.py: sorting, collating, the reward's
     input, gathering log-probs and values, the scored samples), less three forwards at the fitted rates."""
@@ -309,7 +341,7 @@ def _score_call_seconds(model, shape: ModelShape, device: str, sync, forward_fix
         n_head=shape.heads, num_labels=1, pad_token_id=0, resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)).to(device)
     scorer = Scorer(reward_model_fn(rm.eval(), 0, 0), 0, ref=model, critic=ValueModel.from_reward_model(rm).eval())
     one = [Sample(0, 0, [1, 2, 3, 4], list(range(5, 21)), torch.zeros(16), "eos")]
-    t = _timed(lambda: scorer.score(one), 9, sync)
+    t = timed("score", lambda: scorer.score(one), 9)
     return max(0.0, t - 3 * (forward_fixed_s + shape.forward_flops(20, 10) / flops))
 
 

@@ -93,6 +93,52 @@ def test_live_rows_match_the_mean_length():
     assert cost.live_rows(8, 48, 48) == [8.0] * 48  # every sample runs to the cap
 
 
+def test_stragglers_by_hand():
+    # lengths 2 + exponential(scale 3): the longest of n is 2 + 3 H_n (H_1 = 1, H_2 = 1.5, H_4 = 25/12, H_8 = 761/280)
+    lengths = cost.Lengths(2.0, 3.0, 100)
+    assert lengths.synced_max(4, 1) == lengths.expected_max(4) == pytest.approx(2 + 3 * 25 / 12)
+    # two ranks of one 4-row micro-batch each: every step waits for the longer, the longest of the 8 rows
+    assert lengths.synced_max(4, 2) == pytest.approx(2 + 3 * 761 / 280)
+    # four micro-batches per rank and step: the slowest rank's excess over its own mean is half as large per call
+    assert lengths.synced_max(4, 2, calls=4) == pytest.approx(2 + 3 * 25 / 12 + 3 * (761 / 280 - 25 / 12) / 2)
+    # a decoder whose own 2 samples end at the expected longest of 2 (6.5 steps) waits for the longest of the 4 of
+    # both decoders (8.25): its rows die out, the stage goes on
+    own, waited = lengths.live_rows(2), lengths.live_rows(2, waited_for=4)
+    assert (len(own), len(waited)) == (math.ceil(2 + 3 * 1.5), math.ceil(2 + 3 * 25 / 12))
+    assert waited[: len(own)] == own and all(r < own[-1] for r in waited[len(own):])
+
+
+def test_flattened_waits_for_the_slowest_worker():
+    # the same work on 2 decoders of 16 samples each takes longer than one decoder's own 16 samples would: the
+    # rollout ends with the longest of all 32; and 2 ranks stepping together pad to the longer rank's micro-batch
+    cfg = load_config(None, ["placement.strategy=flattened", "placement.workers=2"])
+    prob = problem_from_config(cfg, BUILTIN_CPU, workers=2, lengths=(12.0, 30))
+    from rlfuse.placement import planner as pl
+
+    w = prob.workload
+    alone = cost.decode_seconds(prob.profile, prob.memory.policy, 16, w.prompt_tokens, w.lengths, w.response_mean,
+                                pl._policy_bytes(prob.memory), prob.memory.act_bytes, w.max_rows, 1.0, w.k)
+    waiting = cost.decode_seconds(prob.profile, prob.memory.policy, 16, w.prompt_tokens, w.lengths, w.response_mean,
+                                  pl._policy_bytes(prob.memory), prob.memory.act_bytes, w.max_rows, 1.0, w.k, 32)
+    assert waiting > alone
+    assert w.padded_seq(8, 2) == pytest.approx(w.prompt_tokens + w.lengths.expected_max(16))
+    assert w.padded_seq(8, 2) > w.padded_seq(8)
+
+
+def test_lengths_from_a_run_are_one_iterations(tmp_path):
+    # a run's figures for the planner are a typical iteration's: the median of each iteration's longest, not the
+    # longest of all its iterations (that one iteration's outlier would set every iteration's decode steps)
+    import json
+
+    from rlfuse.placement.planner import measured_lengths
+
+    (tmp_path / "rl").mkdir()
+    rows = [{"rollout/length_mean": m, "rollout/length_max": x} for m, x in ((10, 20), (12, 48), (14, 30))]
+    (tmp_path / "rl" / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    assert measured_lengths(tmp_path) == (12, 30)
+    assert measured_lengths(tmp_path / "nothing") is None
+
+
 def test_decode_seconds_one_row_by_hand():
     # one sample always running to 3 tokens, prompt 2: prefill (one call over 2 tokens) + 3 steps at contexts 2, 3, 4
     p = replace(RATES, mem_bw=math.inf)

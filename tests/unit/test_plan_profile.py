@@ -16,6 +16,7 @@ def test_measure_profile_tiny_model(tmp_path):
     for name, (low, high) in plausible.items():
         assert low < getattr(p, name) < high, (name, getattr(p, name))
     assert p.device == "cpu" and p.threads == 1 and "rlfuse plan --profile" in p.source
+    assert "fastest of 3 passes' timings" in p.source  # the passes pooled, and which rate moved most over them
     assert 1e-6 < p.ray_call_s < 0.5  # the driver's own work per iteration, measured in this process
     # without the Ray probe the Ray overheads are the built-in ones (scaled like every per-call cost)
     assert p.ray_round_trip_s == BUILTIN_OVERHEADS["ray_round_trip_s"] and p.train_micro_s > 0
