@@ -5,18 +5,21 @@ the default task and on real IMDb prompts, predicted vs measured per stage from 
     python bench/plan.py                      # first trains them (`rlfuse sft`, `rlfuse rm`, default config)
     python bench/plan.py --models RUN_DIR --fresh --repeats 3   # rerun every plan (not reusing earlier runs)
 
-Inputs of the predictions, all taken before any plan runs: the machine profile (`rlfuse plan --profile`, measured
-at the start, Ray overheads included), the config, the mean prompt tokens of the task and the distinct prompt
-lengths in an iteration's prompts (its prompts tokenised: one prefill call per length), and
-the response lengths (mean, longest) of a 3-iteration single-process calibration run per task: samples do not
-depend on the placement, so every plan decodes the same lengths. Each plan runs --repeats times (2 by default), the
-repeats interleaved (every plan once, then every plan again) so that a change of load falls on all plans alike.
-Measured, per run: median over iterations 2..N (the first warms up) of time/rollout, time/training,
-time/weight_sync, time/iteration, and each worker's peak RSS (worker/<i>/rss_peak_mb); per plan: the median over
-its runs, and the spread of its runs' iteration times ((max - min) / median). Reported: relative error of iteration
-time (mean, max), Kendall tau of predicted vs measured iteration times, the planner's choice against the best
-measured plan, memory error per worker, the run-to-run spread. Writes the `plan_bench` section of BENCHMARKS.md.
-"""
+Inputs of the predictions, all taken before any plan runs: the machine profile (`rlfuse plan --profile`, measured at
+the start, Ray overheads included), the config, the mean prompt tokens of the task and the distinct prompt lengths
+in an iteration's prompts (its prompts tokenised: one prefill call per length), and the response lengths (mean,
+longest) of each iteration of a single-process calibration run per task, as many iterations as the plans run:
+samples do not depend on the placement, so every plan decodes the same lengths, and they drift as the policy trains.
+A plan's prediction per stage is the median over iterations 2..N of each iteration's prediction from its own
+lengths, as its measurement is the median of each iteration's time; plans are ranked by it. Each plan runs --repeats
+times (2 by default), the repeats interleaved (every plan once, then every plan again) so that a change of load
+falls on all plans alike. Measured, per run and iteration 2..N (the first warms up): time/rollout, time/training,
+time/weight_sync, time/iteration, and each worker's peak RSS (worker/<i>/rss_peak_mb); per plan and stage: the
+median over the iterations of each iteration's median over the runs (iteration i is the same work in every run), the
+median of the peak RSS over the runs, and the spread of the runs' own median iteration times ((max - min) / median).
+Reported: relative error of iteration time (mean, max), Kendall tau of predicted vs measured iteration times, the
+planner's choice against the best measured plan, memory error per worker, the run-to-run spread. Writes the
+`plan_bench` section of BENCHMARKS.md."""
 
 from __future__ import annotations
 
@@ -100,27 +103,38 @@ def metrics(run: Path) -> list[dict]:
     return [json.loads(line) for line in (run / "rl" / "metrics.jsonl").read_text().splitlines() if line.strip()]
 
 
+STAGES = ("rollout", "train", "sync", "iteration")
+METRIC = {"rollout": "time/rollout", "train": "time/training", "sync": "time/weight_sync",
+          "iteration": "time/iteration"}
+
+
 def measured(run: Path) -> dict:
-    """One run's medians over its iterations after the first (which warms up: first calls, allocator growth)."""
+    """One run's medians over its iterations after the first (which warms up: first calls, allocator growth), and
+    each of those iterations' seconds per stage (per_iteration)."""
     rows = metrics(run)[1:]
-    med = lambda k: statistics.median(r[k] for r in rows if k in r)
+    per = {k: [r[METRIC[k]] for r in rows] for k in STAGES}
     ranks = sorted({int(k.split("/")[1]) for r in rows for k in r if k.startswith("worker/") and k.endswith("rss_mb")})
     # the peak since the worker started where the workers report it (training included), else the largest sample
     rss = lambda w: max(r.get(f"worker/{w}/rss_peak_mb", r.get(f"worker/{w}/rss_mb", 0.0)) for r in rows)
-    return {"rollout": med("time/rollout"), "train": med("time/training"), "sync": med("time/weight_sync"),
-            "iteration": med("time/iteration"), "rss_mb": {w: rss(w) for w in ranks}}
-
-
-STAGES = ("rollout", "train", "sync", "iteration")
+    return {**{k: statistics.median(v) for k, v in per.items()}, "rss_mb": {w: rss(w) for w in ranks},
+            "per_iteration": per}
 
 
 def median_of_runs(runs: list[dict]) -> dict:
-    """A plan's measurement: the median over its runs of each stage and of each worker's peak RSS, and the spread
-    of its runs' iteration times, (max - min) / median."""
-    out = {k: statistics.median(r[k] for r in runs) for k in STAGES}
+    """A plan's measurement: per stage, the median over the iterations of each iteration's median over the runs
+    (every run of every plan decodes and trains the same samples at iteration i, so a run slowed for a few
+    iterations by something else on the machine is outvoted there, not carried into its whole median); the median
+    over the runs of each worker's peak RSS; the spread of the runs' own medians of iteration time, (max - min) /
+    median. Runs stored without their iterations: the median over the runs of each run's median."""
+    per = [r.get("per_iteration") for r in runs]
+    if all(per) and len({len(p["iteration"]) for p in per}) == 1:
+        out = {k: statistics.median(statistics.median(p[k][i] for p in per) for i in range(len(per[0][k])))
+               for k in STAGES}
+    else:
+        out = {k: statistics.median(r[k] for r in runs) for k in STAGES}
     out["rss_mb"] = {w: statistics.median(r["rss_mb"][w] for r in runs) for w in runs[0]["rss_mb"]}
     its = [r["iteration"] for r in runs]
-    out["spread"] = (max(its) - min(its)) / out["iteration"]
+    out["spread"] = (max(its) - min(its)) / statistics.median(its)
     out["iterations"] = its
     return out
 
@@ -143,23 +157,46 @@ def plans_for(task: str, models: Path, profile_path: Path, inputs: dict) -> list
     from rlfuse.placement.profile import load_profile
 
     cfg = load_config(None, common_overrides(models, task, 3))
-    inputs = dict(inputs, lengths=tuple(inputs["lengths"]) if inputs.get("lengths") else None)
+    inputs = {k: v for k, v in inputs.items() if k != "iteration_lengths"}
+    inputs["lengths"] = tuple(inputs["lengths"]) if inputs.get("lengths") else None
     return plan(problem_from_config(cfg, load_profile(profile_path), workers=2, **inputs))
 
 
-def predict_all(task: str, models: Path, profile_path: Path, work: Path) -> tuple[dict, list]:
+def iteration_lengths(run: Path) -> list[tuple[float, int]]:
+    """(mean, longest) response tokens of each iteration after the first: the iterations `measured` takes."""
+    return [(r["rollout/length_mean"], int(r["rollout/length_max"])) for r in metrics(run)[1:]]
+
+
+def predicted_seconds(task: str, models: Path, profile_path: Path, inputs: dict) -> dict:
+    """label -> predicted seconds per stage, the median over the measured iterations of each one's prediction
+    from its own response lengths (as `measured` takes the median of each one's time): the policy's lengths drift
+    as it trains, the same in every plan (samples do not depend on the placement). Without per-iteration lengths
+    (a results.json from before them): the prediction at the calibration's median lengths."""
+    per = inputs.get("iteration_lengths") or [inputs["lengths"]]
+    runs = [{pl.label(): pl.seconds for pl in reversed(plans_for(task, models, profile_path, dict(inputs, lengths=L)))}
+            for L in per]
+    return {label: {k: statistics.median(r[label][k] for r in runs) for k in runs[0][label]} for label in runs[0]}
+
+
+def predict_all(task: str, models: Path, profile_path: Path, work: Path, iterations: int) -> tuple[dict, list]:
     from rlfuse.config import load_config
     from rlfuse.placement.planner import measured_lengths
     from rlfuse.placement.spec import dp_micro_size
 
+    # the calibration runs as many iterations as the plans do: its lengths are the measured window's
     calib = work / f"calibrate_{task}"
-    if not (calib / "rl" / "metrics.jsonl").exists():
-        rlfuse("rl", *common_overrides(models, task, 3), "run.threads=1", f"run.dir={calib}",
+    if not (calib / "rl" / "metrics.jsonl").exists() or len(metrics(calib)) < iterations:
+        shutil.rmtree(calib, ignore_errors=True)
+        rlfuse("rl", *common_overrides(models, task, iterations), "run.threads=1", f"run.dir={calib}",
                log=work / f"calibrate_{task}.log")
     cfg = load_config(None, common_overrides(models, task, 3))
     tokens, distinct = prompt_stats(cfg, models / "sft" / "model")
-    inputs = {"lengths": measured_lengths(calib), "prompt_tokens": tokens, "prompt_lengths": distinct}
-    plans = plans_for(task, models, profile_path, inputs)
+    inputs = {"lengths": measured_lengths(calib), "prompt_tokens": tokens, "prompt_lengths": distinct,
+              "iteration_lengths": iteration_lengths(calib)[: iterations - 1]}
+    # ranked as the planner ranks them, by the time predicted over the measured iterations (predicted_seconds)
+    seconds = predicted_seconds(task, models, profile_path, inputs)
+    plans = sorted(plans_for(task, models, profile_path, inputs),
+                   key=lambda p: (not p.fits, seconds[p.label()]["iteration"], p.peak_bytes))
     chosen = [plans[0]]  # the planner's own choice always runs
     for strategy, micro, ckpt in RUNS[task]:
         ranks = lambda p: sum(g.workers for g in p.spec.groups if "actor" in g.roles)
@@ -176,10 +213,15 @@ def predict_all(task: str, models: Path, profile_path: Path, work: Path) -> tupl
     return inputs, [(p, plans.index(p) + 1) for p in chosen]
 
 
+def run_dir(task: str, pl, work: Path, repeat: int) -> Path:
+    """The folder of `pl`'s `repeat`-th run."""
+    ckpt = "ckpt" if pl.gradient_checkpointing else "nockpt"
+    return work / f"{task}_{pl.strategy}{pl.split}_mb{pl.micro_batch_size}_{ckpt}_mig{pl.migrate_below:g}_r{repeat}"
+
+
 def run_plan(task: str, pl, models: Path, work: Path, iterations: int, repeat: int, fresh: bool = False) -> Path:
     """Run `pl` for `iterations` iterations (its `repeat`-th run), reusing a finished earlier run unless fresh."""
-    d = work / (f"{task}_{pl.strategy}{pl.split}_mb{pl.micro_batch_size}_{'ckpt' if pl.gradient_checkpointing else 'nockpt'}"
-                f"_mig{pl.migrate_below:g}_r{repeat}")
+    d = run_dir(task, pl, work, repeat)
     if fresh or not (d / "rl" / "metrics.jsonl").exists() or len(metrics(d)) < iterations:
         shutil.rmtree(d, ignore_errors=True)
         block = pl.config_block()
@@ -194,6 +236,24 @@ def signed(r: dict, stage: str) -> float:
     return r["predicted"][stage] / r["measured"][stage] - 1
 
 
+def scores(results: list[dict]) -> dict:
+    """The figures the targets are about: iteration-time error (mean, max), Kendall tau per task and over all plans,
+    and per task the planner's choice among the plans run against the best measured of them."""
+    err = lambda r: abs(r["predicted"]["iteration"] / r["measured"]["iteration"] - 1)
+    out = {"mean_error": statistics.mean(map(err, results)), "max_error": max(map(err, results)),
+           "tau": kendall_tau([r["predicted"]["iteration"] for r in results],
+                              [r["measured"]["iteration"] for r in results]), "tasks": {}}
+    for task in dict.fromkeys(r["task"] for r in results):
+        rs = [r for r in results if r["task"] == task]
+        pick = min(rs, key=lambda r: r["predicted"]["iteration"])
+        best = min(rs, key=lambda r: r["measured"]["iteration"])
+        out["tasks"][task] = {"tau": kendall_tau([r["predicted"]["iteration"] for r in rs],
+                                                 [r["measured"]["iteration"] for r in rs]),
+                              "pick": pick, "best": best, "plans": len(rs),
+                              "slower": pick["measured"]["iteration"] / best["measured"]["iteration"] - 1}
+    return out
+
+
 def report(results: list[dict], profile_desc: str, header: str) -> str:
     rows, lines = [], []
     for r in results:
@@ -202,27 +262,20 @@ def report(results: list[dict], profile_desc: str, header: str) -> str:
         rows.append([r["task"], r["label"], r["rank"], p["rollout"], m["rollout"], p["train"], m["train"], p["sync"],
                      m["sync"], p["iteration"], m["iteration"], f"{(p['iteration'] / m['iteration'] - 1) * 100:+.0f}%",
                      f"{m['spread'] * 100:.0f}% ({len(m['iterations'])})", mem])
-    errs = [abs(r["predicted"]["iteration"] / r["measured"]["iteration"] - 1) for r in results]
     mem_errs = [abs(r["mem_pred"][w] / r["measured"]["rss_mb"][w] - 1) for r in results for w in r["measured"]["rss_mb"]]
     lines += [header, "", md_table(["task", "plan", "planner rank", "rollout s pred", "rollout s meas", "train s pred",
                                     "train s meas", "sync s pred", "sync s meas", "iteration s pred",
                                     "iteration s meas", "iteration error", "run spread (runs)",
                                     "worker MiB pred / meas"], rows), ""]
-    taus = {}
-    for task in dict.fromkeys(r["task"] for r in results):
-        rs = [r for r in results if r["task"] == task]
-        taus[task] = kendall_tau([r["predicted"]["iteration"] for r in rs], [r["measured"]["iteration"] for r in rs])
-        pick = min(rs, key=lambda r: r["predicted"]["iteration"])
-        best = min(rs, key=lambda r: r["measured"]["iteration"])
-        slower = pick["measured"]["iteration"] / best["measured"]["iteration"] - 1
-        lines.append(f"- {task}: the planner's choice among these, {pick['label']}, measured "
-                     f"{pick['measured']['iteration']:.3f} s per iteration; the best measured, {best['label']}, "
-                     f"{best['measured']['iteration']:.3f} s ({slower * 100:+.1f}%, target within 10%); Kendall tau "
-                     f"{taus[task]:+.2f} over {len(rs)} plans")
-    pooled = kendall_tau([r["predicted"]["iteration"] for r in results], [r["measured"]["iteration"] for r in results])
-    lines += [f"- iteration time: mean relative error {statistics.mean(errs) * 100:.1f}% (target <= 15%), max "
-              f"{max(errs) * 100:.1f}% (target <= 30%); Kendall tau over all {len(results)} plans {pooled:+.2f} "
-              f"(target >= 0.8)",
+    sc = scores(results)
+    for task, t in sc["tasks"].items():
+        lines.append(f"- {task}: the planner's choice among these, {t['pick']['label']}, measured "
+                     f"{t['pick']['measured']['iteration']:.3f} s per iteration; the best measured, "
+                     f"{t['best']['label']}, {t['best']['measured']['iteration']:.3f} s ({t['slower'] * 100:+.1f}%, "
+                     f"target within 10%); Kendall tau {t['tau']:+.2f} over {t['plans']} plans")
+    lines += [f"- iteration time: mean relative error {sc['mean_error'] * 100:.1f}% (target <= 15%), max "
+              f"{sc['max_error'] * 100:.1f}% (target <= 30%); Kendall tau over all {len(results)} plans "
+              f"{sc['tau']:+.2f} (target >= 0.8)",
               "- per stage, predicted over measured - 1 (mean; mean of absolute values): " + "; ".join(
                   f"{k} {statistics.mean(signed(r, k) for r in results) * 100:+.0f}% "
                   f"({statistics.mean(abs(signed(r, k)) for r in results) * 100:.0f}%)" for k in ("rollout", "train")),
@@ -235,17 +288,39 @@ def report(results: list[dict], profile_desc: str, header: str) -> str:
     return "\n".join(lines)
 
 
-def planned(task: str, pl, rank: int, inputs: dict) -> dict:
-    """A plan's prediction as results.json keeps it (the measurement is added beside it)."""
+def across_profiles(stored: Path, models: Path | None, profiles: list[Path]) -> str:
+    """The same measured runs predicted from each of several profiles of the machine: how much of the error is the
+    profile's (each is a ~40 s measurement on a machine whose timings jitter), as a table of the target figures."""
+    from rlfuse.placement.profile import load_profile
+
+    rows = []
+    for path in profiles:
+        prof, sc = load_profile(path), scores(repredict(stored, models, path))
+        worst = max(t["slower"] for t in sc["tasks"].values())
+        when = next((part for part in prof.source.split(", ") if "UTC" in part), prof.source)
+        rows.append([path.name, when, f"{prof.ray_slowdown:.2f}",
+                     f"{prof.pair_decode_slowdown:.2f} / {prof.pair_train_slowdown:.2f}",
+                     f"{sc['mean_error'] * 100:.1f}%", f"{sc['max_error'] * 100:.1f}%", f"{sc['tau']:+.2f}",
+                     " / ".join(f"{t['tau']:+.2f}" for t in sc["tasks"].values()), f"{worst * 100:+.1f}%"])
+    tasks = " / ".join(scores(repredict(stored, models, profiles[0]))["tasks"])
+    return md_table(["profile", "measured", "Ray worker alone", "pair decode / train", "mean error", "max error",
+                     "tau (all)", f"tau ({tasks})", "choice vs best (worst task)"], rows)
+
+
+def planned(task: str, pl, rank: int, inputs: dict, seconds: dict) -> dict:
+    """A plan's prediction as results.json keeps it (the measurement is added beside it); seconds: its
+    predicted_seconds."""
     mem_pred = {w: pl.memory[g.name]["total"] / 2**20 for g in pl.spec.groups for w in pl.spec.worker_ranks(g.name)}
-    return {"task": task, "label": pl.label(), "rank": rank, "predicted": pl.seconds, "mem_pred": mem_pred,
+    return {"task": task, "label": pl.label(), "rank": rank, "predicted": seconds, "mem_pred": mem_pred,
             "inputs": inputs}
 
 
 def repredict(stored: Path, models: Path | None, profile_path: Path) -> list[dict]:
     """The runs measured in `stored` (a results.json this script wrote) predicted again by the current model from
     `profile_path` and the inputs stored with them: a model change checked against real runs in seconds, without
-    running any. The measurements are the stored ones; so is the label of each plan (it must still be a candidate)."""
+    running any. The measurements are taken again from the runs' folders beside it where they are all there (so a
+    change to how runs are summed up applies too), else the stored ones; the label of each plan is the stored one
+    (it must still be a candidate)."""
     results = json.loads(stored.read_text())
     models = models or (Path(results[0]["models"]) if results and "models" in results[0] else None)
     if models is None:
@@ -253,13 +328,20 @@ def repredict(stored: Path, models: Path | None, profile_path: Path) -> list[dic
     out = []
     for task in dict.fromkeys(r["task"] for r in results):
         rs = [r for r in results if r["task"] == task]
-        plans = plans_for(task, models, profile_path, rs[0]["inputs"])
+        seconds = predicted_seconds(task, models, profile_path, rs[0]["inputs"])
+        plans = sorted(plans_for(task, models, profile_path, rs[0]["inputs"]),
+                       key=lambda p: (not p.fits, seconds[p.label()]["iteration"], p.peak_bytes))
         by_label = {pl.label(): (pl, i + 1) for i, pl in reversed(list(enumerate(plans)))}
         for r in rs:
             if r["label"] not in by_label:
                 raise SystemExit(f"--repredict: {task} plan {r['label']!r} is no longer among the candidates")
             pl, rank = by_label[r["label"]]
-            new = planned(task, pl, rank, r["inputs"])
+            new = planned(task, pl, rank, r["inputs"], seconds[r["label"]])
+            dirs = [run_dir(task, pl, stored.parent, i) for i in range(len(r["runs"]))]
+            if dirs and all((d / "rl" / "metrics.jsonl").exists() for d in dirs):  # measured again from the runs' own logs
+                new["runs"] = [m | {"rss_mb": {str(w): v for w, v in m["rss_mb"].items()}}  # as stored: JSON keys
+                               for m in map(measured, dirs)]
+                new["measured"] = median_of_runs(new["runs"])
             new["mem_pred"] = {str(w): v for w, v in new["mem_pred"].items()}  # as the stored measurement's keys
             out.append(r | new)
     return out
@@ -298,18 +380,22 @@ def main() -> None:
     ap.add_argument("--no-write", action="store_true", help="print only; leave BENCHMARKS.md alone")
     ap.add_argument("--dry", action="store_true", help="profile, calibrate and print the plans; run none")
     ap.add_argument("--repredict", type=Path, metavar="RESULTS_JSON",
-                    help="run nothing: predict the runs stored in a results.json again with the current model and "
-                         "print the report (BENCHMARKS.md is left alone)")
-    ap.add_argument("--profile", type=Path, help="with --repredict: the machine profile to predict from (default: "
-                                                 "machine_profile.json beside the results)")
+                    help="run nothing: predict the runs stored in a results.json again with the current model (and "
+                         "sum up their folders' metrics again) and print the report (BENCHMARKS.md is left alone)")
+    ap.add_argument("--profile", type=Path, nargs="+",
+                    help="with --repredict: the machine profile to predict from (default: machine_profile.json beside "
+                         "the results); several: a table of the target figures from each, one row per profile")
     args = ap.parse_args()
     from rlfuse.placement.profile import load_profile
 
+    if args.repredict and args.profile and len(args.profile) > 1:
+        print(across_profiles(args.repredict, args.models, args.profile))
+        return
     if args.repredict:
-        profile_path = args.profile or args.repredict.parent / "machine_profile.json"
+        profile_path = args.profile[0] if args.profile else args.repredict.parent / "machine_profile.json"
         results, prof = repredict(args.repredict, args.models, profile_path), load_profile(profile_path)
-        print(report(results, profile_line(prof), f"Re-predicted `{args.repredict}` (measured runs as "
-                     f"stored) from `{profile_path}`."))
+        print(report(results, profile_line(prof), f"Re-predicted `{args.repredict}` from `{profile_path}` (the "
+                     f"measurements from the runs' folders where they are there, else as stored)."))
         return
     work = args.work.resolve()
     work.mkdir(parents=True, exist_ok=True)
@@ -317,15 +403,18 @@ def main() -> None:
     models = ensure_models(work, args.models)
     profile_path = fresh_profile(work, args.fresh)
     todo = []  # (task, plan, planner rank, inputs)
+    seconds = {}
     for task in args.tasks:
-        inputs, chosen = predict_all(task, models, profile_path, work)
+        inputs, chosen = predict_all(task, models, profile_path, work, args.iterations)
+        seconds[task] = predicted_seconds(task, models, profile_path, inputs)
         print(f"[plan bench] {task}: prompt tokens {inputs['prompt_tokens']:.1f} ({inputs['prompt_lengths']:.1f} "
               f"distinct lengths per iteration), response lengths {inputs['lengths']}",
               file=sys.stderr)
         todo += [(task, pl, rank, inputs) for pl, rank in chosen[: args.plans or None]]
     if args.dry:
         for task, pl, rank, _ in todo:
-            print(f"{task}: rank {rank} {pl.label()}: {pl.iteration_s:.3f} s", {k: round(v, 3) for k, v in pl.seconds.items()})
+            s = seconds[task][pl.label()]
+            print(f"{task}: rank {rank} {pl.label()}: {s['iteration']:.3f} s", {k: round(v, 3) for k, v in s.items()})
         return
     runs: dict[int, list] = {i: [] for i in range(len(todo))}
     for repeat in range(args.repeats):  # every plan once, then every plan again: load changes hit all plans alike
@@ -333,10 +422,11 @@ def main() -> None:
             d = run_plan(task, pl, models, work, args.iterations, repeat, args.fresh)
             runs[i].append(measured(d))
             loads.append(os.getloadavg()[0])
-            print(f"[plan bench] {task} {pl.label()} run {repeat + 1}/{args.repeats}: predicted {pl.iteration_s:.3f} s, "
+            print(f"[plan bench] {task} {pl.label()} run {repeat + 1}/{args.repeats}: predicted "
+                  f"{seconds[task][pl.label()]['iteration']:.3f} s, "
                   f"measured {runs[i][-1]['iteration']:.3f} s (load average {loads[-1]:.1f})", file=sys.stderr)
-    results = [planned(task, pl, rank, inputs) | {"measured": median_of_runs(runs[i]), "runs": runs[i],
-                                                   "models": str(models)}
+    results = [planned(task, pl, rank, inputs, seconds[task][pl.label()])
+               | {"measured": median_of_runs(runs[i]), "runs": runs[i], "models": str(models)}
                for i, (task, pl, rank, inputs) in enumerate(todo)]
     prof = load_profile(profile_path)
     cmd = " ".join(["python bench/plan.py", *(["--models", str(args.models)] if args.models else []),
