@@ -198,6 +198,10 @@ class MachineProfile:
     """Gradient all-reduce bus bandwidth (gloo on CPU; NVLink/PCIe through NCCL on GPU)."""
     allreduce_latency_s: float = 0.0
     """Fixed seconds per all-reduce."""
+    ddp_allreduce_bytes_s: float = 0.0
+    """The gradient all-reduce's bandwidth as DDP runs it, inside a backward on ranks that compute at once (its
+    communication competes with their compute for the workers' cores): measured on two Ray workers in step
+    (profile_ray.py). 0: not measured, allreduce_bytes_s (an all-reduce of idle ranks) is used."""
     ray_call_s: float = 0.0
     """The driver's own work per iteration on Ray besides its calls to the workers (advantages, building the
     experience, the loop's Python): seconds, counted once per iteration."""

@@ -410,7 +410,8 @@ def _train_seconds(prob: Problem, workers: int, micro: int, ckpt: bool, ray: boo
         total += calls * p.train_micro_s
         total += cost.optimizer_seconds(p, params / (workers if prob.shard else 1), steps)
         buckets = cost.ddp_buckets(params * train_b, DDP_BUCKET_BYTES)
-        total += cost.allreduce_seconds(p, params * train_b / buckets, workers, steps * buckets)
+        in_backward = replace(p, allreduce_bytes_s=p.ddp_allreduce_bytes_s or p.allreduce_bytes_s)
+        total += cost.allreduce_seconds(in_backward, params * train_b / buckets, workers, steps * buckets)
         total += cost.allreduce_seconds(p, 4, workers, steps + 2)  # finite-loss check per step; the stats
     if ray:  # the experience goes as a few batched tensors: a round trip, not a per-sample cost
         total += cost.round_trip_seconds(p, 1)

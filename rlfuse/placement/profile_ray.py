@@ -19,7 +19,9 @@ What is timed, and which MachineProfile field it gives:
   buffer of the model's gradient size (`allreduce_bytes_s`, ring bytes over the time beyond the latency).
 - a training micro-batch: the real one (trainers/rl.py micro_policy_loss inside DDP's forward, then backward,
   ray_train.DataParallelGroup.micro_batch) against the bare model's forward + backward over the same tokens:
-  the difference is `train_micro_s`.
+  the difference is `train_micro_s`. Then the same micro-batch with the gradient sync against without, on both
+  workers at once as a data-parallel step runs it: the gradients' bytes over that difference (less a latency per
+  DDP bucket) are `ddp_allreduce_bytes_s`, the all-reduce's bandwidth while the ranks compute.
 
 Ray and torch are imported inside the functions: importing this module needs neither.
 """
@@ -54,6 +56,8 @@ def fake_samples(n: int, prompt: int = PROBE_PROMPT, response: int = PROBE_RESPO
 CHUNK_ROWS = 8
 PROBE_ROWS, TRAIN_CALLS = 4, 6
 """Rows of a probe training micro-batch, and micro-batches per timed unit (about as long as a decode chunk)."""
+DDP_BUCKET_BYTES = 32 * 2**20
+"""DDP's gradient bucket in training (ray_train.DEFAULT_BUCKET_BYTES; planner.DDP_BUCKET_BYTES)."""
 PAIR_ROUNDS = 9
 """Rounds of (one worker alone, both at once) per kind of work: the median over them, and their spread, are kept."""
 
@@ -101,7 +105,7 @@ class ProbeWorker:
         pin_threads(threads)
         self.shape, self.rank, self.world = shape, rank, world
         self.model = _build(shape, "cpu").train()
-        self._samples = {}
+        self._samples, self._runs = {}, {}
 
     def ready(self) -> bool:
         return True
@@ -157,9 +161,12 @@ class ProbeWorker:
 
         return timed(small, repeats), timed(big, 5)
 
-    def micro_batch_overhead(self, rows: int = 4, repeats: int = 15) -> float:
-        """Seconds a real training micro-batch (policy loss inside DDP's forward, no gradient sync) takes beyond the
-        bare forward + backward over the same tokens: the median over `repeats` pairs."""
+    def _micro_batch(self, rows: int):
+        """A real training micro-batch as a data-parallel rank runs it (trainers/rl.py's policy loss inside DDP's
+        forward, then the backward): a function of `sync` (False: gradients accumulate locally; True: the backward
+        all-reduces them, DDP's buckets, so every rank must call it at the same time). Built once per `rows`."""
+        if rows in self._runs:
+            return self._runs[rows]
         import torch
 
         from rlfuse.config import RLConfig
@@ -168,18 +175,28 @@ class ProbeWorker:
 
         exp = fake_experience(rows, self.shape.vocab)
         adv, rl, idx = torch.randn(exp.mask.shape), RLConfig(), list(range(rows))
-        group = DataParallelGroup(self.rank, self.world, torch.device("cpu"))
+        group = self._group = getattr(self, "_group", None) or DataParallelGroup(self.rank, self.world,
+                                                                                   torch.device("cpu"))
         share = {"token": 1.0, "sequence": 1.0}
 
         def loss_of(i, sh):
             loss, stats = micro_policy_loss(self.model, exp, i, adv, rl, 0.1, 0, 1.0)
             return loss * sh[rl.loss_level], stats
 
-        def real():
-            with group.micro_batch([self.model], sync=False) as run:
-                loss, _ = run(loss_of, idx, share)
+        def run(sync: bool):
+            with group.micro_batch([self.model], sync=sync) as step:
+                loss, _ = step(loss_of, idx, share)
                 loss.backward()
 
+        self._runs[rows] = run
+        return run
+
+    def micro_batch_overhead(self, rows: int = 4, repeats: int = 15) -> float:
+        """Seconds a real training micro-batch (policy loss inside DDP's forward, no gradient sync) takes beyond the
+        bare forward + backward over the same tokens: the median over `repeats` pairs."""
+        import torch
+
+        real = lambda: self._micro_batch(rows)(False)
         ids = torch.randint(1, self.shape.vocab, (rows, PROBE_PROMPT + PROBE_RESPONSE))
 
         def bare():
@@ -192,6 +209,22 @@ class ProbeWorker:
             real()
             t1 = time.perf_counter()
             bare()
+            diffs.append((t1 - t0) - (time.perf_counter() - t1))
+        return max(0.0, statistics.median(diffs))
+
+    def ddp_sync_seconds(self, rows: int = 4, repeats: int = 15) -> float:
+        """Seconds a data-parallel step's last micro-batch takes beyond the same micro-batch without the gradient
+        sync: DDP's all-reduce of every gradient inside the backward, while the other rank computes and syncs the
+        same (call it on every rank at once), as each optimiser step of a run pays it. The median over `repeats`
+        pairs."""
+        run = self._micro_batch(rows)
+        run(True), run(False)  # warm-up
+        diffs = []
+        for _ in range(repeats):
+            t0 = time.perf_counter()
+            run(True)
+            t1 = time.perf_counter()
+            run(False)
             diffs.append((t1 - t0) - (time.perf_counter() - t1))
         return max(0.0, statistics.median(diffs))
 
@@ -292,6 +325,7 @@ def measure_ray_overheads(shape, threads: int = 1, log=print, steps: int = 16,
         nbytes = max(4 * 2**20, 4 * shape.params)
         latency, t_big = ray.get([w.collectives.remote(nbytes) for w in workers])[0]
         micro = statistics.mean(ray.get([w.micro_batch_overhead.remote() for w in workers]))
+        in_backward = statistics.median(ray.get([w.ddp_sync_seconds.remote() for w in workers]))
         ray.get([w.shutdown.remote() for w in workers])
     finally:
         for w in workers:
@@ -299,16 +333,24 @@ def measure_ray_overheads(shape, threads: int = 1, log=print, steps: int = 16,
         if started:
             ray.shutdown()
     pair_decode, pair_train = (max(1.0, statistics.median(pairs[k])) for k in ("decode", "train"))
+    from rlfuse.placement.cost import ddp_buckets
+
+    grads = 4.0 * shape.params  # fp32 gradients of the probe's model, in DDP's buckets
+    buckets = ddp_buckets(grads, DDP_BUCKET_BYTES)
+    idle_rate = nbytes / max(t_big - latency, 1e-6)  # 2 ranks: each sends 2 (w-1)/w = 1 buffer
     out = {"ray_round_trip_s": max(1e-5, empty), "ray_sample_s": max(0.0, (full - empty) / CHUNK_SAMPLES),
            "allreduce_latency_s": latency,
-           "allreduce_bytes_s": nbytes / max(t_big - latency, 1e-6),  # 2 ranks: each sends 2 (w-1)/w = 1 buffer
+           "allreduce_bytes_s": idle_rate,
+           # the gradients moved by DDP inside a backward, each bucket paying the latency; never faster than idle
+           "ddp_allreduce_bytes_s": min(idle_rate, grads / max(in_backward - buckets * latency, 1e-9)),
            # measured with both ranks busy: stored as one worker alone pays it (the planner slows it again)
            "train_micro_s": micro / pair_train, "ray_slowdown": ray_slowdown(pairs),
            "pair_decode_slowdown": pair_decode, "pair_train_slowdown": pair_train,
            "pair_decode_spread": spread(pairs["decode"]), "pair_train_spread": spread(pairs["train"])}
     log(f"[profile] Ray, 2 workers: {time.perf_counter() - t_start:.1f} s; round trip {empty * 1e3:.2f} ms, "
         f"{out['ray_sample_s'] * 1e6:.0f} us per sample, all-reduce {latency * 1e3:.2f} ms + "
-        f"{out['allreduce_bytes_s'] / 1e9:.2f} GB/s, training micro-batch +{micro * 1e3:.2f} ms; "
+        f"{out['allreduce_bytes_s'] / 1e9:.2f} GB/s (in a backward {in_backward * 1e3:.2f} ms, "
+        f"{out['ddp_allreduce_bytes_s'] / 1e9:.2f} GB/s), training micro-batch +{micro * 1e3:.2f} ms; "
         f"one Ray worker alone {out['ray_slowdown']:.2f}x the profile's process; {pair_note(out, PAIR_ROUNDS)}")
     return out
 

@@ -188,6 +188,21 @@ def test_balanced_small_models_choose_flattened(default_problem):
     assert best.strategy == "flattened" and best.spec.workers == 4
 
 
+def test_gradient_sync_in_a_backward_at_its_own_rate(default_problem):
+    # the same plan with DDP's gradient all-reduce measured at half the idle rate: each optimiser step of each model
+    # moves its gradients (one buffer per DDP bucket) once more at the idle rate; a single worker pays nothing
+    from rlfuse.placement import planner as pl
+
+    prob = _fixed(default_problem)
+    slow = replace(prob, profile=replace(CPU, ddp_allreduce_bytes_s=CPU.allreduce_bytes_s / 2))
+    w, m = prob.workload, prob.memory
+    steps = w.epochs * w.samples / w.mini_batch
+    grads = 4.0 * (m.policy.params + m.critic.params)  # fp32 gradients of the actor and the critic
+    extra = steps * grads / CPU.allreduce_bytes_s  # ring on 4 ranks: 2 x 3/4 of the buffer, at twice the time
+    assert pl._train_seconds(slow, 4, 4, False) - pl._train_seconds(prob, 4, 4, False) == pytest.approx(1.5 * extra)
+    assert pl._train_seconds(slow, 1, 4, False) == pl._train_seconds(prob, 1, 4, False)
+
+
 def test_generation_dominating_chooses_a_scoring_group(default_problem):
     # decode steps 20 ms per layer (latency-bound: more workers do not shorten them) and a 12-layer reward model to
     # score: a layout with two groups hides the scoring under decoding and keeps three workers training (separated
