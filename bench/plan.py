@@ -178,7 +178,17 @@ def predicted_seconds(task: str, models: Path, profile_path: Path, inputs: dict)
     return {label: {k: statistics.median(r[label][k] for r in runs) for k in runs[0][label]} for label in runs[0]}
 
 
-def predict_all(task: str, models: Path, profile_path: Path, work: Path, iterations: int) -> tuple[dict, list]:
+def ranked_plans(task: str, models: Path, profile_path: Path, inputs: dict) -> tuple[list, dict]:
+    """Every plan, ranked as the planner ranks them but by the time predicted over the measured iterations, and
+    those predictions (predicted_seconds)."""
+    seconds = predicted_seconds(task, models, profile_path, inputs)
+    plans = sorted(plans_for(task, models, profile_path, inputs),
+                   key=lambda p: (not p.fits, seconds[p.label()]["iteration"], p.peak_bytes))
+    return plans, seconds
+
+
+def predict_all(task: str, models: Path, profile_path: Path, work: Path,
+                iterations: int) -> tuple[dict, list, dict]:
     from rlfuse.config import load_config
     from rlfuse.placement.planner import measured_lengths
     from rlfuse.placement.spec import dp_micro_size
@@ -193,10 +203,7 @@ def predict_all(task: str, models: Path, profile_path: Path, work: Path, iterati
     tokens, distinct = prompt_stats(cfg, models / "sft" / "model")
     inputs = {"lengths": measured_lengths(calib), "prompt_tokens": tokens, "prompt_lengths": distinct,
               "iteration_lengths": iteration_lengths(calib)[: iterations - 1]}
-    # ranked as the planner ranks them, by the time predicted over the measured iterations (predicted_seconds)
-    seconds = predicted_seconds(task, models, profile_path, inputs)
-    plans = sorted(plans_for(task, models, profile_path, inputs),
-                   key=lambda p: (not p.fits, seconds[p.label()]["iteration"], p.peak_bytes))
+    plans, seconds = ranked_plans(task, models, profile_path, inputs)
     chosen = [plans[0]]  # the planner's own choice always runs
     for strategy, micro, ckpt in RUNS[task]:
         ranks = lambda p: sum(g.workers for g in p.spec.groups if "actor" in g.roles)
@@ -210,7 +217,7 @@ def predict_all(task: str, models: Path, profile_path: Path, work: Path, iterati
         pick = next((p for p in same if p.migrate_below == cfg.rollout.migrate_below), same[0])
         if pick not in chosen:
             chosen.append(pick)
-    return inputs, [(p, plans.index(p) + 1) for p in chosen]
+    return inputs, [(p, plans.index(p) + 1) for p in chosen], seconds
 
 
 def run_dir(task: str, pl, work: Path, repeat: int) -> Path:
@@ -293,18 +300,18 @@ def across_profiles(stored: Path, models: Path | None, profiles: list[Path]) -> 
     profile's (each is a ~40 s measurement on a machine whose timings jitter), as a table of the target figures."""
     from rlfuse.placement.profile import load_profile
 
-    rows = []
+    rows, tasks = [], []
     for path in profiles:
         prof, sc = load_profile(path), scores(repredict(stored, models, path))
+        tasks = list(sc["tasks"])
         worst = max(t["slower"] for t in sc["tasks"].values())
         when = next((part for part in prof.source.split(", ") if "UTC" in part), prof.source)
         rows.append([path.name, when, f"{prof.ray_slowdown:.2f}",
                      f"{prof.pair_decode_slowdown:.2f} / {prof.pair_train_slowdown:.2f}",
                      f"{sc['mean_error'] * 100:.1f}%", f"{sc['max_error'] * 100:.1f}%", f"{sc['tau']:+.2f}",
                      " / ".join(f"{t['tau']:+.2f}" for t in sc["tasks"].values()), f"{worst * 100:+.1f}%"])
-    tasks = " / ".join(scores(repredict(stored, models, profiles[0]))["tasks"])
     return md_table(["profile", "measured", "Ray worker alone", "pair decode / train", "mean error", "max error",
-                     "tau (all)", f"tau ({tasks})", "choice vs best (worst task)"], rows)
+                     "tau (all)", f"tau ({' / '.join(tasks)})", "choice vs best (worst task)"], rows)
 
 
 def planned(task: str, pl, rank: int, inputs: dict, seconds: dict) -> dict:
@@ -328,9 +335,7 @@ def repredict(stored: Path, models: Path | None, profile_path: Path) -> list[dic
     out = []
     for task in dict.fromkeys(r["task"] for r in results):
         rs = [r for r in results if r["task"] == task]
-        seconds = predicted_seconds(task, models, profile_path, rs[0]["inputs"])
-        plans = sorted(plans_for(task, models, profile_path, rs[0]["inputs"]),
-                       key=lambda p: (not p.fits, seconds[p.label()]["iteration"], p.peak_bytes))
+        plans, seconds = ranked_plans(task, models, profile_path, rs[0]["inputs"])
         by_label = {pl.label(): (pl, i + 1) for i, pl in reversed(list(enumerate(plans)))}
         for r in rs:
             if r["label"] not in by_label:
@@ -338,7 +343,7 @@ def repredict(stored: Path, models: Path | None, profile_path: Path) -> list[dic
             pl, rank = by_label[r["label"]]
             new = planned(task, pl, rank, r["inputs"], seconds[r["label"]])
             dirs = [run_dir(task, pl, stored.parent, i) for i in range(len(r["runs"]))]
-            if dirs and all((d / "rl" / "metrics.jsonl").exists() for d in dirs):  # measured again from the runs' own logs
+            if dirs and all((d / "rl" / "metrics.jsonl").exists() for d in dirs):  # measured again from their logs
                 new["runs"] = [m | {"rss_mb": {str(w): v for w, v in m["rss_mb"].items()}}  # as stored: JSON keys
                                for m in map(measured, dirs)]
                 new["measured"] = median_of_runs(new["runs"])
@@ -405,8 +410,7 @@ def main() -> None:
     todo = []  # (task, plan, planner rank, inputs)
     seconds = {}
     for task in args.tasks:
-        inputs, chosen = predict_all(task, models, profile_path, work, args.iterations)
-        seconds[task] = predicted_seconds(task, models, profile_path, inputs)
+        inputs, chosen, seconds[task] = predict_all(task, models, profile_path, work, args.iterations)
         print(f"[plan bench] {task}: prompt tokens {inputs['prompt_tokens']:.1f} ({inputs['prompt_lengths']:.1f} "
               f"distinct lengths per iteration), response lengths {inputs['lengths']}",
               file=sys.stderr)

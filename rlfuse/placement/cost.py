@@ -380,6 +380,8 @@ def rollout_chunks(samples: float, busy_s: float, every: int, chunk_s: float) ->
     return max(math.ceil(samples / every), min(math.ceil(samples), math.ceil(busy_s / chunk_s)))
 
 
+DDP_BUCKET_BYTES = 32 * 2**20
+"""Gradient bucket of rlfuse's data-parallel training (ray_train.DataParallelGroup's DDP)."""
 DDP_FIRST_BUCKET_BYTES = 2**20
 """torch's DistributedDataParallel caps its first gradient bucket at 1 MiB (to start communicating early)."""
 

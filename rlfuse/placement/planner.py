@@ -39,8 +39,6 @@ TP_WEIGHT_SHARE = 0.5
 share of a device's memory into its weights, leaving the rest to the KV cache."""
 CHUNK_SECONDS = 0.05
 """Longest a Ray generation worker decodes before reporting back (ray_rollout.RolloutSettings.chunk_seconds)."""
-DDP_BUCKET_BYTES = 32 * 2**20
-"""Gradient bucket of data-parallel training (ray_train.DEFAULT_BUCKET_BYTES)."""
 STAGES = ("generate", "score", "rollout", "train", "sync", "migration", "overhead", "iteration")
 """Predicted seconds per iteration. rollout: generate and score as the strategy overlaps them (what the RL loop
 logs as time/rollout); iteration = sync + rollout + train + overhead (time/iteration)."""
@@ -409,7 +407,7 @@ def _train_seconds(prob: Problem, workers: int, micro: int, ckpt: bool, ray: boo
         total += cost.train_seconds(p, shape, rows, seq, wb, calls, ckpt, frozen)
         total += calls * p.train_micro_s
         total += cost.optimizer_seconds(p, params / (workers if prob.shard else 1), steps)
-        buckets = cost.ddp_buckets(params * train_b, DDP_BUCKET_BYTES)
+        buckets = cost.ddp_buckets(params * train_b, cost.DDP_BUCKET_BYTES)
         in_backward = replace(p, allreduce_bytes_s=p.ddp_allreduce_bytes_s or p.allreduce_bytes_s)
         total += cost.allreduce_seconds(in_backward, params * train_b / buckets, workers, steps * buckets)
         total += cost.allreduce_seconds(p, 4, workers, steps + 2)  # finite-loss check per step; the stats

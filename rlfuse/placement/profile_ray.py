@@ -56,8 +56,6 @@ def fake_samples(n: int, prompt: int = PROBE_PROMPT, response: int = PROBE_RESPO
 CHUNK_ROWS = 8
 PROBE_ROWS, TRAIN_CALLS = 4, 6
 """Rows of a probe training micro-batch, and micro-batches per timed unit (about as long as a decode chunk)."""
-DDP_BUCKET_BYTES = 32 * 2**20
-"""DDP's gradient bucket in training (ray_train.DEFAULT_BUCKET_BYTES; planner.DDP_BUCKET_BYTES)."""
 PAIR_ROUNDS = 9
 """Rounds of (one worker alone, both at once) per kind of work: the median over them, and their spread, are kept."""
 
@@ -105,7 +103,7 @@ class ProbeWorker:
         pin_threads(threads)
         self.shape, self.rank, self.world = shape, rank, world
         self.model = _build(shape, "cpu").train()
-        self._samples, self._runs = {}, {}
+        self._samples, self._runs, self._group = {}, {}, None
 
     def ready(self) -> bool:
         return True
@@ -175,8 +173,9 @@ class ProbeWorker:
 
         exp = fake_experience(rows, self.shape.vocab)
         adv, rl, idx = torch.randn(exp.mask.shape), RLConfig(), list(range(rows))
-        group = self._group = getattr(self, "_group", None) or DataParallelGroup(self.rank, self.world,
-                                                                                   torch.device("cpu"))
+        if self._group is None:  # one DDP wrapper of the model for every micro-batch kind
+            self._group = DataParallelGroup(self.rank, self.world, torch.device("cpu"))
+        group = self._group
         share = {"token": 1.0, "sequence": 1.0}
 
         def loss_of(i, sh):
@@ -333,7 +332,7 @@ def measure_ray_overheads(shape, threads: int = 1, log=print, steps: int = 16,
         if started:
             ray.shutdown()
     pair_decode, pair_train = (max(1.0, statistics.median(pairs[k])) for k in ("decode", "train"))
-    from rlfuse.placement.cost import ddp_buckets
+    from rlfuse.placement.cost import DDP_BUCKET_BYTES, ddp_buckets
 
     grads = 4.0 * shape.params  # fp32 gradients of the probe's model, in DDP's buckets
     buckets = ddp_buckets(grads, DDP_BUCKET_BYTES)

@@ -25,6 +25,7 @@ import torch
 from rlfuse.rollout.engine import DecodeEngine, Sample, SamplingParams
 from rlfuse.rollout.fusion import Experience, FusionPolicy, build_experience
 from rlfuse.rollout.migration import plan_migration
+from rlfuse.rollout.rewards import metrics_of_sums, take_reward_sums
 from rlfuse.rollout.score import ScoredSample, Scorer
 from rlfuse.rollout.state import EngineState
 from rlfuse.rollout.weights import weight_buckets
@@ -224,8 +225,7 @@ class GenerationWorker:
     def reward_sums(self) -> dict | None:
         """This worker's reward-function tallies since the last call (rewards.FunctionReward.take_sums), then
         reset; None where it does not score or scores with a reward model."""
-        fn = getattr(self.scorer, "reward_fn", None)
-        return fn.take_sums() if hasattr(fn, "take_sums") else None
+        return take_reward_sums(self.scorer.reward_fn) if self.scorer is not None else None
 
     def rss_mb(self) -> tuple[float, float]:
         """This worker process's resident memory now and its peak so far, in MiB (the report's per-worker memory;
@@ -372,8 +372,6 @@ class MultiWorkerRollout:
     def reward_metrics(self) -> dict[str, float]:
         """The scoring workers' reward-function means since the last call, pooled (rewards.metrics_of_sums)."""
         import ray
-
-        from rlfuse.rollout.rewards import metrics_of_sums
 
         return metrics_of_sums(ray.get([self.workers[w].reward_sums.remote() for w in self.scorers]))
 

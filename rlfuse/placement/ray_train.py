@@ -28,9 +28,10 @@ import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 
 from rlfuse.config import Config
+from rlfuse.placement.cost import DDP_BUCKET_BYTES
 from rlfuse.rollout.fusion import Experience
 
-DEFAULT_BUCKET_BYTES = 32 << 20
+DEFAULT_BUCKET_BYTES = DDP_BUCKET_BYTES  # the planner's cost model counts the same buckets
 """Gradient all-reduce and weight-sync buckets: large enough to amortise a collective's latency, small enough that
 one extra bucket of memory does not matter."""
 

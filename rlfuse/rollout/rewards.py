@@ -151,7 +151,12 @@ def reward_metrics(reward_fn) -> dict[str, float]:
     return reward_fn.metrics() if isinstance(reward_fn, FunctionReward) else {}
 
 
+def take_reward_sums(reward_fn) -> dict | None:
+    """The reward functions' raw tallies since the last call, then reset (FunctionReward.take_sums); None for a
+    reward model."""
+    return reward_fn.take_sums() if isinstance(reward_fn, FunctionReward) else None
+
+
 def reset_reward_metrics(reward_fn) -> None:
     """Forget the calls so far (an evaluation's are not an iteration's)."""
-    if isinstance(reward_fn, FunctionReward):
-        reward_fn.take_sums()
+    take_reward_sums(reward_fn)

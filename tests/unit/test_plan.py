@@ -444,8 +444,10 @@ def test_qlora_config_is_planned_as_it_runs():
 
 
 def test_planner_constants_match_the_runtime():
-    # the pure planner keeps its own copies of two runtime constants (it may not import torch): they must agree
-    from rlfuse.placement.planner import CHUNK_SECONDS, DDP_BUCKET_BYTES
+    # the pure planner keeps its own copy of the chunk time (it may not import torch) and the DDP bucket in cost.py,
+    # which the runtime imports: they must agree
+    from rlfuse.placement.cost import DDP_BUCKET_BYTES
+    from rlfuse.placement.planner import CHUNK_SECONDS
     from rlfuse.placement.ray_rollout import RolloutSettings
     from rlfuse.placement.ray_train import DEFAULT_BUCKET_BYTES
 
