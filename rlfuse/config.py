@@ -365,6 +365,11 @@ class PlacementConfig:
     groups: Optional[list] = None
     """strategy=custom: a list of groups, each {name, workers, roles: [actor, generator, reference, critic, reward],
     cpus_per_worker?, gpus_per_worker?}; every role of the run in one group, shared-weight roles together."""
+    pin_cores: Optional[bool] = None
+    """Keep each worker's threads on whole cores of its own (true), or leave them to the OS scheduler (false), which
+    moves busy workers between cores and makes them slow each other. null (auto): pinned when the run starts its own
+    local Ray (no other job's workers share the cores), not on a cluster at placement.address. Workers of a
+    fractional CPU share are never pinned."""
     memory_per_worker_gb: Optional[float] = None
     """GiB one worker may use, for the planner (strategy=auto, `rlfuse plan`) and the checker's memory check; default
     (planner only): a GPU's memory, or this machine's RAM divided among the workers."""

@@ -213,9 +213,6 @@ class MachineProfile:
     train_micro_s: float = 0.0
     """Seconds per training micro-batch beyond the model's forward + backward: collating it, the log-probs and loss
     and their stats, DDP's hooks on a data-parallel rank."""
-    ray_slowdown: float = 1.0
-    """How much slower one Ray worker computes (the others waiting) than the profile's own process alone (Ray's
-    threads in the worker): the planner slows every Ray worker's compute rates by it."""
     pair_decode_slowdown: float = 1.0
     """How much slower decoding runs while another worker computes at the same moment than on one worker alone
     (the cores' shared cache, memory bandwidth and Ray's threads): measured on two Ray workers, the slower one's

@@ -240,8 +240,6 @@ def _workers_with(spec: PlacementSpec, role: str) -> int:
 
 def predict(prob: Problem, spec: PlacementSpec, micro: int, ckpt: bool, migrate: float) -> Plan:
     """Seconds per stage and memory per group of one candidate."""
-    if spec.uses_ray:  # a Ray worker computes a little slower than the profile's process alone (profile_ray.py)
-        prob = _slowed(prob, prob.profile.ray_slowdown)
     w, p, m = prob.workload, prob.profile, prob.memory
     gen_w = _workers_with(spec, "generator")
     train_w = _workers_with(spec, "actor")

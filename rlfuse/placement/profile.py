@@ -87,11 +87,11 @@ def _with_overheads(profile: MachineProfile, path: Path, log) -> MachineProfile:
     from dataclasses import replace
 
     stored = json.loads(path.read_text())
-    if "ray_slowdown" in stored and "pair_train_slowdown" not in stored and profile.ray_slowdown > 1:
+    old = stored.get("ray_slowdown", 1.0)
+    if "pair_train_slowdown" not in stored and old > 1:
         # an older profile's ray_slowdown was two busy workers against the profile's process alone: as pair
-        # slowdowns it slows only the compute that overlaps (it would otherwise slow every Ray worker's)
-        profile = replace(profile, ray_slowdown=1.0, pair_decode_slowdown=profile.ray_slowdown,
-                          pair_train_slowdown=profile.ray_slowdown)
+        # slowdowns it slows only the compute that overlaps
+        profile = replace(profile, pair_decode_slowdown=old, pair_train_slowdown=old)
         if log:
             log(f"[plan] {path} measured compute on two busy workers as one figure, {profile.pair_train_slowdown:.2f}x "
                 f"(written by an older rlfuse): used where workers compute at once; `rlfuse plan --profile` "
@@ -304,10 +304,7 @@ def measure_profile(shape: ModelShape | None = None, threads: int = 1, device: s
     driver_s = _driver_seconds(shape.vocab)
     overheads = {}
     if ray and device == "cpu":
-        from rlfuse.placement.profile_ray import decode_chunk
-
-        decode_chunk(model, 16)  # warm-up; then timed in each round of the Ray probe, beside a Ray worker's
-        overheads = _ray_overheads(shape, threads, log, lambda: decode_chunk(model, 16))
+        overheads = _ray_overheads(shape, threads, log)
     memory = (torch.cuda.get_device_properties(0).total_memory if device == "cuda"
               else psutil.virtual_memory().total)
     name = torch.cuda.get_device_name(0) if device == "cuda" else f"{_cpu_name()}, {threads} thread(s) per worker"
@@ -356,13 +353,13 @@ def _driver_seconds(vocab: int, samples: int = 32) -> float:
     return _timed(lambda: (compute_advantages(exp, rl, 0.1), minibatches(len(exp), rl, 0, 0)), 9, lambda: None)
 
 
-def _ray_overheads(shape: ModelShape, threads: int, log, here) -> dict:
+def _ray_overheads(shape: ModelShape, threads: int, log) -> dict:
     """profile_ray.measure_ray_overheads, or {} (built-in values, said in one line) where Ray is missing or fails
     to start on this machine: the rest of the profile still holds."""
     try:
         from rlfuse.placement.profile_ray import measure_ray_overheads
 
-        return measure_ray_overheads(shape, threads, log, here=here)
+        return measure_ray_overheads(shape, threads, log)
     except ImportError:
         log("[profile] Ray is not installed: Ray overheads from the built-in profile")
     except Exception as e:  # noqa: BLE001  (Ray's start can fail many ways: ports, /dev/shm, a stale session)

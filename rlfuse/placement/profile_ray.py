@@ -11,9 +11,10 @@ What is timed, and which MachineProfile field it gives:
   micro-batches (forward + backward) on both workers at once against the same on one worker alone just before and
   on the other just after: the slower worker's time over the lone mean, the median over the rounds, is
   `pair_decode_slowdown` and `pair_train_slowdown` (their (max - min) / median over the rounds goes in
-  `pair_decode_spread` and `pair_train_spread`, to say how far to trust them); the lone worker's decode chunk over
-  the same chunk in the profile's own process, timed in the same round just before, is `ray_slowdown` (the median
-  over the rounds).
+  `pair_decode_spread` and `pair_train_spread`, to say how far to trust them). A Ray worker alone computes as fast
+  as a plain process: the plan bench's one-worker training (separated, interleaved) measured 0.97-1.16 s per
+  iteration against 0.86-1.52 s in one process, so no factor for it (one timed from decode chunks came out
+  1.00-1.44 from draw to draw and only added error).
 - collectives: the two workers join a gloo group as training ranks do (ray_train.join_training) and all-reduce a
   4-byte tensor (`allreduce_latency_s`, the median: a collective waits for the slower rank, as in a run) and a
   buffer of the model's gradient size (`allreduce_bytes_s`, ring bytes over the time beyond the latency).
@@ -266,45 +267,29 @@ def spread(xs: list[float]) -> float:
     return (max(xs) - min(xs)) / statistics.median(xs)
 
 
-def pair_slowdowns(workers: list, steps: int, here=None) -> dict:
+def pair_slowdowns(workers: list, steps: int) -> dict:
     """{kind: [ratio per round]} for kind in (decode, train): in each round, the work on both workers at once (the
     slower one's time: a flattened rollout or a data-parallel step waits for it) over the mean of the same work on
     one worker alone just before and on the other just after (so a load that rises or falls during the round, or one
-    slower worker, weighs on both sides alike); and {"ray_alone": [seconds per round], "here": [seconds per round]}:
-    the first lone decode chunk, and the same chunk timed by `here()` in this process just before it (both empty
-    without `here`; see ray_slowdown)."""
+    slower worker, weighs on both sides alike)."""
     import ray
 
-    out = {"decode": [], "train": [], "ray_alone": [], "here": []}
+    out = {"decode": [], "train": []}
     for kind in ("decode", "train"):  # warm-up: each worker's first call of each kind
         ray.get([w.compute.remote(kind, steps) for w in workers])
     for _ in range(PAIR_ROUNDS):
         for kind in ("decode", "train"):
-            in_process = here() if kind == "decode" and here else None
             before = ray.get(workers[0].compute.remote(kind, steps))
             pair = max(ray.get([w.compute.remote(kind, steps) for w in workers]))
             solo = (before + ray.get(workers[-1].compute.remote(kind, steps))) / 2
             out[kind].append(pair / solo)
-            if in_process:
-                out["ray_alone"].append(before)
-                out["here"].append(in_process)
     return out
 
 
-def ray_slowdown(pairs: dict) -> float:
-    """One Ray worker alone over the profile's own process on the same decode chunk: the fastest of each over the
-    rounds (as the profile's rates are fitted to fastest timings; a median of per-round ratios came out 1.23 once
-    and 1.00-1.02 in five other profiles the same hour), at least 1; 1.0 where the process's chunk was not timed."""
-    if not pairs["here"]:
-        return 1.0
-    return max(1.0, min(pairs["ray_alone"]) / min(pairs["here"]))
-
-
-def measure_ray_overheads(shape, threads: int = 1, log=print, steps: int = 16,
-                          here=None) -> dict:
+def measure_ray_overheads(shape, threads: int = 1, log=print, steps: int = 16) -> dict:
     """The Ray-side MachineProfile fields (module docstring), measured on 2 Ray workers of `threads` CPUs each, with
-    chunks of `steps` decode steps; here: a function timing such a chunk in the profile's process (decode_chunk on
-    its model; None: ray_slowdown is not measured, 1.0). Starts a local Ray when none is up (and shuts it down)."""
+    chunks of `steps` decode steps. Starts a local Ray when none is up (and shuts it down); then the two workers
+    keep to cores of their own, as a run's workers do when it starts its own Ray (placement.pin_cores)."""
     import ray
 
     from rlfuse.placement.ray_common import start_actors
@@ -315,10 +300,10 @@ def measure_ray_overheads(shape, threads: int = 1, log=print, steps: int = 16,
         ray.init(num_cpus=2 * threads, include_dashboard=False, log_to_driver=False)
     workers = []
     try:
-        workers = start_actors(ProbeWorker, 2, lambda i: (shape, i, 2, threads), threads)
+        workers = start_actors(ProbeWorker, 2, lambda i: (shape, i, 2, threads), threads, pin_cores=started)
         empty, _ = _chunk_pattern(workers, steps, 0)
         full, _ = _chunk_pattern(workers, steps, CHUNK_SAMPLES)
-        pairs = pair_slowdowns(workers, steps, here)
+        pairs = pair_slowdowns(workers, steps)
         host, port = ray.get(workers[0].rendezvous.remote())
         ray.get([w.join.remote(host, port) for w in workers])
         nbytes = max(4 * 2**20, 4 * shape.params)
@@ -343,14 +328,14 @@ def measure_ray_overheads(shape, threads: int = 1, log=print, steps: int = 16,
            # the gradients moved by DDP inside a backward, each bucket paying the latency; never faster than idle
            "ddp_allreduce_bytes_s": min(idle_rate, grads / max(in_backward - buckets * latency, 1e-9)),
            # measured with both ranks busy: stored as one worker alone pays it (the planner slows it again)
-           "train_micro_s": micro / pair_train, "ray_slowdown": ray_slowdown(pairs),
+           "train_micro_s": micro / pair_train,
            "pair_decode_slowdown": pair_decode, "pair_train_slowdown": pair_train,
            "pair_decode_spread": spread(pairs["decode"]), "pair_train_spread": spread(pairs["train"])}
     log(f"[profile] Ray, 2 workers: {time.perf_counter() - t_start:.1f} s; round trip {empty * 1e3:.2f} ms, "
         f"{out['ray_sample_s'] * 1e6:.0f} us per sample, all-reduce {latency * 1e3:.2f} ms + "
         f"{out['allreduce_bytes_s'] / 1e9:.2f} GB/s (in a backward {in_backward * 1e3:.2f} ms, "
         f"{out['ddp_allreduce_bytes_s'] / 1e9:.2f} GB/s), training micro-batch +{micro * 1e3:.2f} ms; "
-        f"one Ray worker alone {out['ray_slowdown']:.2f}x the profile's process; {pair_note(out, PAIR_ROUNDS)}")
+        f"{'workers pinned to a core each; ' if started else ''}{pair_note(out, PAIR_ROUNDS)}")
     return out
 
 

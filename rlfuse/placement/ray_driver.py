@@ -48,6 +48,13 @@ def start_ray(spec: PlacementSpec) -> bool:
     return True
 
 
+def core_list(cores: list[int]) -> str:
+    """[2, 3] -> "2-3", [0] -> "0", [0, 2] -> "0,2"."""
+    if cores and cores == list(range(cores[0], cores[-1] + 1)) and len(cores) > 1:
+        return f"{cores[0]}-{cores[-1]}"
+    return ",".join(map(str, cores))
+
+
 def cluster_resources(nodes: list[dict]) -> ClusterResources:
     """ClusterResources from `ray.nodes()` (alive nodes' CPU and GPU totals)."""
     alive = [n.get("Resources", {}) for n in nodes if n.get("Alive", True)]
@@ -213,13 +220,15 @@ def start_ray_placement(cfg, spec: PlacementSpec, run_dir, log=print, reward_row
         ray.get(workers.placement_group.ready(), timeout=120)
         pg = workers.placement_group
         models, settings = WorkerModels.from_config(cfg, run_dir), RolloutSettings.from_config(cfg, reward_rows)
+        pin = workers.started_ray if cfg.placement.pin_cores is None else cfg.placement.pin_cores
         t = time.perf_counter()
         for g in spec.groups:
             decodes, scores = "generator" in g.roles, any(r in g.roles for r in SCORING_ROLES)
             trains, first = "actor" in g.roles, len(workers.handles)
             group_ranks = list(spec.worker_ranks(g.name))
             workers.handles += start_role_workers(cfg, run_dir, g.workers, models.holding(decodes, scores), settings,
-                                                  g.cpus_per_worker, g.gpus_per_worker, pg, group_ranks[0], trains)
+                                                  g.cpus_per_worker, g.gpus_per_worker, pg, group_ranks[0], trains,
+                                                  pin)
             mine = list(range(first, len(workers.handles)))
             workers.ranks += group_ranks
             workers.groups += [g.name] * g.workers
@@ -231,8 +240,11 @@ def start_ray_placement(cfg, spec: PlacementSpec, run_dir, log=print, reward_row
         train = TrainGroup([workers.handles[i] for i in workers.trainers])
         join_training(train.workers)
         pids = ray.get([w.pid.remote() for w in workers.handles])
+        cores = ray.get([w.cores.remote() for w in workers.handles]) if pin else []
+        pinned = (f"; on cores {', '.join(f'{r}:{core_list(c)}' for r, c in zip(workers.ranks, cores))}"
+                  if cores else "")
         log(f"[placement] {len(workers.handles)} Ray worker(s) up in {time.perf_counter() - t:.1f}s (pids "
-            f"{', '.join(f'{r}:{p}' for r, p in zip(workers.ranks, pids))}); {len(train.workers)} train "
+            f"{', '.join(f'{r}:{p}' for r, p in zip(workers.ranks, pids))}){pinned}; {len(train.workers)} train "
             f"{'data-parallel' if cfg.rl.train_parallel == 'data' else 'as ' + cfg.rl.train_parallel + ' stages'}")
         driver = MultiWorkerRollout(workers.handles, settings, decoders=workers.decoders, scorers=workers.scorers)
         rollout = RayRollout(driver, workers, train, cfg.rollout.migrate_below > 0, models.critic is not None)

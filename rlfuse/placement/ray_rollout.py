@@ -222,6 +222,10 @@ class GenerationWorker:
     def pid(self) -> int:
         return os.getpid()
 
+    def cores(self) -> list[int]:
+        """The cores this worker's threads may run on (its own where placement.pin_cores pinned them)."""
+        return sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else []
+
     def reward_sums(self) -> dict | None:
         """This worker's reward-function tallies since the last call (rewards.FunctionReward.take_sums), then
         reset; None where it does not score or scores with a reward model."""

@@ -52,11 +52,13 @@ class RoleWorker(GenerationWorker, TrainWorker):
 
 
 def start_role_workers(cfg, run_dir, n: int, models: WorkerModels, settings: RolloutSettings, cpus_per_worker: float,
-                       gpus_per_worker: float, placement_group, first_bundle: int, trains: bool) -> list:
+                       gpus_per_worker: float, placement_group, first_bundle: int, trains: bool,
+                       pin_cores: bool = False) -> list:
     """n RoleWorker actors in bundles first_bundle.. of placement_group (ray_common.start_actors), ranks 0..n-1 of
-    training if `trains`; returns once their models are loaded."""
+    training if `trains`, each on its own cores if `pin_cores`; returns once their models are loaded."""
     from rlfuse.placement.ray_common import start_actors
 
     threads = max(1, int(cpus_per_worker))
     return start_actors(RoleWorker, n, lambda i: (cfg, str(run_dir), models, settings, threads, i if trains else None,
-                                                  n), cpus_per_worker, gpus_per_worker, placement_group, first_bundle)
+                                                  n), cpus_per_worker, gpus_per_worker, placement_group, first_bundle,
+                        pin_cores)

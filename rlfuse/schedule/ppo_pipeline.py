@@ -384,11 +384,11 @@ def free_port() -> int:
 
 
 def _init_then(rank: int, world: int, port: int, fn, args: tuple) -> None:
-    from rlfuse.placement.ray_common import pin_threads
+    from rlfuse.placement.ray_common import pin_threads, pin_to_cores
 
     pin_threads(1)  # one core per rank: the pipeline is the parallelism
-    if os.environ.get("RLFUSE_PIN_CORES") and len(os.sched_getaffinity(0)) >= world:
-        os.sched_setaffinity(0, {sorted(os.sched_getaffinity(0))[rank]})
+    if os.environ.get("RLFUSE_PIN_CORES"):
+        pin_to_cores(rank, 1)
     dist.init_process_group("gloo", rank=rank, world_size=world, init_method=f"tcp://127.0.0.1:{port}")
     try:
         fn(rank, *args)

@@ -50,6 +50,9 @@ def test_killed_worker_stops_the_run_and_resume_finishes_it(tiny_task, tmp_path,
     while time.time() < deadline and (not metrics.exists() or not metrics.read_text().strip()):
         time.sleep(0.05)
     pids = dict(re.findall(r"(\d+):(\d+)", re.search(r"pids ([\d:, ]+)\)", (tmp_path / "stderr.txt").read_text())[1]))
+    if len(os.sched_getaffinity(0)) >= 2:  # a run that starts its own Ray keeps each worker on a core of its own
+        first, second = sorted(os.sched_getaffinity(0))[:2]
+        assert f"on cores 0:{first}, 1:{second};" in (tmp_path / "stderr.txt").read_text()
     os.kill(int(pids["1"]), signal.SIGKILL)
     assert proc.wait(timeout=120) == 2
     message = (tmp_path / "stderr.txt").read_text().strip().splitlines()[-1]

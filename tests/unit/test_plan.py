@@ -298,16 +298,6 @@ def test_ray_round_trips_per_rollout_chunk_sync_and_update(default_problem):
     assert driver.seconds["iteration"] - s["iteration"] == pytest.approx(0.005)
 
 
-def test_ray_slowdown_slows_ray_placements_only(default_problem):
-    quiet = dict(ray_round_trip_s=0.0, ray_sample_s=0.0)
-    flat = plan(_flat2(default_problem, ray_slowdown=1.0, **quiet))[0]
-    slow = plan(_flat2(default_problem, ray_slowdown=2.0, **quiet))[0]
-    assert slow.seconds["generate"] == pytest.approx(2 * flat.seconds["generate"])  # every decode term is compute
-    single = replace(_flat2(default_problem, ray_slowdown=1.0), workers=1)
-    single_slow = replace(_flat2(default_problem, ray_slowdown=2.0), workers=1)
-    assert plan(single)[0].seconds == plan(single_slow)[0].seconds  # one process: no Ray
-
-
 def test_overlap_slowdown_by_hand():
     assert cost.overlap_slowdown(1.5, 1.0) == pytest.approx(1.5)  # every second overlaps: the whole pair slowdown
     assert cost.overlap_slowdown(1.5, 0.4) == pytest.approx(1.2)  # 1 + 0.5 x 0.4

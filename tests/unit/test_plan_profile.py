@@ -87,7 +87,7 @@ def test_an_older_single_ray_slowdown_becomes_the_pair_slowdowns(tmp_path):
     path.write_text(json.dumps(old | {"ray_slowdown": 1.7}))  # two busy workers over one process, as one figure
     said = []
     p = load_profile(path, log=said.append)
-    assert (p.ray_slowdown, p.pair_decode_slowdown, p.pair_train_slowdown) == (1.0, 1.7, 1.7)
+    assert (p.pair_decode_slowdown, p.pair_train_slowdown) == (1.7, 1.7)
     assert "1.70x" in said[0] and "rlfuse plan --profile" in said[0]
 
 
@@ -128,3 +128,33 @@ def test_a_near_flat_fit_is_capped_by_a_bare_matmul(monkeypatch):
     monkeypatch.setattr(profile, "_fit", lambda times: (1e-3, 1e-12))
     p = measure_profile(gpt2_shape("tiny", 2, 64, 2, 256, 128), threads=1, device="cpu", log=lambda m: None, ray=False)
     assert 1e8 < p.flops < 1e13 and p.decode_flops <= p.flops
+
+
+def test_core_offsets_give_each_worker_its_own_whole_cores():
+    from rlfuse.placement.ray_common import core_offsets
+
+    assert core_offsets([1, 1], [None, None]) == [0, 1]
+    assert core_offsets([2, 1, 2], ["a", "a", "b"]) == [0, 2, 0]  # counted per node
+    assert core_offsets([0.5, 1, 1.5, 1], ["a"] * 4) == [None, 0, None, 1]  # a fractional share floats
+
+
+def test_pin_to_cores_pins_every_thread_of_the_process():
+    import os
+    import subprocess
+    import sys
+
+    if not hasattr(os, "sched_setaffinity") or len(os.sched_getaffinity(0)) < 2:
+        pytest.skip("needs Linux and 2 cores")
+    want = sorted(os.sched_getaffinity(0))[1]
+    code = ("import os, threading, time; from rlfuse.placement.ray_common import pin_to_cores\n"
+            "t = threading.Thread(target=time.sleep, args=(2,)); t.start()\n"  # a thread started before pinning
+            "print(pin_to_cores(1, 1), sorted({min(os.sched_getaffinity(int(x))) for x in os.listdir('/proc/self/task')}),"
+            " pin_to_cores(5000, 1))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.split()
+    assert out == [f"[{want}]", f"[{want}]", "[]"]  # every thread on the second core; too few cores: left as is
+
+
+def test_core_list():
+    from rlfuse.placement.ray_driver import core_list
+
+    assert (core_list([0]), core_list([2, 3, 4]), core_list([0, 2])) == ("0", "2-4", "0,2")
