@@ -251,9 +251,10 @@ def told_apart(results: list[dict]) -> tuple[int, int, int]:
     for i, a in enumerate(results):
         for b in results[i + 1:]:
             ra, rb = a["measured"]["iterations"], b["measured"]["iterations"]
-            if max(ra) < min(rb) or max(rb) < min(ra):
+            pa, pb = a["predicted"]["iteration"], b["predicted"]["iteration"]
+            if (max(ra) < min(rb) or max(rb) < min(ra)) and pa != pb:  # a tie predicts no order: left out
                 sure += 1
-                right += (min(ra) < min(rb)) == (a["predicted"]["iteration"] < b["predicted"]["iteration"])
+                right += (min(ra) < min(rb)) == (pa < pb)
     n = len(results)
     return sure, right, n * (n - 1) // 2
 

@@ -109,6 +109,11 @@ class ProbeWorker:
     def ready(self) -> bool:
         return True
 
+    def cores(self) -> list[int]:
+        from rlfuse.placement import ray_common
+
+        return ray_common.PINNED
+
     def chunk(self, steps: int, samples: int) -> tuple[float, list]:
         """The rollout engine decoding CHUNK_ROWS rows for `steps` tokens (decode_chunk), then a reply with `samples`
         finished samples. -> (seconds computed, samples)."""
@@ -310,6 +315,7 @@ def measure_ray_overheads(shape, threads: int = 1, log=print, steps: int = 16) -
         latency, t_big = ray.get([w.collectives.remote(nbytes) for w in workers])[0]
         micro = statistics.mean(ray.get([w.micro_batch_overhead.remote() for w in workers]))
         in_backward = statistics.median(ray.get([w.ddp_sync_seconds.remote() for w in workers]))
+        cores = ray.get([w.cores.remote() for w in workers])
         ray.get([w.shutdown.remote() for w in workers])
     finally:
         for w in workers:
@@ -335,8 +341,15 @@ def measure_ray_overheads(shape, threads: int = 1, log=print, steps: int = 16) -
         f"{out['ray_sample_s'] * 1e6:.0f} us per sample, all-reduce {latency * 1e3:.2f} ms + "
         f"{out['allreduce_bytes_s'] / 1e9:.2f} GB/s (in a backward {in_backward * 1e3:.2f} ms, "
         f"{out['ddp_allreduce_bytes_s'] / 1e9:.2f} GB/s), training micro-batch +{micro * 1e3:.2f} ms; "
-        f"{'workers pinned to a core each; ' if started else ''}{pair_note(out, PAIR_ROUNDS)}")
+        f"{pinned_note(cores)}; {pair_note(out, PAIR_ROUNDS)}")
     return out
+
+
+def pinned_note(cores: list[list[int]]) -> str:
+    """Where the probe's workers ran: on cores of their own (as a run on a local Ray pins its workers) or not."""
+    if all(cores):
+        return "workers on cores " + " and ".join(",".join(map(str, c)) for c in cores)
+    return "workers not pinned to cores"
 
 
 def pair_note(out: dict, rounds) -> str:

@@ -12,6 +12,8 @@ from typing import Callable
 
 CORE_OFFSET_ENV = "RLFUSE_CORE_OFFSET"
 """Set on a worker whose threads are pinned to cores: where its cores start among its node's (pin_threads)."""
+PINNED: list[int] = []
+"""The cores this process's threads were pinned to by pin_threads ([]: not pinned, the OS places them)."""
 
 
 def start_actors(cls, n: int, args_of: Callable[[int], tuple], cpus_per_worker: float = 1, gpus_per_worker: float = 0,
@@ -63,8 +65,9 @@ def pin_threads(threads: int) -> None:
         torch.set_num_interop_threads(threads)
     except RuntimeError:
         pass
+    global PINNED
     if os.environ.get(CORE_OFFSET_ENV):  # once: a worker's constructors may call this again
-        pin_to_cores(int(os.environ.pop(CORE_OFFSET_ENV)), threads)
+        PINNED = pin_to_cores(int(os.environ.pop(CORE_OFFSET_ENV)), threads)
 
 
 def core_offsets(cpus: list[float], nodes: list) -> list[int | None]:

@@ -48,8 +48,14 @@ def start_ray(spec: PlacementSpec) -> bool:
     return True
 
 
+def pins_cores(setting: bool | None, started_ray: bool, address: str | None) -> bool:
+    """placement.pin_cores resolved: as set, or (null) only on a local Ray this run started itself, where no other
+    job's workers share the cores (on a cluster they may: each worker would take cores 0.. of its node)."""
+    return setting if setting is not None else started_ray and not address
+
+
 def core_list(cores: list[int]) -> str:
-    """[2, 3] -> "2-3", [0] -> "0", [0, 2] -> "0,2"."""
+    """[2, 3] -> "2-3", [0] -> "0", [0, 2] -> "0,2", [] (not pinned) -> ""."""
     if cores and cores == list(range(cores[0], cores[-1] + 1)) and len(cores) > 1:
         return f"{cores[0]}-{cores[-1]}"
     return ",".join(map(str, cores))
@@ -220,7 +226,7 @@ def start_ray_placement(cfg, spec: PlacementSpec, run_dir, log=print, reward_row
         ray.get(workers.placement_group.ready(), timeout=120)
         pg = workers.placement_group
         models, settings = WorkerModels.from_config(cfg, run_dir), RolloutSettings.from_config(cfg, reward_rows)
-        pin = workers.started_ray if cfg.placement.pin_cores is None else cfg.placement.pin_cores
+        pin = pins_cores(cfg.placement.pin_cores, workers.started_ray, spec.address)
         t = time.perf_counter()
         for g in spec.groups:
             decodes, scores = "generator" in g.roles, any(r in g.roles for r in SCORING_ROLES)
@@ -241,8 +247,8 @@ def start_ray_placement(cfg, spec: PlacementSpec, run_dir, log=print, reward_row
         join_training(train.workers)
         pids = ray.get([w.pid.remote() for w in workers.handles])
         cores = ray.get([w.cores.remote() for w in workers.handles]) if pin else []
-        pinned = (f"; on cores {', '.join(f'{r}:{core_list(c)}' for r, c in zip(workers.ranks, cores))}"
-                  if cores else "")
+        where = ", ".join(f"{r}:{core_list(c) or 'not pinned'}" for r, c in zip(workers.ranks, cores))
+        pinned = f"; on cores {where}" if cores else ""
         log(f"[placement] {len(workers.handles)} Ray worker(s) up in {time.perf_counter() - t:.1f}s (pids "
             f"{', '.join(f'{r}:{p}' for r, p in zip(workers.ranks, pids))}){pinned}; {len(train.workers)} train "
             f"{'data-parallel' if cfg.rl.train_parallel == 'data' else 'as ' + cfg.rl.train_parallel + ' stages'}")

@@ -173,7 +173,9 @@ class GenerationWorker:
     A chunk that ends on a count rather than on decode steps needs no change to the engine."""
 
     def __init__(self, models: WorkerModels, settings: RolloutSettings, threads: int = 1):
-        torch.set_num_threads(threads)
+        from rlfuse.placement.ray_common import pin_threads
+
+        pin_threads(threads)
         self._setup(*build_worker_roles(models, settings), settings)
 
     def _setup(self, engine: DecodeEngine | None, scorer: Scorer | None, settings: RolloutSettings) -> None:
@@ -223,8 +225,10 @@ class GenerationWorker:
         return os.getpid()
 
     def cores(self) -> list[int]:
-        """The cores this worker's threads may run on (its own where placement.pin_cores pinned them)."""
-        return sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else []
+        """The cores placement.pin_cores pinned this worker's threads to ([]: not pinned)."""
+        from rlfuse.placement import ray_common
+
+        return ray_common.PINNED
 
     def reward_sums(self) -> dict | None:
         """This worker's reward-function tallies since the last call (rewards.FunctionReward.take_sums), then

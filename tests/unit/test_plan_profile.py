@@ -1,5 +1,7 @@
 """`rlfuse plan --profile` measures rates that the cost model can use, and the file round-trips."""
 
+from pathlib import Path
+
 import pytest
 
 from rlfuse.placement.cost import MachineProfile, gpt2_shape
@@ -150,11 +152,17 @@ def test_pin_to_cores_pins_every_thread_of_the_process():
             "t = threading.Thread(target=time.sleep, args=(2,)); t.start()\n"  # a thread started before pinning
             "print(pin_to_cores(1, 1), sorted({min(os.sched_getaffinity(int(x))) for x in os.listdir('/proc/self/task')}),"
             " pin_to_cores(5000, 1))")
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.split()
+    root = Path(__file__).resolve().parents[2]
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
+                         cwd=root).stdout.split()
     assert out == [f"[{want}]", f"[{want}]", "[]"]  # every thread on the second core; too few cores: left as is
 
 
-def test_core_list():
-    from rlfuse.placement.ray_driver import core_list
+def test_core_list_and_when_auto_pins():
+    from rlfuse.placement.ray_driver import core_list, pins_cores
 
-    assert (core_list([0]), core_list([2, 3, 4]), core_list([0, 2])) == ("0", "2-4", "0,2")
+    assert (core_list([0]), core_list([2, 3, 4]), core_list([0, 2]), core_list([])) == ("0", "2-4", "0,2", "")
+    assert pins_cores(None, True, None)  # auto: a local Ray this run started
+    assert not pins_cores(None, True, "ray://head:10001")  # a cluster: other jobs' workers may hold the cores
+    assert not pins_cores(None, False, None)  # a Ray someone else started (a notebook, a test)
+    assert pins_cores(True, False, "auto") and not pins_cores(False, True, None)  # as set
