@@ -155,10 +155,6 @@ class Compiled:
         self.model = [t.model for t in self.tasks]
         self.deps = [[(self.index[d], self.device[self.index[d]] != self.device[i]) for d in dependencies(prob, t)]
                      for i, t in enumerate(self.tasks)]
-        self.succ_devices: list[set[int]] = [set() for _ in self.tasks]
-        for i, deps in enumerate(self.deps):
-            for j, _ in deps:
-                self.succ_devices[j].add(self.device[i])
         self.queues: list[list[list[int]]] = [[] for _ in range(prob.devices)]
         for mi, pm in enumerate(prob.models):
             for r in range(pm.replicas):
