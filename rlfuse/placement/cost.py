@@ -224,6 +224,9 @@ class MachineProfile:
     model; on a shared machine a wide spread says the figure is not to be trusted)."""
     pair_train_spread: float = 0.0
     """The same for pair_train_slowdown."""
+    other_cores: float = 0.0
+    """Cores that other work kept busy while the profile timed the rates in its own process (profile.other_cores):
+    above profile.BUSY_CORES they are a busy machine's, and planning from them says so."""
     memory_bytes: float = 0.0
     """Memory of one worker: device memory on GPU, the RAM share on CPU (0: unknown)."""
     runtime_bytes: float = 0.0

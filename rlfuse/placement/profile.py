@@ -51,8 +51,29 @@ BUILTIN_CPU = MachineProfile(
 
 PASSES = 3
 """Times the profile takes every timing in its own process; the rates are fitted to each timing's fastest."""
-NOISY_SPREAD = 0.25
-"""A pair slowdown whose rounds spread wider than this (profile_ray.pair_slowdowns) is called noisy."""
+BUSY_CORES = 0.3
+"""Cores that other processes (or the hypervisor's other guests: steal time) may keep busy while the profile times
+its rates before its rates are called a busy machine's. This VM idle: 0.00-0.01; one other busy process: 1.0;
+two: 1.4 (the profile's own process holds the rest of the 2 cores). (The
+spread of the pair slowdowns over their rounds said nothing of it: 0.2-1.3 idle, and one busy process next to the
+probe doubled the slowdowns while their spread stayed at 0.1-0.7.)"""
+
+
+def cpu_sample() -> tuple[float, float, float]:
+    """(seconds every core of the machine spent busy, seconds this process spent on a core, wall seconds), now: two
+    samples give the cores other work kept busy between them (other_cores)."""
+    import psutil
+
+    s, own = psutil.cpu_times(), psutil.Process().cpu_times()
+    # guest time is counted in user time already; steal is time the hypervisor gave to other guests
+    not_busy = s.idle + sum(getattr(s, k, 0.0) for k in ("iowait", "guest", "guest_nice"))
+    return sum(s) - not_busy, own.user + own.system, time.perf_counter()
+
+
+def other_cores(before: tuple[float, float, float], after: tuple[float, float, float]) -> float:
+    """Cores that work other than this process kept busy on average between two cpu_sample()s."""
+    busy, own, wall = (b - a for a, b in zip(before, after))
+    return max(0.0, (busy - own) / max(wall, 1e-9))
 
 
 def default_profile_path() -> Path:
@@ -64,11 +85,10 @@ def load_profile(path: str | Path | None = None, log=None) -> MachineProfile:
     p = Path(path) if path else default_profile_path()
     if p.is_file():
         profile = _with_overheads(MachineProfile.load(p), p, log)
-        if log and max(profile.pair_decode_spread, profile.pair_train_spread) > NOISY_SPREAD:
-            log(f"[plan] {p} was measured on a busy machine: workers computing at once came out decode "
-                f"{profile.pair_decode_slowdown:.2f}x, train {profile.pair_train_slowdown:.2f}x, spread "
-                f"{max(profile.pair_decode_spread, profile.pair_train_spread) * 100:.0f}% over its rounds; the "
-                f"predicted times are rough: `rlfuse plan --profile` again on a quieter machine")
+        if log and profile.other_cores > BUSY_CORES:
+            log(f"[plan] {p} was measured on a busy machine: other work kept {profile.other_cores:.1f} cores busy "
+                f"while it timed the rates; the predicted times are rough: `rlfuse plan --profile` again on a "
+                f"quieter machine")
         return profile
     if path:
         from rlfuse.errors import UserError
@@ -294,7 +314,9 @@ def measure_profile(shape: ModelShape | None = None, threads: int = 1, device: s
 
     from rlfuse.placement.profile_ray import spread
 
+    before = cpu_sample()
     passes = [one_pass() for _ in range(PASSES)]
+    others = other_cores(before, cpu_sample())
     rates = dict(passes[-1])
     contention = statistics.median(r["contention"] for r in passes)
     del rates["contention"]
@@ -309,11 +331,13 @@ def measure_profile(shape: ModelShape | None = None, threads: int = 1, device: s
               else psutil.virtual_memory().total)
     name = torch.cuda.get_device_name(0) if device == "cuda" else f"{_cpu_name()}, {threads} thread(s) per worker"
     elapsed = time.perf_counter() - t_start
-    log(f"[profile] {name}: {elapsed:.1f} s on {shape.name} ({n_params / 1e6:.2f} M parameters)")
+    busy = (f"; BUSY: other work kept {others:.1f} cores busy while the rates were timed: profile again on a quieter "
+            f"machine" if others > BUSY_CORES else f"; other work on the cores: {others:.2f} of them")
+    log(f"[profile] {name}: {elapsed:.1f} s on {shape.name} ({n_params / 1e6:.2f} M parameters){busy}")
     return MachineProfile(
         name=name, device=device, threads=threads, **rates, sync_latency_s=SYNC_LATENCY_S, ray_call_s=driver_s,
         **((BUILTIN_OVERHEADS if device == "cpu" else GPU_OVERHEADS) | overheads),
-        memory_bytes=float(memory), runtime_bytes=float(runtime), slack_fraction=0.1,
+        memory_bytes=float(memory), runtime_bytes=float(runtime), slack_fraction=0.1, other_cores=others,
         source=f"rlfuse plan --profile, {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}, {shape.name}, "
                f"load average {os.getloadavg()[0]:.1f}, contention {contention:.2f} (rates divided by it), each "
                f"rate fitted to the fastest of {PASSES} passes' timings (moved most over the passes: {widest}, "

@@ -353,12 +353,9 @@ def pinned_note(cores: list[list[int]]) -> str:
 
 
 def pair_note(out: dict, rounds) -> str:
-    """One clause saying how much slower both workers compute at once than one alone, and how noisy that was."""
+    """One clause saying how much slower both workers compute at once than one alone, and how far its rounds
+    spread."""
     spread_of = lambda kind: (f"spread {out[f'pair_{kind}_spread'] * 100:.0f}%" if out[f"pair_{kind}_spread"]
                               else "spread not measured")  # a profile from before the rounds
     parts = [f"{kind} {out[f'pair_{kind}_slowdown']:.2f}x ({spread_of(kind)})" for kind in ("decode", "train")]
-    from rlfuse.placement.profile import NOISY_SPREAD
-
-    noisy = max(out["pair_decode_spread"], out["pair_train_spread"]) > NOISY_SPREAD
-    return (f"both workers computing at once against one alone, median of {rounds} rounds: {', '.join(parts)}"
-            + ("; NOISY (other work on the cores): profile again on a quieter machine" if noisy else ""))
+    return f"both workers computing at once against one alone, median of {rounds} rounds: {', '.join(parts)}"
