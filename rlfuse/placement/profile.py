@@ -53,10 +53,10 @@ PASSES = 3
 """Times the profile takes every timing in its own process; the rates are fitted to each timing's fastest."""
 BUSY_CORES = 0.3
 """Cores that other processes (or the hypervisor's other guests: steal time) may keep busy while the profile times
-its rates before its rates are called a busy machine's. This VM idle: 0.00-0.01; one other busy process: 1.0;
-two: 1.4 (the profile's own process holds the rest of the 2 cores). (The
-spread of the pair slowdowns over their rounds said nothing of it: 0.2-1.3 idle, and one busy process next to the
-probe doubled the slowdowns while their spread stayed at 0.1-0.7.)"""
+its rates before its rates are called a busy machine's. This VM idle: 0.00-0.01; one other busy process: 1.0; two:
+1.4 (the profile's own process holds the rest of the 2 cores). The spread of the pair slowdowns over their rounds
+said nothing of it: 0.2-1.3 idle, and one busy process next to the probe doubled the slowdowns while their spread
+stayed at 0.1-0.7."""
 
 
 def cpu_sample() -> tuple[float, float, float]:

@@ -207,15 +207,7 @@ class ProbeWorker:
         def bare():
             self.model(input_ids=ids).logits.float().log_softmax(-1)[..., 0].mean().backward()
 
-        real(), bare()  # warm-up (DDP's first forward builds its buckets)
-        diffs = []
-        for _ in range(repeats):  # in pairs, so both see the same load; the median difference
-            t0 = time.perf_counter()
-            real()
-            t1 = time.perf_counter()
-            bare()
-            diffs.append((t1 - t0) - (time.perf_counter() - t1))
-        return max(0.0, statistics.median(diffs))
+        return extra_seconds(real, bare, repeats)
 
     def ddp_sync_seconds(self, rows: int = 4, repeats: int = 15) -> float:
         """Seconds a data-parallel step's last micro-batch takes beyond the same micro-batch without the gradient
@@ -223,21 +215,27 @@ class ProbeWorker:
         same (call it on every rank at once), as each optimiser step of a run pays it. The median over `repeats`
         pairs."""
         run = self._micro_batch(rows)
-        run(True), run(False)  # warm-up
-        diffs = []
-        for _ in range(repeats):
-            t0 = time.perf_counter()
-            run(True)
-            t1 = time.perf_counter()
-            run(False)
-            diffs.append((t1 - t0) - (time.perf_counter() - t1))
-        return max(0.0, statistics.median(diffs))
+        return extra_seconds(lambda: run(True), lambda: run(False), repeats)
 
     def shutdown(self) -> None:
         import torch.distributed as dist
 
         if dist.is_initialized():
             dist.destroy_process_group()
+
+
+def extra_seconds(with_it, without, repeats: int) -> float:
+    """Median seconds `with_it()` takes beyond `without()`, at least 0: after one warm-up call of each (DDP's first
+    forward builds its buckets), timed in `repeats` back-to-back pairs, so both sides of a pair see the same load."""
+    with_it(), without()
+    diffs = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        with_it()
+        t1 = time.perf_counter()
+        without()
+        diffs.append((t1 - t0) - (time.perf_counter() - t1))
+    return max(0.0, statistics.median(diffs))
 
 
 def _chunk_pattern(workers: list, steps: int, samples: int) -> tuple[float, float]:

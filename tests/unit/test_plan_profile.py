@@ -173,3 +173,16 @@ def test_core_list_and_when_auto_pins():
     assert not pins_cores(None, True, "ray://head:10001")  # a cluster: other jobs' workers may hold the cores
     assert not pins_cores(None, False, None)  # a Ray someone else started (a notebook, a test)
     assert pins_cores(True, False, "auto") and not pins_cores(False, True, None)  # as set
+
+
+def test_extra_seconds_is_the_median_paired_difference():
+    import time
+
+    from rlfuse.placement.profile_ray import extra_seconds
+
+    calls = []
+    slow = lambda: (calls.append("slow"), time.sleep(0.004))
+    fast = lambda: calls.append("fast")
+    assert 0.003 < extra_seconds(slow, fast, 5) < 0.05
+    assert calls == ["slow", "fast"] * 6  # a warm-up pair, then 5 back-to-back pairs
+    assert extra_seconds(fast, slow, 3) == 0.0  # never below 0
