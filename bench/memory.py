@@ -30,7 +30,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from bench.common import WORK, machine, md_table, peak_rss_mb, reset_peak_rss, rss_mb, run_child, warm_up, write_section  # noqa: E402
-from rlfuse.placement.memory import COMPONENTS  # noqa: E402
+from rlfuse.plan.memory import COMPONENTS  # noqa: E402
 
 ARMS = {
     "a": ("separate full-precision models", ["model.shared_base=false", "rl.optimizer=adamw",

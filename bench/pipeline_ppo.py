@@ -24,9 +24,9 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from bench.common import ROOT, WORK, machine, md_table, write_section  # noqa: E402
-from rlfuse.schedule.chart import gantt, simulated_spans  # noqa: E402
+from rlfuse.metrics.schedule_chart import gantt, simulated_spans  # noqa: E402
 from rlfuse.schedule.model import Problem, PipeModel, simulate  # noqa: E402
-from rlfuse.schedule.ppo_pipeline import build_pipeline, schedule_summary, spawn, task_times  # noqa: E402
+from rlfuse.runtime.pipeline import build_pipeline, schedule_summary, spawn, task_times  # noqa: E402
 
 P = 2
 DEFAULT_SFT = Path("/work/main/bench/.work/sft_run/sft/model")
@@ -46,10 +46,13 @@ def rollout(cfg, work: Path):
     from rlfuse.data.prompts import encode_prompts
     from rlfuse.data.stages import rl_prompt_rows
     from rlfuse.evaluation import sampling_params
-    from rlfuse.models.build import build_models, decode_engine
-    from rlfuse.placement.rollout import LocalRollout, local_scorer
+    from rlfuse.models.build import build_models
+    from rlfuse.runtime.local import decode_engine
+    from rlfuse.runtime.local import LocalRollout, local_scorer
     from rlfuse.rollout.fusion import FusionPolicy
-    from rlfuse.trainers.rl import compute_advantages, minibatches, prompt_batch
+    from rlfuse.learn.advantages import compute_advantages
+    from rlfuse.learn.batches import minibatches
+    from rlfuse.data.curriculum import prompt_batch
     from rlfuse.trainers.sft import resolve_base_model
 
     rl, seed = cfg.rl, cfg.run.seed
@@ -71,11 +74,12 @@ def bench_rank(rank, cfg, mode, exp, adv, returns, batches, counts, repeats, out
     import torch
     import torch.distributed as dist
 
+    from rlfuse.learn.update import BadSteps
     from rlfuse.models.build import build_models
 
     models = build_models(cfg, Path(out), torch.device("cpu"))
     pipe = build_pipeline(models.actor, models.critic, cfg.rl, mode, models.tokenizer.pad_token_id)
-    bad = {"skipped": 0, "consecutive": 0}
+    bad = BadSteps()
     pipe.update(exp, adv, returns, cfg.rl.kl_coef, batches, bad)
     pipe.adopt_measured_costs()  # the warm-up's task times: what the fused search plans with from here
     for n in sorted(set(counts)):  # the fused search, once per micro-batch count, before the clock starts
@@ -121,7 +125,7 @@ def main() -> None:
     t_start = time.time()
     import torch
 
-    from rlfuse.trainers.rl import micro_batch_indices
+    from rlfuse.learn.batches import micro_batch_indices
 
     out = WORK / "pipeline_ppo"
     out.mkdir(parents=True, exist_ok=True)

@@ -47,7 +47,7 @@ def reward_folder(sft: Path) -> Path:
 
 def setup(args):
     from rlfuse.models.load import load_tokenizer
-    from rlfuse.placement.ray_rollout import RolloutSettings, WorkerModels
+    from rlfuse.runtime.ray_rollout import RolloutSettings, WorkerModels
     from rlfuse.rollout.engine import SamplingParams
     from rlfuse.rollout.fusion import LengthTable
 
@@ -72,7 +72,7 @@ def summary(exp, wall: float) -> dict:
 def child_single(args) -> None:
     import torch
 
-    from rlfuse.placement.ray_rollout import build_worker_roles
+    from rlfuse.runtime.ray_rollout import build_worker_roles
     from rlfuse.rollout.fusion import FusionPolicy, generate_rollouts
 
     torch.set_num_threads(args.workers)
@@ -90,7 +90,7 @@ def child_single(args) -> None:
 def child_workers(args) -> None:
     import ray
 
-    from rlfuse.placement.ray_rollout import MultiWorkerRollout, start_generation_workers
+    from rlfuse.runtime.ray_rollout import MultiWorkerRollout, start_generation_workers
 
     models, settings, prompts, lengths, params = setup(args)
     ray.init(num_cpus=args.workers, include_dashboard=False, log_to_driver=False)

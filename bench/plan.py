@@ -153,8 +153,8 @@ def plans_for(task: str, models: Path, profile_path: Path, inputs: dict) -> list
     """Every plan for 2 workers on `task`, ranked, from the profile and the measured inputs (lengths, prompt tokens,
     distinct prompt lengths): no model runs, so a stored run can be predicted again in a second."""
     from rlfuse.config import load_config
-    from rlfuse.placement.planner import plan, problem_from_config
-    from rlfuse.placement.profile import load_profile
+    from rlfuse.plan.planner import plan, problem_from_config
+    from rlfuse.plan.profiles import load_profile
 
     cfg = load_config(None, common_overrides(models, task, 3))
     inputs = {k: v for k, v in inputs.items() if k != "iteration_lengths"}
@@ -190,8 +190,8 @@ def ranked_plans(task: str, models: Path, profile_path: Path, inputs: dict) -> t
 def predict_all(task: str, models: Path, profile_path: Path, work: Path,
                 iterations: int) -> tuple[dict, list, dict]:
     from rlfuse.config import load_config
-    from rlfuse.placement.planner import measured_lengths
-    from rlfuse.placement.spec import dp_micro_size
+    from rlfuse.metrics.tracker import measured_lengths
+    from rlfuse.plan.spec import dp_micro_size
 
     # the calibration runs as many iterations as the plans do: its lengths are the measured window's
     calib = work / f"calibrate_{task}"
@@ -317,7 +317,7 @@ def report(results: list[dict], profile_desc: str, header: str) -> str:
 def across_profiles(stored: Path, models: Path | None, profiles: list[Path]) -> str:
     """The same measured runs predicted from each of several profiles of the machine: how much of the error is the
     profile's (each is a ~40 s measurement on a machine whose timings jitter), as a table of the target figures."""
-    from rlfuse.placement.profile import load_profile
+    from rlfuse.plan.profiles import load_profile
 
     rows, tasks = [], []
     for path in profiles:
@@ -374,7 +374,7 @@ def profile_line(prof) -> str:
     """The profile the predictions came from: its source and how slow two workers computing at once were."""
     from dataclasses import asdict
 
-    from rlfuse.placement.profile_ray import pair_note
+    from rlfuse.runtime.profile_ray import pair_note
 
     return f"{prof.name}: {prof.source}; {pair_note(asdict(prof), 'its')}"
 
@@ -382,7 +382,7 @@ def profile_line(prof) -> str:
 def fresh_profile(work: Path, fresh: bool) -> Path:
     """The machine profile the predictions use: measured now (`rlfuse plan --profile`) unless one with the Ray
     overheads is there already and --fresh was not given."""
-    from rlfuse.placement.cost import MachineProfile
+    from rlfuse.plan.cost import MachineProfile
 
     path = work / "machine_profile.json"
     if fresh or not path.exists() or not MachineProfile.load(path).ray_round_trip_s:
@@ -409,7 +409,7 @@ def main() -> None:
                     help="with --repredict: the machine profile to predict from (default: machine_profile.json beside "
                          "the results); several: a table of the target figures from each, one row per profile")
     args = ap.parse_args()
-    from rlfuse.placement.profile import load_profile
+    from rlfuse.plan.profiles import load_profile
 
     if args.repredict and args.profile and len(args.profile) > 1:
         print(across_profiles(args.repredict, args.models, args.profile))

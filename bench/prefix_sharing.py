@@ -95,7 +95,8 @@ def setting(models, samples, share: bool, micro: int, micro_tokens: int | None):
     """-> (run once: (scoring CPU s, training CPU s), prompt token-forwards saved per pass) for one setting."""
     from rlfuse.config import load_config
     from rlfuse.rollout.score import Scorer
-    from rlfuse.trainers.rl import micro_batches, micro_policy_loss, micro_value_loss, prompt_tokens_shared
+    from rlfuse.learn.batches import micro_batches, prompt_tokens_shared
+    from rlfuse.learn.losses import micro_policy_loss, micro_value_loss
 
     actor, ref, critic = models
     exp, n = experience_of(samples), len(samples)

@@ -153,7 +153,8 @@ def row_padded(tok, actor, ref, rm, critic, prompts, k, max_new, lengths):
 def row_engine(tok, actor, ref, rm, critic, prompts, k, max_new, lengths, fused: bool):
     from rlfuse.rollout.engine import DecodeEngine, SamplingParams
     from rlfuse.rollout.fusion import FusionPolicy, generate_rollouts
-    from rlfuse.rollout.score import Scorer, reward_model_fn
+    from rlfuse.rollout.score import Scorer
+    from rlfuse.models.rewards import reward_model_fn
 
     eos = tok.eos_token_id if lengths is None else -1  # sweep: lengths are set, EOS never ends a row
     scorer = Scorer(reward_model_fn(rm, tok.eos_token_id, tok.pad_token_id), tok.pad_token_id, ref=ref, actor=actor,
@@ -175,7 +176,8 @@ def row_generate_batch(tok, actor, ref, rm, critic, prompts, k, max_new, lengths
     from transformers import GenerationConfig
 
     from rlfuse.rollout.engine import Sample
-    from rlfuse.rollout.score import Scorer, reward_model_fn
+    from rlfuse.rollout.score import Scorer
+    from rlfuse.models.rewards import reward_model_fn
 
     gc = GenerationConfig(max_new_tokens=max_new, do_sample=True, eos_token_id=tok.eos_token_id,
                           pad_token_id=tok.pad_token_id)

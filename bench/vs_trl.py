@@ -151,7 +151,7 @@ def work_flops(model, lengths: list[tuple[list[int], list[int]]], k: int) -> lis
     """FLOPs of each iteration's work from (prompt lengths, completion lengths) per iteration: rlfuse's own count
     (rlfuse/metrics/flops.py) for an RLOO iteration (one reference pass, the actor trained, one epoch)."""
     from rlfuse.metrics.flops import Passes, iteration_flops
-    from rlfuse.placement.cost import shape_from_hf_config
+    from rlfuse.plan.cost import shape_from_hf_config
 
     shape = shape_from_hf_config("policy", model.config.to_dict())
     return [iteration_flops(shape, p, c, k, Passes(scoring=1, trained=1))["total"] for p, c in lengths]

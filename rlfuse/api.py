@@ -22,6 +22,7 @@ from typing import Callable, Union
 from rlfuse.config import Config, config_from_dict, config_to_dict, load_config as _load_yaml
 from rlfuse.errors import ConfigError, UserError
 from rlfuse.live_rewards import is_live, reward_spec
+from rlfuse.plan.resolve import resolve
 from rlfuse.runs import make_run_dir, stage_summary, with_local_stage_paths, write_rl_results
 
 ConfigLike = Union[Config, str, os.PathLike, dict, None]
@@ -68,17 +69,20 @@ def _plain_overrides(overrides: Overrides) -> dict | list:
     return out
 
 
-def _stage_config(config: ConfigLike, overrides: Overrides, run_dir, **extra) -> Config:
+def _stage_config(config: ConfigLike, overrides: Overrides, run_dir, log: Callable = log_stderr, **extra) -> Config:
     """load_config with run.dir and the stage's live objects applied on top of the overrides, validated together
-    (rl.reward_weights in overrides and reward= given separately are checked as one config)."""
+    (rl.reward_weights in overrides and reward= given separately are checked as one config), then resolved once
+    for the run (rlfuse.plan.resolve: an auto placement planned, the layout checked)."""
     updates = {k: v for k, v in extra.items() if v is not None}
     if run_dir is not None:
         updates["run.dir"] = os.fspath(run_dir)
     plain = _plain_overrides(overrides)
     if isinstance(plain, dict) or not plain:
-        return load_config(config, {**(plain or {}), **_plain_overrides(updates)})
-    cfg = load_config(config, plain)
-    return config_from_dict(config_to_dict(cfg), _plain_overrides(updates)) if updates else cfg
+        cfg = load_config(config, {**(plain or {}), **_plain_overrides(updates)})
+    else:
+        cfg = load_config(config, plain)
+        cfg = config_from_dict(config_to_dict(cfg), _plain_overrides(updates)) if updates else cfg
+    return resolve(cfg, log)
 
 
 def _model_override(model, tokenizer, run_dir) -> str | None:
@@ -143,7 +147,7 @@ def train_sft(config: ConfigLike = None, run_dir: str | os.PathLike | None = Non
     saved as RUN_DIR/data.jsonl. Returns the SFTResult (model_dir, val_loss, perplexity, seconds, ...)."""
     from rlfuse.trainers.sft import train_sft as run_sft
 
-    cfg = _stage_config(config, overrides, run_dir, **{"model.name": _model_override(model, tokenizer, run_dir)},
+    cfg = _stage_config(config, overrides, run_dir, log, **{"model.name": _model_override(model, tokenizer, run_dir)},
                         **_dataset_override(dataset, run_dir))
     return run_sft(cfg, make_run_dir(cfg, "sft"), log)
 
@@ -155,7 +159,7 @@ def train_rm(config: ConfigLike = None, run_dir: str | os.PathLike | None = None
     Returns the RMResult (model_dir, accuracy, margin, seconds)."""
     from rlfuse.trainers.rm import train_rm as run_rm
 
-    cfg = _stage_config(config, overrides, run_dir, **_dataset_override(dataset, run_dir))
+    cfg = _stage_config(config, overrides, run_dir, log, **_dataset_override(dataset, run_dir))
     return run_rm(with_local_stage_paths(cfg), make_run_dir(cfg, "rm"), log)
 
 
@@ -191,7 +195,7 @@ def train_rl(config: ConfigLike = None, run_dir: str | os.PathLike | None = None
     from rlfuse.trainers.rl import train_rl as run_rl
 
     config = _resume_config(config, run_dir) if resume else config
-    cfg = _stage_config(config, overrides, run_dir, **{"rl.reward": reward},
+    cfg = _stage_config(config, overrides, run_dir, log, **{"rl.reward": reward},
                         **({} if resume else _dataset_override(dataset, run_dir)))
     _refuse_live_reward_on_workers(cfg)
     run_dir = Path(run_dir) if resume else make_run_dir(cfg, "rl")
@@ -224,7 +228,7 @@ def run_pipeline(config: ConfigLike = None, run_dir: str | os.PathLike | None = 
 
     t0 = time.perf_counter()
     config = _resume_config(config, run_dir) if resume else config
-    cfg = _stage_config(config, overrides, run_dir, **{"rl.reward": reward,
+    cfg = _stage_config(config, overrides, run_dir, log, **{"rl.reward": reward,
                                                        "model.name": _model_override(model, tokenizer, run_dir)},
                         **({} if resume else _dataset_override(dataset, run_dir)))
     _refuse_live_reward_on_workers(cfg)
@@ -242,7 +246,7 @@ def run_pipeline(config: ConfigLike = None, run_dir: str | os.PathLike | None = 
 
 
 def needs_reward_model(cfg: Config) -> bool:
-    from rlfuse.models.roles import derive_roles
+    from rlfuse.plan.roles import derive_roles
 
     return any(r.source == "rm" for r in derive_roles(cfg).roles)
 
@@ -289,7 +293,7 @@ def generate(model: str | os.PathLike, prompts: list[str] | str, *, max_new_toke
     from rlfuse.models.build import load_policy
     from rlfuse.models.load import load_tokenizer
     from rlfuse.rollout.engine import DecodeEngine, SamplingParams
-    from rlfuse.trainers.common import pick_device
+    from rlfuse.models.device import pick_device
 
     if temperature <= 0 or max_new_tokens < 1 or n < 1 or not 0 < top_p <= 1 or top_k < 0:
         raise UserError("sampling needs temperature > 0, max_new_tokens >= 1, n >= 1, 0 < top_p <= 1, top_k >= 0; "

@@ -148,7 +148,7 @@ def hand_experience(actor, n: int, k: int, seed: int = 1, longest: int = 6):
     import torch
 
     from rlfuse.rollout.fusion import Experience
-    from rlfuse.rollout.score import collate, response_logprobs
+    from rlfuse.models.forward import collate, response_logprobs
 
     g = torch.Generator().manual_seed(seed)
     vocab = actor.config.vocab_size

@@ -16,10 +16,11 @@ but `measure_matmul_rate` is pure; that one imports torch when called.
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass
 from typing import Sequence
 
-from rlfuse.placement.cost import ModelShape
+from rlfuse.plan.cost import ModelShape
 
 
 def prefill_flops(shape: ModelShape, prompt_len: int) -> float:
@@ -71,13 +72,25 @@ def compute_fraction(flops: float, seconds: float, matmul_flops_s: float) -> flo
     return flops / (seconds * matmul_flops_s) if seconds > 0 and matmul_flops_s > 0 else 0.0
 
 
+def fastest_seconds(fn, repeats: int, sync) -> float:
+    """Fastest of `repeats` calls after a warm-up: on a shared machine other processes only ever add time, and the
+    rates are fitted from differences of timings, which the added time would swamp."""
+    fn()
+    sync()
+    out = []
+    for _ in range(repeats):
+        t = time.perf_counter()
+        fn()
+        sync()
+        out.append(time.perf_counter() - t)
+    return min(out)
+
+
 def measure_matmul_rate(device: str = "cpu", dtype=None, n: int | None = None, repeats: int = 5) -> float:
     """FLOP/s of a bare n x n x n matmul in `dtype` (default float32) on `device`, with this process's torch threads:
-    the fastest of `repeats` after a warm-up (rlfuse/placement/profile.py's timer). n defaults to 1024 on CPU (about
+    the fastest of `repeats` after a warm-up (fastest_seconds). n defaults to 1024 on CPU (about
     0.2 s in all on 2 cores) and 4096 on CUDA."""
     import torch
-
-    from rlfuse.placement.profile import _timed
 
     dev = torch.device(device)
     n = n or (4096 if dev.type == "cuda" else 1024)
@@ -85,7 +98,7 @@ def measure_matmul_rate(device: str = "cpu", dtype=None, n: int | None = None, r
     b = torch.randn(n, n, device=dev, dtype=dtype or torch.float32)
     sync = torch.cuda.synchronize if dev.type == "cuda" else (lambda: None)
     with torch.no_grad():
-        return 2.0 * n ** 3 / _timed(lambda: a @ b, repeats, sync)
+        return 2.0 * n ** 3 / fastest_seconds(lambda: a @ b, repeats, sync)
 
 
 @dataclass(frozen=True)
@@ -114,8 +127,8 @@ def compute_meter_for_run(cfg, models, device) -> ComputeMeter:
     placement's CPUs (per torch thread here) or GPUs: the devices that do the work."""
     import torch
 
-    from rlfuse.placement.cost import shape_from_hf_config
-    from rlfuse.placement.strategies import spec_from_config
+    from rlfuse.plan.cost import shape_from_hf_config
+    from rlfuse.plan.strategies import spec_from_config
 
     policy = models.generator if models.generator is not None else models.actor  # None: decoding the shared base
     shape = shape_from_hf_config("policy", policy.config.to_dict())

@@ -23,7 +23,7 @@ from pathlib import Path
 
 import torch
 
-from rlfuse.placement.memory import COMPONENTS  # the planner's names: predicted beside measured
+from rlfuse.plan.memory import COMPONENTS  # the planner's names: predicted beside measured
 
 
 def tensor_bytes(t: torch.Tensor) -> int:

@@ -56,7 +56,7 @@ def draw_figures(run_dir: Path, baseline_dir: Path | None = None) -> dict[str, P
         figs["worker_usage"] = plots.worker_usage(rows, out_dir / "worker_usage.png")
     schedule = _json(run_dir / "rl" / "pipeline_schedule.json")
     if schedule:  # rl.train_parallel=pipeline_*: the executed schedule beside the simulated one
-        from rlfuse.schedule.chart import draw_record
+        from rlfuse.metrics.schedule_chart import draw_record
 
         figs["pipeline_schedule"] = draw_record(schedule, out_dir / "pipeline_schedule.png")
     if base_rows:

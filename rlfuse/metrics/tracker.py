@@ -243,3 +243,21 @@ def stage_tracker(cfg, stage_dir: str | Path, from_step: int = 0) -> JsonlTracke
         truncate_metrics(stage_dir / f"{name}.jsonl", from_step)
     return JsonlTracker(stage_dir / "metrics.jsonl", sinks=open_sinks(cfg.run.report_to, stage_dir,
                                                                        config=config_to_dict(cfg)))
+
+
+def measured_lengths(run_dir) -> tuple[float, int] | None:
+    """(median response mean, median of each iteration's longest response) from a run folder's rl/metrics.jsonl,
+    or None: one iteration's figures (Workload.response_longest), not the longest over all its iterations."""
+    import statistics
+    from pathlib import Path
+
+    from rlfuse.metrics.tracker import read_metrics
+
+    f = Path(run_dir) / "rl" / "metrics.jsonl"
+    if not f.is_file():
+        return None
+    rows = read_metrics(f)
+    means = [r["rollout/length_mean"] for r in rows if "rollout/length_mean" in r]
+    if not means:
+        return None
+    return statistics.median(means), int(statistics.median(r.get("rollout/length_max", 0) for r in rows))

@@ -1,5 +1,6 @@
 """RL model setup, one loader per role of `derive_roles(cfg)`: actor, generator, reference, critic and the reward
-(a model or a function). Nothing here trains; trainers/rl.py gets a `Models` and runs the loop."""
+(a model or a function). Nothing here trains or decodes: rlfuse/learn trains the `Models`, the rollout engine
+(rlfuse/runtime/local.py decode_engine) decodes them."""
 
 from __future__ import annotations
 
@@ -13,10 +14,9 @@ from rlfuse.config import Config, checkpointing_on
 from rlfuse.errors import ConfigError, UserError
 from rlfuse.models.heads import ValueModel
 from rlfuse.models.load import apply_lora, load_causal_lm, load_reward_model, load_tokenizer
-from rlfuse.models.roles import Roles, derive_roles
-from rlfuse.rollout.engine import DecodeEngine
-from rlfuse.rollout.rewards import FunctionReward
-from rlfuse.rollout.score import reward_model_fn
+from rlfuse.plan.roles import Roles, derive_roles
+from rlfuse.models.rewards import FunctionReward
+from rlfuse.models.rewards import reward_model_fn
 
 
 @dataclass
@@ -122,21 +122,6 @@ def build_shared_models(cfg: Config, roles: Roles, sft_dir: str, rm_dir: str | N
         critic = ValueModel.from_causal_lm(actor).to(device) if source == "actor" else add_critic(base, source, cfg.model, score)
         critic.train()
     return Models(tokenizer, actor, None, None, critic, reward_fn, roles, sft_dir, shared_base=base)
-
-
-def decode_engine(models: Models, max_rows: int) -> DecodeEngine:
-    """The rollout engine of this process: on the generator, or with a shared base on that base itself, running the
-    actor's adapter in eval mode per forward (shared.actor_decoding): no copy of the weights and no sync. The engine
-    gets the transformers model under the peft wrapper, whose LoRA layers run the active adapter, so the lean
-    Llama decode step (rollout/kv.py) applies to it as to a plain model."""
-    tok = models.tokenizer
-    if models.shared_base is None:
-        return DecodeEngine(models.generator, tok.eos_token_id, max_rows=max_rows, tokenizer=tok)
-    from rlfuse.models.shared import actor_decoding
-
-    base = models.shared_base
-    return DecodeEngine(base.get_base_model(), tok.eos_token_id, max_rows=max_rows, tokenizer=tok,
-                        decode_context=lambda: actor_decoding(base))
 
 
 def build_critic(roles: Roles, actor, sft_dir: str, rm_dir: str | None, pad_id: int, device, rl,

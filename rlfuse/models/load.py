@@ -13,6 +13,7 @@ import torch
 from rlfuse.config import ModelConfig
 from rlfuse.errors import UserError
 from rlfuse.models.quantize import fix_cpu_heap, keep_one_cpu_layout
+from rlfuse.plan.cost import ModelShape
 
 # LoRA targets by architecture; anything else gets peft's "all-linear".
 LORA_TARGETS = {
@@ -282,3 +283,21 @@ def save_plain(config, state: dict, folder: Path) -> None:
     config.save_pretrained(folder)
     save_file({k: (v.float() if v.is_floating_point() else v).detach().cpu().contiguous() for k, v in state.items()},
               str(folder / "model.safetensors"), metadata={"format": "pt"})
+
+
+def model_of_shape(shape: ModelShape, device: str):
+    """A causal LM of `shape` with seeded random weights (GPT-2, or Llama for a gated shape): what the machine profile
+    times in place of the policy itself."""
+    from transformers import GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausalLM  # transformers: on first use
+
+    torch.manual_seed(0)
+    if shape.gated:
+        cfg = LlamaConfig(vocab_size=shape.vocab, hidden_size=shape.hidden, intermediate_size=shape.ffn,
+                          num_hidden_layers=shape.layers, num_attention_heads=shape.heads,
+                          num_key_value_heads=shape.kv_heads or shape.heads, max_position_embeddings=shape.context,
+                          bos_token_id=0, eos_token_id=0, pad_token_id=0)
+        return LlamaForCausalLM(cfg).to(device)
+    cfg = GPT2Config(vocab_size=shape.vocab, n_positions=shape.context, n_embd=shape.hidden, n_layer=shape.layers,
+                     n_head=shape.heads, resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, bos_token_id=0,
+                     eos_token_id=0, pad_token_id=0)
+    return GPT2LMHeadModel(cfg).to(device)

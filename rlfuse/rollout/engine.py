@@ -28,34 +28,9 @@ import torch
 from torch import Tensor
 
 from rlfuse.rollout.kv import BufferKV, HFCacheKV, decode_step_for, left_pad
-from rlfuse.rollout.state import EngineState, RowState, WaitingPrompt
+from rlfuse.rollout.state import EngineState, RowState, Sample, SamplingParams, WaitingPrompt
 from rlfuse.rollout.streams import stream_keys, stream_uniforms
 from rlfuse.rollout.weights import NamedTensors, copy_weights, weight_buckets  # noqa: F401  (weight_buckets: re-export)
-
-
-@dataclass(frozen=True)
-class SamplingParams:
-    max_new_tokens: int = 64
-    temperature: float = 1.0
-    top_k: int = 0
-    """0 disables."""
-    top_p: float = 1.0
-    """1.0 disables."""
-    stop_strings: tuple[str, ...] = ()
-    stop_token_ids: tuple[int, ...] = ()
-    """Ids that end a sample as EOS does: a chat model's end-of-turn markers (data/chat.py end_of_turn_ids)."""
-
-
-@dataclass
-class Sample:
-    prompt_id: int
-    sample_index: int
-    prompt_ids: list[int]
-    token_ids: list[int]
-    logprobs: Tensor
-    """(len(token_ids),) float32 log-probs of the sampled tokens."""
-    finish_reason: str
-    """eos | stop | length."""
 
 
 @dataclass

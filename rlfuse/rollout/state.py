@@ -1,14 +1,38 @@
-"""What an engine has not finished, as plain picklable data: exported by one DecodeEngine, continued by another
-(`DecodeEngine.export_state` / `DecodeEngine.resume`). The tail migration and multi-worker rollout move these
-between processes; splitting and combining them is pure list work."""
+"""The rollout engine's records, as plain picklable data: the sampling settings, a finished sample, and what an
+engine has not finished (exported by one DecodeEngine, continued by another: `DecodeEngine.export_state` /
+`DecodeEngine.resume`). The tail migration and multi-worker rollout move these between processes; splitting and
+combining them is pure list work."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
 
-if TYPE_CHECKING:
-    from rlfuse.rollout.engine import Sample, SamplingParams
+from torch import Tensor
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    max_new_tokens: int = 64
+    temperature: float = 1.0
+    top_k: int = 0
+    """0 disables."""
+    top_p: float = 1.0
+    """1.0 disables."""
+    stop_strings: tuple[str, ...] = ()
+    stop_token_ids: tuple[int, ...] = ()
+    """Ids that end a sample as EOS does: a chat model's end-of-turn markers (data/chat.py end_of_turn_ids)."""
+
+
+@dataclass
+class Sample:
+    prompt_id: int
+    sample_index: int
+    prompt_ids: list[int]
+    token_ids: list[int]
+    logprobs: Tensor
+    """(len(token_ids),) float32 log-probs of the sampled tokens."""
+    finish_reason: str
+    """eos | stop | length."""
 
 
 @dataclass

@@ -1,29 +1,23 @@
-"""What the RL loop records besides its own numbers: learning rates, the share of prompt groups that teach nothing,
-a table of sample completions, and held-out evaluation during the run (rl.eval_every, rl.log_samples_every)."""
+"""What the RL loop records besides the update's own numbers: the rollout's rewards, KL and lengths, the share of
+prompt groups that teach nothing, a table of sample completions, and held-out evaluation during the run
+(rl.eval_every, rl.log_samples_every)."""
 
 from __future__ import annotations
 
 import time
 
-from rlfuse.algos.stats import zero_spread_fraction
+import torch
+
+from rlfuse.algos.stats import explained_variance, zero_spread_fraction
+from rlfuse.data.gold import gold_reward
 from rlfuse.config import RLConfig
 from rlfuse.evaluation import evaluate
-from rlfuse.placement.rollout import sync_weights
+from rlfuse.runtime.local import sync_weights
 from rlfuse.rollout.fusion import Experience
 
 SAMPLES_PER_TABLE = 8
 """Rows of each sample table: the iteration's first samples, which (samples grouped by prompt) cover its first
 SAMPLES_PER_TABLE / k prompts."""
-
-
-def learning_rates(trainer, rl: RLConfig) -> dict:
-    """train/lr (and train/critic_lr with a critic) as the optimisers use them now. A trainer without learners in
-    this process (placement on Ray) runs the same constant schedule (build_constant_optimizer): the config's rates."""
-    learners = getattr(trainer, "learners", None)
-    if learners is None:
-        return {"train/lr": rl.lr} | ({"train/critic_lr": rl.critic_lr} if rl.algo == "ppo" else {})
-    out = {"train/lr": learners.actor.sched.get_last_lr()[0]}
-    return out | ({"train/critic_lr": learners.critic.sched.get_last_lr()[0]} if learners.critic is not None else {})
 
 
 def group_metrics(exp: Experience, k: int) -> dict:
@@ -39,8 +33,6 @@ def sample_table(exp: Experience, tok, gold: bool, n: int = SAMPLES_PER_TABLE) -
              "completion": tok.decode(exp.response_ids[i], skip_special_tokens=True),
              "reward": round(float(exp.scores[i]), 4), "finish": exp.finish_reasons[i]} for i in range(min(n, len(exp)))]
     if gold:
-        from rlfuse.data.gold import gold_reward
-
         for r, g in zip(rows, gold_reward([r["prompt"] + r["completion"] for r in rows])):
             r["gold"] = round(g, 4)
     return rows
@@ -60,3 +52,21 @@ def evaluate_during(trainer, models, engine, prompts: list[list[int]], rl: RLCon
     sync_weights(engine, models.actor)
     metrics, _ = evaluate(models, engine, prompts, rl, seed, gold)
     return {f"eval/{k}": v for k, v in metrics.items()} | {"time/eval": time.perf_counter() - t}
+
+
+def rollout_metrics(exp: Experience, kl, returns, kl_coef: float, max_new: int) -> dict:
+    """reward/ (mean, spread, non-finite, KL and its coefficient), rollout/ (response lengths, the share that hit
+    rl.max_new_tokens) and, with a critic, train/explained_variance of the iteration's experience."""
+    lengths, finite = exp.mask.sum(1), exp.scores[torch.isfinite(exp.scores)]
+    m = {
+        "reward/mean": float(finite.mean()) if len(finite) else float("nan"),
+        "reward/std": float(finite.std()) if len(finite) > 1 else 0.0,
+        "reward/nonfinite": len(exp) - len(finite),
+        "reward/kl": float(kl.sum(1).mean()), "reward/kl_coef": kl_coef,
+        "rollout/length_mean": float(lengths.mean()), "rollout/length_p50": float(lengths.median()),
+        "rollout/length_p95": float(torch.quantile(lengths, 0.95)), "rollout/length_max": float(lengths.max()),
+        "rollout/hit_limit": float((lengths >= max_new).float().mean()), "rollout/samples": len(exp),
+    }
+    if returns is not None and not m["reward/nonfinite"]:
+        m["train/explained_variance"] = float(explained_variance(exp.values, returns, exp.mask))
+    return m

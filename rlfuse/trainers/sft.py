@@ -23,8 +23,10 @@ from rlfuse.metrics.tracker import stage_tracker
 from rlfuse.data.prompts import check_max_length, model_context
 from rlfuse.models.load import load_causal_lm, load_tokenizer, save_trained_model
 from rlfuse.models.quantize import place
-from rlfuse.progress import Progress
-from rlfuse.trainers.common import autocast, batch_indices, build_optimizer, clip_and_step, setup_runtime
+from rlfuse.metrics.progress import Progress
+from rlfuse.models.device import autocast, setup_runtime
+from rlfuse.learn.batches import batch_indices
+from rlfuse.learn.optim import build_optimizer, clip_and_step
 
 
 @dataclass

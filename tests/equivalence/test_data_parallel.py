@@ -16,8 +16,11 @@ ray = pytest.importorskip("ray", reason="ray is not installed: pip install 'ray=
 from helpers import hand_experience  # noqa: E402
 from rlfuse.config import load_config  # noqa: E402
 from rlfuse.models.build import build_models  # noqa: E402
-from rlfuse.placement.ray_train import start_train_workers  # noqa: E402
-from rlfuse.trainers.rl import build_learners, compute_advantages, minibatches, update  # noqa: E402
+from rlfuse.runtime.ray_train import start_train_workers  # noqa: E402
+from rlfuse.learn.learners import build_learners  # noqa: E402
+from rlfuse.learn.advantages import compute_advantages  # noqa: E402
+from rlfuse.learn.batches import minibatches  # noqa: E402
+from rlfuse.learn.update import BadSteps, update  # noqa: E402
 
 ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])  # the helpers below run inside the workers
 KL = 0.05
@@ -58,7 +61,7 @@ def use_sgd(learners, lr):
 def reset_worker(worker, cfg, start, sgd_lr, mean_gradients):
     """Inside a worker: this test's config, the starting weights, fresh optimisers (SGD if sgd_lr) and, for the wrong
     weighting, gradients averaged over ranks (DDP's mean, the losses not scaled by the world size)."""
-    from rlfuse.trainers.rl import build_learners
+    from rlfuse.learn.learners import build_learners
 
     worker.cfg = cfg
     for role, state in start.items():
@@ -77,15 +80,15 @@ def run_both(cfg, tmp_path, exp, sgd_lr=None, mean_gradients=False, workers=None
     batches = minibatches(len(exp), rl, cfg.run.seed, 0)
     start = start or workers.trainable_states()[0]
     ray.get([w.__ray_call__.remote(reset_worker, cfg, start, sgd_lr, mean_gradients) for w in workers.workers])
-    dp_stats, dp_bad, _ = workers.update(exp, adv, returns, KL, batches, {"skipped": 0, "consecutive": 0})
+    dp_stats, dp_bad, _ = workers.update(exp, adv, returns, KL, batches, BadSteps())
     states = workers.trainable_states()
     for role in states[0]:  # the ranks stay replicas
         for n, t in states[0][role].items():
             torch.testing.assert_close(states[1][role][n], t, rtol=0, atol=0)
     models, learners = single_process(cfg, tmp_path, start, sgd_lr)
-    bad = {"skipped": 0, "consecutive": 0}
+    bad = BadSteps()
     one_stats = update(models, learners, exp, adv, returns, rl, KL, batches, bad)
-    assert dp_bad == bad == {"skipped": 0, "consecutive": 0}
+    assert dp_bad == bad == BadSteps()
     one = {"actor": learners.actor.module, "critic": models.critic}
     one = {r: {n: p.detach() for n, p in m.named_parameters() if p.requires_grad} for r, m in one.items() if m is not None}
     return states[0], one, start, dp_stats, one_stats

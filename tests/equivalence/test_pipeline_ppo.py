@@ -12,8 +12,11 @@ import torch
 from helpers import hand_experience, make_tiny_llama
 from rlfuse.config import load_config
 from rlfuse.models.build import build_models
-from rlfuse.schedule.ppo_pipeline import build_pipeline, spawn, stage_state
-from rlfuse.trainers.rl import build_learners, compute_advantages, minibatches, update
+from rlfuse.runtime.pipeline import build_pipeline, spawn, stage_state
+from rlfuse.learn.learners import build_learners
+from rlfuse.learn.advantages import compute_advantages
+from rlfuse.learn.batches import minibatches
+from rlfuse.learn.update import BadSteps, update
 
 KL = 0.05
 CLIP = 0.05  # the gradient norms here are ~0.5-5: every step clips
@@ -35,7 +38,7 @@ def pipeline_rank(rank, cfg, modes, exp, adv, returns, batches, out_dir):
         for role, state in start.items():
             getattr(models, role).load_state_dict(state)
         pipe = build_pipeline(models.actor, models.critic, cfg.rl, mode, models.tokenizer.pad_token_id)
-        bad = {"skipped": 0, "consecutive": 0}
+        bad = BadSteps()
         stats = pipe.update(exp, adv, returns, KL, batches, bad)
         torch.save({"state": stage_state(pipe, models.actor, models.critic), "stats": stats, "bad": bad,
                     "spans": pipe.last_spans, "plans": {n: p[1] for n, p in pipe.plans.items()}},
@@ -63,7 +66,7 @@ def single_process(cfg, exp, adv, returns, batches, tmp_path):
     models = build_models(cfg, tmp_path, torch.device("cpu"))
     start = {"actor": {n: p.detach().clone() for n, p in models.actor.named_parameters()}}
     stats = update(models, build_learners(models, cfg.rl), exp, adv, returns, cfg.rl, KL, batches,
-                   {"skipped": 0, "consecutive": 0})
+                   BadSteps())
     one = {role: {n: p.detach() for n, p in m.named_parameters()} for role, m in
            (("actor", models.actor), ("critic", models.critic))}
     return one, start, stats

@@ -15,8 +15,11 @@ from rlfuse.models.build import disable_dropout, enable_gradient_checkpointing
 from rlfuse.models.heads import ValueModel
 from rlfuse.rollout.engine import Sample
 from rlfuse.rollout.fusion import Experience
-from rlfuse.rollout.score import Scorer, collate, response_logprobs, reward_model_fn
-from rlfuse.trainers.rl import micro_policy_loss, micro_value_loss, minibatches, prompt_tokens_shared
+from rlfuse.rollout.score import Scorer
+from rlfuse.models.forward import collate, response_logprobs
+from rlfuse.models.rewards import reward_model_fn
+from rlfuse.learn.losses import micro_policy_loss, micro_value_loss
+from rlfuse.learn.batches import minibatches, prompt_tokens_shared
 
 V, PAD, K = 48, 0, 3
 PROMPT_LENS, RESPONSE_LENS = (7, 3, 5), (1, 4, 6, 2, 5, 3, 6, 1, 4)
@@ -171,7 +174,7 @@ def test_shared_base_roles_equal_unshared():
     from peft import LoraConfig, get_peft_model
 
     from rlfuse.models.shared import CRITIC, REWARD, AdapterRewardModel, AdapterValueModel, recompute_with_same_adapter
-    from rlfuse.rollout.score import response_values
+    from rlfuse.models.forward import response_values
 
     lora = lambda: LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj", "up_proj"], lora_dropout=0.0)
     base = get_peft_model(tiny("llama", 0), lora())

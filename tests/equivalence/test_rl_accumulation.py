@@ -10,8 +10,11 @@ from rlfuse.config import load_config
 from rlfuse.models.build import disable_dropout
 from rlfuse.models.heads import ValueModel
 from rlfuse.rollout.fusion import Experience
-from rlfuse.rollout.score import collate, response_logprobs
-from rlfuse.trainers.rl import Learner, compute_advantages, minibatches, update_actor, update_critic
+from rlfuse.models.forward import collate, response_logprobs
+from rlfuse.learn.learners import Learner
+from rlfuse.learn.advantages import compute_advantages
+from rlfuse.learn.batches import minibatches
+from rlfuse.learn.update import BadSteps, update_actor, update_critic
 
 N, PAD = 8, 0
 
@@ -57,12 +60,12 @@ def run_update(algo, level, shared, micro, *extra):
         return Learner(module, opt, torch.optim.lr_scheduler.ConstantLR(opt, 1.0, 0))
 
     adv, returns, _ = compute_advantages(exp, rl, 0.1)
-    batches, bad = minibatches(N, rl, 0, 0), {"skipped": 0, "consecutive": 0}
+    batches, bad = minibatches(N, rl, 0, 0), BadSteps()
     head = (critic, sgd(critic.head), returns) if shared else None
     stats = update_actor(sgd(actor), exp, adv, batches, rl, 0.1, PAD, bad, head)
     if critic is not None and not shared:
         stats |= update_critic(sgd(critic), exp, returns, batches, rl, PAD, bad)
-    assert bad["skipped"] == 0 and stats["train/clip_frac"] > 0
+    assert bad.skipped == 0 and stats["train/clip_frac"] > 0
     models = {"actor": actor} | ({"critic": critic} if critic is not None else {})
     return {f"{r}.{n}": p.detach().clone() for r, m in models.items() for n, p in m.named_parameters()}
 
@@ -84,7 +87,7 @@ def test_micro_batches_1x8_equal_8x1(algo, level, shared):
 def test_token_budget_micro_batches_equal_one_batch(algo, level, shared, budget):
     """rl.micro_batch_tokens: micro-batches of different sizes (here 2, 2, 2, 1, 1 and 4, 3, 1 of 8) still accumulate to the
     whole mini-batch's update."""
-    from rlfuse.trainers.rl import micro_batch_indices
+    from rlfuse.learn.batches import micro_batch_indices
 
     whole = run_update(algo, level, shared, N)
     split = run_update(algo, level, shared, N, f"rl.micro_batch_tokens={budget}")
@@ -98,7 +101,7 @@ def test_token_budget_micro_batches_equal_one_batch(algo, level, shared, budget)
 def test_wrong_weighting_fails():
     """The comparison above can fail: weighting micro-batches equally (not by their share of tokens) moves the
     weights differently on responses of different lengths."""
-    import rlfuse.trainers.rl as rl_mod
+    import rlfuse.learn.update as rl_mod
 
     whole = run_update("ppo", "token", False, N)
     real = rl_mod.micro_batches

@@ -10,7 +10,8 @@ from helpers import llama_sft_and_rm
 from rlfuse.config import load_config
 from rlfuse.models.build import build_models
 from rlfuse.rollout.engine import Sample
-from rlfuse.rollout.score import Scorer, collate, response_values
+from rlfuse.rollout.score import Scorer
+from rlfuse.models.forward import collate, response_values
 
 STAGES = [o for o in TINY if not o.startswith(("model.n_", "sft.eval_samples"))] + ["sft.eval_samples=0",
                                                                                     "model.lora=true"]
@@ -101,8 +102,8 @@ def _same_actor_adapter(source, target):
 def _decoded(models, prompts, scorer=None):
     """Samples (prompt id, index, tokens, log-probs) of a fixed seed, fused with scoring after every sample when a
     scorer is given (the critic's, the reward's and the adapters-off passes then run between decode steps)."""
-    from rlfuse.models.build import decode_engine
-    from rlfuse.placement.rollout import sync_weights
+    from rlfuse.runtime.local import decode_engine
+    from rlfuse.runtime.local import sync_weights
     from rlfuse.rollout.engine import SamplingParams
     from rlfuse.rollout.fusion import FusionPolicy, generate_rollouts
 

@@ -11,8 +11,8 @@ ray = pytest.importorskip("ray")
 
 @pytest.mark.slow
 def test_measure_ray_overheads_on_two_workers(monkeypatch):
-    from rlfuse.placement import profile_ray
-    from rlfuse.placement.cost import gpt2_shape
+    from rlfuse.runtime import profile_ray
+    from rlfuse.plan.cost import gpt2_shape
 
     monkeypatch.setattr(profile_ray, "CHUNKS", 4)  # calls per worker per pattern: enough for a median, fast
     monkeypatch.setattr(profile_ray, "PAIR_ROUNDS", 3)

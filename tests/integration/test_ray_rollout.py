@@ -10,8 +10,8 @@ ray = pytest.importorskip("ray", reason="ray is not installed: pip install 'rlfu
 from rlfuse.data.collate import encode  # noqa: E402
 from rlfuse.models.load import load_causal_lm, load_reward_model, load_tokenizer  # noqa: E402
 from rlfuse.models.weights import merged_state_dict  # noqa: E402
-from rlfuse.placement.ray_rollout import (MultiWorkerRollout, RolloutSettings, WorkerModels,  # noqa: E402
-                                          build_worker_roles, start_generation_workers)
+from rlfuse.runtime.ray_rollout import (MultiWorkerRollout, RolloutSettings, WorkerModels, build_worker_roles,
+                                        start_generation_workers)
 from rlfuse.rollout.engine import SamplingParams  # noqa: E402
 from rlfuse.rollout.fusion import FusionPolicy, LengthTable, generate_rollouts  # noqa: E402
 

@@ -11,10 +11,11 @@ ray = pytest.importorskip("ray", reason="ray is not installed: pip install 'ray=
 
 from rlfuse.config import load_config  # noqa: E402
 from rlfuse.models.build import build_models, load_policy  # noqa: E402
-from rlfuse.placement.ray_train import start_train_workers  # noqa: E402
+from rlfuse.runtime.ray_train import start_train_workers  # noqa: E402
 from rlfuse.rollout.engine import DecodeEngine  # noqa: E402
-from rlfuse.trainers.checkpoint import load_checkpoint  # noqa: E402
-from rlfuse.trainers.rl import build_learners, checkpoint_parts  # noqa: E402
+from rlfuse.learn.checkpoint import load_checkpoint  # noqa: E402
+from rlfuse.learn.learners import build_learners  # noqa: E402
+from rlfuse.learn.checkpoint import checkpoint_parts  # noqa: E402
 
 ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])  # the helpers below run inside the workers
 IDS = torch.tensor([[5, 9, 13, 2, 7, 30, 11], [3, 4, 8, 1, 22, 17, 6]])

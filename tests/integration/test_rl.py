@@ -104,7 +104,8 @@ def test_lora_reference_is_the_actor_with_adapters_disabled(tiny_task, tmp_path)
     from rlfuse.data.collate import encode
     from rlfuse.models.load import load_causal_lm
     from rlfuse.rollout.engine import DecodeEngine, SamplingParams
-    from rlfuse.rollout.score import Scorer, collate, response_logprobs
+    from rlfuse.rollout.score import Scorer
+    from rlfuse.models.forward import collate, response_logprobs
     from rlfuse.models.build import build_models
 
     cfg = load_config(None, [f"rl.sft_path={tiny_task.model_dir}", "rl.reward=rlfuse.data.gold:gold_reward",

@@ -195,7 +195,7 @@ def _exp(scores, logprobs, ref_logprobs):
 @pytest.mark.parametrize("algo", ["rloo", "grpo"])
 def test_whiten_advantages_applies_to_every_sequence_algorithm(algo):
     from rlfuse.config import load_config
-    from rlfuse.trainers.rl import compute_advantages
+    from rlfuse.learn.advantages import compute_advantages
 
     exp = _exp(torch.tensor([1.0, 2.0, 4.0, 0.0, 3.0, 9.0]), torch.zeros(6, 2), torch.zeros(6, 2))
     cfg = lambda w: load_config(None, [f"rl.algo={algo}", "rl.k=2", f"rl.whiten_advantages={w}"]).rl
@@ -208,7 +208,7 @@ def test_whiten_advantages_applies_to_every_sequence_algorithm(algo):
 
 def test_kl_estimator_default_and_grpo_loss_use_the_configured_one():
     from rlfuse.config import load_config
-    from rlfuse.trainers.rl import compute_advantages
+    from rlfuse.learn.advantages import compute_advantages
 
     assert load_config(None, ["rl.algo=grpo", "rl.k=2"]).rl.kl_estimator_used == "k3"
     assert load_config(None, ["rl.algo=rloo", "rl.k=2"]).rl.kl_estimator_used == "k1"

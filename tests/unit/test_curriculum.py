@@ -5,7 +5,7 @@ and the same seed gives the same batch."""
 import numpy as np
 
 from rlfuse.data.curriculum import curriculum_indices, easiest_first, pool_size, uniform_indices
-from rlfuse.trainers.rl import prompt_batch
+from rlfuse.data.curriculum import prompt_batch
 
 # prompt i has difficulty DIFF[i]; easiest first: 3 (0.1), 0 (0.2), 5 (0.3), 1 (0.5), 6 (0.5), 2 (0.7), 7 (0.8), 4 (0.9)
 DIFF = [0.2, 0.5, 0.7, 0.1, 0.9, 0.3, 0.5, 0.8]

@@ -11,7 +11,7 @@ from rlfuse.models.heads import ValueModel
 from rlfuse.models.load import load_causal_lm, load_tokenizer
 from rlfuse.rollout.engine import DecodeEngine, SamplingParams, filter_logits
 from rlfuse.rollout.fusion import FusionPolicy, generate_rollouts
-from rlfuse.rollout.rewards import FunctionReward
+from rlfuse.models.rewards import FunctionReward
 from rlfuse.rollout.score import Scorer
 
 PROMPTS = ["the acting", "the old detective finds the", "i really", "this film was", "later, the thief"]

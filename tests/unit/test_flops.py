@@ -4,7 +4,7 @@ import pytest
 
 from rlfuse.metrics.flops import (Passes, compute_fraction, decode_flops, iteration_flops, measure_matmul_rate,
                                   prefill_flops, sequence_flops)
-from rlfuse.placement.cost import ModelShape
+from rlfuse.plan.cost import ModelShape
 
 # 1 layer, hidden 2, ffn 8, vocabulary 3: weights that multiply each token = c_attn 2x6 + c_proj 2x2 + c_fc 2x8
 # + mlp.c_proj 8x2 + head 3x2 = 12 + 4 + 16 + 16 + 6 = 54, so 108 FLOPs per token, plus 4 x 1 x 2 = 8 per attended
@@ -78,7 +78,7 @@ def test_a_runs_passes_follow_its_roles(overrides, scoring, trained, ratio):
 
     from rlfuse.config import load_config
     from rlfuse.metrics.flops import compute_meter_for_run
-    from rlfuse.models.roles import derive_roles
+    from rlfuse.plan.roles import derive_roles
 
     cfg = load_config(None, overrides)
     roles = derive_roles(cfg)

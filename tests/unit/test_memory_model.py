@@ -2,19 +2,11 @@
 
 import pytest
 
-from rlfuse.placement.check import check_placement
-from rlfuse.placement.cost import KNOWN_SHAPES, MachineProfile, ModelShape, gpt2_shape
-from rlfuse.placement.memory import (
-    COMPONENTS,
-    MemoryInputs,
-    bytes_per_param,
-    memory_model,
-    memory_table,
-    optimizer_bytes_per_param,
-    weight_bytes,
-    worker_memory,
-)
-from rlfuse.placement.spec import PlacementSpec, WorkerGroup
+from rlfuse.plan.check import check_placement
+from rlfuse.plan.cost import KNOWN_SHAPES, MachineProfile, ModelShape, gpt2_shape
+from rlfuse.plan.memory import (COMPONENTS, MemoryInputs, bytes_per_param, memory_model, memory_table,
+                                optimizer_bytes_per_param, weight_bytes, worker_memory)
+from rlfuse.plan.spec import PlacementSpec, WorkerGroup
 
 # a 2-layer GPT-2 small enough to count by hand: hidden 4, ffn 16, vocab 10, 8 positions
 TINY = ModelShape("tiny", layers=2, hidden=4, heads=2, ffn=16, vocab=10, context=8)
@@ -102,7 +94,7 @@ def test_sharding_divides_states_not_activations():
 
 def test_memory_hook_rejects_a_group_over_budget():
     from rlfuse.config import load_config
-    from rlfuse.models.roles import derive_roles
+    from rlfuse.plan.roles import derive_roles
 
     roles = derive_roles(load_config(None, []))
     m = MemoryInputs(TINY, critic=TINY, reward=TINY, train_rows=2, seq=3, score_rows=1)
@@ -125,7 +117,8 @@ def test_memory_table_has_every_component():
 def test_config_memory_budget_runs_the_checker_hook():
     from rlfuse.config import load_config
     from rlfuse.errors import ConfigError
+    from rlfuse.plan.resolve import resolve
 
-    load_config(None, ["placement.strategy=flattened", "placement.memory_per_worker_gb=4"])
+    resolve(load_config(None, ["placement.strategy=flattened", "placement.memory_per_worker_gb=4"]))
     with pytest.raises(ConfigError, match="group 'all': predicted .* exceeds the 0.10 GiB budget"):
-        load_config(None, ["placement.strategy=flattened", "placement.memory_per_worker_gb=0.1"])
+        resolve(load_config(None, ["placement.strategy=flattened", "placement.memory_per_worker_gb=0.1"]))

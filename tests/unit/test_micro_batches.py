@@ -7,8 +7,10 @@ import torch
 from rlfuse.config import load_config
 from rlfuse.data.collate import pack_by_tokens, prompt_runs
 from rlfuse.rollout.fusion import Experience
-from rlfuse.rollout.score import forward_tokens
-from rlfuse.trainers.rl import Learner, micro_batch_indices, optimise
+from rlfuse.models.forward import forward_tokens
+from rlfuse.learn.learners import Learner
+from rlfuse.learn.batches import micro_batch_indices
+from rlfuse.learn.update import BadSteps, optimise
 
 
 def test_prompt_runs_by_hand():
@@ -85,6 +87,6 @@ def test_no_host_read_per_micro_batch(monkeypatch):
         rl = load_config(None, ["rl.algo=grpo", "rl.k=8", "rl.prompts_per_iter=1", "rl.mini_batch_size=8",
                                 f"rl.micro_batch_size={micro}", "rl.grad_clip=0"]).rl
         before = reads["n"]
-        optimise([learner], [list(range(8))], exp, micro, loss_of, rl, {"skipped": 0, "consecutive": 0})
+        optimise([learner], [list(range(8))], exp, micro, loss_of, rl, BadSteps())
         counts.append(reads["n"] - before)
     assert counts[0] == counts[1], counts

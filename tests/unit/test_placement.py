@@ -9,10 +9,11 @@ import pytest
 from conftest import ROOT
 from rlfuse.config import load_config, save_config
 from rlfuse.errors import ConfigError, UserError
-from rlfuse.models.roles import Role, Roles, derive_roles
-from rlfuse.placement.check import PlacementError, check_placement, validate_placement
-from rlfuse.placement.spec import ClusterResources, NodeResources, PlacementSpec, WorkerGroup, WorkerResources
-from rlfuse.placement.strategies import flattened, interleaved, separated, single, spec_from_config
+from rlfuse.plan.roles import Role, Roles, derive_roles
+from rlfuse.plan.check import PlacementError, check_placement, validate_placement
+from rlfuse.plan.resolve import resolve
+from rlfuse.plan.spec import ClusterResources, NodeResources, PlacementSpec, WorkerGroup, WorkerResources
+from rlfuse.plan.strategies import flattened, interleaved, separated, single, spec_from_config
 
 PPO = []  # PPO, critic from the reward model: five roles, nothing shared
 GRPO_LORA = ["rl.algo=grpo", "rl.k=4", "model.lora=true"]  # the reference is the actor with adapters off
@@ -274,14 +275,14 @@ def test_bad_custom_groups_are_config_errors(tmp_path, groups, field, fix):
     path = tmp_path / "c.yaml"
     path.write_text(f"placement:\n  strategy: custom\n  groups:\n    {groups}\n")
     with pytest.raises(ConfigError) as err:
-        load_config(path)
+        resolve(load_config(path))  # the fields when the config loads; the layout (roles placed) in resolve
     assert err.value.field == field and fix in str(err.value) and "\n" not in str(err.value)
 
 
 # ------------------------------------------------------------------------------------------------- pure
 
 def test_placement_modules_import_neither_torch_nor_ray():
-    code = ("import sys; import rlfuse.placement.spec, rlfuse.placement.strategies, rlfuse.placement.check, "
+    code = ("import sys; import rlfuse.plan.spec, rlfuse.plan.strategies, rlfuse.plan.check, "
             "rlfuse.config; print(sorted(m for m in ('torch', 'ray', 'transformers') if m in sys.modules))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT, check=True)
     assert out.stdout.strip() == "[]"

@@ -8,10 +8,10 @@ import pytest
 import yaml
 
 from rlfuse.config import load_config
-from rlfuse.placement import cost
-from rlfuse.placement.cost import MachineProfile, ModelShape, gpt2_shape
-from rlfuse.placement.planner import best_plan, plan, problem_from_config
-from rlfuse.placement.profile import BUILTIN_CPU
+from rlfuse.plan import cost
+from rlfuse.plan.cost import MachineProfile, ModelShape, gpt2_shape
+from rlfuse.plan.planner import best_plan, plan, problem_from_config
+from rlfuse.plan.profiles import BUILTIN_CPU
 
 TINY = ModelShape("tiny", layers=2, hidden=4, heads=2, ffn=16, vocab=10, context=8)
 RATES = MachineProfile("test", "cpu", 1, flops=1e9, decode_flops=5e8, mem_bw=1e10, layer_call_s=1e-3,
@@ -113,7 +113,7 @@ def test_flattened_waits_for_the_slowest_worker():
     # rollout ends with the longest of all 32; and 2 ranks stepping together pad to the longer rank's micro-batch
     cfg = load_config(None, ["placement.strategy=flattened", "placement.workers=2"])
     prob = problem_from_config(cfg, BUILTIN_CPU, workers=2, lengths=(12.0, 30))
-    from rlfuse.placement import planner as pl
+    from rlfuse.plan import planner as pl
 
     w = prob.workload
     alone = cost.decode_seconds(prob.profile, prob.memory.policy, 16, w.prompt_tokens, w.lengths, w.response_mean,
@@ -130,7 +130,7 @@ def test_lengths_from_a_run_are_one_iterations(tmp_path):
     # longest of all its iterations (that one iteration's outlier would set every iteration's decode steps)
     import json
 
-    from rlfuse.placement.planner import measured_lengths
+    from rlfuse.metrics.tracker import measured_lengths
 
     (tmp_path / "rl").mkdir()
     rows = [{"rollout/length_mean": m, "rollout/length_max": x} for m, x in ((10, 20), (12, 48), (14, 30))]
@@ -191,7 +191,7 @@ def test_balanced_small_models_choose_flattened(default_problem):
 def test_gradient_sync_in_a_backward_at_its_own_rate(default_problem):
     # the same plan with DDP's gradient all-reduce measured at half the idle rate: each optimiser step of each model
     # moves its gradients (one buffer per DDP bucket) once more at the idle rate; a single worker pays nothing
-    from rlfuse.placement import planner as pl
+    from rlfuse.plan import planner as pl
 
     prob = _fixed(default_problem)
     slow = replace(prob, profile=replace(CPU, ddp_allreduce_bytes_s=CPU.allreduce_bytes_s / 2))
@@ -400,8 +400,14 @@ def test_rlfuse_plan_bad_budget_is_one_line(tmp_path, capsys):
     assert err[-1].startswith("rlfuse plan: ") and "nothing fits" in err[-1]
 
 
-def test_strategy_auto_resolves_at_load(capsys):
-    cfg = load_config(None, ["placement.strategy=auto", "placement.workers=2"])
+def test_strategy_auto_resolves_before_the_run(capsys):
+    import sys
+
+    from rlfuse.plan.resolve import resolve
+
+    as_written = load_config(None, ["placement.strategy=auto", "placement.workers=2"])
+    assert as_written.placement.strategy == "auto"  # load_config returns what the file says
+    cfg = resolve(as_written, log=lambda msg: print(msg, file=sys.stderr))
     assert cfg.placement.strategy in ("flattened", "interleaved", "separated", "custom")
     assert "placement.strategy=auto chose" in capsys.readouterr().err
 
@@ -409,8 +415,8 @@ def test_strategy_auto_resolves_at_load(capsys):
 def test_auto_built_in_code_is_planned_once_by_resolve_auto():
     from rlfuse.config import Config
     from rlfuse.errors import UserError
-    from rlfuse.placement.planner import resolve_auto
-    from rlfuse.placement.strategies import spec_from_config
+    from rlfuse.plan.planner import resolve_auto
+    from rlfuse.plan.strategies import spec_from_config
 
     cfg = Config()
     cfg.placement.strategy, cfg.placement.workers = "auto", 2
@@ -422,9 +428,9 @@ def test_auto_built_in_code_is_planned_once_by_resolve_auto():
 
 
 def test_qlora_config_is_planned_as_it_runs():
-    from rlfuse.placement.planner import memory_inputs
-    from rlfuse.placement.cost import policy_shape
-    from rlfuse.models.roles import derive_roles
+    from rlfuse.plan.planner import memory_inputs
+    from rlfuse.plan.cost import policy_shape
+    from rlfuse.plan.roles import derive_roles
 
     cfg = load_config(None, ["model.lora=true", "model.quantization=4bit", "rl.optimizer=paged_adamw_8bit",
                              "rl.algo=ppo", "rl.critic_init=rm"])
@@ -436,10 +442,10 @@ def test_qlora_config_is_planned_as_it_runs():
 def test_planner_constants_match_the_runtime():
     # the pure planner keeps its own copy of the chunk time (it may not import torch) and the DDP bucket in cost.py,
     # which the runtime imports: they must agree
-    from rlfuse.placement.cost import DDP_BUCKET_BYTES
-    from rlfuse.placement.planner import CHUNK_SECONDS
-    from rlfuse.placement.ray_rollout import RolloutSettings
-    from rlfuse.placement.ray_train import DEFAULT_BUCKET_BYTES
+    from rlfuse.plan.cost import DDP_BUCKET_BYTES
+    from rlfuse.plan.planner import CHUNK_SECONDS
+    from rlfuse.runtime.ray_rollout import RolloutSettings
+    from rlfuse.runtime.ray_train import DEFAULT_BUCKET_BYTES
 
     assert RolloutSettings().chunk_seconds == CHUNK_SECONDS and DEFAULT_BUCKET_BYTES == DDP_BUCKET_BYTES
 
@@ -447,7 +453,7 @@ def test_planner_constants_match_the_runtime():
 def test_decoding_the_shared_base_copies_no_weights(default_problem):
     # flattened: each worker's generator is its actor's replica; with a shared base the engine decodes the base
     # itself (no copy, sync/bytes 0 at run time), so only the driver's call is left
-    from rlfuse.placement.planner import _sync_seconds
+    from rlfuse.plan.planner import _sync_seconds
 
     one = replace(_fixed(default_problem), workers=1)
     spec = best_plan(one).spec

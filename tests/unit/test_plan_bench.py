@@ -9,7 +9,7 @@ import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 from bench.plan import plans_for, report, repredict  # noqa: E402
-from rlfuse.placement.profile import BUILTIN_CPU  # noqa: E402
+from rlfuse.plan.profiles import BUILTIN_CPU  # noqa: E402
 
 INPUTS = {"lengths": [11.5, 33], "prompt_tokens": 4.1, "prompt_lengths": 3.8}
 

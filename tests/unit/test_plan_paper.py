@@ -2,9 +2,9 @@
 
 import pytest
 
-from rlfuse.placement.cost import GiB
-from rlfuse.placement.paper import actor_critic, qlora_7b_one_gpu
-from rlfuse.placement.planner import best_plan
+from rlfuse.plan.cost import GiB
+from rlfuse.plan.paper import actor_critic, qlora_7b_one_gpu
+from rlfuse.plan.planner import best_plan
 
 
 def test_qlora_7b_fits_one_24gb_gpu_with_a_3_9gb_base():

@@ -4,8 +4,9 @@ from pathlib import Path
 
 import pytest
 
-from rlfuse.placement.cost import MachineProfile, gpt2_shape
-from rlfuse.placement.profile import BUILTIN_CPU, BUILTIN_OVERHEADS, load_profile, measure_profile
+from rlfuse.plan.cost import MachineProfile, gpt2_shape
+from rlfuse.plan.profiles import BUILTIN_CPU, BUILTIN_OVERHEADS, load_profile
+from rlfuse.runtime.profile import measure_profile
 
 
 def test_measure_profile_tiny_model(tmp_path):
@@ -49,8 +50,8 @@ def test_probe_worker_in_process(monkeypatch):
     samples, collectives, and the training micro-batch's overhead over the bare forward + backward."""
     import torch.distributed as dist
 
-    from rlfuse.placement.profile_ray import ProbeWorker, decode_chunk, fake_samples
-    from rlfuse.placement.ray_common import free_port
+    from rlfuse.runtime.profile_ray import ProbeWorker, decode_chunk, fake_samples
+    from rlfuse.runtime.ray_common import free_port
 
     tiny = gpt2_shape("tiny", 2, 64, 2, 256, 128)
     w = ProbeWorker(tiny, 0, 1)
@@ -94,7 +95,7 @@ def test_an_older_single_ray_slowdown_becomes_the_pair_slowdowns(tmp_path):
 
 
 def test_pair_spread_in_the_note():
-    from rlfuse.placement.profile_ray import pair_note, spread
+    from rlfuse.runtime.profile_ray import pair_note, spread
 
     assert spread([1.0, 1.2, 1.1]) == pytest.approx(0.2 / 1.1)
     quiet = {"pair_decode_slowdown": 1.1, "pair_train_slowdown": 1.3, "pair_decode_spread": 0.05,
@@ -103,7 +104,7 @@ def test_pair_spread_in_the_note():
 
 
 def test_probe_worker_compute_units():
-    from rlfuse.placement.profile_ray import ProbeWorker
+    from rlfuse.runtime.profile_ray import ProbeWorker
 
     w = ProbeWorker(gpt2_shape("tiny", 2, 64, 2, 256, 128), 0, 1)
     assert 0 < w.compute("decode", 2) < 5 and 0 < w.compute("train", 2) < 5
@@ -122,7 +123,7 @@ def test_a_busy_machines_profile_says_so_when_loaded(tmp_path):
 
 
 def test_other_cores_by_hand():
-    from rlfuse.placement.profile import other_cores
+    from rlfuse.runtime.profile import other_cores
 
     # 10 s: the machine's cores busy 25 s in all, 8 s of it this process: others kept 1.7 cores busy
     assert other_cores((100.0, 50.0, 0.0), (125.0, 58.0, 10.0)) == pytest.approx(1.7)
@@ -132,7 +133,7 @@ def test_other_cores_by_hand():
 def test_a_near_flat_fit_is_capped_by_a_bare_matmul(monkeypatch):
     """A busy machine can flatten the forward's timings in rows (a slope near 0 once gave 4.5e15 FLOP/s): the rate
     is then the bare matrix multiply's, never above it."""
-    import rlfuse.placement.profile as profile
+    import rlfuse.runtime.profile as profile
 
     monkeypatch.setattr(profile, "_fit", lambda times: (1e-3, 1e-12))
     p = measure_profile(gpt2_shape("tiny", 2, 64, 2, 256, 128), threads=1, device="cpu", log=lambda m: None, ray=False)
@@ -140,7 +141,7 @@ def test_a_near_flat_fit_is_capped_by_a_bare_matmul(monkeypatch):
 
 
 def test_core_offsets_give_each_worker_its_own_whole_cores():
-    from rlfuse.placement.ray_common import core_offsets
+    from rlfuse.runtime.ray_common import core_offsets
 
     assert core_offsets([1, 1], [None, None]) == [0, 1]
     assert core_offsets([2, 1, 2], ["a", "a", "b"]) == [0, 2, 0]  # counted per node
@@ -155,7 +156,7 @@ def test_pin_to_cores_pins_every_thread_of_the_process():
     if not hasattr(os, "sched_setaffinity") or len(os.sched_getaffinity(0)) < 2:
         pytest.skip("needs Linux and 2 cores")
     want = sorted(os.sched_getaffinity(0))[1]
-    code = ("import os, threading, time; from rlfuse.placement.ray_common import pin_to_cores\n"
+    code = ("import os, threading, time; from rlfuse.runtime.ray_common import pin_to_cores\n"
             "t = threading.Thread(target=time.sleep, args=(2,)); t.start()\n"  # a thread started before pinning
             "print(pin_to_cores(1, 1), sorted({min(os.sched_getaffinity(int(x))) for x in os.listdir('/proc/self/task')}),"
             " pin_to_cores(5000, 1))")
@@ -166,7 +167,7 @@ def test_pin_to_cores_pins_every_thread_of_the_process():
 
 
 def test_core_list_and_when_auto_pins():
-    from rlfuse.placement.ray_driver import core_list, pins_cores
+    from rlfuse.runtime.ray_driver import core_list, pins_cores
 
     assert (core_list([0]), core_list([2, 3, 4]), core_list([0, 2]), core_list([])) == ("0", "2-4", "0,2", "")
     assert pins_cores(None, True, None)  # auto: a local Ray this run started
@@ -178,7 +179,7 @@ def test_core_list_and_when_auto_pins():
 def test_extra_seconds_is_the_median_paired_difference():
     import time
 
-    from rlfuse.placement.profile_ray import extra_seconds
+    from rlfuse.runtime.profile_ray import extra_seconds
 
     calls = []
     slow = lambda: (calls.append("slow"), time.sleep(0.004))

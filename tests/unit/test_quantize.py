@@ -59,7 +59,7 @@ def test_4bit_weights_cost_about_half_a_byte_each(tmp_path):
 def test_8bit_optimisers_step_with_8bit_states(kind):
     import bitsandbytes as bnb
 
-    from rlfuse.trainers.common import build_adamw
+    from rlfuse.learn.optim import build_adamw
 
     model = torch.nn.Linear(256, 256)  # 65536 weights: above bitsandbytes' 4096-element floor for 8-bit states
     opt = build_adamw(model, 1e-2, 0.0, kind)

@@ -4,8 +4,8 @@ promise: choosing the rollout for placement.strategy=single never imports Ray.""
 import subprocess
 import sys
 
-from rlfuse.placement.ray_driver import cluster_resources, worker_metrics
-from rlfuse.placement.spec import ClusterResources, NodeResources
+from rlfuse.runtime.ray_driver import cluster_resources, worker_metrics
+from rlfuse.plan.spec import ClusterResources, NodeResources
 
 
 def test_worker_metrics_names_migration_and_each_worker_by_its_rank():
@@ -27,7 +27,7 @@ def test_cluster_resources_count_alive_nodes_only():
 
 def test_single_placement_never_imports_ray():
     code = ("import sys; import rlfuse.trainers.rl; from rlfuse.config import load_config; "
-            "from rlfuse.placement.rollout import build_placement, LocalRollout; "
+            "from rlfuse.runtime.backend import build_placement; from rlfuse.runtime.local import LocalRollout; "
             "cm = build_placement(load_config(None, []), None, None, None, None, 'local trainer', print); "
             "r, t = cm.__enter__(); assert isinstance(r, LocalRollout) and t == 'local trainer'; "
             "assert 'ray' not in sys.modules, 'ray imported'")

@@ -11,7 +11,7 @@ from rlfuse.config import load_config
 from rlfuse.data.arithmetic import exact_match, problems
 from rlfuse.data.stages import rl_prompt_rows
 from rlfuse.errors import ConfigError, UserError
-from rlfuse.rollout.rewards import FunctionReward, attach_rows, metrics_of_sums, reward_metrics, weighted_sum
+from rlfuse.models.rewards import FunctionReward, attach_rows, metrics_of_sums, reward_metrics, weighted_sum
 
 
 class WordTokenizer:
@@ -137,7 +137,7 @@ def test_prompt_rows_carry_the_other_columns(tmp_path):
 def test_a_ray_scoring_worker_reads_the_columns_the_driver_sends(tiny_task):
     """Placement workers build their reward from folders and names; the prompts' rows travel in RolloutSettings."""
     from rlfuse.models.load import load_tokenizer
-    from rlfuse.placement.ray_rollout import GenerationWorker, RolloutSettings, WorkerModels
+    from rlfuse.runtime.ray_rollout import GenerationWorker, RolloutSettings, WorkerModels
 
     base = str(tiny_task.model_dir)
     tok = load_tokenizer(base)

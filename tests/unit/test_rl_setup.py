@@ -36,7 +36,7 @@ def test_fused_activation_computes_gelu_new():
 
 
 def test_gradient_checkpointing_keeps_the_gradients():
-    from rlfuse.rollout.score import collate, response_logprobs
+    from rlfuse.models.forward import collate, response_logprobs
     from rlfuse.models.build import enable_gradient_checkpointing
 
     torch.manual_seed(0)
@@ -64,8 +64,8 @@ def test_generator_gets_the_actors_weights_after_an_update(tiny_task, tmp_path, 
     from rlfuse.models.build import build_models
     from rlfuse.models.weights import merged_state_dict
     from rlfuse.rollout.engine import DecodeEngine
-    from rlfuse.rollout.score import collate, response_logprobs
-    from rlfuse.trainers.rl import Learner
+    from rlfuse.models.forward import collate, response_logprobs
+    from rlfuse.learn.learners import Learner
 
     cfg = load_config(None, [f"rl.sft_path={tiny_task.model_dir}", "rl.reward=rlfuse.data.gold:gold_reward",
                              "rl.algo=grpo", "rl.k=2", f"model.lora={str(lora).lower()}"])

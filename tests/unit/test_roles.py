@@ -3,7 +3,7 @@
 import pytest
 
 from rlfuse.config import load_config
-from rlfuse.models.roles import derive_roles
+from rlfuse.plan.roles import derive_roles
 
 FN = "rlfuse.data.gold:gold_reward"
 
@@ -44,7 +44,7 @@ def test_roles_module_imports_no_torch():
     import ast
     import inspect
 
-    import rlfuse.models.roles as mod
+    import rlfuse.plan.roles as mod
 
     imported = {n.names[0].name.split(".")[0] for n in ast.walk(ast.parse(inspect.getsource(mod)))
                 if isinstance(n, (ast.Import, ast.ImportFrom)) and n.names}
@@ -54,7 +54,7 @@ def test_roles_module_imports_no_torch():
 
 
 def test_sharing_is_transitive():
-    from rlfuse.models.roles import Role, Roles
+    from rlfuse.plan.roles import Role, Roles
 
     roles = Roles((Role("a", True, "sft"), Role("b", False, "sft", "a"), Role("c", False, "sft", "b"),
                    Role("d", False, "rm")))

@@ -6,7 +6,7 @@ import torch
 
 from helpers import make_tiny_llama, make_tiny_model
 from rlfuse.models.heads import ValueModel, backbone_and_head
-from rlfuse.schedule.stages import split_actor, split_critic, split_problem
+from rlfuse.models.pipeline_stages import split_actor, split_critic, split_problem
 
 TEXTS = ["a good film with a fine cast", "a dull plot and a bad ending", "not bad at all, rather good"] * 20
 

@@ -1,16 +1,18 @@
-"""rl.train_parallel is validated eagerly: each pipeline mode that cannot run says so in one line naming the field
-and the fix."""
+"""rl.train_parallel is validated eagerly (the config's fields when it loads, the placement's training workers and
+the models' layers in plan.resolve, before a run): each pipeline mode that cannot run says so in one line naming the
+field and the fix."""
 
 import pytest
 
 from rlfuse.config import load_config
 from rlfuse.errors import ConfigError
+from rlfuse.plan.resolve import resolve
 
 RAY2 = ["placement.strategy=flattened", "placement.workers=2"]
 
 
 def config(*overrides):
-    return load_config(None, ["model.n_layer=2", *overrides])
+    return resolve(load_config(None, ["model.n_layer=2", *overrides]))
 
 
 @pytest.mark.parametrize("overrides,problem", [

@@ -1,0 +1,264 @@
+"""`rlfuse run|sft|rm|rl|validate CONFIG [section.field=value ...]`: each subcommand loads the config and calls the
+Python API (rlfuse/api.py); `rlfuse generate MODEL --prompt ...` samples from a saved model, `rlfuse env` prints
+versions, `rlfuse plan` ranks placements (plan.py), `rlfuse schedule` compares pipeline schedules (schedule.py).
+`--help` lists the config fields with their docs. User errors print one line and exit 2; no traceback."""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import os
+import platform
+import shutil
+import sys
+import textwrap
+from importlib import metadata
+from pathlib import Path
+
+import yaml
+
+from rlfuse import api
+from rlfuse.api import log_stderr
+from rlfuse.cli import plan as plan_cli
+from rlfuse.cli import schedule as schedule_cli
+from rlfuse.config import Config, config_to_dict, field_docs, field_summary, load_config, section_class, split_args
+from rlfuse.errors import UserError
+from rlfuse.plan.resolve import resolve
+
+log = log_stderr
+
+
+def cmd_sft(cfg: Config) -> int:
+    result = api.train_sft(cfg, log=log)
+    print(f"run folder: {result.model_dir.parent.parent}")
+    return 0
+
+
+def cmd_rm(cfg: Config) -> int:
+    result = api.train_rm(cfg, log=log)
+    print(f"run folder: {result.model_dir.parent.parent}")
+    return 0
+
+
+def cmd_rl(cfg: Config, resume: str | None = None) -> int:
+    from rlfuse.evaluation import eval_table  # torch: only once a run has finished
+
+    result = api.train_rl(cfg, resume, resume=bool(resume), log=log)
+    print(eval_table(vars(result)))
+    print(f"report: {result.report}")
+    print(f"run folder: {result.run_dir}")
+    return 0
+
+
+def cmd_run(cfg: Config, resume: str | None = None) -> int:
+    """The whole pipeline on one config: SFT, reward model on the SFT backbone, then RL. With --resume, finished
+    stages are kept and RL continues from its last checkpoint."""
+    from rlfuse.evaluation import eval_table  # torch: only once a run has finished
+
+    r = api.run_pipeline(cfg, resume, resume=bool(resume), log=log)
+    sft, rm = r.sft, r.rm
+    gram = f", grammatical rate {sft['grammatical_rate']:.3f}" if sft.get("grammatical_rate") is not None else ""
+    print("\n".join([
+        "",
+        "  stage   seconds  result",
+        f"  sft     {sft['seconds']:7.0f}  val perplexity {sft['perplexity']:.2f}{gram}",
+        f"  rm      {rm['seconds']:7.0f}  held-out pairwise accuracy {rm['accuracy']:.3f}" if rm else
+        "  rm            -  skipped (no role uses a reward model)",
+        f"  rl      {r.rl.seconds:7.0f}  {cfg.rl.algo}, {cfg.rl.iterations} iterations",
+        f"  total   {r.seconds:7.0f}",
+        "",
+        eval_table(vars(r.rl)),
+        "",
+    ]))
+    print(f"report: {r.report}")
+    print(f"run folder: {r.run_dir}")
+    return 0
+
+
+def cmd_report(run_dir: str, baseline: str | None = None) -> int:
+    from rlfuse.metrics.report import write_report  # matplotlib: only when figures are drawn
+
+    path = write_report(run_dir, baseline)
+    print(f"report: {path}")
+    return 0
+
+
+def cmd_validate(cfg: Config) -> int:
+    """The config as a run would use it: planned (placement.strategy=auto) and checked (plan.resolve)."""
+    print(yaml.safe_dump(config_to_dict(resolve(cfg, log)), sort_keys=False), end="")
+    print("config OK", file=sys.stderr)
+    return 0
+
+
+def cmd_env() -> int:
+    """Versions and hardware for a bug report."""
+    for key, value in env_report().items():
+        print(f"{key + ':':<16}{value}")
+    return 0
+
+
+def env_report() -> dict:
+    """python, platform, CPU, torch with CUDA and GPUs, and each library rlfuse uses ("not installed" where absent),
+    read from package metadata so nothing heavy is imported but torch."""
+    import torch  # the one heavy import: `rlfuse --help` and the other commands' parsing stay light
+
+    out = {"rlfuse": metadata.version("rlfuse") if _has_dist("rlfuse") else "not installed (source tree)",
+           "python": sys.version.split()[0], "platform": platform.platform(), "cpu": f"{_cpu_name()}, {os.cpu_count()} "
+           f"logical cores, torch threads {torch.get_num_threads()}", "torch": torch.__version__,
+           "cuda": (f"{torch.version.cuda} (available, {torch.cuda.device_count()} device(s))" if torch.cuda.is_available()
+                    else f"{torch.version.cuda or 'none'} (no GPU visible)")}
+    for i in range(torch.cuda.device_count() if torch.cuda.is_available() else 0):
+        props = torch.cuda.get_device_properties(i)
+        out[f"gpu {i}"] = f"{props.name}, {props.total_memory / 2**30:.1f} GiB"
+    for dist in ENV_PACKAGES:
+        out[dist] = metadata.version(dist) if _has_dist(dist) else "not installed"
+    return out
+
+
+ENV_PACKAGES = ("transformers", "peft", "tokenizers", "datasets", "accelerate", "bitsandbytes", "ray", "trl", "vllm",
+                "tensorboard", "wandb", "trackio", "mlflow", "matplotlib", "numpy")
+
+
+def _has_dist(name: str) -> bool:
+    try:
+        metadata.version(name)
+        return True
+    except metadata.PackageNotFoundError:
+        return False
+
+
+def _cpu_name() -> str:
+    try:
+        for line in open("/proc/cpuinfo"):
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+def cmd_generate(ns) -> int:
+    outs = api.generate(ns.model, ns.prompt, max_new_tokens=ns.max_new_tokens, temperature=ns.temperature,
+                        top_k=ns.top_k, top_p=ns.top_p, n=ns.n, seed=ns.seed, device=ns.device)
+    for prompt, completions in zip(ns.prompt, outs):
+        for c in completions:
+            print(f"{prompt}{c}" if ns.n == 1 and len(ns.prompt) == 1 else f"[{prompt}] {c}")
+    return 0
+
+
+def add_generate_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("model", metavar="MODEL", help="a saved stage model (RUN_DIR/rl/model, RUN_DIR/sft/model), a LoRA "
+                   "adapter folder (RUN_DIR/rl/adapter), a run folder (its rl/model, else sft/model) or a hub id")
+    p.add_argument("--prompt", action="append", required=True, help="prompt text; repeat for several")
+    p.add_argument("--max-new-tokens", type=int, default=64)
+    p.add_argument("--temperature", type=float, default=1.0)
+    p.add_argument("--top-k", type=int, default=0, help="0 disables")
+    p.add_argument("--top-p", type=float, default=1.0, help="1.0 disables")
+    p.add_argument("-n", type=int, default=1, help="samples per prompt")
+    p.add_argument("--seed", type=int, default=0, help="the same seed gives the same samples")
+    p.add_argument("--device", default="auto", help="auto | cpu | cuda")
+
+
+COMMANDS = {
+    "run": (cmd_run, "SFT -> reward model -> RL on one config (the embedded default task without a config)"),
+    "sft": (cmd_sft, "supervised fine-tuning"),
+    "rm": (cmd_rm, "reward-model training on preference pairs"),
+    "rl": (cmd_rl, "online RL (ppo | rloo | grpo) from SFT and reward-model folders"),
+    "validate": (cmd_validate, "load and check a config, print it resolved"),
+}
+
+# the config sections each command reads, listed with their fields in its --help
+COMMAND_SECTIONS = {"sft": ("run", "data", "model", "sft"), "rm": ("run", "data", "model", "rm"),
+                    "rl": ("run", "data", "model", "rl", "rollout", "placement")}
+
+RESUMABLE = ("run", "rl")
+
+
+def fields_help(sections: tuple[str, ...] | None = None, full: bool = True) -> str:
+    """The config fields of `sections` (default all) with their defaults and docstrings (the dataclasses' own, read
+    once by config.field_docs): full text for a command's --help, the first sentence for rlfuse --help."""
+    width = min(120, shutil.get_terminal_size((100, 20)).columns)
+    names = sections or tuple(f.name for f in dataclasses.fields(Config))
+    lines = ["config fields (set as section.field=value after the command, or in a YAML file):"]
+    for section in names:
+        cls = section_class(section)
+        docs = field_docs(cls)
+        lines.append(f"\n{section}:")
+        for f in dataclasses.fields(cls):
+            default = f.default if f.default is not dataclasses.MISSING else f.default_factory()
+            head = f"  {section}.{f.name} = {json.dumps(default)}"
+            doc = " ".join(docs.get(f.name, "").split()) if full else field_summary(cls, f.name)
+            if not full:
+                lines.append(f"{head:<44} {doc}" if len(head) < 44 else f"{head}\n{'':<44} {doc}")
+                continue
+            lines.append(head)
+            lines += textwrap.wrap(doc, width, initial_indent=" " * 6, subsequent_indent=" " * 6)
+    return "\n".join(lines)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    raw = argparse.RawDescriptionHelpFormatter
+    parser = argparse.ArgumentParser(prog="rlfuse", description="Fast, memory-lean RLHF. `rlfuse COMMAND --help` "
+                                     "gives each command's fields in full.", formatter_class=raw,
+                                     epilog=fields_help(full=False))
+    sub = parser.add_subparsers(dest="command", required=True)
+    for name, (_, help_text) in COMMANDS.items():
+        p = sub.add_parser(name, help=help_text, description=help_text, formatter_class=raw,
+                           epilog=fields_help(COMMAND_SECTIONS.get(name)))
+        p.add_argument("args", nargs="*", metavar="CONFIG|section.field=value",
+                       help="optional YAML config, then overrides like sft.lr=1e-4 run.dir=/tmp/x")
+        if name in RESUMABLE:
+            p.add_argument("--resume", metavar="RUN_DIR", help="continue a killed run from its last checkpoint "
+                           "(its saved config.yaml is used; overrides still apply)")
+    rp = sub.add_parser("report", help="redraw a run's figures and report.html (also on a running or killed run)")
+    rp.add_argument("run_dir", metavar="RUN_DIR")
+    rp.add_argument("--baseline", metavar="RUN_DIR", help="a measured baseline run (e.g. rollout.fusion=true) for "
+                    "speedup_comparison.png")
+    add_generate_arguments(sub.add_parser("generate", help="sample completions from a saved model with the rollout "
+                                          "engine", description=api.generate.__doc__))
+    sub.add_parser("env", help="print versions and hardware for a bug report")
+    sp = sub.add_parser("schedule", help="fused actor/critic pipeline schedule: serial vs 1F1B vs fused, with a chart")
+    schedule_cli.add_arguments(sp)
+    plan_cli.add_arguments(sub.add_parser("plan", help="rank placements of an RL run by predicted time and memory",
+                                          description=plan_cli.__doc__))
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    ns = parser.parse_args(argv)
+    if ns.command == "schedule":
+        return schedule_cli.run(ns)
+    if ns.command == "plan":
+        return plan_cli.run(ns)
+    if ns.command == "env":
+        return cmd_env()
+    if ns.command in ("report", "generate"):
+        try:
+            return cmd_report(ns.run_dir, ns.baseline) if ns.command == "report" else cmd_generate(ns)
+        except UserError as e:
+            print(f"rlfuse {ns.command}: {e}", file=sys.stderr)
+            return e.exit_code
+    fn, _ = COMMANDS[ns.command]
+    try:
+        config, overrides = split_args(ns.args)
+        resume = getattr(ns, "resume", None)
+        if resume:
+            saved = Path(resume) / "config.yaml"
+            if not saved.exists():
+                raise UserError(f"--resume: {resume} is not a run folder (no config.yaml); give the folder a run printed")
+            cfg = load_config(saved, [f"run.dir={resume}", *overrides])
+            return fn(cfg, resume=resume)
+        cfg = load_config(config, overrides)
+        return fn(cfg)
+    except UserError as e:
+        print(f"rlfuse {ns.command}: {e}", file=sys.stderr)
+        return e.exit_code
+    except KeyboardInterrupt:
+        print(f"rlfuse {ns.command}: interrupted", file=sys.stderr)
+        return 130
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

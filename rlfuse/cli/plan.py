@@ -1,0 +1,108 @@
+"""`rlfuse plan [CONFIG] [section.field=value ...] [--workers N] [--cpus-per-worker C] [--gpus-per-worker G]
+[--memory-per-worker GB] [--profile] [--lengths-from RUN_DIR] [--out plan.yaml] [--paper]`.
+
+Prints the ranked plans, the memory table of the best one and the overrides that run it, and writes the best as
+config sections (`placement:`, with its rl micro-batch and checkpointing and rollout migration) to --out.
+`--profile` first measures this machine (rlfuse/runtime/profile.py) and saves the profile file.
+`--paper` prints the at-scale predictions from published device figures instead (rlfuse/plan/paper.py).
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import yaml
+
+from rlfuse.config import load_config, split_args
+from rlfuse.errors import UserError
+from rlfuse.metrics.tracker import measured_lengths
+from rlfuse.plan.cost import policy_shape
+from rlfuse.plan.memory import GiB
+from rlfuse.plan.paper import paper_report
+from rlfuse.plan.planner import first_fitting, plan, plan_memory_table, plan_table, problem_from_config
+from rlfuse.plan.profiles import default_profile_path, load_profile
+from rlfuse.runtime.profile import measure_profile
+
+
+def _positive(kind):
+    """An argparse type: a number > 0 (0 workers, CPUs or GiB is never what a user means)."""
+    def parse(text: str):
+        value = kind(text)
+        if value <= 0:
+            raise ValueError(text)
+        return value
+    parse.__name__ = f"positive {kind.__name__}"
+    return parse
+
+
+def add_arguments(p) -> None:
+    p.add_argument("args", nargs="*", metavar="CONFIG|section.field=value", help="optional YAML config, then overrides")
+    p.add_argument("--workers", type=_positive(int), help="workers in all (default placement.workers)")
+    p.add_argument("--cpus-per-worker", type=_positive(float), help="CPUs per worker (default placement.cpus_per_worker)")
+    p.add_argument("--gpus-per-worker", type=float, help="GPUs per worker (default placement.gpus_per_worker)")
+    p.add_argument("--memory-per-worker", type=_positive(float), metavar="GB",
+                   help="GiB one worker may use (default placement.memory_per_worker_gb, else a GPU's memory or the "
+                        "machine's RAM divided among the workers)")
+    p.add_argument("--profile", action="store_true", help="measure this machine first (under a minute) and save it")
+    p.add_argument("--profile-path", metavar="FILE", help="profile file to write/read (default "
+                   "$RLFUSE_CACHE/machine_profile.json, i.e. ~/.cache/rlfuse/machine_profile.json)")
+    p.add_argument("--lengths-from", metavar="RUN_DIR", help="response lengths measured by an RL run "
+                   "(its rl/metrics.jsonl) instead of the config's defaults")
+    p.add_argument("--out", default="plan.yaml", metavar="FILE", help="where the best plan's YAML goes (plan.yaml)")
+    p.add_argument("--top", type=int, default=12, help="rows of the ranked table")
+    p.add_argument("--paper", action="store_true", help="the at-scale predictions from published GPU figures")
+
+
+def run(ns) -> int:
+    log = lambda msg: print(msg, file=sys.stderr, flush=True)
+    try:
+        if ns.paper:
+            print(paper_report())
+            return 0
+        config, overrides = split_args(ns.args)
+        cfg = load_config(config, overrides)
+        if cfg.placement.strategy != "single" and ns.workers is None and cfg.placement.workers < 2:
+            raise UserError("rlfuse plan: give --workers N (2 or more)")
+        if ns.profile:
+            path = Path(ns.profile_path) if ns.profile_path else default_profile_path()
+            threads = int(ns.cpus_per_worker or cfg.placement.cpus_per_worker)
+            measure_profile(policy_shape(cfg.model), threads=max(1, threads), log=log).save(path)
+            log(f"[plan] machine profile written to {path}")
+        profile = load_profile(ns.profile_path, log=log)
+        lengths = None
+        if ns.lengths_from:
+            lengths = measured_lengths(ns.lengths_from)
+            if lengths is None:
+                raise UserError(f"--lengths-from {ns.lengths_from}: no rl/metrics.jsonl with response lengths there; "
+                                "give an RL run folder")
+        budget = ns.memory_per_worker if ns.memory_per_worker is not None else cfg.placement.memory_per_worker_gb
+        prob = problem_from_config(cfg, profile, ns.workers, ns.cpus_per_worker, ns.gpus_per_worker,
+                                   None if budget is None else budget * GiB, lengths)
+        plans = plan(prob)
+        print(f"profile: {profile.name} ({profile.source})")
+        w = prob.workload
+        print(f"workload: {w.samples} samples x {w.prompt_tokens:g} prompt + {w.response_mean:.1f} response tokens "
+              f"(at most {w.response_max}), {w.epochs} epochs, mini-batch {w.mini_batch}; {prob.workers} workers; "
+              f"budget {'none' if prob.memory_budget is None else f'{prob.memory_budget / GiB:.2f} GiB'} per worker\n")
+        print(plan_table(plans, ns.top))
+        best = first_fitting(plans, prob.workers)  # after the table: it shows what did not fit
+        print(f"\nbest: {best.label()}, predicted {best.iteration_s:.3f} s per iteration\n")
+        print(best.spec.describe())
+        print("\npredicted peak memory per worker of the best plan, by component:")
+        print(plan_memory_table(best))
+        block = best.config_block()
+        text = yaml.safe_dump(block, sort_keys=False)
+        if not Path(ns.out).resolve().parent.is_dir():
+            raise UserError(f"--out {ns.out}: its folder does not exist; create it or give another path")
+        Path(ns.out).write_text(text)
+        print(f"\n{text}", end="")
+        if block["placement"]["strategy"] != "custom":
+            flat = [f"{s}.{k}={str(v).lower() if isinstance(v, bool) else v}" for s, d in block.items()
+                    for k, v in d.items() if k != "address"]
+            print(f"\nrun it: rlfuse run {config or ''} {' '.join(flat)}".replace("  ", " "))
+        print(f"written: {ns.out}")
+        return 0
+    except UserError as e:
+        print(f"rlfuse plan: {e}", file=sys.stderr)
+        return e.exit_code

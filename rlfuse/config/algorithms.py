@@ -1,0 +1,41 @@
+"""What each RL algorithm (rl.algo) needs and does, in one table: validation, the roles, the advantages, the KL
+penalty, the mini-batches and the logged learning rates read these properties rather than branching on the name."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class Algorithm:
+    name: str
+    critic: bool
+    """A value model trains beside the actor (the critic role; rl.critic_init, rl.critic_lr)."""
+    min_k: int
+    """Samples per prompt it needs (rl.k): the group baselines need at least two."""
+    advantage: str
+    """The estimator: "gae" (per token, from the critic's values) or a key of rlfuse.algos.advantages.ADVANTAGE_FNS
+    (per sample, from the k samples of its prompt)."""
+    kl_in: str
+    """Where the KL penalty to the reference goes: "token_reward" (each token's reward, Ziegler et al.),
+    "sequence_reward" (the sample's reward, Ahmadian et al.) or "loss" (the policy loss, DeepSeekMath)."""
+    kl_estimator: str
+    """The per-token KL estimator when rl.kl_estimator is null (k1 | k2 | k3)."""
+    groups_prompts: bool
+    """A prompt's k samples stay together in one mini-batch (its baseline is their mean)."""
+
+    @property
+    def whitens_over(self) -> str:
+        """rl.whiten_advantages normalises over response "tokens" (one advantage per token) or "samples"."""
+        return "tokens" if self.advantage == "gae" else "samples"
+
+
+ALGORITHMS = {
+    "ppo": Algorithm("ppo", critic=True, min_k=1, advantage="gae", kl_in="token_reward", kl_estimator="k1",
+                     groups_prompts=False),
+    "rloo": Algorithm("rloo", critic=False, min_k=2, advantage="rloo", kl_in="sequence_reward", kl_estimator="k1",
+                      groups_prompts=True),
+    "grpo": Algorithm("grpo", critic=False, min_k=2, advantage="grpo", kl_in="loss", kl_estimator="k3",
+                      groups_prompts=True),
+}
+"""rl.algo -> its Algorithm."""

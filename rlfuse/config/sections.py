@@ -1,0 +1,394 @@
+"""The config's sections: one dataclass per section, each field with its default and an attribute docstring (what
+`rlfuse --help` prints), and the few values derived from them (`fusion_on`, `checkpointing_on`, the properties)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Optional
+
+from rlfuse.config.algorithms import ALGORITHMS
+
+DATA_KINDS = ("synthetic", "arithmetic", "imdb", "hh_rlhf", "csv", "jsonl", "parquet", "hub")
+QUANTIZATIONS = ("none", "4bit", "8bit")
+OPTIMIZERS = ("adamw", "adamw_8bit", "paged_adamw_8bit")
+TRACKERS = ("tensorboard", "wandb", "trackio", "mlflow")
+STRATEGIES = ("single", "flattened", "interleaved", "separated", "custom")
+"""placement.strategy's layouts (rlfuse/plan/strategies.py builds each; auto is planned into one of them)."""
+MIN_WORKERS = {"single": 1, "flattened": 1, "interleaved": 2, "separated": 2, "custom": 1}
+"""Workers each strategy needs: interleaved and separated have two groups of at least one worker each."""
+
+
+@dataclass
+class RunConfig:
+    dir: Optional[str] = None
+    """Run folder. Default: a new folder runs/<command>-<timestamp>."""
+    seed: int = 0
+    """Seed for data order, initialisation and sampling."""
+    device: str = "auto"
+    """auto | cpu | cuda."""
+    precision: str = "auto"
+    """SFT and reward model: auto (bf16 autocast on a GPU that supports it, fp32 on CPU) | fp32 | bf16 | fp16. The RL
+    stage runs fp32 for now. With model.quantization, also the dtype the quantised layers compute in."""
+    quiet: bool = False
+    """No live progress bars, only periodic log lines (also the default when stderr is not a terminal)."""
+    threads: int = 0
+    """torch CPU threads; 0 leaves torch's default."""
+    memory_table: Optional[bool] = None
+    """The RL stage measures memory per component (rl/memory.json and the report's table; one process only, Ray
+    workers log their RSS). null: on where memory is the point (model.quantization or a shared base). On a CPU
+    each measurement hands freed heap back to the OS first, about 0.25 s twice per iteration."""
+    report_to: Optional[list] = None
+    """Where SFT, RM and RL metrics go besides metrics.jsonl: a list of tensorboard | wandb | trackio | mlflow (each an
+    optional install; a missing one is a config error naming the package). null: tensorboard when installed. []: none.
+    wandb and trackio take their project from WANDB_PROJECT / TRACKIO_PROJECT (default rlfuse), mlflow from its own
+    MLFLOW_* variables; one tracker run per stage, named <run folder>-<stage>."""
+
+    def measures_memory(self, model) -> bool:
+        """memory_table, or its default for this model section."""
+        return (model.quantization != "none" or model.shares_base) if self.memory_table is None else self.memory_table
+
+
+@dataclass
+class DataConfig:
+    kind: str = "synthetic"
+    """synthetic (the embedded default task) | arithmetic (embedded word problems with a verifiable answer) | imdb |
+    hh_rlhf | csv | jsonl | parquet | hub. csv, jsonl, parquet and
+    hub rows may be in any of TRL's formats (text; prompt; prompt + completion; prompt + chosen + rejected; or
+    messages), standard or conversational (message lists), detected per data set."""
+    path: Optional[str] = None
+    """Local file (csv/jsonl/jsonl.gz/parquet) or a hub data set name (imdb, hh_rlhf, hub). Unused by synthetic."""
+    subset: Optional[str] = None
+    """Hub data sets: the configuration name (e.g. `main` for openai/gsm8k)."""
+    split: str = "train"
+    """Hub data sets: the split to read; rlfuse holds out data.eval_fraction of it itself."""
+    chat_template: Optional[str] = None
+    """Conversational rows are rendered with the tokenizer's chat template; this sets one: `chatml`, a .jinja file,
+    or the template text (saved with the SFT model's tokenizer)."""
+    text_column: Optional[str] = None
+    """Generic files: column with the text to learn (SFT). Defaults per kind."""
+    label_column: Optional[str] = None
+    """Generic files: sentiment label column (positive/negative or 1/0), used to build preference pairs."""
+    prompt_column: Optional[str] = None
+    """Generic files: prompt column (default `prompt`), used whole as the RL prompt; with the completion column
+    SFT can be completion-only."""
+    response_column: Optional[str] = None
+    """Generic files: completion column (default `completion`; completion-only SFT)."""
+    chosen_column: Optional[str] = None
+    """Generic files: preferred response column (reward model; default `chosen`)."""
+    rejected_column: Optional[str] = None
+    """Generic files: dispreferred response column (reward model; default `rejected`)."""
+    num_reviews: int = 6000
+    """Synthetic task: number of reviews in the corpus."""
+    max_examples: Optional[int] = None
+    """Use at most this many rows of a file (after skipping empty ones)."""
+    eval_fraction: float = 0.05
+    """Fraction of rows held out for validation."""
+    max_length: int = 192
+    """Tokens per training sequence; longer ones are truncated."""
+    prompt_words: int = 4
+    """Synthetic task: words of a held-out review used as an RL/eval prompt (2..prompt_words)."""
+
+
+@dataclass
+class ModelConfig:
+    name: str = "embedded"
+    """'embedded' (the default task's GPT-2, built locally), a hub name (distilgpt2) or a local model folder."""
+    n_layer: int = 4
+    """Embedded model: transformer layers."""
+    n_embd: int = 128
+    """Embedded model: hidden size."""
+    n_head: int = 4
+    """Embedded model: attention heads (must divide n_embd)."""
+    lora: bool = False
+    """Train LoRA adapters through peft instead of all weights."""
+    lora_r: int = 8
+    """LoRA rank."""
+    lora_alpha: int = 16
+    """LoRA scaling numerator."""
+    lora_targets: Optional[list] = None
+    """Module names for LoRA; default chosen per architecture (GPT-2: c_attn, c_proj, c_fc; Llama: q/k/v/o/gate/up/down)."""
+    quantization: str = "none"
+    """none | 4bit (NF4, double quantisation, QLoRA) | 8bit: the frozen base weights through bitsandbytes, in SFT, RM
+    and RL; compute dtype from run.precision. Needs model.lora (only the full-precision adapters train)."""
+    shared_base: Optional[bool] = None
+    """RL with LoRA: one copy of the base (the SFT model) for every role: the actor's adapter, the reference as
+    adapters off, the critic's adapter + value head, the reward model's adapter + score head (from the rm stage).
+    null: on exactly when model.quantization is set (a quantised base only trains through adapters, and exists to
+    save memory); off keeps separate models, which placement can put on different workers."""
+
+    @property
+    def shares_base(self) -> bool:
+        """shared_base, or its default: on with a quantised base."""
+        return self.quantization != "none" if self.shared_base is None else self.shared_base
+
+
+@dataclass
+class SFTConfig:
+    lr: float = 2e-3
+    """Peak learning rate (AdamW, linear warm-up then cosine decay)."""
+    steps: int = 600
+    """Optimiser steps."""
+    batch_size: int = 32
+    """Sequences per optimiser step."""
+    micro_batch_size: int = 32
+    """Sequences per forward/backward; batch_size must be a multiple (gradient accumulation)."""
+    warmup_steps: int = 30
+    """Linear warm-up steps."""
+    weight_decay: float = 0.01
+    """AdamW weight decay."""
+    grad_clip: float = 1.0
+    """Gradient-norm clipping (0 disables)."""
+    completion_only: bool = False
+    """Loss only on response tokens (needs prompt/response data); else the whole text."""
+    eval_every: int = 100
+    """Validation loss every this many steps (and at the end)."""
+    eval_samples: int = 64
+    """Synthetic task: generations sampled at the end to measure the grammatical rate."""
+
+
+@dataclass
+class RMConfig:
+    lr: float = 2e-3
+    """Peak learning rate."""
+    steps: int = 500
+    """Optimiser steps."""
+    batch_size: int = 32
+    """Preference pairs per optimiser step."""
+    micro_batch_size: int = 32
+    """Pairs per forward/backward; batch_size must be a multiple."""
+    warmup_steps: int = 30
+    """Linear warm-up steps."""
+    weight_decay: float = 0.01
+    """AdamW weight decay."""
+    grad_clip: float = 1.0
+    """Gradient-norm clipping (0 disables)."""
+    init: str = "sft"
+    """Backbone: sft (the SFT model of this run, or sft_path) | base (the model named in model.name)."""
+    sft_path: Optional[str] = None
+    """SFT model folder (or hub id) to start from when the run folder has none."""
+    num_pairs: int = 12000
+    """Synthetic/IMDb tasks: preference pairs to build."""
+    eval_every: int = 100
+    """Held-out accuracy every this many steps (and at the end)."""
+
+
+@dataclass
+class RLConfig:
+    algo: str = "ppo"
+    """ppo (with a critic) | rloo | grpo."""
+    iterations: int = 40
+    """RL iterations (generate -> score -> update)."""
+    prompts_per_iter: int = 32
+    """Prompts per iteration."""
+    k: int = 1
+    """Samples per prompt (rloo and grpo need >= 2)."""
+    max_new_tokens: int = 48
+    """Response length limit."""
+    max_prompt_tokens: Optional[int] = None
+    """Longer RL and evaluation prompts keep their last this many tokens (BOS stays in front), counted in the log.
+    Default: the model's context minus rl.max_new_tokens; a value whose sum with rl.max_new_tokens exceeds the
+    context is a config error."""
+    temperature: float = 0.7
+    """Sampling temperature (the policy optimised is softmax(logits / temperature)); with a schedule, the first
+    iteration's."""
+    temperature_schedule: str = "constant"
+    """constant | linear | cosine from rl.temperature (first iteration) to rl.temperature_final (last); each
+    iteration samples, scores the reference and updates at its own temperature (logged as rollout/temperature)."""
+    temperature_final: Optional[float] = None
+    """Last iteration's temperature for a linear or cosine schedule (e.g. rl.temperature=1.0 -> 0.7)."""
+    eval_temperature: Optional[float] = None
+    """Temperature of the before/after evaluation (and of curriculum=reward's SFT samples), fixed whatever the
+    schedule so before and after compare; default rl.temperature."""
+    curriculum: str = "none"
+    """none (uniform prompts) | length (short prompts first) | reward (prompts whose SFT sample scores highest first,
+    scored once before RL with rl.reward): each iteration draws from the easiest part of the train prompts, growing
+    from rl.curriculum_start to all of them at the last iteration."""
+    curriculum_start: float = 0.25
+    """Curriculum: fraction of the train prompts (the easiest) the first iteration draws from."""
+    top_k: int = 0
+    """Top-k sampling (0 disables)."""
+    top_p: float = 1.0
+    """Nucleus sampling (1.0 disables)."""
+    stop: Optional[list] = None
+    """Stop strings that end a response besides EOS."""
+    lr: float = 1e-4
+    """Actor learning rate."""
+    critic_lr: float = 1e-4
+    """Critic learning rate (ppo)."""
+    epochs: int = 4
+    """Passes over each iteration's samples."""
+    mini_batch_size: int = 16
+    """Samples per optimiser step."""
+    micro_batch_size: int = 16
+    """Samples per forward/backward; mini_batch_size must be a multiple."""
+    clip: float = 0.2
+    """PPO ratio clip."""
+    vf_clip: float = 0.2
+    """Value clip (ppo)."""
+    gamma: float = 1.0
+    """GAE discount (ppo)."""
+    lam: float = 0.95
+    """GAE lambda (ppo)."""
+    loss_level: str = "token"
+    """token | sequence averaging of the policy loss."""
+    kl_estimator: Optional[str] = None
+    """k1 | k2 | k3 per-token KL estimator, used for the KL penalty (in the reward or, for grpo, in the loss), the
+    logged reward/kl and the adaptive controller alike. null: k3 for grpo (as DeepSeekMath), k1 otherwise (as Ziegler
+    et al.); see `kl_estimator_used`."""
+    kl_coef: float = 0.2
+    """Initial KL coefficient."""
+    kl_target: Optional[float] = 4.0
+    """Adaptive KL controller target (sequence KL, nats); null keeps kl_coef fixed."""
+    kl_horizon: int = 256
+    """Adaptive KL controller horizon (samples): with 32 samples per iteration the coefficient moves up to 2.5% per
+    iteration (Ziegler et al.'s 10000 suits runs a hundred times longer)."""
+    reward: str = "rm"
+    """rm (the reward model) | module:function | several module:function separated by commas. A function is
+    f(prompts, completions, **columns) -> list[float | None] (TRL's form: the prompts' other data set columns come
+    by name; None abstains) or, older, f(texts) -> list[float] of prompt + response texts."""
+    reward_weights: Optional[list] = None
+    """One weight per function in rl.reward (default 1.0 each); the reward is the weighted sum."""
+    critic_init: str = "rm"
+    """ppo critic: rm (separate model from the reward model's backbone and head) | sft (separate model from the SFT
+    backbone, zero head) | actor (a value head on the actor's own backbone: no second model)."""
+    unfinished_penalty: float = 0.0
+    """Subtracted from the reward of responses that hit max_new_tokens without ending."""
+    grad_clip: float = 1.0
+    """Gradient-norm clipping (0 disables)."""
+    gradient_checkpointing: Optional[bool] = None
+    """Recompute each layer's activations in the backward pass of the update instead of keeping them (less memory,
+    about one more forward of time); gradients are unchanged (tested). null: on with a quantised base
+    (model.quantization), off otherwise."""
+    optimizer: str = "adamw"
+    """adamw (torch) | adamw_8bit (bitsandbytes, 8-bit states: about a quarter of adamw's state memory) |
+    paged_adamw_8bit (the same, states in paged memory that spills to the host under GPU pressure) for actor and
+    critic."""
+    disable_dropout: bool = True
+    """Switch dropout off in the actor and critic during RL: with dropout the update's log-probs are noisy draws, so
+    the PPO ratio is not 1 on the very samples just drawn (OpenRLHF and veRL do the same; TRL's disable_dropout)."""
+    whiten_advantages: bool = True
+    """Shift and scale each iteration's advantages to mean 0, std 1: over response tokens for ppo (one advantage per
+    token), over samples for rloo and grpo (one advantage per sample)."""
+    sft_path: Optional[str] = None
+    """Actor/reference folder or hub id for `rlfuse rl`; default RUN_DIR/sft/model."""
+    rm_path: Optional[str] = None
+    """Reward model folder or hub id; default RUN_DIR/rm/model."""
+    ckpt_every: int = 5
+    """Checkpoint every this many iterations (and at the end)."""
+    eval_prompts: int = 128
+    """Held-out prompts for the before/after evaluation (0 skips it)."""
+    eval_every: int = 0
+    """Also evaluate the held-out prompts every this many iterations during RL (eval/* in metrics.jsonl, a table in
+    the report); 0: only before and after."""
+    log_samples_every: int = 10
+    """Every this many iterations, a table of the iteration's first prompts, completions and rewards: rl/samples.jsonl,
+    TensorBoard text, the trackers, the report. 0 turns it off."""
+    max_bad_steps: int = 3
+    """Stop after this many consecutive updates skipped for NaN/inf (a loss, or a reward of the iteration)."""
+    # --- prefix sharing and micro-batches (issue 19)
+    share_prompt: bool = True
+    """The k samples of a prompt in one micro-batch run its forward once (reference, reward, critic and the training
+    forward and backward; rlfuse/models/prefix.py), the same numbers with prompt tokens x (k - 1) fewer
+    token-forwards per pass (perf/prompt_tokens_shared). GPT-2 and Llama-style models; others keep the full forward.
+    With ppo and k > 1 a prompt's samples then stay in one mini-batch, as for rloo and grpo. false: today's path."""
+    micro_batch_tokens: Optional[int] = None
+    """The update's micro-batches by a token budget instead of rl.micro_batch_size samples: each holds the most
+    samples (a prompt's samples together, similar lengths together) whose forward, padding included (prompts once with
+    rl.share_prompt), stays within this many token positions; a sample longer than the budget gets one of its own.
+    null: rl.micro_batch_size samples each."""
+    # --- training across workers (issue 15)
+    train_parallel: str = "data"
+    """How a Ray placement's training workers share the update: data (data parallel: full replicas, gradients
+    all-reduced; one process with placement.strategy=single) | pipeline_serial (actor and critic each cut into P
+    stages over the P training workers, the critic reversed; the actor's 1F1B, then the critic's) | pipeline_fused
+    (the same stages, one fused actor+critic schedule filling each other's bubbles; rlfuse/schedule/ppo_pipeline.py)
+    | single (one process: placement.strategy=single)."""
+
+    @property
+    def kl_estimator_used(self) -> str:
+        """kl_estimator, or the algorithm's default when it is null."""
+        return self.kl_estimator or ALGORITHMS[self.algo].kl_estimator
+
+
+@dataclass
+class RolloutConfig:
+    fusion: Any = "auto"
+    """auto | true | false. true: score finished samples while the rest still decode; false: decode everything, then
+    score. auto: on only where scoring can overlap decoding. In one process (placement.strategy=single, CPU or CUDA)
+    scoring runs between decode steps on the same device, so interleaving it only adds small calls (0.8-0.94x on CPU,
+    BENCHMARKS.md's rollout section): auto is off there. Ray placements always score on their workers as samples
+    finish (rlfuse/placement/ray_rollout.py) and do not read this field. See `fusion_on`."""
+    score_every: int = 16
+    """Fusion: score whenever this many samples have finished..."""
+    live_below: int = 8
+    """...or whenever the live decode batch has fewer rows than this."""
+    max_rows: int = 256
+    """Most rows decoded at once (prompts wait in a queue beyond it)."""
+    micro_batch_size: int = 16
+    """Samples per scoring forward."""
+    migrate_below: float = 0.2
+    """Several generation workers: migrate the decode tail onto fewer workers once fewer than this fraction of the
+    iteration's samples is unfinished (RLHFuse's R_t); the freed workers score. 0 turns migration off."""
+    rows_per_worker: int = 16
+    """Several generation workers: rows one worker decodes at about full speed (a step costs little more than a
+    1-row step); the tail moves onto ceil(unfinished / this) workers, and earlier if that is fewer than are busy."""
+
+
+@dataclass
+class PlacementConfig:
+    strategy: str = "single"
+    """single (one process, as before; no Ray) | flattened (every role on every worker) | interleaved (reference and
+    reward on their own workers, concurrent with training) | separated (generation on its own workers, weights synced
+    each iteration) | custom (the layout in placement.groups). See docs/placement.md."""
+    workers: int = 2
+    """Worker processes in all for flattened, interleaved and separated (custom groups give their own)."""
+    cpus_per_worker: float = 1.0
+    """Logical CPUs each worker reserves; its torch threads are pinned to this share. Default for custom groups."""
+    gpus_per_worker: float = 0.0
+    """GPUs each worker reserves (a fraction below 1 shares a device). Default for custom groups."""
+    address: Optional[str] = None
+    """Ray cluster address (e.g. ray://head:10001 or auto); null starts a local Ray on this machine."""
+    groups: Optional[list] = None
+    """strategy=custom: a list of groups, each {name, workers, roles: [actor, generator, reference, critic, reward],
+    cpus_per_worker?, gpus_per_worker?}; every role of the run in one group, shared-weight roles together."""
+    pin_cores: Optional[bool] = None
+    """Keep each worker's threads on whole cores of its own (true), or leave them to the OS scheduler (false), which
+    moves busy workers between cores and makes them slow each other. null (auto): pinned when the run starts its own
+    local Ray (no other job's workers share the cores), not on a cluster at placement.address. Workers of a
+    fractional CPU share are never pinned."""
+    memory_per_worker_gb: Optional[float] = None
+    """GiB one worker may use, for the planner (strategy=auto, `rlfuse plan`) and the checker's memory check; default
+    (planner only): a GPU's memory, or this machine's RAM divided among the workers."""
+
+
+@dataclass
+class Config:
+    run: RunConfig = field(default_factory=RunConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    model: ModelConfig = field(default_factory=ModelConfig)
+    sft: SFTConfig = field(default_factory=SFTConfig)
+    rm: RMConfig = field(default_factory=RMConfig)
+    rl: RLConfig = field(default_factory=RLConfig)
+    rollout: RolloutConfig = field(default_factory=RolloutConfig)
+    placement: PlacementConfig = field(default_factory=PlacementConfig)
+
+
+def fusion_on(cfg: Config) -> bool:
+    """rollout.fusion resolved for the single-process rollout: true/false as given; auto is off (see the field)."""
+    return cfg.rollout.fusion is True
+
+
+def checkpointing_on(cfg: Config) -> bool:
+    """rl.gradient_checkpointing, or its default: on with a quantised base (model.quantization)."""
+    if cfg.rl.gradient_checkpointing is None:
+        return cfg.model.quantization != "none"
+    return cfg.rl.gradient_checkpointing
+
+
+# --------------------------------------------------------------------------------------------- loading
+
+
+# ------------------------------------------------------------------------------------------ validation
+
+
+# ---------------------------------------------------------------------------------------------- saving

@@ -1,0 +1,29 @@
+"""An iteration's advantages and returns from its experience: the KL penalty where rl.algo puts it (its Algorithm's
+kl_in), then the algorithm's estimator, through the pure functions of rlfuse/algos."""
+
+from __future__ import annotations
+
+import torch
+
+from rlfuse.algos.advantages import ADVANTAGE_FNS, gae_advantages
+from rlfuse.algos.kl import kl_penalty, kl_shaped_rewards
+from rlfuse.algos.stats import whiten
+from rlfuse.config import RLConfig
+from rlfuse.config.algorithms import ALGORITHMS
+from rlfuse.rollout.fusion import Experience
+
+
+def compute_advantages(exp: Experience, rl: RLConfig, kl_coef: float):
+    """-> (advantages (N, T) for a per-token estimator or (N,), returns (N, T) or None, per-token KL (N, T)); calls
+    only pure functions. rl.whiten_advantages whitens over response tokens (gae) or over samples (rloo, grpo)."""
+    algo = ALGORITHMS[rl.algo]
+    kl = kl_penalty(exp.logprobs, exp.ref_logprobs, rl.kl_estimator_used) * exp.mask
+    if algo.advantage == "gae":  # the KL in each token's reward (Ziegler et al.)
+        rewards = kl_shaped_rewards(exp.scores, kl, exp.mask, kl_coef)
+        adv, returns = gae_advantages(rewards, exp.values, exp.mask, rl.gamma, rl.lam)
+        mask = exp.mask
+    else:  # the KL in the sequence reward (rloo) or in the loss (grpo: learn/losses.py micro_policy_loss)
+        seq_reward = exp.scores - (kl_coef * kl.sum(1) if algo.kl_in == "sequence_reward" else 0.0)
+        adv, returns = ADVANTAGE_FNS[algo.advantage](seq_reward, rl.k), None
+        mask = torch.ones_like(adv)
+    return (whiten(adv, mask) if rl.whiten_advantages else adv), returns, kl

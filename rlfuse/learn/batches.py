@@ -1,0 +1,94 @@
+"""Which samples train together: SFT and RM batches grouped by length (batch_indices); an RL update's epochs x
+mini-batches (a function of seed and iteration) and each mini-batch's micro-batches, by count or by a token budget,
+with every data-parallel rank's share (minibatches, micro_batch_indices, micro_batches)."""
+
+from __future__ import annotations
+
+from typing import Iterator
+
+import numpy as np
+import torch
+
+from rlfuse.config import RLConfig
+from rlfuse.config.algorithms import ALGORITHMS
+from rlfuse.data.collate import pack_by_tokens, prompt_runs
+from rlfuse.models.forward import forward_tokens, worth_sharing
+from rlfuse.models.prefix import prompt_tokens_saved
+from rlfuse.plan.spec import dp_micro_size
+from rlfuse.rollout.fusion import Experience
+
+
+def batch_indices(lengths: list[int], batch_size: int, steps: int, seed: int, group: int = 32):
+    """Yield `steps` index lists of `batch_size` over seeded epoch permutations, grouped by length: each window of
+    `group` batches is sorted by length before it is cut, so a batch pads to a similar length, not the corpus's
+    long tail; the batch order within the window is shuffled again."""
+    rng = np.random.default_rng(seed)
+    lengths = np.asarray(lengths)
+    n, queue = len(lengths), []
+    for _ in range(steps):
+        if not queue:
+            order = rng.permutation(n)
+            order = order[: n - n % batch_size] if n >= batch_size else np.resize(order, batch_size)
+            window = batch_size * group
+            for s in range(0, len(order), window):
+                chunk = order[s: s + window]
+                chunk = chunk[np.argsort(lengths[chunk], kind="stable")]
+                batches = [chunk[i: i + batch_size].tolist() for i in range(0, len(chunk), batch_size)]
+                queue.extend(batches[i] for i in rng.permutation(len(batches)))
+        yield queue.pop(0)
+
+
+def minibatches(n: int, rl: RLConfig, seed: int, iteration: int) -> list[list[int]]:
+    """Epochs x mini-batches of sample indices, a function of (seed, iteration); a prompt's k samples stay in one
+    mini-batch (rloo, grpo; ppo too with rl.share_prompt, where rl.mini_batch_size is a multiple of rl.k, so that its
+    micro-batches can share prompts). The actor and critic updates walk the same list."""
+    gen = torch.Generator().manual_seed(seed * 7919 + iteration)
+    group = rl.k if ALGORITHMS[rl.algo].groups_prompts or (rl.share_prompt and rl.mini_batch_size % rl.k == 0) else 1
+    out = []
+    for _ in range(rl.epochs):
+        order = (torch.randperm(n // group, generator=gen)[:, None] * group + torch.arange(group)).view(-1).tolist()
+        out += [order[s: s + rl.mini_batch_size] for s in range(0, n, rl.mini_batch_size)]
+    return out
+
+
+def micro_batch_indices(exp: Experience, mini: list[int], size: int, world: int = 1, tokens: int | None = None,
+                        shared: bool = False) -> list[list[int]]:
+    """A mini-batch's micro-batches, every rank's, in order: `size` samples each, or with a token budget (`tokens`,
+    rl.micro_batch_tokens) packed by collate.pack_by_tokens, a prompt's samples kept together, similar lengths
+    together, each micro-batch's forward (score.forward_tokens; prompts once when `shared`) within the budget. A
+    mini-batch too small to give each of `world` ranks a micro-batch is cut into `world` smaller ones
+    (placement/spec.py dp_micro_size), so no rank only pads."""
+    if tokens is not None:
+        prompts, responses = exp.prompt_ids, exp.response_ids
+        units = prompt_runs(mini, exp.prompt_index.tolist())
+        units.sort(key=lambda u: max(len(prompts[i]) + len(responses[i]) for i in u))
+        cost = lambda idx: forward_tokens([prompts[i] for i in idx], [responses[i] for i in idx], shared)
+        packed = pack_by_tokens(units, cost, tokens)
+        if len(packed) >= world:
+            return packed
+    size = dp_micro_size(len(mini), size, world)
+    return [mini[s: s + size] for s in range(0, len(mini), size)]
+
+
+def micro_batches(exp: Experience, mini: list[int], size: int, rank: int = 0, world: int = 1,
+                  tokens: int | None = None, shared: bool = False) -> Iterator[tuple[list[int], dict]]:
+    """(indices, share) per micro-batch (micro_batch_indices); share[level] is its part of the mini-batch's tokens
+    ("token") or samples ("sequence"), so that micro-batch means scaled by it sum to the mini-batch mean
+    (accumulation = one big batch). Data parallel (world > 1): rank r gets micro-batches r, r + world, ... of the same
+    list (the single process's micro-batches, so the per-micro-batch stats agree too), shares still of the whole
+    mini-batch, so the ranks' share-scaled gradients sum to the single-process one."""
+    lengths = exp.mask.sum(1).tolist()  # one host read per mini-batch (exp lives on the host anyway)
+    total = sum(lengths[i] for i in mini)
+    for idx in micro_batch_indices(exp, mini, size, world, tokens, shared)[rank::world]:
+        yield idx, {"token": sum(lengths[i] for i in idx) / total, "sequence": len(idx) / len(mini)}
+
+
+def prompt_tokens_shared(exp: Experience, batches: list[list[int]], rl: RLConfig, world: int = 1) -> int:
+    """Prompt token-forwards that one prefix-shared pass over these mini-batches' micro-batches (every rank's)
+    does not compute: per micro-batch that shares (worth_sharing), each repeated prompt's length x (its samples - 1)."""
+    total = 0
+    for mini in batches:
+        for idx in micro_batch_indices(exp, mini, rl.micro_batch_size, world, rl.micro_batch_tokens, rl.share_prompt):
+            prompts, responses = [exp.prompt_ids[i] for i in idx], [exp.response_ids[i] for i in idx]
+            total += prompt_tokens_saved(prompts) if worth_sharing(prompts, responses) else 0
+    return total

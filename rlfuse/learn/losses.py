@@ -1,0 +1,44 @@
+"""One micro-batch's losses, unscaled: the actor's clipped surrogate (with GRPO's KL in the loss, where its Algorithm
+puts it) and the critic's clipped value loss, each on the model's own forward of the micro-batch."""
+
+from __future__ import annotations
+
+from rlfuse.algos.kl import kl_penalty
+from rlfuse.algos.losses import ppo_policy_loss, value_loss
+from rlfuse.algos.stats import level_mean, masked_mean
+from rlfuse.config import RLConfig
+from rlfuse.config.algorithms import ALGORITHMS
+from rlfuse.models.forward import can_share, collate, response_logprobs, response_values
+from rlfuse.rollout.fusion import Experience
+
+
+def _micro(exp: Experience, idx: list[int], pad_id: int, model, share_prompt: bool):
+    """The micro-batch's inputs on model's device (prefix-shared where rl.share_prompt, the model supports it and a
+    prompt repeats), and a function taking its rows of an (N,) or (N, T) experience tensor."""
+    device = next(model.parameters()).device
+    mb = collate([exp.prompt_ids[i] for i in idx], [exp.response_ids[i] for i in idx], pad_id, device,
+                 share_prompt and can_share(model))
+    T = mb.mask.shape[1]
+    return mb, lambda t: (t[idx] if t.dim() == 1 else t[idx][:, :T]).to(device)
+
+
+def micro_policy_loss(actor, exp: Experience, idx: list[int], adv, rl: RLConfig, kl_coef: float, pad_id: int,
+                      temperature: float):
+    """Clipped surrogate (plus grpo's in-loss KL, same estimator and averaging level) of one micro-batch, unscaled.
+    temperature: the one the samples were drawn and the reference scored at (the iteration's)."""
+    mb, take = _micro(exp, idx, pad_id, actor, rl.share_prompt)
+    new_lp, entropy = response_logprobs(actor, mb, temperature, with_entropy=True)
+    loss, st = ppo_policy_loss(new_lp, take(exp.logprobs), take(adv), mb.mask, rl.clip, rl.loss_level)
+    stats = {"train/policy_loss": loss.detach(), "train/clip_frac": st["clip_frac"], "train/approx_kl": st["approx_kl"],
+             "train/entropy": masked_mean(entropy.detach(), mb.mask)}
+    if ALGORITHMS[rl.algo].kl_in == "loss":  # KL to the reference inside the loss (grpo)
+        kl = kl_penalty(new_lp, take(exp.ref_logprobs), rl.kl_estimator_used)
+        loss = loss + kl_coef * level_mean(kl, mb.mask, rl.loss_level)
+    return loss, stats
+
+
+def micro_value_loss(critic, exp: Experience, idx: list[int], returns, rl: RLConfig, pad_id: int):
+    """Clipped value loss of one micro-batch (a token mean), unscaled."""
+    mb, take = _micro(exp, idx, pad_id, critic, rl.share_prompt)
+    loss, st = value_loss(response_values(critic, mb), take(exp.values), take(returns), mb.mask, rl.vf_clip)
+    return loss, {"train/value_loss": loss.detach(), "train/value_clip_frac": st["clip_frac"]}

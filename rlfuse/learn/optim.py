@@ -1,0 +1,68 @@
+"""Optimisers every trainer uses: AdamW without decay on biases and norms (or bitsandbytes' 8-bit AdamW), with a
+warm-up + cosine schedule (SFT, RM) or an explicit constant one (RL), and one clipped step."""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+
+def build_adamw(model: torch.nn.Module, lr: float, weight_decay: float, kind: str = "adamw",
+                params: list | None = None) -> torch.optim.Optimizer:
+    """AdamW over the trainable parameters (or `params`, when several roles' adapters live in one model), no decay on
+    biases and norms. kind (rl.optimizer): adamw (torch) | adamw_8bit | paged_adamw_8bit (bitsandbytes: 8-bit
+    states; paged ones spill to host memory under GPU pressure)."""
+    decay, no_decay = [], []
+    for p in (params if params is not None else [p for p in model.parameters() if p.requires_grad]):
+        (no_decay if p.ndim < 2 else decay).append(p)
+    groups = [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
+    return OPTIMIZERS[kind](groups, lr)
+
+
+def _bnb_optimizer(name: str):
+    def build(groups, lr):
+        from rlfuse.models.quantize import require_bitsandbytes
+
+        require_bitsandbytes(f"rl.optimizer={name}")
+        import bitsandbytes as bnb
+
+        return getattr(bnb.optim, name)(groups, lr=lr, betas=(0.9, 0.95))
+
+    return build
+
+
+OPTIMIZERS = {
+    "adamw": lambda groups, lr: torch.optim.AdamW(groups, lr=lr, betas=(0.9, 0.95)),
+    "adamw_8bit": _bnb_optimizer("AdamW8bit"),
+    "paged_adamw_8bit": _bnb_optimizer("PagedAdamW8bit"),
+}
+
+
+def build_optimizer(model: torch.nn.Module, lr: float, weight_decay: float, warmup: int, total: int):
+    """AdamW (build_adamw) and a warm-up + cosine-to-10% schedule."""
+    opt = build_adamw(model, lr, weight_decay)
+
+    def factor(step: int) -> float:
+        if step < warmup:
+            return (step + 1) / warmup
+        progress = min(1.0, (step - warmup) / max(1, total - warmup))
+        return 0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * progress))
+
+    return opt, torch.optim.lr_scheduler.LambdaLR(opt, factor)
+
+
+def build_constant_optimizer(model: torch.nn.Module, lr: float, kind: str = "adamw", params: list | None = None):
+    """AdamW (build_adamw, no weight decay; kind and params as there) at a constant learning rate: an explicit constant
+    schedule, so the scheduler state saved in a checkpoint says what it is."""
+    opt = build_adamw(model, lr, 0.0, kind, params)
+    return opt, torch.optim.lr_scheduler.ConstantLR(opt, factor=1.0, total_iters=0)
+
+
+def clip_and_step(model, opt, sched, grad_clip: float) -> float:
+    params = [p for p in model.parameters() if p.requires_grad]
+    norm = torch.nn.utils.clip_grad_norm_(params, grad_clip if grad_clip > 0 else float("inf"))
+    opt.step()
+    sched.step()
+    opt.zero_grad(set_to_none=True)
+    return float(norm)

@@ -1,0 +1,132 @@
+"""A model's forward over finished samples, as the scorer and the update both run it: samples collated into a
+micro-batch padded to its own longest sequence (or, where that pays, each prompt once: rlfuse/models/prefix.py),
+then per response token the log-prob (from the body's hidden states, the LM head pushed over a chunk of positions at
+a time, so the full (B, T, V) logits never exist at once) or the critic's value."""
+
+from __future__ import annotations
+
+import contextlib
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+from rlfuse.models import prefix
+from rlfuse.models.heads import backbone_and_head
+from rlfuse.models.shared import use_adapter
+
+
+@dataclass
+class MicroBatch:
+    """Right-padded prompt+response sequences (or, shared, each prompt once: `prefix`) and where each response
+    sits."""
+    input_ids: Tensor | None       # (B, L); None when shared
+    attention_mask: Tensor | None  # (B, L); None when shared
+    positions: Tensor       # (B, T): position whose output predicts response token j (prompt_len + j - 1)
+    targets: Tensor         # (B, T): response token ids (0 on padding)
+    mask: Tensor            # (B, T): 1 on response tokens
+    prefix: prefix.PrefixBatch | None = None
+    """Set when the micro-batch runs prefix-shared: distinct prompts once, each response without its last token
+    (nothing reads the state after it)."""
+
+
+SHARE_BELOW = 0.8
+"""A micro-batch runs prefix-shared only where that cuts its forward (forward_tokens, padding included) to this
+fraction of the full one or less: the shared forward is two passes with explicit masks, which costs more than it
+saves where prompts are short next to their responses (bench/prefix_sharing.py)."""
+
+
+def _token_counts(prompts: list[list[int]], responses: list[list[int]]) -> tuple[int, int]:
+    """(full, shared) token positions of a micro-batch's forward, padding included: rows x longest sequence, and
+    distinct prompts x longest prompt + rows x longest response less its last token."""
+    distinct = {tuple(p) for p in prompts}
+    full = len(prompts) * max(len(p) + len(r) for p, r in zip(prompts, responses))
+    return full, len(distinct) * max(map(len, distinct)) + len(responses) * (max(map(len, responses)) - 1)
+
+
+def worth_sharing(prompts: list[list[int]], responses: list[list[int]]) -> bool:
+    """Whether these samples' forward runs prefix-shared (with rl.share_prompt): a prompt repeats and sharing cuts
+    the forward to SHARE_BELOW of the full one or less."""
+    if prefix.prompt_tokens_saved(prompts) == 0:
+        return False
+    full, shared = _token_counts(prompts, responses)
+    return shared <= SHARE_BELOW * full
+
+
+def forward_tokens(prompts: list[list[int]], responses: list[list[int]], share_prompt: bool) -> int:
+    """Token positions collate's micro-batch puts through a model, padding included (_token_counts)."""
+    full, shared = _token_counts(prompts, responses)
+    return shared if share_prompt and worth_sharing(prompts, responses) else full
+
+
+def collate(prompts: list[list[int]], responses: list[list[int]], pad_id: int, device,
+            share_prompt: bool = False) -> MicroBatch:
+    """share_prompt: group samples of one prompt (prefix-shared forwards) where that pays (worth_sharing)."""
+    B, T = len(prompts), max(map(len, responses))
+    shared = share_prompt and worth_sharing(prompts, responses)
+    pos, tgt, mask = torch.zeros(B, T, dtype=torch.long), torch.zeros(B, T, dtype=torch.long), torch.zeros(B, T)
+    for b, (p, r) in enumerate(zip(prompts, responses)):
+        pos[b, : len(r)] = torch.arange(len(p) - 1, len(p) + len(r) - 1)
+        tgt[b, : len(r)] = torch.tensor(r)
+        mask[b, : len(r)] = 1
+    pos, tgt, mask = pos.to(device), tgt.to(device), mask.to(device)
+    if shared:
+        return MicroBatch(None, None, pos, tgt, mask, prefix.group_by_prompt(prompts, [r[:-1] for r in responses],
+                                                                             pad_id, device))
+    seqs = [p + r for p, r in zip(prompts, responses)]
+    L = max(map(len, seqs))
+    ids = torch.full((B, L), pad_id, dtype=torch.long)
+    attn = torch.zeros(B, L, dtype=torch.long)
+    for b, s in enumerate(seqs):
+        ids[b, : len(s)], attn[b, : len(s)] = torch.tensor(s), 1
+    return MicroBatch(ids.to(device), attn.to(device), pos, tgt, mask)
+
+
+def response_hidden(body, mb: MicroBatch) -> Tensor:
+    """The body's last hidden state at mb.positions: (B, T, H), one full forward or the prefix-shared pair."""
+    if mb.prefix is not None:
+        return prefix.hidden_at(*prefix.prefix_shared_hidden(body, mb.prefix), mb.prefix, mb.positions)
+    hidden = body(input_ids=mb.input_ids, attention_mask=mb.attention_mask).last_hidden_state
+    return hidden.gather(1, mb.positions[..., None].expand(-1, -1, hidden.shape[-1]))
+
+
+def response_logprobs(model, mb: MicroBatch, temperature: float = 1.0, chunk: int = 64,
+                      with_entropy: bool = False) -> Tensor | tuple[Tensor, Tensor]:
+    """log p(response token | prefix) under softmax(logits / temperature): (B, T), 0 on padding. Differentiable.
+    With with_entropy, also the per-position entropy (B, T)."""
+    body, head = backbone_and_head(model)
+    h = response_hidden(body, mb)  # (B, T, H)
+    out, ent = [], []
+    for s in range(0, h.shape[1], chunk):
+        logits = head(h[:, s: s + chunk]).float() / temperature
+        logp = torch.log_softmax(logits, dim=-1)
+        out.append(logp.gather(-1, mb.targets[:, s: s + chunk, None]).squeeze(-1))
+        if with_entropy:  # a diagnostic: kept out of the autograd graph, which would save another (B, T, V)
+            with torch.no_grad():
+                ent.append(-(logp.exp() * logp).sum(-1))
+    lp = torch.cat(out, 1) * mb.mask
+    return (lp, torch.cat(ent, 1) * mb.mask) if with_entropy else lp
+
+
+def response_values(critic, mb: MicroBatch) -> Tensor:
+    """Critic value of the state before each response token: (B, T), 0 on padding."""
+    if mb.prefix is None:
+        v = critic(input_ids=mb.input_ids, attention_mask=mb.attention_mask)
+        return v.gather(1, mb.positions) * mb.mask
+    with adapter_of(critic):
+        h = response_hidden(critic.backbone, mb)
+    return critic.head(h.to(critic.head.weight.dtype)).squeeze(-1).float() * mb.mask
+
+
+def adapter_of(role):
+    """A role on the shared base (models/shared.py AdapterValueModel, AdapterRewardModel) runs the base with its own
+    adapter active, as its forward does; any other role needs nothing."""
+    if hasattr(role, "adapter") and hasattr(role, "_shared"):
+        return use_adapter(role._shared, role.adapter)
+    return contextlib.nullcontext()
+
+
+def can_share(model) -> bool:
+    """Whether `model` (a causal LM, ValueModel or reward model, peft-wrapped or on the shared base) has a body the
+    prefix-shared forward supports."""
+    return model is not None and prefix.supports(getattr(model, "backbone", model))

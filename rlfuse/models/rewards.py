@@ -1,0 +1,222 @@
+"""Reward functions as users write them (TRL's form): `f(prompts, completions, **columns) -> list[float | None]`.
+
+`prompts` are the data set's prompts (text, or message lists for conversational data), `completions` the decoded
+responses (text, or `[{"role": "assistant", "content": ...}]` for conversational prompts), and each other column
+of the prompt's row (a ground-truth `answer`, say) comes as a keyword list. A function that returns None for a
+sample abstains (another function scores that kind of sample); several functions are summed with
+`rl.reward_weights`, abstentions left out. The older form, a function of one list of texts (prompt + response),
+still works: a function with no `completions` parameter is called that way.
+
+A reward model is the same kind of callable (reward_model_fn): its scalar head on each finished sample, read where
+reward-model training read it.
+"""
+
+from __future__ import annotations
+
+import inspect
+from collections import defaultdict
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+from torch import Tensor
+
+from rlfuse.data.prompts import model_context
+from rlfuse.errors import ConfigError, UserError
+from rlfuse.models import prefix
+from rlfuse.models.forward import adapter_of, can_share, worth_sharing
+from rlfuse.models.shared import body
+
+
+@dataclass(frozen=True)
+class RewardSignature:
+    """How a reward function is called, read once from its signature."""
+    takes_completions: bool
+    """TRL's form f(prompts, completions, **columns); False: the older f(texts)."""
+    columns: frozenset
+    """Named parameters besides prompts and completions: data set columns it asks for."""
+    required: frozenset
+    """Those of them without a default."""
+    any_column: bool
+    """It takes **kwargs: every column is passed."""
+
+
+def signature_of(fn: Callable) -> RewardSignature:
+    try:
+        params = list(inspect.signature(fn).parameters.values())
+    except (TypeError, ValueError):  # builtins and some callables have no signature: the older form
+        return RewardSignature(False, frozenset(), frozenset(), False)
+    named = {p.name for p in params if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)} - {"prompts", "completions"}
+    required = {p.name for p in params if p.name in named and p.default is p.empty}
+    return RewardSignature("completions" in {p.name for p in params}, frozenset(named), frozenset(required),
+                           any(p.kind == p.VAR_KEYWORD for p in params))
+
+
+def weighted_sum(values: list[list[float | None]], weights: list[float]) -> list[float]:
+    """Per sample, the weighted sum of the functions that scored it (None: abstained); 0 where every function
+    abstained (as TRL's nansum; FunctionReward counts those samples)."""
+    return [sum(w * v for w, v in zip(weights, row) if v is not None) for row in zip(*values)]
+
+
+def function_name(fn: Callable) -> str:
+    return getattr(fn, "__name__", type(fn).__name__)
+
+
+class FunctionReward:
+    """The reward as Python functions of finished samples (Scorer's reward_fn). `rows` maps a prompt's token ids to
+    (the prompt as the data set gives it, its other columns); the trainer fills it before RL. `metrics()` returns
+    and resets each function's mean over the samples scored since the last call."""
+
+    def __init__(self, fns: list[Callable], weights: list[float] | None, tokenizer):
+        if weights is not None and len(weights) != len(fns):
+            raise ConfigError("rl.reward_weights", f"{len(weights)} weights for {len(fns)} reward functions",
+                              "give one weight per function in rl.reward, or none (all 1.0)")
+        self.fns, self.weights, self.tokenizer = fns, list(weights or [1.0] * len(fns)), tokenizer
+        self.signatures = [signature_of(fn) for fn in fns]
+        self.rows: dict[tuple[int, ...], tuple[object, dict]] = {}
+        self._sums: dict[str, list[float]] = defaultdict(lambda: [0.0, 0])
+        self._abstained = self._scored = 0
+
+    def __call__(self, samples) -> Tensor:
+        decode = lambda ids: self.tokenizer.decode(ids, skip_special_tokens=True)
+        forms = {sig.takes_completions for sig in self.signatures}  # decode only what some function reads
+        completions = [decode(s.token_ids) for s in samples] if True in forms else None
+        texts = [decode(s.prompt_ids + s.token_ids) for s in samples] if False in forms else None
+        values = [self._call(fn, sig, samples, completions, texts) for fn, sig in zip(self.fns, self.signatures)]
+        self._abstained += sum(all(v is None for v in row) for row in zip(*values))
+        self._scored += len(samples)
+        for fn, vals in zip(self.fns, values):
+            acc = self._sums[function_name(fn)]
+            for v in vals:
+                if v is not None:
+                    acc[0], acc[1] = acc[0] + float(v), acc[1] + 1
+        return torch.tensor(weighted_sum(values, self.weights), dtype=torch.float32)
+
+    def _call(self, fn: Callable, sig: RewardSignature, samples, completions, texts) -> list[float | None]:
+        if not sig.takes_completions:  # the older form: one text per sample, prompt and response together
+            out = list(fn(texts))
+        else:
+            rows = [self.rows.get(tuple(s.prompt_ids)) for s in samples]
+            prompts = [r[0] if r else self.tokenizer.decode(s.prompt_ids, skip_special_tokens=True)
+                       for r, s in zip(rows, samples)]
+            completions = [[{"role": "assistant", "content": c}] if isinstance(p, list) else c
+                           for p, c in zip(prompts, completions)]
+            out = list(fn(prompts=prompts, completions=completions, **self._columns(fn, sig, rows)))
+        if len(out) != len(samples):
+            raise UserError(f"reward error: rl.reward: {function_name(fn)} returned {len(out)} values for "
+                            f"{len(samples)} completions; return one float (or None) per completion")
+        return [None if v is None else float(v) for v in out]
+
+    def _columns(self, fn: Callable, sig: RewardSignature, rows) -> dict[str, list]:
+        known = set().union(*(r[1].keys() for r in rows if r)) if any(rows) else set()
+        wanted = known if sig.any_column else sig.columns & known
+        missing = sig.required - known
+        if missing:
+            raise UserError(f"reward error: rl.reward: {function_name(fn)} takes column(s) {', '.join(sorted(missing))}"
+                            f" but the prompts' rows have {', '.join(sorted(known)) or 'no other columns'}; add the "
+                            "column to the data set, or give the parameter a default")
+        return {c: [r[1].get(c) if r else None for r in rows] for c in wanted}
+
+    def take_sums(self) -> dict:
+        """The raw tallies since the last call, then reset: {"fn": {name: (sum, count)}, "abstained": n,
+        "scored": n}. Tallies add across processes (each Ray scoring worker keeps its own); means do not."""
+        out = {"fn": {name: (s, n) for name, (s, n) in self._sums.items()}, "abstained": self._abstained,
+               "scored": self._scored}
+        self._sums.clear()
+        self._abstained = self._scored = 0
+        return out
+
+    def metrics(self) -> dict[str, float]:
+        return metrics_of_sums([self.take_sums()])
+
+
+def metrics_of_sums(tallies: list[dict | None]) -> dict[str, float]:
+    """reward/fn/<name> (each function's mean over the samples it scored) and reward/all_abstained (the fraction
+    every function abstained on) from FunctionReward.take_sums of one or more processes (None: a reward model)."""
+    fn: dict[str, list[float]] = defaultdict(lambda: [0.0, 0])
+    abstained = scored = 0
+    for t in filter(None, tallies):
+        for name, (s, n) in t["fn"].items():
+            fn[name][0], fn[name][1] = fn[name][0] + s, fn[name][1] + n
+        abstained, scored = abstained + t["abstained"], scored + t["scored"]
+    out = {f"reward/fn/{name}": s / n for name, (s, n) in fn.items() if n}
+    if scored:
+        out["reward/all_abstained"] = abstained / scored
+    return out
+
+
+def attach_rows(reward_fn, prompt_ids: list[list[int]], rows) -> None:
+    """Give function rewards each prompt's row (data/stages.py PromptRow), keyed by the prompt's token ids as the
+    samples carry them; a reward model needs none."""
+    if isinstance(reward_fn, FunctionReward):
+        reward_fn.rows = {tuple(ids): (r.prompt, r.columns) for ids, r in zip(prompt_ids, rows)}
+
+
+def reward_metrics(reward_fn) -> dict[str, float]:
+    """Each reward function's mean since the last call (reward/fn/<name>), and the fraction every function
+    abstained on; {} for a reward model."""
+    return reward_fn.metrics() if isinstance(reward_fn, FunctionReward) else {}
+
+
+def take_reward_sums(reward_fn) -> dict | None:
+    """The reward functions' raw tallies since the last call, then reset (FunctionReward.take_sums); None for a
+    reward model."""
+    return reward_fn.take_sums() if isinstance(reward_fn, FunctionReward) else None
+
+
+def reset_reward_metrics(reward_fn) -> None:
+    """Forget the calls so far (an evaluation's are not an iteration's)."""
+    take_reward_sums(reward_fn)
+
+
+def _reward_body_and_head(rm):
+    """(transformer body, score head) of a sequence-classification reward model (also peft-wrapped) or of an
+    AdapterRewardModel."""
+    if hasattr(rm, "_shared"):
+        return body(rm._shared), rm.score
+    base = rm.get_base_model() if hasattr(rm, "get_base_model") else rm
+    return getattr(base, base.base_model_prefix), base.score
+
+
+def reward_model_fn(rm, eos_id: int, pad_id: int, share_prompt: bool = True) -> Callable[[list], Tensor]:
+    """Reward from a scalar-head model on the same input as in training (collate.encode_reward_text: BOS + text +
+    EOS). transformers' sequence-classification heads pool at the rightmost token that is not the pad id; rlfuse's
+    pad id is the EOS id (GPT-2 tokenizers have no pad token), so the score is read at the last token of the text,
+    the one before the trailing EOS, in training and here alike. share_prompt: samples of one prompt run it once
+    (where the model supports it and no sequence is cut to the context); the saving is counted in
+    `score.prompt_tokens_shared`. The samples are the engine's (rollout/state.py Sample: prompt_ids, token_ids)."""
+    context = model_context(rm.config)
+    supported = can_share(rm)
+
+    def score(samples: list, share_prompt: bool = share_prompt) -> Tensor:
+        ends = [s.token_ids + ([] if s.token_ids[-1:] == [eos_id] else [eos_id]) for s in samples]
+        seqs = [s.prompt_ids + e for s, e in zip(samples, ends)]
+        dev = next(rm.parameters()).device
+        prompts = [s.prompt_ids for s in samples]
+        share = share_prompt and supported and worth_sharing(prompts, ends)
+        if share and not (context and max(map(len, seqs)) > context):
+            saved = prefix.prompt_tokens_saved(prompts)
+            score.prompt_tokens_shared += saved
+            return _shared_reward(rm, prompts, ends, seqs, pad_id, dev)
+        if context:  # a full-budget prompt + a length-capped response + EOS is one past the context: keep the end,
+            seqs = [s[-context:] for s in seqs]  # as RM training does (collate.encode_reward_text)
+        L = max(map(len, seqs))
+        ids = torch.full((len(seqs), L), pad_id, dtype=torch.long)
+        attn = torch.zeros(len(seqs), L, dtype=torch.long)
+        for i, s in enumerate(seqs):
+            ids[i, : len(s)], attn[i, : len(s)] = torch.tensor(s), 1
+        return rm(input_ids=ids.to(dev), attention_mask=attn.to(dev)).logits.squeeze(-1).float().cpu()
+
+    score.prompt_tokens_shared = 0
+    return score
+
+
+def _shared_reward(rm, prompts, ends, seqs, pad_id: int, dev) -> Tensor:
+    """reward_model_fn's score, prefix-shared: the body's state at each sequence's rightmost non-pad token (its
+    pooling) through the score head."""
+    pooled = torch.tensor([max((i for i, t in enumerate(s) if t != pad_id), default=0) for s in seqs])
+    pb = prefix.group_by_prompt(prompts, ends, pad_id, dev)
+    body, head = _reward_body_and_head(rm)
+    with adapter_of(rm):
+        h = prefix.hidden_at(*prefix.prefix_shared_hidden(body, pb), pb, pooled[:, None].to(dev))[:, 0]
+    return head(h.to(head.weight.dtype)).squeeze(-1).float().cpu()

@@ -1,0 +1,212 @@
+"""Memory model: bytes per component for one worker, from the roles it holds, the model shapes and the batch shapes.
+
+Pure (no torch). Components, the same names as the measured table of issue 14 (`bench/` per-component memory):
+base (model weights, by dtype: fp32, bf16, int8 or 4-bit NF4 with or without double quantisation), adapters (LoRA),
+gradients, optimizer (AdamW fp32 moments or 8-bit blockwise), activations (training micro-batch, with or without
+gradient checkpointing; or a scoring forward's transient, whichever is larger), kv_cache (rows x length), slack (the
+process's fixed runtime plus allocator slack), total.
+
+Which copies of the weights a worker holds follows rlfuse/models/build.py: the generator is its own plain copy of
+the policy (LoRA merged); the reference is a copy unless LoRA makes it the actor with adapters off; a critic from the
+reward model or the SFT model is its own full model (trained whole even under LoRA); the reward model is a frozen
+copy. With `shared_base` (the one-GPU QLoRA pipeline) every policy role uses one frozen base and its own adapters.
+A group that scores (reference or reward) but has no critic holds a frozen copy of the critic for the values, as
+the Ray rollout syncs it there.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Callable
+
+from rlfuse.plan.cost import GiB, MachineProfile, ModelShape
+
+COMPONENTS = ("base", "adapters", "gradients", "optimizer", "activations", "kv_cache", "slack", "total")
+
+NF4_BLOCK = 64
+"""QLoRA (Dettmers et al. 2023): 4-bit weights in blocks of 64, one fp32 absmax per block (0.5 bits per weight)..."""
+NF4_DQ_BLOCK = 256
+"""...double quantisation stores those absmax in 8 bits with one fp32 constant per 256 of them (0.127 bits)."""
+ADAM8_BLOCK = 2048
+"""bitsandbytes' 8-bit AdamW: each moment in 8 bits, one fp32 scale per block of 2048 values."""
+
+
+def bytes_per_param(dtype: str) -> float:
+    """Weight storage per parameter: fp32 4, bf16/fp16 2, int8 1 (+ a scale per row, ignored), nf4 0.5625,
+    nf4-dq 0.5159 (4 bits + absmax 32/64 bits, or 8/64 + 32/(64 x 256) bits double-quantised)."""
+    if dtype == "nf4":
+        return (4 + 32 / NF4_BLOCK) / 8
+    if dtype == "nf4-dq":
+        return (4 + 8 / NF4_BLOCK + 32 / (NF4_BLOCK * NF4_DQ_BLOCK)) / 8
+    return {"fp32": 4.0, "bf16": 2.0, "fp16": 2.0, "int8": 1.0}[dtype]
+
+
+def weight_bytes(shape: ModelShape, dtype: str) -> float:
+    """A model's weights. Quantised formats (bitsandbytes' Linear4bit/8bit) replace only the blocks' linear layers:
+    embeddings, output head and norms stay 16-bit."""
+    if dtype in ("nf4", "nf4-dq", "int8"):
+        linear = shape.layers * shape.layer_linear_params
+        return linear * bytes_per_param(dtype) + (shape.params - linear) * 2.0
+    return shape.params * bytes_per_param(dtype)
+
+
+def optimizer_bytes_per_param(optimizer: str) -> float:
+    """AdamW: two fp32 moments (8 bytes); adamw8bit: two 8-bit moments plus their block scales."""
+    if optimizer == "adamw8bit":
+        return 2 * (1 + 4 / ADAM8_BLOCK)
+    return 8.0
+
+
+def activation_elems_per_token(shape: ModelShape) -> float:
+    """Values one layer keeps for the backward per token with fused (SDPA/flash) attention and no dropout:
+    attention 5h (the q/k/v projection's input, q, k, v, the output projection's input), two norms' inputs 2h,
+    MLP h + 2 ffn (GPT-2: input, up-projection output, GELU output) or h + 4 ffn (SwiGLU: gate, up, act, product).
+    Korthikanti et al. 2022's 34 s b h bytes (16-bit, with dropout masks and ffn = 4h) counts the same tensors."""
+    mlp = shape.hidden + (4 if shape.gated else 2) * shape.ffn
+    return 7 * shape.hidden + mlp
+
+
+def train_activation_bytes(shape: ModelShape, tokens: float, elem_bytes: float, checkpointing: bool,
+                           lm_head: bool) -> float:
+    """Activations of one micro-batch's forward kept for its backward. Checkpointing keeps each layer's input only
+    and recomputes one layer at a time. The LM loss keeps the fp32 logits and their log-softmax (2 x vocab x 4 bytes
+    per token); a value model's scalar head keeps nothing of note."""
+    per_layer = activation_elems_per_token(shape) * tokens * elem_bytes
+    body = (shape.layers * shape.hidden * tokens * elem_bytes + per_layer) if checkpointing else shape.layers * per_layer
+    return body + (tokens * shape.vocab * 8 if lm_head else 0.0)
+
+
+def inference_activation_bytes(shape: ModelShape, tokens: float, elem_bytes: float, lm_head: bool) -> float:
+    """A no-grad forward: one layer's tensors at a time, plus the logits and log-probs of a log-prob pass."""
+    return activation_elems_per_token(shape) * tokens * elem_bytes + (tokens * shape.vocab * 8 if lm_head else 0.0)
+
+
+@dataclass(frozen=True)
+class MemoryInputs:
+    """What the memory of a worker depends on, besides which roles it holds."""
+    policy: ModelShape
+    critic: ModelShape | None = None
+    """A critic with its own body (rl.critic_init=rm|sft); None: no critic, or a value head on the actor."""
+    reward: ModelShape | None = None
+    """The reward model; None: a Python reward function."""
+    weight_dtype: str = "fp32"
+    """Frozen weights: fp32 | bf16 | fp16 | int8 | nf4 | nf4-dq."""
+    train_dtype: str = "fp32"
+    """Trained weights, their gradients (and LoRA adapters): fp32 | bf16."""
+    act_bytes: float = 4.0
+    """Bytes per activation and KV element (4 in fp32, 2 under bf16 autocast)."""
+    lora_rank: int = 0
+    """0: the actor trains all its weights."""
+    optimizer: str = "adamw"
+    """adamw (fp32 moments) | adamw8bit."""
+    shared_base: bool = False
+    """One frozen base for every policy role (generator and reference as adapters on/off), as the 4-bit pipeline."""
+    generator_copy: bool = False
+    """With shared_base: the generator is its own full-precision copy synced from the actor's merged weights (a
+    layout rlfuse ran before its engine decoded the shared base; kept to price that choice), not adapters on it."""
+    checkpointing: bool = False
+    train_rows: int = 16
+    """Sequences per training micro-batch."""
+    seq: int = 64
+    """Tokens per sequence (prompt + response)."""
+    score_rows: int = 16
+    """Sequences per scoring forward."""
+    kv_rows: int = 32
+    """Rows the generator decodes at once on one worker."""
+    master_weights: bool = False
+    """Mixed precision: bf16 trained weights with an fp32 master copy in the optimiser (4 more bytes per parameter,
+    counted under optimizer; ZeRO's 16 bytes per parameter in all)."""
+    shard: int = 1
+    """FSDP/ZeRO-3-style sharding degree of weights, gradients and optimiser states over a group (1: replicated, as
+    rlfuse's DDP trains today; the at-scale predictions shard)."""
+    generator_shard: int = 0
+    """Tensor-parallel degree of the generator's weights and KV cache (0: `shard`)."""
+
+
+def worker_memory(roles: set[str] | tuple[str, ...], m: MemoryInputs, p: MachineProfile) -> dict[str, float]:
+    """Bytes per component (COMPONENTS) of one worker holding `roles` (the policy roles: actor, generator,
+    reference; critic; reward)."""
+    roles = set(roles)
+    lora = m.lora_rank > 0
+    policy_frozen = weight_bytes(m.policy, m.weight_dtype)
+    train_b = 4.0 if m.train_dtype == "fp32" else 2.0
+    out = dict.fromkeys(COMPONENTS, 0.0)
+    trainable, acts = 0.0, [0.0]
+    policy_roles = roles & {"actor", "generator", "reference"}
+    if m.shared_base:  # one frozen base; the actor's adapters serve the generator too, unless it has its own copy
+        copies = 1 if policy_roles else 0
+        if m.generator_copy and "generator" in roles:
+            out["base"] += weight_bytes(m.policy, m.train_dtype)
+    else:
+        copies = (("actor" in roles and lora) + ("generator" in roles)
+                  + ("reference" in roles and not (lora and "actor" in roles)))
+    out["base"] += copies * policy_frozen
+    if lora and roles & {"actor", "generator"} and (m.shared_base or "actor" in roles):
+        out["adapters"] += m.policy.lora_params(m.lora_rank) * train_b
+    if "actor" in roles:
+        if lora:
+            trainable += m.policy.lora_params(m.lora_rank)
+        else:
+            out["base"] += m.policy.params * train_b
+            trainable += m.policy.params
+        acts.append(train_activation_bytes(m.policy, m.train_rows * m.seq, m.act_bytes, m.checkpointing, True))
+    if "generator" in roles:
+        out["kv_cache"] += m.kv_rows * m.seq * m.policy.kv_bytes_per_token(m.act_bytes)
+    if roles & {"actor", "reference"}:  # log-prob passes over scored samples (the generator keeps only the last logits)
+        acts.append(inference_activation_bytes(m.policy, m.score_rows * m.seq, m.act_bytes, True))
+    on_base = m.shared_base and lora  # critic and reward as adapters on the shared base (same shape as the policy)
+    if m.critic is not None and "critic" in roles:
+        if on_base:
+            out["adapters"] += m.critic.lora_params(m.lora_rank) * train_b
+            trainable += m.critic.lora_params(m.lora_rank)
+        else:
+            out["base"] += m.critic.params * train_b
+            trainable += m.critic.params
+        acts.append(train_activation_bytes(m.critic, m.train_rows * m.seq, m.act_bytes, m.checkpointing, False))
+    elif m.critic is not None and roles & {"reference", "reward"}:  # values for scoring: a frozen copy
+        out["base"] += weight_bytes(m.critic, m.weight_dtype)
+    if m.reward is not None and "reward" in roles:
+        if on_base:
+            out["adapters"] += m.reward.lora_params(m.lora_rank) * train_b
+        else:
+            out["base"] += weight_bytes(m.reward, m.weight_dtype)
+        acts.append(inference_activation_bytes(m.reward, m.score_rows * m.seq, m.act_bytes, False))
+    out["gradients"] = trainable * train_b
+    out["optimizer"] = trainable * (optimizer_bytes_per_param(m.optimizer) + (4.0 if m.master_weights else 0.0))
+    if "generator" in roles and m.shard > 1:  # the generator's copy and cache shard by its own (tensor-parallel) degree
+        gen_shard = m.generator_shard or m.shard
+        gen_copy = (weight_bytes(m.policy, m.train_dtype) if m.generator_copy else 0.0) if m.shared_base else policy_frozen
+        out["base"] += gen_copy * (m.shard / gen_shard - 1)
+        out["kv_cache"] *= m.shard / gen_shard
+    for k in ("base", "adapters", "gradients", "optimizer", "kv_cache"):
+        out[k] /= m.shard
+    out["activations"] = max(acts)
+    tensors = sum(out[k] for k in COMPONENTS[:6])
+    out["slack"] = p.runtime_bytes + p.slack_fraction * tensors
+    out["total"] = tensors + out["slack"]
+    return out
+
+
+def memory_table(rows: dict[str, dict[str, float]], unit: float = GiB, unit_name: str = "GiB") -> str:
+    """A markdown table: one row per worker (or group), one column per component."""
+    head = "| worker | " + " | ".join(COMPONENTS) + " |"
+    lines = [head, "|---" * (len(COMPONENTS) + 1) + "|"]
+    digits = 3 if unit >= GiB else 1
+    for name, mem in rows.items():
+        lines.append(f"| {name} | " + " | ".join(f"{mem[k] / unit:.{digits}f}" for k in COMPONENTS) + " |")
+    return f"({unit_name})\n" + "\n".join(lines)
+
+
+def memory_model(m: MemoryInputs, p: MachineProfile, samples: int, max_rows: int,
+                 shard_groups: bool = False) -> Callable:
+    """A `memory_of` for rlfuse.plan.check: predicted peak bytes of one worker of a WorkerGroup. A group that
+    decodes splits the iteration's `samples` over its workers (at most `max_rows` at once each)."""
+    from dataclasses import replace
+
+    def memory_of(group) -> int:
+        kv_rows = min(max_rows, math.ceil(samples / group.workers))
+        shard = group.workers if shard_groups else 1
+        return int(worker_memory(group.roles, replace(m, kv_rows=kv_rows, shard=shard), p)["total"])
+
+    return memory_of

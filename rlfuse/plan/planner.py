@@ -1,0 +1,614 @@
+"""The placement planner: enumerate placements, predict each one's time per stage and memory per worker, rank them.
+
+Pure (no torch, no Ray): `plan(problem) -> list[Plan]`, best first. A candidate is a strategy (flattened,
+interleaved, separated), a split of the workers between its groups, a training micro-batch size, gradient
+checkpointing on or off, and a tail-migration threshold. Candidates whose roles cannot be placed (e.g. interleaved
+when LoRA keeps the reference in the actor's process) or whose predicted memory exceeds the per-worker budget are
+dropped, with the reason kept for the printed table.
+
+How a strategy's iteration time is composed (G generating, S scoring, T training workers; stage costs from
+rlfuse/placement/cost.py):
+- flattened (one group of W): every worker decodes n/W samples, then scores them, then all train data-parallel;
+  with migration the tail decodes on one worker while the freed ones score: the overlap is taken off.
+- separated (train T, generate G): G decode while T score the finished samples as they stream in (fused), then T
+  train; the actor's weights go to the G generating workers each iteration.
+- interleaved (train T, score S): T decode while S score concurrently, then T train; the critic's weights go to S.
+Plus the weight sync and a fixed per-iteration cost of Ray calls (`MachineProfile.ray_call_s`). Workers computing at
+the same moment slow each other (`pair_decode_slowdown`, `pair_train_slowdown`): only the overlapping share of a
+stage is slowed (all of flattened's stages; in two groups decoding and scoring as far as they overlap; training on
+several ranks).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, replace
+
+from rlfuse.errors import UserError
+from rlfuse.plan.roles import Roles
+from rlfuse.plan import cost
+from rlfuse.plan.cost import MachineProfile, ModelShape
+from rlfuse.plan.memory import GiB, MemoryInputs, memory_table, weight_bytes, worker_memory
+from rlfuse.plan.spec import PlacementSpec, WorkerResources, dp_micro_size
+from rlfuse.plan.strategies import STRATEGY_FNS
+
+TP_MAX = 8
+"""Largest tensor-parallel degree of a sharded generator (one node's GPUs over NVLink)."""
+TP_WEIGHT_SHARE = 0.5
+"""Sharded (on paper): the generator's tensor-parallel degree is the smallest power of two that puts at most this
+share of a device's memory into its weights, leaving the rest to the KV cache."""
+CHUNK_SECONDS = 0.05
+"""Longest a Ray generation worker decodes before reporting back (ray_rollout.RolloutSettings.chunk_seconds)."""
+STAGES = ("generate", "score", "rollout", "train", "sync", "migration", "overhead", "iteration")
+"""Predicted seconds per iteration. rollout: generate and score as the strategy overlaps them (what the RL loop
+logs as time/rollout); iteration = sync + rollout + train + overhead (time/iteration)."""
+
+
+@dataclass(frozen=True)
+class Workload:
+    """One RL iteration's work, from the config (and optionally a measured run's response lengths)."""
+    samples: int
+    """prompts_per_iter x k."""
+    prompt_tokens: float
+    response_mean: float
+    response_max: int
+    epochs: int
+    mini_batch: int
+    score_micro_batch: int
+    max_rows: int
+    score_singles: int = 0
+    """Fused scoring scores each sample that finishes once fewer than rollout.live_below rows are live on its own:
+    about that many extra one-sample scoring calls per decoding worker (0 with fusion off)."""
+    response_longest: float = 0.0
+    """Longest response of an iteration, measured (--lengths-from); 0: unknown, lengths from the mean alone."""
+    score_every: int = 16
+    """rollout.score_every: a decoding worker reports back (and a fused one scores) every this many samples."""
+    prompt_lengths: float = 1.0
+    """Distinct token lengths among an iteration's prompts: the engine prefills each length in a call of its own
+    (measured by bench/plan.py from the task's prompts; 1 when unknown)."""
+    k: int = 1
+    """Samples per prompt (rl.k): they share their prompt's prefill."""
+    chunk_s: float = CHUNK_SECONDS
+    rows_per_worker: int = 16
+    """rollout.rows_per_worker: the migration's capacity trigger (rollout/migration.py plan_migration)."""
+
+    @property
+    def seq(self) -> float:
+        """Mean tokens per sample in the scoring passes (prompt + response; scoring sorts by length, so pads little)."""
+        return self.prompt_tokens + self.response_mean
+
+    @property
+    def lengths(self) -> cost.Lengths:
+        if self.response_longest:
+            return cost.Lengths.from_measured(self.response_mean, self.response_longest, self.samples, self.response_max)
+        return cost.Lengths.from_mean(self.response_mean, self.response_max)
+
+    def padded_seq(self, rows: float, ranks: int = 1, calls: float = 1.0) -> float:
+        """Tokens per sequence of a training micro-batch of `rows` random samples: padded to its longest; on `ranks`
+        data-parallel ranks of `calls` micro-batches per step each, as long as the slowest rank's
+        (Lengths.synced_max)."""
+        return self.prompt_tokens + self.lengths.synced_max(rows, ranks, calls)
+
+
+@dataclass(frozen=True)
+class Problem:
+    roles: Roles
+    workload: Workload
+    memory: MemoryInputs
+    profile: MachineProfile
+    workers: int
+    resources: WorkerResources = WorkerResources()
+    memory_budget: float | None = None
+    """Bytes one worker may use; None: no memory check."""
+    strategies: tuple[str, ...] = ("flattened", "interleaved", "separated")
+    micro_batches: tuple[int, ...] = ()
+    """Training micro-batch sizes to try; () means every power of two dividing the mini-batch."""
+    checkpointing: tuple[bool, ...] = (False, True)
+    migrate_below: tuple[float, ...] = (0.0, 0.2)
+    shard: bool = False
+    """Shard weights, gradients and optimiser states over each group (FSDP), for the at-scale predictions."""
+    address: str | None = None
+
+
+@dataclass(frozen=True)
+class Plan:
+    strategy: str
+    spec: PlacementSpec
+    micro_batch_size: int
+    gradient_checkpointing: bool
+    migrate_below: float
+    seconds: dict
+    """Predicted seconds per stage (STAGES)."""
+    memory: dict
+    """Group name -> bytes per component of one of its workers."""
+    fits: bool
+    why_not: str = ""
+
+    @property
+    def iteration_s(self) -> float:
+        return self.seconds["iteration"]
+
+    @property
+    def peak_bytes(self) -> float:
+        return max(m["total"] for m in self.memory.values())
+
+    @property
+    def split(self) -> str:
+        return "+".join(f"{g.workers}" for g in self.spec.groups)
+
+    def label(self) -> str:
+        return (f"{self.strategy} {self.split}, micro {self.micro_batch_size}, "
+                f"ckpt {'on' if self.gradient_checkpointing else 'off'}, migrate {self.migrate_below:g}")
+
+    def config_block(self) -> dict:
+        """The plan as config sections: placement (strategy, or custom groups when the split is not the strategy's
+        default), rl (micro-batch, checkpointing), rollout (migration)."""
+        g0 = self.spec.groups[0]
+        if self.strategy == "single":
+            return {"placement": {"strategy": "single"}, "rl": {"micro_batch_size": self.micro_batch_size,
+                    "gradient_checkpointing": self.gradient_checkpointing}}
+        placement = {"strategy": self.strategy, "workers": self.spec.workers, "cpus_per_worker": g0.cpus_per_worker,
+                     "gpus_per_worker": g0.gpus_per_worker}
+        if not _default_split(self.spec):
+            placement = {"strategy": "custom", "cpus_per_worker": g0.cpus_per_worker,
+                         "gpus_per_worker": g0.gpus_per_worker,
+                         "groups": [{"name": g.name, "workers": g.workers, "roles": list(g.roles)}
+                                    for g in self.spec.groups]}
+        if self.spec.address:
+            placement["address"] = self.spec.address
+        return {"placement": placement,
+                "rl": {"micro_batch_size": self.micro_batch_size, "gradient_checkpointing": self.gradient_checkpointing},
+                "rollout": {"migrate_below": self.migrate_below}}
+
+
+def _default_split(spec: PlacementSpec) -> bool:
+    w = spec.workers
+    if spec.strategy == "interleaved":
+        return spec.group("score").workers == max(1, w // 4)
+    if spec.strategy == "separated":
+        return spec.group("generate").workers == max(1, w // 2)
+    return True
+
+
+# ------------------------------------------------------------------------------------------- enumeration
+
+
+def candidate_specs(prob: Problem) -> list[PlacementSpec]:
+    """Every strategy x split of prob.workers the roles allow (strategies that cannot place them are skipped); the
+    single process for one worker."""
+    if prob.workers == 1:  # one worker is one process: no Ray to pay for
+        from rlfuse.plan.strategies import single
+
+        return [single(prob.roles)]
+    out = []
+    for name in prob.strategies:
+        fn = STRATEGY_FNS[name]
+        splits = [None] if name == "flattened" else range(1, prob.workers)
+        for split in splits:
+            kw = {} if split is None else {"score_workers" if name == "interleaved" else "generate_workers": split}
+            try:
+                out.append(fn(prob.roles, prob.workers, prob.resources, prob.address, **kw))
+            except UserError:
+                break
+    return out
+
+
+def micro_batch_sizes(prob: Problem) -> tuple[int, ...]:
+    if prob.micro_batches:
+        return prob.micro_batches
+    mb = prob.workload.mini_batch
+    return tuple(m for m in (1, 2, 4, 8, 16, 32, 64, 128) if m <= mb and mb % m == 0)
+
+
+def plan(prob: Problem) -> list[Plan]:
+    """Every candidate, predicted; those that fit first, each part ranked by iteration time."""
+    plans = []
+    for spec in candidate_specs(prob):
+        decoders, ranks, seen = _workers_with(spec, "generator"), _workers_with(spec, "actor"), set()
+        for micro in micro_batch_sizes(prob):
+            rows = dp_micro_size(prob.workload.mini_batch, micro, ranks)
+            if rows in seen:  # the same micro-batches per rank as a smaller size already gave: the same plan
+                continue
+            seen.add(rows)
+            for ckpt in prob.checkpointing:
+                for migrate in (prob.migrate_below if decoders > 1 else (0.0,)):
+                    plans.append(predict(prob, spec, micro, ckpt, migrate))
+    plans.sort(key=lambda p: (not p.fits, p.iteration_s, p.peak_bytes))
+    return plans
+
+
+def best_plan(prob: Problem) -> Plan:
+    return first_fitting(plan(prob), prob.workers)
+
+
+def first_fitting(plans: list[Plan], workers: int) -> Plan:
+    """The first of plan()'s ranking, or a one-line error saying why nothing of `workers` workers fits."""
+    if not plans or not plans[0].fits:
+        reason = plans[0].why_not if plans else "no strategy can place these roles"
+        raise UserError(f"placement planner: nothing fits on {workers} worker(s): {reason}; add workers, "
+                        f"raise --memory-per-worker (placement.memory_per_worker_gb), or turn on model.lora or "
+                        f"rl.gradient_checkpointing")
+    return plans[0]
+
+
+# --------------------------------------------------------------------------------------------- prediction
+
+
+def _workers_with(spec: PlacementSpec, role: str) -> int:
+    return sum(g.workers for g in spec.groups if role in g.roles)
+
+
+def predict(prob: Problem, spec: PlacementSpec, micro: int, ckpt: bool, migrate: float) -> Plan:
+    """Seconds per stage and memory per group of one candidate."""
+    w, p, m = prob.workload, prob.profile, prob.memory
+    gen_w = _workers_with(spec, "generator")
+    train_w = _workers_with(spec, "actor")
+    score_w = _workers_with(spec, "reward") or _workers_with(spec, "reference")
+    shard_of = lambda workers: workers if prob.shard else 1
+    # workers computing at the same moment slow each other (profile_ray.pair_slowdowns): only where they overlap
+    gen_share, score_share = _pair_shares(prob, spec, gen_w, score_w, migrate)
+    generate, score, rollout, migration = _rollout_seconds(
+        prob, spec, gen_w, score_w, migrate, cost.overlap_slowdown(p.pair_decode_slowdown, gen_share),
+        cost.overlap_slowdown(p.pair_train_slowdown, score_share))
+    train_slow = cost.overlap_slowdown(p.pair_train_slowdown, 1.0 if train_w > 1 else 0.0)  # ranks step together
+    train = _train_seconds(_slowed(prob, train_slow), train_w, micro, ckpt, spec.uses_ray)
+    sync = _sync_seconds(prob, spec)
+    overhead = p.ray_call_s if spec.uses_ray else 0.0
+    seconds = {"generate": generate, "score": score, "rollout": rollout, "train": train, "sync": sync,
+               "migration": migration, "overhead": overhead}
+    seconds["iteration"] = sync + rollout + train + overhead
+    memory = {}
+    for g in spec.groups:
+        replicas = g.workers // _tp(prob, g.workers)  # sharded: tensor-parallel generator replicas
+        kv_rows = min(w.max_rows, math.ceil(w.samples / replicas)) if "generator" in g.roles else 0
+        mi = replace(m, train_rows=dp_micro_size(w.mini_batch, micro, train_w), checkpointing=ckpt,
+                     seq=int(math.ceil(w.prompt_tokens + w.response_max)),
+                     score_rows=w.score_micro_batch, kv_rows=kv_rows, shard=shard_of(g.workers),
+                     generator_shard=_tp(prob, g.workers))
+        memory[g.name] = worker_memory(g.roles, mi, p)
+    fits, why = True, ""
+    if prob.memory_budget is not None:
+        over = [f"{n} needs {mem['total'] / GiB:.2f} GiB" for n, mem in memory.items() if mem["total"] > prob.memory_budget]
+        if over:
+            fits, why = False, f"{', '.join(over)} per worker, over the {prob.memory_budget / GiB:.2f} GiB budget"
+    return Plan(spec.strategy, spec, micro, ckpt, migrate, seconds, memory, fits, why)
+
+
+def _slowed(prob: Problem, factor: float) -> Problem:
+    return prob if factor <= 1 else replace(prob, profile=prob.profile.slowed(factor))
+
+
+def _pair_shares(prob: Problem, spec: PlacementSpec, gen_w: int, score_w: int, migrate: float) -> tuple[float, float]:
+    """(share of decoding, share of scoring) that overlaps another worker's compute. One group: every worker decodes,
+    then scores, at the same moment as the others (all of it when there are several; none in one process). Two
+    groups: decoding and scoring overlap for at most the shorter of the two (predicted as if alone), unless a group
+    has several workers, which then overlap each other throughout."""
+    if len(spec.groups) == 1:
+        return (1.0, 1.0) if gen_w > 1 else (0.0, 0.0)
+    generate, score, _, _ = _rollout_seconds(prob, spec, gen_w, score_w, migrate)
+    return (1.0 if gen_w > 1 else min(1.0, score / generate)), (1.0 if score_w > 1 else min(1.0, generate / score))
+
+
+def _rollout_seconds(prob: Problem, spec: PlacementSpec, gen_w: int, score_w: int, migrate: float,
+                     gen_slow: float = 1.0, score_slow: float = 1.0) -> tuple[float, float, float, float]:
+    """(generate, score, rollout, migration) seconds. One group (flattened, or one process): each worker decodes its
+    share, scoring its own finished samples as it goes, with the tail migrated to fewer workers (the freed ones score
+    under it). Two groups: the scoring group starts on the decoders' first chunk and scores each chunk as it comes;
+    the last chunk is scored after decoding ends. On Ray every decoding worker replies to the driver in chunks
+    (ray_rollout.GenerationWorker.advance), each a round trip carrying its samples; a scoring call is one too.
+    gen_slow, score_slow: decoding's and scoring's compute slowed by these (workers computing at the same moment)."""
+    w, p = prob.workload, prob.profile
+    one_group = len(spec.groups) == 1
+    gen_prob, prob = _slowed(prob, gen_slow), _slowed(prob, score_slow)
+    generate = _generate_seconds(gen_prob, gen_w, _tp(prob, gen_w))
+    score = _score_seconds(prob, score_w)
+    calls = 1 if spec.uses_ray else 0  # set_temperature on the scorers before decoding starts
+    score_calls = 1
+    if spec.uses_ray:
+        per_decoder = w.samples / gen_w
+        chunks = cost.rollout_chunks(per_decoder, generate + (score if one_group else 0.0), w.score_every, w.chunk_s)
+        generate += cost.round_trip_seconds(p, chunks, per_decoder)
+        if not one_group:
+            score_calls = max(math.ceil(w.samples / score_w / w.score_every), math.ceil(chunks * gen_w / score_w))
+            score = _score_seconds(prob, score_w, score_calls) + cost.round_trip_seconds(p, score_calls,
+                                                                                        w.samples / score_w)
+    migration, overlap = 0.0, 0.0
+    if migrate > 0 and gen_w > 1:
+        migration, tail = _migration(gen_prob, gen_w, migrate)
+        if migration and spec.uses_ray:
+            migration += cost.round_trip_seconds(p, 2)  # export, then import
+        overlap = min(tail, score)
+    if one_group:
+        rollout = generate + score - overlap + migration
+    else:
+        first = min(generate, w.chunk_s)
+        rollout = max(generate + migration + score / score_calls, first + score)
+    return generate, score, rollout + cost.round_trip_seconds(p, calls), migration
+
+
+def _policy_bytes(m: MemoryInputs) -> float:
+    return weight_bytes(m.policy, m.weight_dtype)
+
+
+def _tp(prob: Problem, workers: int) -> int:
+    """Tensor-parallel degree of the generator: 1 unless sharding (on paper), then see TP_WEIGHT_SHARE."""
+    if not prob.shard or not prob.memory_budget:
+        return 1
+    tp, need = 1, _policy_bytes(prob.memory)
+    while need / tp > TP_WEIGHT_SHARE * prob.memory_budget and tp * 2 <= min(workers, TP_MAX):
+        tp *= 2
+    return tp
+
+
+def _generate_seconds(prob: Problem, workers: int, tp: int) -> float:
+    """Each generating worker (or tensor-parallel replica of `tp` workers, with their summed FLOP/s and bandwidth;
+    collectives not counted) decodes its share of the samples."""
+    w, m, p = prob.workload, prob.memory, prob.profile
+    samples = w.samples / (workers // tp)
+    if tp > 1:
+        p = replace(p, flops=p.flops * tp, decode_flops=p.decode_flops * tp, mem_bw=p.mem_bw * tp)
+    prompts = w.samples / w.k
+    prefills = cost.distinct_values(w.prompt_lengths, prompts, prompts / (workers // tp))  # this worker's share
+    # the rollout ends with the longest sample of every decoder's: one decoder's own longest is shorter
+    return cost.decode_seconds(p, m.policy, samples, w.prompt_tokens, w.lengths, w.response_mean,
+                               _policy_bytes(m), m.act_bytes, w.max_rows, prefills, w.k, waited_for=w.samples)
+
+
+def _scored_models(m: MemoryInputs, roles: Roles) -> list[ModelShape]:
+    """The forwards scoring runs per sample: the reference's log-probs, the reward model, the critic's values
+    (the critic's own body, or the actor's when the value head sits on it)."""
+    out = [m.policy]
+    if m.reward is not None:
+        out.append(m.reward)
+    if "critic" in roles:
+        out.append(m.critic or m.policy)
+    return out
+
+
+def _score_seconds(prob: Problem, workers: int, calls: float | None = None) -> float:
+    """Data-parallel scoring: each worker runs every scoring forward over its share, in micro-batches, plus the
+    fused tail's one-sample calls; or in `calls` calls (a scoring group scores each chunk as it comes)."""
+    w, m, p = prob.workload, prob.memory, prob.profile
+    per_worker = w.samples / workers
+    if calls is None:
+        singles = min(w.score_singles, per_worker)
+        calls = math.ceil((per_worker - singles) / w.score_micro_batch) + singles
+    rows = per_worker / calls
+    forwards = sum(cost.forward_seconds(p, s, rows, w.seq, weight_bytes(s, m.weight_dtype), calls)
+                   for s in _scored_models(m, prob.roles))
+    return forwards + calls * p.score_call_s
+
+
+def _train_seconds(prob: Problem, workers: int, micro: int, ckpt: bool, ray: bool = False) -> float:
+    """Actor then critic: per mini-batch, ceil(micro-batches / workers) micro-batches on each rank (DDP), each
+    with the loss path's fixed cost (train_micro_s), an optimiser step, and on several ranks DDP's gradient
+    all-reduce (one per bucket) and the all-reduce that checks every rank's loss was finite; per update, the
+    ranks' stats gathered (all_gather_object: two collectives). On Ray the driver's call and the experience's trip
+    to the ranks. Sharding (on paper) changes the memory, not this: each worker gathers the whole weights for its
+    micro-batches, as FSDP does."""
+    w, m, p = prob.workload, prob.memory, prob.profile
+    steps = w.epochs * w.samples / w.mini_batch
+    # each rank runs every world-th micro-batch of each mini-batch (micro-batches cut smaller where there are fewer
+    # than ranks: spec.dp_micro_size), padded to the same count on every rank (a zero-weight one costs as much)
+    rows = dp_micro_size(w.mini_batch, micro, workers)
+    calls = steps * math.ceil(math.ceil(w.mini_batch / rows) / workers)
+    lora = m.lora_rank > 0
+    train_b = 4.0 if m.train_dtype == "fp32" else 2.0
+    trained = [(m.policy, m.policy.lora_params(m.lora_rank) if lora else m.policy.params, lora)]
+    if "critic" in prob.roles and m.critic is not None:
+        on_base = m.shared_base and lora  # the critic is adapters on the shared base too
+        trained.append((m.critic, m.critic.lora_params(m.lora_rank) if on_base else m.critic.params, on_base))
+    total = 0.0
+    for shape, params, frozen in trained:
+        wb = weight_bytes(shape, m.weight_dtype)
+        seq = w.padded_seq(rows, workers, calls / steps)  # every optimiser step waits for the slowest rank
+        total += cost.train_seconds(p, shape, rows, seq, wb, calls, ckpt, frozen)
+        total += calls * p.train_micro_s
+        total += cost.optimizer_seconds(p, params / (workers if prob.shard else 1), steps)
+        buckets = cost.ddp_buckets(params * train_b, cost.DDP_BUCKET_BYTES)
+        in_backward = replace(p, allreduce_bytes_s=p.ddp_allreduce_bytes_s or p.allreduce_bytes_s)
+        total += cost.allreduce_seconds(in_backward, params * train_b / buckets, workers, steps * buckets)
+        total += cost.allreduce_seconds(p, 4, workers, steps + 2)  # finite-loss check per step; the stats
+    if ray:  # the experience goes as a few batched tensors: a round trip, not a per-sample cost
+        total += cost.round_trip_seconds(p, 1)
+    return total
+
+
+def _migration(prob: Problem, gen_w: int, migrate_below: float) -> tuple[float, float]:
+    """(re-prefill seconds on the keeper, seconds of tail decode the freed workers can score under): the tail starts
+    when fewer than `migrate_below` of the samples are unfinished, or as soon as the unfinished rows fit on fewer
+    workers at rollout.rows_per_worker each (rollout/migration.py plan_migration's two triggers)."""
+    w, p, m = prob.workload, prob.profile, prob.memory
+    per_worker = w.samples / gen_w
+    rows = w.lengths.live_rows(per_worker, w.samples)  # the keeper decodes on to the longest of all
+    fits_fewer = lambda r: math.ceil(r * gen_w / w.rows_per_worker - 1e-9) < gen_w
+    start = next((t for t, r in enumerate(rows) if r < migrate_below * per_worker or fits_fewer(r)), len(rows))
+    if start >= len(rows):
+        return 0.0, 0.0
+    moved = rows[start] * (gen_w - 1)
+    wb = _policy_bytes(m)
+    replay = cost.migration_seconds(p, m.policy, moved, w.prompt_tokens + start, wb)
+    tail = len(rows[start:]) * (m.policy.layers * (p.decode_layer_call_s or p.layer_call_s) + wb / p.mem_bw)
+    return replay, tail
+
+
+def _sync_seconds(prob: Problem, spec: PlacementSpec) -> float:
+    """The actor's weights to generators outside its group (the object store or NCCL; one receiver after another),
+    in-process copies inside it; the critic's weights to scoring groups without it (they compute the values).
+    Sharded (on paper): every sender and receiver moves its own shard at once, over min(senders, receivers) links."""
+    p, m = prob.profile, prob.memory
+    train_b = 4.0 if m.train_dtype == "fp32" else 2.0
+    trainers = _workers_with(spec, "actor")
+    total = 0.0
+    if spec.uses_ray and any({"generator", "actor"} <= set(g.roles) for g in spec.groups):
+        total += cost.round_trip_seconds(p, 1)  # the driver asks each such worker to copy its own replica
+    for g in spec.groups:
+        if "generator" in g.roles:
+            if "actor" not in g.roles:
+                total += _send(prob, m.policy.params * train_b, g.workers, trainers)
+            elif not (m.shared_base and not m.generator_copy):  # decoding the shared base itself: nothing to copy
+                total += m.policy.params * train_b / p.mem_bw
+        if m.critic is not None and "critic" in prob.roles and "critic" not in g.roles \
+                and set(g.roles) & {"reference", "reward"}:
+            total += _send(prob, m.critic.params * train_b, g.workers, trainers)
+    return total
+
+
+def _send(prob: Problem, nbytes: float, receivers: int, senders: int) -> float:
+    if prob.shard:
+        return cost.sync_seconds(prob.profile, nbytes / min(receivers, senders), 1)
+    return cost.sync_seconds(prob.profile, nbytes, receivers)
+
+
+# ----------------------------------------------------------------------------------------------- printing
+
+
+def plan_table(plans: list[Plan], top: int = 12) -> str:
+    """The ranked plans as a markdown table (predicted seconds per stage, peak GiB per worker)."""
+    lines = ["| rank | strategy | split | micro | ckpt | migrate | generate s | score s | rollout s | train s | sync s | "
+             "iteration s | peak GiB/worker | fits |",
+             "|---" * 14 + "|"]
+    for i, pl in enumerate(plans[:top], 1):
+        s = pl.seconds
+        lines.append(f"| {i} | {pl.strategy} | {pl.split} | {pl.micro_batch_size} | "
+                     f"{'on' if pl.gradient_checkpointing else 'off'} | {pl.migrate_below:g} | {s['generate']:.3g} | "
+                     f"{s['score']:.3g} | {s['rollout']:.3g} | {s['train']:.3g} | {s['sync']:.3g} | "
+                     f"{s['iteration']:.3g} | {pl.peak_bytes / GiB:.2f} | {'yes' if pl.fits else 'no: ' + pl.why_not} |")
+    return "\n".join(lines)
+
+
+def plan_memory_table(pl: Plan) -> str:
+    return memory_table({f"{g.name} ({', '.join(g.roles)})": pl.memory[g.name] for g in pl.spec.groups})
+
+
+# ------------------------------------------------------------------------------------------ from a config
+
+SYNTHETIC_RESPONSE_MEAN = 17.0
+"""Mean response tokens of PPO on the embedded task (median of rollout/length_mean over the 40 iterations of the
+default run in BENCHMARKS.md); real data runs to rl.max_new_tokens unless --lengths-from says otherwise."""
+PROMPT_TOKENS = {"synthetic": 4.0, "imdb": 15.0}
+"""Mean prompt tokens as the RL stage encodes them (BOS + words; measured by bench/plan.py on the default task and on
+IMDb prompts with the default-task tokenizer). Other data: 32."""
+
+
+def problem_from_config(cfg, profile: MachineProfile, workers: int | None = None, cpus_per_worker: float | None = None,
+                        gpus_per_worker: float | None = None, memory_budget: float | None = None,
+                        lengths: tuple[float, int] | None = None, prompt_tokens: float | None = None,
+                        cores: float | None = None, prompt_lengths: float | None = None) -> Problem:
+    """The planning problem of an RL run on `cfg` (rlfuse.config.Config): roles, shapes and batch sizes from the
+    config, placement resources from the arguments or cfg.placement, rates from `profile`. Budget: the argument,
+    else a GPU's memory, else the machine's RAM shared by the workers (0 in the profile: no check). lengths:
+    (mean, longest) response tokens measured by a run; prompt_tokens: their measured mean (default PROMPT_TOKENS);
+    prompt_lengths: distinct prompt lengths in an iteration's prompts, measured (default 1: one prefill call);
+    cores: CPU cores the workers share (default this machine's; CPU workers beyond them are slowed)."""
+    from rlfuse.plan.roles import derive_roles
+    from rlfuse.plan.cost import policy_shape
+
+    rl, pc = cfg.rl, cfg.placement
+    roles = derive_roles(cfg)
+    shape = policy_shape(cfg.model)
+    workers = pc.workers if workers is None else workers
+    resources = WorkerResources(pc.cpus_per_worker if cpus_per_worker is None else cpus_per_worker,
+                                pc.gpus_per_worker if gpus_per_worker is None else gpus_per_worker)
+    if workers < 1 or resources.cpus <= 0 or resources.gpus < 0:
+        raise UserError(f"placement planner: {workers} worker(s) of {resources.cpus:g} CPU and {resources.gpus:g} GPU "
+                        "each cannot run anything; give at least 1 worker and a positive CPU share")
+    if profile.device == "cpu":  # more worker threads than cores: each gets its share of the cores
+        import os
+
+        profile = profile.slowed(resources.cpus * workers / (cores or os.cpu_count() or 1))
+    if memory_budget is None and profile.memory_bytes:
+        memory_budget = profile.memory_bytes if profile.device == "cuda" else profile.memory_bytes / workers
+    mean, longest = lengths or ((SYNTHETIC_RESPONSE_MEAN if cfg.data.kind == "synthetic" else rl.max_new_tokens), 0)
+    prompt_tokens = prompt_tokens or PROMPT_TOKENS.get(cfg.data.kind, 32.0)
+    workload = Workload(samples=rl.prompts_per_iter * rl.k, prompt_tokens=prompt_tokens,
+                        response_mean=min(mean, rl.max_new_tokens), response_max=rl.max_new_tokens,
+                        epochs=rl.epochs, mini_batch=rl.mini_batch_size, score_micro_batch=cfg.rollout.micro_batch_size,
+                        max_rows=cfg.rollout.max_rows,
+                        # Ray's decoding workers fuse (auto means on there: scoring overlaps on other workers)
+                        score_singles=cfg.rollout.live_below if cfg.rollout.fusion is not False else 0,
+                        response_longest=min(longest, rl.max_new_tokens), score_every=cfg.rollout.score_every,
+                        rows_per_worker=cfg.rollout.rows_per_worker, k=rl.k, prompt_lengths=prompt_lengths or 1.0)
+    mem = memory_inputs(cfg, roles, shape, profile)
+    migrate = tuple(sorted({0.0, cfg.rollout.migrate_below}))
+    return Problem(roles, workload, mem, profile, workers, resources, memory_budget, migrate_below=migrate,
+                   address=pc.address)
+
+
+QUANTISED_DTYPE = {"none": "fp32", "4bit": "nf4-dq", "8bit": "int8"}
+"""model.quantization -> the frozen weights' dtype in the memory model."""
+
+
+def memory_inputs(cfg, roles, shape, profile: MachineProfile) -> MemoryInputs:
+    """The memory model's inputs as rlfuse runs `cfg`: the base's dtype (model.quantization), one shared base for
+    the roles (model.shared_base: the critic and reward as adapters on it; the generator still its own
+    full-precision copy today), the optimiser's state size (rl.optimizer), activations in the compute dtype."""
+    mc = cfg.model
+    shared = mc.lora and mc.shares_base
+    critic = "critic" in roles and (roles["critic"].shares_with is None or (shared and roles["critic"].source != "actor"))
+    half = cfg.run.precision in ("bf16", "fp16") or (cfg.run.precision == "auto" and profile.device == "cuda")
+    return MemoryInputs(policy=shape, critic=shape if critic else None,
+                        reward=shape if roles["reward"].has_model else None,
+                        weight_dtype=QUANTISED_DTYPE[mc.quantization],
+                        act_bytes=2.0 if half and mc.quantization != "none" else 4.0,
+                        lora_rank=mc.lora_r if mc.lora else 0,
+                        optimizer="adamw8bit" if cfg.rl.optimizer.endswith("8bit") else "adamw",
+                        shared_base=shared)  # the engine decodes the shared base: no generator copy
+
+
+def plan_config(cfg, log=None, **kw) -> list[Plan]:
+    """Every plan for an RL run on `cfg`, best first, with the machine profile at its default place (or the
+    built-in one). Keyword arguments go to problem_from_config."""
+    from rlfuse.plan.profiles import load_profile
+
+    budget = cfg.placement.memory_per_worker_gb
+    kw.setdefault("memory_budget", budget * GiB if budget else None)
+    return plan(problem_from_config(cfg, load_profile(log=log), **kw))
+
+
+def resolve_auto(cfg, log=None):
+    """placement.strategy=auto -> a copy of `cfg` with the best plan applied (placement, rl.micro_batch_size,
+    rl.gradient_checkpointing, rollout.migrate_below) and one log line saying what was chosen; other configs as
+    they are. Called once before a run by rlfuse.plan.resolve.resolve, so the run folder's config.yaml records the
+    choice."""
+    if cfg.placement.strategy != "auto":
+        return cfg
+    plans = plan_config(cfg, log)
+    best = first_fitting(plans, cfg.placement.workers)
+    block = best.config_block()
+    placement = replace(cfg.placement, **block["placement"])
+    out = replace(cfg, placement=placement, rl=replace(cfg.rl, **block["rl"]),
+                  rollout=replace(cfg.rollout, **block.get("rollout", {})))
+    if log:
+        log(f"[plan] placement.strategy=auto chose {best.label()}: predicted {best.iteration_s:.2f} s per iteration, "
+            f"peak {best.peak_bytes / GiB:.2f} GiB per worker (best of {len(plans)}; `rlfuse plan` prints the table)")
+    return out
+
+
+def _configured_memory(cfg):
+    """(memory inputs with the config's micro-batch, checkpointing and lengths; the workload; the profile)."""
+    from rlfuse.plan.profiles import load_profile
+
+    prob = problem_from_config(cfg, load_profile())
+    w = prob.workload
+    from rlfuse.config import checkpointing_on
+
+    m = replace(prob.memory, train_rows=cfg.rl.micro_batch_size, checkpointing=checkpointing_on(cfg),
+                seq=int(math.ceil(w.prompt_tokens + w.response_max)), score_rows=w.score_micro_batch)
+    return m, w, prob
+
+
+def memory_of_config(cfg):
+    """The checker's `memory_of` hook (rlfuse.plan.check) for an RL run on `cfg` as configured: predicted
+    peak bytes of one worker of a group, with the config's micro-batch and checkpointing."""
+    from rlfuse.plan.memory import memory_model
+
+    m, w, prob = _configured_memory(cfg)
+    return memory_model(m, prob.profile, w.samples, w.max_rows)
+
+
+def predicted_memory(cfg) -> dict[str, float]:
+    """Bytes per component of the single process running every role of `cfg` (the report shows it beside what the
+    run measured, rlfuse/metrics/memory.py)."""
+    m, w, prob = _configured_memory(cfg)
+    return worker_memory(prob.roles.names, replace(m, kv_rows=min(w.max_rows, w.samples)), prob.profile)

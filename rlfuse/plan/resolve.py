@@ -1,0 +1,98 @@
+"""The config as a run will use it: `resolve(cfg)` plans placement.strategy=auto, then checks what only the planner
+and the placement checker can tell, each problem a ConfigError naming the field and the fix:
+
+- the layout places every role of the run, keeps shared weights in one process and (with
+  placement.memory_per_worker_gb) fits the planner's memory model (plan/check.py);
+- a pipeline mode (rl.train_parallel=pipeline_*) gets two or more training workers and models it can cut into one
+  stage per worker.
+
+`load_config` returns what the file says; the CLI and the API call `resolve` once before a run, so the run folder's
+config.yaml records the plan and a layout that cannot work fails at `rlfuse validate`, not after Ray started. Pure:
+no torch, no Ray.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from rlfuse.config import Config, validate
+from rlfuse.errors import ConfigError, UserError
+from rlfuse.plan.check import check_placement
+from rlfuse.plan.planner import memory_of_config, resolve_auto
+from rlfuse.plan.roles import derive_roles
+from rlfuse.plan.strategies import spec_from_config
+
+SPLITTABLE = ("gpt2", "llama", "qwen2", "mistral")
+"""Model types whose body is `embeddings -> layers -> final norm` in the shapes a pipeline stage knows (GPT-2:
+wte/wpe/h/ln_f; Llama-style: embed_tokens/layers/norm/rotary_emb; rlfuse/models/pipeline_stages.py)."""
+
+
+def resolve(cfg: Config, log=None) -> Config:
+    """`cfg` with placement.strategy=auto planned (one log line says what was chosen), checked as described above.
+    Raises ConfigError."""
+    if cfg.placement.strategy == "auto":
+        cfg = validate(resolve_auto(cfg, log))
+    check_layout(cfg)
+    check_pipeline(cfg)
+    return cfg
+
+
+def check_layout(cfg: Config) -> None:
+    """The placement checker without a cluster (roles placed, shared weights together, and with
+    placement.memory_per_worker_gb the planner's memory per worker); the cluster's own resources are checked when
+    Ray is up (runtime/ray_driver.py)."""
+    p = cfg.placement
+    if p.strategy == "single":
+        return
+    try:
+        problems = check_placement(spec_from_config(cfg), derive_roles(cfg), **_memory_check(cfg))
+    except UserError as e:  # a strategy that cannot place these roles
+        raise ConfigError("placement.strategy", str(e), "pick another placement.strategy") from None
+    if problems:
+        field_name = "placement.groups" if p.strategy == "custom" else "placement.strategy"
+        raise ConfigError(field_name, " / ".join(problems), "fix each as it says")
+
+
+def _memory_check(cfg: Config) -> dict:
+    """With placement.memory_per_worker_gb, the checker's memory hook: the planner's memory model per worker."""
+    gb = cfg.placement.memory_per_worker_gb
+    if gb is None:
+        return {}
+    return {"memory_of": memory_of_config(cfg), "memory_budget": int(gb * 2**30)}
+
+
+def check_pipeline(cfg: Config) -> None:
+    """A pipeline mode cuts the policy and the critic into one stage per training worker: at least two workers, a
+    splittable architecture and a layer per stage (where the models' configs are known before any stage runs)."""
+    rl, field_name = cfg.rl, "rl.train_parallel"
+    if not rl.train_parallel.startswith("pipeline"):
+        return
+    spec = spec_from_config(cfg)
+    P = sum(spec.group(g).workers for g in spec.groups_of("actor")) if spec.uses_ray else 1
+    if P < 2:
+        raise ConfigError(field_name, f"{rl.train_parallel} cuts the models into one stage per training worker, and "
+                          f"placement.strategy={cfg.placement.strategy} gives {P}", "set placement.strategy=flattened "
+                          "with placement.workers=2 (or more), or rl.train_parallel=data")
+    critic_from = [cfg.rl.rm_path] if rl.critic_init == "rm" else [cfg.rl.sft_path, cfg.model.name]
+    for role, (kind, layers) in (("policy", _model_shape(cfg, [cfg.rl.sft_path, cfg.model.name])),
+                                 ("critic", _model_shape(cfg, critic_from))):
+        if kind is not None and kind not in SPLITTABLE:
+            raise ConfigError(field_name, f"the {role} is a {kind} model, which cannot be split into pipeline stages "
+                              f"(splittable: {', '.join(SPLITTABLE)})", "set rl.train_parallel=data")
+        if layers is not None and layers < P:
+            raise ConfigError(field_name, f"the {role}'s {layers} layers cannot be cut into {P} stages (one per "
+                              f"training worker)", f"use at most {layers} training workers (placement.workers), or "
+                              "rl.train_parallel=data")
+
+
+def _model_shape(cfg: Config, folders: list) -> tuple[str | None, int | None]:
+    """(model type, layers) of the first of `folders` holding a config.json, else of the embedded model (the run's
+    own SFT/RM stages build it at model.n_layer), where known before any stage runs; (None, None) for a hub id
+    (the workers check it when they load it)."""
+    for folder in folders:
+        conf = Path(folder) / "config.json" if folder else None
+        if conf is not None and conf.is_file():
+            c = json.loads(conf.read_text())
+            return c.get("model_type"), c.get("n_layer", c.get("num_hidden_layers"))
+    return ("gpt2", cfg.model.n_layer) if cfg.model.name == "embedded" else (None, None)

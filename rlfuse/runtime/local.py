@@ -1,0 +1,104 @@
+"""Steps 1 and 4 of the RL loop in this process (placement.strategy=single): LocalRollout (weight sync into the
+engine's own generator, then generate and score) and LocalTrainer (the update and its checkpoints on this process's
+learners), the two objects of runtime/protocols.py; and the engine and scorer a process holding the roles itself
+builds (this one, or a Ray worker that also trains)."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from rlfuse.config import Config, RLConfig
+from rlfuse.learn.checkpoint import CHECKPOINT_KEYS, checkpoint_parts, load_checkpoint, save_checkpoint
+from rlfuse.learn.learners import Learners
+from rlfuse.learn.update import BadSteps, update
+from rlfuse.models.build import Models
+from rlfuse.models.shared import actor_decoding
+from rlfuse.models.weights import merged_state_dict
+from rlfuse.rollout.engine import DecodeEngine, SamplingParams
+from rlfuse.rollout.fusion import Experience, FusionPolicy, generate_rollouts
+from rlfuse.rollout.score import Scorer
+
+
+def sync_weights(engine: DecodeEngine, actor: torch.nn.Module) -> dict:
+    """The actor's current weights into the generator, by an explicit copy; none when the engine decodes the actor's
+    own shared base (model.shared_base), which reports 0 bytes."""
+    if engine.shares_weights:
+        return {"time/weight_sync": 0.0, "sync/bytes": 0}
+    t = time.perf_counter()
+    n = engine.load_weights(merged_state_dict(actor))
+    return {"time/weight_sync": time.perf_counter() - t, "sync/bytes": n}
+
+
+@dataclass
+class LocalRollout:
+    """Step 1 of the loop in this process: weight sync, then generate and score (fusion). With placement on Ray the
+    loop gets rlfuse/runtime/ray_driver.py's RayRollout instead, with the same methods."""
+    engine: DecodeEngine
+    scorer: Scorer
+    fusion: FusionPolicy
+
+    def sync_weights(self, models: Models) -> dict:
+        return sync_weights(self.engine, models.actor)  # the critic is this process's own module: nothing to copy
+
+    def generate(self, prompts: list[list[int]], k: int, params: SamplingParams, seed: int) -> Experience:
+        before, self.scorer.temperature = dict(self.scorer.times), params.temperature
+        exp = generate_rollouts(self.engine, self.scorer, prompts, k, params, seed, self.fusion)
+        exp.timing |= {f"score_{role}": t - before.get(role, 0.0) for role, t in self.scorer.times.items()}
+        return exp
+
+    def metrics(self, exp: Experience) -> dict:
+        return {f"time/{k}": v for k, v in exp.timing.items() if not k.startswith("decode")}
+
+
+def local_scorer(models: Models, cfg: Config) -> Scorer:
+    """The scorer of a process holding the roles itself (this one, or a Ray worker that also trains): reference
+    (the actor with adapters off where it has no model of its own), reward, and the critic being trained."""
+    rl = cfg.rl
+    return Scorer(models.reward_fn, models.tokenizer.pad_token_id, ref=models.ref, actor=models.actor,
+                  critic=models.critic, temperature=rl.temperature, micro_batch_size=cfg.rollout.micro_batch_size,
+                  unfinished_penalty=rl.unfinished_penalty, share_prompt=rl.share_prompt)
+
+
+@dataclass
+class LocalTrainer:
+    """Step 4 of the loop and its checkpoints in this process (placement.strategy=single); on Ray,
+    rlfuse/runtime/ray_driver.py's RayTrainer has the same methods."""
+    models: Models
+    learners: Learners
+    rl: RLConfig
+
+    def update(self, exp: Experience, adv, returns, kl_coef: float, batches: list[list[int]], bad: BadSteps,
+               temperature: float | None = None) -> dict:
+        return update(self.models, self.learners, exp, adv, returns, self.rl, kl_coef, batches, bad, temperature)
+
+    def learning_rates(self) -> dict:
+        out = {"train/lr": self.learners.actor.sched.get_last_lr()[0]}
+        critic = self.learners.critic
+        return out | ({"train/critic_lr": critic.sched.get_last_lr()[0]} if critic is not None else {})
+
+    def save_checkpoint(self, path: Path, iteration: int, kl_coef: float, counters: dict) -> None:
+        save_checkpoint(path, **dict(zip(CHECKPOINT_KEYS, checkpoint_parts(self.models, self.learners))),
+                        iteration=iteration, kl_coef=kl_coef, counters=counters)
+
+    def load_checkpoint(self, path: Path) -> dict:
+        return load_checkpoint(path, *checkpoint_parts(self.models, self.learners))
+
+    def pull_into(self, models: Models) -> None:
+        """The trained modules are `models`' own: nothing to copy."""
+
+
+def decode_engine(models: Models, max_rows: int) -> DecodeEngine:
+    """The rollout engine of this process: on the generator, or with a shared base on that base itself, running the
+    actor's adapter in eval mode per forward (shared.actor_decoding): no copy of the weights and no sync. The engine
+    gets the transformers model under the peft wrapper, whose LoRA layers run the active adapter, so the lean
+    Llama decode step (rollout/kv.py) applies to it as to a plain model."""
+    tok = models.tokenizer
+    if models.shared_base is None:
+        return DecodeEngine(models.generator, tok.eos_token_id, max_rows=max_rows, tokenizer=tok)
+    base = models.shared_base
+    return DecodeEngine(base.get_base_model(), tok.eos_token_id, max_rows=max_rows, tokenizer=tok,
+                        decode_context=lambda: actor_decoding(base))

@@ -1,0 +1,267 @@
+"""Steps 1 and 4 of the RL loop (weight sync, generate, score; update) on Ray worker groups laid out by a
+PlacementSpec.
+
+trainers/rl.py asks `build_placement` for a rollout and a trainer; with placement.strategy != single it gets a
+`RayRollout` and a `RayTrainer` from here. Every worker of the spec is one Ray actor (placement/ray_worker.py
+RoleWorker) in one placement group (one bundle per worker, PACK), holding only the roles of its group: a group with
+the generator decodes; one with the reference or the reward scores; the group with the actor trains, its workers
+joined data-parallel (DDP, gloo on CPU). What this gives per strategy:
+
+- flattened: every worker decodes, scores and trains (with tail migration: freed workers score the finished
+  samples); the generators get the actor's weights by an in-process copy on each worker;
+- separated: the "generate" workers decode only, with weights from the trainer's rank 0 through the object store;
+  the "train" workers score while they decode, then train;
+- interleaved: the "train" workers decode and train; the "score" workers score while they decode, and get the
+  critic's weights from rank 0 each iteration (their copy computes the values).
+
+The driver keeps the loop, the evaluation and the saved model (rank 0's weights pulled back at the end). Ray is
+imported inside the functions, so importing this module never needs Ray.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import time
+from dataclasses import dataclass, field
+
+from rlfuse.errors import UserError
+from rlfuse.plan.spec import ClusterResources, NodeResources, PlacementSpec
+
+SCORING_ROLES = ("reference", "reward")
+
+
+def start_ray(spec: PlacementSpec) -> bool:
+    """ray.init unless Ray is up already (a test, or a notebook, started it): local with the spec's CPUs, or the
+    cluster at placement.address. Returns whether this call started it (so the run shuts down only its own Ray)."""
+    try:
+        import ray
+    except ImportError:
+        raise UserError(f"placement.strategy={spec.strategy} runs on Ray, which is not installed; "
+                        "pip install 'ray==2.60.*' or use placement.strategy=single") from None
+    if ray.is_initialized():
+        return False
+    if spec.address:
+        ray.init(address=spec.address, include_dashboard=False, log_to_driver=False)
+    else:
+        ray.init(num_cpus=max(1, int(round(spec.cpus))), num_gpus=int(spec.gpus + 0.999),
+                 include_dashboard=False, log_to_driver=False)
+    return True
+
+
+def pins_cores(setting: bool | None, started_ray: bool, address: str | None) -> bool:
+    """placement.pin_cores resolved: as set, or (null) only on a local Ray this run started itself, where no other
+    job's workers share the cores (on a cluster they may: each worker would take cores 0.. of its node)."""
+    return setting if setting is not None else started_ray and not address
+
+
+def core_list(cores: list[int]) -> str:
+    """[2, 3] -> "2-3", [0] -> "0", [0, 2] -> "0,2", [] (not pinned) -> ""."""
+    if cores and cores == list(range(cores[0], cores[-1] + 1)) and len(cores) > 1:
+        return f"{cores[0]}-{cores[-1]}"
+    return ",".join(map(str, cores))
+
+
+def cluster_resources(nodes: list[dict]) -> ClusterResources:
+    """ClusterResources from `ray.nodes()` (alive nodes' CPU and GPU totals)."""
+    alive = [n.get("Resources", {}) for n in nodes if n.get("Alive", True)]
+    return ClusterResources(tuple(NodeResources(float(r.get("CPU", 0)), float(r.get("GPU", 0))) for r in alive))
+
+
+def worker_metrics(timing: dict, ranks: list[int], rss_mb: list[tuple[float, float]]) -> dict:
+    """exp.timing of a multi-worker rollout -> the metrics row: time/ for seconds, migration/ under its own name,
+    worker/<rank>/busy_s, worker/<rank>/rss_mb and worker/<rank>/rss_peak_mb per worker (rank: the worker's global
+    index in the spec; rss_mb: (now, peak) per worker)."""
+    out = {"time/rollout": timing["rollout"], "time/scoring": timing["scoring"],
+           "migration/migrated": timing["migrated"]}
+    out |= {k: v for k, v in timing.items() if k.startswith("migration/")}
+    for i, rank in enumerate(ranks):
+        out[f"worker/{rank}/busy_s"] = timing[f"busy/worker{i}"]
+        out[f"worker/{rank}/rss_mb"], out[f"worker/{rank}/rss_peak_mb"] = rss_mb[i]
+    return out
+
+
+@dataclass
+class RayWorkers:
+    """The Ray actors of a spec, by global rank, and what each does; names a dead worker in one line."""
+    handles: list
+    ranks: list[int]
+    groups: list[str]
+    decoders: list[int] = field(default_factory=list)
+    scorers: list[int] = field(default_factory=list)
+    trainers: list[int] = field(default_factory=list)
+    placement_group: object = None
+    started_ray: bool = False
+
+    @contextlib.contextmanager
+    def naming_dead_workers(self, during: str):
+        """A worker process that died (killed, out of memory) ends the run with one line naming it; the iteration
+        under way is not logged, so `--resume` repeats it from the last checkpoint (written by rank 0)."""
+        from ray.exceptions import RayActorError, RayTaskError
+
+        try:
+            yield
+        except RayTaskError as e:  # a user-facing error on a worker (divergence, a bad reward) is the driver's
+            if isinstance(e.cause, UserError):
+                raise e.cause from None
+            raise
+        except RayActorError as e:
+            ids = [w._actor_id.hex() for w in self.handles]
+            i = ids.index(e.actor_id) if e.actor_id in ids else None
+            who = f"worker {self.ranks[i]} (group {self.groups[i]})" if i is not None else "a worker"
+            raise UserError(f"placement: Ray {who} died during the {during} ({type(e).__name__}); the last "
+                            f"checkpoint is kept: continue with `rlfuse rl --resume RUN_DIR`") from None
+
+    def close(self) -> None:
+        """End the workers and their placement group (and Ray, if this run started it)."""
+        import ray
+
+        if not ray.is_initialized():
+            return
+        for w in self.handles:
+            ray.kill(w)
+        if self.placement_group is not None:
+            ray.util.remove_placement_group(self.placement_group)
+        if self.started_ray:
+            ray.shutdown()
+
+
+@dataclass
+class RayTrainer:
+    """Step 4 of the loop and its checkpoints on the training workers (the trainer object of trainers/rl.py)."""
+    group: object
+    """ray_train.TrainGroup over the workers holding the actor."""
+    workers: RayWorkers
+    train_parallel: str = "data"
+    """rl.train_parallel: data (replicas) or pipeline_* (one stage of each model per rank)."""
+    rates: dict = field(default_factory=dict)
+    """train/lr (and train/critic_lr): every rank steps the same constant schedule (learn/optim.py
+    build_constant_optimizer), so the config's rates are the optimisers' own."""
+
+    def learning_rates(self) -> dict:
+        return self.rates
+
+    def update(self, exp, adv, returns, kl_coef: float, batches, bad: dict, temperature: float | None = None) -> dict:
+        with self.workers.naming_dead_workers("update"):
+            stats, counters, seconds = self.group.update(exp, adv, returns, kl_coef, batches, bad, temperature)
+        vars(bad).update(vars(counters))  # every rank counted the same skipped steps
+        ranks = [self.workers.ranks[i] for i in self.workers.trainers]
+        key = "train/data_parallel_ranks" if self.train_parallel == "data" else "train/pipeline_stages"
+        return stats | {key: len(ranks)} | {
+            f"worker/{r}/train_s": s for r, s in zip(ranks, seconds)}
+
+    def save_checkpoint(self, path, iteration: int, kl_coef: float, counters: dict) -> None:
+        with self.workers.naming_dead_workers("checkpoint"):
+            self.group.save_checkpoint(path, iteration, kl_coef, counters)
+
+    def load_checkpoint(self, path) -> dict:
+        with self.workers.naming_dead_workers("resume"):
+            return self.group.load_checkpoint(path)
+
+    def pull_into(self, models) -> None:
+        with self.workers.naming_dead_workers("final weight pull"):
+            self.group.pull_into(models)
+
+
+@dataclass
+class RayRollout:
+    """The rollout object of trainers/rl.py (sync_weights, generate, metrics) on the spec's workers."""
+    driver: object
+    """ray_rollout.MultiWorkerRollout over every worker, knowing which decode and which score."""
+    workers: RayWorkers
+    group: object
+    """ray_train.TrainGroup: where the weights come from."""
+    migrate: bool
+    critic_trains: bool = False
+
+    def sync_weights(self, models=None) -> dict:
+        """Actor -> every decoding worker; critic -> every scoring worker that does not train it (its frozen copy
+        computes the values). A worker holding an actor replica copies in-process; the others load rank 0's
+        buckets from the object store. `time/weight_sync`: wall seconds; `sync/bytes`: bytes loaded into one
+        generator (plus one scorer's critic when sent); `sync/sent_bytes`: bytes put into the object store."""
+        import ray
+
+        w = self.workers
+        t, sent, per_holder, calls = time.perf_counter(), 0, {}, []
+        with w.naming_dead_workers("weight sync"):
+            local = [w.handles[i].sync_from_actor.remote() for i in w.decoders if i in w.trainers]
+            for role, target, holders in (("actor", "generator", [i for i in w.decoders if i not in w.trainers]),
+                                          ("critic", "critic", [i for i in w.scorers if i not in w.trainers])):
+                if not holders or (role == "critic" and not self.critic_trains):
+                    continue
+                refs = self.group.actor_weights(self.driver.bucket_bytes, role)
+                sent, per_holder[target] = sent + refs.bytes, refs.bytes
+                calls += [w.handles[i].load_weights.remote(target, ref) for ref in refs.refs for i in holders]
+            copied = ray.get(local)
+            ray.get(calls)
+        if copied:
+            per_holder["generator"] = copied[0][0]
+        return {"time/weight_sync": time.perf_counter() - t, "sync/bytes": sum(per_holder.values()),
+                "sync/sent_bytes": sent}
+
+    def generate(self, prompts, k: int, params, seed: int):
+        with self.workers.naming_dead_workers("rollout"):
+            return self.driver.generate(prompts, k, params, seed, migrate=self.migrate)
+
+    def metrics(self, exp) -> dict:
+        with self.workers.naming_dead_workers("rollout"):
+            # the reward functions ran on the scoring workers: their means come from there
+            return (worker_metrics(exp.timing, self.workers.ranks, self.driver.rss_mb())
+                    | self.driver.reward_metrics())
+
+
+def start_ray_placement(cfg, spec: PlacementSpec, run_dir, log=print, reward_rows: dict | None = None
+                        ) -> tuple[RayRollout, RayTrainer, RayWorkers]:
+    """Validate the spec against the cluster, reserve one bundle per worker (PACK), start each group's workers with
+    the models of its roles, join the training ranks, and return the RL loop's rollout and trainer objects (and the
+    workers, to close)."""
+    import ray
+    from ray.util.placement_group import placement_group
+
+    from rlfuse.plan.roles import derive_roles
+    from rlfuse.plan.check import validate_placement
+    from rlfuse.runtime.ray_rollout import MultiWorkerRollout, RolloutSettings, WorkerModels
+    from rlfuse.runtime.ray_train import TrainGroup, join_training
+    from rlfuse.runtime.ray_worker import start_role_workers
+
+    workers = RayWorkers([], [], [], started_ray=start_ray(spec))
+    try:  # whatever fails from here (a timeout, a worker's constructor, Ctrl-C) releases what was reserved
+        validate_placement(spec, derive_roles(cfg), cluster_resources(ray.nodes()))
+        bundles = [{"CPU": g.cpus_per_worker, **({"GPU": g.gpus_per_worker} if g.gpus_per_worker else {})}
+                   for g in spec.groups for _ in range(g.workers)]
+        workers.placement_group = placement_group(bundles, strategy="PACK")
+        ray.get(workers.placement_group.ready(), timeout=120)
+        pg = workers.placement_group
+        models, settings = WorkerModels.from_config(cfg, run_dir), RolloutSettings.from_config(cfg, reward_rows)
+        pin = pins_cores(cfg.placement.pin_cores, workers.started_ray, spec.address)
+        t = time.perf_counter()
+        for g in spec.groups:
+            decodes, scores = "generator" in g.roles, any(r in g.roles for r in SCORING_ROLES)
+            trains, first = "actor" in g.roles, len(workers.handles)
+            group_ranks = list(spec.worker_ranks(g.name))
+            workers.handles += start_role_workers(cfg, run_dir, g.workers, models.holding(decodes, scores), settings,
+                                                  g.cpus_per_worker, g.gpus_per_worker, pg, group_ranks[0], trains,
+                                                  pin)
+            mine = list(range(first, len(workers.handles)))
+            workers.ranks += group_ranks
+            workers.groups += [g.name] * g.workers
+            workers.decoders += mine if decodes else []
+            workers.scorers += mine if scores else []
+            workers.trainers += mine if trains else []
+            jobs = [job for job, on in (("decode", decodes), ("score", scores), ("train", trains)) if on]
+            log(f"[placement] group {g.name}: {g.workers} worker(s) {' + '.join(jobs)}")
+        train = TrainGroup([workers.handles[i] for i in workers.trainers])
+        join_training(train.workers)
+        pids = ray.get([w.pid.remote() for w in workers.handles])
+        cores = ray.get([w.cores.remote() for w in workers.handles]) if pin else []
+        where = ", ".join(f"{r}:{core_list(c) or 'not pinned'}" for r, c in zip(workers.ranks, cores))
+        pinned = f"; on cores {where}" if cores else ""
+        log(f"[placement] {len(workers.handles)} Ray worker(s) up in {time.perf_counter() - t:.1f}s (pids "
+            f"{', '.join(f'{r}:{p}' for r, p in zip(workers.ranks, pids))}){pinned}; {len(train.workers)} train "
+            f"{'data-parallel' if cfg.rl.train_parallel == 'data' else 'as ' + cfg.rl.train_parallel + ' stages'}")
+        driver = MultiWorkerRollout(workers.handles, settings, decoders=workers.decoders, scorers=workers.scorers)
+        rollout = RayRollout(driver, workers, train, cfg.rollout.migrate_below > 0, models.critic is not None)
+        rates = {"train/lr": cfg.rl.lr} | ({"train/critic_lr": cfg.rl.critic_lr} if models.critic is not None else {})
+        return rollout, RayTrainer(train, workers, cfg.rl.train_parallel, rates), workers
+    except BaseException:
+        workers.close()
+        raise

@@ -1,0 +1,487 @@
+"""Rollout on several generation workers (Ray actors), with RLHFuse's tail migration.
+
+Each `GenerationWorker` is one process with its own generator (a DecodeEngine) and a Scorer (reference, reward,
+critic). The driver (`MultiWorkerRollout`) deals the iteration's prompts by global prompt id, so a sample is the same
+whichever worker decodes it (per-sample random streams, rollout/streams.py). Workers decode in chunks. Without
+migration each scores its own finished samples as it goes (fusion, as generate_rollouts does in one process). With
+migration, decoding workers only decode and send finished samples back unscored; when rollout/migration.py says so,
+the exporting workers hand their unfinished rows over (DecodeEngine.export_state), the keepers continue them (resume:
+re-prefill of prompt + tokens so far), and every idle worker (the freed ones, later any done decoding) scores the
+waiting samples. The result is the Experience generate_rollouts returns, with the same samples and scores.
+
+Nothing here is imported by the single-process path; ray is imported inside the functions that need it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+
+from rlfuse.rollout.engine import DecodeEngine, Sample, SamplingParams
+from rlfuse.rollout.fusion import Experience, FusionPolicy, build_experience
+from rlfuse.rollout.migration import plan_migration
+from rlfuse.models.rewards import metrics_of_sums, take_reward_sums
+from rlfuse.rollout.score import ScoredSample, Scorer
+from rlfuse.rollout.state import EngineState
+from rlfuse.rollout.weights import weight_buckets
+
+
+# ------------------------------------------------------------------------------------------- what a worker holds
+
+
+@dataclass(frozen=True)
+class WorkerModels:
+    """Where a generation worker loads its roles from: folders and names only, so the spec crosses processes.
+    A worker that only decodes has reference = reward = critic = None; one that only scores has generator = None."""
+    generator: str | None
+    """Causal LM folder of the policy (an SFT stage's model/); its weights are then synced with load_weights."""
+    reference: str | None
+    """Causal LM folder of the reference policy (with LoRA: the SFT model, i.e. the actor with adapters off)."""
+    reward: str | None
+    """Reward-model folder, or "function:module:name" for a Python reward function of texts."""
+    critic: str | None = None
+    """Folder the critic starts from (None: no critic); its weights are then synced with load_weights("critic")."""
+    critic_source: str = "rm"
+    """rm: the reward model's body and scalar head; sft or actor: a causal LM's body with a zero head."""
+
+    @classmethod
+    def from_config(cls, cfg, run_dir: Path) -> "WorkerModels":
+        """The folders build_models(cfg, run_dir) loads, for a generation worker. The critic's initial head is
+        replaced by the first load_weights("critic", ...) from the trainer."""
+        from rlfuse.models.build import stage_folders
+        from rlfuse.plan.roles import derive_roles
+
+        roles = derive_roles(cfg)
+        sft, rm = stage_folders(cfg, run_dir, roles)
+        critic_source = roles["critic"].source if "critic" in roles else "rm"
+        critic = (rm if critic_source == "rm" else sft) if "critic" in roles else None
+        reward = rm if roles["reward"].has_model else roles["reward"].source
+        return cls(sft, sft, reward, critic, critic_source)
+
+    def holding(self, decodes: bool, scores: bool) -> "WorkerModels":
+        """The folders of a worker that decodes and/or scores (reference, reward and critic values go together):
+        a worker loads only the models it runs."""
+        return dataclasses.replace(self, generator=self.generator if decodes else None,
+                                   **({} if scores else {"reference": None, "reward": None, "critic": None}))
+
+    @property
+    def decodes(self) -> bool:
+        return self.generator is not None
+
+    @property
+    def scores(self) -> bool:
+        return self.reward is not None
+
+
+@dataclass(frozen=True)
+class RolloutSettings:
+    """The rollout section's knobs a worker and the driver need (rollout.* and rl.* fields)."""
+    max_rows: int = 256
+    micro_batch_size: int = 16
+    temperature: float = 1.0
+    unfinished_penalty: float = 0.0
+    score_every: int = 16
+    live_below: int = 8
+    migrate_below: float = 0.2
+    rows_per_worker: int = 16
+    defer_scoring: bool = False
+    """With migration: decoding workers never score (RLHFuse's order); default: they score their own until the
+    migration, as without it."""
+    chunk_seconds: float = 0.05
+    """Longest a worker decodes before reporting back (checked between finished samples)."""
+    eos_token_id: int | None = None
+    """None: the tokenizer's EOS ends a row; -1: only the length limit does (benchmarks that set the lengths)."""
+    device: str = "cpu"
+    """run.device: auto (a GPU when the worker was given one), cpu or cuda."""
+    reward_weights: tuple[float, ...] | None = None
+    """rl.reward_weights: the weights of several reward functions."""
+    share_prompt: bool = True
+    """rl.share_prompt: a prompt's samples share its forward in the scoring passes (rlfuse/models/prefix.py)."""
+    reward_rows: dict | None = None
+    """Each prompt's data row by its token ids (rewards.attach_rows): the columns reward functions read."""
+
+    @classmethod
+    def from_config(cls, cfg, reward_rows: dict | None = None) -> "RolloutSettings":
+        ro, rl = cfg.rollout, cfg.rl
+        return cls(ro.max_rows, ro.micro_batch_size, rl.temperature, rl.unfinished_penalty, ro.score_every,
+                   ro.live_below, ro.migrate_below, ro.rows_per_worker, device=cfg.run.device,
+                   reward_weights=tuple(rl.reward_weights) if rl.reward_weights else None, share_prompt=rl.share_prompt,
+                   reward_rows=reward_rows)
+
+
+def build_worker_roles(models: WorkerModels, settings: RolloutSettings) -> tuple[DecodeEngine | None, Scorer | None]:
+    """A generator engine and a scorer from folders, with models/build.py's loaders (frozen, eval); None for the one
+    the worker does not hold (WorkerModels.holding)."""
+    from rlfuse.models.build import frozen, load_policy, reward_function, value_model
+    from rlfuse.models.load import load_tokenizer
+
+    if not (models.decodes or models.scores):
+        return None, None
+    tok = load_tokenizer(models.generator or models.reference)
+    from rlfuse.config import RunConfig
+    from rlfuse.models.device import pick_device
+
+    device = pick_device(RunConfig(device=settings.device))  # Ray shows a worker only the GPUs it reserved
+    eos = tok.eos_token_id if settings.eos_token_id is None else settings.eos_token_id
+    engine = DecodeEngine(frozen(load_policy(models.generator), device), eos, max_rows=settings.max_rows,
+                          tokenizer=tok) if models.decodes else None
+    if not models.scores:
+        return engine, None
+    ref = frozen(load_policy(models.reference), device)
+    reward_fn = reward_function(models.reward, tok, device, settings.reward_weights and list(settings.reward_weights))
+    critic = None
+    if models.critic is not None:
+        critic = frozen(value_model(models.critic_source, models.critic, tok.pad_token_id), device)
+    scorer = Scorer(reward_fn, tok.pad_token_id, ref=ref, critic=critic, temperature=settings.temperature,
+                    micro_batch_size=settings.micro_batch_size, unfinished_penalty=settings.unfinished_penalty,
+                    share_prompt=settings.share_prompt)
+    return engine, scorer
+
+
+# ------------------------------------------------------------------------------------------- the worker
+
+
+@dataclass
+class Chunk:
+    """What one worker call returns to the driver (through Ray's object store)."""
+    scored: list[ScoredSample] = field(default_factory=list)
+    unscored: list[Sample] = field(default_factory=list)
+    """Finished samples for any idle worker to score (a keeper after migration does not score its own)."""
+    unfinished: int = 0
+    """Samples this worker still has to finish (live rows, waiting prompts' samples)."""
+    done: bool = False
+    busy_s: float = 0.0
+    score_s: float = 0.0
+    prefill_s: float = 0.0
+    """Prefill seconds since the last import_rows (the re-prefill of the migrated and the keeper's own rows)."""
+    decode_rows: int = 0
+
+
+class GenerationWorker:
+    """One generation worker: a DecodeEngine on its own generator and a Scorer, in one process with its torch threads
+    pinned to its CPU share. Made a Ray actor by start_generation_workers; usable in-process too (tests, debugging).
+
+    Chunked decoding: start() opens a generate() iterator and leaves it suspended; advance() pulls finished samples
+    from it until `max_finished` have come or `max_seconds` passed (checked between samples: the engine can hand its
+    state out only between two yields), then reports back. So the driver sees live counts every few tens of ms,
+    can decide a migration between two chunks, and export_state() always finds the iterator suspended at a yield.
+    A chunk that ends on a count rather than on decode steps needs no change to the engine."""
+
+    def __init__(self, models: WorkerModels, settings: RolloutSettings, threads: int = 1):
+        from rlfuse.runtime.ray_common import pin_threads
+
+        pin_threads(threads)
+        self._setup(*build_worker_roles(models, settings), settings)
+
+    def _setup(self, engine: DecodeEngine | None, scorer: Scorer | None, settings: RolloutSettings) -> None:
+        """Hold this engine and scorer (either may be None); a worker that also trains builds them from its own
+        models (placement/ray_worker.py)."""
+        self.settings, self.engine, self.scorer = settings, engine, scorer
+        if scorer is not None and settings.reward_rows is not None and hasattr(scorer.reward_fn, "rows"):
+            scorer.reward_fn.rows = settings.reward_rows  # reward functions' columns (rewards.attach_rows)
+        self.fusion = FusionPolicy(True, settings.score_every, settings.live_below)
+        self._prefill_s = 0.0
+        if self.engine is not None:
+            self._prefill = self.engine._prefill  # timed: re-prefill seconds are a migration cost we report
+
+            def timed_prefill(*args):
+                t = time.perf_counter()
+                try:
+                    return self._prefill(*args)
+                finally:
+                    self._prefill_s += time.perf_counter() - t
+
+            self.engine._prefill = timed_prefill
+        self._it, self._pending, self._unfinished, self._decode_rows = None, [], 0, 0
+
+    def ready(self) -> bool:
+        """Returns once the actor is built (its models loaded): Ray runs __init__ before any other call."""
+        return True
+
+    def load_weights(self, role: str, tensors) -> tuple[int, float]:
+        """Copy named tensors into the generator ("generator") or the critic ("critic"). -> (bytes, seconds)."""
+        from rlfuse.rollout.weights import copy_weights
+
+        t = time.perf_counter()
+        if role == "generator" and self.engine is not None:
+            n = self.engine.load_weights(tensors)
+        elif role == "critic" and self.scorer is not None and self.scorer.critic is not None:
+            n = copy_weights(self.scorer.critic, tensors)
+        else:
+            raise ValueError(f"load_weights: this worker has no {role!r} (generator, or critic where it has one)")
+        return n, time.perf_counter() - t
+
+    def set_temperature(self, temperature: float) -> None:
+        """The iteration's temperature for the reference (and sampling) log-probs (rl.temperature_schedule)."""
+        if self.scorer is not None:
+            self.scorer.temperature = temperature
+
+    def pid(self) -> int:
+        return os.getpid()
+
+    def cores(self) -> list[int]:
+        """The cores placement.pin_cores pinned this worker's threads to ([]: not pinned)."""
+        from rlfuse.runtime import ray_common
+
+        return ray_common.PINNED
+
+    def reward_sums(self) -> dict | None:
+        """This worker's reward-function tallies since the last call (rewards.FunctionReward.take_sums), then
+        reset; None where it does not score or scores with a reward model."""
+        return take_reward_sums(self.scorer.reward_fn) if self.scorer is not None else None
+
+    def rss_mb(self) -> tuple[float, float]:
+        """This worker process's resident memory now and its peak so far, in MiB (the report's per-worker memory;
+        the peak includes training on a worker that trains)."""
+        import psutil
+
+        from rlfuse.metrics.tracker import peak_rss_mb
+
+        return psutil.Process().memory_info().rss / 2**20, peak_rss_mb()
+
+    def start(self, prompts: list[list[int]], prompt_ids: list[int], k: int, params: SamplingParams, seed: int,
+              lengths=None) -> None:
+        self._it = self.engine.generate(prompts, k, params, seed, lengths, prompt_ids)
+        self._pending, self._unfinished, self._decode_rows, self._prefill_s = [], len(prompts) * k, 0, 0.0
+
+    def advance(self, max_finished: int, max_seconds: float, score_own: bool) -> Chunk:
+        """Decode until max_finished samples finish, max_seconds pass, or nothing is left. score_own: score them here
+        (fusion policy: every score_every, or when the live batch is under live_below); else return them unscored."""
+        t0, out, n = time.perf_counter(), Chunk(), 0
+        while self._it is not None and n < max_finished and time.perf_counter() - t0 < max_seconds:
+            sample = next(self._it, None)
+            if sample is None:
+                self._it, out.done = None, True
+                break
+            self._pending.append(sample)
+            self._unfinished, n = self._unfinished - 1, n + 1
+            if score_own and self.fusion.should_score(len(self._pending), self.engine.live_rows):
+                out.scored += self._score_pending(out)
+        if self._it is None:
+            out.done = True
+        if score_own and out.done and self._pending:
+            out.scored += self._score_pending(out)
+        elif not score_own:
+            out.unscored, self._pending = self._pending, []
+        out.unfinished, out.prefill_s = self._unfinished, self._prefill_s
+        out.decode_rows = self._decode_rows + self.engine.stats.decode_rows
+        out.busy_s = time.perf_counter() - t0
+        return out
+
+    def _score_pending(self, chunk: Chunk) -> list[ScoredSample]:
+        t = time.perf_counter()
+        scored, self._pending = self.scorer.score(self._pending), []
+        chunk.score_s += time.perf_counter() - t
+        return scored
+
+    def export(self) -> tuple[EngineState, list[Sample], float]:
+        """Hand out every unfinished row and waiting prompt (this worker then only scores), plus its finished samples
+        not yet scored. -> (state, unscored samples, seconds)."""
+        t = time.perf_counter()
+        state = self.engine.export_state()
+        self._decode_rows += self.engine.stats.decode_rows
+        pending, self._pending, self._it, self._unfinished = self._pending, [], None, 0
+        return state, pending, time.perf_counter() - t
+
+    def import_rows(self, state: EngineState) -> float:
+        """Continue `state` as well as this worker's own unfinished rows: the imported rows join the running decode
+        (DecodeEngine.extend: they are re-prefilled as they are admitted, this worker's own rows keep their KV
+        cache), or start one if this worker had finished. -> seconds."""
+        t = time.perf_counter()
+        if self._it is not None:
+            self.engine.extend(state)
+        else:
+            self._decode_rows += self.engine.stats.decode_rows
+            self._it = self.engine.resume(state)
+        self._unfinished += unfinished_in(state)
+        self._prefill_s = 0.0
+        return time.perf_counter() - t
+
+    def score(self, samples: list[Sample]) -> Chunk:
+        """Reference, reward and critic passes on finished samples (a freed or finished worker's job)."""
+        t0, out = time.perf_counter(), Chunk(done=True)
+        out.scored = self.scorer.score(samples)
+        out.score_s = out.busy_s = time.perf_counter() - t0
+        return out
+
+
+def unfinished_in(state: EngineState) -> int:
+    """Samples an exported state still owes: live rows, waiting prompts' samples, finished but not handed out."""
+    return len(state.rows) + sum(w.k for w in state.waiting) + len(state.finished)
+
+
+def start_generation_workers(n: int, models: WorkerModels, settings: RolloutSettings, cpus_per_worker: int = 1,
+                             placement_group=None, first_bundle: int = 0) -> list:
+    """n GenerationWorker actors, one process each, `cpus_per_worker` CPUs reserved and as many torch threads
+    (ray_common.start_actors: worker i in bundle first_bundle + i of placement_group, if given)."""
+    from rlfuse.runtime.ray_common import start_actors
+
+    threads = max(1, int(cpus_per_worker))
+    return start_actors(GenerationWorker, n, lambda i: (models, settings, threads), cpus_per_worker, 0,
+                        placement_group, first_bundle)
+
+
+# ------------------------------------------------------------------------------------------- the driver
+
+
+@dataclass
+class _Tally:
+    """Per-iteration bookkeeping of the driver."""
+    n_workers: int
+    busy_s: list[float] = field(default_factory=list)
+    scored: list[ScoredSample] = field(default_factory=list)
+    unscored: list[Sample] = field(default_factory=list)
+    stats: dict = field(default_factory=dict)
+
+    def __post_init__(self):
+        self.busy_s = [0.0] * self.n_workers
+        self.stats = {"rows_moved": 0, "tokens_moved": 0, "reprefill_s": 0.0, "scoring_on_freed_s": 0.0,
+                      "scoring_s": 0.0, "migrated_at_unfinished": 0, "decode_rows": 0}
+
+
+class MultiWorkerRollout:
+    """The driver side: deals prompts, polls chunks, migrates the tail once, hands unscored samples to idle workers.
+
+    Call sync_weights(merged_state_dict(actor)) (and role="critic" where the critic trains) before each generate().
+    decoders / scorers: indices of the workers that decode (hold a generator) and that score (reference, reward,
+    critic); default all of them (placement.strategy=flattened). Separate sets give the separated and interleaved
+    layouts: decoders return finished samples unscored and the scorers score them while decoding goes on."""
+
+    def __init__(self, workers: list, settings: RolloutSettings, bucket_bytes: int = 32 * 2**20,
+                 decoders: list[int] | None = None, scorers: list[int] | None = None):
+        self.workers, self.settings, self.bucket_bytes = workers, settings, bucket_bytes
+        self.decoders = list(range(len(workers))) if decoders is None else list(decoders)
+        self.scorers = list(range(len(workers))) if scorers is None else list(scorers)
+        if not self.decoders or not self.scorers:
+            raise ValueError("MultiWorkerRollout needs at least one decoding and one scoring worker")
+
+    def sync_weights(self, named_tensors, role: str = "generator") -> dict:
+        """Push the weights to the workers holding `role` in buckets (one object-store put per bucket, shared)."""
+        import ray
+
+        holders = [self.workers[w] for w in (self.decoders if role == "generator" else self.scorers)]
+        t, nbytes = time.perf_counter(), 0
+        for bucket in weight_buckets(named_tensors, self.bucket_bytes):
+            ref = ray.put(bucket)
+            nbytes = nbytes + ray.get([w.load_weights.remote(role, ref) for w in holders])[0][0]
+        return {"time/weight_sync": time.perf_counter() - t, "sync/bytes": nbytes}
+
+    def rss_mb(self) -> list[tuple[float, float]]:
+        """Each worker's resident memory now and at its peak, in MiB."""
+        import ray
+
+        return ray.get([w.rss_mb.remote() for w in self.workers])
+
+    def reward_metrics(self) -> dict[str, float]:
+        """The scoring workers' reward-function means since the last call, pooled (rewards.metrics_of_sums)."""
+        import ray
+
+        return metrics_of_sums(ray.get([self.workers[w].reward_sums.remote() for w in self.scorers]))
+
+    def generate(self, prompts: list[list[int]], k: int, params: SamplingParams, seed: int, lengths=None,
+                 prompt_ids: list[int] | None = None, migrate: bool = True) -> Experience:
+        """generate_rollouts on the workers: the same samples and scores (to float tolerance), plus in exp.timing
+        rollout seconds, scoring seconds, busy seconds per worker and the migration's cost (rows and tokens moved,
+        re-prefill seconds, scoring seconds on freed workers)."""
+        import ray
+
+        s, W = self.settings, len(self.workers)
+        ids = list(range(len(prompts))) if prompt_ids is None else list(prompt_ids)
+        t0, tally, total = time.perf_counter(), _Tally(W), len(prompts) * k
+        # a worker that decodes and scores scores its own finished samples as it goes (fusion, as in one process)
+        # until a migration; then the keepers only decode and the freed workers score what the others finish.
+        # (settings.defer_scoring: RLHFuse's order, decoding workers never score and finished samples wait for an
+        # idle worker. On CPU it loses: scoring then starts only at the migration, on the freed workers alone.)
+        unfinished = [0] * W
+        scoring_owner = [w in self.scorers and not (migrate and s.defer_scoring) for w in range(W)]
+        ray.get([self.workers[w].set_temperature.remote(params.temperature) for w in self.scorers])
+        D = len(self.decoders)
+        for j, w in enumerate(self.decoders):  # deal by position: global ids keep every sample's stream
+            mine = list(range(j, len(prompts), D))
+            self.workers[w].start.remote([prompts[i] for i in mine], [ids[i] for i in mine], k, params, seed, lengths)
+            unfinished[w] = len(mine) * k
+        inflight: dict = {}  # object ref -> (worker, "advance" | "score")
+        freed, keepers, reprefill, last_rows = set(), set(), {}, [0] * W
+
+        def advance(w):
+            ref = self.workers[w].advance.remote(s.score_every, s.chunk_seconds, scoring_owner[w])
+            inflight[ref] = (w, "advance")
+
+        def take(ref, go_on: bool = True) -> None:
+            w, kind = inflight.pop(ref)
+            chunk: Chunk = ray.get(ref)
+            tally.busy_s[w] += chunk.busy_s
+            tally.scored += chunk.scored
+            tally.unscored += chunk.unscored
+            tally.stats["scoring_s"] += chunk.score_s
+            if kind == "score" and w in freed:
+                tally.stats["scoring_on_freed_s"] += chunk.score_s
+            if kind == "advance":
+                unfinished[w] = chunk.unfinished
+                tally.stats["decode_rows"] += chunk.decode_rows - last_rows[w]
+                last_rows[w] = chunk.decode_rows
+                if w in keepers:
+                    reprefill[w] = chunk.prefill_s
+                if go_on and not chunk.done:
+                    advance(w)
+
+        for w in self.decoders:
+            advance(w)
+        while inflight or tally.unscored:
+            if inflight:
+                ready, _ = ray.wait(list(inflight), num_returns=1)
+                take(ready[0])
+            if migrate and not freed and plan_migration(unfinished, total, s.migrate_below, s.rows_per_worker):
+                # every decoding worker ends its chunk first, so the counts are current and each engine is suspended
+                for ref in [r for r, (_, kind) in inflight.items() if kind == "advance"]:
+                    take(ref, go_on=False)
+                plan = plan_migration(unfinished, total, s.migrate_below, s.rows_per_worker)
+                if plan is not None:
+                    self._migrate(plan, tally, unfinished)
+                    freed, keepers = set(plan.export), set(plan.keep)
+                    for w in keepers:  # the tail's critical path: its finished samples go to the freed workers
+                        scoring_owner[w] = False
+                for w in range(W):
+                    if unfinished[w] > 0 and w not in freed:
+                        advance(w)
+            busy = {w for w, _ in inflight.values()}
+            for w in self.scorers:  # idle scorers (freed, done decoding, or scoring only) score what was finished
+                if w not in busy and tally.unscored:
+                    batch, tally.unscored = tally.unscored[: s.score_every], tally.unscored[s.score_every:]
+                    inflight[self.workers[w].score.remote(batch)] = (w, "score")
+                    busy.add(w)
+        tally.stats["reprefill_s"] = sum(reprefill.values())
+        exp = build_experience(tally.scored)
+        wall = time.perf_counter() - t0
+        exp.timing = {"rollout": wall, "scoring": tally.stats["scoring_s"], "migrated": float(bool(freed)),
+                      **{f"migration/{k}": v for k, v in tally.stats.items() if k not in ("scoring_s", "decode_rows")},
+                      **{f"busy/worker{w}": b for w, b in enumerate(tally.busy_s)},
+                      "decode_rows": tally.stats["decode_rows"]}
+        if len(exp) != total:
+            raise RuntimeError(f"multi-worker rollout returned {len(exp)} samples, expected {total}")
+        return exp
+
+    def _migrate(self, plan, tally: _Tally, unfinished: list[int]) -> None:
+        """Exporters hand their rows over; the keepers import them (split evenly) and re-prefill."""
+        import ray
+
+        exported = ray.get([self.workers[w].export.remote() for w in plan.export])
+        states = []
+        for w, (state, pending, secs) in zip(plan.export, exported):
+            states.append(state)
+            tally.unscored += pending
+            tally.busy_s[w] += secs
+            unfinished[w] = 0
+        moved = EngineState.combine(states)
+        tally.stats["migrated_at_unfinished"] = sum(unfinished) + unfinished_in(moved)
+        tally.stats["rows_moved"] = unfinished_in(moved)
+        tally.stats["tokens_moved"] = sum(len(r.prompt_ids) + len(r.token_ids) for r in moved.rows)
+        parts = moved.split(len(plan.keep))
+        seconds = ray.get([self.workers[w].import_rows.remote(p) for w, p in zip(plan.keep, parts)])
+        for w, p, secs in zip(plan.keep, parts, seconds):
+            tally.busy_s[w] += secs
+            unfinished[w] += unfinished_in(p)

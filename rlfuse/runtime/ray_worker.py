@@ -1,0 +1,64 @@
+"""One Ray actor per worker of a placement spec, holding its group's roles: a `RoleWorker` decodes if its group has
+the generator, scores (reference, reward and the critic's values, one pass over finished samples) if it has the
+reference or the reward, and trains as one rank of data-parallel training if it has the actor. A worker that both
+trains and decodes (flattened) or trains and scores (separated) shares its models between those jobs, as the single
+process does: its generator gets the actor's weights by an in-process copy, its scorer reads the critic it trains.
+
+Ray is imported inside functions only: importing this module does not need Ray.
+"""
+
+from __future__ import annotations
+
+import time
+
+from rlfuse.runtime.ray_rollout import GenerationWorker, RolloutSettings, WorkerModels
+from rlfuse.runtime.ray_train import TrainWorker
+
+
+class RoleWorker(GenerationWorker, TrainWorker):
+    """GenerationWorker's calls (start, advance, export, import_rows, score, load_weights) where the worker decodes
+    or scores, TrainWorker's (join, update, actor_weights, checkpoints) where it trains."""
+
+    def __init__(self, cfg, run_dir: str, models: WorkerModels, settings: RolloutSettings, threads: int = 1,
+                 rank: int | None = None, world: int = 1):
+        from rlfuse.runtime.ray_common import pin_threads
+
+        pin_threads(threads)
+        self.trains = rank is not None
+        if not self.trains:
+            GenerationWorker.__init__(self, models, settings, threads)
+            return
+        keep = (("generator",) if models.decodes else ()) + (("ref", "reward_fn") if models.scores else ())
+        TrainWorker.__init__(self, cfg, run_dir, rank, world, threads, keep)
+        self._setup(*self._own_engine_and_scorer(cfg, models, settings), settings)
+
+    def _own_engine_and_scorer(self, cfg, models: WorkerModels, settings: RolloutSettings):
+        """An engine on this worker's generator and a scorer on its reference, reward and the critic it trains."""
+        from rlfuse.runtime.local import local_scorer
+        from rlfuse.rollout.engine import DecodeEngine
+
+        tok = self.models.tokenizer
+        eos = tok.eos_token_id if settings.eos_token_id is None else settings.eos_token_id
+        engine = (DecodeEngine(self.models.generator, eos, max_rows=settings.max_rows, tokenizer=tok)
+                  if models.decodes else None)
+        return engine, local_scorer(self.models, cfg) if models.scores else None
+
+    def sync_from_actor(self) -> tuple[int, float]:
+        """The actor's weights into this worker's own generator (it holds a replica): no transfer. -> (bytes, s)."""
+        from rlfuse.models.weights import merged_state_dict
+
+        t = time.perf_counter()
+        return self.engine.load_weights(merged_state_dict(self.models.actor)), time.perf_counter() - t
+
+
+def start_role_workers(cfg, run_dir, n: int, models: WorkerModels, settings: RolloutSettings, cpus_per_worker: float,
+                       gpus_per_worker: float, placement_group, first_bundle: int, trains: bool,
+                       pin_cores: bool = False) -> list:
+    """n RoleWorker actors in bundles first_bundle.. of placement_group (ray_common.start_actors), ranks 0..n-1 of
+    training if `trains`, each on its own cores if `pin_cores`; returns once their models are loaded."""
+    from rlfuse.runtime.ray_common import start_actors
+
+    threads = max(1, int(cpus_per_worker))
+    return start_actors(RoleWorker, n, lambda i: (cfg, str(run_dir), models, settings, threads, i if trains else None,
+                                                  n), cpus_per_worker, gpus_per_worker, placement_group, first_bundle,
+                        pin_cores)
