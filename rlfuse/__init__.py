@@ -16,18 +16,19 @@ import logging as _logging
 # (models/quantize.py keeps bitsandbytes' plain CPU layout)
 _logging.getLogger("bitsandbytes.backends.cpu.ops").setLevel(_logging.ERROR)
 
-# The Python API (rlfuse/api.py), imported on first use so `import rlfuse` stays light
+# The Python API (rlfuse/api.py), imported on first use (PEP 562): every `import rlfuse.<module>` runs this file first,
+# so it imports none of its submodules; `rlfuse.train_rl` and the others load the API when first asked for
 __all__ = ["Config", "load_config", "train_sft", "train_rm", "train_rl", "run_pipeline", "generate", "RLResult",
            "PipelineResult"]
 
 
 def __getattr__(name: str):
     if name == "Config":
-        from rlfuse.config import Config
+        from rlfuse.config import Config  # on first use (above)
 
         return Config
     if name in __all__:
-        from rlfuse import api
+        from rlfuse import api  # on first use (above)
 
         return getattr(api, name)
     raise AttributeError(f"module 'rlfuse' has no attribute {name!r}")

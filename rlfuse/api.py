@@ -12,6 +12,7 @@ for rl.sft_path / rl.rm_path.
 from __future__ import annotations
 
 import dataclasses
+import json
 import os
 import sys
 import time
@@ -19,10 +20,13 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Union
 
-from rlfuse.config import Config, config_from_dict, config_to_dict, load_config as _load_yaml
+from rlfuse.config import Config, RLConfig, RunConfig, config_from_dict, config_to_dict
+from rlfuse.config import load_config as _load_yaml
+from rlfuse.data.chat import end_of_turn_ids
 from rlfuse.errors import ConfigError, UserError
 from rlfuse.live_rewards import is_live, reward_spec
 from rlfuse.plan.resolve import resolve
+from rlfuse.plan.roles import derive_roles
 from rlfuse.runs import make_run_dir, stage_summary, with_local_stage_paths, write_rl_results
 
 ConfigLike = Union[Config, str, os.PathLike, dict, None]
@@ -108,8 +112,6 @@ def _model_override(model, tokenizer, run_dir) -> str | None:
 def _dataset_override(dataset, run_dir) -> dict:
     """data.kind/data.path for a `datasets.Dataset` (or a list of row dicts): its rows written to RUN_DIR/data.jsonl,
     a file the stages read in any of TRL's formats and a resumed run finds again. {} for None."""
-    import json
-
     if dataset is None:
         return {}
     if run_dir is None:
@@ -145,7 +147,7 @@ def train_sft(config: ConfigLike = None, run_dir: str | os.PathLike | None = Non
     """Supervised fine-tuning into RUN_DIR/sft. model: a hub id or folder (model.name), or a transformers model
     object with its `tokenizer`. dataset: a `datasets.Dataset` (or list of row dicts) in any of TRL's formats,
     saved as RUN_DIR/data.jsonl. Returns the SFTResult (model_dir, val_loss, perplexity, seconds, ...)."""
-    from rlfuse.trainers.sft import train_sft as run_sft
+    from rlfuse.trainers.sft import train_sft as run_sft  # torch and transformers load with a trainer, not the API
 
     cfg = _stage_config(config, overrides, run_dir, log, **{"model.name": _model_override(model, tokenizer, run_dir)},
                         **_dataset_override(dataset, run_dir))
@@ -157,7 +159,7 @@ def train_rm(config: ConfigLike = None, run_dir: str | os.PathLike | None = None
     """Reward-model training into RUN_DIR/rm, from rm.sft_path (a folder or hub id) or RUN_DIR/sft/model (rm.init=sft),
     or model.name (rm.init=base).
     Returns the RMResult (model_dir, accuracy, margin, seconds)."""
-    from rlfuse.trainers.rm import train_rm as run_rm
+    from rlfuse.trainers.rm import train_rm as run_rm  # torch and transformers load with a trainer, not the API
 
     cfg = _stage_config(config, overrides, run_dir, log, **_dataset_override(dataset, run_dir))
     return run_rm(with_local_stage_paths(cfg), make_run_dir(cfg, "rm"), log)
@@ -192,7 +194,7 @@ def train_rl(config: ConfigLike = None, run_dir: str | os.PathLike | None = None
     callable (a lambda, a local function) works in this process, and resuming it needs reward= again.
     resume=True continues RUN_DIR from its last checkpoint, with its saved config.yaml unless config is given
     (overrides apply either way)."""
-    from rlfuse.trainers.rl import train_rl as run_rl
+    from rlfuse.trainers.rl import train_rl as run_rl  # torch and transformers load with a trainer, not the API
 
     config = _resume_config(config, run_dir) if resume else config
     cfg = _stage_config(config, overrides, run_dir, log, **{"rl.reward": reward},
@@ -222,6 +224,7 @@ def run_pipeline(config: ConfigLike = None, run_dir: str | os.PathLike | None = 
     no such critic (GRPO or RLOO on a verifiable reward) its stage is skipped, and rm is None. resume=True keeps the finished
     stages of RUN_DIR and continues RL from its last checkpoint. model/tokenizer/dataset as in train_sft, reward as
     in train_rl."""
+    # torch and transformers load with the trainers, not with the API (`rlfuse --help` stays quick)
     from rlfuse.trainers.rl import train_rl as run_rl
     from rlfuse.trainers.rm import train_rm as run_rm
     from rlfuse.trainers.sft import train_sft as run_sft
@@ -246,8 +249,6 @@ def run_pipeline(config: ConfigLike = None, run_dir: str | os.PathLike | None = 
 
 
 def needs_reward_model(cfg: Config) -> bool:
-    from rlfuse.plan.roles import derive_roles
-
     return any(r.source == "rm" for r in derive_roles(cfg).roles)
 
 
@@ -287,13 +288,12 @@ def generate(model: str | os.PathLike, prompts: list[str] | str, *, max_new_toke
     """Sample n completions per prompt from a saved model (any stage's model/, a LoRA adapter folder on its base, a
     run folder, a hub id) with the RL rollout engine, prompts encoded as in RL (BOS in front, cut to the context).
     Returns the completions (without the prompt), a list of n per prompt; the same seed gives the same samples."""
-    from rlfuse.config import RLConfig, RunConfig
-    from rlfuse.data.chat import end_of_turn_ids
+    # torch and transformers: only when sampling
     from rlfuse.data.prompts import encode_prompts, model_context, prompt_budget
     from rlfuse.models.build import load_policy
+    from rlfuse.models.device import pick_device
     from rlfuse.models.load import load_tokenizer
     from rlfuse.rollout.engine import DecodeEngine, SamplingParams
-    from rlfuse.models.device import pick_device
 
     if temperature <= 0 or max_new_tokens < 1 or n < 1 or not 0 < top_p <= 1 or top_k < 0:
         raise UserError("sampling needs temperature > 0, max_new_tokens >= 1, n >= 1, 0 < top_p <= 1, top_k >= 0; "

@@ -13,6 +13,7 @@ import torch
 from rlfuse.algos.kl import kl_penalty
 from rlfuse.config import RLConfig
 from rlfuse.data.chat import end_of_turn_ids
+from rlfuse.data.gold import gold_summary
 from rlfuse.rollout.engine import DecodeEngine, SamplingParams
 from rlfuse.rollout.fusion import Experience, FusionPolicy, generate_rollouts
 from rlfuse.rollout.score import Scorer
@@ -56,8 +57,6 @@ def evaluate(models, engine: DecodeEngine, prompts: list[list[int]], rl: RLConfi
         "mean_length": float(exp.mask.sum(1).mean()),
     }
     if gold:
-        from rlfuse.data.gold import gold_summary
-
         out.update(gold_summary(texts, [r != "length" for r in exp.finish_reasons]))
     return out, texts
 
@@ -111,7 +110,6 @@ def iteration_gold(exp: Experience, tok, gold: bool) -> dict:
     """Default task: the gold score of this iteration's samples, to watch real improvement beside the reward."""
     if not gold:
         return {}
-    from rlfuse.data.gold import gold_summary
 
     g = gold_summary(texts_of(exp, tok), [r != "length" for r in exp.finish_reasons])
     return {"reward/gold_mean": g["gold_mean"], "reward/gold_positive_rate": g["gold_positive_rate"]}

@@ -37,6 +37,7 @@ def stage_summary(run_dir: Path, stage: str) -> dict | None:
 def write_rl_results(run_dir: Path, result: dict) -> Path:
     """eval.json (before/after, in rl/ and the run folder), samples_after.json, rl/summary.json (time, prompt budget
     and how many prompts were cut to it), and the report; returns its path."""
+    # torch and matplotlib: only when a run has finished (the API and `rlfuse --help` import this module)
     from rlfuse.evaluation import EVAL_SAMPLES_KEPT
     from rlfuse.metrics.report import write_report
 
@@ -56,7 +57,7 @@ HUB_FILES = ["*.json", "*.safetensors", "*.model", "*.txt", "*.jinja", "*.tiktok
 
 
 def _snapshot_download(repo_id: str, allow_patterns: list[str]) -> str:
-    from huggingface_hub import snapshot_download
+    from huggingface_hub import snapshot_download  # only for a stage model named by hub id
 
     return snapshot_download(repo_id, allow_patterns=allow_patterns)
 

@@ -22,7 +22,6 @@ from rlfuse.plan.memory import GiB
 from rlfuse.plan.paper import paper_report
 from rlfuse.plan.planner import first_fitting, plan, plan_memory_table, plan_table, problem_from_config
 from rlfuse.plan.profiles import default_profile_path, load_profile
-from rlfuse.runtime.profile import measure_profile
 
 
 def _positive(kind):
@@ -65,6 +64,8 @@ def run(ns) -> int:
         if cfg.placement.strategy != "single" and ns.workers is None and cfg.placement.workers < 2:
             raise UserError("rlfuse plan: give --workers N (2 or more)")
         if ns.profile:
+            from rlfuse.runtime.profile import measure_profile  # torch and Ray: only when measuring
+
             path = Path(ns.profile_path) if ns.profile_path else default_profile_path()
             threads = int(ns.cpus_per_worker or cfg.placement.cpus_per_worker)
             measure_profile(policy_shape(cfg.model), threads=max(1, threads), log=log).save(path)

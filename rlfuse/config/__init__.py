@@ -10,11 +10,33 @@ once by the CLI and the API before a run.
 
 from rlfuse.config.docs import field_docs, field_summary, section_class
 from rlfuse.config.load import config_from_dict, config_to_dict, load_config, save_config, split_args
-from rlfuse.config.sections import (DATA_KINDS, MIN_WORKERS, OPTIMIZERS, QUANTIZATIONS, STRATEGIES, TRACKERS, Config,
-                                    DataConfig, ModelConfig, PlacementConfig, RLConfig, RMConfig, RolloutConfig,
-                                    RunConfig, SFTConfig, checkpointing_on, fusion_on)
-from rlfuse.config.validate import (TRACKER_PACKAGES, is_gpu_share, is_hub_id, package_installed, tracker_missing,
-                                    validate)
+from rlfuse.config.sections import (
+                                    DATA_KINDS,
+                                    MIN_WORKERS,
+                                    OPTIMIZERS,
+                                    QUANTIZATIONS,
+                                    STRATEGIES,
+                                    TRACKERS,
+                                    Config,
+                                    DataConfig,
+                                    ModelConfig,
+                                    PlacementConfig,
+                                    RLConfig,
+                                    RMConfig,
+                                    RolloutConfig,
+                                    RunConfig,
+                                    SFTConfig,
+                                    checkpointing_on,
+                                    fusion_on,
+)
+from rlfuse.config.validate import (
+                                    TRACKER_PACKAGES,
+                                    is_gpu_share,
+                                    is_hub_id,
+                                    package_installed,
+                                    tracker_missing,
+                                    validate,
+)
 
 __all__ = ["Config", "RunConfig", "DataConfig", "ModelConfig", "SFTConfig", "RMConfig", "RLConfig", "RolloutConfig",
            "PlacementConfig", "DATA_KINDS", "QUANTIZATIONS", "OPTIMIZERS", "TRACKERS", "STRATEGIES", "MIN_WORKERS",

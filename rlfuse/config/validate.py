@@ -10,7 +10,16 @@ import sys
 from pathlib import Path
 
 from rlfuse.config.algorithms import ALGORITHMS
-from rlfuse.config.sections import DATA_KINDS, MIN_WORKERS, OPTIMIZERS, QUANTIZATIONS, STRATEGIES, TRACKERS, Config, RLConfig
+from rlfuse.config.sections import (
+    DATA_KINDS,
+    MIN_WORKERS,
+    OPTIMIZERS,
+    QUANTIZATIONS,
+    STRATEGIES,
+    TRACKERS,
+    Config,
+    RLConfig,
+)
 from rlfuse.errors import ConfigError
 
 

@@ -2,8 +2,18 @@
 
 from __future__ import annotations
 
+import warnings
+
 import torch
 
+from rlfuse.data.chat import (
+    assistant_spans,
+    encode_rendered,
+    end_of_turn_ids,
+    render_completion,
+    render_prompt,
+    require_template,
+)
 from rlfuse.data.sources import PreferencePair, TextExample
 
 
@@ -20,8 +30,6 @@ def encode_chat(tokenizer, prompt: list, completion: list) -> tuple[list[int], l
     """(prompt ids, completion ids) of a conversation rendered with the chat template (data/chat.py), each part
     tokenised on its own as RL sees them (the prompt's ids, then the generated ones); EOS after the completion unless
     its turn already ends on an end-of-turn id, so the model learns to stop either way."""
-    from rlfuse.data.chat import encode_rendered, end_of_turn_ids, render_completion, require_template
-
     require_template(tokenizer, "conversational data")
     head, tail = render_completion(tokenizer, list(prompt), list(completion))
     ids = encode_rendered(tokenizer, tail)
@@ -36,8 +44,6 @@ def assistant_turn_labels(tokenizer, history: list, ids: list[int]) -> list[int]
     completion-only SFT learns every assistant turn. Tokens are matched to replies by character offsets, so the ids
     are the ones the whole text tokenises to. Where the turns cannot be located (a template that re-renders earlier
     turns, a tokenizer without offsets) the history is masked whole, as before, with one warning."""
-    from rlfuse.data.chat import assistant_spans, render_prompt
-
     if not any(m["role"] == "assistant" for m in history):
         return [-100] * len(ids)
     found, text = assistant_spans(tokenizer, history), render_prompt(tokenizer, history)
@@ -60,7 +66,6 @@ _WARNED: set[str] = set()
 def _warn_once(message: str) -> None:
     if message not in _WARNED:
         _WARNED.add(message)
-        import warnings
 
         warnings.warn(message, stacklevel=3)
 

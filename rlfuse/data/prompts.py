@@ -8,6 +8,7 @@ are longer keep their end (the part next to the response, e.g. hh-rlhf's last "A
 from __future__ import annotations
 
 from rlfuse.config import RLConfig
+from rlfuse.data.chat import encode_rendered, render_prompt, require_template
 from rlfuse.data.collate import encode
 from rlfuse.errors import ConfigError
 
@@ -51,8 +52,6 @@ def encode_prompt(tokenizer, prompt) -> list[int]:
     """A prompt's ids: text as collate.encode (BOS in front), a message list rendered with the chat template and
     the assistant's turn header (data/chat.py)."""
     if isinstance(prompt, list):
-        from rlfuse.data.chat import encode_rendered, render_prompt, require_template
-
         require_template(tokenizer, "conversational prompts")
         return encode_rendered(tokenizer, render_prompt(tokenizer, prompt))
     return encode(tokenizer, prompt)

@@ -55,7 +55,7 @@ def read_records(path: str | Path) -> list[dict]:
     name = p.name.lower()
     if name.endswith(".parquet"):
         try:
-            import pyarrow.parquet as pq
+            import pyarrow.parquet as pq  # pyarrow: only for .parquet files
 
             return pq.read_table(p).to_pylist()
         except Exception as e:  # pyarrow raises several types for corrupt files
@@ -97,7 +97,7 @@ def read_records(path: str | Path) -> list[dict]:
 def load_hub(name: str, subset: str | None = None, split: str = "train") -> list[dict]:
     """A hub data set through `datasets` (needs network or a local datasets cache): configuration `subset`, `split`."""
     try:
-        from datasets import load_dataset
+        from datasets import load_dataset  # datasets: only for hub data sets
 
         return list(load_dataset(name, subset, split=split))
     except Exception as e:  # offline, unknown name, gated, missing config: all end the same way for the user

@@ -10,11 +10,19 @@ from rlfuse.data.arithmetic import problems, wrong_completion
 from rlfuse.data.corpus import prompt_of
 from rlfuse.data.formats import cell, conversation_prompt, detect, is_empty, split_last_turn
 from rlfuse.data.gold import gold_score
-from rlfuse.data.sources import (PreferencePair, SkipCounter, TextExample, generic_rows, hh_pairs, imdb_reviews,
-                                 require_columns, sentiment_label, split_holdout)
+from rlfuse.data.sources import (
+    PreferencePair,
+    SkipCounter,
+    TextExample,
+    generic_rows,
+    hh_pairs,
+    imdb_reviews,
+    require_columns,
+    sentiment_label,
+    split_holdout,
+)
 from rlfuse.data.task import DefaultTask
 from rlfuse.errors import DataError
-
 
 ARITHMETIC_PROBLEMS = 4000
 """data.kind=arithmetic: problems generated when data.max_examples is not set."""

@@ -85,6 +85,7 @@ def build_default_task(num_reviews: int, seed: int, n_layer: int, n_embd: int, n
 
 
 def _train_tokenizer(texts: list[str], vocab_size: int = 1024):
+    # tokenizers and transformers: only when the default task is first built (the data layer stays light)
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
     from transformers import PreTrainedTokenizerFast
 
@@ -99,6 +100,7 @@ def _train_tokenizer(texts: list[str], vocab_size: int = 1024):
 
 
 def _init_model(tokenizer, seed: int, n_layer: int, n_embd: int, n_head: int, max_positions: int):
+    # torch and transformers: only when the default task is first built
     import torch
     from transformers import GPT2Config, GPT2LMHeadModel
 

@@ -7,6 +7,8 @@ import math
 
 import torch
 
+from rlfuse.models.quantize import require_bitsandbytes
+
 
 def build_adamw(model: torch.nn.Module, lr: float, weight_decay: float, kind: str = "adamw",
                 params: list | None = None) -> torch.optim.Optimizer:
@@ -22,10 +24,8 @@ def build_adamw(model: torch.nn.Module, lr: float, weight_decay: float, kind: st
 
 def _bnb_optimizer(name: str):
     def build(groups, lr):
-        from rlfuse.models.quantize import require_bitsandbytes
-
         require_bitsandbytes(f"rl.optimizer={name}")
-        import bitsandbytes as bnb
+        import bitsandbytes as bnb  # an optional install (the qlora extra): only for 8-bit optimisers
 
         return getattr(bnb.optim, name)(groups, lr=lr, betas=(0.9, 0.95))
 

@@ -20,7 +20,10 @@ import time
 from dataclasses import dataclass
 from typing import Sequence
 
-from rlfuse.plan.cost import ModelShape
+import torch
+
+from rlfuse.plan.cost import ModelShape, shape_from_hf_config
+from rlfuse.plan.strategies import spec_from_config
 
 
 def prefill_flops(shape: ModelShape, prompt_len: int) -> float:
@@ -90,8 +93,6 @@ def measure_matmul_rate(device: str = "cpu", dtype=None, n: int | None = None, r
     """FLOP/s of a bare n x n x n matmul in `dtype` (default float32) on `device`, with this process's torch threads:
     the fastest of `repeats` after a warm-up (fastest_seconds). n defaults to 1024 on CPU (about
     0.2 s in all on 2 cores) and 4096 on CUDA."""
-    import torch
-
     dev = torch.device(device)
     n = n or (4096 if dev.type == "cuda" else 1024)
     a = torch.randn(n, n, device=dev, dtype=dtype or torch.float32)
@@ -125,11 +126,6 @@ def compute_meter_for_run(cfg, models, device) -> ComputeMeter:
     """The meter of an RL run: the policy's shape from its generator's config, the passes its roles make, and the
     matmul rate measured here (< 1 s). With placement on Ray workers the limit is this process's rate scaled to the
     placement's CPUs (per torch thread here) or GPUs: the devices that do the work."""
-    import torch
-
-    from rlfuse.plan.cost import shape_from_hf_config
-    from rlfuse.plan.strategies import spec_from_config
-
     policy = models.generator if models.generator is not None else models.actor  # None: decoding the shared base
     shape = shape_from_hf_config("policy", policy.config.to_dict())
     critic_on_actor = models.critic is not None and models.roles["critic"].source == "actor"

@@ -1,4 +1,4 @@
-"""Memory per component, measured, in the planner's terms (rlfuse/placement/memory.py predicts the same components):
+"""Memory per component, measured, in the planner's terms (rlfuse/plan/memory.py predicts the same components):
 
     base         frozen weights of every role (the generator's copy included), quantised ones at their packed size
     adapters     LoRA tensors of every role and the value / score heads
@@ -16,7 +16,10 @@ resets the peaks that the per-iteration mem/ metrics read."""
 
 from __future__ import annotations
 
+import ctypes
+import gc
 import json
+import os
 import threading
 import weakref
 from pathlib import Path
@@ -77,9 +80,6 @@ def optimizer_bytes(optimizers) -> int:
 def release_freed_memory() -> bool:
     """Hand the C heap's freed pages back to the OS (glibc malloc_trim), so that RSS measured afterwards is what is
     in use, not what loading once used: glibc keeps freed memory mapped, and RSS counts it. False where unsupported."""
-    import ctypes
-    import gc
-
     gc.collect()
     try:
         return bool(ctypes.CDLL("libc.so.6").malloc_trim(0))
@@ -92,8 +92,6 @@ def process_level(device) -> int:
     if getattr(device, "type", str(device)) == "cuda":
         return torch.cuda.memory_allocated(device)
     with open("/proc/self/statm") as f:  # cheaper than psutil, and the sampler reads it every few milliseconds
-        import os
-
         return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
 
 

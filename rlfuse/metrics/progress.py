@@ -6,6 +6,8 @@ import os
 import sys
 import time
 
+from tqdm import tqdm
+
 
 def interactive(quiet: bool = False) -> bool:
     return not quiet and sys.stderr.isatty() and os.environ.get("CI", "").lower() not in ("1", "true")
@@ -20,8 +22,6 @@ class Progress:
         self._next_log = max(1, total // 10)
         self._bar = None
         if interactive(quiet):
-            from tqdm import tqdm
-
             self._bar = tqdm(total=total, desc=desc, unit=unit, dynamic_ncols=True, leave=True)
 
     def update(self, n: int = 1, **stats) -> None:

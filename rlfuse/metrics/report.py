@@ -11,6 +11,7 @@ from pathlib import Path
 
 from rlfuse.errors import UserError
 from rlfuse.metrics import plots
+from rlfuse.metrics.schedule_chart import draw_record
 from rlfuse.metrics.tracker import read_metrics
 
 FIGURES = ["summary_dashboard", "training_metrics", "throughput_over_time", "stage_breakdown", "memory_usage",
@@ -56,8 +57,6 @@ def draw_figures(run_dir: Path, baseline_dir: Path | None = None) -> dict[str, P
         figs["worker_usage"] = plots.worker_usage(rows, out_dir / "worker_usage.png")
     schedule = _json(run_dir / "rl" / "pipeline_schedule.json")
     if schedule:  # rl.train_parallel=pipeline_*: the executed schedule beside the simulated one
-        from rlfuse.metrics.schedule_chart import draw_record
-
         figs["pipeline_schedule"] = draw_record(schedule, out_dir / "pipeline_schedule.png")
     if base_rows:
         figs["speedup_comparison"] = plots.speedup_comparison(rows, base_rows, out_dir / "speedup_comparison.png",
@@ -104,7 +103,7 @@ def worker_table(rows: list[dict]) -> list[tuple]:
 def memory_section(run_dir: Path) -> list[str]:
     """The RL stage's measured memory per component (rl/memory.json, rlfuse/metrics/memory.py), beside the planner's
     prediction where the run has one (rl/memory_predicted.json: {"bytes": {component: bytes}})."""
-    from rlfuse.metrics.memory import format_table
+    from rlfuse.metrics.memory import format_table  # torch: only a run that measured memory has this table
 
     measured = _json(run_dir / "rl" / "memory.json")
     if not measured:

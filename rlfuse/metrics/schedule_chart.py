@@ -9,6 +9,8 @@ import matplotlib
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 
+from rlfuse.schedule.model import Task
+
 COLORS = {0: ("#4C72B0", "#9DB4DA"), 1: ("#DD8452", "#F0C2A3")}  # model -> (forward, backward)
 NAMES = {0: "actor (big)", 1: "critic (small)"}
 
@@ -46,8 +48,6 @@ def gantt(timelines: list[tuple[str, list[Span]]], path: str | Path, title: str 
 
 def draw_record(record: dict, path: str | Path) -> Path:
     """A run's executed pipeline schedule above the simulated one (ppo_pipeline.schedule_record)."""
-    from rlfuse.schedule.model import Task
-
     spans = lambda rows: [(d, Task(m, r, s, k, mb), a, b) for d, m, r, s, k, mb, a, b in rows]
     mode, m = record["mode"], record["micro_batches"]
     return gantt([(f"executed: bubble {record['bubble_executed']:.3f} (seconds)", spans(record["executed"])),

@@ -2,11 +2,17 @@
 
 from __future__ import annotations
 
+import importlib
 import json
 import math
 import os
+import statistics
 import time
 from pathlib import Path
+
+import psutil
+
+from rlfuse.config import config_to_dict, package_installed, tracker_missing
 
 
 class JsonlTracker:
@@ -53,8 +59,6 @@ class JsonlTracker:
 def open_sinks(report_to: list | None, stage_dir: Path, run_name: str | None = None, config: dict | None = None) -> list:
     """The sinks of run.report_to for one stage (stage_dir: RUN_DIR/sft, rm or rl). None: TensorBoard when installed,
     nothing otherwise. Each named tracker must be installed (validate() checks it first; this says the same)."""
-    from rlfuse.config import package_installed, tracker_missing
-
     names = (["tensorboard"] if package_installed("tensorboard") else []) if report_to is None else list(report_to)
     run_name = run_name or f"{stage_dir.parent.name}-{stage_dir.name}"
     sinks = []
@@ -80,7 +84,7 @@ def markdown_table(rows: list[dict]) -> str:
 
 class TensorBoardSink:
     def __init__(self, stage_dir: Path, run_name: str, config: dict):
-        from torch.utils.tensorboard import SummaryWriter
+        from torch.utils.tensorboard import SummaryWriter  # an optional tracker: only where run.report_to names it
 
         self.writer = SummaryWriter(str(stage_dir / "tensorboard"))
 
@@ -102,8 +106,6 @@ class WandbSink:
     module = "wandb"
 
     def __init__(self, stage_dir: Path, run_name: str, config: dict):
-        import importlib
-
         self.lib = importlib.import_module(self.module)
         self.run = self.lib.init(**self._init_args(stage_dir, run_name, config))
 
@@ -137,7 +139,7 @@ class MlflowSink:
     params (section.field), tables as JSON artifacts."""
 
     def __init__(self, stage_dir: Path, run_name: str, config: dict):
-        import mlflow
+        import mlflow  # an optional tracker: only where run.report_to names it
 
         self.lib = mlflow
         self.run = mlflow.start_run(run_name=run_name)
@@ -189,7 +191,7 @@ def peak_rss_mb() -> float:
                     return int(line.split()[1]) / 1024
     except OSError:
         pass
-    import resource
+    import resource  # Unix only
 
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
 
@@ -206,8 +208,7 @@ def reset_peak_rss() -> bool:
 
 def memory_metrics(device) -> dict:
     """mem/ metrics: process RSS now and its peak so far; CUDA allocated/reserved peaks since the last call."""
-    import psutil
-    import torch
+    import torch  # torch: `rlfuse report` and `rlfuse plan` read metrics without it
 
     out = {"mem/rss_mb": psutil.Process().memory_info().rss / 2**20, "mem/rss_peak_mb": peak_rss_mb()}
     if getattr(device, "type", str(device)) == "cuda":
@@ -235,8 +236,6 @@ def stage_tracker(cfg, stage_dir: str | Path, from_step: int = 0) -> JsonlTracke
     """A stage's tracker: stage_dir/metrics.jsonl and the sinks of cfg.run.report_to, each given the run's config.
     Rows a folder already holds after `from_step` are dropped first: a new run into a folder that held one starts
     its metrics afresh (not appended to the old run's), a resumed one logs its steps after from_step again."""
-    from rlfuse.config import config_to_dict
-
     stage_dir = Path(stage_dir)
     stage_dir.mkdir(parents=True, exist_ok=True)
     for name in ("metrics", *TABLES):
@@ -248,11 +247,6 @@ def stage_tracker(cfg, stage_dir: str | Path, from_step: int = 0) -> JsonlTracke
 def measured_lengths(run_dir) -> tuple[float, int] | None:
     """(median response mean, median of each iteration's longest response) from a run folder's rl/metrics.jsonl,
     or None: one iteration's figures (Workload.response_longest), not the longest over all its iterations."""
-    import statistics
-    from pathlib import Path
-
-    from rlfuse.metrics.tracker import read_metrics
-
     f = Path(run_dir) / "rl" / "metrics.jsonl"
     if not f.is_file():
         return None

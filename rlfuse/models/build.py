@@ -14,9 +14,16 @@ from rlfuse.config import Config, checkpointing_on
 from rlfuse.errors import ConfigError, UserError
 from rlfuse.models.heads import ValueModel
 from rlfuse.models.load import apply_lora, load_causal_lm, load_reward_model, load_tokenizer
+from rlfuse.models.quantize import place
+from rlfuse.models.rewards import FunctionReward, reward_model_fn
+from rlfuse.models.shared import (
+    AdapterRewardModel,
+    add_critic,
+    attach_reward_adapter,
+    recompute_with_same_adapter,
+    reward_adapter_folder,
+)
 from rlfuse.plan.roles import Roles, derive_roles
-from rlfuse.models.rewards import FunctionReward
-from rlfuse.models.rewards import reward_model_fn
 
 
 @dataclass
@@ -100,10 +107,6 @@ def build_shared_models(cfg: Config, roles: Roles, sft_dir: str, rm_dir: str | N
     """One base (the SFT model, quantised with model.quantization) for every role: the actor's adapter, the reference
     as adapters off, the critic's adapter + value head, the reward model's adapter + score head (rlfuse/models/
     shared.py). There is no generator: the engine decodes this base with the actor's adapter (decode_engine)."""
-    from rlfuse.models.quantize import place
-    from rlfuse.models.shared import (AdapterRewardModel, add_critic, attach_reward_adapter, recompute_with_same_adapter,
-                                      reward_adapter_folder)
-
     rl, pad = cfg.rl, tokenizer.pad_token_id
     base = place(load_causal_lm(sft_dir, cfg.model, precision=cfg.run.precision, device=device), device)
     score = None

@@ -5,14 +5,31 @@ adapter-only folders of older runs while their base exists."""
 
 from __future__ import annotations
 
+import copy
+import json
+import os
 import re
+import shutil
 from pathlib import Path
 
 import torch
+from peft import AutoPeftModelForCausalLM, AutoPeftModelForSequenceClassification, LoraConfig, get_peft_model
+from safetensors.torch import save_file
+from transformers import (
+    AutoModelForCausalLM,
+    AutoModelForSequenceClassification,
+    AutoTokenizer,
+    GPT2Config,
+    GPT2LMHeadModel,
+    LlamaConfig,
+    LlamaForCausalLM,
+)
+from transformers.activations import GELUTanh, NewGELUActivation
 
 from rlfuse.config import ModelConfig
 from rlfuse.errors import UserError
-from rlfuse.models.quantize import fix_cpu_heap, keep_one_cpu_layout
+from rlfuse.models.quantize import conv1d_layout, fix_cpu_heap, is_quantized, keep_one_cpu_layout, quantized_load_kwargs
+from rlfuse.models.weights import merged_state_dict
 from rlfuse.plan.cost import ModelShape
 
 # LoRA targets by architecture; anything else gets peft's "all-linear".
@@ -29,8 +46,6 @@ def _is_adapter(name: str) -> bool:
 
 
 def _adapter_config(name: str) -> dict:
-    import json
-
     return json.loads((Path(name) / "adapter_config.json").read_text())
 
 
@@ -79,8 +94,6 @@ def _load_error(name: str, e: Exception) -> UserError:
 
 def load_tokenizer(name: str):
     """Right-padded tokenizer with a pad token (GPT-2's hub tokenizer has none: its EOS is used)."""
-    from transformers import AutoTokenizer
-
     check_model_folder(name)
     if _is_adapter(name) and not (Path(name) / "tokenizer_config.json").exists():
         name = _adapter_base(name)
@@ -101,18 +114,12 @@ def lora_targets(model, cfg: ModelConfig):
 
 
 def apply_lora(model, cfg: ModelConfig, task_type: str = "CAUSAL_LM", extra_trainable: list[str] | None = None):
-    from peft import get_peft_model
-
     return get_peft_model(model, lora_config(model, cfg, task_type, extra_trainable))
 
 
 def lora_config(model, cfg: ModelConfig, task_type: str | None = "CAUSAL_LM", extra_trainable: list[str] | None = None):
     """The run's LoRA settings for `model`. GPT-2's Conv1D stores weights (in, out) (peft's fan_in_fan_out), except
     once quantised: bitsandbytes layers are Linear, (out, in)."""
-    from peft import LoraConfig
-
-    from rlfuse.models.quantize import conv1d_layout, is_quantized
-
     return LoraConfig(r=cfg.lora_r, lora_alpha=cfg.lora_alpha, lora_dropout=0.0, target_modules=lora_targets(model, cfg),
                       task_type=task_type, modules_to_save=extra_trainable,
                       fan_in_fan_out=conv1d_layout(model) and not is_quantized(model))
@@ -122,8 +129,6 @@ def fuse_activations(model):
     """Swap transformers' `gelu_new` (tanh-GELU written as five tensor ops, each saving its input for backward) for
     torch's fused tanh-GELU: the same function (to 3e-7), one kernel forward and backward, and one saved tensor
     instead of five per MLP. Only modules change; the saved config and weights do not. Returns the model."""
-    from transformers.activations import GELUTanh, NewGELUActivation
-
     for module in list(model.modules()):
         for name, child in list(module.named_children()):
             if isinstance(child, NewGELUActivation):
@@ -137,18 +142,12 @@ def load_causal_lm(name: str, cfg: ModelConfig | None = None, trainable_lora: bo
     With cfg.lora (and a plain model) fresh adapters are added. With cfg.quantization the base is quantised while it
     loads, onto `device` (precision: run.precision, the quantised layers' compute dtype); otherwise it loads on the
     CPU and the caller moves it."""
-    from transformers import AutoModelForCausalLM
-
-    from rlfuse.models.quantize import quantized_load_kwargs
-
     check_model_folder(name)
     quant = quantized_load_kwargs(cfg.quantization if cfg is not None else "none", precision, device)
     if quant:
         fix_cpu_heap(device)
     try:
         if _is_adapter(name):
-            from peft import AutoPeftModelForCausalLM
-
             model = AutoPeftModelForCausalLM.from_pretrained(name, is_trainable=bool(trainable_lora))
         else:
             model = AutoModelForCausalLM.from_pretrained(name, dtype=torch.float32, **quant)
@@ -170,10 +169,6 @@ def load_reward_model(name: str, cfg: ModelConfig | None = None, pad_token_id: i
     which gets a fresh head), or a saved reward-model adapter. An adapter-only SFT folder from an older rlfuse is
     merged in memory and its body copied into the reward model, so no temporary folder is ever referenced.
     cfg.quantization, precision and device: as in load_causal_lm."""
-    from transformers import AutoModelForSequenceClassification
-
-    from rlfuse.models.quantize import quantized_load_kwargs
-
     check_model_folder(name)
     quant = quantized_load_kwargs(cfg.quantization if cfg is not None else "none", precision, device)
     if quant:
@@ -181,8 +176,6 @@ def load_reward_model(name: str, cfg: ModelConfig | None = None, pad_token_id: i
     adapter_task = _adapter_config(name).get("task_type") if _is_adapter(name) else None
     try:
         if adapter_task == "SEQ_CLS":  # a saved reward model with LoRA
-            from peft import AutoPeftModelForSequenceClassification
-
             model = AutoPeftModelForSequenceClassification.from_pretrained(name, num_labels=1)
         elif adapter_task is not None:  # an older adapter-only SFT folder as backbone
             lm = load_causal_lm(name).merge_and_unload()
@@ -209,9 +202,6 @@ def load_reward_model(name: str, cfg: ModelConfig | None = None, pad_token_id: i
 
 def _write_atomically(out: Path, write) -> Path:
     """write(folder) into out.tmp, then rename over out: a crash leaves the previous folder whole."""
-    import os
-    import shutil
-
     tmp = out.with_name(out.name + ".tmp")
     shutil.rmtree(tmp, ignore_errors=True)
     write(tmp)
@@ -229,8 +219,6 @@ def save_trained_model(model, tokenizer, stage_dir: str | Path, base: str) -> Pa
       name the stage started from (it must outlive the run), so PeftModel.from_pretrained(Auto...(base), adapter)
       gives the same model. A stale adapter/ from an earlier run without LoRA is removed.
     The in-memory model is not changed (see merged_state_dict)."""
-    import json
-
     stage_dir = Path(stage_dir)
     stage_dir.mkdir(parents=True, exist_ok=True)
     if Path(base).exists():  # a folder: absolute, so the adapter loads from any working directory
@@ -238,9 +226,6 @@ def save_trained_model(model, tokenizer, stage_dir: str | Path, base: str) -> Pa
     plain = model.get_base_model() if hasattr(model, "peft_config") else model
 
     def write_model(folder: Path):
-        from rlfuse.models.quantize import is_quantized
-        from rlfuse.models.weights import merged_state_dict
-
         if is_quantized(plain):  # the merged weights are full precision: a plain folder, no quantization_config
             save_plain(plain.config, merged_state_dict(model), folder)
         else:
@@ -263,8 +248,6 @@ def save_trained_model(model, tokenizer, stage_dir: str | Path, base: str) -> Pa
     if hasattr(model, "peft_config"):
         _write_atomically(stage_dir / "adapter", write_adapter)
     else:
-        import shutil
-
         shutil.rmtree(stage_dir / "adapter", ignore_errors=True)
     return model_dir
 
@@ -272,10 +255,6 @@ def save_trained_model(model, tokenizer, stage_dir: str | Path, base: str) -> Pa
 def save_plain(config, state: dict, folder: Path) -> None:
     """A plain transformers folder from a config and full-precision tensors (a quantised model's merged weights):
     the config without its quantization_config, the tensors as model.safetensors."""
-    import copy
-
-    from safetensors.torch import save_file
-
     folder.mkdir(parents=True, exist_ok=True)
     config = copy.deepcopy(config)
     if hasattr(config, "quantization_config"):
@@ -288,8 +267,6 @@ def save_plain(config, state: dict, folder: Path) -> None:
 def model_of_shape(shape: ModelShape, device: str):
     """A causal LM of `shape` with seeded random weights (GPT-2, or Llama for a gated shape): what the machine profile
     times in place of the policy itself."""
-    from transformers import GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausalLM  # transformers: on first use
-
     torch.manual_seed(0)
     if shape.gated:
         cfg = LlamaConfig(vocab_size=shape.vocab, hidden_size=shape.hidden, intermediate_size=shape.ffn,

@@ -5,7 +5,13 @@ bitsandbytes 0.50 runs NF4 and int8 layers on CPU as well as on GPU, so everythi
 
 from __future__ import annotations
 
+import ctypes
+
 import torch
+from peft.utils.integrations import dequantize_bnb_weight
+from transformers import BitsAndBytesConfig
+
+from rlfuse.errors import UserError
 
 # Heads stay in full precision: the reward model's score head is trained (modules_to_save), and GPT-2's LM head is
 # the (tied) embedding. transformers' own default skips only the output embedding.
@@ -26,7 +32,6 @@ def bnb_config(quantization: str, precision: str = "auto", device="cpu"):
     if quantization == "none":
         return None
     require_bitsandbytes(f"model.quantization={quantization}")
-    from transformers import BitsAndBytesConfig
 
     if quantization == "4bit":
         return BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_use_double_quant=True,
@@ -40,8 +45,6 @@ def require_bitsandbytes(what: str) -> None:
     try:
         import bitsandbytes  # noqa: F401
     except ImportError:
-        from rlfuse.errors import UserError
-
         raise UserError(f"{what} needs bitsandbytes, which is not installed; pip install -e .[qlora] (or pip install "
                         "bitsandbytes), or turn the setting off") from None
 
@@ -77,7 +80,6 @@ def fix_cpu_heap(device="cpu") -> bool:
     global _heap_fixed
     if _heap_fixed or not FIX_CPU_HEAP or torch.device(device).type != "cpu":
         return _heap_fixed
-    import ctypes
 
     try:
         libc = ctypes.CDLL("libc.so.6")
@@ -107,7 +109,7 @@ def is_quantized(model: torch.nn.Module) -> bool:
 
 def quantized_layer(module: torch.nn.Module) -> bool:
     try:
-        import bitsandbytes as bnb
+        import bitsandbytes as bnb  # an optional install (the qlora extra)
     except ImportError:
         return False
     return isinstance(module, (bnb.nn.Linear4bit, bnb.nn.Linear8bitLt))
@@ -122,11 +124,9 @@ def place(model: torch.nn.Module, device) -> torch.nn.Module:
 def dequantized_weight(layer: torch.nn.Module, transpose: bool = False) -> torch.Tensor:
     """The full-precision (fp32) weight of a bitsandbytes Linear4bit / Linear8bitLt, (out, in); transpose gives
     (in, out), the layout of GPT-2's Conv1D, which transformers turns into a Linear when it quantises."""
-    from peft.utils.integrations import dequantize_bnb_weight
-
     w = layer.weight
     if getattr(getattr(w, "quant_state", None), "packing_format_for_cpu", False):  # repacked before keep_one_cpu_layout
-        from bitsandbytes.functional import _convert_weight_packed_for_cpu_inverse
+        from bitsandbytes.functional import _convert_weight_packed_for_cpu_inverse  # bitsandbytes: optional
 
         w.data, w.quant_state = _convert_weight_packed_for_cpu_inverse(w.data, w.quant_state)  # as its state_dict does
     state = getattr(w, "quant_state", None) if state_is_4bit(layer) else layer.state
@@ -135,7 +135,7 @@ def dequantized_weight(layer: torch.nn.Module, transpose: bool = False) -> torch
 
 
 def state_is_4bit(layer) -> bool:
-    import bitsandbytes as bnb
+    import bitsandbytes as bnb  # an optional install: only called on a quantised layer
 
     return isinstance(layer, bnb.nn.Linear4bit)
 

@@ -9,11 +9,17 @@ back; each learner owns an explicit parameter list (role_parameters)."""
 from __future__ import annotations
 
 import contextlib
+import copy
 import json
 from pathlib import Path
 
 import torch
+from peft import set_peft_model_state_dict
+from safetensors.torch import load_file
 from torch import nn
+
+from rlfuse.errors import UserError
+from rlfuse.models.load import lora_config
 
 ACTOR, CRITIC, REWARD = "default", "critic", "reward"
 
@@ -129,8 +135,6 @@ class AdapterRewardModel(nn.Module):
 
 def reward_adapter_folder(rm_dir: str, sft_dir: str) -> Path:
     """The rm stage's adapter/ beside its model/ folder, checked to be trained on the SFT model the base is."""
-    from rlfuse.errors import UserError
-
     folder = Path(rm_dir).parent / "adapter"
     config = folder / "adapter_config.json"
     if not config.is_file():
@@ -148,11 +152,6 @@ def attach_reward_adapter(peft_model, folder: Path, cfg) -> nn.Linear:
     """Load the rm stage's adapter (LoRA on the body + the trained score head) onto the shared base as adapter
     "reward", frozen; returns the score head. The rm stage trained it on a sequence-classification model whose body
     has the same module names as the causal LM's, so the LoRA tensors load by name."""
-    from peft import set_peft_model_state_dict
-    from safetensors.torch import load_file
-
-    from rlfuse.models.load import lora_config
-
     saved = json.loads((folder / "adapter_config.json").read_text())
     tensors = load_file(str(folder / "adapter_model.safetensors"))
     score_keys = [k for k in tensors if ".score." in k or k.startswith("score.")]
@@ -175,8 +174,6 @@ def attach_reward_adapter(peft_model, folder: Path, cfg) -> nn.Linear:
 
 def copy_adapter(peft_model, source: str, target: str) -> None:
     """A new adapter `target` with the LoRA tensors of `source` (the critic starting from the reward model)."""
-    import copy
-
     peft_model.add_adapter(target, copy.deepcopy(peft_model.peft_config[source]))
     src = dict(zip_names(peft_model, source))
     with torch.no_grad():
@@ -193,8 +190,6 @@ def zip_names(peft_model, adapter: str):
 def add_critic(peft_model, init: str, cfg, reward_score: nn.Linear | None) -> AdapterValueModel:
     """The critic's adapter and value head: init="rm" starts from the reward adapter and its score head (the critic
     first predicts the reward), "sft" from a fresh adapter (the SFT body: LoRA's B is zero) and a zero head."""
-    from rlfuse.models.load import lora_config
-
     if init == "rm":
         copy_adapter(peft_model, REWARD, CRITIC)
         head = nn.Linear(reward_score.in_features, 1, bias=False)

@@ -5,6 +5,10 @@ buckets."""
 from __future__ import annotations
 
 import torch
+from peft.tuners.lora import LoraLayer
+from peft.utils import ModulesToSaveWrapper
+
+from rlfuse.models.quantize import conv1d_layout, dequantized_weight, quantized_layer
 
 # bitsandbytes' quantisation state beside a quantised weight in a state dict (4-bit: weight.absmax, weight.quant_map,
 # ...; 8-bit: SCB, weight_format): not weights of the plain model.
@@ -22,11 +26,6 @@ def merged_state_dict(model) -> dict[str, torch.Tensor]:
     What the trainer hands the generator each iteration (DecodeEngine.load_weights) and what each stage saves. Merging
     and unmerging in place instead would round the frozen base a little every iteration, and a resumed run (which
     reloads the unrounded base) would drift from an uninterrupted one."""
-    from peft.tuners.lora import LoraLayer
-    from peft.utils import ModulesToSaveWrapper
-
-    from rlfuse.models.quantize import conv1d_layout, dequantized_weight, quantized_layer
-
     base = model.get_base_model() if hasattr(model, "get_base_model") else model
     transpose = conv1d_layout(base)  # a quantised GPT-2 Conv1D is a Linear: back to (in, out) for the plain model
     merged, renamed, quant_states = {}, [], []

@@ -13,9 +13,9 @@ from __future__ import annotations
 import difflib
 from typing import Callable
 
+from rlfuse.config import is_gpu_share
 from rlfuse.errors import UserError
 from rlfuse.plan.roles import ROLE_NAMES, Roles
-from rlfuse.config import is_gpu_share
 from rlfuse.plan.spec import ClusterResources, PlacementSpec, WorkerGroup
 
 MemoryModel = Callable[[WorkerGroup], "int | None"]

@@ -22,6 +22,8 @@ import math
 from dataclasses import asdict, dataclass, fields, replace
 from pathlib import Path
 
+from rlfuse.errors import ConfigError, UserError
+
 GiB = 2**30
 
 
@@ -137,8 +139,6 @@ def shape_from_hf_config(name: str, c: dict) -> ModelShape:
 def policy_shape(model_cfg) -> ModelShape:
     """The policy's shape from a rlfuse ModelConfig, without loading anything: the embedded GPT-2 from its fields, a
     local folder from its config.json, a known hub name from KNOWN_SHAPES."""
-    from rlfuse.errors import ConfigError
-
     name = model_cfg.name
     if name == "embedded":
         return gpt2_shape("embedded", model_cfg.n_layer, model_cfg.n_embd, model_cfg.n_head, DEFAULT_TASK_VOCAB, 512)
@@ -255,8 +255,6 @@ class MachineProfile:
         try:
             return cls.from_json(Path(path).read_text())
         except (ValueError, TypeError) as e:  # a torn write, another file, a profile of an older layout
-            from rlfuse.errors import UserError
-
             raise UserError(f"{path} is not a machine profile ({type(e).__name__}); rerun `rlfuse plan --profile`"
                             f"{' --profile-path ' + str(path)}") from None
 

@@ -17,7 +17,7 @@ the Ray rollout syncs it there.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Callable
 
 from rlfuse.plan.cost import GiB, MachineProfile, ModelShape
@@ -202,8 +202,6 @@ def memory_model(m: MemoryInputs, p: MachineProfile, samples: int, max_rows: int
                  shard_groups: bool = False) -> Callable:
     """A `memory_of` for rlfuse.plan.check: predicted peak bytes of one worker of a WorkerGroup. A group that
     decodes splits the iteration's `samples` over its workers (at most `max_rows` at once each)."""
-    from dataclasses import replace
-
     def memory_of(group) -> int:
         kv_rows = min(max_rows, math.ceil(samples / group.workers))
         shard = group.workers if shard_groups else 1

@@ -12,9 +12,11 @@ from __future__ import annotations
 
 from dataclasses import dataclass, replace
 
-from rlfuse.plan.cost import GiB, KNOWN_SHAPES, device_profile
+from rlfuse.config import Config
+from rlfuse.plan.cost import KNOWN_SHAPES, GiB, device_profile
 from rlfuse.plan.memory import MemoryInputs
 from rlfuse.plan.planner import Problem, Workload, plan, plan_memory_table, plan_table
+from rlfuse.plan.roles import derive_roles
 from rlfuse.plan.spec import WorkerResources
 
 INTER_NODE_BYTES_S = 25e9
@@ -29,9 +31,6 @@ class PaperCase:
 
 
 def _roles(lora: bool, critic_init: str = "rm"):
-    from rlfuse.config import Config
-    from rlfuse.plan.roles import derive_roles
-
     cfg = Config()
     cfg.model.lora, cfg.rl.critic_init = lora, critic_init
     return derive_roles(cfg)

@@ -22,15 +22,18 @@ several ranks).
 from __future__ import annotations
 
 import math
+import os
 from dataclasses import dataclass, replace
 
+from rlfuse.config import checkpointing_on
 from rlfuse.errors import UserError
-from rlfuse.plan.roles import Roles
 from rlfuse.plan import cost
-from rlfuse.plan.cost import MachineProfile, ModelShape
-from rlfuse.plan.memory import GiB, MemoryInputs, memory_table, weight_bytes, worker_memory
+from rlfuse.plan.cost import MachineProfile, ModelShape, policy_shape
+from rlfuse.plan.memory import GiB, MemoryInputs, memory_model, memory_table, weight_bytes, worker_memory
+from rlfuse.plan.profiles import load_profile
+from rlfuse.plan.roles import Roles, derive_roles
 from rlfuse.plan.spec import PlacementSpec, WorkerResources, dp_micro_size
-from rlfuse.plan.strategies import STRATEGY_FNS
+from rlfuse.plan.strategies import STRATEGY_FNS, single
 
 TP_MAX = 8
 """Largest tensor-parallel degree of a sharded generator (one node's GPUs over NVLink)."""
@@ -177,8 +180,6 @@ def candidate_specs(prob: Problem) -> list[PlacementSpec]:
     """Every strategy x split of prob.workers the roles allow (strategies that cannot place them are skipped); the
     single process for one worker."""
     if prob.workers == 1:  # one worker is one process: no Ray to pay for
-        from rlfuse.plan.strategies import single
-
         return [single(prob.roles)]
     out = []
     for name in prob.strategies:
@@ -501,9 +502,6 @@ def problem_from_config(cfg, profile: MachineProfile, workers: int | None = None
     (mean, longest) response tokens measured by a run; prompt_tokens: their measured mean (default PROMPT_TOKENS);
     prompt_lengths: distinct prompt lengths in an iteration's prompts, measured (default 1: one prefill call);
     cores: CPU cores the workers share (default this machine's; CPU workers beyond them are slowed)."""
-    from rlfuse.plan.roles import derive_roles
-    from rlfuse.plan.cost import policy_shape
-
     rl, pc = cfg.rl, cfg.placement
     roles = derive_roles(cfg)
     shape = policy_shape(cfg.model)
@@ -514,8 +512,6 @@ def problem_from_config(cfg, profile: MachineProfile, workers: int | None = None
         raise UserError(f"placement planner: {workers} worker(s) of {resources.cpus:g} CPU and {resources.gpus:g} GPU "
                         "each cannot run anything; give at least 1 worker and a positive CPU share")
     if profile.device == "cpu":  # more worker threads than cores: each gets its share of the cores
-        import os
-
         profile = profile.slowed(resources.cpus * workers / (cores or os.cpu_count() or 1))
     if memory_budget is None and profile.memory_bytes:
         memory_budget = profile.memory_bytes if profile.device == "cuda" else profile.memory_bytes / workers
@@ -559,8 +555,6 @@ def memory_inputs(cfg, roles, shape, profile: MachineProfile) -> MemoryInputs:
 def plan_config(cfg, log=None, **kw) -> list[Plan]:
     """Every plan for an RL run on `cfg`, best first, with the machine profile at its default place (or the
     built-in one). Keyword arguments go to problem_from_config."""
-    from rlfuse.plan.profiles import load_profile
-
     budget = cfg.placement.memory_per_worker_gb
     kw.setdefault("memory_budget", budget * GiB if budget else None)
     return plan(problem_from_config(cfg, load_profile(log=log), **kw))
@@ -587,11 +581,8 @@ def resolve_auto(cfg, log=None):
 
 def _configured_memory(cfg):
     """(memory inputs with the config's micro-batch, checkpointing and lengths; the workload; the profile)."""
-    from rlfuse.plan.profiles import load_profile
-
     prob = problem_from_config(cfg, load_profile())
     w = prob.workload
-    from rlfuse.config import checkpointing_on
 
     m = replace(prob.memory, train_rows=cfg.rl.micro_batch_size, checkpointing=checkpointing_on(cfg),
                 seq=int(math.ceil(w.prompt_tokens + w.response_max)), score_rows=w.score_micro_batch)
@@ -601,8 +592,6 @@ def _configured_memory(cfg):
 def memory_of_config(cfg):
     """The checker's `memory_of` hook (rlfuse.plan.check) for an RL run on `cfg` as configured: predicted
     peak bytes of one worker of a group, with the config's micro-batch and checkpointing."""
-    from rlfuse.plan.memory import memory_model
-
     m, w, prob = _configured_memory(cfg)
     return memory_model(m, prob.profile, w.samples, w.max_rows)
 

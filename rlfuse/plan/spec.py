@@ -12,7 +12,6 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 
-
 @dataclass(frozen=True)
 class WorkerResources:
     """What one worker process reserves from Ray: logical CPUs (its torch threads are pinned to this share) and GPUs

@@ -20,8 +20,6 @@ from rlfuse.plan.roles import Roles, derive_roles
 from rlfuse.plan.spec import PlacementSpec, WorkerGroup, WorkerResources
 
 
-
-
 def single(roles: Roles) -> PlacementSpec:
     """Every role in the driver's own process (today's path). One worker, nothing to launch."""
     return PlacementSpec("single", (WorkerGroup("main", 1, roles.names),))

@@ -3,5 +3,6 @@
 the critic as two opposite pipelines), behind two small protocols the loop sees, a rollout and a trainer
 (protocols.py; backend.py picks them). Also the machine profile the planner reads (profile.py, profile_ray.py).
 
-Ray is imported only inside the functions that start or talk to Ray workers: a single-process run never imports it.
+The ray_*.py modules (and profile_ray.py) import Ray; backend.py imports them only for a placement on Ray workers, so a
+single-process run never imports Ray (tests/unit/test_ray_driver.py).
 """

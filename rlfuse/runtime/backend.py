@@ -7,12 +7,12 @@ import contextlib
 from pathlib import Path
 
 from rlfuse.config import Config
+from rlfuse.errors import UserError
 from rlfuse.plan.strategies import spec_from_config
 from rlfuse.rollout.engine import DecodeEngine
 from rlfuse.rollout.fusion import FusionPolicy
 from rlfuse.rollout.score import Scorer
 from rlfuse.runtime.local import LocalRollout
-from rlfuse.runtime.ray_driver import start_ray_placement
 
 
 def uses_ray(cfg: Config) -> bool:
@@ -29,6 +29,13 @@ def build_placement(cfg: Config, run_dir: Path, engine: DecodeEngine, scorer: Sc
     if not spec.uses_ray:
         yield LocalRollout(engine, scorer, fusion), local_trainer
         return
+    try:  # Ray (an optional install): imported only for a placement on Ray workers
+        from rlfuse.runtime.ray_driver import start_ray_placement
+    except ImportError as e:
+        if e.name != "ray" and not str(e.name).startswith("ray."):
+            raise
+        raise UserError(f"placement.strategy={spec.strategy} runs on Ray, which is not installed; "
+                        "pip install 'ray==2.60.*' or use placement.strategy=single") from None
     log(spec.describe())
     # reward functions' dataset columns travel with the settings (rewards.attach_rows did it for this process)
     rows = getattr(scorer.reward_fn, "rows", None)

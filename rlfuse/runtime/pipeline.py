@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import math
 import os
-import socket
 import time
 from dataclasses import dataclass, field
 from types import SimpleNamespace
@@ -33,16 +32,17 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from rlfuse.config import RLConfig
-from rlfuse.rollout.fusion import Experience
+from rlfuse.learn.batches import micro_batches
+from rlfuse.learn.losses import micro_policy_loss, micro_value_loss
+from rlfuse.learn.optim import build_constant_optimizer
+from rlfuse.learn.update import BadSteps, add_stats
 from rlfuse.models.forward import collate
+from rlfuse.models.pipeline_stages import Stage, split_actor, split_critic
+from rlfuse.rollout.fusion import Experience
+from rlfuse.runtime.process import free_port, pin_threads, pin_to_cores
 from rlfuse.schedule.build import fused, serial
 from rlfuse.schedule.comm import Op, Recv, Send, input_of, message_of, programs, verify
 from rlfuse.schedule.model import PipeModel, Problem, Schedule, Task, check, simulate
-from rlfuse.models.pipeline_stages import Stage, split_actor, split_critic
-from rlfuse.learn.optim import build_constant_optimizer
-from rlfuse.learn.update import BadSteps, add_stats
-from rlfuse.learn.batches import micro_batches
-from rlfuse.learn.losses import micro_policy_loss, micro_value_loss
 
 ACTOR, CRITIC = 0, 1
 MODES = ("pipeline_serial", "pipeline_fused")
@@ -379,15 +379,7 @@ def stage_state(pipe: PipelineTrainer, actor, critic) -> dict:
 # ------------------------------------------------------------------------------------------- launching on one host
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _init_then(rank: int, world: int, port: int, fn, args: tuple) -> None:
-    from rlfuse.runtime.ray_common import pin_threads, pin_to_cores
-
     pin_threads(1)  # one core per rank: the pipeline is the parallelism
     if os.environ.get("RLFUSE_PIN_CORES"):
         pin_to_cores(rank, 1)

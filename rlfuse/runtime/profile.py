@@ -12,16 +12,28 @@ through Ray's object store costs per byte), the driver's advantages; then the ov
 
 from __future__ import annotations
 
+import io
 import os
 import statistics
 import time
 from pathlib import Path
 
-from rlfuse.metrics.flops import fastest_seconds
+import psutil
+import torch
+from transformers import GPT2Config, GPT2ForSequenceClassification
+
+from rlfuse.config import RLConfig
+from rlfuse.learn.advantages import compute_advantages
+from rlfuse.learn.batches import minibatches
+from rlfuse.metrics.flops import fastest_seconds, measure_matmul_rate
+from rlfuse.models.heads import ValueModel
 from rlfuse.models.load import model_of_shape
+from rlfuse.models.rewards import reward_model_fn
 from rlfuse.plan.cost import GiB, MachineProfile, ModelShape, gpt2_shape
 from rlfuse.plan.profiles import BUILTIN_OVERHEADS, BUSY_CORES, GPU_OVERHEADS, RAY_WORKER_BYTES, SYNC_LATENCY_S
-
+from rlfuse.rollout.engine import DecodeEngine, Sample, SamplingParams
+from rlfuse.rollout.score import Scorer
+from rlfuse.runtime.probe import fake_experience, spread
 
 PASSES = 3
 """Times the profile takes every timing in its own process; the rates are fitted to each timing's fastest."""
@@ -30,8 +42,6 @@ PASSES = 3
 def cpu_sample() -> tuple[float, float, float]:
     """(seconds every core of the machine spent busy, seconds this process spent on a core, wall seconds), now: two
     samples give the cores other work kept busy between them (other_cores)."""
-    import psutil
-
     s, own = psutil.cpu_times(), psutil.Process().cpu_times()
     # guest time is counted in user time already; steal is time the hypervisor gave to other guests
     not_busy = s.idle + sum(getattr(s, k, 0.0) for k in ("iowait", "guest", "guest_nice"))
@@ -46,11 +56,8 @@ def other_cores(before: tuple[float, float, float], after: tuple[float, float, f
 
 def _worker_runtime_bytes() -> float:
     """Resident memory of a worker before any model: this process after importing what a Ray worker imports
-    (torch, transformers' model classes, rlfuse's worker), plus what Ray's own worker runtime adds."""
-    import psutil
-    import transformers  # noqa: F401  (model classes load on first use: touch them as a worker does)
-    from transformers import GPT2LMHeadModel, LlamaForCausalLM  # noqa: F401
-
+    (torch, transformers' model classes: this module's imports; rlfuse's worker), plus what Ray's own worker runtime
+    adds."""
     try:
         import rlfuse.runtime.ray_worker  # noqa: F401  (imports Ray where installed)
     except ImportError:
@@ -73,13 +80,6 @@ def measure_profile(shape: ModelShape | None = None, threads: int = 1, device: s
     cpus_per_worker. device: cpu | cuda (default cuda when present). ray: also measure the overheads of a run on
     Ray workers (profile_ray.py: round trips, gloo all-reduce, the training micro-batch's fixed cost); without
     it (or without Ray installed) those fields keep the built-in profile's values."""
-    import io
-
-    import psutil
-    import torch
-
-    from rlfuse.rollout.engine import DecodeEngine, SamplingParams
-
     device = device or ("cuda" if torch.cuda.is_available() else "cpu")
     torch.set_num_threads(max(1, threads))
     sync = torch.cuda.synchronize if device == "cuda" else (lambda: None)
@@ -151,7 +151,6 @@ def measure_profile(shape: ModelShape | None = None, threads: int = 1, device: s
         _, per_row = _fit(fwd)
         # the slope between three noisy timings can come out near 0 on a busy machine (once: 4.5e15 FLOP/s); a model's
         # forward never outruns a bare matrix multiply on the same cores
-        from rlfuse.metrics.flops import measure_matmul_rate
 
         fastest["matmul_rate"] = max(fastest.get("matmul_rate", 0.0), measure_matmul_rate(device, n=512))
         flops = min(shape.forward_flops(seq, seq / 2) / per_row, fastest["matmul_rate"])
@@ -200,8 +199,6 @@ def measure_profile(shape: ModelShape | None = None, threads: int = 1, device: s
                 "bwd_ratio": bwd_ratio, "optimizer_bytes_s": optimizer_bytes_s, "sync_bytes_s": sync_bytes_s,
                 "contention": contention}
 
-    from rlfuse.runtime.profile_ray import spread
-
     before = cpu_sample()
     passes = [one_pass() for _ in range(PASSES)]
     others = other_cores(before, cpu_sample())
@@ -238,14 +235,6 @@ def _score_call_seconds(model, shape: ModelShape, device: str, timed, forward_fi
     """What a scoring call costs beyond its forwards: the Scorer on one sample of 4 + 16 tokens with the reference
     (this model), a reward model and a critic on its body (rollout/score.py: sorting, collating, the reward's
     input, gathering log-probs and values, the scored samples), less three forwards at the fitted rates."""
-    import torch
-    from transformers import GPT2Config, GPT2ForSequenceClassification
-
-    from rlfuse.models.heads import ValueModel
-    from rlfuse.rollout.engine import Sample
-    from rlfuse.rollout.score import Scorer
-    from rlfuse.models.rewards import reward_model_fn
-
     rm = GPT2ForSequenceClassification(GPT2Config(
         vocab_size=shape.vocab, n_positions=shape.context, n_embd=shape.hidden, n_layer=shape.layers,
         n_head=shape.heads, num_labels=1, pad_token_id=0, resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)).to(device)
@@ -258,11 +247,6 @@ def _score_call_seconds(model, shape: ModelShape, device: str, timed, forward_fi
 def _driver_seconds(vocab: int, samples: int = 32) -> float:
     """The RL driver's own work per iteration between its calls to workers: advantages and mini-batch order over an
     iteration's experience (trainers/rl.py steps 3 and 4), timed on a made-up one of `samples` samples."""
-    from rlfuse.config import RLConfig
-    from rlfuse.runtime.profile_ray import fake_experience
-    from rlfuse.learn.advantages import compute_advantages
-    from rlfuse.learn.batches import minibatches
-
     rl, exp = RLConfig(), fake_experience(samples, vocab)
     return fastest_seconds(lambda: (compute_advantages(exp, rl, 0.1), minibatches(len(exp), rl, 0, 0)), 9, lambda: None)
 
@@ -271,7 +255,7 @@ def _ray_overheads(shape: ModelShape, threads: int, log) -> dict:
     """profile_ray.measure_ray_overheads, or {} (built-in values, said in one line) where Ray is missing or fails
     to start on this machine: the rest of the profile still holds."""
     try:
-        from rlfuse.runtime.profile_ray import measure_ray_overheads
+        from rlfuse.runtime.profile_ray import measure_ray_overheads  # Ray (an optional install): only here
 
         return measure_ray_overheads(shape, threads, log)
     except ImportError:

@@ -24,36 +24,34 @@ What is timed, and which MachineProfile field it gives:
   workers at once as a data-parallel step runs it: the gradients' bytes over that difference (less a latency per
   DDP bucket) are `ddp_allreduce_bytes_s`, the all-reduce's bandwidth while the ranks compute.
 
-Ray and torch are imported inside the functions: importing this module needs neither.
+Imports Ray: profile.py imports it only to measure these overheads, and goes on without them where Ray is missing.
 """
 
 from __future__ import annotations
 
 import statistics
 import time
+from datetime import timedelta
 
+import ray
+import torch
+import torch.distributed as dist
+
+from rlfuse.config import RLConfig
+from rlfuse.learn.losses import micro_policy_loss
 from rlfuse.models.load import model_of_shape
+from rlfuse.plan.cost import DDP_BUCKET_BYTES, ddp_buckets
+from rlfuse.rollout.engine import DecodeEngine, SamplingParams
+from rlfuse.runtime import process
+from rlfuse.runtime.probe import PROBE_PROMPT, PROBE_RESPONSE, fake_experience, fake_samples, spread
+from rlfuse.runtime.process import free_port, pin_threads
+from rlfuse.runtime.ray_common import node_address, start_actors
+from rlfuse.runtime.ray_train import DataParallelGroup
 
 CHUNKS = 10
 """Calls per worker in each chunk pattern."""
 CHUNK_SAMPLES = 16
 """Finished samples a full chunk carries (rollout.score_every)."""
-PROBE_PROMPT, PROBE_RESPONSE = 4, 16
-"""Token counts of the probe's samples and micro-batches (the default task's prompts and responses)."""
-
-
-def fake_samples(n: int, prompt: int = PROBE_PROMPT, response: int = PROBE_RESPONSE) -> list:
-    """n scored samples shaped as a rollout's (token lists, per-token log-probs and values): what a chunk carries."""
-    import torch
-
-    from rlfuse.rollout.engine import Sample
-    from rlfuse.rollout.score import ScoredSample
-
-    out = []
-    for i in range(n):
-        s = Sample(i, 0, list(range(1, prompt + 1)), list(range(5, 5 + response)), torch.randn(response), "eos")
-        out.append(ScoredSample(s, 0.5, torch.randn(response), torch.randn(response), s.logprobs))
-    return out
 
 
 CHUNK_ROWS = 8
@@ -66,10 +64,6 @@ PAIR_ROUNDS = 9
 def decode_chunk(model, steps: int) -> float:
     """Seconds the rollout engine takes to decode CHUNK_ROWS rows for `steps` tokens: a chunk's work, timed the same
     way in the profile's own process (alone) and on two Ray workers at once."""
-    import torch
-
-    from rlfuse.rollout.engine import DecodeEngine, SamplingParams
-
     engine = DecodeEngine(model, eos_token_id=-1, max_rows=64)
     prompts = [[1 + i, 2, 3, 4] for i in range(CHUNK_ROWS)]
     t0 = time.perf_counter()
@@ -78,30 +72,10 @@ def decode_chunk(model, steps: int) -> float:
     return time.perf_counter() - t0
 
 
-def fake_experience(n: int, vocab: int, prompt: int = PROBE_PROMPT, response: int = PROBE_RESPONSE):
-    """An Experience of n samples with random tokens (every response `response` tokens long: no padding)."""
-    import torch
-
-    from rlfuse.rollout.engine import Sample
-    from rlfuse.rollout.fusion import build_experience
-    from rlfuse.rollout.score import ScoredSample
-
-    g = torch.Generator().manual_seed(0)
-    ids = lambda k: torch.randint(1, vocab, (k,), generator=g).tolist()
-    scored = []
-    for i in range(n):
-        lp = -torch.rand(response, generator=g)
-        scored.append(ScoredSample(Sample(i, 0, ids(prompt), ids(response), lp, "eos"), 0.0, lp.clone(),
-                                   torch.zeros(response), lp))
-    return build_experience(scored)
-
-
 class ProbeWorker:
     """One probe process (a Ray actor): a model of the policy's shape with random weights, one rank of a gloo group."""
 
     def __init__(self, shape, rank: int, world: int, threads: int = 1):
-        from rlfuse.runtime.ray_common import pin_threads
-
         pin_threads(threads)
         self.shape, self.rank, self.world = shape, rank, world
         self.model = model_of_shape(shape, "cpu").train()
@@ -111,9 +85,7 @@ class ProbeWorker:
         return True
 
     def cores(self) -> list[int]:
-        from rlfuse.runtime import ray_common
-
-        return ray_common.PINNED
+        return process.PINNED
 
     def chunk(self, steps: int, samples: int) -> tuple[float, list]:
         """The rollout engine decoding CHUNK_ROWS rows for `steps` tokens (decode_chunk), then a reply with `samples`
@@ -127,7 +99,6 @@ class ProbeWorker:
         `train` is TRAIN_CALLS forwards + backwards of the bare model over PROBE_ROWS probe-length rows."""
         if kind == "decode":
             return decode_chunk(self.model, steps)
-        import torch
 
         ids = torch.randint(1, self.shape.vocab, (PROBE_ROWS, PROBE_PROMPT + PROBE_RESPONSE))
         t0 = time.perf_counter()
@@ -136,23 +107,14 @@ class ProbeWorker:
         return time.perf_counter() - t0
 
     def rendezvous(self) -> tuple[str, int]:
-        from rlfuse.runtime.ray_common import free_port, node_address
-
         return node_address(), free_port()
 
     def join(self, host: str, port: int) -> None:
-        from datetime import timedelta
-
-        import torch.distributed as dist
-
         dist.init_process_group("gloo", init_method=f"tcp://{host}:{port}", rank=self.rank, world_size=self.world,
                                 timeout=timedelta(seconds=60))
 
     def collectives(self, nbytes: int, repeats: int = 20) -> tuple[float, float]:
         """(median seconds of a 4-byte all-reduce, median seconds of an all-reduce of nbytes)."""
-        import torch
-        import torch.distributed as dist
-
         small, big = torch.zeros(1), torch.zeros(max(1, nbytes // 4))
 
         def timed(t, n):
@@ -172,11 +134,6 @@ class ProbeWorker:
         all-reduces them, DDP's buckets, so every rank must call it at the same time). Built once per `rows`."""
         if rows in self._runs:
             return self._runs[rows]
-        import torch
-
-        from rlfuse.config import RLConfig
-        from rlfuse.runtime.ray_train import DataParallelGroup
-        from rlfuse.learn.losses import micro_policy_loss
 
         exp = fake_experience(rows, self.shape.vocab)
         adv, rl, idx = torch.randn(exp.mask.shape), RLConfig(), list(range(rows))
@@ -200,8 +157,6 @@ class ProbeWorker:
     def micro_batch_overhead(self, rows: int = 4, repeats: int = 15) -> float:
         """Seconds a real training micro-batch (policy loss inside DDP's forward, no gradient sync) takes beyond the
         bare forward + backward over the same tokens: the median over `repeats` pairs."""
-        import torch
-
         real = lambda: self._micro_batch(rows)(False)
         ids = torch.randint(1, self.shape.vocab, (rows, PROBE_PROMPT + PROBE_RESPONSE))
 
@@ -219,8 +174,6 @@ class ProbeWorker:
         return extra_seconds(lambda: run(True), lambda: run(False), repeats)
 
     def shutdown(self) -> None:
-        import torch.distributed as dist
-
         if dist.is_initialized():
             dist.destroy_process_group()
 
@@ -243,8 +196,6 @@ def _chunk_pattern(workers: list, steps: int, samples: int) -> tuple[float, floa
     """(median wall seconds of a call beyond the worker's compute, median compute seconds of a call), the workers
     called as the rollout driver calls its generation workers (ray.wait on whichever replies first, then call it
     again)."""
-    import ray
-
     inflight, extra, busy = {}, [], []
     calls = {i: 0 for i in range(len(workers))}
 
@@ -266,18 +217,11 @@ def _chunk_pattern(workers: list, steps: int, samples: int) -> tuple[float, floa
     return statistics.median(extra[n:]), statistics.median(busy[n:])
 
 
-def spread(xs: list[float]) -> float:
-    """(max - min) / median: how far apart repeated measurements of one quantity landed."""
-    return (max(xs) - min(xs)) / statistics.median(xs)
-
-
 def pair_slowdowns(workers: list, steps: int) -> dict:
     """{kind: [ratio per round]} for kind in (decode, train): in each round, the work on both workers at once (the
     slower one's time: a flattened rollout or a data-parallel step waits for it) over the mean of the same work on
     one worker alone just before and on the other just after (so a load that rises or falls during the round, or one
     slower worker, weighs on both sides alike)."""
-    import ray
-
     out = {"decode": [], "train": []}
     for kind in ("decode", "train"):  # warm-up: each worker's first call of each kind
         ray.get([w.compute.remote(kind, steps) for w in workers])
@@ -294,10 +238,6 @@ def measure_ray_overheads(shape, threads: int = 1, log=print, steps: int = 16) -
     """The Ray-side MachineProfile fields (module docstring), measured on 2 Ray workers of `threads` CPUs each, with
     chunks of `steps` decode steps. Starts a local Ray when none is up (and shuts it down); then the two workers
     keep to cores of their own, as a run's workers do when it starts its own Ray (placement.pin_cores)."""
-    import ray
-
-    from rlfuse.runtime.ray_common import start_actors
-
     t_start = time.perf_counter()
     started = not ray.is_initialized()
     if started:
@@ -322,7 +262,6 @@ def measure_ray_overheads(shape, threads: int = 1, log=print, steps: int = 16) -
         if started:
             ray.shutdown()
     pair_decode, pair_train = (max(1.0, statistics.median(pairs[k])) for k in ("decode", "train"))
-    from rlfuse.plan.cost import DDP_BUCKET_BYTES, ddp_buckets
 
     grads = 4.0 * shape.params  # fp32 gradients of the probe's model, in DDP's buckets
     buckets = ddp_buckets(grads, DDP_BUCKET_BYTES)

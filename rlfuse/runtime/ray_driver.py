@@ -14,8 +14,8 @@ joined data-parallel (DDP, gloo on CPU). What this gives per strategy:
 - interleaved: the "train" workers decode and train; the "score" workers score while they decode, and get the
   critic's weights from rank 0 each iteration (their copy computes the values).
 
-The driver keeps the loop, the evaluation and the saved model (rank 0's weights pulled back at the end). Ray is
-imported inside the functions, so importing this module never needs Ray.
+The driver keeps the loop, the evaluation and the saved model (rank 0's weights pulled back at the end). This module
+and the other ray_*.py import Ray: runtime/backend.py imports it only for a placement on Ray workers.
 """
 
 from __future__ import annotations
@@ -24,8 +24,17 @@ import contextlib
 import time
 from dataclasses import dataclass, field
 
+import ray
+from ray.exceptions import RayActorError, RayTaskError
+from ray.util.placement_group import placement_group
+
 from rlfuse.errors import UserError
+from rlfuse.plan.check import validate_placement
+from rlfuse.plan.roles import derive_roles
 from rlfuse.plan.spec import ClusterResources, NodeResources, PlacementSpec
+from rlfuse.runtime.ray_rollout import MultiWorkerRollout, RolloutSettings, WorkerModels
+from rlfuse.runtime.ray_train import TrainGroup, join_training
+from rlfuse.runtime.ray_worker import start_role_workers
 
 SCORING_ROLES = ("reference", "reward")
 
@@ -33,11 +42,6 @@ SCORING_ROLES = ("reference", "reward")
 def start_ray(spec: PlacementSpec) -> bool:
     """ray.init unless Ray is up already (a test, or a notebook, started it): local with the spec's CPUs, or the
     cluster at placement.address. Returns whether this call started it (so the run shuts down only its own Ray)."""
-    try:
-        import ray
-    except ImportError:
-        raise UserError(f"placement.strategy={spec.strategy} runs on Ray, which is not installed; "
-                        "pip install 'ray==2.60.*' or use placement.strategy=single") from None
     if ray.is_initialized():
         return False
     if spec.address:
@@ -96,8 +100,6 @@ class RayWorkers:
     def naming_dead_workers(self, during: str):
         """A worker process that died (killed, out of memory) ends the run with one line naming it; the iteration
         under way is not logged, so `--resume` repeats it from the last checkpoint (written by rank 0)."""
-        from ray.exceptions import RayActorError, RayTaskError
-
         try:
             yield
         except RayTaskError as e:  # a user-facing error on a worker (divergence, a bad reward) is the driver's
@@ -113,8 +115,6 @@ class RayWorkers:
 
     def close(self) -> None:
         """End the workers and their placement group (and Ray, if this run started it)."""
-        import ray
-
         if not ray.is_initialized():
             return
         for w in self.handles:
@@ -178,8 +178,6 @@ class RayRollout:
         computes the values). A worker holding an actor replica copies in-process; the others load rank 0's
         buckets from the object store. `time/weight_sync`: wall seconds; `sync/bytes`: bytes loaded into one
         generator (plus one scorer's critic when sent); `sync/sent_bytes`: bytes put into the object store."""
-        import ray
-
         w = self.workers
         t, sent, per_holder, calls = time.perf_counter(), 0, {}, []
         with w.naming_dead_workers("weight sync"):
@@ -214,15 +212,6 @@ def start_ray_placement(cfg, spec: PlacementSpec, run_dir, log=print, reward_row
     """Validate the spec against the cluster, reserve one bundle per worker (PACK), start each group's workers with
     the models of its roles, join the training ranks, and return the RL loop's rollout and trainer objects (and the
     workers, to close)."""
-    import ray
-    from ray.util.placement_group import placement_group
-
-    from rlfuse.plan.roles import derive_roles
-    from rlfuse.plan.check import validate_placement
-    from rlfuse.runtime.ray_rollout import MultiWorkerRollout, RolloutSettings, WorkerModels
-    from rlfuse.runtime.ray_train import TrainGroup, join_training
-    from rlfuse.runtime.ray_worker import start_role_workers
-
     workers = RayWorkers([], [], [], started_ray=start_ray(spec))
     try:  # whatever fails from here (a timeout, a worker's constructor, Ctrl-C) releases what was reserved
         validate_placement(spec, derive_roles(cfg), cluster_resources(ray.nodes()))

@@ -20,15 +20,25 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import psutil
+import ray
 
+from rlfuse.config import RunConfig
+from rlfuse.metrics.tracker import peak_rss_mb
+from rlfuse.models.build import frozen, load_policy, reward_function, stage_folders, value_model
+from rlfuse.models.device import pick_device
+from rlfuse.models.load import load_tokenizer
+from rlfuse.models.rewards import metrics_of_sums, take_reward_sums
+from rlfuse.plan.roles import derive_roles
 from rlfuse.rollout.engine import DecodeEngine, Sample, SamplingParams
 from rlfuse.rollout.fusion import Experience, FusionPolicy, build_experience
 from rlfuse.rollout.migration import plan_migration
-from rlfuse.models.rewards import metrics_of_sums, take_reward_sums
 from rlfuse.rollout.score import ScoredSample, Scorer
 from rlfuse.rollout.state import EngineState
-from rlfuse.rollout.weights import weight_buckets
-
+from rlfuse.rollout.weights import copy_weights, weight_buckets
+from rlfuse.runtime import process
+from rlfuse.runtime.process import pin_threads
+from rlfuse.runtime.ray_common import start_actors
 
 # ------------------------------------------------------------------------------------------- what a worker holds
 
@@ -52,9 +62,6 @@ class WorkerModels:
     def from_config(cls, cfg, run_dir: Path) -> "WorkerModels":
         """The folders build_models(cfg, run_dir) loads, for a generation worker. The critic's initial head is
         replaced by the first load_weights("critic", ...) from the trainer."""
-        from rlfuse.models.build import stage_folders
-        from rlfuse.plan.roles import derive_roles
-
         roles = derive_roles(cfg)
         sft, rm = stage_folders(cfg, run_dir, roles)
         critic_source = roles["critic"].source if "critic" in roles else "rm"
@@ -116,14 +123,9 @@ class RolloutSettings:
 def build_worker_roles(models: WorkerModels, settings: RolloutSettings) -> tuple[DecodeEngine | None, Scorer | None]:
     """A generator engine and a scorer from folders, with models/build.py's loaders (frozen, eval); None for the one
     the worker does not hold (WorkerModels.holding)."""
-    from rlfuse.models.build import frozen, load_policy, reward_function, value_model
-    from rlfuse.models.load import load_tokenizer
-
     if not (models.decodes or models.scores):
         return None, None
     tok = load_tokenizer(models.generator or models.reference)
-    from rlfuse.config import RunConfig
-    from rlfuse.models.device import pick_device
 
     device = pick_device(RunConfig(device=settings.device))  # Ray shows a worker only the GPUs it reserved
     eos = tok.eos_token_id if settings.eos_token_id is None else settings.eos_token_id
@@ -172,8 +174,6 @@ class GenerationWorker:
     A chunk that ends on a count rather than on decode steps needs no change to the engine."""
 
     def __init__(self, models: WorkerModels, settings: RolloutSettings, threads: int = 1):
-        from rlfuse.runtime.ray_common import pin_threads
-
         pin_threads(threads)
         self._setup(*build_worker_roles(models, settings), settings)
 
@@ -204,8 +204,6 @@ class GenerationWorker:
 
     def load_weights(self, role: str, tensors) -> tuple[int, float]:
         """Copy named tensors into the generator ("generator") or the critic ("critic"). -> (bytes, seconds)."""
-        from rlfuse.rollout.weights import copy_weights
-
         t = time.perf_counter()
         if role == "generator" and self.engine is not None:
             n = self.engine.load_weights(tensors)
@@ -225,9 +223,7 @@ class GenerationWorker:
 
     def cores(self) -> list[int]:
         """The cores placement.pin_cores pinned this worker's threads to ([]: not pinned)."""
-        from rlfuse.runtime import ray_common
-
-        return ray_common.PINNED
+        return process.PINNED
 
     def reward_sums(self) -> dict | None:
         """This worker's reward-function tallies since the last call (rewards.FunctionReward.take_sums), then
@@ -237,10 +233,6 @@ class GenerationWorker:
     def rss_mb(self) -> tuple[float, float]:
         """This worker process's resident memory now and its peak so far, in MiB (the report's per-worker memory;
         the peak includes training on a worker that trains)."""
-        import psutil
-
-        from rlfuse.metrics.tracker import peak_rss_mb
-
         return psutil.Process().memory_info().rss / 2**20, peak_rss_mb()
 
     def start(self, prompts: list[list[int]], prompt_ids: list[int], k: int, params: SamplingParams, seed: int,
@@ -318,8 +310,6 @@ def start_generation_workers(n: int, models: WorkerModels, settings: RolloutSett
                              placement_group=None, first_bundle: int = 0) -> list:
     """n GenerationWorker actors, one process each, `cpus_per_worker` CPUs reserved and as many torch threads
     (ray_common.start_actors: worker i in bundle first_bundle + i of placement_group, if given)."""
-    from rlfuse.runtime.ray_common import start_actors
-
     threads = max(1, int(cpus_per_worker))
     return start_actors(GenerationWorker, n, lambda i: (models, settings, threads), cpus_per_worker, 0,
                         placement_group, first_bundle)
@@ -361,8 +351,6 @@ class MultiWorkerRollout:
 
     def sync_weights(self, named_tensors, role: str = "generator") -> dict:
         """Push the weights to the workers holding `role` in buckets (one object-store put per bucket, shared)."""
-        import ray
-
         holders = [self.workers[w] for w in (self.decoders if role == "generator" else self.scorers)]
         t, nbytes = time.perf_counter(), 0
         for bucket in weight_buckets(named_tensors, self.bucket_bytes):
@@ -372,14 +360,10 @@ class MultiWorkerRollout:
 
     def rss_mb(self) -> list[tuple[float, float]]:
         """Each worker's resident memory now and at its peak, in MiB."""
-        import ray
-
         return ray.get([w.rss_mb.remote() for w in self.workers])
 
     def reward_metrics(self) -> dict[str, float]:
         """The scoring workers' reward-function means since the last call, pooled (rewards.metrics_of_sums)."""
-        import ray
-
         return metrics_of_sums(ray.get([self.workers[w].reward_sums.remote() for w in self.scorers]))
 
     def generate(self, prompts: list[list[int]], k: int, params: SamplingParams, seed: int, lengths=None,
@@ -387,8 +371,6 @@ class MultiWorkerRollout:
         """generate_rollouts on the workers: the same samples and scores (to float tolerance), plus in exp.timing
         rollout seconds, scoring seconds, busy seconds per worker and the migration's cost (rows and tokens moved,
         re-prefill seconds, scoring seconds on freed workers)."""
-        import ray
-
         s, W = self.settings, len(self.workers)
         ids = list(range(len(prompts))) if prompt_ids is None else list(prompt_ids)
         t0, tally, total = time.perf_counter(), _Tally(W), len(prompts) * k
@@ -467,8 +449,6 @@ class MultiWorkerRollout:
 
     def _migrate(self, plan, tally: _Tally, unfinished: list[int]) -> None:
         """Exporters hand their rows over; the keepers import them (split evenly) and re-prefill."""
-        import ray
-
         exported = ray.get([self.workers[w].export.remote() for w in plan.export])
         states = []
         for w, (state, pending, secs) in zip(plan.export, exported):

@@ -12,24 +12,37 @@ log-probs never call the model's forward (response_logprobs runs the body and th
 (B, T, V) logits out of memory). So the trainable modules sit in a `TrainableRoles` container whose forward runs the
 micro-batch loss function it is given: the loss is computed inside DDP's forward, DDP's hooks see every gradient.
 
-Ray is imported inside functions only: importing this module does not need Ray.
+Imports Ray: only a placement on Ray workers imports this module (runtime/backend.py).
 """
 
 from __future__ import annotations
 
 import contextlib
+import json
 import time
 from dataclasses import dataclass, field
 from datetime import timedelta
 from pathlib import Path
 
+import ray
 import torch
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 
 from rlfuse.config import Config
+from rlfuse.errors import UserError
+from rlfuse.learn.checkpoint import CHECKPOINT_KEYS, checkpoint_parts, load_checkpoint, save_checkpoint, trainable_state
+from rlfuse.learn.learners import build_learners, learner_sets
+from rlfuse.learn.update import update
+from rlfuse.models.build import build_models
+from rlfuse.models.device import pick_device, seed_everything
+from rlfuse.models.weights import merged_state_dict
 from rlfuse.plan.cost import DDP_BUCKET_BYTES
 from rlfuse.rollout.fusion import Experience
+from rlfuse.rollout.weights import weight_buckets
+from rlfuse.runtime.pipeline import build_pipeline, schedule_record
+from rlfuse.runtime.process import free_port, pin_threads
+from rlfuse.runtime.ray_common import node_address, start_actors
 
 DEFAULT_BUCKET_BYTES = DDP_BUCKET_BYTES  # the planner's cost model counts the same buckets
 """Gradient all-reduce and weight-sync buckets: large enough to amortise a collective's latency, small enough that
@@ -98,8 +111,6 @@ class DataParallelGroup:
         not name the parameter."""
         unused = [n for m in modules for n, p in m.named_parameters() if p.requires_grad and p.grad is None]
         if unused:
-            from rlfuse.errors import UserError
-
             raise UserError(f"data-parallel training: {len(unused)} trainable parameter(s) get no gradient from the "
                             f"RL losses (first: {unused[0]}); freeze them or train with placement.strategy=single")
 
@@ -140,11 +151,6 @@ class TrainWorker:
 
     def __init__(self, cfg: Config, run_dir: str, rank: int, world: int, threads: int = 1,
                  keep: tuple[str, ...] = ()):
-        from rlfuse.models.build import build_models
-        from rlfuse.runtime.ray_common import pin_threads
-        from rlfuse.models.device import pick_device, seed_everything
-        from rlfuse.learn.learners import build_learners
-
         pin_threads(threads)
         seed_everything(cfg.run.seed)
         self.cfg, self.rank, self.world, self.run_dir = cfg, rank, world, Path(run_dir)
@@ -165,8 +171,6 @@ class TrainWorker:
 
     def rendezvous(self) -> tuple[str, int]:
         """Rank 0: the TCP address every rank joins at (this node's IP, a free port)."""
-        from rlfuse.runtime.ray_common import free_port, node_address
-
         return node_address(), free_port()
 
     def join(self, host: str, port: int, timeout_s: float = 300) -> None:
@@ -176,13 +180,10 @@ class TrainWorker:
         dist.init_process_group(backend, init_method=f"tcp://{host}:{port}", rank=self.rank, world_size=self.world,
                                 timeout=timedelta(seconds=timeout_s))
         if self.cfg.rl.train_parallel.startswith("pipeline"):  # stages instead of replicas: no DDP
-            from rlfuse.runtime.pipeline import build_pipeline
-
             self.pipeline = build_pipeline(self.models.actor, self.models.critic, self.cfg.rl,
                                            self.cfg.rl.train_parallel, self.models.tokenizer.pad_token_id)
             return
         self.group = DataParallelGroup(self.rank, self.world, self.device)
-        from rlfuse.learn.learners import learner_sets
 
         for learners in learner_sets(self.learners):  # DDP copies rank 0's weights to every rank as it wraps
             self.group.wrap([learner.module for learner in learners])
@@ -191,8 +192,6 @@ class TrainWorker:
                temperature: float | None = None) -> dict:
         """One update on this rank's share of the experience (sampled at `temperature`, None: rl.temperature); every
         rank returns the same {"stats", "bad"}."""
-        from rlfuse.learn.update import update
-
         t = time.perf_counter()
         if self.pipeline is not None:
             stats = self.pipeline.update(exp, adv, returns, kl_coef, batches, bad, temperature)
@@ -205,10 +204,6 @@ class TrainWorker:
         return {"stats": stats, "bad": bad, "seconds": time.perf_counter() - t}
 
     def _save_schedule(self) -> None:
-        import json
-
-        from rlfuse.runtime.pipeline import schedule_record
-
         pipe, path = self.pipeline, self.run_dir / "rl" / "pipeline_schedule.json"
         record = schedule_record(pipe.last_spans, pipe.last_schedules, pipe.world, pipe.mode)
         path.parent.mkdir(parents=True, exist_ok=True)
@@ -218,11 +213,6 @@ class TrainWorker:
     def actor_weights(self, bucket_bytes: int = DEFAULT_BUCKET_BYTES, role: str = "actor") -> WeightRefs:
         """The actor's (or role="critic": the critic's) merged weights (models/weights.merged_state_dict) in
         object-store buckets (rank 0 is enough: every rank holds the same replica)."""
-        import ray
-
-        from rlfuse.models.weights import merged_state_dict
-        from rlfuse.rollout.weights import weight_buckets
-
         t, refs, nbytes = time.perf_counter(), [], 0
         for bucket in weight_buckets(merged_state_dict(getattr(self.models, role)), bucket_bytes):
             bucket = {k: v.detach().cpu() for k, v in bucket.items()}  # the object store holds host memory
@@ -232,9 +222,6 @@ class TrainWorker:
 
     def save_checkpoint(self, path: str, iteration: int, kl_coef: float, counters: dict) -> None:
         """Rank 0 writes trainers/checkpoint.py's file (replicas are whole; others return at once)."""
-        from rlfuse.learn.checkpoint import save_checkpoint
-        from rlfuse.learn.checkpoint import CHECKPOINT_KEYS, checkpoint_parts
-
         if self.rank == 0:
             save_checkpoint(Path(path), **dict(zip(CHECKPOINT_KEYS, checkpoint_parts(self.models, self.learners))),
                             iteration=iteration, kl_coef=kl_coef, counters=counters)
@@ -243,9 +230,6 @@ class TrainWorker:
 
     def load_checkpoint(self, path: str) -> dict:
         """Every rank restores the same file; returns its iteration, kl_coef and counters."""
-        from rlfuse.learn.checkpoint import load_checkpoint
-        from rlfuse.learn.checkpoint import checkpoint_parts
-
         state = load_checkpoint(Path(path), *checkpoint_parts(self.models, self.learners))
         if self.pipeline is not None:
             self.pipeline.load_optimizer_state(torch.load(f"{path}.stage{self.rank}", weights_only=False))
@@ -253,8 +237,6 @@ class TrainWorker:
 
     def trainable_state(self) -> dict:
         """{role: {name: tensor}} of what trains (tests compare ranks and processes with it)."""
-        from rlfuse.learn.checkpoint import trainable_state
-
         roles = {"actor": self.models.actor, "critic": self.models.critic}
         return {r: {n: t.cpu() for n, t in trainable_state(m).items()} for r, m in roles.items() if m is not None}
 
@@ -275,8 +257,6 @@ class TrainGroup:
                temperature: float | None = None) -> tuple[dict, dict, list[float]]:
         """-> (stats, bad counters, seconds per rank) of rl.update run data-parallel; the experience goes once into
         the object store and every rank reads it from there."""
-        import ray
-
         exp_ref, adv_ref, ret_ref = ray.put(exp), ray.put(adv), ray.put(returns)
         outs = get_failing_fast([w.update.remote(exp_ref, adv_ref, ret_ref, kl_coef, batches, bad, temperature)
                                  for w in self.workers])
@@ -284,38 +264,26 @@ class TrainGroup:
 
     def pull_into(self, models) -> None:
         """Rank 0's trainable weights into the driver's own models (its evaluation and the saved model)."""
-        import ray
-
         for role, state in ray.get(self.workers[0].trainable_state.remote()).items():
             unexpected = getattr(models, role).load_state_dict(state, strict=False).unexpected_keys
             if unexpected:  # a naming mismatch would otherwise save the untrained model
                 raise RuntimeError(f"the trained {role} has parameters the driver's {role} lacks: {unexpected[:3]}")
 
     def actor_weights(self, bucket_bytes: int = DEFAULT_BUCKET_BYTES, role: str = "actor") -> WeightRefs:
-        import ray
-
         return ray.get(self.workers[0].actor_weights.remote(bucket_bytes, role))
 
     def save_checkpoint(self, path, iteration: int, kl_coef: float, counters: dict) -> None:
-        import ray
-
         # every rank: with pipeline stages each saves its own optimiser states (data parallel: only rank 0 writes)
         ray.get([w.save_checkpoint.remote(str(path), iteration, kl_coef, counters) for w in self.workers])
 
     def load_checkpoint(self, path) -> dict:
-        import ray
-
         return ray.get([w.load_checkpoint.remote(str(path)) for w in self.workers])[0]
 
     def trainable_states(self) -> list[dict]:
-        import ray
-
         return ray.get([w.trainable_state.remote() for w in self.workers])
 
     def shutdown(self, timeout_s: float = 30) -> None:
         """Leave the process group, then end the actors (also those stuck in a collective past timeout_s)."""
-        import ray
-
         ray.wait([w.shutdown.remote() for w in self.workers], num_returns=len(self.workers), timeout=timeout_s)
         for w in self.workers:
             ray.kill(w)
@@ -324,8 +292,6 @@ class TrainGroup:
 def get_failing_fast(refs: list) -> list:
     """ray.get of every ref, raising as soon as any fails: a rank that died leaves the others blocked in a
     collective (until its timeout), so waiting on them in order could hang for minutes first."""
-    import ray
-
     pending, done = list(refs), {}
     while pending:
         ready, pending = ray.wait(pending, num_returns=1)
@@ -337,8 +303,6 @@ def start_train_workers(cfg: Config, run_dir, world: int, cpus_per_worker: int =
                         placement_group=None, first_bundle: int = 0) -> TrainGroup:
     """world TrainWorker actors (ray_common.start_actors), joined in one process group. Ray must be started
     (ray_driver.start_ray, or ray.init)."""
-    from rlfuse.runtime.ray_common import start_actors
-
     threads = max(1, int(cpus_per_worker))
     workers = start_actors(TrainWorker, world, lambda r: (cfg, str(run_dir), r, world, threads), cpus_per_worker,
                            gpus_per_worker, placement_group, first_bundle)
@@ -348,8 +312,6 @@ def start_train_workers(cfg: Config, run_dir, world: int, cpus_per_worker: int =
 
 def join_training(workers: list) -> None:
     """The training ranks into one torch.distributed group (world > 1 only: one rank trains alone)."""
-    import ray
-
     if len(workers) > 1:
         host, port = ray.get(workers[0].rendezvous.remote())
         ray.get([w.join.remote(host, port) for w in workers])

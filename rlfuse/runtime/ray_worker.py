@@ -4,13 +4,18 @@ reference or the reward, and trains as one rank of data-parallel training if it 
 trains and decodes (flattened) or trains and scores (separated) shares its models between those jobs, as the single
 process does: its generator gets the actor's weights by an in-process copy, its scorer reads the critic it trains.
 
-Ray is imported inside functions only: importing this module does not need Ray.
+Imports Ray: only a placement on Ray workers imports this module (runtime/backend.py).
 """
 
 from __future__ import annotations
 
 import time
 
+from rlfuse.models.weights import merged_state_dict
+from rlfuse.rollout.engine import DecodeEngine
+from rlfuse.runtime.local import local_scorer
+from rlfuse.runtime.process import pin_threads
+from rlfuse.runtime.ray_common import start_actors
 from rlfuse.runtime.ray_rollout import GenerationWorker, RolloutSettings, WorkerModels
 from rlfuse.runtime.ray_train import TrainWorker
 
@@ -21,8 +26,6 @@ class RoleWorker(GenerationWorker, TrainWorker):
 
     def __init__(self, cfg, run_dir: str, models: WorkerModels, settings: RolloutSettings, threads: int = 1,
                  rank: int | None = None, world: int = 1):
-        from rlfuse.runtime.ray_common import pin_threads
-
         pin_threads(threads)
         self.trains = rank is not None
         if not self.trains:
@@ -34,9 +37,6 @@ class RoleWorker(GenerationWorker, TrainWorker):
 
     def _own_engine_and_scorer(self, cfg, models: WorkerModels, settings: RolloutSettings):
         """An engine on this worker's generator and a scorer on its reference, reward and the critic it trains."""
-        from rlfuse.runtime.local import local_scorer
-        from rlfuse.rollout.engine import DecodeEngine
-
         tok = self.models.tokenizer
         eos = tok.eos_token_id if settings.eos_token_id is None else settings.eos_token_id
         engine = (DecodeEngine(self.models.generator, eos, max_rows=settings.max_rows, tokenizer=tok)
@@ -45,8 +45,6 @@ class RoleWorker(GenerationWorker, TrainWorker):
 
     def sync_from_actor(self) -> tuple[int, float]:
         """The actor's weights into this worker's own generator (it holds a replica): no transfer. -> (bytes, s)."""
-        from rlfuse.models.weights import merged_state_dict
-
         t = time.perf_counter()
         return self.engine.load_weights(merged_state_dict(self.models.actor)), time.perf_counter() - t
 
@@ -56,8 +54,6 @@ def start_role_workers(cfg, run_dir, n: int, models: WorkerModels, settings: Rol
                        pin_cores: bool = False) -> list:
     """n RoleWorker actors in bundles first_bundle.. of placement_group (ray_common.start_actors), ranks 0..n-1 of
     training if `trains`, each on its own cores if `pin_cores`; returns once their models are loaded."""
-    from rlfuse.runtime.ray_common import start_actors
-
     threads = max(1, int(cpus_per_worker))
     return start_actors(RoleWorker, n, lambda i: (cfg, str(run_dir), models, settings, threads, i if trains else None,
                                                   n), cpus_per_worker, gpus_per_worker, placement_group, first_bundle,

@@ -16,8 +16,20 @@ import random
 import time
 from dataclasses import dataclass
 
-from rlfuse.schedule.model import (Compiled, Problem, Schedule, SimResult, Task, compiled, heads_and_tails, list_schedule,
-                                   lower_bound, peak_memory, simulate, task_graph)
+from rlfuse.schedule.model import (
+    Compiled,
+    Problem,
+    Schedule,
+    SimResult,
+    Task,
+    compiled,
+    heads_and_tails,
+    list_schedule,
+    lower_bound,
+    peak_memory,
+    simulate,
+    task_graph,
+)
 
 
 def one_f_one_b_order(prob: Problem, model: int, replica: int, stage: int) -> list[Task]:

@@ -9,11 +9,11 @@ import time
 import torch
 
 from rlfuse.algos.stats import explained_variance, zero_spread_fraction
-from rlfuse.data.gold import gold_reward
 from rlfuse.config import RLConfig
+from rlfuse.data.gold import gold_reward
 from rlfuse.evaluation import evaluate
-from rlfuse.runtime.local import sync_weights
 from rlfuse.rollout.fusion import Experience
+from rlfuse.runtime.local import sync_weights
 
 SAMPLES_PER_TABLE = 8
 """Rows of each sample table: the iteration's first samples, which (samples grouped by prompt) cover its first

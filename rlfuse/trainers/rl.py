@@ -53,7 +53,7 @@ from rlfuse.metrics.tracker import memory_metrics, stage_tracker
 from rlfuse.models.build import Models, build_models
 from rlfuse.models.device import setup_runtime
 from rlfuse.models.load import save_trained_model
-from rlfuse.models.rewards import attach_rows, reward_metrics, reset_reward_metrics
+from rlfuse.models.rewards import attach_rows, reset_reward_metrics, reward_metrics
 from rlfuse.plan.planner import predicted_memory
 from rlfuse.rollout.fusion import FusionPolicy
 from rlfuse.runtime.backend import build_placement, uses_ray

@@ -14,16 +14,16 @@ from rlfuse.algos.losses import pairwise_reward_loss
 from rlfuse.config import Config
 from rlfuse.data.chat import set_chat_template
 from rlfuse.data.collate import encode_pair, pair_batch
+from rlfuse.data.prompts import check_max_length, model_context
 from rlfuse.data.stages import preference_pairs
 from rlfuse.errors import UserError
-from rlfuse.metrics.tracker import stage_tracker
-from rlfuse.data.prompts import check_max_length, model_context
-from rlfuse.models.load import load_reward_model, load_tokenizer, save_trained_model
-from rlfuse.models.quantize import place
-from rlfuse.metrics.progress import Progress
-from rlfuse.models.device import autocast, setup_runtime
 from rlfuse.learn.batches import batch_indices
 from rlfuse.learn.optim import build_optimizer, clip_and_step
+from rlfuse.metrics.progress import Progress
+from rlfuse.metrics.tracker import stage_tracker
+from rlfuse.models.device import autocast, setup_runtime
+from rlfuse.models.load import load_reward_model, load_tokenizer, save_trained_model
+from rlfuse.models.quantize import place
 from rlfuse.trainers.sft import resolve_base_model
 
 

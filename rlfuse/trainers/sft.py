@@ -17,16 +17,19 @@ import torch
 from rlfuse.algos.losses import sft_loss
 from rlfuse.config import Config
 from rlfuse.data.chat import set_chat_template
-from rlfuse.data.collate import encode_sft, sft_batch
-from rlfuse.data.stages import rl_prompts, sft_examples
-from rlfuse.metrics.tracker import stage_tracker
+from rlfuse.data.collate import encode, encode_sft, sft_batch
+from rlfuse.data.gold import gold_summary
 from rlfuse.data.prompts import check_max_length, model_context
-from rlfuse.models.load import load_causal_lm, load_tokenizer, save_trained_model
-from rlfuse.models.quantize import place
-from rlfuse.metrics.progress import Progress
-from rlfuse.models.device import autocast, setup_runtime
+from rlfuse.data.stages import rl_prompts, sft_examples
+from rlfuse.data.task import build_default_task
 from rlfuse.learn.batches import batch_indices
 from rlfuse.learn.optim import build_optimizer, clip_and_step
+from rlfuse.metrics.progress import Progress
+from rlfuse.metrics.tracker import stage_tracker
+from rlfuse.models.device import autocast, setup_runtime
+from rlfuse.models.load import load_causal_lm, load_tokenizer, save_trained_model
+from rlfuse.models.quantize import place
+from rlfuse.rollout.engine import DecodeEngine, SamplingParams
 
 
 @dataclass
@@ -43,8 +46,6 @@ def resolve_base_model(cfg: Config, log=print):
     """(model name or folder, embedded task or None). The embedded task is built and cached on first use."""
     task = None
     if cfg.data.kind == "synthetic" or cfg.model.name == "embedded":
-        from rlfuse.data.task import build_default_task
-
         task = build_default_task(cfg.data.num_reviews, cfg.run.seed, cfg.model.n_layer, cfg.model.n_embd,
                                   cfg.model.n_head, log=log)
     name = str(task.model_dir) if cfg.model.name == "embedded" else cfg.model.name
@@ -111,10 +112,6 @@ def train_sft(cfg: Config, run_dir: Path, log=print, on_trained=None) -> SFTResu
         on_trained(model)
     result = SFTResult(model_dir, val, math.exp(min(val, 50)), 0.0)
     if task is not None and s.eval_samples:
-        from rlfuse.data.collate import encode
-        from rlfuse.data.gold import gold_summary
-        from rlfuse.rollout.engine import DecodeEngine, SamplingParams
-
         _, held_prompts = rl_prompts(cfg, task)
         prompts = held_prompts[: s.eval_samples]
         engine = DecodeEngine(model, tokenizer.eos_token_id)

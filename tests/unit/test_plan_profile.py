@@ -50,8 +50,10 @@ def test_probe_worker_in_process(monkeypatch):
     samples, collectives, and the training micro-batch's overhead over the bare forward + backward."""
     import torch.distributed as dist
 
-    from rlfuse.runtime.profile_ray import ProbeWorker, decode_chunk, fake_samples
-    from rlfuse.runtime.ray_common import free_port
+    pytest.importorskip("ray", reason="ray is not installed: the Ray probe's module imports it")
+    from rlfuse.runtime.probe import fake_samples
+    from rlfuse.runtime.process import free_port
+    from rlfuse.runtime.profile_ray import ProbeWorker, decode_chunk
 
     tiny = gpt2_shape("tiny", 2, 64, 2, 256, 128)
     w = ProbeWorker(tiny, 0, 1)
@@ -95,7 +97,9 @@ def test_an_older_single_ray_slowdown_becomes_the_pair_slowdowns(tmp_path):
 
 
 def test_pair_spread_in_the_note():
-    from rlfuse.runtime.profile_ray import pair_note, spread
+    pytest.importorskip("ray", reason="ray is not installed: the Ray probe's module imports it")
+    from rlfuse.runtime.probe import spread
+    from rlfuse.runtime.profile_ray import pair_note
 
     assert spread([1.0, 1.2, 1.1]) == pytest.approx(0.2 / 1.1)
     quiet = {"pair_decode_slowdown": 1.1, "pair_train_slowdown": 1.3, "pair_decode_spread": 0.05,
@@ -104,6 +108,7 @@ def test_pair_spread_in_the_note():
 
 
 def test_probe_worker_compute_units():
+    pytest.importorskip("ray", reason="ray is not installed: the Ray probe's module imports it")
     from rlfuse.runtime.profile_ray import ProbeWorker
 
     w = ProbeWorker(gpt2_shape("tiny", 2, 64, 2, 256, 128), 0, 1)
@@ -141,7 +146,7 @@ def test_a_near_flat_fit_is_capped_by_a_bare_matmul(monkeypatch):
 
 
 def test_core_offsets_give_each_worker_its_own_whole_cores():
-    from rlfuse.runtime.ray_common import core_offsets
+    from rlfuse.runtime.process import core_offsets
 
     assert core_offsets([1, 1], [None, None]) == [0, 1]
     assert core_offsets([2, 1, 2], ["a", "a", "b"]) == [0, 2, 0]  # counted per node
@@ -156,7 +161,7 @@ def test_pin_to_cores_pins_every_thread_of_the_process():
     if not hasattr(os, "sched_setaffinity") or len(os.sched_getaffinity(0)) < 2:
         pytest.skip("needs Linux and 2 cores")
     want = sorted(os.sched_getaffinity(0))[1]
-    code = ("import os, threading, time; from rlfuse.runtime.ray_common import pin_to_cores\n"
+    code = ("import os, threading, time; from rlfuse.runtime.process import pin_to_cores\n"
             "t = threading.Thread(target=time.sleep, args=(2,)); t.start()\n"  # a thread started before pinning
             "print(pin_to_cores(1, 1), sorted({min(os.sched_getaffinity(int(x))) for x in os.listdir('/proc/self/task')}),"
             " pin_to_cores(5000, 1))")
@@ -179,6 +184,7 @@ def test_core_list_and_when_auto_pins():
 def test_extra_seconds_is_the_median_paired_difference():
     import time
 
+    pytest.importorskip("ray", reason="ray is not installed: the Ray probe's module imports it")
     from rlfuse.runtime.profile_ray import extra_seconds
 
     calls = []
