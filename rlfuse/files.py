@@ -13,18 +13,27 @@ from typing import Iterator
 
 
 @contextlib.contextmanager
-def atomic_path(path: str | os.PathLike, suffix: str = ".tmp") -> Iterator[Path]:
+def atomic_path(path: str | os.PathLike, suffix: str = ".tmp", keep_existing: bool = False) -> Iterator[Path]:
     """A temporary sibling of `path` to write a file or a folder into; when the block ends it replaces `path` (a
     folder's old copy is removed first: a rename cannot replace a non-empty folder). If the block raises, the
-    temporary is removed and `path` is left as it was."""
+    temporary is removed and `path` is left as it was. keep_existing: a `path` that exists by then (another process
+    finished the same work first, e.g. a shared cache) stands, and ours is dropped; give such writers a suffix of
+    their own (the process id)."""
     path = Path(path)
     tmp = path.with_name(path.name + suffix)
     _remove(tmp)
     try:
         yield tmp
+        if keep_existing and path.exists():
+            _remove(tmp)
+            return
         if tmp.is_dir() and path.is_dir():
             shutil.rmtree(path)
         os.replace(tmp, path)
+    except OSError:
+        _remove(tmp)
+        if not (keep_existing and path.exists()):  # lost the race to another writer: its copy stands
+            raise
     except BaseException:
         _remove(tmp)
         raise

@@ -43,12 +43,6 @@ def whiten(x: Tensor, mask: Tensor, shift_mean: bool = True, eps: float = 1e-8) 
     return out * mask.to(x.dtype)
 
 
-def entropy_from_logits(logits: Tensor) -> Tensor:
-    """Entropy of the categorical per position. logits (..., V) -> (...)."""
-    logp = torch.log_softmax(logits.float(), dim=-1)
-    return -(logp.exp() * logp).sum(-1)
-
-
 def explained_variance(values: Tensor, returns: Tensor, mask: Tensor) -> Tensor:
     """1 - Var[returns - values] / Var[returns] over masked entries (1 is a perfect critic, <= 0 a useless one)."""
     var_r = masked_var(returns, mask)

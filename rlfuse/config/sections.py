@@ -301,7 +301,7 @@ class RLConfig:
     """How a Ray placement's training workers share the update: data (data parallel: full replicas, gradients
     all-reduced; one process with placement.strategy=single) | pipeline_serial (actor and critic each cut into P
     stages over the P training workers, the critic reversed; the actor's 1F1B, then the critic's) | pipeline_fused
-    (the same stages, one fused actor+critic schedule filling each other's bubbles; rlfuse/schedule/ppo_pipeline.py)
+    (the same stages, one fused actor+critic schedule filling each other's bubbles; rlfuse/runtime/pipeline.py)
     | single (one process: placement.strategy=single)."""
 
     @property
@@ -316,8 +316,8 @@ class RolloutConfig:
     """auto | true | false. true: score finished samples while the rest still decode; false: decode everything, then
     score. auto: on only where scoring can overlap decoding. In one process (placement.strategy=single, CPU or CUDA)
     scoring runs between decode steps on the same device, so interleaving it only adds small calls (0.8-0.94x on CPU,
-    BENCHMARKS.md's rollout section): auto is off there. Ray placements always score on their workers as samples
-    finish (rlfuse/placement/ray_rollout.py) and do not read this field. See `fusion_on`."""
+    docs/benchmarks/rollout.md): auto is off there. Ray placements always score on their workers as samples
+    finish (rlfuse/runtime/ray_rollout.py) and do not read this field. See `fusion_on`."""
     score_every: int = 16
     """Fusion: score whenever this many samples have finished..."""
     live_below: int = 8

@@ -146,7 +146,8 @@ def _validate_quantization(cfg: Config) -> None:
 
 def _validate_rl(cfg: Config) -> None:
     rl, ro = cfg.rl, cfg.rollout
-    _choice(rl.algo, "rl.algo", ("ppo", "rloo", "grpo"))
+    _choice(rl.algo, "rl.algo", tuple(ALGORITHMS))
+    algo = ALGORITHMS[rl.algo]
     _choice(rl.loss_level, "rl.loss_level", ("token", "sequence"))
     if rl.kl_estimator is not None:
         _choice(rl.kl_estimator, "rl.kl_estimator", ("k1", "k2", "k3"))
@@ -165,14 +166,14 @@ def _validate_rl(cfg: Config) -> None:
         raise ConfigError("rl.top_p", f"must be in (0, 1], got {rl.top_p}", "set rl.top_p=1.0 to disable nucleus sampling")
     if not (0 <= rl.gamma <= 1 and 0 <= rl.lam <= 1):
         raise ConfigError("rl.gamma" if not 0 <= rl.gamma <= 1 else "rl.lam", "must be in [0, 1]", "e.g. rl.gamma=1.0 rl.lam=0.95")
-    if rl.algo in ("rloo", "grpo") and rl.k < 2:
-        raise ConfigError("rl.k", f"{rl.algo} needs at least 2 samples per prompt, got {rl.k}", "set rl.k=4")
+    if rl.k < algo.min_k:
+        raise ConfigError("rl.k", f"{rl.algo} needs at least {algo.min_k} samples per prompt, got {rl.k}", "set rl.k=4")
     _divides(rl, "rl", "mini_batch_size", "micro_batch_size")
     n = rl.prompts_per_iter * rl.k
     if n % rl.mini_batch_size:
         raise ConfigError("rl.mini_batch_size", f"{rl.mini_batch_size} does not divide the {n} samples per iteration "
                           f"(rl.prompts_per_iter x rl.k)", f"pick a divisor of {n}")
-    if rl.algo != "ppo" and rl.mini_batch_size % rl.k:
+    if algo.groups_prompts and rl.mini_batch_size % rl.k:
         raise ConfigError("rl.mini_batch_size", f"must be a multiple of rl.k={rl.k} so a prompt's samples stay together",
                           f"set it to a multiple of {rl.k}")
     specs = [] if rl.reward == "rm" else [x.strip() for x in rl.reward.split(",")]

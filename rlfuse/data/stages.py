@@ -177,7 +177,7 @@ def sentiment_pairs(items: list[tuple[str, int]], n: int, seed: int) -> list[Pre
 @dataclass(frozen=True)
 class PromptRow:
     """An RL prompt as the data set gives it (text, or a message list) and its row's other columns, which reward
-    functions receive by name (rlfuse/rollout/rewards.py)."""
+    functions receive by name (rlfuse/models/rewards.py)."""
     prompt: object
     columns: dict
 

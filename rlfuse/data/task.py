@@ -6,13 +6,13 @@ from __future__ import annotations
 import hashlib
 import json
 import os
-import shutil
 from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 
 from rlfuse.data.corpus import generate_corpus
+from rlfuse.files import atomic_path
 
 TASK_VERSION = 1
 BOS = "<|endoftext|>"  # also EOS, as in GPT-2
@@ -57,28 +57,24 @@ def build_default_task(num_reviews: int, seed: int, n_layer: int, n_embd: int, n
     if (root / "stats.json").exists():
         return task
     log(f"[task] building the embedded default task in {root}")
-    tmp = root.with_name(root.name + f".tmp{os.getpid()}")
-    shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir(parents=True)
-    reviews = generate_corpus(num_reviews, seed)
-    with (tmp / "corpus.jsonl").open("w", encoding="utf-8") as f:
-        for r in reviews:
-            f.write(json.dumps({"text": r}) + "\n")
-    tokenizer = _train_tokenizer(reviews)
-    tokenizer.save_pretrained(tmp / "tokenizer")
-    _init_model(tokenizer, seed, n_layer, n_embd, n_head, max_positions).save_pretrained(tmp / "base_model")
-    tokenizer.save_pretrained(tmp / "base_model")
-    lengths = np.array([len(ids) for ids in tokenizer(reviews)["input_ids"]])
-    stats = {
-        "num_reviews": num_reviews, "vocab_size": len(tokenizer),
-        "tokens_p50": float(np.percentile(lengths, 50)), "tokens_p95": float(np.percentile(lengths, 95)),
-        "tokens_max": int(lengths.max()), "tokens_mean": float(lengths.mean()),
-    }
-    (tmp / "stats.json").write_text(json.dumps(stats, indent=2))
-    try:
-        os.replace(tmp, root)  # atomic: a concurrent builder's finished copy wins, ours is dropped
-    except OSError:
-        shutil.rmtree(tmp, ignore_errors=True)
+    # a shared cache: a concurrent builder's finished copy wins, ours is dropped
+    with atomic_path(root, suffix=f".tmp{os.getpid()}", keep_existing=True) as tmp:
+        tmp.mkdir(parents=True)
+        reviews = generate_corpus(num_reviews, seed)
+        with (tmp / "corpus.jsonl").open("w", encoding="utf-8") as f:
+            for r in reviews:
+                f.write(json.dumps({"text": r}) + "\n")
+        tokenizer = _train_tokenizer(reviews)
+        tokenizer.save_pretrained(tmp / "tokenizer")
+        _init_model(tokenizer, seed, n_layer, n_embd, n_head, max_positions).save_pretrained(tmp / "base_model")
+        tokenizer.save_pretrained(tmp / "base_model")
+        lengths = np.array([len(ids) for ids in tokenizer(reviews)["input_ids"]])
+        stats = {
+            "num_reviews": num_reviews, "vocab_size": len(tokenizer),
+            "tokens_p50": float(np.percentile(lengths, 50)), "tokens_p95": float(np.percentile(lengths, 95)),
+            "tokens_max": int(lengths.max()), "tokens_mean": float(lengths.mean()),
+        }
+        (tmp / "stats.json").write_text(json.dumps(stats, indent=2))
     log(f"[task] corpus: {num_reviews} reviews, tokens p50={stats['tokens_p50']:.0f} "
         f"p95={stats['tokens_p95']:.0f} max={stats['tokens_max']}, vocab {stats['vocab_size']}")
     return task

@@ -57,7 +57,7 @@ def micro_batch_indices(exp: Experience, mini: list[int], size: int, world: int 
     rl.micro_batch_tokens) packed by collate.pack_by_tokens, a prompt's samples kept together, similar lengths
     together, each micro-batch's forward (score.forward_tokens; prompts once when `shared`) within the budget. A
     mini-batch too small to give each of `world` ranks a micro-batch is cut into `world` smaller ones
-    (placement/spec.py dp_micro_size), so no rank only pads."""
+    (plan/spec.py dp_micro_size), so no rank only pads."""
     if tokens is not None:
         prompts, responses = exp.prompt_ids, exp.response_ids
         units = prompt_runs(mini, exp.prompt_index.tolist())

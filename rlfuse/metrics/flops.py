@@ -10,7 +10,7 @@ What counts as work (model FLOPs, as MFU counts them: no padding, no recomputati
   activations' gradients) over prompt + response, per sample, per epoch, per trained model (actor, separate critic).
 Gradient checkpointing's second forward is not counted: it is overhead, not work.
 
-A forward's FLOPs are `ModelShape.forward_flops` (rlfuse/placement/cost.py, the planner's own count). Everything here
+A forward's FLOPs are `ModelShape.forward_flops` (rlfuse/plan/cost.py, the planner's own count). Everything here
 but `measure_matmul_rate` is pure; that one imports torch when called.
 """
 

@@ -26,6 +26,7 @@ from pathlib import Path
 
 import torch
 
+from rlfuse.files import write_text_atomic
 from rlfuse.plan.memory import COMPONENTS  # the planner's names: predicted beside measured
 
 
@@ -195,9 +196,7 @@ class MemoryMeter:
 
     def write(self) -> None:
         if self.path is not None:
-            tmp = self.path.with_suffix(".json.tmp")
-            tmp.write_text(json.dumps(self.table(), indent=2))
-            tmp.replace(self.path)
+            write_text_atomic(self.path, json.dumps(self.table(), indent=2))
 
     def close(self) -> dict:
         self.sampler.close()

@@ -10,6 +10,7 @@ import json
 from pathlib import Path
 
 from rlfuse.errors import UserError
+from rlfuse.files import write_text_atomic
 from rlfuse.metrics import plots
 from rlfuse.metrics.schedule_chart import draw_record
 from rlfuse.metrics.tracker import read_metrics
@@ -196,11 +197,7 @@ def write_report(run_dir: str | Path, baseline_dir: str | Path | None = None) ->
     config = (run_dir / "config.yaml").read_text()
     parts += ["<h2>Config</h2>", f"<pre>{html.escape(config)}</pre>"]
     page = TEMPLATE.replace("{body}", "\n".join(parts))
-    out = run_dir / "report.html"
-    tmp = out.with_suffix(".html.tmp")
-    tmp.write_text(page, encoding="utf-8")
-    tmp.replace(out)
-    return out
+    return write_text_atomic(run_dir / "report.html", page)
 
 
 # Self-contained: inline CSS, images as data URIs, and a check the tests read back (every image decoded, no

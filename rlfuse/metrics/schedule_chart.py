@@ -47,7 +47,7 @@ def gantt(timelines: list[tuple[str, list[Span]]], path: str | Path, title: str 
 
 
 def draw_record(record: dict, path: str | Path) -> Path:
-    """A run's executed pipeline schedule above the simulated one (ppo_pipeline.schedule_record)."""
+    """A run's executed pipeline schedule above the simulated one (runtime/pipeline.py schedule_record)."""
     spans = lambda rows: [(d, Task(m, r, s, k, mb), a, b) for d, m, r, s, k, mb, a, b in rows]
     mode, m = record["mode"], record["micro_batches"]
     return gantt([(f"executed: bubble {record['bubble_executed']:.3f} (seconds)", spans(record["executed"])),

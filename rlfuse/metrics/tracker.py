@@ -13,6 +13,7 @@ from pathlib import Path
 import psutil
 
 from rlfuse.config import config_to_dict, package_installed, tracker_missing
+from rlfuse.files import write_text_atomic
 
 
 class JsonlTracker:
@@ -223,9 +224,7 @@ def truncate_metrics(path: str | Path, step: int) -> None:
     path = Path(path)
     if path.exists():
         rows = [r for r in read_metrics(path) if r.get("step", 0) <= step]
-        tmp = path.with_suffix(".tmp")
-        tmp.write_text("".join(json.dumps(r) + "\n" for r in rows))
-        tmp.replace(path)
+        write_text_atomic(path, "".join(json.dumps(r) + "\n" for r in rows))
 
 
 TABLES = ("samples",)

@@ -138,7 +138,7 @@ def build_critic(roles: Roles, actor, sft_dir: str, rm_dir: str | None, pad_id: 
 
 def reward_function(source: str, tokenizer, device, weights: list[float] | None = None):
     """The reward as a function of finished samples: a reward-model folder (frozen, scored at its last text token), or
-    "function:module:name[,module:name...]", Python reward functions (rollout/rewards.py) summed with `weights`
+    "function:module:name[,module:name...]", Python reward functions (models/rewards.py) summed with `weights`
     (Role.source of the reward)."""
     if source.startswith("function:"):
         specs = source.removeprefix("function:").split(",")

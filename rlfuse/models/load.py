@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import copy
 import json
-import os
 import re
 import shutil
 from pathlib import Path
@@ -28,6 +27,7 @@ from transformers.activations import GELUTanh, NewGELUActivation
 
 from rlfuse.config import ModelConfig
 from rlfuse.errors import UserError
+from rlfuse.files import atomic_path
 from rlfuse.models.quantize import conv1d_layout, fix_cpu_heap, is_quantized, keep_one_cpu_layout, quantized_load_kwargs
 from rlfuse.models.weights import merged_state_dict
 from rlfuse.plan.cost import ModelShape
@@ -201,12 +201,9 @@ def load_reward_model(name: str, cfg: ModelConfig | None = None, pad_token_id: i
 
 
 def _write_atomically(out: Path, write) -> Path:
-    """write(folder) into out.tmp, then rename over out: a crash leaves the previous folder whole."""
-    tmp = out.with_name(out.name + ".tmp")
-    shutil.rmtree(tmp, ignore_errors=True)
-    write(tmp)
-    shutil.rmtree(out, ignore_errors=True)
-    os.replace(tmp, out)
+    """write(folder) into a temporary folder, then rename it over `out`: a crash leaves the previous folder whole."""
+    with atomic_path(out) as tmp:
+        write(tmp)
     return out
 
 

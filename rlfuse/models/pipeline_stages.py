@@ -11,7 +11,6 @@ from torch import nn
 from transformers.masking_utils import create_causal_mask
 
 from rlfuse.models.heads import backbone_and_head
-from rlfuse.plan.resolve import SPLITTABLE
 
 
 class Stage(nn.Module):
@@ -66,16 +65,6 @@ def layer_bounds(n_layers: int, n_stages: int) -> list[tuple[int, int]]:
         out.append((lo, hi))
         lo = hi
     return out
-
-
-def split_problem(model, n_stages: int) -> str | None:
-    """Why `model` (a causal LM or value model) cannot be cut into n_stages stages, or None if it can."""
-    body = getattr(model, "backbone", None) or backbone_and_head(model)[0]
-    kind = getattr(body.config, "model_type", None)
-    if kind not in SPLITTABLE or hasattr(model, "peft_config") or hasattr(body, "peft_config"):
-        return f"{kind} models (or LoRA adapters) cannot be split into stages; splittable: {', '.join(SPLITTABLE)}"
-    layers = len(body.h if hasattr(body, "h") else body.layers)
-    return f"{layers} layers cannot be split into {n_stages} stages" if n_stages > layers else None
 
 
 def _split(body, head, n_stages: int, kind: str) -> list[Stage]:

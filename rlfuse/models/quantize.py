@@ -65,7 +65,7 @@ def quantized_load_kwargs(quantization: str, precision: str = "auto", device="cp
 MMAP_THRESHOLD = 1 << 20
 """Bytes from which glibc serves an allocation by its own mmap (returned to the OS when freed); see fix_cpu_heap."""
 FIX_CPU_HEAP = True
-"""Whether a quantised load on the CPU fixes glibc's thresholds (bench/memory.py --glibc-default turns it off)."""
+"""Whether a quantised load on the CPU fixes glibc's thresholds (python -m bench.memory --glibc-arm turns it off)."""
 _heap_fixed = False
 
 

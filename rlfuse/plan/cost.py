@@ -5,7 +5,7 @@ Pure (no torch, no Ray), like rlfuse/schedule/model.py. Three layers:
 - `ModelShape`: a decoder's shape (layers, widths, vocabulary) -> parameter count, FLOPs per token, KV bytes per token.
 - `MachineProfile`: the rates of one worker (FLOP/s at training shapes and at decode shapes, memory bandwidth, a fixed
   cost per layer per call, sync and all-reduce bandwidths), measured by `rlfuse plan --profile`
-  (rlfuse/placement/profile.py) or derived from a published device's figures (`DEVICES`, `device_profile`).
+  (rlfuse/runtime/profile.py) or derived from a published device's figures (`DEVICES`, `device_profile`).
 - stage costs: prefill/scoring forwards, decode (row by row, as the engine retires finished rows), actor and critic
   forward + backward + optimiser step, weight sync, gradient all-reduce, tail migration (re-prefill).
 

@@ -1,6 +1,6 @@
-"""At scale, on paper: the planner's predictions from published GPU figures (rlfuse/placement/cost.py `DEVICES`)
-instead of a measured profile, for the cases of issue 13. `rlfuse plan --paper` prints them; BENCHMARKS.md keeps the
-output and compares the one-GPU QLoRA row with that pipeline's published table.
+"""At scale, on paper: the planner's predictions from published GPU figures (rlfuse/plan/cost.py `DEVICES`)
+instead of a measured profile, for the cases of issue 13. `rlfuse plan --paper` prints them; docs/benchmarks/plan.md
+keeps the output and compares the one-GPU QLoRA row with that pipeline's published table.
 
 These are predictions of the model, not measurements: nothing here has run on these GPUs. Two assumptions go
 beyond what rlfuse runs today, and are marked in the output: the big cases shard weights, gradients and optimiser

@@ -7,7 +7,7 @@ when LoRA keeps the reference in the actor's process) or whose predicted memory 
 dropped, with the reason kept for the printed table.
 
 How a strategy's iteration time is composed (G generating, S scoring, T training workers; stage costs from
-rlfuse/placement/cost.py):
+rlfuse/plan/cost.py):
 - flattened (one group of W): every worker decodes n/W samples, then scores them, then all train data-parallel;
   with migration the tail decodes on one worker while the freed ones score: the overlap is taken off.
 - separated (train T, generate G): G decode while T score the finished samples as they stream in (fused), then T
@@ -485,8 +485,9 @@ def plan_memory_table(pl: Plan) -> str:
 # ------------------------------------------------------------------------------------------ from a config
 
 SYNTHETIC_RESPONSE_MEAN = 17.0
-"""Mean response tokens of PPO on the embedded task (median of rollout/length_mean over the 40 iterations of the
-default run in BENCHMARKS.md); real data runs to rl.max_new_tokens unless --lengths-from says otherwise."""
+"""Mean response tokens of PPO on the embedded task (median of rollout/length_mean over the 40 iterations of a
+default `rlfuse run`, its rl/metrics.jsonl); real data runs to rl.max_new_tokens unless --lengths-from says
+otherwise."""
 PROMPT_TOKENS = {"synthetic": 4.0, "imdb": 15.0}
 """Mean prompt tokens as the RL stage encodes them (BOS + words; measured by bench/plan.py on the default task and on
 IMDb prompts with the default-task tokenizer). Other data: 32."""

@@ -14,7 +14,7 @@ from rlfuse.plan.cost import GiB, MachineProfile
 
 SYNC_LATENCY_S = 0.02
 """Ray object-store put + get round trip of a weight sync, fixed part: not measured by the profile (starting Ray
-costs more than the whole profile); 0.04-0.055 s for 7.6 MB in two transfers in BENCHMARKS.md's per-strategy runs."""
+costs more than the whole profile); 0.04-0.055 s for 7.6 MB in two transfers in the per-strategy runs of docs/benchmarks/placement.md."""
 
 RAY_CALL_S = 0.002
 """Per-iteration driver <-> worker calls on Ray (submit, wait, gather metrics); an estimate from the same runs."""

@@ -9,6 +9,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from rlfuse.config.algorithms import ALGORITHMS
+
 ROLE_NAMES = ("actor", "generator", "reference", "critic", "reward")
 
 
@@ -84,8 +86,8 @@ def derive_roles(cfg) -> Roles:
       model.shared_base it is the shared base itself running the actor's adapter (shares the actor, no sync).
     - reference: with model.lora, the actor with its adapters switched off (no second copy: shares the actor);
       otherwise a frozen copy of the SFT model.
-    - critic (ppo only): rl.critic_init=actor puts a value head on the actor's body (shares the actor); rm and sft
-      load a separate model from that folder.
+    - critic (where the algorithm has one, config/algorithms.py: ppo): rl.critic_init=actor puts a value head on
+      the actor's body (shares the actor); rm and sft load a separate model from that folder.
     - reward: the reward model (frozen, from the rm folder), or a Python function (no model).
     With model.shared_base (cfg.model.shares_base) the base exists once, in the actor's process: the critic and the
     reward model are adapters on it (plus their heads), so both share the actor.
@@ -99,7 +101,7 @@ def derive_roles(cfg) -> Roles:
         Role("reference", False, "sft", "actor" if lora else None,
              "the actor with LoRA adapters off" if lora else "a frozen copy of the SFT model"),
     ]
-    if rl.algo == "ppo":
+    if ALGORITHMS[rl.algo].critic:
         on_actor = rl.critic_init == "actor"
         why = ("a value head on the actor's body" if on_actor else
                f"its own adapter + value head on the shared base (from {rl.critic_init})" if shared else

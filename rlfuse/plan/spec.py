@@ -121,12 +121,6 @@ class ClusterResources:
     def one_node(cls, cpus: float, gpus: float = 0.0) -> "ClusterResources":
         return cls((NodeResources(cpus, gpus),))
 
-    @classmethod
-    def from_ray_totals(cls, totals: dict) -> "ClusterResources":
-        """From `ray.cluster_resources()` ({"CPU": 2.0, "GPU": 1.0, ...}) when per-node figures are not wanted: the
-        whole cluster counts as one node, so the per-worker fit check is only as strict as the totals."""
-        return cls.one_node(float(totals.get("CPU", 0.0)), float(totals.get("GPU", 0.0)))
-
     @property
     def cpus(self) -> float:
         return sum(n.cpus for n in self.nodes)
@@ -137,7 +131,7 @@ class ClusterResources:
 
 
 def dp_micro_size(mini_batch: int, micro_batch: int, ranks: int) -> int:
-    """Micro-batch size each of `ranks` data-parallel ranks trains with (trainers/rl.py micro_batches, and the
+    """Micro-batch size each of `ranks` data-parallel ranks trains with (learn/batches.py micro_batches, and the
     planner): rl.micro_batch_size, or smaller where a mini-batch has fewer micro-batches of it than there are ranks
     (one micro-batch of 16 over 2 ranks: one of 8 each), so that no rank only pads."""
     return min(micro_batch, mini_batch, -(-mini_batch // max(1, ranks)))

@@ -1,6 +1,6 @@
 """Decode engine: prompts, k, sampling settings -> an iterator of finished samples, in the order they finish.
 
-Over any transformers causal LM with a KV cache (our own loop; see BENCHMARKS.md for why not `generate_batch`):
+Over any transformers causal LM with a KV cache (our own loop; see docs/benchmarks/rollout.md for why not `generate_batch`):
 - each prompt is prefilled once and its KV cache repeated for its k samples, which then sample independently;
 - a row leaves the decode batch (with its KV rows) as soon as it hits EOS, a stop string or the length limit, and
   the left padding no live row needs any more is cut off the cache;

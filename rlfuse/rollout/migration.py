@@ -1,7 +1,7 @@
 """Tail migration across generation workers (RLHFuse, arXiv 2409.13221, section 4): when few samples are still
 decoding, move them onto as few workers as decode them at about full speed, so the other workers can score.
 
-Pure: counts in, a plan out. The Ray layer (rlfuse/placement/ray_rollout.py) polls each worker's unfinished count
+Pure: counts in, a plan out. The Ray layer (rlfuse/runtime/ray_rollout.py) polls each worker's unfinished count
 and applies the plan once per iteration (a migrated tail never moves back: the freed workers are scoring by then).
 """
 

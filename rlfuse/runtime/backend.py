@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import contextlib
 from pathlib import Path
+from typing import Iterator
 
 from rlfuse.config import Config
 from rlfuse.errors import UserError
@@ -12,7 +13,8 @@ from rlfuse.plan.strategies import spec_from_config
 from rlfuse.rollout.engine import DecodeEngine
 from rlfuse.rollout.fusion import FusionPolicy
 from rlfuse.rollout.score import Scorer
-from rlfuse.runtime.local import LocalRollout
+from rlfuse.runtime.local import LocalRollout, LocalTrainer
+from rlfuse.runtime.protocols import Rollout, Trainer
 
 
 def uses_ray(cfg: Config) -> bool:
@@ -22,9 +24,10 @@ def uses_ray(cfg: Config) -> bool:
 
 @contextlib.contextmanager
 def build_placement(cfg: Config, run_dir: Path, engine: DecodeEngine, scorer: Scorer, fusion: FusionPolicy,
-                    local_trainer, log):
+                    local_trainer: LocalTrainer, log) -> Iterator[tuple[Rollout, Trainer]]:
     """(rollout, trainer): LocalRollout and `local_trainer` in this process, or with placement.strategy != single
-    the Ray worker groups of the spec (Ray imported only then), closed on exit."""
+    the Ray worker groups of the spec (ray_driver.py's RayRollout and RayTrainer; Ray imported only then), closed on
+    exit."""
     spec = spec_from_config(cfg)
     if not spec.uses_ray:
         yield LocalRollout(engine, scorer, fusion), local_trainer

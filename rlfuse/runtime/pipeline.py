@@ -1,8 +1,8 @@
 """Pipelined PPO update: the actor and the critic each cut into P stages over the P ranks of a process group, the
 critic reversed (rank r holds actor stage r and critic stage P-1-r), trained on the iteration's real experience.
 
-For each mini-batch of every PPO epoch (rl.minibatches' list, as update() walks it) one schedule runs over the
-mini-batch's micro-batches (rl.micro_batches: the indices and loss shares of the single-process update):
+For each mini-batch of every PPO epoch (learn/batches.py minibatches' list, as update() walks it) one schedule runs over the
+mini-batch's micro-batches (learn/batches.py micro_batches: the indices and loss shares of the single-process update):
 `pipeline_serial` is the actor's 1F1B then the critic's (build.serial), `pipeline_fused` one fused schedule
 (build.fused, searched once per (P, micro-batch count) on rank 0 and broadcast, so every rank runs the same one).
 Messages go in comm.programs' one global order (no tags). The actor's last stage computes rl.micro_policy_loss and
@@ -11,7 +11,7 @@ unsplit model to them), scaled by the same shares. After the schedule, per model
 summed between the actor's first and last stages, the gradient norm over all its stages (one all-reduce of squared
 norms) clipped to rl.grad_clip as clip_grad_norm_ does, then its AdamW step. Every task's start and end are recorded.
 
-Departures from rl.update, on purpose:
+Departures from learn/update.py's update, on purpose:
 - micro-batches run full rows, never prefix-shared (the same numbers, more token-forwards): a stage boundary would
   have to carry the shared prompt's states and the continuations' separately;
 - a non-finite loss is seen as a non-finite gradient norm after the all-reduce, so every rank skips that model's step
@@ -65,7 +65,7 @@ class StagePart:
 
 
 class _LastStageView:
-    """The last stage as the unsplit model looks to rl.py's loss functions: backbone_and_head finds `body` and the
+    """The last stage as the unsplit model looks to learn/losses.py's loss functions: backbone_and_head finds `body` and the
     LM head (actor); calling it gives values (critic). The body continues from `x`, the previous stage's hidden
     states (the token ids it is given are those same rows: it reads them only on a single stage). No `config`, so
     score.can_share says no and the micro-batch is collated in full rows, as on the other stages."""
@@ -147,8 +147,8 @@ class PipelineTrainer:
 
     def update(self, exp: Experience, adv, returns, kl_coef: float, batches: list[list[int]], bad: BadSteps,
                temperature: float | None = None) -> dict:
-        """All PPO epochs and mini-batches (`batches`, rl.minibatches) on this rank's stages; returns the same
-        train/ stats as rl.update (gathered from the last stages' ranks) and the time."""
+        """All PPO epochs and mini-batches (`batches`, learn/batches.py minibatches) on this rank's stages; returns the same
+        train/ stats as learn/update.py's update (gathered from the last stages' ranks) and the time."""
         rl, t0 = self.rl, time.perf_counter()
         self.adopt_measured_costs()
         temperature = rl.temperature if temperature is None else temperature
@@ -287,7 +287,7 @@ class PipelineTrainer:
 def schedule_record(spans: list, schedules: dict[int, Schedule], devices: int, mode: str) -> dict:
     """The first mini-batch of an update as executed (seconds from its first task's start) and as the simulator
     runs the same schedule with the update's mean task times, with both bubble ratios: what a run saves
-    (rl/pipeline_schedule.json) and its report draws side by side (schedule/chart.draw_record)."""
+    (rl/pipeline_schedule.json) and its report draws side by side (metrics/schedule_chart.py draw_record)."""
     mine = [s for s in spans if s[0] == 0]
     t0 = min(s[3] for s in mine)
     executed = [(rank, t, start - t0, end - t0) for _, rank, t, start, end in mine]

@@ -1,6 +1,6 @@
 """The overheads of a run placed on Ray workers, measured the way the run incurs them: two Ray workers of one CPU
 each (ray_common.start_actors, as the RL run starts its workers), driven from this process. Part of
-`rlfuse plan --profile` (rlfuse/placement/profile.py); ~15 s on 2 cores, most of it starting Ray and the workers.
+`rlfuse plan --profile` (rlfuse/runtime/profile.py); ~15 s on 2 cores, most of it starting Ray and the workers.
 
 What is timed, and which MachineProfile field it gives:
 - chunks: both workers decode a few steps (decode_chunk: the rollout engine on the policy's shape) and reply,
@@ -18,7 +18,7 @@ What is timed, and which MachineProfile field it gives:
 - collectives: the two workers join a gloo group as training ranks do (ray_train.join_training) and all-reduce a
   4-byte tensor (`allreduce_latency_s`, the median: a collective waits for the slower rank, as in a run) and a
   buffer of the model's gradient size (`allreduce_bytes_s`, ring bytes over the time beyond the latency).
-- a training micro-batch: the real one (trainers/rl.py micro_policy_loss inside DDP's forward, then backward,
+- a training micro-batch: the real one (learn/losses.py micro_policy_loss inside DDP's forward, then backward,
   ray_train.DataParallelGroup.micro_batch) against the bare model's forward + backward over the same tokens:
   the difference is `train_micro_s`. Then the same micro-batch with the gradient sync against without, on both
   workers at once as a data-parallel step runs it: the gradients' bytes over that difference (less a latency per
@@ -129,7 +129,7 @@ class ProbeWorker:
         return timed(small, repeats), timed(big, 5)
 
     def _micro_batch(self, rows: int):
-        """A real training micro-batch as a data-parallel rank runs it (trainers/rl.py's policy loss inside DDP's
+        """A real training micro-batch as a data-parallel rank runs it (learn/losses.py's policy loss inside DDP's
         forward, then the backward): a function of `sync` (False: gradients accumulate locally; True: the backward
         all-reduces them, DDP's buckets, so every rank must call it at the same time). Built once per `rows`."""
         if rows in self._runs:

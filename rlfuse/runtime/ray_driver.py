@@ -2,7 +2,7 @@
 PlacementSpec.
 
 trainers/rl.py asks `build_placement` for a rollout and a trainer; with placement.strategy != single it gets a
-`RayRollout` and a `RayTrainer` from here. Every worker of the spec is one Ray actor (placement/ray_worker.py
+`RayRollout` and a `RayTrainer` from here. Every worker of the spec is one Ray actor (runtime/ray_worker.py
 RoleWorker) in one placement group (one bundle per worker, PACK), holding only the roles of its group: a group with
 the generator decodes; one with the reference or the reward scores; the group with the actor trains, its workers
 joined data-parallel (DDP, gloo on CPU). What this gives per strategy:

@@ -179,7 +179,7 @@ class GenerationWorker:
 
     def _setup(self, engine: DecodeEngine | None, scorer: Scorer | None, settings: RolloutSettings) -> None:
         """Hold this engine and scorer (either may be None); a worker that also trains builds them from its own
-        models (placement/ray_worker.py)."""
+        models (runtime/ray_worker.py)."""
         self.settings, self.engine, self.scorer = settings, engine, scorer
         if scorer is not None and settings.reward_rows is not None and hasattr(scorer.reward_fn, "rows"):
             scorer.reward_fn.rows = settings.reward_rows  # reward functions' columns (rewards.attach_rows)

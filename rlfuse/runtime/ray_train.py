@@ -1,13 +1,13 @@
 """Data-parallel training on Ray: one process per rank, joined in a torch.distributed group (gloo on CPU, NCCL on
 GPU), the trainable roles wrapped in torch's DistributedDataParallel. Every rank holds a full replica of the
 trainable roles (actor; critic for PPO), runs its share of each mini-batch's micro-batches through the same update
-functions as one process (trainers/rl.py `update`, with `group=`), and DDP all-reduces the gradients in buckets
+functions as one process (learn/update.py `update`, with `group=`), and DDP all-reduces the gradients in buckets
 during the last micro-batch's backward, so an update equals the single-process update on the same experience.
 Rank 0 sends the actor's merged weights to generators in buckets through the object store, and saves the same
-checkpoint file as trainers/checkpoint.py (with full replicas it is the whole checkpoint; FSDP2's sharded states and
+checkpoint file as learn/checkpoint.py (with full replicas it is the whole checkpoint; FSDP2's sharded states and
 torch.distributed.checkpoint are for models that do not fit one worker).
 
-How the RL losses meet DDP: DDP reduces the gradients of a backward that follows its own forward, and rl.py's
+How the RL losses meet DDP: DDP reduces the gradients of a backward that follows its own forward, and the RL
 log-probs never call the model's forward (response_logprobs runs the body and the LM head apart, to keep the
 (B, T, V) logits out of memory). So the trainable modules sit in a `TrainableRoles` container whose forward runs the
 micro-batch loss function it is given: the loss is computed inside DDP's forward, DDP's hooks see every gradient.
@@ -31,6 +31,7 @@ from torch.nn.parallel import DistributedDataParallel
 
 from rlfuse.config import Config
 from rlfuse.errors import UserError
+from rlfuse.files import write_text_atomic
 from rlfuse.learn.checkpoint import CHECKPOINT_KEYS, checkpoint_parts, load_checkpoint, save_checkpoint, trainable_state
 from rlfuse.learn.learners import build_learners, learner_sets
 from rlfuse.learn.update import update
@@ -66,21 +67,21 @@ class TrainableRoles(torch.nn.Module):
 
 @dataclass
 class DataParallelGroup:
-    """This rank's view of the training group; what trainers/rl.py `optimise(group=...)` calls."""
+    """This rank's view of the training group; what learn/update.py `optimise(group=...)` calls."""
     rank: int
     world: int
     device: torch.device
     bucket_bytes: int = DEFAULT_BUCKET_BYTES
     loss_scale: float | None = None
     """What each micro-batch loss is multiplied by before backward; None: world. DDP averages gradients over ranks,
-    and rl.py's micro-batch losses are already scaled by their share of the whole mini-batch (rl.micro_batches),
+    and the micro-batch losses are already scaled by their share of the whole mini-batch (learn/batches.py micro_batches),
     so the sum over ranks is the single-process gradient: world x DDP's mean. (Tests set 1 to show the mean is
     the wrong weighting.)"""
     _wrapped: dict = field(default_factory=dict, repr=False)
 
     def wrap(self, modules: list[torch.nn.Module]) -> DistributedDataParallel:
         """DDP over these modules, built once per set (every rank builds its sets in the same order, as
-        rl.update calls them). Building broadcasts rank 0's parameters and buffers: LoRA's random init differs per
+        learn/update.py's update calls them). Building broadcasts rank 0's parameters and buffers: LoRA's random init differs per
         process, so every rank starts from rank 0's replica."""
         key = tuple(id(m) for m in modules)
         if key not in self._wrapped:
@@ -163,7 +164,7 @@ class TrainWorker:
             setattr(models, name, None)
         self.models, self.learners = models, build_learners(models, cfg.rl)
         self.group: DataParallelGroup | None = None
-        self.pipeline = None  # rl.train_parallel=pipeline_*: this rank's stages (rlfuse/schedule/ppo_pipeline.py)
+        self.pipeline = None  # rl.train_parallel=pipeline_*: this rank's stages (rlfuse/runtime/pipeline.py)
 
     def ready(self) -> bool:
         """Returns once the actor is built (its models loaded): Ray runs __init__ before any other call."""
@@ -204,11 +205,9 @@ class TrainWorker:
         return {"stats": stats, "bad": bad, "seconds": time.perf_counter() - t}
 
     def _save_schedule(self) -> None:
-        pipe, path = self.pipeline, self.run_dir / "rl" / "pipeline_schedule.json"
+        pipe = self.pipeline
         record = schedule_record(pipe.last_spans, pipe.last_schedules, pipe.world, pipe.mode)
-        path.parent.mkdir(parents=True, exist_ok=True)
-        path.with_suffix(".tmp").write_text(json.dumps(record))
-        path.with_suffix(".tmp").replace(path)
+        write_text_atomic(self.run_dir / "rl" / "pipeline_schedule.json", json.dumps(record))
 
     def actor_weights(self, bucket_bytes: int = DEFAULT_BUCKET_BYTES, role: str = "actor") -> WeightRefs:
         """The actor's (or role="critic": the critic's) merged weights (models/weights.merged_state_dict) in
@@ -221,7 +220,7 @@ class TrainWorker:
         return WeightRefs(refs, nbytes, time.perf_counter() - t)
 
     def save_checkpoint(self, path: str, iteration: int, kl_coef: float, counters: dict) -> None:
-        """Rank 0 writes trainers/checkpoint.py's file (replicas are whole; others return at once)."""
+        """Rank 0 writes learn/checkpoint.py's file (replicas are whole; others return at once)."""
         if self.rank == 0:
             save_checkpoint(Path(path), **dict(zip(CHECKPOINT_KEYS, checkpoint_parts(self.models, self.learners))),
                             iteration=iteration, kl_coef=kl_coef, counters=counters)
@@ -255,7 +254,7 @@ class TrainGroup:
 
     def update(self, exp: Experience, adv, returns, kl_coef: float, batches: list[list[int]], bad: dict,
                temperature: float | None = None) -> tuple[dict, dict, list[float]]:
-        """-> (stats, bad counters, seconds per rank) of rl.update run data-parallel; the experience goes once into
+        """-> (stats, bad counters, seconds per rank) of learn/update.py's update run data-parallel; the experience goes once into
         the object store and every rank reads it from there."""
         exp_ref, adv_ref, ret_ref = ray.put(exp), ray.put(adv), ray.put(returns)
         outs = get_failing_fast([w.update.remote(exp_ref, adv_ref, ret_ref, kl_coef, batches, bad, temperature)

@@ -72,12 +72,6 @@ def base_priority(prob: Problem, t: Task, backward_first: bool = True) -> float:
     return rest + (1e3 if t.model == 0 else 0.0) + (500.0 if t.kind == "B" and backward_first else 0.0)
 
 
-def active_schedule(prob: Problem, priority: dict[Task, float] | list[float]) -> Schedule:
-    c = compiled(prob)
-    orders, _, _ = _active(prob, priority if isinstance(priority, list) else [priority[t] for t in c.tasks])
-    return _schedule(c, orders)
-
-
 def _schedule(c: Compiled, orders: list[list[int]]) -> Schedule:
     return Schedule([[c.tasks[i] for i in o] for o in orders])
 

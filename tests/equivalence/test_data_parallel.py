@@ -1,5 +1,5 @@
-"""Data-parallel training on Ray (rlfuse/placement/ray_train.py): 2 workers (gloo, 1 CPU each) updating on the same
-experience end with the same actor and critic weights as one process calling rl.update, for PPO with a separate
+"""Data-parallel training on Ray (rlfuse/runtime/ray_train.py): 2 workers (gloo, 1 CPU each) updating on the same
+experience end with the same actor and critic weights as one process calling learn/update.py's update, for PPO with a separate
 critic (AdamW, 2 epochs x 2 mini-batches, 2 micro-batches per rank), GRPO (3 micro-batches per mini-batch: rank 0
 runs 2, rank 1 runs 1 and a zero-weight padding one) and PPO with the value head on the actor's body (one
 micro-batch of 6 per mini-batch, cut into one of 3 per rank). Summing gradients over ranks is what makes it equal:

@@ -1,5 +1,5 @@
-"""The pipelined PPO update (rlfuse/schedule/ppo_pipeline.py) on P = 2 gloo processes, actor stage r and critic stage
-1 - r on rank r, ends with the actor and critic weights of one process calling rl.update on the same experience:
+"""The pipelined PPO update (rlfuse/runtime/pipeline.py) on P = 2 gloo processes, actor stage r and critic stage
+1 - r on rank r, ends with the actor and critic weights of one process calling learn/update.py's update on the same experience:
 AdamW, 2 epochs x 2 mini-batches of 3 micro-batches of unequal lengths, a max gradient norm small enough that
 clipping binds (so the norm must be taken over both stages), for the serial and the fused schedule (GPT-2), and the
 fused one on a Llama-style model."""

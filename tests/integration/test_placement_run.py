@@ -109,7 +109,7 @@ def assert_actor_as_single(actor, want_actor, start):
 
 def test_pipeline_stages_on_two_workers_train_as_one_process(tiny_task, folders, single, ray_session, tmp_path):
     """rl.train_parallel=pipeline_fused: each worker trains actor stage r and critic stage 1 - r on one fused schedule
-    (rlfuse/schedule/ppo_pipeline.py); the run's actor equals the single process's, and each rank checkpoints its
+    (rlfuse/runtime/pipeline.py); the run's actor equals the single process's, and each rank checkpoints its
     stages' optimiser states beside the checkpoint."""
     start = load_file(str(tiny_task.model_dir / "model.safetensors"))
     rows, actor, rewards = run_rl(tmp_path, folders, "placement.strategy=flattened", "placement.workers=2",

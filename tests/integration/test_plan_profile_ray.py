@@ -1,4 +1,4 @@
-"""The profile's Ray probe end to end (rlfuse/placement/profile_ray.py): two Ray workers of one CPU each, as
+"""The profile's Ray probe end to end (rlfuse/runtime/profile_ray.py): two Ray workers of one CPU each, as
 `rlfuse plan --profile` starts them; every overhead it returns is in a plausible range (a failed measurement lands
 on a clamp: 1e-5 s, 0, or 1.0)."""
 

@@ -1,4 +1,4 @@
-"""Rollout on 2 Ray generation workers (rlfuse/placement/ray_rollout.py): the same samples and scores as one process,
+"""Rollout on 2 Ray generation workers (rlfuse/runtime/ray_rollout.py): the same samples and scores as one process,
 without and with the tail migrated; the migration really moved rows and the freed worker really scored."""
 
 import pytest

@@ -1,6 +1,6 @@
-"""Training workers on Ray (rlfuse/placement/ray_train.py), the trainer side of weight sync and checkpoints: rank 0's
+"""Training workers on Ray (rlfuse/runtime/ray_train.py), the trainer side of weight sync and checkpoints: rank 0's
 actor weights, sent in object-store buckets, load into a DecodeEngine and reproduce the actor's logits (LoRA merged
-in); rank 0's checkpoint is trainers/checkpoint.py's file and restores the same actor in one process."""
+in); rank 0's checkpoint is learn/checkpoint.py's file and restores the same actor in one process."""
 
 import sys
 

@@ -1,4 +1,4 @@
-"""The memory model (rlfuse/placement/memory.py) on cases computed by hand, and its hook into the placement checker."""
+"""The memory model (rlfuse/plan/memory.py) on cases computed by hand, and its hook into the placement checker."""
 
 import pytest
 

@@ -190,8 +190,8 @@ def test_cluster_rules(spec, cluster, expected):
 
 def test_cluster_totals_count_every_worker():
     spec = flattened(roles_of(PPO), 4, WorkerResources(cpus=1))
-    assert check_placement(spec, roles_of(PPO), ClusterResources.from_ray_totals({"CPU": 4.0})) == []
-    (problem,) = check_placement(spec, roles_of(PPO), ClusterResources.from_ray_totals({"CPU": 3.0}))
+    assert check_placement(spec, roles_of(PPO), ClusterResources.one_node(4.0)) == []
+    (problem,) = check_placement(spec, roles_of(PPO), ClusterResources.one_node(3.0))
     assert "needs 4 CPUs (4 workers: 4 x 1)" in problem
 
 

@@ -1,4 +1,4 @@
-"""The cost model (rlfuse/placement/cost.py) on hand-computed cases, the planner's choices on constructed problems,
+"""The cost model (rlfuse/plan/cost.py) on hand-computed cases, the planner's choices on constructed problems,
 `rlfuse plan` on the default config and placement.strategy=auto."""
 
 import math

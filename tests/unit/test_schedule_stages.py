@@ -1,4 +1,4 @@
-"""Pipeline stages (rlfuse/schedule/stages.py) chained on right-padded rows give the unsplit body's hidden states and
+"""Pipeline stages (rlfuse/models/pipeline_stages.py) chained on right-padded rows give the unsplit body's hidden states and
 the unsplit value model's values, for GPT-2 and Llama; what cannot be split says why."""
 
 import pytest
@@ -6,7 +6,7 @@ import torch
 
 from helpers import make_tiny_llama, make_tiny_model
 from rlfuse.models.heads import ValueModel, backbone_and_head
-from rlfuse.models.pipeline_stages import split_actor, split_critic, split_problem
+from rlfuse.models.pipeline_stages import split_actor, split_critic
 
 TEXTS = ["a good film with a fine cast", "a dull plot and a bad ending", "not bad at all, rather good"] * 20
 
@@ -60,7 +60,5 @@ def test_critic_stages_give_the_value_models_values(lm):
 
 
 def test_what_cannot_be_split_says_why(lm):
-    assert split_problem(lm, 2) is None
-    assert "2 layers cannot be split into 3 stages" in split_problem(lm, 3)
     with pytest.raises(ValueError, match="cannot split 2 layers into 3"):
         split_actor(lm, 3)
