@@ -1,20 +1,18 @@
 """Where a decode step's time goes: the lean steps (rlfuse/rollout/kv.py) against transformers' forward, the sampler,
-the bare matrix multiplies, and the update's activation function. The per-step numbers in README.md and the readings
-of BENCHMARKS.md come from here.
+the bare matrix multiplies, and the update's activation function. The per-step numbers in README.md and in the
+benchmarks' readings come from here.
 
-    python bench/decode_step.py            # ~1 min on 2 cores; writes its section of BENCHMARKS.md
+    python -m bench.decode_step            # ~1 min on 2 cores; writes docs/benchmarks/decode_step.md and its headline
 """
 
 from __future__ import annotations
 
 import argparse
+import os
 import statistics
-import sys
 import time
-from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from bench.common import machine, md_table, write_section  # noqa: E402
+from bench.common import machine, machine_short, md_table, write_headline, write_section
 
 
 def timed(fn, repeats: int) -> float:
@@ -53,13 +51,15 @@ def decode_ms_per_step(model, rows: int, steps: int, fast: bool, repeats: int) -
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = argparse.ArgumentParser(prog="python -m bench.decode_step", description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--n-layer", type=int, default=4)
     ap.add_argument("--n-embd", type=int, default=256)
     ap.add_argument("--vocab", type=int, default=1023, help="the default task's tokenizer has 1023 tokens")
     ap.add_argument("--rows", type=int, default=16, help="live decode rows (4 prompts x k=4 in bench/vs_trl.py)")
     ap.add_argument("--steps", type=int, default=64)
     ap.add_argument("--repeats", type=int, default=10)
+    ap.add_argument("--no-write", action="store_true", help="print only; write neither the page nor BENCHMARKS.md")
     a = ap.parse_args()
     import torch
     import torch.nn.functional as F
@@ -109,13 +109,20 @@ def main() -> None:
 
     text = "\n".join([
         f"Machine: {machine()}", "",
-        f"Command: `python bench/decode_step.py` ({a.n_layer} layers x {a.n_embd} dims, random weights, vocabulary "
+        f"Command: `python -m bench.decode_step` ({a.n_layer} layers x {a.n_embd} dims, random weights, vocabulary "
         f"{a.vocab}, {a.rows} live rows, {a.steps} decode steps, median of {a.repeats} runs; fp32).", "",
         md_table(["measurement", "before / alone", "after", "ratio"], rows), "",
         f"Wall time: {time.time() - t0:.0f} s.",
     ])
-    write_section("decode_step", text)
     print(text)
+    if a.no_write:
+        return
+    write_section("decode_step", text, page="decode_step")
+    gpt2, llama, sampler = rows[0], rows[1], rows[4]
+    write_headline("decode_step", f"lean GPT-2 decode step {gpt2[3]:.2f}x transformers' forward ({gpt2[2]:.2f} ms), "
+                   f"Llama {llama[3]:.2f}x; sampler {sampler[3]:.2f}x torch.multinomial",
+                   "transformers' forward; torch.multinomial", "python -m bench.decode_step",
+                   machine_short(os.getloadavg()[0]))
 
 
 if __name__ == "__main__":

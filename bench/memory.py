@@ -14,9 +14,9 @@ runs in its own process: peak RSS above the process's idle footprint (libraries 
 loaded) and in total, time per iteration, and the per-component table the run records (rl/memory.json). Weights are
 copied out of the checkpoints' memory maps once loaded (materialise), so RSS counts what each arm holds.
 
-    python bench/memory.py            # both models, writes BENCHMARKS.md (about 20 minutes on 2 cores)
-    python bench/memory.py --quick    # the GPT-2 model only, prints only
-    python bench/memory.py --glibc-arm  # also (c) with glibc's default malloc thresholds (no fix_cpu_heap)
+    python -m bench.memory              # both models, writes docs/benchmarks/memory.md (about 20 minutes on 2 cores)
+    python -m bench.memory --quick      # the GPT-2 model only, prints only
+    python -m bench.memory --glibc-arm  # also (c) with glibc's default malloc thresholds (no fix_cpu_heap)
 """
 
 from __future__ import annotations
@@ -24,13 +24,12 @@ from __future__ import annotations
 import argparse
 import json
 import shutil
-import sys
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from bench.common import WORK, machine, md_table, peak_rss_mb, reset_peak_rss, rss_mb, run_child, warm_up, write_section  # noqa: E402
-from rlfuse.plan.memory import COMPONENTS  # noqa: E402
+from bench.common import (WORK, machine, machine_short, md_table, peak_rss_mb, reset_peak_rss, rss_mb, run_child,
+                          warm_up, write_headline, write_section)
+from rlfuse.plan.memory import COMPONENTS
 
 ARMS = {
     "a": ("separate full-precision models", ["model.shared_base=false", "rl.optimizer=adamw",
@@ -172,7 +171,7 @@ def measure(name: str, log=print, glibc_arm: bool = False) -> list[dict]:
     out = []
     for arm in [a for a in ARMS if glibc_arm or a != "c-glibc"]:
         log(f"[bench] {name} arm ({arm}) {ARMS[arm][0]}")
-        res = run_child(Path(__file__), ["--child", arm, "--model", name], timeout=3600)
+        res = run_child("bench.memory", ["--child", arm, "--model", name], timeout=3600)
         log(f"[bench]   peak {res['peak_mb']:.0f} MB ({res['peak_above_idle_mb']:.0f} above idle), "
             f"{res['iteration_s']:.1f} s/iteration")
         out.append(res)
@@ -182,7 +181,7 @@ def measure(name: str, log=print, glibc_arm: bool = False) -> list[dict]:
 def section(results: dict[str, list[dict]], info: dict, shared_note: str) -> str:
     mib = lambda b: f"{b / 2**20:.0f}"
     lines = [f"Machine: {info['cpu']}, {info['cores']} cores, torch {info['torch']}, no GPU; {shared_note}",
-             f"Command: `python bench/memory.py`. PPO, {PROMPTS} prompts x k=1, {NEW_TOKENS} new tokens, one iteration "
+             f"Command: `python -m bench.memory`. PPO, {PROMPTS} prompts x k=1, {NEW_TOKENS} new tokens, one iteration "
              "(generate, score with reference, reward and critic, one epoch of actor and critic updates in micro-batches "
              "of 2), LoRA r=16 on every linear layer, random weights, the default task's tokenizer (vocab "
              f"{len(__import__('transformers').AutoTokenizer.from_pretrained(task().tokenizer_dir))}). Iteration peak = "
@@ -194,7 +193,7 @@ def section(results: dict[str, list[dict]], info: dict, shared_note: str) -> str
              "memory: in the 4-bit arm the save, not the iteration, is the process's peak).", ""]
     for name, rows in results.items():
         a = rows[0]
-        lines += [f"### {name}", "", md_table(
+        lines += [f"## {name}", "", md_table(
             ["arm", "iteration peak MB", "above idle MB", "above idle vs (a)", "iteration peak vs (a)",
              "process peak MB (with the final save)", "s / iteration", "time vs (a)"],
             [[f"({r['arm']}) {ARMS[r['arm']][0]}", round(peak(r)), round(peak(r) - r["idle_mb"]),
@@ -295,8 +294,9 @@ def glibc_note(results: dict[str, list[dict]]) -> list[str]:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--quick", action="store_true", help="the GPT-2 model only; print, do not write BENCHMARKS.md")
+    ap = argparse.ArgumentParser(prog="python -m bench.memory", description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--quick", action="store_true", help="the GPT-2 model only; print, write nothing")
     ap.add_argument("--models", nargs="*", default=list(MODELS), choices=list(MODELS))
     ap.add_argument("--note", default="the machine was shared with other jobs while this ran",
                     help="how busy the machine was, for the section's first line")
@@ -308,9 +308,10 @@ def main() -> None:
                     help="rewrite the section from the last run's bench/.work/memory/results.json")
     a = ap.parse_args()
     if a.from_results:
-        text = section(json.loads((WORK / "memory" / "results.json").read_text()), machine(), a.note)
+        results = json.loads((WORK / "memory" / "results.json").read_text())
+        text = section(results, machine(), a.note)
         print(text)
-        write_section("memory", text)
+        write(text, results)
         return
     if a.child:
         print(json.dumps(child(a.child, a.model)))
@@ -321,7 +322,20 @@ def main() -> None:
     text = section(results, machine(), a.note)
     print(text)
     if not a.quick:
-        write_section("memory", text)
+        write(text, results)
+
+
+def write(text: str, results: dict[str, list[dict]]) -> None:
+    """The section into docs/benchmarks/memory.md; the headline row: arm (c) against (a) on the largest model run."""
+    write_section("memory", text, page="memory")
+    for name in reversed(list(results)):
+        by = {r["arm"]: r for r in results[name]}
+        if {"a", "c"} <= set(by):
+            a, c = peak(by["a"]), peak(by["c"])
+            write_headline("memory", f"one 4-bit base + adapters, 8-bit AdamW: iteration peak {c / 1000:.1f} GB vs "
+                           f"{a / 1000:.1f} GB ({c / a:.2f}x) on {name}", "separate full-precision models (arm (a))",
+                           "python -m bench.memory", machine_short())
+            return
 
 
 if __name__ == "__main__":

@@ -1,9 +1,10 @@
 """The training stage of the default task's PPO on P = 2 processes (one torch thread each, gloo): the actor and the
-critic cut into 2 stages each, the critic reversed (rlfuse/schedule/ppo_pipeline.py), pipeline_serial vs
+critic cut into 2 stages each, the critic reversed (rlfuse/runtime/pipeline.py), pipeline_serial vs
 pipeline_fused at several micro-batch counts, against the simulator fed with the measured task times; executed Gantt
-charts beside the simulated ones.
+charts beside the simulated ones. Writes docs/benchmarks/pipeline_ppo.md and its row of BENCHMARKS.md.
 
-    python bench/pipeline_ppo.py [--sft bench/.work/sft_run/sft/model] [--micro-batches 4 8] [--repeats 3]
+    python -m bench.pipeline_ppo [--sft bench/.work/sft_run/sft/model] [--micro-batches 4 8] [--repeats 3]
+    RLFUSE_PIN_CORES=1 python -m bench.pipeline_ppo --repeats 5 --rounds 3    # as measured
 
 The experience is one real rollout of the default task (32 prompts, 48 new tokens, the SFT policy at its temperature);
 each process runs one warm-up update (whose task times the fused search then plans with), then `--repeats` measured
@@ -18,18 +19,16 @@ from __future__ import annotations
 import argparse
 import os
 import subprocess
-import sys
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from bench.common import ROOT, WORK, machine, md_table, write_section  # noqa: E402
-from rlfuse.metrics.schedule_chart import gantt, simulated_spans  # noqa: E402
-from rlfuse.schedule.model import Problem, PipeModel, simulate  # noqa: E402
-from rlfuse.runtime.pipeline import build_pipeline, schedule_summary, spawn, task_times  # noqa: E402
+from bench.common import ROOT, WORK, machine, machine_short, md_table, write_headline, write_section
+from rlfuse.metrics.schedule_chart import gantt, simulated_spans
+from rlfuse.runtime.pipeline import build_pipeline, schedule_summary, spawn, task_times
+from rlfuse.schedule.model import PipeModel, Problem, simulate
 
 P = 2
-DEFAULT_SFT = Path("/work/main/bench/.work/sft_run/sft/model")
+DEFAULT_SFT = WORK / "sft_run" / "sft" / "model"  # bench.rollout's ensure_sft_model() trains it there
 
 
 def config(sft: Path, micro_batches: int):
@@ -115,7 +114,8 @@ def chart(results: dict, M: int, path: Path) -> Path:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser()
+    ap = argparse.ArgumentParser(prog="python -m bench.pipeline_ppo", description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--sft", type=Path, default=DEFAULT_SFT)
     ap.add_argument("--micro-batches", type=int, nargs="+", default=[4, 8])
     ap.add_argument("--repeats", type=int, default=3)
@@ -131,7 +131,7 @@ def main() -> None:
     out.mkdir(parents=True, exist_ok=True)
     torch.set_num_threads(1)
     exp, adv, returns, batches = rollout(config(a.sft, a.micro_batches[0]), out)
-    rows, charts = [], []
+    rows, charts, speedups = [], [], {}
     for M in a.micro_batches:
         cfg = config(a.sft, M)
         micro = {n: len(micro_batch_indices(exp, mini, cfg.rl.micro_batch_size, 1, cfg.rl.micro_batch_tokens,
@@ -154,6 +154,7 @@ def main() -> None:
             rounds.append((s["update"] / f["update"], s["sched"]["simulated"] / f["sched"]["simulated"], results))
         spread = ", ".join(f"{m:.2f}x" for m, _, _ in rounds)
         measured, predicted, results = sorted(rounds, key=lambda x: x[0])[len(rounds) // 2]  # the median round
+        speedups[M] = (measured, predicted)
         s, f = results["pipeline_serial"], results["pipeline_fused"]
         for mode, r in results.items():
             sc = r["sched"]
@@ -169,7 +170,7 @@ def main() -> None:
     load = subprocess.run(["uptime"], capture_output=True, text=True).stdout.strip()
     m = machine()
     pinned = "RLFUSE_PIN_CORES=1 " if os.environ.get("RLFUSE_PIN_CORES") else ""
-    lines = [f"Machine: {m['cpu']}, {m['cores']} cores, load: `{load}`; `{pinned}python bench/pipeline_ppo.py "
+    lines = [f"Machine: {m['cpu']}, {m['cores']} cores, load: `{load}`; `{pinned}python -m bench.pipeline_ppo "
              f"--repeats {a.repeats} --rounds {a.rounds}` "
              f"(P={P} gloo processes, 1 torch thread each; the default task's PPO update on one real rollout: "
              f"{len(exp)} samples, {rl_shape(config(a.sft, 4))}; best of {a.repeats} updates after a warm-up; serial and "
@@ -187,8 +188,14 @@ def main() -> None:
              "serial at 4-8 micro-batches. The two ranks are meant to have a core each: with other load on the machine "
              "(see the load average above) the fused schedule, which keeps both ranks busy at once, loses more to it "
              "than the serial one, whose ranks take turns."]
-    write_section("pipeline_ppo", "\n".join(lines))
     print("\n".join(lines))
+    write_section("pipeline_ppo", "\n".join(lines), page="pipeline_ppo")
+    write_headline("pipeline_ppo", "fused " + ", ".join(f"{s:.2f}x serial at {M} micro-batches" for M, (s, _) in
+                                                         speedups.items())
+                   + " (" + " / ".join(f"{s / p:.0%}" for s, p in speedups.values()) + " of predicted)",
+                   f"pipeline_serial, the same update on P={P} processes",
+                   f"{pinned}python -m bench.pipeline_ppo --repeats {a.repeats} --rounds {a.rounds}",
+                   machine_short(os.getloadavg()[0]))
 
 
 def rl_shape(cfg) -> str:

@@ -7,11 +7,11 @@
 
 Every row produces the same samples (same seed, per-sample random streams). Workloads: the default task's SFT model
 with its natural long-tailed lengths, and a sweep of tail heaviness (each sample's length drawn from a lognormal of
-spread sigma, as bench/rollout.py's sweep; EOS off so the lengths are exactly those). Rows (2) and (3) run in one
+spread sigma, as bench.rollout's sweep; EOS off so the lengths are exactly those). Rows (2) and (3) run in one
 child process on one Ray instance, alternated (2 3 2 3 ...); row (1) in its own child; the median of the repeats.
 
-    python bench/placement.py            # writes the `placement` section of BENCHMARKS.md
-    python bench/placement.py --quick    # small smoke run, prints only
+    python -m bench.placement            # writes docs/benchmarks/placement.md and its row of BENCHMARKS.md
+    python -m bench.placement --quick    # small smoke run, prints only
 """
 
 from __future__ import annotations
@@ -20,17 +20,15 @@ import argparse
 import dataclasses
 import json
 import os
-import sys
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from bench.common import WORK, machine, md_table, run_child, write_section  # noqa: E402
-from bench.rollout import ensure_sft_model, target_lengths, workload_prompts  # noqa: E402
+from bench.common import WORK, machine, machine_short, md_table, run_child, write_headline, write_section
+from bench.rollout import ensure_sft_model, target_lengths, workload_prompts
 
 
 def reward_folder(sft: Path) -> Path:
-    """A reward model on the SFT body with a seeded head (as bench/rollout.py's load_roles), saved once so every
+    """A reward model on the SFT body with a seeded head (as bench.rollout's load_roles), saved once so every
     process loads the same one; it is also the critic's start."""
     out = WORK / "placement_rm"
     if not (out / "config.json").exists():
@@ -121,7 +119,8 @@ def measure(args, sigma=None, prompts=64, max_new=256) -> dict:
               "--migrate-below", str(args.migrate_below), "--rows-per-worker", str(args.rows_per_worker)]
     common += [] if sigma is None else ["--sigma", str(sigma)]
     load_before = os.getloadavg()[0]
-    res = run_child(Path(__file__), ["--child", "workers", *common]) | run_child(Path(__file__), ["--child", "single", *common])
+    res = (run_child("bench.placement", ["--child", "workers", *common])
+           | run_child("bench.placement", ["--child", "single", *common]))
     out = {name: median_run(rs) | {"all_s": [r["total_s"] for r in rs]} for name, rs in res.items()}
     out["load_avg_1min"] = [load_before, os.getloadavg()[0]]
     return out
@@ -144,7 +143,8 @@ HEADER = ["workload", "max length", "mean length", "(1) one process s", "(2) wor
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = argparse.ArgumentParser(prog="python -m bench.placement", description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--child", choices=["single", "workers"])
     ap.add_argument("--model")
     ap.add_argument("--rm")
@@ -176,7 +176,7 @@ def main() -> None:
     target = res["default"]["no_migration"]["total_s"] / res["default"]["migration"]["total_s"]
     text = "\n".join([
         f"Machine: {json.dumps(machine())}", "",
-        f"Command: `python bench/placement.py` ({args.workers} Ray workers x 1 thread vs one process x {args.workers} "
+        f"Command: `python -m bench.placement` ({args.workers} Ray workers x 1 thread vs one process x {args.workers} "
         f"threads; rollout.migrate_below={args.migrate_below}, rollout.rows_per_worker={args.rows_per_worker}; "
         f"median of {args.repeats} alternated runs after a warm-up; up to {args.max_new} new tokens).", "",
         "Generation + scoring seconds for one iteration's rollout (decode, then reward, reference log-probs and "
@@ -184,8 +184,11 @@ def main() -> None:
         md_table(HEADER, rows), "",
         f"Migration vs no migration on the default long-tailed workload: {target:.2f}x (target 1.25x). "
         f"Wall time of the whole benchmark: {time.time() - t0:.0f} s.", ""])
-    write_section("placement", text)
     print(text)
+    write_section("placement", text, page="placement")
+    write_headline("placement", f"tail migration {target:.2f}x the speed of no migration (target 1.25x) on the "
+                   "default long-tailed rollout", f"the same {args.workers} Ray workers without migration",
+                   "python -m bench.placement", machine_short(os.getloadavg()[0]))
 
 
 if __name__ == "__main__":

@@ -1,9 +1,10 @@
 """The planner's predictions against real runs (issue 13, item 4): plans for 2 workers run for a few iterations on
 the default task and on real IMDb prompts, predicted vs measured per stage from each run's rl/metrics.jsonl.
 
-    python bench/plan.py --models RUN_DIR     # RUN_DIR/sft/model and RUN_DIR/rm/model (e.g. an `rlfuse run` folder)
-    python bench/plan.py                      # first trains them (`rlfuse sft`, `rlfuse rm`, default config)
-    python bench/plan.py --models RUN_DIR --fresh --repeats 3   # rerun every plan (not reusing earlier runs)
+    python -m bench.plan --models RUN_DIR     # RUN_DIR/sft/model and RUN_DIR/rm/model (e.g. an `rlfuse run` folder)
+    python -m bench.plan                      # first trains them (`rlfuse sft`, `rlfuse rm`, default config)
+    python -m bench.plan --models RUN_DIR --fresh --repeats 3   # rerun every plan (not reusing earlier runs)
+    python -m bench.plan --paper              # the at-scale predictions (`rlfuse plan --paper`) into the page
 
 Inputs of the predictions, all taken before any plan runs: the machine profile (`rlfuse plan --profile`, measured at
 the start, Ray overheads included), the config, the mean prompt tokens of the task and the distinct prompt lengths
@@ -19,7 +20,8 @@ median over the iterations of each iteration's median over the runs (iteration i
 median of the peak RSS over the runs, and the spread of the runs' own median iteration times ((max - min) / median).
 Reported: relative error of iteration time (mean, max), Kendall tau of predicted vs measured iteration times, the
 planner's choice against the best measured plan, memory error per worker, the run-to-run spread. Writes the
-`plan_bench` section of BENCHMARKS.md."""
+`plan_bench` section of docs/benchmarks/plan.md and the planner's row of BENCHMARKS.md; `--paper` writes the
+`plan_paper` section of the same page."""
 
 from __future__ import annotations
 
@@ -33,8 +35,7 @@ import sys
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from bench.common import ROOT, SHARED_DATA, WORK, md_table, write_section  # noqa: E402
+from bench.common import ROOT, SHARED_DATA, WORK, machine_short, md_table, write_headline, write_section
 
 IMDB = SHARED_DATA / "imdb_reviews_2000.csv"
 TASKS = {
@@ -278,6 +279,20 @@ def scores(results: list[dict]) -> dict:
     return out
 
 
+def memory_errors(results: list[dict]) -> list[float]:
+    """|predicted / measured - 1| of each worker's peak memory in every plan."""
+    return [abs(r["mem_pred"][w] / r["measured"]["rss_mb"][w] - 1) for r in results for w in r["measured"]["rss_mb"]]
+
+
+def headline(results: list[dict]) -> str:
+    """The figures of the targets, for BENCHMARKS.md's row."""
+    sc = scores(results)
+    worst = max(t["slower"] for t in sc["tasks"].values())
+    return (f"iteration time: mean error {sc['mean_error'] * 100:.1f}%, max {sc['max_error'] * 100:.1f}%, Kendall tau "
+            f"{sc['tau']:.2f} over {len(results)} plans; choice within {worst * 100:.1f}% of the best measured; "
+            f"memory per worker within {max(memory_errors(results)) * 100:.1f}%")
+
+
 def report(results: list[dict], profile_desc: str, header: str) -> str:
     rows, lines = [], []
     for r in results:
@@ -286,7 +301,7 @@ def report(results: list[dict], profile_desc: str, header: str) -> str:
         rows.append([r["task"], r["label"], r["rank"], p["rollout"], m["rollout"], p["train"], m["train"], p["sync"],
                      m["sync"], p["iteration"], m["iteration"], f"{(p['iteration'] / m['iteration'] - 1) * 100:+.0f}%",
                      f"{m['spread'] * 100:.0f}% ({len(m['iterations'])})", mem])
-    mem_errs = [abs(r["mem_pred"][w] / r["measured"]["rss_mb"][w] - 1) for r in results for w in r["measured"]["rss_mb"]]
+    mem_errs = memory_errors(results)
     lines += [header, "", md_table(["task", "plan", "planner rank", "rollout s pred", "rollout s meas", "train s pred",
                                     "train s meas", "sync s pred", "sync s meas", "iteration s pred",
                                     "iteration s meas", "iteration error", "run spread (runs)",
@@ -392,7 +407,8 @@ def fresh_profile(work: Path, fresh: bool) -> Path:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = argparse.ArgumentParser(prog="python -m bench.plan", description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--work", type=Path, default=WORK / "plan")
     ap.add_argument("--models", type=Path, help="a run folder with sft/model and rm/model")
     ap.add_argument("--iterations", type=int, default=8)
@@ -400,15 +416,25 @@ def main() -> None:
     ap.add_argument("--fresh", action="store_true", help="measure the profile and run every plan again")
     ap.add_argument("--tasks", nargs="+", choices=list(RUNS), default=list(RUNS), help="a subset of the tasks")
     ap.add_argument("--plans", type=int, default=0, help="only the first N plans of each task (a quick check)")
-    ap.add_argument("--no-write", action="store_true", help="print only; leave BENCHMARKS.md alone")
+    ap.add_argument("--no-write", action="store_true", help="print only; write neither the page nor BENCHMARKS.md")
     ap.add_argument("--dry", action="store_true", help="profile, calibrate and print the plans; run none")
     ap.add_argument("--repredict", type=Path, metavar="RESULTS_JSON",
                     help="run nothing: predict the runs stored in a results.json again with the current model (and "
-                         "sum up their folders' metrics again) and print the report (BENCHMARKS.md is left alone)")
+                         "sum up their folders' metrics again) and print the report (nothing is written)")
     ap.add_argument("--profile", type=Path, nargs="+",
                     help="with --repredict: the machine profile to predict from (default: machine_profile.json beside "
                          "the results); several: a table of the target figures from each, one row per profile")
+    ap.add_argument("--paper", action="store_true",
+                    help="run nothing: write `rlfuse plan --paper`'s at-scale predictions into the plan_paper section")
     args = ap.parse_args()
+    if args.paper:
+        from rlfuse.plan.paper import paper_report
+
+        text = paper_report()
+        print(text)
+        if not args.no_write:
+            write_section("plan_paper", text, page="plan")
+        return
     from rlfuse.plan.profiles import load_profile
 
     if args.repredict and args.profile and len(args.profile) > 1:
@@ -451,7 +477,7 @@ def main() -> None:
                | {"measured": median_of_runs(runs[i]), "runs": runs[i], "models": str(models)}
                for i, (task, pl, rank, inputs) in enumerate(todo)]
     prof = load_profile(profile_path)
-    cmd = " ".join(["python bench/plan.py", *(["--models", str(args.models)] if args.models else []),
+    cmd = " ".join(["python -m bench.plan", *(["--models", str(args.models)] if args.models else []),
                     *(["--fresh"] if args.fresh else []), f"--repeats {args.repeats}",
                     *(["--tasks", *args.tasks] if args.tasks != list(RUNS) else []),
                     *([f"--plans {args.plans}"] if args.plans else [])])
@@ -462,7 +488,9 @@ def main() -> None:
     (work / "results.json").write_text(json.dumps(results, indent=1, default=str))
     print(text)
     if not args.no_write:
-        write_section("plan_bench", text)
+        write_section("plan_bench", text, page="plan")
+        write_headline("plan", headline(results), f"the same {len(results)} plans run ({args.repeats} runs each, 2 "
+                       "Ray workers x 1 CPU)", cmd, f"{machine_short()}; load {min(loads):.1f}-{max(loads):.1f}")
 
 
 if __name__ == "__main__":

@@ -11,7 +11,11 @@ BPE (16k) trained here on the hh-rlhf conversations, so prompt lengths are about
 pass (actor's PPO loss and the critic's value loss, forward and backward, per micro-batch), and counts the prompt
 token-forwards sharing saves per pass.
 
-    python bench/prefix_sharing.py [--prompts 8] [--reps 3] [--tokens 3072] [--only b|c]
+    python -m bench.prefix_sharing [--prompts 8] [--reps 3] [--tokens 3072] [--only b|c]
+    python -m bench.prefix_sharing --prompts 4 --tokens 3072     # as measured
+
+Both workloads run (no --only): the table is written to docs/benchmarks/prefix_sharing.md and the (c) figures to
+BENCHMARKS.md's row; --no-write prints only.
 """
 
 from __future__ import annotations
@@ -21,14 +25,13 @@ import gzip
 import json
 import os
 import statistics
-import sys
 import time
-from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-import torch  # noqa: E402
+import torch
 
-HH = Path(__file__).resolve().parents[2] / "shared" / "data" / "hh_rlhf_harmless_1800.jsonl.gz"
+from bench.common import SHARED_DATA, machine_short, md_table, write_headline, write_section
+
+HH = SHARED_DATA / "hh_rlhf_harmless_1800.jsonl.gz"
 
 
 def hh_prompts_and_tokenizer(n: int, max_prompt: int = 448):
@@ -141,12 +144,14 @@ def time_settings(models, samples, settings, micro: int, reps: int) -> dict:
 
 
 def main(argv=None) -> None:
-    ap = argparse.ArgumentParser()
+    ap = argparse.ArgumentParser(prog="python -m bench.prefix_sharing", description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--prompts", type=int, default=8)
     ap.add_argument("--reps", type=int, default=3)
     ap.add_argument("--micro", type=int, default=16)
     ap.add_argument("--tokens", type=int, default=0, help="also time rl.micro_batch_tokens=this (0: skip)")
-    ap.add_argument("--only", choices=("b", "c"), help="one workload")
+    ap.add_argument("--only", choices=("b", "c"), help="one workload (prints only)")
+    ap.add_argument("--no-write", action="store_true", help="print only; write neither the page nor BENCHMARKS.md")
     args = ap.parse_args(argv)
     torch.set_num_threads(int(os.environ.get("THREADS", "2")))
     hh, vocab, mean_all = hh_prompts_and_tokenizer(args.prompts)
@@ -161,17 +166,48 @@ def main(argv=None) -> None:
     settings = [("off", False, None), ("on", True, None)]
     if args.tokens:
         settings += [(f"on, {args.tokens} tokens", True, args.tokens)]
-    print(f"load: {os.getloadavg()}")
+    load0, t0, rows, measured = os.getloadavg(), time.time(), [], {}
+    print(f"load: {load0}")
     for name, ss in workloads.items():
         if args.only and not name.startswith(f"({args.only})"):
             continue
-        res = time_settings(models, ss, settings, args.micro, args.reps)
+        res = measured[name[:3]] = time_settings(models, ss, settings, args.micro, args.reps)
         print(f"\n{name}: {len(ss)} samples, {sum(len(s.prompt_ids) for s in ss)} prompt + "
               f"{sum(len(s.token_ids) for s in ss)} response tokens")
-        for label, r in res.items():
+        for i, (label, r) in enumerate(res.items()):
             print(f"  share {label:>18}: scoring {r['score_s']:.2f} CPU s, training pass {r['train_s']:.2f} CPU s, "
                   f"prompt token-forwards saved per pass {r['saved_per_pass']}")
-    print(f"load: {os.getloadavg()}")
+            what = (f"{name} ({len(ss)} samples; prompts of {', '.join(str(len(p)) for p in hh)} tokens)"
+                    if name.startswith("(c)") else f"{name} ({len(ss)} samples)")
+            setting = f"share {label}".replace(f", {args.tokens} tokens", f", `rl.micro_batch_tokens={args.tokens}`")
+            rows.append([what if i == 0 else "", setting, f"{r['score_s']:.2f}", f"{r['train_s']:.2f}",
+                         r["saved_per_pass"]])
+    load1 = os.getloadavg()
+    print(f"load: {load1}")
+    if args.only or args.no_write:
+        return
+    command = " ".join(["python -m bench.prefix_sharing", f"--prompts {args.prompts}",
+                        *([f"--reps {args.reps}"] if args.reps != 3 else []),
+                        *([f"--micro {args.micro}"] if args.micro != 16 else []),
+                        *([f"--tokens {args.tokens}"] if args.tokens else [])])
+    loads = lambda xs: " ".join(f"{x:.2f}" for x in xs)
+    text = "\n".join([
+        f"Machine: {machine_short()}; load average (1, 5, 15 min) {loads(load0)} before, {loads(load1)} after. "
+        f"Command: `{command}` (one process, {torch.get_num_threads()} thread(s); a randomly initialised 4-layer "
+        f"128-wide GPT-2, fp32; a {vocab}-token byte-level BPE trained on the hh-rlhf conversations, {mean_all:.0f} "
+        f"prompt tokens on average over them; {args.prompts} prompts x k = 8; micro-batches of {args.micro} samples"
+        + (f" or the update cut by `rl.micro_batch_tokens={args.tokens}`" if args.tokens else "")
+        + f"; process CPU seconds, median of {args.reps} after one warm-up run per setting, settings alternated; "
+        f"{time.time() - t0:.0f} s).", "",
+        md_table(["workload", "setting", "scoring (CPU s)", "training pass (CPU s)",
+                  "prompt token-forwards saved per pass"], rows)])
+    write_section("prefix_sharing", text, page="prefix_sharing")
+    c = measured["(c)"]
+    figure = (f"hh-rlhf prompts, k = 8: scoring {c['on']['score_s'] / c['off']['score_s']:.2f}x and a training pass "
+              f"{c['on']['train_s'] / c['off']['train_s']:.2f}x the CPU time of sharing off")
+    if args.tokens:
+        figure += f" ({c[f'on, {args.tokens} tokens']['train_s'] / c['off']['train_s']:.2f}x with the token budget)"
+    write_headline("prefix_sharing", figure, "rl.share_prompt=false, the same work", command, machine_short(load0[0]))
 
 
 if __name__ == "__main__":

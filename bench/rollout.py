@@ -9,22 +9,23 @@
 Workloads: the default task's SFT model with its natural long-tailed lengths; real IMDb prompts; a sweep where each
 sample's length is drawn from a lognormal of given spread. Each measurement runs in its own process.
 
-    python bench/rollout.py            # full matrix, writes BENCHMARKS.md (about 15 minutes on 2 cores)
-    python bench/rollout.py --quick    # small smoke run, prints only
-    python bench/rollout.py --fusion   # fusion off vs on at k = 4 and 8 and what rollout.fusion=auto picks (~3 min)
+    python -m bench.rollout            # full matrix (about 15 minutes on 2 cores)
+    python -m bench.rollout --quick    # small smoke run, prints only
+    python -m bench.rollout --fusion   # fusion off vs on at k = 4 and 8 and what rollout.fusion=auto picks (~3 min)
+
+Both write their section of docs/benchmarks/rollout.md and their row of BENCHMARKS.md.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
-import sys
+import os
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from bench.common import (SHARED_DATA, WORK, machine, md_table, peak_rss_mb, reset_peak_rss, rss_mb, run_child,  # noqa: E402
-                          write_section)
+from bench.common import (SHARED_DATA, WORK, machine, machine_short, md_table, peak_rss_mb, reset_peak_rss, rss_mb,
+                          run_child, write_headline, write_section)
 
 ROWS = {"a": "padded generate + padded scoring", "b": "rlfuse engine, fusion off", "c": "rlfuse engine, fusion on",
         "d": "transformers generate_batch + rlfuse scorer"}
@@ -224,7 +225,7 @@ def measure(model: Path, workload: str, rows: str, k: int, prompts: int, max_new
     runs: dict[str, list[dict]] = {r: [] for r in rows}
     for _ in range(repeats):
         for r in rows:
-            runs[r].append(run_child(Path(__file__), ["--child", r, "--model", str(model), "--workload", workload,
+            runs[r].append(run_child("bench.rollout", ["--child", r, "--model", str(model), "--workload", workload,
                                                       "--k", str(k), "--prompts", str(prompts), "--max-new", str(max_new),
                                                       "--sigma", str(sigma), "--median", str(median)]))
     out = {}
@@ -235,11 +236,16 @@ def measure(model: Path, workload: str, rows: str, k: int, prompts: int, max_new
     return out
 
 
-def auto_note(results: dict) -> str:
-    """Which row rollout.fusion=auto (the default) runs here, and fusion on's speed against off."""
+def auto_row() -> str:
+    """The row rollout.fusion=auto (the default) runs in one process on this machine: "c" (fusion on) or "b"."""
     from rlfuse.config import fusion_on, load_config
 
-    on = fusion_on(load_config(None))
+    return "c" if fusion_on(load_config(None)) else "b"
+
+
+def auto_note(results: dict) -> str:
+    """Which row rollout.fusion=auto (the default) runs here, and fusion on's speed against off."""
+    on = auto_row() == "c"
     ratio = results["b"]["total_s"] / results["c"]["total_s"]
     return (f"rollout.fusion=auto (the default) runs row {'(c)' if on else '(b)'} here (one process on "
             f"{'CUDA' if __import__('torch').cuda.is_available() else 'CPU'}); fusion on runs at {ratio:.2f}x the speed "
@@ -259,22 +265,28 @@ def table(results: dict, base: str = "a") -> str:
 def fusion_matrix(model: Path, repeats: int, prompts: int, max_new: int) -> None:
     """Fusion off (b) against on (c) on the default task's SFT model, k = 4 and 8, alternated b c b c; the section
     says which one rollout.fusion=auto runs on this device."""
-    import os
-
     t0, sections = time.time(), [f"Machine: {json.dumps(machine())}; load average before: "
                                  f"{' '.join(f'{x:.2f}' for x in os.getloadavg())}", ""]
+    ratios = {}
     for k in (4, 8):
         r = measure(model, "default", "bc", k, prompts, max_new, repeats)
+        ratios[k] = r["b"]["total_s"] / r["c"]["total_s"]
         sections += [f"### Fusion off and on: default task SFT model, {prompts} prompts x k={k}, up to {max_new} new "
                      f"tokens (median of {repeats} alternated runs)", "", table(r, base="b"), "", auto_note(r), ""]
-    sections += [f"Command: `python bench/rollout.py --fusion --repeats {repeats}`; wall time {time.time() - t0:.0f} s, "
+    command = f"python -m bench.rollout --fusion --repeats {repeats}"
+    sections += [f"Command: `{command}`; wall time {time.time() - t0:.0f} s, "
                  f"load average after: {' '.join(f'{x:.2f}' for x in os.getloadavg())}.", ""]
-    write_section("rollout_fusion", "\n".join(sections))
     print("\n".join(sections))
+    write_section("rollout_fusion", "\n".join(sections), page="rollout")
+    write_headline("rollout_fusion", "fusion on at " + ", ".join(f"{x:.2f}x of off at k={k}" for k, x in ratios.items())
+                   + f"; rollout.fusion=auto runs {'on' if auto_row() == 'c' else 'off'} in one process",
+                   "fusion off (score after decoding), one process", command, machine_short(os.getloadavg()[0]),
+                   page="rollout")
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = argparse.ArgumentParser(prog="python -m bench.rollout", description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--child", choices=list(ROWS))
     ap.add_argument("--model")
     ap.add_argument("--workload", default="default", choices=["default", "imdb", "sweep"])
@@ -300,7 +312,7 @@ def main() -> None:
         return
     if args.fusion:
         return fusion_matrix(model, max(2, args.repeats), args.prompts, args.max_new)
-    sections = [f"Machine: {json.dumps(machine())}", "", "Command: `python bench/rollout.py` (one invocation, rows "
+    sections = [f"Machine: {json.dumps(machine())}", "", "Command: `python -m bench.rollout` (one invocation, rows "
                 "alternated a b c ..., each measurement in its own process; median of repeats).", ""]
     res = {}
     res["default_k4"] = measure(model, "default", "abcd", 4, 64, 256, args.repeats)
@@ -322,8 +334,15 @@ def main() -> None:
                  md_table(["sigma", "mean length", "(a) s", "(b) s", "(c) s", "speedup (c) vs (a)"], sweep_rows), ""]
     sections += [f"Wall time of the whole benchmark: {time.time() - t0:.0f} s.", ""]
     (WORK / "rollout.json").write_text(json.dumps(res, indent=2))
-    write_section("rollout", "\n".join(sections))
     print("\n".join(sections))
+    write_section("rollout", "\n".join(sections), page="rollout")
+    row, k4, k8 = auto_row(), res["default_k4"], res["default_k8"]
+    speed = k4["a"]["total_s"] / k4[row]["total_s"]
+    memory = k8[row]["peak_above_idle_mb"] / k8["a"]["peak_above_idle_mb"]
+    write_headline("rollout", f"engine {speed:.1f}x the padded baseline's speed at k=4; memory above idle "
+                   f"{memory:.3g}x at k=8 (row ({row}), what rollout.fusion=auto runs)",
+                   "model.generate + padded scoring (TRL's HF path)", "python -m bench.rollout",
+                   machine_short(os.getloadavg()[0]), page="rollout")
 
 
 if __name__ == "__main__":

@@ -4,12 +4,14 @@ One SFT model and one reward model (the default config's, built once into bench/
 `rlfuse rl` per (variant, seed) with everything else at the default config; each run's held-out evaluation is at one
 fixed temperature (rl.eval_temperature=0.7, the default sampling temperature) so the variants compare.
 
-    python bench/temperature_curriculum.py                    # 4 variants x 3 seeds, writes BENCHMARKS.md
-    python bench/temperature_curriculum.py --seeds 0 --variants constant annealed --no-write
+    python -m bench.temperature_curriculum                    # 4 variants x 3 seeds, writes its page and row
+    python -m bench.temperature_curriculum --seeds 0 --variants constant annealed --no-write
+    python -m bench.temperature_curriculum --seeds 0 1 2 3 4 --jobs 2 --threads 1    # as measured
 
 run.seed also picks the held-out prompts and the train prompt order, so variants are compared within a seed (the
 same prompts) and the spread is over seeds. RL seconds are wall time of the whole `rlfuse rl` stage (for
-curriculum=reward it includes scoring every train prompt once) on a machine shared with other work: noisy.
+curriculum=reward it includes scoring every train prompt once) on a machine shared with other work: noisy. The table
+goes to docs/benchmarks/temperature_curriculum.md, each variant's gain over constant to BENCHMARKS.md's row.
 """
 
 from __future__ import annotations
@@ -23,8 +25,7 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import ROOT, WORK, machine, md_table, write_section  # noqa: E402
+from bench.common import ROOT, WORK, machine, machine_short, md_table, write_headline, write_section
 
 EVAL = ["rl.eval_temperature=0.7"]
 VARIANTS = {
@@ -96,13 +97,14 @@ def table(results: list[dict], variants: list[str]) -> str:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = argparse.ArgumentParser(prog="python -m bench.temperature_curriculum", description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
     ap.add_argument("--variants", nargs="+", default=DEFAULT_VARIANTS, choices=list(VARIANTS))
     ap.add_argument("--base", type=Path, default=WORK / "base", help="run folder with sft/model and rm/model")
     ap.add_argument("--threads", type=int, default=0, help="run.threads of each RL run (0: torch's default)")
     ap.add_argument("--jobs", type=int, default=1, help="RL runs at once (e.g. 2 with --threads 1 on 2 cores)")
-    ap.add_argument("--no-write", action="store_true", help="print the table; leave BENCHMARKS.md alone")
+    ap.add_argument("--no-write", action="store_true", help="print the table; write neither the page nor BENCHMARKS.md")
     args = ap.parse_args()
     base = ensure_base(args.base.resolve())
     # seed-major: every variant of a seed before the next seed, so partial measurements still pair up
@@ -114,14 +116,31 @@ def main() -> None:
             print(json.dumps(r), flush=True)
     (WORK / "temperature_curriculum.json").write_text(json.dumps(results, indent=2))
     m = machine()
+    command = (f"python -m bench.temperature_curriculum --seeds {' '.join(map(str, args.seeds))} --variants "
+               f"{' '.join(args.variants)} --jobs {args.jobs} --threads {args.threads}")
     text = (f"Machine: {m['cpu']}, {m['cores']} cores (shared with other work while measured: RL seconds are noisy). "
-            f"Command: `python bench/temperature_curriculum.py --seeds {' '.join(map(str, args.seeds))} --variants "
-            f"{' '.join(args.variants)} --jobs {args.jobs} --threads {args.threads}`. Default config otherwise (PPO, 40 iterations x 32 prompts); one SFT + reward "
+            f"Command: `{command}`. Default config otherwise (PPO, 40 iterations x 32 prompts); one SFT + reward "
             f"model for all runs; held-out evaluation on 128 prompts at temperature 0.7 for every variant; "
             f"mean ± standard deviation over seeds.\n\n" + table(results, args.variants))
     print(text)
     if not args.no_write:
-        write_section("temperature_curriculum", text)
+        write_section("temperature_curriculum", text, page="temperature_curriculum")
+        write_headline("temperature_curriculum", "held-out gold positive rate against constant, same seed: "
+                       + ", ".join(f"{v} {gain}" for v, gain in gains(results, args.variants).items())
+                       + f" ({len(args.seeds)} seeds)", "constant temperature 0.7, uniform prompts (the default)",
+                       command, machine_short())
+
+
+def gains(results: list[dict], variants: list[str]) -> dict[str, str]:
+    """variant -> its gold positive rate minus constant's of the same seed, mean ± standard deviation over seeds."""
+    base = {r["seed"]: r["gold_positive_rate"] for r in results if r["variant"] == "constant"}
+    out = {}
+    for v in variants:
+        deltas = [r["gold_positive_rate"] - base[r["seed"]] for r in results if r["variant"] == v and r["seed"] in base]
+        if v != "constant" and deltas:
+            sd = statistics.stdev(deltas) if len(deltas) > 1 else 0.0
+            out[v] = f"{statistics.mean(deltas):+.3f} ± {sd:.3f}"
+    return out
 
 
 if __name__ == "__main__":

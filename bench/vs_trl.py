@@ -1,10 +1,13 @@
 """rlfuse vs TRL on identical work: samples/s, tokens/s, peak memory above idle and the fraction of the compute limit.
 
     pip install -e ".[bench]"                  # TRL pinned (trl==1.16.0)
-    python bench/vs_trl.py                     # workloads (a), (b), (c); writes BENCHMARKS.md (about 15 minutes)
-    python bench/vs_trl.py --workloads c       # one workload
-    python bench/vs_trl.py --small             # every workload at a smaller size, a few minutes; prints only
-    python bench/vs_trl.py --matrix            # the earlier system matrix (TRL/rlfuse variants, k sweep, reward rise)
+    python -m bench.vs_trl                     # workloads (a), (b), (c) (about 15 minutes)
+    python -m bench.vs_trl --workloads c       # one workload
+    python -m bench.vs_trl --small             # every workload at a smaller size, a few minutes; prints only
+    python -m bench.vs_trl --matrix            # the earlier system matrix (TRL/rlfuse variants, k sweep, reward rise)
+
+Each workload writes its section of docs/benchmarks/vs_trl.md and its row of BENCHMARKS.md as soon as it ends; the
+matrix writes its own section of the same page.
 
 Workloads (RLOO on both sides, alternated A B A B, each run its own process):
   (a) worst case: GPT-2 4 x 256 with random weights, prompts of a few tokens, every sample runs to 64 new tokens,
@@ -36,9 +39,9 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from bench.common import (SHARED_DATA, WORK, cuda_peaks_mb, machine, md_table, peak_rss_mb, reset_cuda_peak,  # noqa: E402
-                          reset_peak_rss, rss_mb, run_child, warm_up, write_section)
+from bench.common import (SHARED_DATA, WORK, cuda_peaks_mb, machine, machine_short, md_table,
+                          peak_rss_mb, reset_cuda_peak, reset_peak_rss, rss_mb, run_child, warm_up, write_headline,
+                          write_section)
 
 HH_DATA = SHARED_DATA / "hh_rlhf_harmless_1800.jsonl.gz"
 HH_DIR = WORK / "hh_long_prompts"  # the tiny long-context model, its tokenizer and the prompt file
@@ -95,8 +98,8 @@ def prepare_model(n_layer: int, n_embd: int, out: Path) -> Path:
 
 def prepare_long_prompts(out: Path = HH_DIR, max_new: int = 64, n: int = 400, min_tokens: int = 128) -> Path | None:
     """Workload (c), built once: hh-rlhf conversations up to their last "Assistant:" (rlfuse's own hh_rlhf reader), a
-    tiny GPT-2 with 1024 positions and a BPE tokenizer trained on them (tests/helpers.make_tiny_model), and
-    out/prompts.jsonl with the first `n` prompts of min_tokens .. 1024 - max_new tokens: the long half of the
+    tiny GPT-2 with 1024 positions and a BPE tokenizer trained on them (rlfuse.models.tiny.make_tiny_model, as the
+    tests build theirs), and out/prompts.jsonl with the first `n` prompts of min_tokens .. 1024 - max_new tokens: the long half of the
     conversations (their median is about 107 tokens with this tokenizer), and none that TRL, which does not truncate
     prompts, would run past the context with. None when the data file is absent."""
     if not HH_DATA.exists():
@@ -111,9 +114,7 @@ def prepare_long_prompts(out: Path = HH_DIR, max_new: int = 64, n: int = 400, mi
 
     from rlfuse.config import load_config
     from rlfuse.data.stages import rl_prompts
-
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
-    from helpers import make_tiny_model
+    from rlfuse.models.tiny import make_tiny_model
 
     train, held = rl_prompts(load_config(None, ["data.kind=hh_rlhf", f"data.path={HH_DATA}"]), None, log=lambda *_: None)
     texts = train + held
@@ -305,7 +306,7 @@ def run(name: str, model: Path, k: int, prompts: int, max_new: int, warmup: int,
     args += ["--profile"] if profile else []
     args += ["--lr", str(lr)] if lr is not None else []
     args += ["--trl-default-precision"] if TRL_DEFAULT_PRECISION else []
-    return summarise([run_child(Path(__file__), args, timeout=1800)], warmup)
+    return summarise([run_child("bench.vs_trl", args, timeout=1800)], warmup)
 
 
 def summarise(runs: list[dict], warmup: int) -> dict:
@@ -337,7 +338,8 @@ def summarise(runs: list[dict], warmup: int) -> dict:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = argparse.ArgumentParser(prog="python -m bench.vs_trl", description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--child", action="store_true")
     ap.add_argument("--system")
     ap.add_argument("--algo")
@@ -371,7 +373,8 @@ def main() -> None:
     ap.add_argument("--small", action="store_true",
                     help="workloads at a smaller size (fewer prompts and iterations, one round): a few minutes; "
                          "prints, writes nothing unless --write")
-    ap.add_argument("--write", action="store_true", help="--small: write the sections of BENCHMARKS.md anyway")
+    ap.add_argument("--write", action="store_true",
+                    help="--small: write the sections of docs/benchmarks/vs_trl.md and BENCHMARKS.md's rows anyway")
     ap.add_argument("--trl-default-precision", action="store_true",
                     help="leave TRL's own precision default (bf16 on, also on CPU) instead of fp32 for both")
     a = ap.parse_args()
@@ -385,7 +388,7 @@ def main() -> None:
 
 
 def matrix(a) -> None:
-    """The earlier system matrix on workload (a); writes BENCHMARKS.md's vs_trl section."""
+    """The earlier system matrix on workload (a); writes the vs_trl section of docs/benchmarks/vs_trl.md."""
     t0 = time.time()
     model = prepare_model(a.n_layer, a.n_embd, WORK / f"gpt2-{a.n_layer}x{a.n_embd}")
     W, N = a.warmup, a.iters
@@ -412,11 +415,11 @@ def matrix(a) -> None:
     if a.quick:
         return
     sections = [f"Machine: {json.dumps(machine() | {'trl': __import__('trl').__version__})}", "",
-                f"Command: `python bench/vs_trl.py --matrix` (GPT-2 {a.n_layer} layers x {a.n_embd} dims, random weights, the "
-                f"default task's tokenizer; {a.prompts} prompts x k={a.k} per iteration, up to {a.max_new} new tokens, "
-                f"temperature 1.0, lr {a.lr}, KL coefficient 0.05, AdamW; {W} warm-up + {N} measured iterations per "
-                f"run, {a.rounds} alternated rounds, median iteration; both update in micro-batches of {a.micro_batch} "
-                "completions (trl-rloo-b8: TRL's default per-device batch of 8), dropout off in both; TRL's gradient "
+                f"Command: `python -m bench.vs_trl --matrix` (GPT-2 {a.n_layer} layers x {a.n_embd} dims, random "
+                f"weights, the default task's tokenizer; {a.prompts} prompts x k={a.k} per iteration, up to {a.max_new} "
+                f"new tokens, temperature 1.0, lr {a.lr}, KL coefficient 0.05, AdamW; {W} warm-up + {N} measured "
+                f"iterations per run, {a.rounds} alternated rounds, median iteration; both update in micro-batches of "
+                f"{a.micro_batch} completions (trl-rloo-b8: TRL's default per-device batch of 8), dropout off in both; TRL's gradient "
                 "checkpointing on (its default) and off (-nogc)).", "", "### Throughput and memory, default-task prompts", "", table(res, "trl-rloo"), ""]
     if (SHARED_DATA / "imdb_reviews_2000.csv").exists():
         imdb = {n: run(n, model, a.k, a.prompts, a.max_new, W, N, "imdb") for n in ("trl-rloo", "rlfuse-rloo")}
@@ -470,7 +473,8 @@ def matrix(a) -> None:
     sections.append(f"Wall time of the whole benchmark: {time.time() - t0:.0f} s. Plot: `bench/.work/vs_trl_k.png`.")
     (WORK / "vs_trl.json").write_text(json.dumps({"throughput": res, "memory": {str(k): v for k, v in per_k.items()}}, indent=1, default=str))
     # a GPU run gets its own section, so the CPU tables stay
-    write_section("vs_trl_gpu" if __import__("torch").cuda.is_available() else "vs_trl", "\n".join(sections))
+    write_section("vs_trl_gpu" if __import__("torch").cuda.is_available() else "vs_trl", "\n".join(sections),
+                  page="vs_trl")
     print("\n".join(sections))
 
 
@@ -524,18 +528,44 @@ def mean_prompt_tokens(case: Case) -> float:
 
 def workloads(a) -> None:
     """Workloads (a), (b), (c): TRL RLOO and rlfuse RLOO alternated per case. Each workload's table and target
-    verdicts are printed, and (full size, or --write) written to its own BENCHMARKS.md section as soon as it ends."""
+    verdicts are printed, and (full size, or --write) written to its own section of docs/benchmarks/vs_trl.md and its
+    row of BENCHMARKS.md as soon as it ends."""
+    import os
+
     cases = workload_cases(a)
     for w in dict.fromkeys(c.workload for c in cases):
-        section = measure_workload(a, w, [c for c in cases if c.workload == w])
+        section, results = measure_workload(a, w, [c for c in cases if c.workload == w])
         print(section, flush=True)
         if a.write or not a.small:
             gpu = "_gpu" if __import__("torch").cuda.is_available() else ""
-            write_section(f"vs_trl_workload_{w}{gpu}", section)
+            write_section(f"vs_trl_workload_{w}{gpu}", section, page="vs_trl")
+            figure = headline(w, results)
+            if figure:
+                write_headline(f"vs_trl_{w}{gpu}", figure, f"TRL {__import__('trl').__version__} RLOO, the same work",
+                               workload_command(a, w), machine_short(os.getloadavg()[0]), page="vs_trl")
 
 
-def measure_workload(a, w: str, cases: list[Case]) -> str:
-    """One workload's cases, systems alternated A B A B; -> its markdown section."""
+def workload_command(a, w: str) -> str:
+    return f"python -m bench.vs_trl --workloads {w}" + (" --small" if a.small else "")
+
+
+def headline(w: str, results: dict) -> str | None:
+    """A workload's figure for BENCHMARKS.md: rlfuse RLOO's samples/s and memory above idle against TRL's at the
+    largest k, and for (a) its fraction of the compute limit."""
+    if not results:
+        return None
+    k = max(k for (_, k) in results)
+    t, r = results[(w, k)]["trl-rloo"], results[(w, k)]["rlfuse-rloo"]
+    speed, mem = r["samples_per_s"] / t["samples_per_s"], r["peak_above_idle_mb"] / t["peak_above_idle_mb"]
+    if w == "a":
+        return (f"rlfuse at {r['compute_fraction']:.2f} of the compute limit (target 0.60), TRL at "
+                f"{t['compute_fraction']:.2f}; {speed:.2f}x TRL's samples/s")
+    return f"{speed:.2f}x TRL's samples/s at k={k}, memory above idle {mem:.2f}x"
+
+
+def measure_workload(a, w: str, cases: list[Case]) -> tuple[str, dict]:
+    """One workload's cases, systems alternated A B A B; -> its markdown section, and the results per (workload, k)
+    and system."""
     import os
 
     t0, load0 = time.time(), os.getloadavg()
@@ -562,9 +592,9 @@ def measure_workload(a, w: str, cases: list[Case]) -> str:
     (WORK / f"vs_trl_workload_{w}.json").write_text(json.dumps({f"k{k}": v for (_, k), v in results.items()},
                                                               indent=1, default=str))
     loads = lambda xs: " ".join(f"{x:.2f}" for x in xs)
-    command = f"python bench/vs_trl.py --workloads {w}" + (" --small" if a.small else "")
+    command = workload_command(a, w)
     return "\n".join([
-        f"#### {WORKLOAD_TITLES[w].format(shape=f'{a.n_layer} x {a.n_embd}')}", "",
+        f"### {WORKLOAD_TITLES[w].format(shape=f'{a.n_layer} x {a.n_embd}')}", "",
         f"Command: `{command}`; wall time {time.time() - t0:.0f} s; load average (1, 5, 15 min) {loads(load0)} before, "
         f"{loads(load1)} after (2 cores: above 2, other work shared them). {warmup} warm-up + {iters} measured "
         f"iterations per run, {rounds} alternated round(s). Machine: "
@@ -572,7 +602,7 @@ def measure_workload(a, w: str, cases: list[Case]) -> str:
         md_table(["system", "k", "prompts x k", "max new", "mean prompt tokens", "mean completion tokens", "samples/s",
                   "tokens/s", "median iteration s", "peak above idle MiB", "fraction of compute limit",
                   "compute limit samples/s", "samples/s vs TRL", "memory above idle vs TRL"], rows), "",
-        *target_verdicts(results), ""])
+        *target_verdicts(results), ""]), results
 
 
 def target_verdicts(results: dict) -> list[str]:
