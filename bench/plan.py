@@ -389,7 +389,7 @@ def profile_line(prof) -> str:
     """The profile the predictions came from: its source and how slow two workers computing at once were."""
     from dataclasses import asdict
 
-    from rlfuse.runtime.profile_ray import pair_note
+    from rlfuse.runtime.probe import pair_note
 
     return f"{prof.name}: {prof.source}; {pair_note(asdict(prof), 'its')}"
 

@@ -14,6 +14,7 @@ from rlfuse.algos.kl import kl_penalty
 from rlfuse.config import RLConfig
 from rlfuse.data.chat import end_of_turn_ids
 from rlfuse.data.gold import gold_summary
+from rlfuse.files import write_text_atomic
 from rlfuse.rollout.engine import DecodeEngine, SamplingParams
 from rlfuse.rollout.fusion import Experience, FusionPolicy, generate_rollouts
 from rlfuse.rollout.score import Scorer
@@ -89,7 +90,7 @@ def prompt_difficulty(models, engine: DecodeEngine, prompts: list[list[int]], rl
     difficulty = ([float(len(p)) for p in prompts] if rl.curriculum == "length" else
                   [-r for r in sample_rewards(models, engine, prompts, rl, seed)])
     seconds = time.perf_counter() - t
-    path.write_text(json.dumps({"curriculum": rl.curriculum, "seconds": seconds, "difficulty": difficulty}))
+    write_text_atomic(path, json.dumps({"curriculum": rl.curriculum, "seconds": seconds, "difficulty": difficulty}))
     log(f"[rl] curriculum by {rl.curriculum}: {len(prompts)} train prompts scored in {seconds:.1f} s")
     return difficulty
 
@@ -102,7 +103,7 @@ def evaluate_before(path: Path, models, engine: DecodeEngine, prompts, rl: RLCon
     else:
         metrics, texts = evaluate(models, engine, prompts, rl, seed, gold)
         before = metrics | {"samples": texts[:EVAL_SAMPLES_KEPT]}
-        path.write_text(json.dumps(before, indent=2))
+        write_text_atomic(path, json.dumps(before, indent=2))
     return {k: v for k, v in before.items() if k != "samples"}
 
 

@@ -14,29 +14,33 @@ from typing import Iterator
 
 @contextlib.contextmanager
 def atomic_path(path: str | os.PathLike, suffix: str = ".tmp", keep_existing: bool = False) -> Iterator[Path]:
-    """A temporary sibling of `path` to write a file or a folder into; when the block ends it replaces `path` (a
-    folder's old copy is removed first: a rename cannot replace a non-empty folder). If the block raises, the
-    temporary is removed and `path` is left as it was. keep_existing: a `path` that exists by then (another process
-    finished the same work first, e.g. a shared cache) stands, and ours is dropped; give such writers a suffix of
-    their own (the process id)."""
+    """A temporary sibling of `path` to write a file or a folder into; when the block ends it replaces `path` in one
+    rename. A rename cannot replace a non-empty folder, so an old folder is first renamed aside (`path` + suffix +
+    ".old") and removed after: a crash between the two renames leaves both copies on disk, `path` absent. If the
+    block raises, the temporary is removed and `path` is left as it was.
+
+    keep_existing (a folder several processes may build at once, e.g. a shared cache): a `path` that exists by the
+    end stands and ours is dropped, also when another writer's rename lands first (ours then fails: the folder is
+    not empty); give each writer a suffix of its own (the process id)."""
     path = Path(path)
-    tmp = path.with_name(path.name + suffix)
+    tmp, old = path.with_name(path.name + suffix), path.with_name(path.name + suffix + ".old")
     _remove(tmp)
     try:
         yield tmp
-        if keep_existing and path.exists():
-            _remove(tmp)
+        if keep_existing:
+            if not path.exists():
+                os.replace(tmp, path)
             return
         if tmp.is_dir() and path.is_dir():
-            shutil.rmtree(path)
+            _remove(old)
+            os.replace(path, old)
         os.replace(tmp, path)
+        _remove(old)
     except OSError:
-        _remove(tmp)
-        if not (keep_existing and path.exists()):  # lost the race to another writer: its copy stands
+        if not (keep_existing and path.exists()):  # keep_existing: another writer's copy landed first and stands
             raise
-    except BaseException:
+    finally:
         _remove(tmp)
-        raise
 
 
 def write_text_atomic(path: str | os.PathLike, text: str) -> Path:

@@ -10,6 +10,7 @@ from pathlib import Path
 
 from rlfuse.config import Config, is_hub_id, save_config
 from rlfuse.errors import UserError
+from rlfuse.files import write_text_atomic
 
 
 def make_run_dir(cfg: Config, command: str) -> Path:
@@ -42,11 +43,12 @@ def write_rl_results(run_dir: Path, result: dict) -> Path:
     from rlfuse.metrics.report import write_report
 
     evals = json.dumps({"before": result["before"], "after": result["after"]}, indent=2)
-    (run_dir / "rl" / "eval.json").write_text(evals)
-    (run_dir / "eval.json").write_text(evals)
-    (run_dir / "rl" / "samples_after.json").write_text(json.dumps(result["samples_after"][:EVAL_SAMPLES_KEPT], indent=1))
+    write_text_atomic(run_dir / "rl" / "eval.json", evals)
+    write_text_atomic(run_dir / "eval.json", evals)
+    write_text_atomic(run_dir / "rl" / "samples_after.json", json.dumps(result["samples_after"][:EVAL_SAMPLES_KEPT],
+                                                                        indent=1))
     summary = {"seconds": result["seconds"], **result["prompts"], "model_dir": str(run_dir / "rl" / "model")}
-    (run_dir / "rl" / "summary.json").write_text(json.dumps(summary, indent=2))
+    write_text_atomic(run_dir / "rl" / "summary.json", json.dumps(summary, indent=2))
     return write_report(run_dir)
 
 

@@ -14,20 +14,15 @@ class Algorithm:
     min_k: int
     """Samples per prompt it needs (rl.k): the group baselines need at least two."""
     advantage: str
-    """The estimator: "gae" (per token, from the critic's values) or a key of rlfuse.algos.advantages.ADVANTAGE_FNS
-    (per sample, from the k samples of its prompt)."""
+    """The estimator: "gae" (per token, from the critic's values; rl.whiten_advantages over response tokens) or a key
+    of rlfuse.algos.advantages.ADVANTAGE_FNS (per sample, from the k samples of its prompt; whitened over samples)."""
     kl_in: str
-    """Where the KL penalty to the reference goes: "token_reward" (each token's reward, Ziegler et al.),
-    "sequence_reward" (the sample's reward, Ahmadian et al.) or "loss" (the policy loss, DeepSeekMath)."""
+    """Where the KL penalty to the reference goes: "token_reward" (each token's reward, Ziegler et al.: what GAE
+    reads), "sequence_reward" (the sample's reward, Ahmadian et al.) or "loss" (the policy loss, DeepSeekMath)."""
     kl_estimator: str
     """The per-token KL estimator when rl.kl_estimator is null (k1 | k2 | k3)."""
     groups_prompts: bool
     """A prompt's k samples stay together in one mini-batch (its baseline is their mean)."""
-
-    @property
-    def whitens_over(self) -> str:
-        """rl.whiten_advantages normalises over response "tokens" (one advantage per token) or "samples"."""
-        return "tokens" if self.advantage == "gae" else "samples"
 
 
 ALGORITHMS = {

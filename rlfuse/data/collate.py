@@ -97,7 +97,7 @@ def encode_sft(tokenizer, ex: TextExample, max_length: int, completion_only: boo
 def encode_reward_text(tokenizer, prompt: str, response: str, max_length: int) -> list[int]:
     """Reward-model input: BOS + prompt + response + EOS; truncation keeps the end. The score is read at the rightmost
     token that is not the pad id, and rlfuse's pad id is the EOS id (GPT-2 tokenizers have none), so it is read at the
-    text's last token, the one before this EOS; rollout.score.reward_model_fn builds the same input."""
+    text's last token, the one before this EOS; models/rewards.py reward_model_fn builds the same input."""
     if is_chat(prompt, response):  # the rendered conversation, ending on its end-of-turn id, then EOS as above
         head, tail = encode_chat(tokenizer, prompt or [], response)
         ids = head + tail + ([] if tail[-1] == tokenizer.eos_token_id else [tokenizer.eos_token_id])

@@ -18,7 +18,7 @@ def compute_advantages(exp: Experience, rl: RLConfig, kl_coef: float):
     only pure functions. rl.whiten_advantages whitens over response tokens (gae) or over samples (rloo, grpo)."""
     algo = ALGORITHMS[rl.algo]
     kl = kl_penalty(exp.logprobs, exp.ref_logprobs, rl.kl_estimator_used) * exp.mask
-    if algo.advantage == "gae":  # the KL in each token's reward (Ziegler et al.)
+    if algo.kl_in == "token_reward":  # the KL in each token's reward (Ziegler et al.), advantages by GAE
         rewards = kl_shaped_rewards(exp.scores, kl, exp.mask, kl_coef)
         adv, returns = gae_advantages(rewards, exp.values, exp.mask, rl.gamma, rl.lam)
         mask = exp.mask

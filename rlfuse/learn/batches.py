@@ -55,7 +55,7 @@ def micro_batch_indices(exp: Experience, mini: list[int], size: int, world: int 
                         shared: bool = False) -> list[list[int]]:
     """A mini-batch's micro-batches, every rank's, in order: `size` samples each, or with a token budget (`tokens`,
     rl.micro_batch_tokens) packed by collate.pack_by_tokens, a prompt's samples kept together, similar lengths
-    together, each micro-batch's forward (score.forward_tokens; prompts once when `shared`) within the budget. A
+    together, each micro-batch's forward (models/forward.py forward_tokens; prompts once when `shared`) within the budget. A
     mini-batch too small to give each of `world` ranks a micro-batch is cut into `world` smaller ones
     (plan/spec.py dp_micro_size), so no rank only pads."""
     if tokens is not None:

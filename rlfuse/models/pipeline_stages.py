@@ -11,6 +11,7 @@ from torch import nn
 from transformers.masking_utils import create_causal_mask
 
 from rlfuse.models.heads import backbone_and_head
+from rlfuse.plan.resolve import SPLITTABLE
 
 
 class Stage(nn.Module):
@@ -68,6 +69,12 @@ def layer_bounds(n_layers: int, n_stages: int) -> list[tuple[int, int]]:
 
 
 def _split(body, head, n_stages: int, kind: str) -> list[Stage]:
+    """The stages of `body`; a model whose type plan/resolve.py could not see in advance (a hub id) is checked here
+    as it loads."""
+    model_type = getattr(body.config, "model_type", None)
+    if model_type not in SPLITTABLE or hasattr(body, "peft_config"):
+        raise ValueError(f"a {model_type} model (or one with LoRA adapters) cannot be split into pipeline stages; "
+                         f"splittable: {', '.join(SPLITTABLE)}")
     b = layer_bounds(len(body.h if hasattr(body, "h") else body.layers), n_stages)
     return [Stage(body, lo, hi, s == 0, s == n_stages - 1, head, kind) for s, (lo, hi) in enumerate(b)]
 

@@ -12,7 +12,7 @@ Over any transformers causal LM with a KV cache (our own loop; see docs/benchmar
 - state: while the iterator is suspended, export_state() hands out the unfinished rows and waiting prompts as plain
   data (rollout/state.py) and ends it; resume(state) on any engine with the same weights continues them to the same
   samples. Weights arrive by an explicit copy, load_weights (rollout/weights.py), unless the engine decodes the
-  trainer's own model (decode_context given: a shared base, see models/build.py decode_engine), which needs none.
+  trainer's own model (decode_context given: a shared base, see runtime/local.py decode_engine), which needs none.
 The log-probs recorded are those of the sampled tokens under softmax(logits / temperature), the distribution the
 RL losses optimise; they equal a full forward pass over the finished sequence (tested to 1e-4 in fp32).
 """

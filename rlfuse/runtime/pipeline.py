@@ -68,7 +68,7 @@ class _LastStageView:
     """The last stage as the unsplit model looks to learn/losses.py's loss functions: backbone_and_head finds `body` and the
     LM head (actor); calling it gives values (critic). The body continues from `x`, the previous stage's hidden
     states (the token ids it is given are those same rows: it reads them only on a single stage). No `config`, so
-    score.can_share says no and the micro-batch is collated in full rows, as on the other stages."""
+    models/forward.py can_share says no and the micro-batch is collated in full rows, as on the other stages."""
     base_model_prefix = "body"
 
     def __init__(self, stage: Stage, x: torch.Tensor):

@@ -55,13 +55,9 @@ def other_cores(before: tuple[float, float, float], after: tuple[float, float, f
 
 
 def _worker_runtime_bytes() -> float:
-    """Resident memory of a worker before any model: this process after importing what a Ray worker imports
-    (torch, transformers' model classes: this module's imports; rlfuse's worker), plus what Ray's own worker runtime
-    adds."""
-    try:
-        import rlfuse.runtime.ray_worker  # noqa: F401  (imports Ray where installed)
-    except ImportError:
-        pass
+    """Resident memory of a worker before any model: this process, which has imported what a worker computes with
+    (torch, transformers' model classes, rlfuse's models, rollout and learn: this module's imports), plus what Ray's
+    own worker runtime adds (RAY_WORKER_BYTES, measured against a process with the same imports)."""
     return psutil.Process().memory_info().rss + RAY_WORKER_BYTES
 
 
@@ -258,7 +254,9 @@ def _ray_overheads(shape: ModelShape, threads: int, log) -> dict:
         from rlfuse.runtime.profile_ray import measure_ray_overheads  # Ray (an optional install): only here
 
         return measure_ray_overheads(shape, threads, log)
-    except ImportError:
+    except ImportError as e:
+        if e.name != "ray" and not str(e.name).startswith("ray."):
+            raise
         log("[profile] Ray is not installed: Ray overheads from the built-in profile")
     except Exception as e:  # noqa: BLE001  (Ray's start can fail many ways: ports, /dev/shm, a stale session)
         log(f"[profile] Ray overheads not measured ({type(e).__name__}: {str(e)[:120]}); built-in values used")

@@ -41,9 +41,18 @@ from rlfuse.config import RLConfig
 from rlfuse.learn.losses import micro_policy_loss
 from rlfuse.models.load import model_of_shape
 from rlfuse.plan.cost import DDP_BUCKET_BYTES, ddp_buckets
-from rlfuse.rollout.engine import DecodeEngine, SamplingParams
 from rlfuse.runtime import process
-from rlfuse.runtime.probe import PROBE_PROMPT, PROBE_RESPONSE, fake_experience, fake_samples, spread
+from rlfuse.runtime.probe import (
+    PROBE_PROMPT,
+    PROBE_RESPONSE,
+    decode_chunk,
+    extra_seconds,
+    fake_experience,
+    fake_samples,
+    pair_note,
+    pinned_note,
+    spread,
+)
 from rlfuse.runtime.process import free_port, pin_threads
 from rlfuse.runtime.ray_common import node_address, start_actors
 from rlfuse.runtime.ray_train import DataParallelGroup
@@ -54,22 +63,10 @@ CHUNK_SAMPLES = 16
 """Finished samples a full chunk carries (rollout.score_every)."""
 
 
-CHUNK_ROWS = 8
 PROBE_ROWS, TRAIN_CALLS = 4, 6
 """Rows of a probe training micro-batch, and micro-batches per timed unit (about as long as a decode chunk)."""
 PAIR_ROUNDS = 9
 """Rounds of (one worker alone, both at once) per kind of work: the median over them, and their spread, are kept."""
-
-
-def decode_chunk(model, steps: int) -> float:
-    """Seconds the rollout engine takes to decode CHUNK_ROWS rows for `steps` tokens: a chunk's work, timed the same
-    way in the profile's own process (alone) and on two Ray workers at once."""
-    engine = DecodeEngine(model, eos_token_id=-1, max_rows=64)
-    prompts = [[1 + i, 2, 3, 4] for i in range(CHUNK_ROWS)]
-    t0 = time.perf_counter()
-    with torch.no_grad():
-        list(engine.generate(prompts, 1, SamplingParams(max_new_tokens=steps), seed=0))
-    return time.perf_counter() - t0
 
 
 class ProbeWorker:
@@ -178,20 +175,6 @@ class ProbeWorker:
             dist.destroy_process_group()
 
 
-def extra_seconds(with_it, without, repeats: int) -> float:
-    """Median seconds `with_it()` takes beyond `without()`, at least 0: after one warm-up call of each (DDP's first
-    forward builds its buckets), timed in `repeats` back-to-back pairs, so both sides of a pair see the same load."""
-    with_it(), without()
-    diffs = []
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        with_it()
-        t1 = time.perf_counter()
-        without()
-        diffs.append((t1 - t0) - (time.perf_counter() - t1))
-    return max(0.0, statistics.median(diffs))
-
-
 def _chunk_pattern(workers: list, steps: int, samples: int) -> tuple[float, float]:
     """(median wall seconds of a call beyond the worker's compute, median compute seconds of a call), the workers
     called as the rollout driver calls its generation workers (ray.wait on whichever replies first, then call it
@@ -281,19 +264,3 @@ def measure_ray_overheads(shape, threads: int = 1, log=print, steps: int = 16) -
         f"{out['ddp_allreduce_bytes_s'] / 1e9:.2f} GB/s), training micro-batch +{micro * 1e3:.2f} ms; "
         f"{pinned_note(cores)}; {pair_note(out, PAIR_ROUNDS)}")
     return out
-
-
-def pinned_note(cores: list[list[int]]) -> str:
-    """Where the probe's workers ran: on cores of their own (as a run on a local Ray pins its workers) or not."""
-    if all(cores):
-        return "workers on cores " + " and ".join(",".join(map(str, c)) for c in cores)
-    return "workers not pinned to cores"
-
-
-def pair_note(out: dict, rounds) -> str:
-    """One clause saying how much slower both workers compute at once than one alone, and how far its rounds
-    spread."""
-    spread_of = lambda kind: (f"spread {out[f'pair_{kind}_spread'] * 100:.0f}%" if out[f"pair_{kind}_spread"]
-                              else "spread not measured")  # a profile from before the rounds
-    parts = [f"{kind} {out[f'pair_{kind}_slowdown']:.2f}x ({spread_of(kind)})" for kind in ("decode", "train")]
-    return f"both workers computing at once against one alone, median of {rounds} rounds: {', '.join(parts)}"

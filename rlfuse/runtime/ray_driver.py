@@ -29,6 +29,7 @@ from ray.exceptions import RayActorError, RayTaskError
 from ray.util.placement_group import placement_group
 
 from rlfuse.errors import UserError
+from rlfuse.learn.update import BadSteps
 from rlfuse.plan.check import validate_placement
 from rlfuse.plan.roles import derive_roles
 from rlfuse.plan.spec import ClusterResources, NodeResources, PlacementSpec
@@ -140,10 +141,10 @@ class RayTrainer:
     def learning_rates(self) -> dict:
         return self.rates
 
-    def update(self, exp, adv, returns, kl_coef: float, batches, bad: dict, temperature: float | None = None) -> dict:
+    def update(self, exp, adv, returns, kl_coef: float, batches, bad: BadSteps, temperature: float | None = None) -> dict:
         with self.workers.naming_dead_workers("update"):
             stats, counters, seconds = self.group.update(exp, adv, returns, kl_coef, batches, bad, temperature)
-        vars(bad).update(vars(counters))  # every rank counted the same skipped steps
+        bad.skipped, bad.consecutive, bad.why = counters.skipped, counters.consecutive, counters.why  # every rank's
         ranks = [self.workers.ranks[i] for i in self.workers.trainers]
         key = "train/data_parallel_ranks" if self.train_parallel == "data" else "train/pipeline_stages"
         return stats | {key: len(ranks)} | {

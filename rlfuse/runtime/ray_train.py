@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import os
 import time
 from dataclasses import dataclass, field
 from datetime import timedelta
@@ -31,10 +32,10 @@ from torch.nn.parallel import DistributedDataParallel
 
 from rlfuse.config import Config
 from rlfuse.errors import UserError
-from rlfuse.files import write_text_atomic
+from rlfuse.files import atomic_path, write_text_atomic
 from rlfuse.learn.checkpoint import CHECKPOINT_KEYS, checkpoint_parts, load_checkpoint, save_checkpoint, trainable_state
 from rlfuse.learn.learners import build_learners, learner_sets
-from rlfuse.learn.update import update
+from rlfuse.learn.update import BadSteps, update
 from rlfuse.models.build import build_models
 from rlfuse.models.device import pick_device, seed_everything
 from rlfuse.models.weights import merged_state_dict
@@ -189,7 +190,7 @@ class TrainWorker:
         for learners in learner_sets(self.learners):  # DDP copies rank 0's weights to every rank as it wraps
             self.group.wrap([learner.module for learner in learners])
 
-    def update(self, exp: Experience, adv, returns, kl_coef: float, batches: list[list[int]], bad: dict,
+    def update(self, exp: Experience, adv, returns, kl_coef: float, batches: list[list[int]], bad: BadSteps,
                temperature: float | None = None) -> dict:
         """One update on this rank's share of the experience (sampled at `temperature`, None: rl.temperature); every
         rank returns the same {"stats", "bad"}."""
@@ -219,20 +220,41 @@ class TrainWorker:
             refs.append(ray.put(bucket))  # serialised now: later steps cannot change what was sent
         return WeightRefs(refs, nbytes, time.perf_counter() - t)
 
+    def save_stage_state(self, path: str, iteration: int) -> None:
+        """Pipeline stages: this rank's optimiser states of `iteration`, one file per rank beside the checkpoint
+        (checkpoint.pt.stage<rank>), the previous one kept as .prev: a run killed between the ranks' writes and rank
+        0's checkpoint resumes from the previous checkpoint with the stage files of its iteration."""
+        if self.pipeline is None:
+            return
+        current = Path(f"{path}.stage{self.rank}")
+        if current.exists():
+            os.replace(current, current.with_name(current.name + ".prev"))
+        with atomic_path(current) as tmp:
+            torch.save({"iteration": iteration, "state": self.pipeline.optimizer_state()}, tmp)
+
     def save_checkpoint(self, path: str, iteration: int, kl_coef: float, counters: dict) -> None:
         """Rank 0 writes learn/checkpoint.py's file (replicas are whole; others return at once)."""
         if self.rank == 0:
             save_checkpoint(Path(path), **dict(zip(CHECKPOINT_KEYS, checkpoint_parts(self.models, self.learners))),
                             iteration=iteration, kl_coef=kl_coef, counters=counters)
-        if self.pipeline is not None:  # the stages' optimiser states, one file per rank beside the checkpoint
-            torch.save(self.pipeline.optimizer_state(), f"{path}.stage{self.rank}")
 
     def load_checkpoint(self, path: str) -> dict:
         """Every rank restores the same file; returns its iteration, kl_coef and counters."""
         state = load_checkpoint(Path(path), *checkpoint_parts(self.models, self.learners))
         if self.pipeline is not None:
-            self.pipeline.load_optimizer_state(torch.load(f"{path}.stage{self.rank}", weights_only=False))
+            self.pipeline.load_optimizer_state(self._stage_state_of(Path(f"{path}.stage{self.rank}"), state["iteration"]))
         return {k: state[k] for k in ("iteration", "kl_coef", "counters")}
+
+    @staticmethod
+    def _stage_state_of(current: Path, iteration: int) -> dict:
+        """The stage file (this one or the previous) saved at `iteration`, the checkpoint's."""
+        for f in (current, current.with_name(current.name + ".prev")):
+            if f.exists():
+                saved = torch.load(f, weights_only=False)
+                if saved.get("iteration") == iteration:
+                    return saved["state"]
+        raise UserError(f"{current}: no pipeline stage state of the checkpoint's iteration {iteration} (the run was "
+                        "stopped while saving it and the previous one is gone); start the RL stage again")
 
     def trainable_state(self) -> dict:
         """{role: {name: tensor}} of what trains (tests compare ranks and processes with it)."""
@@ -252,7 +274,7 @@ class TrainGroup:
     """The driver's handle on the training ranks: step 4 of the RL loop and the trainer side of weight sync."""
     workers: list
 
-    def update(self, exp: Experience, adv, returns, kl_coef: float, batches: list[list[int]], bad: dict,
+    def update(self, exp: Experience, adv, returns, kl_coef: float, batches: list[list[int]], bad: BadSteps,
                temperature: float | None = None) -> tuple[dict, dict, list[float]]:
         """-> (stats, bad counters, seconds per rank) of learn/update.py's update run data-parallel; the experience goes once into
         the object store and every rank reads it from there."""
@@ -272,7 +294,9 @@ class TrainGroup:
         return ray.get(self.workers[0].actor_weights.remote(bucket_bytes, role))
 
     def save_checkpoint(self, path, iteration: int, kl_coef: float, counters: dict) -> None:
-        # every rank: with pipeline stages each saves its own optimiser states (data parallel: only rank 0 writes)
+        # with pipeline stages every rank saves its own optimiser states first, then rank 0 the checkpoint: a kill
+        # in between leaves the previous checkpoint, whose stage files it never reads again (the new ones are newer)
+        ray.get([w.save_stage_state.remote(str(path), iteration) for w in self.workers])
         ray.get([w.save_checkpoint.remote(str(path), iteration, kl_coef, counters) for w in self.workers])
 
     def load_checkpoint(self, path) -> dict:

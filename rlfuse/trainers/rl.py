@@ -55,6 +55,7 @@ from rlfuse.models.device import setup_runtime
 from rlfuse.models.load import save_trained_model
 from rlfuse.models.rewards import attach_rows, reset_reward_metrics, reward_metrics
 from rlfuse.plan.planner import predicted_memory
+from rlfuse.plan.resolve import resolve
 from rlfuse.rollout.fusion import FusionPolicy
 from rlfuse.runtime.backend import build_placement, uses_ray
 from rlfuse.runtime.local import LocalTrainer, decode_engine, local_scorer, sync_weights
@@ -80,6 +81,7 @@ def train_rl(cfg: Config, run_dir: Path, log=print, resume: bool = False, on_rea
     """The RL stage: build -> loop -> save the policy. Returns {"before", "after", "samples_after", "seconds"}; the
     CLI writes eval.json and the report. on_ready(models), if given, is called once the models are loaded, before
     the first iteration (benchmarks read the idle memory footprint there)."""
+    cfg = resolve(cfg, log)  # a Config used directly (the API and the CLI resolved theirs: this changes nothing)
     rl, t_start, seed = cfg.rl, time.perf_counter(), cfg.run.seed
     if not (run_dir / "config.yaml").exists():  # called as a library rather than through the CLI
         save_config(cfg, run_dir)

@@ -17,6 +17,7 @@ from rlfuse.data.collate import encode_pair, pair_batch
 from rlfuse.data.prompts import check_max_length, model_context
 from rlfuse.data.stages import preference_pairs
 from rlfuse.errors import UserError
+from rlfuse.files import write_text_atomic
 from rlfuse.learn.batches import batch_indices
 from rlfuse.learn.optim import build_optimizer, clip_and_step
 from rlfuse.metrics.progress import Progress
@@ -119,8 +120,8 @@ def train_rm(cfg: Config, run_dir: Path, log=print, on_trained=None) -> RMResult
     if on_trained is not None:
         on_trained(model)
     result = RMResult(model_dir, final["eval/accuracy"], final["eval/margin"], time.perf_counter() - t0)
-    (out / "summary.json").write_text(json.dumps({"accuracy": result.accuracy, "margin": result.margin,
-                                                   "seconds": result.seconds, "model_dir": str(model_dir)}, indent=2))
+    write_text_atomic(out / "summary.json", json.dumps({"accuracy": result.accuracy, "margin": result.margin,  # resume
+                                                        "seconds": result.seconds, "model_dir": str(model_dir)}, indent=2))
     tracker.close()
     log(f"[rm] done in {result.seconds:.0f}s: held-out accuracy {result.accuracy:.3f}, margin {result.margin:.2f}")
     return result

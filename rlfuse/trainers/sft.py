@@ -22,6 +22,7 @@ from rlfuse.data.gold import gold_summary
 from rlfuse.data.prompts import check_max_length, model_context
 from rlfuse.data.stages import rl_prompts, sft_examples
 from rlfuse.data.task import build_default_task
+from rlfuse.files import write_text_atomic
 from rlfuse.learn.batches import batch_indices
 from rlfuse.learn.optim import build_optimizer, clip_and_step
 from rlfuse.metrics.progress import Progress
@@ -125,7 +126,7 @@ def train_sft(cfg: Config, run_dir: Path, log=print, on_trained=None) -> SFTResu
     summary = {"val_loss": result.val_loss, "perplexity": result.perplexity, "seconds": result.seconds,
                "grammatical_rate": result.grammatical_rate, "gold_positive_rate": result.gold_positive_rate,
                "model_dir": str(model_dir)}
-    (out / "summary.json").write_text(json.dumps(summary, indent=2))
+    write_text_atomic(out / "summary.json", json.dumps(summary, indent=2))  # `rlfuse run --resume` reads it
     tracker.close()
     log(f"[sft] done in {result.seconds:.0f}s: val loss {val:.3f}, perplexity {result.perplexity:.2f}"
         + (f", grammatical rate {result.grammatical_rate:.3f}" if result.grammatical_rate is not None else ""))

@@ -137,3 +137,25 @@ def test_the_comparison_can_fail(setting, tmp_path):
         for role in one:
             for n in one[role]:
                 torch.testing.assert_close(other[role][n], one[role][n])
+
+
+def test_a_rejected_schedule_is_never_run(monkeypatch):
+    """A schedule the checker rejects (a backward before its forward) stops the update before any rank runs it."""
+    import rlfuse.runtime.pipeline as pipeline
+    from rlfuse.config import RLConfig
+    from rlfuse.schedule.model import ScheduleError, Task
+
+    real = pipeline.serial
+
+    def broken(prob):
+        sched = real(prob)
+        o = sched.orders[1]
+        i, j = o.index(Task(0, 0, 1, "F", 0)), o.index(Task(0, 0, 1, "B", 0))
+        o[i], o[j] = o[j], o[i]
+        return sched
+
+    monkeypatch.setattr(pipeline, "serial", broken)
+    trainer = pipeline.PipelineTrainer("pipeline_serial", RLConfig(), 0, rank=0, world=2, parts={}, tied_group=None)
+    with pytest.raises(ScheduleError):
+        trainer.plan(2)
+    assert trainer.plans == {}

@@ -218,3 +218,17 @@ def test_kl_estimator_default_and_grpo_loss_use_the_configured_one():
         rl = load_config(None, ["rl.algo=grpo", "rl.k=2", f"rl.kl_estimator={est}"]).rl
         _, _, kl = compute_advantages(exp, rl, 0.1)
         assert_close(kl, kl_penalty(lp, ref, est))
+
+
+def test_the_algorithm_table_is_consistent():
+    """config/algorithms.py: each row names an estimator that exists, and the properties that go together do (GAE
+    reads per-token rewards and needs the critic's values; a group baseline needs a prompt's samples together)."""
+    from rlfuse.algos.advantages import ADVANTAGE_FNS
+    from rlfuse.config.algorithms import ALGORITHMS
+
+    assert set(ALGORITHMS) == {"ppo", "rloo", "grpo"}
+    for name, a in ALGORITHMS.items():
+        assert a.name == name and a.kl_estimator in KL_ESTIMATORS
+        assert a.advantage == "gae" or a.advantage in ADVANTAGE_FNS
+        assert (a.advantage == "gae") == (a.kl_in == "token_reward") == a.critic, name
+        assert (a.kl_in in ("token_reward", "sequence_reward", "loss")) and a.groups_prompts == (a.min_k >= 2), name

@@ -157,19 +157,21 @@ def heavy_at_import(graph: dict[str, set[str]]) -> dict[str, set[str]]:
         parts = m.split(".")
         graph[m] |= {".".join(parts[:i]) for i in range(1, len(parts))} & set(MODULES)
     out: dict[str, set[str]] = {}
+    in_progress: set[str] = set()
 
-    def visit(m, seen):
+    def visit(m):
         if m in out:
             return out[m]
-        seen.add(m)
+        in_progress.add(m)  # the module-level graph has no cycle (test above); this only guards the recursion
         got = set(direct[m])
-        for d in graph[m] - seen:
-            got |= visit(d, seen)
+        for d in graph[m] - in_progress:
+            got |= visit(d)
+        in_progress.discard(m)
         out[m] = got
         return got
 
     for m in MODULES:
-        visit(m, set())
+        visit(m)
     return out
 
 

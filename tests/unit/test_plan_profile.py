@@ -51,9 +51,9 @@ def test_probe_worker_in_process(monkeypatch):
     import torch.distributed as dist
 
     pytest.importorskip("ray", reason="ray is not installed: the Ray probe's module imports it")
-    from rlfuse.runtime.probe import fake_samples
+    from rlfuse.runtime.probe import decode_chunk, fake_samples
     from rlfuse.runtime.process import free_port
-    from rlfuse.runtime.profile_ray import ProbeWorker, decode_chunk
+    from rlfuse.runtime.profile_ray import ProbeWorker
 
     tiny = gpt2_shape("tiny", 2, 64, 2, 256, 128)
     w = ProbeWorker(tiny, 0, 1)
@@ -97,9 +97,7 @@ def test_an_older_single_ray_slowdown_becomes_the_pair_slowdowns(tmp_path):
 
 
 def test_pair_spread_in_the_note():
-    pytest.importorskip("ray", reason="ray is not installed: the Ray probe's module imports it")
-    from rlfuse.runtime.probe import spread
-    from rlfuse.runtime.profile_ray import pair_note
+    from rlfuse.runtime.probe import pair_note, spread
 
     assert spread([1.0, 1.2, 1.1]) == pytest.approx(0.2 / 1.1)
     quiet = {"pair_decode_slowdown": 1.1, "pair_train_slowdown": 1.3, "pair_decode_spread": 0.05,
@@ -184,8 +182,7 @@ def test_core_list_and_when_auto_pins():
 def test_extra_seconds_is_the_median_paired_difference():
     import time
 
-    pytest.importorskip("ray", reason="ray is not installed: the Ray probe's module imports it")
-    from rlfuse.runtime.profile_ray import extra_seconds
+    from rlfuse.runtime.probe import extra_seconds
 
     calls = []
     slow = lambda: (calls.append("slow"), time.sleep(0.004))

@@ -137,6 +137,8 @@ def test_prompt_rows_carry_the_other_columns(tmp_path):
 def test_a_ray_scoring_worker_reads_the_columns_the_driver_sends(tiny_task):
     """Placement workers build their reward from folders and names; the prompts' rows travel in RolloutSettings."""
     from rlfuse.models.load import load_tokenizer
+
+    pytest.importorskip("ray", reason="ray is not installed: the runtime's Ray modules import it")
     from rlfuse.runtime.ray_rollout import GenerationWorker, RolloutSettings, WorkerModels
 
     base = str(tiny_task.model_dir)

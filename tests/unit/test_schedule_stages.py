@@ -62,3 +62,10 @@ def test_critic_stages_give_the_value_models_values(lm):
 def test_what_cannot_be_split_says_why(lm):
     with pytest.raises(ValueError, match="cannot split 2 layers into 3"):
         split_actor(lm, 3)
+
+
+def test_a_model_of_another_type_is_refused_as_it_loads(lm, monkeypatch):
+    """plan/resolve.py checks what it can see before a run; a model named by hub id is checked here, as it loads."""
+    monkeypatch.setattr(lm.config, "model_type", "bloom")
+    with pytest.raises(ValueError, match="a bloom model .* cannot be split into pipeline stages; splittable: gpt2"):
+        split_actor(lm, 2)
