@@ -66,11 +66,11 @@ def run(ns) -> int:
         if ns.profile:
             from rlfuse.runtime.profile import measure_profile  # torch and Ray: only when measuring
 
-            path = Path(ns.profile_path) if ns.profile_path else default_profile_path()
+            path = Path(ns.profile_path) if ns.profile_path else default_profile_path(policy_shape(cfg.model))
             threads = int(ns.cpus_per_worker or cfg.placement.cpus_per_worker)
             measure_profile(policy_shape(cfg.model), threads=max(1, threads), log=log).save(path)
             log(f"[plan] machine profile written to {path}")
-        profile = load_profile(ns.profile_path, log=log)
+        profile = load_profile(ns.profile_path, log=log, shape=policy_shape(cfg.model))
         lengths = None
         if ns.lengths_from:
             lengths = measured_lengths(ns.lengths_from)

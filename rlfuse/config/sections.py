@@ -61,6 +61,9 @@ class DataConfig:
     """Hub data sets: the configuration name (e.g. `main` for openai/gsm8k)."""
     split: str = "train"
     """Hub data sets: the split to read; rlfuse holds out data.eval_fraction of it itself."""
+    conversational: bool = False
+    """hh_rlhf: the Human / Assistant transcripts as message lists (user / assistant turns), so that a chat model
+    reads, is trained on and answers them in its own chat template; false: the transcripts as plain text."""
     chat_template: Optional[str] = None
     """Conversational rows are rendered with the tokenizer's chat template; this sets one: `chatml`, a .jinja file,
     or the template text (saved with the SFT model's tokenizer)."""
@@ -87,6 +90,11 @@ class DataConfig:
     """Tokens per training sequence; longer ones are truncated."""
     prompt_words: int = 4
     """Synthetic task: words of a held-out review used as an RL/eval prompt (2..prompt_words)."""
+    arithmetic_steps: int = 1
+    """Arithmetic task: 1 (a sum, or the larger or smaller of two numbers) | 2 (a number changed twice: gets some,
+    then gives some away, or the other way round)."""
+    max_operand: int = 9
+    """Arithmetic task: the largest number in a problem."""
 
 
 @dataclass

@@ -66,6 +66,10 @@ def validate(cfg: Config) -> Config:
     if d.path and d.kind != "synthetic" and not Path(d.path).exists() and _looks_like_path(d.path):
         raise ConfigError("data.path", f"file {d.path!r} not found", "point data.path at an existing file")
     _positive(d, "data", "num_reviews", "max_length", "prompt_words")
+    if d.arithmetic_steps not in (1, 2):
+        raise ConfigError("data.arithmetic_steps", f"{d.arithmetic_steps} is not one of 1, 2", "set 1 or 2")
+    if d.max_operand < 4:
+        raise ConfigError("data.max_operand", f"must be >= 4, got {d.max_operand}", "set e.g. data.max_operand=9")
     if d.prompt_words < 2:
         raise ConfigError("data.prompt_words", f"must be >= 2, got {d.prompt_words}", "set data.prompt_words=4")
     if d.max_examples is not None:

@@ -1,5 +1,7 @@
-"""The second embedded task: small arithmetic word problems with a verifiable answer (`data.kind=arithmetic`):
-sums of two small numbers, and the larger or smaller of two numbers.
+"""The second embedded task: small arithmetic word problems with a verifiable answer (`data.kind=arithmetic`): at
+data.arithmetic_steps=1 sums of two small numbers and the larger or smaller of two numbers (a tiny model learns
+them); at 2 a number changed twice (gets some, then gives some away, or the other way round), which a 135M-parameter
+pretrained model answers only now and then after learning the format, so RL has room to teach it.
 
 Offline like the first: problems are generated from a seed, each row a TRL prompt-completion row with the
 ground truth in its own column, `{"prompt", "completion", "answer"}`. SFT learns the answer format from the
@@ -18,6 +20,10 @@ ADD = ("{n} has {a} {t} and gets {b} more. How many {t} does {n} have now?",
        "{n} had {a} {t}. A friend gave {n} {b} {t}. How many {t} does {n} have?")
 MORE = "{n} has {a} {t} and {m} has {b} {t}. How many {t} does the one with more have?"
 FEWER = "{n} has {a} {t} and {m} has {b} {t}. How many {t} does the one with fewer have?"
+GET_THEN_GIVE = ("{n} has {a} {t}, gets {b} more and then gives {c} to {m}. How many {t} does {n} have now?",
+                 "{n} had {a} {t}. {m} gave {n} {b} {t}, and then {n} lost {c}. How many {t} does {n} have now?")
+GIVE_THEN_GET = ("{n} has {a} {t}, gives {c} to {m} and then gets {b} more. How many {t} does {n} have now?",
+                 "{n} had {a} {t}, sold {c} of them and then found {b} more. How many {t} does {n} have now?")
 
 
 def problem(rng: random.Random, max_operand: int) -> dict:
@@ -35,9 +41,25 @@ def problem(rng: random.Random, max_operand: int) -> dict:
     return {"prompt": f"Question: {question}\nAnswer:", "completion": f" {answer}", "answer": str(answer)}
 
 
-def problems(n: int, seed: int, max_operand: int = 9) -> list[dict]:
+def two_step_problem(rng: random.Random, max_operand: int) -> dict:
+    """A number changed twice, each operand up to max_operand: a + b - c (c below a + b), or a - c + b (c below a)."""
+    n, m = rng.sample(NAMES, 2)
+    t = rng.choice(THINGS)
+    a, b = rng.randint(2, max_operand), rng.randint(1, max_operand)
+    if rng.random() < 0.5:
+        c = rng.randint(1, min(max_operand, a + b - 1))
+        question, answer = rng.choice(GET_THEN_GIVE).format(n=n, m=m, a=a, b=b, c=c, t=t), a + b - c
+    else:
+        c = rng.randint(1, a - 1)
+        question, answer = rng.choice(GIVE_THEN_GET).format(n=n, m=m, a=a, b=b, c=c, t=t), a - c + b
+    return {"prompt": f"Question: {question}\nAnswer:", "completion": f" {answer}", "answer": str(answer)}
+
+
+def problems(n: int, seed: int, max_operand: int = 9, steps: int = 1) -> list[dict]:
+    """n problems of `steps` operations (data.arithmetic_steps: 1 or 2) on numbers up to max_operand."""
     rng = random.Random(seed)
-    return [problem(rng, max_operand) for _ in range(n)]
+    make = problem if steps == 1 else two_step_problem
+    return [make(rng, max_operand) for _ in range(n)]
 
 
 def wrong_completion(row: dict, rng: random.Random) -> str:

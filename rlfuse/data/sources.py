@@ -182,6 +182,19 @@ def imdb_reviews(cfg: Config, log=print) -> list[tuple[str, int]]:
     return out
 
 
+def hh_messages(transcript: str) -> list[dict]:
+    """An hh-rlhf transcript ("\n\nHuman: ... \n\nAssistant: ...") as TRL's message list, Human turns as the user's
+    and Assistant turns as the assistant's (an empty trailing "Assistant:", the prompt's end, leaves no turn)."""
+    parts = re.split(r"\n\n(Human|Assistant):", "\n\n" + transcript.strip())
+    turns = [{"role": "user" if who == "Human" else "assistant", "content": text.strip()}
+             for who, text in zip(parts[1::2], parts[2::2])]
+    return [t for t in turns if t["content"] or t["role"] == "user"]
+
+
+def assistant(text: str) -> list[dict]:
+    return [{"role": "assistant", "content": text}]
+
+
 def split_hh(conversation: str) -> tuple[str, str]:
     """hh-rlhf text -> (prompt ending in 'Assistant:', final assistant response)."""
     i = conversation.rfind(HH_ASSISTANT)
@@ -199,7 +212,10 @@ def hh_pairs(cfg: Config, log=print) -> list[PreferencePair]:
         prompt, chosen = split_hh(_clean(r.get(chosen_col)))
         prompt_r, rejected = split_hh(_clean(r.get(rejected_col)))
         if skip.keep(chosen, rejected) and chosen != rejected:
-            out.append(PreferencePair(prompt or prompt_r, chosen, rejected))
+            if cfg.data.conversational:  # the chat format: the turns before the last reply, each reply its own turn
+                out.append(PreferencePair(hh_messages(prompt or prompt_r), assistant(chosen), assistant(rejected)))
+            else:
+                out.append(PreferencePair(prompt or prompt_r, chosen, rejected))
     out = out[: cfg.data.max_examples] if cfg.data.max_examples else out
     skip.finish(len(out), log)
     return out

@@ -49,6 +49,13 @@ class ModelShape:
     """Output head shares the input embedding (GPT-2); Llama-2 has its own."""
 
     @property
+    def key(self) -> str:
+        """The shape in one short token, for a profile's file name: gpt2-L4-H128-h4-V1024, llama-L30-H576-h9-kv3-..."""
+        kind = "llama" if self.gated else "gpt2"
+        kv = f"-kv{self.kv_heads}" if self.kv_heads and self.kv_heads != self.heads else ""
+        return f"{kind}-L{self.layers}-H{self.hidden}-h{self.heads}{kv}-F{self.ffn}-V{self.vocab}"
+
+    @property
     def head_dim(self) -> int:
         return self.hidden // self.heads
 
@@ -259,6 +266,9 @@ class MachineProfile:
     """Allocator slack on top of the tensors (fragmentation, caching allocator rounding)."""
     source: str = ""
     """Where the figures come from: a profile run (date, machine) or a datasheet."""
+    shape: str = ""
+    """The model shape the rates were measured on (ModelShape.key; "" for a datasheet or an older profile): rates
+    per FLOP and per layer call depend on the matrices' sizes, so a profile serves the model it was measured on."""
 
     def to_json(self) -> str:
         return json.dumps(asdict(self), indent=2)

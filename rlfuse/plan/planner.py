@@ -558,7 +558,7 @@ def plan_config(cfg, log=None, **kw) -> list[Plan]:
     built-in one). Keyword arguments go to problem_from_config."""
     budget = cfg.placement.memory_per_worker_gb
     kw.setdefault("memory_budget", budget * GiB if budget else None)
-    return plan(problem_from_config(cfg, load_profile(log=log), **kw))
+    return plan(problem_from_config(cfg, load_profile(log=log, shape=policy_shape(cfg.model)), **kw))
 
 
 def resolve_auto(cfg, log=None):
@@ -582,7 +582,7 @@ def resolve_auto(cfg, log=None):
 
 def _configured_memory(cfg):
     """(memory inputs with the config's micro-batch, checkpointing and lengths; the workload; the profile)."""
-    prob = problem_from_config(cfg, load_profile())
+    prob = problem_from_config(cfg, load_profile(shape=policy_shape(cfg.model)))
     w = prob.workload
 
     m = replace(prob.memory, train_rows=cfg.rl.micro_batch_size, checkpointing=checkpointing_on(cfg),

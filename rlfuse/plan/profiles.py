@@ -10,7 +10,7 @@ from dataclasses import replace
 from pathlib import Path
 
 from rlfuse.errors import UserError
-from rlfuse.plan.cost import GiB, MachineProfile
+from rlfuse.plan.cost import GiB, MachineProfile, ModelShape
 
 SYNC_LATENCY_S = 0.02
 """Ray object-store put + get round trip of a weight sync, fixed part: not measured by the profile (starting Ray
@@ -49,13 +49,22 @@ said nothing of it: 0.2-1.3 idle, and one busy process next to the probe doubled
 stayed at 0.1-0.7."""
 
 
-def default_profile_path() -> Path:
-    return Path(os.environ.get("RLFUSE_CACHE", Path.home() / ".cache" / "rlfuse")) / "machine_profile.json"
+def default_profile_path(shape: ModelShape | None = None) -> Path:
+    """$RLFUSE_CACHE/machine_profile-<shape>.json for a model shape (where `rlfuse plan CONFIG --profile` writes the
+    profile of CONFIG's model), machine_profile.json without one (what older rlfuse wrote for any model)."""
+    root = Path(os.environ.get("RLFUSE_CACHE", Path.home() / ".cache" / "rlfuse"))
+    return root / ("machine_profile.json" if shape is None else f"machine_profile-{shape.key}.json")
 
 
-def load_profile(path: str | Path | None = None, log=None) -> MachineProfile:
-    """The profile at `path` (or the default path); BUILTIN_CPU, with a log line, when there is none."""
-    p = Path(path) if path else default_profile_path()
+def load_profile(path: str | Path | None = None, log=None, shape: ModelShape | None = None) -> MachineProfile:
+    """The profile at `path`; else the one measured on `shape` (the model planned for), else the generic
+    machine_profile.json (said in a log line when it was measured on another shape); else BUILTIN_CPU, said too."""
+    p = Path(path) if path else default_profile_path(shape)
+    if not path and shape is not None and not p.is_file():
+        p = default_profile_path()
+        if log and p.is_file() and MachineProfile.load(p).shape not in ("", shape.key):
+            log(f"[plan] {p} was measured on a {MachineProfile.load(p).shape} model, not this {shape.key}: its rates "
+                f"per FLOP and per call are off for this one; `rlfuse plan CONFIG --profile` measures this model's")
     if p.is_file():
         profile = _with_overheads(MachineProfile.load(p), p, log)
         if log and profile.other_cores > BUSY_CORES:

@@ -218,7 +218,7 @@ def measure_profile(shape: ModelShape | None = None, threads: int = 1, device: s
     return MachineProfile(
         name=name, device=device, threads=threads, **rates, sync_latency_s=SYNC_LATENCY_S, ray_call_s=driver_s,
         **((BUILTIN_OVERHEADS if device == "cpu" else GPU_OVERHEADS) | overheads),
-        memory_bytes=float(memory), runtime_bytes=float(runtime), slack_fraction=0.1, other_cores=others,
+        memory_bytes=float(memory), runtime_bytes=float(runtime), slack_fraction=0.1, other_cores=others, shape=shape.key,
         source=f"rlfuse plan --profile, {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}, {shape.name}, "
                f"load average {os.getloadavg()[0]:.1f}, contention {contention:.2f} (rates divided by it), each "
                f"rate fitted to the fastest of {PASSES} passes' timings (moved most over the passes: {widest}, "

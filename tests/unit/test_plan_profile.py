@@ -34,6 +34,28 @@ def test_no_profile_file_falls_back_to_builtin(tmp_path, monkeypatch):
     assert "no machine profile" in said[0] and str(tmp_path) in said[0]
 
 
+def test_a_profile_serves_the_model_shape_it_was_measured_on(tmp_path, monkeypatch):
+    """`rlfuse plan CONFIG --profile` writes machine_profile-<shape>.json; planning that model reads it, another model
+    falls back to the generic file (saying it was measured on another shape) or to the built-in profile."""
+    from dataclasses import replace
+
+    from rlfuse.plan.cost import KNOWN_SHAPES, gpt2_shape
+    from rlfuse.plan.profiles import default_profile_path
+
+    monkeypatch.setenv("RLFUSE_CACHE", str(tmp_path))
+    smol, tiny = KNOWN_SHAPES["smollm2-135m-instruct"], gpt2_shape("embedded", 4, 128, 4, 1024, 512)
+    assert default_profile_path(smol).name == "machine_profile-llama-L30-H576-h9-kv3-F1536-V49152.json"
+    own = replace(BUILTIN_CPU, name="smol", shape=smol.key).save(default_profile_path(smol))
+    generic = replace(BUILTIN_CPU, name="tiny", shape=tiny.key).save(default_profile_path())
+    said = []
+    assert load_profile(shape=smol, log=said.append).name == "smol" and said == []
+    other = KNOWN_SHAPES["gpt2"]
+    assert load_profile(shape=other, log=said.append).name == "tiny"
+    assert f"measured on a {tiny.key} model, not this {other.key}" in said[0]
+    own.unlink(), generic.unlink()
+    assert load_profile(shape=smol) == BUILTIN_CPU
+
+
 def test_a_broken_profile_file_is_one_line(tmp_path):
     import pytest
 

@@ -123,6 +123,21 @@ def test_arithmetic_problems_and_exact_match():
     assert exact_match(["q"] * 4, [" 12", "12 apples", " 13", "none"], ["12", "12", "12", "12"]) == [1.0, 1.0, 0.0, 0.0]
 
 
+def test_two_step_arithmetic_problems_by_hand():
+    """data.arithmetic_steps=2: a number changed twice, in the order the question tells it, never below zero."""
+    rows = problems(200, seed=5, max_operand=30, steps=2)
+    assert rows == problems(200, seed=5, max_operand=30, steps=2)
+    for r in rows:
+        a, x, y = map(int, re.findall(r"\d+", r["prompt"])[:3])
+        gets_first = "more and then" in r["prompt"] or "gave" in r["prompt"]
+        assert int(r["answer"]) == (a + x - y if gets_first else a - x + y) >= 0, r["prompt"]
+        assert max(a, x, y) <= 30
+    assert {("more and then" in r["prompt"] or "gave" in r["prompt"]) for r in rows} == {True, False}
+    assert load_config(None, ["data.kind=arithmetic", "data.arithmetic_steps=2"]).data.arithmetic_steps == 2
+    with pytest.raises(ConfigError, match="data.arithmetic_steps: 3 is not one of 1, 2"):
+        load_config(None, ["data.kind=arithmetic", "data.arithmetic_steps=3"])
+
+
 def test_prompt_rows_carry_the_other_columns(tmp_path):
     path = tmp_path / "gsm.jsonl"
     path.write_text("".join(json.dumps({"question": f"What is {i}+{i}?", "answer": str(2 * i), "level": i % 3}) + "\n"

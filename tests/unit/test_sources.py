@@ -5,7 +5,7 @@ import pytest
 
 from helpers import HH_JSONL, IMDB_CSV
 from rlfuse.config import load_config
-from rlfuse.data.sources import hh_pairs, imdb_reviews, read_records, split_hh
+from rlfuse.data.sources import hh_messages, hh_pairs, imdb_reviews, read_records, split_hh
 from rlfuse.data.stages import preference_pairs, rl_prompts, sft_examples
 from rlfuse.errors import DataError
 
@@ -96,6 +96,25 @@ def test_generic_parquet(tmp_path):
 def test_split_hh():
     assert split_hh("\n\nHuman: hi\n\nAssistant: hello\n\nHuman: bye\n\nAssistant: ciao") == (
         "\n\nHuman: hi\n\nAssistant: hello\n\nHuman: bye\n\nAssistant:", "ciao")
+
+
+def test_hh_transcripts_as_chat_messages():
+    prompt, reply = split_hh("\n\nHuman: hi\n\nAssistant: hello\n\nHuman: bye\n\nAssistant: ciao")
+    assert hh_messages(prompt) == [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "hello"},
+                                   {"role": "user", "content": "bye"}]
+    assert reply == "ciao"
+
+
+@needs_hh
+def test_real_hh_rlhf_as_conversations():
+    """data.conversational: the same pairs, each a user/assistant message list ending on the user's turn, and one
+    assistant reply each (what a chat model's template renders)."""
+    pairs = hh_pairs(cfg_for("hh_rlhf", HH_JSONL, "data.conversational=true"))
+    plain = hh_pairs(cfg_for("hh_rlhf", HH_JSONL))
+    assert len(pairs) == len(plain) >= 1700
+    for p, q in zip(pairs[:100], plain[:100]):
+        assert p.prompt[-1]["role"] == "user" and [m["role"] for m in p.prompt[::2]] == ["user"] * len(p.prompt[::2])
+        assert p.chosen == [{"role": "assistant", "content": q.chosen}] and p.rejected[0]["content"] == q.rejected
 
 
 @needs_imdb
