@@ -45,9 +45,9 @@ def test_killed_worker_stops_the_run_and_resume_finishes_it(tiny_task, tmp_path,
     err = open(tmp_path / "stderr.txt", "w")
     proc = subprocess.Popen(rl_cmd(tiny_task, killed, f"placement.strategy={strategy}", "placement.workers=2"),
                             env=env, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=err)
-    metrics = killed / "rl" / "metrics.jsonl"
-    deadline = time.time() + 120
-    while time.time() < deadline and (not metrics.exists() or not metrics.read_text().strip()):
+    metrics, ckpt = killed / "rl" / "metrics.jsonl", killed / "rl" / "checkpoint.pt"
+    deadline = time.time() + 120  # the kill lands once an iteration is logged and checkpointed (the row goes first)
+    while time.time() < deadline and (not metrics.exists() or not metrics.read_text().strip() or not ckpt.exists()):
         time.sleep(0.05)
     pids = dict(re.findall(r"(\d+):(\d+)", re.search(r"pids ([\d:, ]+)\)", (tmp_path / "stderr.txt").read_text())[1]))
     if len(os.sched_getaffinity(0)) >= 2:  # a run that starts its own Ray keeps each worker on a core of its own
@@ -59,7 +59,9 @@ def test_killed_worker_stops_the_run_and_resume_finishes_it(tiny_task, tmp_path,
     assert f"worker 1 (group {group}) died" in message and "--resume" in message
     assert not (killed / "rl" / "model").exists()
     done = len(metrics.read_text().splitlines())
-    assert 1 <= done < 6 and torch.load(killed / "rl" / "checkpoint.pt", weights_only=False)["iteration"] == done
+    # the row of the iteration the kill cut short may be logged before its checkpoint: resume drops and repeats it
+    saved = torch.load(ckpt, weights_only=False)["iteration"]
+    assert 1 <= saved <= done < 6 and done - saved <= 1
     resumed = subprocess.run([sys.executable, "-m", "rlfuse", "rl", "--resume", str(killed)], env=env, cwd=ROOT,
                              capture_output=True, text=True)
     assert resumed.returncode == 0, resumed.stderr[-2000:]
