@@ -18,12 +18,21 @@ from rlfuse.data.sources import PreferencePair, TextExample
 
 
 def encode(tokenizer, text: str, bos: bool = True) -> list[int]:
-    """Token ids with the model's BOS in front once (GPT-2 tokenizers add none; Llama's add their own)."""
+    """Token ids with the model's BOS in front once (GPT-2 tokenizers add none; Llama's add their own), unless that
+    BOS is the chat template's turn marker (bos_marks_turns)."""
     ids = tokenizer(text, add_special_tokens=True)["input_ids"]
     b = tokenizer.bos_token_id
-    if bos and b is not None and (not ids or ids[0] != b):
+    if bos and b is not None and (not ids or ids[0] != b) and not bos_marks_turns(tokenizer):
         ids = [b] + ids
     return ids
+
+
+def bos_marks_turns(tokenizer) -> bool:
+    """Whether the tokenizer's BOS is the token its chat template opens every turn with (SmolLM2's `<|im_start|>`):
+    put before plain text it would read as a turn whose role is the text's first words, so plain text goes without
+    it. Told by the template writing that token out more than once (Llama 3's writes `bos_token` once, at the top)."""
+    template, b = getattr(tokenizer, "chat_template", None), tokenizer.bos_token
+    return isinstance(template, str) and bool(b) and template.count(b) >= 2
 
 
 def encode_chat(tokenizer, prompt: list, completion: list) -> tuple[list[int], list[int]]:

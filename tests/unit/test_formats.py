@@ -6,7 +6,7 @@ import pytest
 
 from rlfuse.config import load_config
 from rlfuse.data.chat import CHATML, end_of_turn_ids, render_completion
-from rlfuse.data.collate import encode_reward_text, encode_sft
+from rlfuse.data.collate import bos_marks_turns, encode, encode_reward_text, encode_sft
 from rlfuse.data.formats import cell, detect
 from rlfuse.data.prompts import encode_prompt
 from rlfuse.data.sources import PreferencePair, TextExample
@@ -178,3 +178,18 @@ def test_generation_stops_on_every_end_of_turn_id(tmp_path):
     stopped = list(engine.generate([[0, 5, 6]], 4, SamplingParams(max_new_tokens=6, stop_token_ids=every), seed=1))
     assert [len(s.token_ids) for s in stopped] == [1] * 4 and {s.finish_reason for s in stopped} == {"eos"}
     assert torch.isfinite(torch.cat([s.logprobs for s in stopped])).all()
+
+
+def test_plain_text_gets_no_bos_where_the_bos_opens_every_chat_turn(chat_tokenizer):
+    """SmolLM2's BOS is `<|im_start|>`, its template's turn marker: before plain text it would open a turn whose role
+    is the text. A BOS the template writes once (Llama 3) or not at all (GPT-2, no template) still goes in front."""
+    tok, saved = chat_tokenizer, (chat_tokenizer.bos_token, chat_tokenizer.chat_template)
+    try:
+        plain = tok("Mix flour", add_special_tokens=False)["input_ids"]
+        assert not bos_marks_turns(tok) and encode(tok, "Mix flour") == [tok.bos_token_id] + plain
+        tok.bos_token = "<|im_start|>"
+        assert bos_marks_turns(tok) and encode(tok, "Mix flour") == plain
+        tok.chat_template = "{{ bos_token }}<|im_start|>{% for m in messages %}{{ m['content'] }}{% endfor %}"
+        assert not bos_marks_turns(tok) and encode(tok, "Mix flour") == [tok.bos_token_id] + plain
+    finally:
+        tok.bos_token, tok.chat_template = saved
