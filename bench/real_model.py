@@ -1,0 +1,162 @@
+"""The shipped real-model configs, run as a user runs them, and their figures (issue 28).
+
+    python -m bench.real_model                      # both configs: math over seeds 0 1 2, then hh (about 70 min idle)
+    python -m bench.real_model --configs math       # configs/smollm2_math.yaml over 3 seeds (about 32 min)
+    python -m bench.real_model --configs hh         # configs/smollm2_hh.yaml (SFT -> RM -> PPO, seed 0)
+    python -m bench.real_model --no-write           # print the tables only
+
+Each run is `rlfuse run configs/<config>.yaml run.seed=S run.dir=bench/.work/real_model/<config>-s<S>`; a run
+folder that already holds its eval.json is read, not run again (so an interrupted bench goes on where it stopped;
+delete the folder to measure afresh). Needs the model: `bash scripts/install.sh smollm2`; the hh config also the
+hh-rlhf file in ../shared/data.
+
+Math: held-out exact-match accuracy (200 problems never trained on, sampled at temperature 1) of the SFT model
+(before RL) and after GRPO, per seed; targets (issue 28): at least +25 points on average, each seed's gain larger
+than the seed-to-seed spread (max - min) of the accuracy after RL, the KL to the reference under the bound the
+table states, at most 30 minutes per seed. hh: the reward model's held-out pairwise accuracy (target >= 0.60), the
+held-out reward and KL before and after PPO (KL against the controller's target), the time (target <= 40 minutes).
+The tables go to docs/benchmarks/real_model.md, the headline figures to BENCHMARKS.md.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import subprocess
+import sys
+from pathlib import Path
+
+from bench.common import ROOT, SHARED_DATA, WORK, machine, machine_short, md_table, write_headline, write_section
+
+CONFIGS = {"math": "smollm2_math", "hh": "smollm2_hh"}
+MATH_KL_BOUND = 2.0  # the bound the math runs are held to: KL to the reference, summed over a reply, every iteration
+MATH_MINUTES, HH_MINUTES = 30, 40
+
+
+def run(config: str, seed: int) -> Path:
+    """The run folder of `rlfuse run configs/<config>.yaml run.seed=seed`, run unless it already finished."""
+    run_dir = WORK / "real_model" / f"{config}-s{seed}"
+    if not (run_dir / "eval.json").exists():
+        run_dir.parent.mkdir(parents=True, exist_ok=True)
+        cmd = [sys.executable, "-m", "rlfuse", "run", f"configs/{config}.yaml", f"run.seed={seed}",
+               f"run.dir={run_dir}", *(["--resume"] if (run_dir / "config.yaml").exists() else [])]
+        print(f"[bench] {' '.join(cmd[2:])}", flush=True)
+        with open(run_dir.parent / f"{config}-s{seed}.log", "a") as log:
+            subprocess.run(cmd, check=True, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT)
+    return run_dir
+
+
+def read_json(path: Path) -> dict:
+    return json.loads(path.read_text()) if path.exists() else {}
+
+
+def stage_seconds(run_dir: Path) -> dict:
+    return {s: read_json(run_dir / s / "summary.json").get("seconds", 0.0) for s in ("sft", "rm", "rl")}
+
+
+def rl_rows(run_dir: Path) -> list[dict]:
+    return [json.loads(line) for line in (run_dir / "rl" / "metrics.jsonl").read_text().splitlines() if line.strip()]
+
+
+def math_section(seeds: list[int]) -> tuple[str, str]:
+    rows, before, after, gains, worst_kl, minutes = [], [], [], [], [], []
+    for seed in seeds:
+        d = run(CONFIGS["math"], seed)
+        ev, secs = read_json(d / "eval.json"), stage_seconds(d)
+        b, a = ev["before"]["reward_mean"], ev["after"]["reward_mean"]
+        kl_max = max(r["reward/kl"] for r in rl_rows(d))
+        total = sum(secs.values()) / 60
+        before.append(b), after.append(a), gains.append(a - b), worst_kl.append(kl_max), minutes.append(total)
+        rows.append([seed, f"{b:.3f}", f"{a:.3f}", f"{a - b:+.3f}", f"{kl_max:.2f}", f"{ev['after']['kl']:.2f}",
+                     f"{secs['sft']:.0f}", f"{secs['rl']:.0f}", f"{total:.1f}"])
+    spread = max(after) - min(after)
+    mean_gain = statistics.mean(gains)
+    verdicts = [
+        f"mean gain {mean_gain * 100:+.1f} points (target >= +25): {'met' if mean_gain >= 0.25 else 'missed'}",
+        f"every seed's gain above the seed-to-seed spread of the accuracy after RL ({spread * 100:.1f} points): "
+        f"{'met' if min(gains) > spread else 'missed'}",
+        f"KL to the reference (summed over a reply) at most {max(worst_kl):.2f} in any iteration of any seed "
+        f"(bound {MATH_KL_BOUND}): {'met' if max(worst_kl) <= MATH_KL_BOUND else 'missed'}",
+        f"at most {max(minutes):.1f} minutes per seed (target <= {MATH_MINUTES}): "
+        f"{'met' if max(minutes) <= MATH_MINUTES else 'missed'}"]
+    table = md_table(["seed", "exact match, SFT model", "after GRPO", "gain", "max KL in training", "held-out KL after",
+                      "SFT s", "RL s", "total min"], rows)
+    text = (f"### configs/smollm2_math.yaml: GRPO on word problems, full fine-tuning, seeds {seeds}\n\n"
+            f"Command: `python -m bench.real_model --configs math` (each seed `rlfuse run configs/smollm2_math.yaml "
+            f"run.seed=S`). Machine: {describe_machine()}.\n\n{table}\n\nMean: {statistics.mean(before):.3f} -> "
+            f"{statistics.mean(after):.3f}.\n\n" + "\n".join(f"- {v}" for v in verdicts))
+    figure = (f"held-out exact match {statistics.mean(before):.3f} -> {statistics.mean(after):.3f} "
+              f"({mean_gain * 100:+.1f} points, {len(seeds)} seeds, spread {spread * 100:.1f}), KL <= "
+              f"{max(worst_kl):.2f}, {max(minutes):.0f} min per seed")
+    return text, figure
+
+
+def hh_section(seed: int = 0) -> tuple[str, str]:
+    d = run(CONFIGS["hh"], seed)
+    ev, secs = read_json(d / "eval.json"), stage_seconds(d)
+    acc = read_json(d / "rm" / "summary.json")["accuracy"]
+    rows = rl_rows(d)
+    kls = [r["reward/kl"] for r in rows]
+    first, last = rows[: max(1, len(rows) // 5)], rows[-max(1, len(rows) // 5):]
+    train_before = statistics.mean(r["reward/mean"] for r in first)
+    train_after = statistics.mean(r["reward/mean"] for r in last)
+    total = sum(secs.values()) / 60
+    target = kl_target(d)
+    table = md_table(["", "before PPO (SFT model)", "after PPO"], [
+        ["held-out reward (reward model)", f"{ev['before']['reward_mean']:.3f}", f"{ev['after']['reward_mean']:.3f}"],
+        ["held-out KL to the reference", f"{ev['before']['kl']:.3f}", f"{ev['after']['kl']:.3f}"],
+        ["held-out reply length (tokens)", f"{ev['before']['mean_length']:.1f}", f"{ev['after']['mean_length']:.1f}"],
+        [f"training reward, first / last {len(first)} iterations", f"{train_before:.3f}", f"{train_after:.3f}"]])
+    verdicts = [
+        f"reward model held-out pairwise accuracy {acc:.3f} (target >= 0.60): {'met' if acc >= 0.60 else 'missed'}",
+        f"held-out reward {'rises' if ev['after']['reward_mean'] > ev['before']['reward_mean'] else 'does not rise'}"
+        f" ({ev['before']['reward_mean']:.3f} -> {ev['after']['reward_mean']:.3f})",
+        f"KL over the last {len(last)} iterations {statistics.mean(r['reward/kl'] for r in last):.2f} (target "
+        f"{target}; max over the run {max(kls):.2f})",
+        f"{total:.1f} minutes (SFT {secs['sft']:.0f} s, RM {secs['rm']:.0f} s, PPO {secs['rl']:.0f} s; target <= "
+        f"{HH_MINUTES}): {'met' if total <= HH_MINUTES else 'missed'}"]
+    samples = read_json(d / "rl" / "samples_after.json")
+    text = (f"### configs/smollm2_hh.yaml: chat SFT -> reward model -> PPO with LoRA on one shared base, seed {seed}"
+            f"\n\nCommand: `python -m bench.real_model --configs hh` (`rlfuse run configs/smollm2_hh.yaml`). Machine: "
+            f"{describe_machine()}. Sample conversations before and after: the run's report.html.\n\n{table}\n\n"
+            + "\n".join(f"- {v}" for v in verdicts) + (f"\n\n{len(samples)} held-out replies after PPO in "
+                                                       "rl/samples_after.json." if samples else ""))
+    figure = (f"RM accuracy {acc:.3f}; held-out reward {ev['before']['reward_mean']:.2f} -> "
+              f"{ev['after']['reward_mean']:.2f}, KL {ev['after']['kl']:.2f} (target {target}); {total:.0f} min")
+    return text, figure
+
+
+def kl_target(run_dir: Path):
+    for line in (run_dir / "config.yaml").read_text().splitlines():
+        if line.strip().startswith("kl_target:"):
+            return line.split(":", 1)[1].strip()
+    return "none"
+
+
+def describe_machine() -> str:
+    m = machine()
+    return f"{m['cpu']}, {m['cores']} cores, {m['gpu'] or 'no GPU'}, torch {m['torch']}, transformers {m['transformers']}"
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--configs", nargs="+", choices=sorted(CONFIGS), default=["math", "hh"])
+    ap.add_argument("--seeds", nargs="+", type=int, default=[0, 1, 2], help="the math config's seeds")
+    ap.add_argument("--no-write", action="store_true", help="print the tables; write no page or headline")
+    a = ap.parse_args()
+    for name in a.configs:
+        if name == "hh" and not (SHARED_DATA / "hh_rlhf_harmless_1800.jsonl.gz").exists():
+            print(f"[bench] hh skipped: {SHARED_DATA / 'hh_rlhf_harmless_1800.jsonl.gz'} is absent")
+            continue
+        text, figure = math_section(a.seeds) if name == "math" else hh_section()
+        print(text + "\n")
+        if not a.no_write:
+            write_section(f"real_model_{name}", text, "real_model")
+            write_headline(f"real_model_{name}", figure, "the SFT model (before RL)",
+                           f"python -m bench.real_model --configs {name}", machine_short(),
+                           what=f"Real model: configs/{CONFIGS[name]}.yaml", page="real_model")
+
+
+if __name__ == "__main__":
+    main()
