@@ -31,8 +31,8 @@ def bos_marks_turns(tokenizer) -> bool:
     """Whether the tokenizer's BOS is the token its chat template opens every turn with (SmolLM2's `<|im_start|>`):
     put before plain text it would read as a turn whose role is the text's first words, so plain text goes without
     it. Told by the template writing that token out more than once (Llama 3's writes `bos_token` once, at the top)."""
-    template, b = getattr(tokenizer, "chat_template", None), tokenizer.bos_token
-    return isinstance(template, str) and bool(b) and template.count(b) >= 2
+    template, b = getattr(tokenizer, "chat_template", None), getattr(tokenizer, "bos_token", None)
+    return isinstance(template, str) and isinstance(b, str) and bool(b) and template.count(b) >= 2
 
 
 def encode_chat(tokenizer, prompt: list, completion: list) -> tuple[list[int], list[int]]:
