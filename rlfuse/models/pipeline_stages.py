@@ -11,6 +11,7 @@ from torch import nn
 from transformers.masking_utils import create_causal_mask
 
 from rlfuse.models.heads import backbone_and_head
+from rlfuse.models.hf_cache import mask_cache
 from rlfuse.plan.resolve import SPLITTABLE
 
 
@@ -45,7 +46,7 @@ class Stage(nn.Module):
             if self.gpt2:
                 x = self.drop(x + self.wpe(pos))
         mask = create_causal_mask(config=self.body_config, inputs_embeds=x, attention_mask=attention_mask,
-                                  past_key_values=None, position_ids=pos)
+                                  position_ids=pos, **mask_cache(None))
         if self.gpt2:
             for block in self.blocks:
                 x = block(x, None, mask, position_ids=pos)

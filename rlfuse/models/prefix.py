@@ -22,6 +22,8 @@ import torch
 from torch import Tensor
 from transformers.cache_utils import Cache, DynamicLayer
 
+from rlfuse.models.hf_cache import with_cache
+
 MODEL_TYPES = ("gpt2", "llama", "qwen2", "mistral")
 
 
@@ -92,7 +94,7 @@ class _SharedPrefixLayer(DynamicLayer):
 @contextlib.contextmanager
 def _cache_through_checkpointing(body):
     """Under gradient checkpointing transformers hands layers no cache (GPT2Model passes None; each checkpointed
-    layer drops a `past_key_values` keyword unless its `_can_checkpoint_with_cache`). Our cache layers replay
+    layer drops the cache keyword unless its `_can_checkpoint_with_cache`). Our cache layers replay
     identically, so let the cache through; the layers still checkpoint."""
     if not (getattr(body, "gradient_checkpointing", False) and body.training):
         yield
@@ -131,7 +133,7 @@ def prefix_shared_hidden(body, pb: PrefixBatch) -> tuple[Tensor, Tensor]:
     cache = Cache(layer_class_to_replicate=_PromptLayer)
     with _cache_through_checkpointing(body):
         h_prompt = body(input_ids=pb.prompt_ids, attention_mask=_mask(causal_p & prompt_keys[:, None], body),
-                        position_ids=ar_p[None].expand(U, P), past_key_values=cache, use_cache=False).last_hidden_state
+                        position_ids=ar_p[None].expand(U, P), use_cache=False, **with_cache(cache)).last_hidden_state
         if C == 0:
             return h_prompt, h_prompt.new_zeros(B, 0, h_prompt.shape[-1])
         # indexing, not index_select: on CPU index_select of these strided (U, heads, P, D) views is 5-30x slower
@@ -143,7 +145,7 @@ def prefix_shared_hidden(body, pb: PrefixBatch) -> tuple[Tensor, Tensor]:
         # past the model's context (GPT-2's position table)
         steps = torch.minimum(ar_c[None], (pb.cont_lens[:, None] - 1).clamp(min=0))
         h_cont = body(input_ids=pb.cont_ids, attention_mask=_mask(allowed, body), position_ids=lens[:, None] + steps,
-                      past_key_values=shared, use_cache=False).last_hidden_state
+                      use_cache=False, **with_cache(shared)).last_hidden_state
     return h_prompt, h_cont
 
 

@@ -27,6 +27,7 @@ from typing import Iterator
 import torch
 from torch import Tensor
 
+from rlfuse.models.hf_cache import cache_of
 from rlfuse.rollout.kv import BufferKV, HFCacheKV, decode_step_for, left_pad
 from rlfuse.rollout.state import EngineState, RowState, Sample, SamplingParams, WaitingPrompt
 from rlfuse.rollout.streams import stream_keys, stream_uniforms
@@ -290,7 +291,7 @@ class DecodeEngine:
             with self._forward():
                 out = self.model(input_ids=ids, use_cache=True, logits_to_keep=1)
             self.stats.prefill_tokens += ids.numel()
-            part = HFCacheKV(out.past_key_values)
+            part = HFCacheKV(cache_of(out))
             if kv is None:
                 kv = part
             else:

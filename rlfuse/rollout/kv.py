@@ -19,6 +19,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from rlfuse.models.hf_cache import cache_of, with_cache
+
 
 class HFCacheKV:
     """A transformers DynamicCache, left-padded to a common width across rows."""
@@ -51,8 +53,8 @@ class HFCacheKV:
 
     def decode(self, model, last: Tensor, pos: Tensor, attn: Tensor) -> Tensor:
         out = model(input_ids=last[:, None], attention_mask=attn, position_ids=pos[:, None],
-                    past_key_values=self.cache, use_cache=True)
-        self.cache = out.past_key_values
+                    use_cache=True, **with_cache(self.cache))
+        self.cache = cache_of(out)
         return out.logits[:, -1]
 
 
