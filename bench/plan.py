@@ -5,6 +5,7 @@ the default task and on real IMDb prompts, predicted vs measured per stage from 
     python -m bench.plan                      # first trains them (`rlfuse sft`, `rlfuse rm`, default config)
     python -m bench.plan --models RUN_DIR --fresh --repeats 3   # rerun every plan (not reusing earlier runs)
     python -m bench.plan --paper              # the at-scale predictions (`rlfuse plan --paper`) into the page
+    python -m bench.plan --tasks smollm2_math smollm2_hh --iterations 4 --repeats 1   # the real model (issue 28)
 
 Inputs of the predictions, all taken before any plan runs: the machine profile (`rlfuse plan --profile`, measured at
 the start, Ray overheads included), the config, the mean prompt tokens of the task and the distinct prompt lengths
@@ -38,10 +39,17 @@ from pathlib import Path
 from bench.common import ROOT, SHARED_DATA, WORK, machine_short, md_table, write_headline, write_section
 
 IMDB = SHARED_DATA / "imdb_reviews_2000.csv"
-TASKS = {
-    "default": [],
-    "imdb": ["data.kind=imdb", f"data.path={IMDB}"],
+TASKS = {  # task -> (config file, None for the embedded default; its overrides)
+    "default": (None, []),
+    "imdb": (None, ["data.kind=imdb", f"data.path={IMDB}"]),
+    "smollm2_math": (ROOT / "configs" / "smollm2_math.yaml", []),
+    "smollm2_hh": (ROOT / "configs" / "smollm2_hh.yaml", []),
 }
+REAL_MODEL = ("smollm2_math", "smollm2_hh")
+DEFAULT_TASKS = ["default", "imdb"]
+"""The real-model tasks: each plans and runs its shipped config from the SFT (and reward model) of its seed-0 run by
+`python -m bench.real_model` (bench/.work/real_model/<task>-s0), and predicts from a profile of its own model's shape
+(`rlfuse plan CONFIG --profile`): the embedded model's rates do not carry to a 576-wide model."""
 # which plans run besides the planner's choice: (strategy, micro-batch, checkpointing) per task; migration as the
 # config (0.2). A micro-batch that gives the same per-rank micro-batches as another is the same plan (spec.dp_micro_size:
 # on 2 flattened ranks micro 16 trains 8 rows per rank, as micro 8 does) and runs once.
@@ -49,6 +57,10 @@ RUNS = {
     "default": [("flattened", 16, False), ("separated", 16, False), ("interleaved", 16, False),
                 ("flattened", 4, False), ("flattened", 16, True), ("flattened", 2, False)],
     "imdb": [("flattened", 16, False), ("separated", 16, False), ("interleaved", 16, False), ("flattened", 4, False)],
+    "smollm2_math": [("flattened", 32, False), ("separated", 32, False), ("interleaved", 32, False)],
+    # the shared base runs in one process (no Ray placement can split it): the planner plans it for 1 worker, so its
+    # plans differ in micro-batch and checkpointing only
+    "smollm2_hh": [("single", 4, False), ("single", 4, True), ("single", 1, False)],
 }
 
 
@@ -69,9 +81,33 @@ def ensure_models(work: Path, models: Path | None) -> Path:
     return out
 
 
+def task_models(task: str, models: Path) -> Path:
+    """The run folder whose sft/model (and rm/model) the task's RL starts from: `models` for the embedded model's
+    tasks, the seed-0 run of bench.real_model for a real-model task."""
+    if task not in REAL_MODEL:
+        return models
+    run = WORK / "real_model" / f"{task}-s0"
+    if not (run / "sft" / "model" / "config.json").exists():
+        raise SystemExit(f"[plan bench] {task}: no SFT model in {run}; run `python -m bench.real_model --configs "
+                         f"{task.removeprefix('smollm2_')} --seeds 0` first")
+    return run
+
+
+def task_config(task: str) -> Path | None:
+    return TASKS[task][0]
+
+
 def common_overrides(models: Path, task: str, iterations: int) -> list[str]:
-    return [f"rl.sft_path={models / 'sft' / 'model'}", f"rl.rm_path={models / 'rm' / 'model'}",
-            f"rl.iterations={iterations}", "rl.eval_prompts=0", "run.quiet=true", *TASKS[task]]
+    models = task_models(task, models)
+    rm = [f"rl.rm_path={models / 'rm' / 'model'}"] if (models / "rm" / "model").exists() else []
+    return [f"rl.sft_path={models / 'sft' / 'model'}", *rm, f"rl.iterations={iterations}", "rl.eval_prompts=0",
+            "run.quiet=true", *TASKS[task][1]]
+
+
+def rl_args(models: Path, task: str, iterations: int) -> list[str]:
+    """`rlfuse rl`'s arguments for the task: its config file, if any, then the overrides."""
+    config = task_config(task)
+    return [*([str(config)] if config else []), *common_overrides(models, task, iterations)]
 
 
 def prompt_stats(cfg, sft_dir: Path) -> tuple[float, float]:
@@ -151,16 +187,16 @@ def kendall_tau(a: list[float], b: list[float]) -> float:
 
 
 def plans_for(task: str, models: Path, profile_path: Path, inputs: dict) -> list:
-    """Every plan for 2 workers on `task`, ranked, from the profile and the measured inputs (lengths, prompt tokens,
+    """Every plan for the task's workers (2; 1 for a shared base: planned_workers), ranked, from the profile and the measured inputs (lengths, prompt tokens,
     distinct prompt lengths): no model runs, so a stored run can be predicted again in a second."""
     from rlfuse.config import load_config
-    from rlfuse.plan.planner import plan, problem_from_config
+    from rlfuse.plan.planner import plan, planned_workers, problem_from_config
     from rlfuse.plan.profiles import load_profile
 
-    cfg = load_config(None, common_overrides(models, task, 3))
+    cfg = load_config(task_config(task), common_overrides(models, task, 3))
     inputs = {k: v for k, v in inputs.items() if k != "iteration_lengths"}
     inputs["lengths"] = tuple(inputs["lengths"]) if inputs.get("lengths") else None
-    return plan(problem_from_config(cfg, load_profile(profile_path), workers=2, **inputs))
+    return plan(problem_from_config(cfg, load_profile(profile_path), workers=planned_workers(cfg, None) or 2, **inputs))
 
 
 def iteration_lengths(run: Path) -> list[tuple[float, int]]:
@@ -198,10 +234,10 @@ def predict_all(task: str, models: Path, profile_path: Path, work: Path,
     calib = work / f"calibrate_{task}"
     if not (calib / "rl" / "metrics.jsonl").exists() or len(metrics(calib)) < iterations:
         shutil.rmtree(calib, ignore_errors=True)
-        rlfuse("rl", *common_overrides(models, task, iterations), "run.threads=1", f"run.dir={calib}",
+        rlfuse("rl", *rl_args(models, task, iterations), "run.threads=1", f"run.dir={calib}",
                log=work / f"calibrate_{task}.log")
-    cfg = load_config(None, common_overrides(models, task, 3))
-    tokens, distinct = prompt_stats(cfg, models / "sft" / "model")
+    cfg = load_config(task_config(task), common_overrides(models, task, 3))
+    tokens, distinct = prompt_stats(cfg, task_models(task, models) / "sft" / "model")
     inputs = {"lengths": measured_lengths(calib), "prompt_tokens": tokens, "prompt_lengths": distinct,
               "iteration_lengths": iteration_lengths(calib)[: iterations - 1]}
     plans, seconds = ranked_plans(task, models, profile_path, inputs)
@@ -227,16 +263,20 @@ def run_dir(task: str, pl, work: Path, repeat: int) -> Path:
     return work / f"{task}_{pl.strategy}{pl.split}_mb{pl.micro_batch_size}_{ckpt}_mig{pl.migrate_below:g}_r{repeat}"
 
 
-def run_plan(task: str, pl, models: Path, work: Path, iterations: int, repeat: int, fresh: bool = False) -> Path:
-    """Run `pl` for `iterations` iterations (its `repeat`-th run), reusing a finished earlier run unless fresh."""
+def run_plan(task: str, pl, models: Path, work: Path, iterations: int, repeat: int,
+             fresh: bool = False) -> tuple[Path, bool]:
+    """Run `pl` for `iterations` iterations (its `repeat`-th run), reusing a finished earlier run unless fresh.
+    -> (its folder, whether it ran now)."""
     d = run_dir(task, pl, work, repeat)
     if fresh or not (d / "rl" / "metrics.jsonl").exists() or len(metrics(d)) < iterations:
         shutil.rmtree(d, ignore_errors=True)
         block = pl.config_block()
         flat = [f"{s}.{k}={str(v).lower() if isinstance(v, bool) else v}" for s, sec in block.items()
                 for k, v in sec.items()]
-        rlfuse("rl", *common_overrides(models, task, iterations), *flat, f"run.dir={d}", log=d.parent / (d.name + ".log"))
-    return d
+        one = ["run.threads=1"] if pl.strategy == "single" else []  # 1 worker x 1 CPU, as planned (and profiled)
+        rlfuse("rl", *rl_args(models, task, iterations), *flat, *one, f"run.dir={d}", log=d.parent / (d.name + ".log"))
+        return d, True
+    return d, False
 
 
 def signed(r: dict, stage: str) -> float:
@@ -394,15 +434,22 @@ def profile_line(prof) -> str:
     return f"{prof.name}: {prof.source}; {pair_note(asdict(prof), 'its')}"
 
 
-def fresh_profile(work: Path, fresh: bool) -> Path:
-    """The machine profile the predictions use: measured now (`rlfuse plan --profile`) unless one with the Ray
-    overheads is there already and --fresh was not given."""
+def task_profile(task: str, work: Path) -> Path:
+    """Where the profile a task predicts from lives: the embedded model's tasks share one, the real-model tasks share
+    SmolLM2's (its shape's rates per FLOP and per call; measuring it takes about 9 minutes on 2 cores)."""
+    return work / ("machine_profile-smollm2.json" if task in REAL_MODEL else "machine_profile.json")
+
+
+def fresh_profile(work: Path, fresh: bool, task: str = "default") -> Path:
+    """The machine profile the task's predictions use: measured now (`rlfuse plan [CONFIG] --profile`, on the task's
+    own model shape) unless one with the Ray overheads is there already and --fresh was not given."""
     from rlfuse.plan.cost import MachineProfile
 
-    path = work / "machine_profile.json"
+    path = task_profile(task, work)
     if fresh or not path.exists() or not MachineProfile.load(path).ray_round_trip_s:
-        rlfuse("plan", "--profile", "--profile-path", str(path), "--out", str(work / "plan.yaml"),
-               log=work / "profile.log")
+        config = task_config(task)
+        rlfuse("plan", *([str(config)] if config else []), "--profile", "--profile-path", str(path), "--out",
+               str(work / f"plan-{task}.yaml"), log=work / f"profile-{task}.log")
     return path
 
 
@@ -414,7 +461,9 @@ def main() -> None:
     ap.add_argument("--iterations", type=int, default=8)
     ap.add_argument("--repeats", type=int, default=2, help="runs per plan (their median is the measurement)")
     ap.add_argument("--fresh", action="store_true", help="measure the profile and run every plan again")
-    ap.add_argument("--tasks", nargs="+", choices=list(RUNS), default=list(RUNS), help="a subset of the tasks")
+    ap.add_argument("--tasks", nargs="+", choices=list(RUNS), default=DEFAULT_TASKS,
+                    help="a subset of the tasks (default: the embedded model's; smollm2_math smollm2_hh: the real "
+                         "model's shipped configs, from their bench.real_model runs)")
     ap.add_argument("--plans", type=int, default=0, help="only the first N plans of each task (a quick check)")
     ap.add_argument("--no-write", action="store_true", help="print only; write neither the page nor BENCHMARKS.md")
     ap.add_argument("--dry", action="store_true", help="profile, calibrate and print the plans; run none")
@@ -441,20 +490,23 @@ def main() -> None:
         print(across_profiles(args.repredict, args.models, args.profile))
         return
     if args.repredict:
-        profile_path = args.profile[0] if args.profile else args.repredict.parent / "machine_profile.json"
+        stored = json.loads(args.repredict.read_text())
+        task = stored[0]["task"] if stored else "default"
+        profile_path = args.profile[0] if args.profile else task_profile(task, args.repredict.parent)
         results, prof = repredict(args.repredict, args.models, profile_path), load_profile(profile_path)
         print(report(results, profile_line(prof), f"Re-predicted `{args.repredict}` from `{profile_path}` (the "
                      f"measurements from the runs' folders where they are there, else as stored)."))
         return
     work = args.work.resolve()
     work.mkdir(parents=True, exist_ok=True)
-    t0, loads = time.time(), [os.getloadavg()[0]]
-    models = ensure_models(work, args.models)
-    profile_path = fresh_profile(work, args.fresh)
+    t0, loads = time.time(), []  # the load average after each run made now (a reused run's is not known)
+    real = all(task in REAL_MODEL for task in args.tasks)
+    models = WORK / "real_model" if real else ensure_models(work, args.models)  # a real task: task_models
     todo = []  # (task, plan, planner rank, inputs)
-    seconds = {}
+    seconds, profiles = {}, {}
     for task in args.tasks:
-        inputs, chosen, seconds[task] = predict_all(task, models, profile_path, work, args.iterations)
+        profiles[task] = fresh_profile(work, args.fresh, task)
+        inputs, chosen, seconds[task] = predict_all(task, models, profiles[task], work, args.iterations)
         print(f"[plan bench] {task}: prompt tokens {inputs['prompt_tokens']:.1f} ({inputs['prompt_lengths']:.1f} "
               f"distinct lengths per iteration), response lengths {inputs['lengths']}",
               file=sys.stderr)
@@ -467,30 +519,37 @@ def main() -> None:
     runs: dict[int, list] = {i: [] for i in range(len(todo))}
     for repeat in range(args.repeats):  # every plan once, then every plan again: load changes hit all plans alike
         for i, (task, pl, rank, inputs) in enumerate(todo):
-            d = run_plan(task, pl, models, work, args.iterations, repeat, args.fresh)
+            d, ran = run_plan(task, pl, models, work, args.iterations, repeat, args.fresh)
             runs[i].append(measured(d))
-            loads.append(os.getloadavg()[0])
+            if ran:
+                loads.append(os.getloadavg()[0])
             print(f"[plan bench] {task} {pl.label()} run {repeat + 1}/{args.repeats}: predicted "
                   f"{seconds[task][pl.label()]['iteration']:.3f} s, "
-                  f"measured {runs[i][-1]['iteration']:.3f} s (load average {loads[-1]:.1f})", file=sys.stderr)
+                  f"measured {runs[i][-1]['iteration']:.3f} s" + (f" (load average {loads[-1]:.1f})" if ran else
+                                                                   " (an earlier run, reused)"), file=sys.stderr)
     results = [planned(task, pl, rank, inputs, seconds[task][pl.label()])
                | {"measured": median_of_runs(runs[i]), "runs": runs[i], "models": str(models)}
                for i, (task, pl, rank, inputs) in enumerate(todo)]
-    prof = load_profile(profile_path)
+    profile_desc = "; ".join(f"{task}: {profile_line(load_profile(path))}" for task, path in profiles.items())
     cmd = " ".join(["python -m bench.plan", *(["--models", str(args.models)] if args.models else []),
-                    *(["--fresh"] if args.fresh else []), f"--repeats {args.repeats}",
-                    *(["--tasks", *args.tasks] if args.tasks != list(RUNS) else []),
+                    *(["--fresh"] if args.fresh else []), f"--iterations {args.iterations}",
+                    f"--repeats {args.repeats}", *(["--tasks", *args.tasks] if args.tasks != DEFAULT_TASKS else []),
                     *([f"--plans {args.plans}"] if args.plans else [])])
+    load_note = (f"load average {min(loads):.1f}-{max(loads):.1f} after the runs made now" if loads else
+                 "every run reused from an earlier invocation (their load is in its log)")
     header = (f"Command: `{cmd}` ({args.iterations} iterations per run, {args.repeats} runs per plan, 2 workers x 1 "
-              f"CPU; {time.time() - t0:.0f} s; load average {min(loads):.1f}-{max(loads):.1f} over the runs, on 2 "
-              f"cores shared with other work).")
-    text = report(results, profile_line(prof), header)
-    (work / "results.json").write_text(json.dumps(results, indent=1, default=str))
+              f"CPU; {time.time() - t0:.0f} s; {load_note}, on 2 cores shared with other work).")
+    text = report(results, profile_desc, header)
+    (work / ("results_real_model.json" if real else "results.json")).write_text(json.dumps(results, indent=1,
+                                                                                          default=str))
     print(text)
-    if not args.no_write:
-        write_section("plan_bench", text, page="plan")
-        write_headline("plan", headline(results), f"the same {len(results)} plans run ({args.repeats} runs each, 2 "
-                       "Ray workers x 1 CPU)", cmd, f"{machine_short()}; load {min(loads):.1f}-{max(loads):.1f}")
+    if not args.no_write:  # the real model's rows in a section and a headline row of their own
+        write_section("plan_bench_real_model" if real else "plan_bench", text, page="plan")
+        write_headline("plan_real_model" if real else "plan", headline(results),
+                       f"the same {len(results)} plans run ({args.repeats} runs each, 2 Ray workers x 1 CPU)", cmd,
+                       f"{machine_short()}; {load_note}",
+                       what=("Planner on SmolLM2-135M (predicted vs measured, 2 workers)" if real else None),
+                       page="plan")
 
 
 if __name__ == "__main__":

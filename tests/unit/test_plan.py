@@ -463,3 +463,18 @@ def test_decoding_the_shared_base_copies_no_weights(default_problem):
     shared = replace(one, memory=replace(one.memory, shared_base=True, generator_copy=False))
     assert _sync_seconds(shared, spec) == pytest.approx(copies - one.memory.policy.params * 4.0 / one.profile.mem_bw)
     assert _sync_seconds(shared, spec) < copies
+
+
+def test_a_shared_base_is_planned_for_the_one_process_it_runs_in():
+    # config/validate.py refuses Ray placements of a shared base: the planner must not recommend one (it did:
+    # flattened on 2 workers for configs/smollm2_hh.yaml, which `rlfuse rl` then refused)
+    from rlfuse.errors import UserError
+    from rlfuse.plan.planner import plan_config, planned_workers
+
+    shared = load_config(None, ["model.lora=true", "model.shared_base=true"])
+    assert planned_workers(shared, None) == 1 and planned_workers(shared, 1) == 1
+    with pytest.raises(UserError, match="model.shared_base.*--workers 1"):
+        planned_workers(shared, 2)
+    assert {p.strategy for p in plan_config(shared)} == {"single"}
+    separate = load_config(None, ["model.lora=true", "model.shared_base=false"])
+    assert planned_workers(separate, None) is None and planned_workers(separate, 3) == 3
