@@ -187,8 +187,9 @@ def kendall_tau(a: list[float], b: list[float]) -> float:
 
 
 def plans_for(task: str, models: Path, profile_path: Path, inputs: dict) -> list:
-    """Every plan for the task's workers (2; 1 for a shared base: planned_workers), ranked, from the profile and the measured inputs (lengths, prompt tokens,
-    distinct prompt lengths): no model runs, so a stored run can be predicted again in a second."""
+    """Every plan for the task's workers (2; 1 for a shared base: planned_workers), ranked, from the profile and the
+    measured inputs (lengths, prompt tokens, distinct prompt lengths): no model runs, so a stored run can be
+    predicted again in a second."""
     from rlfuse.config import load_config
     from rlfuse.plan.planner import plan, planned_workers, problem_from_config
     from rlfuse.plan.profiles import load_profile

@@ -44,7 +44,9 @@ def add_arguments(p) -> None:
     p.add_argument("--memory-per-worker", type=_positive(float), metavar="GB",
                    help="GiB one worker may use (default placement.memory_per_worker_gb, else a GPU's memory or the "
                         "machine's RAM divided among the workers)")
-    p.add_argument("--profile", action="store_true", help="measure this machine first (under a minute) and save it")
+    p.add_argument("--profile", action="store_true",
+                   help="measure this machine on the config's model shape first and save it (under a minute for the "
+                        "embedded model, about 9 on 2 cores for SmolLM2-135M)")
     p.add_argument("--profile-path", metavar="FILE", help="profile file to write/read (default "
                    "$RLFUSE_CACHE/machine_profile.json, i.e. ~/.cache/rlfuse/machine_profile.json)")
     p.add_argument("--lengths-from", metavar="RUN_DIR", help="response lengths measured by an RL run "
@@ -79,8 +81,8 @@ def run(ns) -> int:
                 raise UserError(f"--lengths-from {ns.lengths_from}: no rl/metrics.jsonl with response lengths there; "
                                 "give an RL run folder")
         budget = ns.memory_per_worker if ns.memory_per_worker is not None else cfg.placement.memory_per_worker_gb
-        prob = problem_from_config(cfg, profile, planned_workers(cfg, ns.workers), ns.cpus_per_worker, ns.gpus_per_worker,
-                                   None if budget is None else budget * GiB, lengths)
+        prob = problem_from_config(cfg, profile, planned_workers(cfg, ns.workers), ns.cpus_per_worker,
+                                   ns.gpus_per_worker, None if budget is None else budget * GiB, lengths)
         plans = plan(prob)
         print(f"profile: {profile.name} ({profile.source})")
         w = prob.workload

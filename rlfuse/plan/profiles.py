@@ -76,7 +76,8 @@ def load_profile(path: str | Path | None = None, log=None, shape: ModelShape | N
         raise UserError(f"--profile-path {p}: no profile there; run `rlfuse plan --profile --profile-path {p}` first")
     if log:
         log(f"[plan] no machine profile at {p}: using the built-in one ({BUILTIN_CPU.name}); "
-            f"`rlfuse plan --profile` measures this machine in under a minute")
+            f"`rlfuse plan [CONFIG] --profile` measures this machine on that model (under a minute for the embedded "
+            f"one)")
     return BUILTIN_CPU
 
 
