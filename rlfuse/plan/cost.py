@@ -403,13 +403,16 @@ def round_trip_seconds(p: MachineProfile, calls: float, samples: float = 0.0) ->
     return calls * p.ray_round_trip_s + samples * p.ray_sample_s
 
 
-def rollout_chunks(samples: float, busy_s: float, every: int, chunk_s: float) -> int:
+def rollout_chunks(samples: float, busy_s: float, every: int, chunk_s: float, steps: float | None = None) -> int:
     """Replies one decoding worker sends the driver in a rollout (ray_rollout.GenerationWorker.advance): a chunk ends
     after `every` finished samples, or at the first sample to finish after `chunk_s` seconds. So at least
-    ceil(samples / every), never more than one per sample, and about busy_s / chunk_s in between."""
+    ceil(samples / every), never more than one per sample nor one per engine step (`steps`, its prefill and decode
+    calls: the rows a step retires arrive together; short answers end in a few steps), and about busy_s / chunk_s
+    in between."""
     if samples <= 0:
         return 0
-    return max(math.ceil(samples / every), min(math.ceil(samples), math.ceil(busy_s / chunk_s)))
+    most = min(math.ceil(samples), math.ceil(steps)) if steps else math.ceil(samples)
+    return max(math.ceil(samples / every), min(most, math.ceil(busy_s / chunk_s)))
 
 
 DDP_BUCKET_BYTES = 32 * 2**20

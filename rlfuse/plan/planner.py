@@ -74,11 +74,24 @@ class Workload:
     chunk_s: float = CHUNK_SECONDS
     rows_per_worker: int = 16
     """rollout.rows_per_worker: the migration's capacity trigger (rollout/migration.py plan_migration)."""
+    shared_prompt: bool = False
+    """rl.share_prompt: the k samples of a prompt in one micro-batch run their prompt's forward (and backward) once
+    in scoring and training (models/prefix.py). Without it a short-answer task (word problems: 28 prompt tokens, 4
+    answer tokens, k = 8) was predicted at 2.3-3x its training time."""
+
+    def prompt_per_sample(self, rows: float) -> float:
+        """Prompt tokens a sample costs in a pass of `rows` samples: the whole prompt, or with shared prompts its
+        share among the samples of its group in the pass (micro-batches keep a prompt's samples together)."""
+        return self.prompt_tokens / (max(1.0, min(self.k, rows)) if self.shared_prompt else 1.0)
 
     @property
     def seq(self) -> float:
         """Mean tokens per sample in the scoring passes (prompt + response; scoring sorts by length, so pads little)."""
         return self.prompt_tokens + self.response_mean
+
+    def scored_seq(self, rows: float) -> float:
+        """Mean tokens a sample costs in a scoring pass of `rows` samples (seq, its prompt shared where it is)."""
+        return self.prompt_per_sample(rows) + self.response_mean
 
     @property
     def lengths(self) -> cost.Lengths:
@@ -90,7 +103,7 @@ class Workload:
         """Tokens per sequence of a training micro-batch of `rows` random samples: padded to its longest; on `ranks`
         data-parallel ranks of `calls` micro-batches per step each, as long as the slowest rank's
         (Lengths.synced_max)."""
-        return self.prompt_tokens + self.lengths.synced_max(rows, ranks, calls)
+        return self.prompt_per_sample(rows) + self.lengths.synced_max(rows, ranks, calls)
 
 
 @dataclass(frozen=True)
@@ -307,7 +320,9 @@ def _rollout_seconds(prob: Problem, spec: PlacementSpec, gen_w: int, score_w: in
     score_calls = 1
     if spec.uses_ray:
         per_decoder = w.samples / gen_w
-        chunks = cost.rollout_chunks(per_decoder, generate + (score if one_group else 0.0), w.score_every, w.chunk_s)
+        steps = math.ceil(per_decoder / w.max_rows) * (w.response_longest or w.response_max) + w.prompt_lengths
+        chunks = cost.rollout_chunks(per_decoder, generate + (score if one_group else 0.0), w.score_every, w.chunk_s,
+                                     steps)
         generate += cost.round_trip_seconds(p, chunks, per_decoder)
         if not one_group:
             score_calls = max(math.ceil(w.samples / score_w / w.score_every), math.ceil(chunks * gen_w / score_w))
@@ -375,7 +390,7 @@ def _score_seconds(prob: Problem, workers: int, calls: float | None = None) -> f
         singles = min(w.score_singles, per_worker)
         calls = math.ceil((per_worker - singles) / w.score_micro_batch) + singles
     rows = per_worker / calls
-    forwards = sum(cost.forward_seconds(p, s, rows, w.seq, weight_bytes(s, m.weight_dtype), calls)
+    forwards = sum(cost.forward_seconds(p, s, rows, w.scored_seq(rows), weight_bytes(s, m.weight_dtype), calls)
                    for s in _scored_models(m, prob.roles))
     return forwards + calls * p.score_call_s
 
@@ -525,7 +540,8 @@ def problem_from_config(cfg, profile: MachineProfile, workers: int | None = None
                         # Ray's decoding workers fuse (auto means on there: scoring overlaps on other workers)
                         score_singles=cfg.rollout.live_below if cfg.rollout.fusion is not False else 0,
                         response_longest=min(longest, rl.max_new_tokens), score_every=cfg.rollout.score_every,
-                        rows_per_worker=cfg.rollout.rows_per_worker, k=rl.k, prompt_lengths=prompt_lengths or 1.0)
+                        rows_per_worker=cfg.rollout.rows_per_worker, k=rl.k, prompt_lengths=prompt_lengths or 1.0,
+                        shared_prompt=rl.share_prompt and rl.k > 1)
     mem = memory_inputs(cfg, roles, shape, profile)
     migrate = tuple(sorted({0.0, cfg.rollout.migrate_below}))
     return Problem(roles, workload, mem, profile, workers, resources, memory_budget, migrate_below=migrate,

@@ -60,6 +60,9 @@ def test_round_trips_chunks_and_buckets_by_hand():
     assert cost.rollout_chunks(32, busy_s=0.01, every=16, chunk_s=0.05) == 2  # by count: ceil(32 / 16)
     assert cost.rollout_chunks(4, busy_s=10.0, every=16, chunk_s=0.05) == 4  # never more than one per sample
     assert cost.rollout_chunks(0, busy_s=1.0, every=16, chunk_s=0.05) == 0
+    # nor more than one per engine step: 128 four-token answers finish in a few steps, together
+    assert cost.rollout_chunks(128, busy_s=6.0, every=16, chunk_s=0.05, steps=11) == 11
+    assert cost.rollout_chunks(128, busy_s=6.0, every=16, chunk_s=0.05, steps=5) == 8  # still one per 16 samples
     # DDP: the first bucket holds 1 MiB, the others bucket_bytes
     assert cost.ddp_buckets(2**19, 32 * 2**20) == 1 and cost.ddp_buckets(2**20, 32 * 2**20) == 1
     assert cost.ddp_buckets(2**20 + 1, 32 * 2**20) == 2
@@ -478,3 +481,25 @@ def test_a_shared_base_is_planned_for_the_one_process_it_runs_in():
     assert {p.strategy for p in plan_config(shared)} == {"single"}
     separate = load_config(None, ["model.lora=true", "model.shared_base=false"])
     assert planned_workers(separate, None) is None and planned_workers(separate, 3) == 3
+
+
+def test_shared_prompts_cost_their_share_per_sample(default_problem):
+    # rl.share_prompt with k = 8: a micro-batch holding a prompt's 8 samples runs its 28 prompt tokens once, so each
+    # sample costs 28 / 8 = 3.5 of them; a micro-batch of 2 holds 2 of a group (14 each); off, the whole prompt
+    from rlfuse.plan.planner import Workload
+
+    w = Workload(samples=128, prompt_tokens=28.0, response_mean=4.0, response_max=8, epochs=1, mini_batch=64,
+                 score_micro_batch=32, max_rows=256, k=8, shared_prompt=True)
+    assert w.prompt_per_sample(32) == 3.5 and w.prompt_per_sample(2) == 14.0 and w.prompt_per_sample(1) == 28.0
+    assert w.scored_seq(32) == 7.5 and w.seq == 32.0
+    assert replace(w, shared_prompt=False).prompt_per_sample(32) == 28.0
+    cfg = load_config(None, ["rl.algo=grpo", "rl.k=8", "rl.prompts_per_iter=4", "rl.mini_batch_size=32"])
+    assert problem_from_config(cfg, CPU, workers=2).workload.shared_prompt
+    assert not problem_from_config(load_config(None, ["rl.algo=grpo", "rl.k=8", "rl.prompts_per_iter=4",
+                                                      "rl.mini_batch_size=32", "rl.share_prompt=false"]),
+                                   CPU, workers=2).workload.shared_prompt
+    # the training forward + backward shrinks with the tokens: sharing never predicts a slower update
+    shared = replace(problem_from_config(cfg, CPU, workers=2), strategies=("flattened",), micro_batches=(8,),
+                     checkpointing=(False,), migrate_below=(0.0,))
+    alone = replace(shared, workload=replace(shared.workload, shared_prompt=False))
+    assert plan(shared)[0].seconds["train"] < plan(alone)[0].seconds["train"]
