@@ -541,8 +541,9 @@ def main() -> None:
                     *([f"--plans {args.plans}"] if args.plans else [])])
     load_note = (f"load average {min(loads):.1f}-{max(loads):.1f} after the runs made now" if loads else
                  "every run reused from an earlier invocation (their load is in its log)")
+    one = " (1 x 1 CPU for the shared base of smollm2_hh)" if "smollm2_hh" in args.tasks else ""
     header = (f"Command: `{cmd}` ({args.iterations} iterations per run, {args.repeats} runs per plan, 2 workers x 1 "
-              f"CPU; {time.time() - t0:.0f} s; {load_note}, on 2 cores shared with other work).")
+              f"CPU{one}; {time.time() - t0:.0f} s; {load_note}, on 2 cores shared with other work).")
     text = report(results, profile_desc, header)
     (work / ("results_real_model.json" if real else "results.json")).write_text(json.dumps(results, indent=1,
                                                                                           default=str))
@@ -552,7 +553,7 @@ def main() -> None:
         write_headline("plan_real_model" if real else "plan", headline(results),
                        f"the same {len(results)} plans run ({args.repeats} runs each, 2 Ray workers x 1 CPU)", cmd,
                        f"{machine_short()}; {load_note}",
-                       what=("Planner on SmolLM2-135M (predicted vs measured, 2 workers)" if real else None),
+                       what=("Planner on SmolLM2-135M (predicted vs measured runs)" if real else None),
                        page="plan")
 
 

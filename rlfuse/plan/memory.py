@@ -110,6 +110,11 @@ class MemoryInputs:
     """Sequences per training micro-batch."""
     seq: int = 64
     """Tokens per sequence (prompt + response)."""
+    train_seq: float = 0.0
+    """Tokens a sequence costs in a training pass, its prompt shared by its group's samples (rl.share_prompt); 0:
+    seq."""
+    score_seq: float = 0.0
+    """The same in a scoring pass; 0: seq."""
     score_rows: int = 16
     """Sequences per scoring forward."""
     kv_rows: int = 32
@@ -133,6 +138,7 @@ def worker_memory(roles: set[str] | tuple[str, ...], m: MemoryInputs, p: Machine
     train_b = 4.0 if m.train_dtype == "fp32" else 2.0
     out = dict.fromkeys(COMPONENTS, 0.0)
     trainable, acts = 0.0, [0.0]
+    train_seq, score_seq = m.train_seq or m.seq, m.score_seq or m.seq
     policy_roles = roles & {"actor", "generator", "reference"}
     if m.shared_base:  # one frozen base; the actor's adapters serve the generator too, unless it has its own copy
         copies = 1 if policy_roles else 0
@@ -150,11 +156,13 @@ def worker_memory(roles: set[str] | tuple[str, ...], m: MemoryInputs, p: Machine
         else:
             out["base"] += m.policy.params * train_b
             trainable += m.policy.params
-        acts.append(train_activation_bytes(m.policy, m.train_rows * m.seq, m.act_bytes, m.checkpointing, True))
+        acts.append(train_activation_bytes(m.policy, m.train_rows * train_seq, m.act_bytes, m.checkpointing, True))
     if "generator" in roles:
         out["kv_cache"] += m.kv_rows * m.seq * m.policy.kv_bytes_per_token(m.act_bytes)
+        if "actor" not in roles and not m.shared_base:  # the weight sync's received copy beside the engine's own
+            acts.append(policy_frozen)  # (measured on SmolLM2: a decoding-only worker peaked ~one copy above)
     if roles & {"actor", "reference"}:  # log-prob passes over scored samples (the generator keeps only the last logits)
-        acts.append(inference_activation_bytes(m.policy, m.score_rows * m.seq, m.act_bytes, True))
+        acts.append(inference_activation_bytes(m.policy, m.score_rows * score_seq, m.act_bytes, True))
     on_base = m.shared_base and lora  # critic and reward as adapters on the shared base (same shape as the policy)
     if m.critic is not None and "critic" in roles:
         if on_base:
@@ -163,7 +171,7 @@ def worker_memory(roles: set[str] | tuple[str, ...], m: MemoryInputs, p: Machine
         else:
             out["base"] += m.critic.params * train_b
             trainable += m.critic.params
-        acts.append(train_activation_bytes(m.critic, m.train_rows * m.seq, m.act_bytes, m.checkpointing, False))
+        acts.append(train_activation_bytes(m.critic, m.train_rows * train_seq, m.act_bytes, m.checkpointing, False))
     elif m.critic is not None and roles & {"reference", "reward"}:  # values for scoring: a frozen copy
         out["base"] += weight_bytes(m.critic, m.weight_dtype)
     if m.reward is not None and "reward" in roles:
@@ -171,7 +179,7 @@ def worker_memory(roles: set[str] | tuple[str, ...], m: MemoryInputs, p: Machine
             out["adapters"] += m.reward.lora_params(m.lora_rank) * train_b
         else:
             out["base"] += weight_bytes(m.reward, m.weight_dtype)
-        acts.append(inference_activation_bytes(m.reward, m.score_rows * m.seq, m.act_bytes, False))
+        acts.append(inference_activation_bytes(m.reward, m.score_rows * score_seq, m.act_bytes, False))
     out["gradients"] = trainable * train_b
     out["optimizer"] = trainable * (optimizer_bytes_per_param(m.optimizer) + (4.0 if m.master_weights else 0.0))
     if "generator" in roles and m.shard > 1:  # the generator's copy and cache shard by its own (tensor-parallel) degree

@@ -275,8 +275,10 @@ def predict(prob: Problem, spec: PlacementSpec, micro: int, ckpt: bool, migrate:
     for g in spec.groups:
         replicas = g.workers // _tp(prob, g.workers)  # sharded: tensor-parallel generator replicas
         kv_rows = min(w.max_rows, math.ceil(w.samples / replicas)) if "generator" in g.roles else 0
-        mi = replace(m, train_rows=dp_micro_size(w.mini_batch, micro, train_w), checkpointing=ckpt,
-                     seq=int(math.ceil(w.prompt_tokens + w.response_max)),
+        rows = dp_micro_size(w.mini_batch, micro, train_w)
+        mi = replace(m, train_rows=rows, checkpointing=ckpt, seq=int(math.ceil(w.prompt_tokens + w.response_max)),
+                     train_seq=w.prompt_per_sample(rows) + w.response_max,
+                     score_seq=w.prompt_per_sample(w.score_micro_batch) + w.response_max,
                      score_rows=w.score_micro_batch, kv_rows=kv_rows, shard=shard_of(g.workers),
                      generator_shard=_tp(prob, g.workers))
         memory[g.name] = worker_memory(g.roles, mi, p)
@@ -617,7 +619,9 @@ def _configured_memory(cfg):
     w = prob.workload
 
     m = replace(prob.memory, train_rows=cfg.rl.micro_batch_size, checkpointing=checkpointing_on(cfg),
-                seq=int(math.ceil(w.prompt_tokens + w.response_max)), score_rows=w.score_micro_batch)
+                seq=int(math.ceil(w.prompt_tokens + w.response_max)), score_rows=w.score_micro_batch,
+                train_seq=w.prompt_per_sample(cfg.rl.micro_batch_size) + w.response_max,
+                score_seq=w.prompt_per_sample(w.score_micro_batch) + w.response_max)
     return m, w, prob
 
 
