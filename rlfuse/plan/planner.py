@@ -84,14 +84,17 @@ class Workload:
         share among the samples of its group in the pass (micro-batches keep a prompt's samples together)."""
         return self.prompt_tokens / (max(1.0, min(self.k, rows)) if self.shared_prompt else 1.0)
 
-    @property
-    def seq(self) -> float:
-        """Mean tokens per sample in the scoring passes (prompt + response; scoring sorts by length, so pads little)."""
-        return self.prompt_tokens + self.response_mean
-
     def scored_seq(self, rows: float) -> float:
-        """Mean tokens a sample costs in a scoring pass of `rows` samples (seq, its prompt shared where it is)."""
+        """Mean tokens a sample costs in a scoring pass of `rows` samples (prompt, shared where it is, + response;
+        scoring sorts by length, so pads little)."""
         return self.prompt_per_sample(rows) + self.response_mean
+
+    def memory_lengths(self, train_rows: int) -> dict:
+        """The memory model's sequence lengths (MemoryInputs seq, train_seq, score_seq) at the longest response:
+        the KV cache holds whole sequences, training and scoring passes the tokens their shared prompts leave."""
+        return {"seq": int(math.ceil(self.prompt_tokens + self.response_max)),
+                "train_seq": self.prompt_per_sample(train_rows) + self.response_max,
+                "score_seq": self.prompt_per_sample(self.score_micro_batch) + self.response_max}
 
     @property
     def lengths(self) -> cost.Lengths:
@@ -272,15 +275,13 @@ def predict(prob: Problem, spec: PlacementSpec, micro: int, ckpt: bool, migrate:
                "migration": migration, "overhead": overhead}
     seconds["iteration"] = sync + rollout + train + overhead
     memory = {}
+    rows = dp_micro_size(w.mini_batch, micro, train_w)
+    lengths = w.memory_lengths(rows)
     for g in spec.groups:
         replicas = g.workers // _tp(prob, g.workers)  # sharded: tensor-parallel generator replicas
         kv_rows = min(w.max_rows, math.ceil(w.samples / replicas)) if "generator" in g.roles else 0
-        rows = dp_micro_size(w.mini_batch, micro, train_w)
-        mi = replace(m, train_rows=rows, checkpointing=ckpt, seq=int(math.ceil(w.prompt_tokens + w.response_max)),
-                     train_seq=w.prompt_per_sample(rows) + w.response_max,
-                     score_seq=w.prompt_per_sample(w.score_micro_batch) + w.response_max,
-                     score_rows=w.score_micro_batch, kv_rows=kv_rows, shard=shard_of(g.workers),
-                     generator_shard=_tp(prob, g.workers))
+        mi = replace(m, train_rows=rows, checkpointing=ckpt, **lengths, score_rows=w.score_micro_batch,
+                     kv_rows=kv_rows, shard=shard_of(g.workers), generator_shard=_tp(prob, g.workers))
         memory[g.name] = worker_memory(g.roles, mi, p)
     fits, why = True, ""
     if prob.memory_budget is not None:
@@ -619,9 +620,7 @@ def _configured_memory(cfg):
     w = prob.workload
 
     m = replace(prob.memory, train_rows=cfg.rl.micro_batch_size, checkpointing=checkpointing_on(cfg),
-                seq=int(math.ceil(w.prompt_tokens + w.response_max)), score_rows=w.score_micro_batch,
-                train_seq=w.prompt_per_sample(cfg.rl.micro_batch_size) + w.response_max,
-                score_seq=w.prompt_per_sample(w.score_micro_batch) + w.response_max)
+                score_rows=w.score_micro_batch, **w.memory_lengths(cfg.rl.micro_batch_size))
     return m, w, prob
 
 

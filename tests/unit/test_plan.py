@@ -491,7 +491,8 @@ def test_shared_prompts_cost_their_share_per_sample(default_problem):
     w = Workload(samples=128, prompt_tokens=28.0, response_mean=4.0, response_max=8, epochs=1, mini_batch=64,
                  score_micro_batch=32, max_rows=256, k=8, shared_prompt=True)
     assert w.prompt_per_sample(32) == 3.5 and w.prompt_per_sample(2) == 14.0 and w.prompt_per_sample(1) == 28.0
-    assert w.scored_seq(32) == 7.5 and w.seq == 32.0
+    assert w.scored_seq(32) == 7.5 and replace(w, shared_prompt=False).scored_seq(32) == 32.0
+    assert w.memory_lengths(32) == {"seq": 36, "train_seq": 11.5, "score_seq": 11.5}
     assert replace(w, shared_prompt=False).prompt_per_sample(32) == 28.0
     cfg = load_config(None, ["rl.algo=grpo", "rl.k=8", "rl.prompts_per_iter=4", "rl.mini_batch_size=32"])
     assert problem_from_config(cfg, CPU, workers=2).workload.shared_prompt
