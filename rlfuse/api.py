@@ -20,14 +20,14 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Union
 
-from rlfuse.config import Config, RLConfig, RunConfig, config_from_dict, config_to_dict
+from rlfuse.config import Config, RLConfig, RunConfig, config_from_dict, config_to_dict, save_config
 from rlfuse.config import load_config as _load_yaml
 from rlfuse.data.chat import end_of_turn_ids
 from rlfuse.errors import ConfigError, UserError
 from rlfuse.live_rewards import is_live, reward_spec
 from rlfuse.plan.resolve import resolve
 from rlfuse.plan.roles import derive_roles
-from rlfuse.runs import make_run_dir, stage_summary, with_local_stage_paths, write_rl_results
+from rlfuse.runs import claim_run_folder, stage_summary, with_local_stage_paths, write_rl_results
 
 ConfigLike = Union[Config, str, os.PathLike, dict, None]
 Overrides = Union[dict, list, tuple, None]
@@ -143,26 +143,31 @@ def _refuse_live_reward_on_workers(cfg: Config) -> None:
 
 
 def train_sft(config: ConfigLike = None, run_dir: str | os.PathLike | None = None, *, overrides: Overrides = None,
-              model=None, tokenizer=None, dataset=None, log: Callable = log_stderr):
+              model=None, tokenizer=None, dataset=None, overwrite: bool = False, log: Callable = log_stderr):
     """Supervised fine-tuning into RUN_DIR/sft. model: a hub id or folder (model.name), or a transformers model
     object with its `tokenizer`. dataset: a `datasets.Dataset` (or list of row dicts) in any of TRL's formats,
-    saved as RUN_DIR/data.jsonl. Returns the SFTResult (model_dir, val_loss, perplexity, seconds, ...)."""
+    saved as RUN_DIR/data.jsonl. A RUN_DIR that already holds an SFT stage is refused unless overwrite=True.
+    Returns the SFTResult (model_dir, val_loss, perplexity, seconds, ...)."""
     from rlfuse.trainers.sft import train_sft as run_sft  # torch and transformers load with a trainer, not the API
 
-    cfg = _stage_config(config, overrides, run_dir, log, **{"model.name": _model_override(model, tokenizer, run_dir)},
-                        **_dataset_override(dataset, run_dir))
-    return run_sft(cfg, make_run_dir(cfg, "sft"), log)
+    with claim_run_folder(_run_folder(config, overrides, run_dir), "sft", overwrite=overwrite, log=log) as folder:
+        cfg = _stage_config(config, overrides, folder, log, **{"model.name": _model_override(model, tokenizer, folder)},
+                            **_dataset_override(dataset, folder))
+        save_config(cfg, folder)
+        return run_sft(cfg, folder, log)
 
 
 def train_rm(config: ConfigLike = None, run_dir: str | os.PathLike | None = None, *, overrides: Overrides = None,
-             dataset=None, log: Callable = log_stderr):
+             dataset=None, overwrite: bool = False, log: Callable = log_stderr):
     """Reward-model training into RUN_DIR/rm, from rm.sft_path (a folder or hub id) or RUN_DIR/sft/model (rm.init=sft),
-    or model.name (rm.init=base).
+    or model.name (rm.init=base). A RUN_DIR that already holds a reward-model stage is refused unless overwrite=True.
     Returns the RMResult (model_dir, accuracy, margin, seconds)."""
     from rlfuse.trainers.rm import train_rm as run_rm  # torch and transformers load with a trainer, not the API
 
-    cfg = _stage_config(config, overrides, run_dir, log, **_dataset_override(dataset, run_dir))
-    return run_rm(with_local_stage_paths(cfg), make_run_dir(cfg, "rm"), log)
+    with claim_run_folder(_run_folder(config, overrides, run_dir), "rm", overwrite=overwrite, log=log) as folder:
+        cfg = _stage_config(config, overrides, folder, log, **_dataset_override(dataset, folder))
+        save_config(cfg, folder)
+        return run_rm(with_local_stage_paths(cfg), folder, log)
 
 
 @dataclass
@@ -182,7 +187,7 @@ class RLResult:
 
 
 def train_rl(config: ConfigLike = None, run_dir: str | os.PathLike | None = None, *, overrides: Overrides = None,
-             reward: Callable | str | list | None = None, dataset=None, resume: bool = False,
+             reward: Callable | str | list | None = None, dataset=None, resume: bool = False, overwrite: bool = False,
              log: Callable = log_stderr) -> RLResult:
     """Online RL (rl.algo) into RUN_DIR/rl from rl.sft_path / rl.rm_path (folders or hub ids) or RUN_DIR's sft/ and
     rm/ models; writes eval.json and report.html.
@@ -193,15 +198,19 @@ def train_rl(config: ConfigLike = None, run_dir: str | os.PathLike | None = None
     reward functions). An importable function is saved in config.yaml by its module:function; any other
     callable (a lambda, a local function) works in this process, and resuming it needs reward= again.
     resume=True continues RUN_DIR from its last checkpoint, with its saved config.yaml unless config is given
-    (overrides apply either way)."""
+    (overrides apply either way). A RUN_DIR that already holds an RL stage is refused unless resume or overwrite=True
+    (which removes it first)."""
     from rlfuse.trainers.rl import train_rl as run_rl  # torch and transformers load with a trainer, not the API
 
     config = _resume_config(config, run_dir) if resume else config
-    cfg = _stage_config(config, overrides, run_dir, log, **{"rl.reward": reward},
-                        **({} if resume else _dataset_override(dataset, run_dir)))
-    _refuse_live_reward_on_workers(cfg)
-    run_dir = Path(run_dir) if resume else make_run_dir(cfg, "rl")
-    return _rl_result(run_dir, run_rl(with_local_stage_paths(cfg), run_dir, log, resume=resume))
+    with claim_run_folder(_run_folder(config, overrides, run_dir), "rl", resume=resume, overwrite=overwrite,
+                          log=log) as folder:
+        cfg = _stage_config(config, overrides, folder, log, **{"rl.reward": reward},
+                            **({} if resume else _dataset_override(dataset, folder)))
+        _refuse_live_reward_on_workers(cfg)
+        if not resume:
+            save_config(cfg, folder)
+        return _rl_result(folder, run_rl(with_local_stage_paths(cfg), folder, log, resume=resume))
 
 
 @dataclass
@@ -218,12 +227,12 @@ class PipelineResult:
 
 def run_pipeline(config: ConfigLike = None, run_dir: str | os.PathLike | None = None, *, overrides: Overrides = None,
                  model=None, tokenizer=None, reward: Callable | str | list | None = None, dataset=None,
-                 resume: bool = False, log: Callable = log_stderr) -> PipelineResult:
+                 resume: bool = False, overwrite: bool = False, log: Callable = log_stderr) -> PipelineResult:
     """SFT, the reward model on the SFT backbone, then RL, into one run folder (what `rlfuse run` does). The reward
     model is trained only when a role loads from it (rl.reward=rm, or a critic from it); with reward functions and
     no such critic (GRPO or RLOO on a verifiable reward) its stage is skipped, and rm is None. resume=True keeps the finished
-    stages of RUN_DIR and continues RL from its last checkpoint. model/tokenizer/dataset as in train_sft, reward as
-    in train_rl."""
+    stages of RUN_DIR and continues RL from its last checkpoint; without it a RUN_DIR holding a run is refused unless
+    overwrite=True (which removes it first). model/tokenizer/dataset as in train_sft, reward as in train_rl."""
     # torch and transformers load with the trainers, not with the API (`rlfuse --help` stays quick)
     from rlfuse.trainers.rl import train_rl as run_rl
     from rlfuse.trainers.rm import train_rm as run_rm
@@ -231,25 +240,34 @@ def run_pipeline(config: ConfigLike = None, run_dir: str | os.PathLike | None = 
 
     t0 = time.perf_counter()
     config = _resume_config(config, run_dir) if resume else config
-    cfg = _stage_config(config, overrides, run_dir, log, **{"rl.reward": reward,
-                                                       "model.name": _model_override(model, tokenizer, run_dir)},
-                        **({} if resume else _dataset_override(dataset, run_dir)))
-    _refuse_live_reward_on_workers(cfg)
-    run_dir = Path(run_dir) if resume else make_run_dir(cfg, "run")
-    log(f"[run] run folder: {run_dir}")
-    sft = stage_summary(run_dir, "sft") or _as_dict(run_sft(cfg, run_dir, log))
-    local = with_local_stage_paths(cfg)  # hub ids fetched once the config is saved with them
-    if needs_reward_model(cfg):
-        rm = stage_summary(run_dir, "rm") or _as_dict(run_rm(local, run_dir, log))
-    else:
-        rm = None
-        log(f"[run] no RL role loads a reward model (rl.reward={cfg.rl.reward}): the reward-model stage is skipped")
-    rl = _rl_result(run_dir, run_rl(local, run_dir, log, resume=resume))
-    return PipelineResult(run_dir, rl.report, sft, rm, rl, time.perf_counter() - t0)
+    with claim_run_folder(_run_folder(config, overrides, run_dir), "run", resume=resume, overwrite=overwrite,
+                          log=log) as folder:
+        cfg = _stage_config(config, overrides, folder, log, **{"rl.reward": reward,
+                                                             "model.name": _model_override(model, tokenizer, folder)},
+                            **({} if resume else _dataset_override(dataset, folder)))
+        _refuse_live_reward_on_workers(cfg)
+        if not resume:
+            save_config(cfg, folder)
+        log(f"[run] run folder: {folder}")
+        sft = stage_summary(folder, "sft") or _as_dict(run_sft(cfg, folder, log))
+        local = with_local_stage_paths(cfg)  # hub ids fetched once the config is saved with them
+        if needs_reward_model(cfg):
+            rm = stage_summary(folder, "rm") or _as_dict(run_rm(local, folder, log))
+        else:
+            rm = None
+            log(f"[run] no RL role loads a reward model (rl.reward={cfg.rl.reward}): the reward-model stage is skipped")
+        rl = _rl_result(folder, run_rl(local, folder, log, resume=resume))
+    return PipelineResult(folder, rl.report, sft, rm, rl, time.perf_counter() - t0)
 
 
 def needs_reward_model(cfg: Config) -> bool:
     return any(r.source == "rm" for r in derive_roles(cfg).roles)
+
+
+def _run_folder(config: ConfigLike, overrides: Overrides, run_dir) -> str | os.PathLike | None:
+    """The run folder asked for: run_dir, else the config's run.dir (None: a new one). Read before the stage's own
+    config is built, since building it may write into the folder (a dataset or model object)."""
+    return run_dir if run_dir is not None else load_config(config, overrides).run.dir
 
 
 def _resume_config(config: ConfigLike, run_dir) -> ConfigLike:

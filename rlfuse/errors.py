@@ -1,5 +1,7 @@
 """User-facing errors: the CLI prints them as one line and exits non-zero, never a traceback."""
 
+import errno
+
 
 class UserError(Exception):
     """A problem the user can fix. `str()` is the one line the CLI prints."""
@@ -21,3 +23,21 @@ class DataError(UserError):
     def __init__(self, source: str, problem: str, fix: str):
         self.source, self.problem, self.fix = source, problem, fix
         super().__init__(f"data error: {source}: {problem}; {fix}")
+
+
+# failures of writing a file that the user fixes outside rlfuse (space, permissions, a path that is not a folder)
+WRITE_ERRNOS = {errno.ENOSPC, errno.EDQUOT, errno.EFBIG, errno.EROFS, errno.EACCES, errno.EPERM, errno.ENOTDIR,
+                errno.EISDIR}
+
+
+def os_error_line(e: OSError, resumable: bool, run_dir: str | None = None) -> str | None:
+    """One line for an OSError of WRITE_ERRNOS (the path, what happened, the fix); None for any other. resumable:
+    the command continues with --resume (its last checkpoint intact), else it starts again with --overwrite."""
+    if e.errno not in WRITE_ERRNOS:
+        return None
+    where = e.filename or "a file of the run"
+    cause = ("free space (or raise the quota) there" if e.errno in (errno.ENOSPC, errno.EDQUOT, errno.EFBIG) else
+             "make it writable")
+    then = (f"continue with --resume {run_dir or 'RUN_DIR'} (the last checkpoint is intact)" if resumable else
+            "run the command again with --overwrite")
+    return f"cannot write {where}: {e.strerror}; {cause}, then {then}"

@@ -36,8 +36,10 @@ def atomic_path(path: str | os.PathLike, suffix: str = ".tmp", keep_existing: bo
             os.replace(path, old)
         os.replace(tmp, path)
         _remove(old)
-    except OSError:
+    except OSError as e:
         if not (keep_existing and path.exists()):  # keep_existing: another writer's copy landed first and stands
+            if e.filename == str(tmp):
+                e.filename = str(path)  # the file the user knows, not our temporary
             raise
     finally:
         _remove(tmp)

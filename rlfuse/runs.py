@@ -3,30 +3,146 @@ API both do around the trainers (the folder, the RL results and report, stage mo
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+import fcntl
 import json
+import os
+import shutil
+import socket
 import time
 from pathlib import Path
+from typing import Callable, Iterator
 
-from rlfuse.config import Config, is_hub_id, save_config
+from rlfuse.config import Config, is_hub_id
 from rlfuse.errors import UserError
 from rlfuse.files import write_text_atomic
 
+# what each command writes into a run folder, and so what starting it again there would replace
+STAGE_OUTPUTS = {"sft": ("sft",), "rm": ("rm",), "rl": ("rl", "eval.json", "report.html", "figures")}
+STAGE_OUTPUTS["run"] = STAGE_OUTPUTS["sft"] + STAGE_OUTPUTS["rm"] + STAGE_OUTPUTS["rl"]
+LOCK_NAME = "run.lock"
 
-def make_run_dir(cfg: Config, command: str) -> Path:
-    """`run.dir` if given, else a new runs/<command>-<timestamp>; the resolved config is saved into it."""
-    if cfg.run.dir:
-        run_dir = Path(cfg.run.dir)
-    else:
-        stamp = time.strftime("%Y%m%d-%H%M%S")
-        run_dir = Path("runs") / f"{command}-{stamp}"
-        i = 1
-        while run_dir.exists():
-            run_dir = Path("runs") / f"{command}-{stamp}-{i}"
-            i += 1
-    run_dir.mkdir(parents=True, exist_ok=True)
-    save_config(cfg, run_dir)
-    return run_dir
+@contextlib.contextmanager
+def claim_run_folder(folder: str | os.PathLike | None, command: str, *, resume: bool = False, overwrite: bool = False,
+                     log: Callable = print) -> Iterator[Path]:
+    """The run folder of `command` (`folder`, else a new runs/<command>-<timestamp>), locked for the block: a second
+    run into it is refused while this one lives (a lock left by a killed run is taken over, and said). A folder
+    holding what `command` would write (a finished or partly finished run) is refused unless `resume` continues it or
+    `overwrite` removes it first."""
+    path = Path(folder) if folder else _new_run_path(command)
+    _make_folder(path)
+    lock = RunLock.acquire(path, log)
+    try:
+        if resume:
+            if not (path / "config.yaml").is_file():
+                raise UserError(f"resume: {path} is not a run folder (no config.yaml); give the folder a run printed")
+        else:
+            _refuse_or_clear(path, command, overwrite, log)
+        yield path
+    finally:
+        lock.release()
+
+
+def _new_run_path(command: str) -> Path:
+    stamp = time.strftime("%Y%m%d-%H%M%S")
+    path, i = Path("runs") / f"{command}-{stamp}", 1
+    while path.exists():
+        path, i = Path("runs") / f"{command}-{stamp}-{i}", i + 1
+    return path
+
+
+def _make_folder(path: Path) -> None:
+    if path.exists() and not path.is_dir():
+        raise UserError(f"run.dir {path}: is a file, not a folder; choose a folder (new or a run's) for run.dir")
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise UserError(f"run.dir {path}: cannot write there ({e.strerror}); choose a folder you can write to for "
+                        "run.dir") from None
+
+
+def _refuse_or_clear(path: Path, command: str, overwrite: bool, log: Callable) -> None:
+    present = [name for name in STAGE_OUTPUTS[command] if _has_content(path / name)]
+    if not present:
+        return
+    if overwrite:
+        for name in present:
+            target = path / name
+            if target.is_dir() and not target.is_symlink():
+                shutil.rmtree(target)
+            else:
+                target.unlink()
+        log(f"[run] --overwrite: removed {', '.join(present)} of the previous run in {path}")
+        return
+    stages = [s for s in ("sft", "rm", "rl") if s in present] or ["rl"]  # eval.json etc. alone: an RL stage's
+    done = {s: (path / s / "summary.json").is_file() for s in stages}
+    what = ", ".join(f"{s} {'finished' if done[s] else 'unfinished'}" for s in stages)
+    fixes = ([f"continue it with `rlfuse {command} --resume {path}`"]
+             if command in ("run", "rl") and not done.get("rl", False) else [])
+    fixes += ["choose a new run.dir", "pass --overwrite (API: overwrite=True) to replace it"]
+    raise UserError(f"run.dir {path} already holds an earlier run ({what}) that this {command} would overwrite; "
+                    f"{', or '.join(fixes)}")
+
+
+def _has_content(path: Path) -> bool:
+    return path.is_file() or (path.is_dir() and any(path.iterdir()))
+
+
+class RunLock:
+    """An exclusive lock (flock) on RUN_DIR/run.lock for a run's life, the file naming its holder. The kernel drops
+    it when the holder dies however it dies, so a lock file no process holds is a killed run's, and taken over."""
+
+    def __init__(self, fd: int, path: Path):
+        self.fd, self.path = fd, path
+
+    @classmethod
+    def acquire(cls, folder: Path, log: Callable) -> "RunLock":
+        path = folder / LOCK_NAME
+        while True:
+            try:
+                fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+            except OSError as e:
+                raise UserError(f"run.dir {folder}: cannot create its lock file ({e.strerror}); choose a folder you "
+                                "can write to for run.dir") from None
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except OSError:
+                holder = _describe_holder(_read_holder(fd))
+                os.close(fd)
+                raise UserError(f"run.dir {folder} is in use by another run ({holder}); wait for it to end, stop it, "
+                                "or choose another run.dir") from None
+            # the holder before us may have removed the file between our open and our lock: lock the one in place
+            if path.exists() and os.stat(path).st_ino == os.fstat(fd).st_ino:
+                break
+            os.close(fd)
+        previous = _read_holder(fd)
+        if previous and previous.get("pid") != os.getpid():
+            log(f"[run] {folder}: took over the lock of a run that is no longer running "
+                f"({_describe_holder(previous)})")
+        mine = json.dumps({"pid": os.getpid(), "host": socket.gethostname(),
+                           "started": time.strftime("%Y-%m-%d %H:%M:%S %Z")}).encode()
+        os.ftruncate(fd, 0)
+        os.pwrite(fd, mine, 0)
+        return cls(fd, path)
+
+    def release(self) -> None:
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(self.path)
+        os.close(self.fd)
+
+
+def _read_holder(fd: int) -> dict:
+    try:
+        return json.loads(os.pread(fd, 4096, 0) or b"{}")
+    except (OSError, ValueError):
+        return {}
+
+
+def _describe_holder(holder: dict) -> str:
+    if not holder:
+        return "holder unknown"
+    return f"pid {holder.get('pid')} on {holder.get('host')}, started {holder.get('started')}"
 
 
 def stage_summary(run_dir: Path, stage: str) -> dict | None:

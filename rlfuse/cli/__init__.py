@@ -23,40 +23,40 @@ from rlfuse.api import log_stderr
 from rlfuse.cli import plan as plan_cli
 from rlfuse.cli import schedule as schedule_cli
 from rlfuse.config import Config, config_to_dict, field_docs, field_summary, load_config, section_class, split_args
-from rlfuse.errors import UserError
+from rlfuse.errors import UserError, os_error_line
 from rlfuse.plan.resolve import resolve
 
 log = log_stderr
 
 
-def cmd_sft(cfg: Config) -> int:
-    result = api.train_sft(cfg, log=log)
+def cmd_sft(cfg: Config, overwrite: bool = False) -> int:
+    result = api.train_sft(cfg, overwrite=overwrite, log=log)
     print(f"run folder: {result.model_dir.parent.parent}")
     return 0
 
 
-def cmd_rm(cfg: Config) -> int:
-    result = api.train_rm(cfg, log=log)
+def cmd_rm(cfg: Config, overwrite: bool = False) -> int:
+    result = api.train_rm(cfg, overwrite=overwrite, log=log)
     print(f"run folder: {result.model_dir.parent.parent}")
     return 0
 
 
-def cmd_rl(cfg: Config, resume: str | None = None) -> int:
+def cmd_rl(cfg: Config, resume: str | None = None, overwrite: bool = False) -> int:
     from rlfuse.evaluation import eval_table  # torch: only once a run has finished
 
-    result = api.train_rl(cfg, resume, resume=bool(resume), log=log)
+    result = api.train_rl(cfg, resume, resume=bool(resume), overwrite=overwrite, log=log)
     print(eval_table(vars(result)))
     print(f"report: {result.report}")
     print(f"run folder: {result.run_dir}")
     return 0
 
 
-def cmd_run(cfg: Config, resume: str | None = None) -> int:
+def cmd_run(cfg: Config, resume: str | None = None, overwrite: bool = False) -> int:
     """The whole pipeline on one config: SFT, reward model on the SFT backbone, then RL. With --resume, finished
     stages are kept and RL continues from its last checkpoint."""
     from rlfuse.evaluation import eval_table  # torch: only once a run has finished
 
-    r = api.run_pipeline(cfg, resume, resume=bool(resume), log=log)
+    r = api.run_pipeline(cfg, resume, resume=bool(resume), overwrite=overwrite, log=log)
     sft, rm = r.sft, r.rm
     gram = f", grammatical rate {sft['grammatical_rate']:.3f}" if sft.get("grammatical_rate") is not None else ""
     print("\n".join([
@@ -173,6 +173,7 @@ COMMAND_SECTIONS = {"sft": ("run", "data", "model", "sft"), "rm": ("run", "data"
                     "rl": ("run", "data", "model", "rl", "rollout", "placement")}
 
 RESUMABLE = ("run", "rl")
+WRITES_RUN = ("run", "sft", "rm", "rl")
 
 
 def fields_help(sections: tuple[str, ...] | None = None, full: bool = True) -> str:
@@ -208,6 +209,9 @@ def build_parser() -> argparse.ArgumentParser:
                            epilog=fields_help(COMMAND_SECTIONS.get(name)))
         p.add_argument("args", nargs="*", metavar="CONFIG|section.field=value",
                        help="optional YAML config, then overrides like sft.lr=1e-4 run.dir=/tmp/x")
+        if name in WRITES_RUN:
+            p.add_argument("--overwrite", action="store_true", help="replace what an earlier run wrote into run.dir "
+                           "for this command (without it such a folder is refused)")
         if name in RESUMABLE:
             p.add_argument("--resume", metavar="RUN_DIR", help="continue a killed run from its last checkpoint "
                            "(its saved config.yaml is used; overrides still apply)")
@@ -241,20 +245,28 @@ def main(argv: list[str] | None = None) -> int:
             print(f"rlfuse {ns.command}: {e}", file=sys.stderr)
             return e.exit_code
     fn, _ = COMMANDS[ns.command]
+    resume = run_dir = getattr(ns, "resume", None)  # run_dir: where a failed write's fix points
     try:
         config, overrides = split_args(ns.args)
-        resume = getattr(ns, "resume", None)
         if resume:
             saved = Path(resume) / "config.yaml"
             if not saved.exists():
                 raise UserError(f"--resume: {resume} is not a run folder (no config.yaml); give the folder a run printed")
+            if getattr(ns, "overwrite", False):
+                raise UserError("--resume and --overwrite: one continues the run, the other replaces it; give one")
             cfg = load_config(saved, [f"run.dir={resume}", *overrides])
             return fn(cfg, resume=resume)
         cfg = load_config(config, overrides)
-        return fn(cfg)
+        run_dir = cfg.run.dir
+        return fn(cfg, overwrite=ns.overwrite) if ns.command in WRITES_RUN else fn(cfg)
     except UserError as e:
         print(f"rlfuse {ns.command}: {e}", file=sys.stderr)
         return e.exit_code
+    except OSError as e:  # a full disk, a read-only folder: the path and the fix, not a traceback
+        if (line := os_error_line(e, ns.command in RESUMABLE, run_dir)) is None:
+            raise
+        print(f"rlfuse {ns.command}: {line}", file=sys.stderr)
+        return 1
     except KeyboardInterrupt:
         print(f"rlfuse {ns.command}: interrupted", file=sys.stderr)
         return 130

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import random
 from pathlib import Path
 
@@ -37,7 +38,41 @@ def save_checkpoint(path: Path, *, iteration: int, actor, critic, opt_actor, opt
         "rng": {"torch": torch.get_rng_state(), "numpy": np.random.get_state(), "python": random.getstate()},
     }
     with atomic_path(path) as tmp:
-        torch.save(state, tmp)
+        save_torch(state, tmp)
+
+
+class _KeepWriteError:
+    """A file whose failed write keeps its OSError: torch.save reports one (a full disk) as a RuntimeError that has
+    lost the OS's reason and the path."""
+
+    def __init__(self, file):
+        self.file, self.error = file, None
+
+    def write(self, data):
+        try:
+            return self.file.write(data)
+        except OSError as e:
+            self.error = e
+            raise
+
+    def flush(self):
+        return self.file.flush()
+
+
+def save_torch(obj, path: Path) -> None:
+    """torch.save(obj, path), a failed write raised as the OSError (errno, path) the CLI prints as one line."""
+    f = open(path, "wb")
+    sink = _KeepWriteError(f)
+    try:
+        torch.save(obj, sink)
+        f.close()  # the last buffered bytes: a full disk may show only here
+    except (RuntimeError, OSError) as e:
+        error = sink.error or (e if isinstance(e, OSError) else None)
+        with contextlib.suppress(OSError):
+            f.close()
+        if error is None:
+            raise
+        raise OSError(error.errno, error.strerror, str(path)) from None
 
 
 def load_checkpoint(path: Path, actor, critic, opt_actor, opt_critic, sched_actor, sched_critic) -> dict:

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import copy
 import json
+import os
 import re
 import shutil
 from pathlib import Path
@@ -208,7 +209,13 @@ def load_reward_model(name: str, cfg: ModelConfig | None = None, pad_token_id: i
 def _write_atomically(out: Path, write) -> Path:
     """write(folder) into a temporary folder, then rename it over `out`: a crash leaves the previous folder whole."""
     with atomic_path(out) as tmp:
-        write(tmp)
+        try:
+            write(tmp)
+        except Exception as e:  # safetensors reports a failed write (disk full) as its own error with the OS's number
+            if (number := re.search(r"os error (\d+)", str(e))) and not isinstance(e, OSError):
+                code = int(number.group(1))
+                raise OSError(code, os.strerror(code), str(out)) from e
+            raise
     return out
 
 

@@ -33,7 +33,8 @@ from torch.nn.parallel import DistributedDataParallel
 from rlfuse.config import Config
 from rlfuse.errors import UserError
 from rlfuse.files import atomic_path, write_text_atomic
-from rlfuse.learn.checkpoint import CHECKPOINT_KEYS, checkpoint_parts, load_checkpoint, save_checkpoint, trainable_state
+from rlfuse.learn.checkpoint import (CHECKPOINT_KEYS, checkpoint_parts, load_checkpoint, save_checkpoint, save_torch,
+                                     trainable_state)
 from rlfuse.learn.learners import build_learners, learner_sets
 from rlfuse.learn.update import BadSteps, update
 from rlfuse.models.build import build_models
@@ -230,7 +231,7 @@ class TrainWorker:
         if current.exists():
             os.replace(current, current.with_name(current.name + ".prev"))
         with atomic_path(current) as tmp:
-            torch.save({"iteration": iteration, "state": self.pipeline.optimizer_state()}, tmp)
+            save_torch({"iteration": iteration, "state": self.pipeline.optimizer_state()}, tmp)
 
     def save_checkpoint(self, path: str, iteration: int, kl_coef: float, counters: dict) -> None:
         """Rank 0 writes learn/checkpoint.py's file (replicas are whole; others return at once)."""
