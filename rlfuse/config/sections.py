@@ -156,6 +156,9 @@ class SFTConfig:
     """Validation loss every this many steps (and at the end)."""
     eval_samples: int = 64
     """Synthetic task: generations sampled at the end to measure the grammatical rate."""
+    max_bad_steps: int = 3
+    """Steps with a NaN/inf loss or gradient are skipped and counted; this many in a row stop the stage (no model is
+    saved)."""
 
 
 @dataclass
@@ -182,6 +185,9 @@ class RMConfig:
     """Synthetic/IMDb tasks: preference pairs to build."""
     eval_every: int = 100
     """Held-out accuracy every this many steps (and at the end)."""
+    max_bad_steps: int = 3
+    """Steps with a NaN/inf loss or gradient are skipped and counted; this many in a row stop the stage (no model is
+    saved)."""
 
 
 @dataclass

@@ -3,8 +3,10 @@ names the field and the fix. What needs the placement checker or the planner is 
 
 from __future__ import annotations
 
+import dataclasses
 import difflib
 import importlib.util
+import math
 import re
 import sys
 from pathlib import Path
@@ -49,8 +51,33 @@ def _choice(value, section: str, choices):
         raise ConfigError(section, f"{value!r} is not one of {', '.join(choices)}", f"pick one of them{hint}")
 
 
+def _finite_numbers(cfg: Config) -> None:
+    """No field takes NaN or infinity: every limit has its own off switch (0 or null), and a NaN compares false
+    with everything, so it would pass the range checks below."""
+    for section in dataclasses.fields(cfg):
+        part = getattr(cfg, section.name)
+        for f in dataclasses.fields(part):
+            v = getattr(part, f.name)
+            if isinstance(v, float) and not math.isfinite(v):
+                default = f.default if f.default is not dataclasses.MISSING else None
+                raise ConfigError(f"{section.name}.{f.name}", f"must be a finite number, got {v}",
+                                  f"set a finite value (default {default})")
+
+
+def _learning_rates(cfg: Config) -> None:
+    """AdamW moves every weight by about lr per step, so lr >= 1 wrecks any model at the first step."""
+    for name, value in (("sft.lr", cfg.sft.lr), ("rm.lr", cfg.rm.lr), ("rl.lr", cfg.rl.lr),
+                        ("rl.critic_lr", cfg.rl.critic_lr)):
+        if value >= 1:
+            raise ConfigError(name, f"{value} is not a learning rate AdamW can train with (each step moves every "
+                              "weight by about that much)", f"set {name} between 1e-6 and 1e-2 (fine-tuning: "
+                              "1e-5 to 1e-4 full, 1e-4 to 1e-3 LoRA)")
+
+
 def validate(cfg: Config) -> Config:
     """Check every field now rather than an hour into training. Raises ConfigError."""
+    _finite_numbers(cfg)
+    _learning_rates(cfg)
     r, d, m = cfg.run, cfg.data, cfg.model
     _choice(r.device, "run.device", ("auto", "cpu", "cuda"))
     _choice(r.precision, "run.precision", ("auto", "fp32", "bf16", "fp16"))
@@ -83,7 +110,7 @@ def validate(cfg: Config) -> Config:
     if m.n_embd % m.n_head:
         raise ConfigError("model.n_head", f"{m.n_head} does not divide model.n_embd={m.n_embd}", "pick a divisor, e.g. 4")
     for name, s in (("sft", cfg.sft), ("rm", cfg.rm)):
-        _positive(s, name, "lr", "steps", "batch_size", "micro_batch_size", "eval_every")
+        _positive(s, name, "lr", "steps", "batch_size", "micro_batch_size", "eval_every", "max_bad_steps")
         _positive(s, name, "warmup_steps", "weight_decay", "grad_clip", allow_zero=True)
         _divides(s, name)
     _choice(cfg.rm.init, "rm.init", ("sft", "base"))

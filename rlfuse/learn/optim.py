@@ -60,9 +60,12 @@ def build_constant_optimizer(model: torch.nn.Module, lr: float, kind: str = "ada
 
 
 def clip_and_step(model, opt, sched, grad_clip: float) -> float:
+    """Clip the gradient norm, step the optimiser and the schedule; returns the norm before clipping. A non-finite
+    norm (a NaN/inf loss or gradient) skips the optimiser step, so the weights stay finite; the caller counts it."""
     params = [p for p in model.parameters() if p.requires_grad]
-    norm = torch.nn.utils.clip_grad_norm_(params, grad_clip if grad_clip > 0 else float("inf"))
-    opt.step()
+    norm = float(torch.nn.utils.clip_grad_norm_(params, grad_clip if grad_clip > 0 else float("inf")))
+    if math.isfinite(norm):
+        opt.step()
     sched.step()
     opt.zero_grad(set_to_none=True)
-    return float(norm)
+    return norm

@@ -4,6 +4,7 @@ updates over one iteration's experience, and the count of updates skipped for no
 
 from __future__ import annotations
 
+import math
 import time
 from dataclasses import dataclass
 from typing import Callable
@@ -14,6 +15,7 @@ from rlfuse.config import RLConfig
 from rlfuse.errors import UserError
 from rlfuse.learn.batches import micro_batch_indices, micro_batches, prompt_tokens_shared
 from rlfuse.learn.learners import Learner, Learners
+from rlfuse.learn.optim import clip_and_step
 from rlfuse.learn.losses import micro_policy_loss, micro_value_loss
 from rlfuse.models.build import Models
 from rlfuse.models.forward import can_share
@@ -28,18 +30,39 @@ class BadSteps:
     consecutive: int = 0
     why: str | None = None
 
-    def count(self, why: str, max_bad_steps: int, stop: bool = True) -> None:
+    def count(self, why: str, max_bad_steps: int, stop: bool = True, fix: str | None = None) -> None:
         """A skipped update: counted; max_bad_steps in a row end the run (at once, or at stop_if_diverged)."""
         self.skipped += 1
         self.consecutive += 1
         self.why = why
         if stop:
-            self.stop_if_diverged(max_bad_steps)
+            self.stop_if_diverged(max_bad_steps, fix)
 
-    def stop_if_diverged(self, max_bad_steps: int) -> None:
+    def stop_if_diverged(self, max_bad_steps: int, fix: str | None = None) -> None:
+        """fix: what to change and what is kept (default: the RL stage's)."""
         if self.consecutive >= max_bad_steps:
             raise UserError(f"training diverged: {self.consecutive} consecutive updates skipped, the last for "
-                            f"{self.why} (lower rl.lr, raise rl.kl_coef, or check rl.reward); last checkpoint kept")
+                            f"{self.why} ({fix or 'lower rl.lr, raise rl.kl_coef, or check rl.reward; last checkpoint kept'})")
+
+
+def stage_step(model: torch.nn.Module, opt, sched, section, stage: str, loss: float, bad: BadSteps) -> float:
+    """SFT's and RM's optimiser step (clip_and_step): one with a NaN/inf loss or gradient is skipped and counted in
+    `bad`, and section.max_bad_steps of them in a row stop the stage. Returns the gradient norm before clipping."""
+    grad_norm = clip_and_step(model, opt, sched, section.grad_clip)
+    if math.isfinite(grad_norm):
+        bad.consecutive = 0
+    else:
+        bad.count("a NaN/inf loss" if not math.isfinite(loss) else "a NaN/inf gradient", section.max_bad_steps,
+                  fix=f"lower {stage}.lr or raise {stage}.warmup_steps; no model saved")
+    return grad_norm
+
+
+def require_finite_weights(model: torch.nn.Module, stage: str) -> None:
+    """Refuse to save a model holding NaN/inf weights, which every later stage would load without a word."""
+    bad = [n for n, p in model.named_parameters() if p.requires_grad and not bool(torch.isfinite(p).all())]
+    if bad:
+        raise UserError(f"training diverged: {len(bad)} trained weight tensors hold NaN/inf (first {bad[0]}); no model "
+                        f"saved; lower {stage}.lr or raise {stage}.warmup_steps")
 
 
 def optimise(learners: list[Learner], batches: list[list[int]], exp: Experience, micro_size: int,

@@ -26,7 +26,8 @@ class Progress:
 
     def update(self, n: int = 1, **stats) -> None:
         self.n += n
-        shown = {k: (f"{v:.4g}" if isinstance(v, float) else v) for k, v in stats.items()}
+        # None: not measured yet (a held-out figure before the first evaluation), shown as nothing rather than nan
+        shown = {k: (f"{v:.4g}" if isinstance(v, float) else v) for k, v in stats.items() if v is not None}
         if self._bar is not None:
             self._bar.set_postfix(shown, refresh=False)
             self._bar.update(n)

@@ -19,7 +19,8 @@ from rlfuse.data.stages import preference_pairs
 from rlfuse.errors import UserError
 from rlfuse.files import write_text_atomic
 from rlfuse.learn.batches import batch_indices
-from rlfuse.learn.optim import build_optimizer, clip_and_step
+from rlfuse.learn.optim import build_optimizer
+from rlfuse.learn.update import BadSteps, require_finite_weights, stage_step
 from rlfuse.metrics.progress import Progress
 from rlfuse.metrics.tracker import stage_tracker
 from rlfuse.models.device import autocast, setup_runtime
@@ -93,8 +94,9 @@ def train_rm(cfg: Config, run_dir: Path, log=print, on_trained=None) -> RMResult
     out = run_dir / "rm"
     tracker = stage_tracker(cfg, out)
     log(f"[rm] {len(train_items)} train / {len(eval_items)} held-out pairs, backbone {name}")
-    acc = float("nan")
+    acc = None
     lengths = [max(len(c), len(r)) for c, r in train_items]
+    bad = BadSteps()  # steps skipped for a NaN/inf loss or gradient
     with Progress(s.steps, "rm", cfg.run.quiet) as bar:
         for step, idx in enumerate(batch_indices(lengths, s.batch_size, s.steps, cfg.run.seed), 1):
             batch = [train_items[i] for i in idx]
@@ -107,15 +109,16 @@ def train_rm(cfg: Config, run_dir: Path, log=print, on_trained=None) -> RMResult
                 loss.backward()
                 loss_sum += float(loss.detach())
                 correct += int((rc > rr).sum())
-            grad_norm = clip_and_step(model, opt, sched, s.grad_clip)
+            grad_norm = stage_step(model, opt, sched, s, "rm", loss_sum, bad)
             row = {"train/loss": loss_sum, "train/accuracy": correct / len(batch), "train/grad_norm": grad_norm,
-                   "train/lr": sched.get_last_lr()[0]}
+                   "train/lr": sched.get_last_lr()[0], "train/skipped_steps": bad.skipped}
             if step % s.eval_every == 0 or step == s.steps:
                 row.update(evaluate_pairs(model, eval_items, tokenizer.pad_token_id, s.micro_batch_size, device, cfg.run.precision))
                 acc = row["eval/accuracy"]
             tracker.log(step, **row)
             bar.update(loss=loss_sum, acc=acc)
     final = evaluate_pairs(model, eval_items, tokenizer.pad_token_id, s.micro_batch_size, device, cfg.run.precision)
+    require_finite_weights(model, "rm")
     model_dir = save_trained_model(model, tokenizer, out, base=name)
     if on_trained is not None:
         on_trained(model)

@@ -24,7 +24,8 @@ from rlfuse.data.stages import rl_prompts, sft_examples
 from rlfuse.data.task import build_default_task
 from rlfuse.files import write_text_atomic
 from rlfuse.learn.batches import batch_indices
-from rlfuse.learn.optim import build_optimizer, clip_and_step
+from rlfuse.learn.optim import build_optimizer
+from rlfuse.learn.update import BadSteps, require_finite_weights, stage_step
 from rlfuse.metrics.progress import Progress
 from rlfuse.metrics.tracker import stage_tracker
 from rlfuse.models.device import autocast, setup_runtime
@@ -90,7 +91,8 @@ def train_sft(cfg: Config, run_dir: Path, log=print, on_trained=None) -> SFTResu
     out = run_dir / "sft"
     tracker = stage_tracker(cfg, out)
     log(f"[sft] {len(train_items)} train / {len(eval_items)} held-out sequences, model {name}, device {device}")
-    val = float("nan")
+    val = None
+    bad = BadSteps()  # steps skipped for a NaN/inf loss or gradient
     with Progress(s.steps, "sft", cfg.run.quiet) as bar:
         for step, idx in enumerate(batch_indices([len(i) for i, _ in train_items], s.batch_size, s.steps, cfg.run.seed), 1):
             batch = [train_items[i] for i in idx]
@@ -103,13 +105,15 @@ def train_sft(cfg: Config, run_dir: Path, log=print, on_trained=None) -> SFTResu
                 loss = sft_loss(logits, b["labels"], normalizer=max(1, n_tokens))
                 loss.backward()
                 loss_sum += float(loss.detach())
-            grad_norm = clip_and_step(model, opt, sched, s.grad_clip)
-            row = {"train/loss": loss_sum, "train/grad_norm": grad_norm, "train/lr": sched.get_last_lr()[0]}
+            grad_norm = stage_step(model, opt, sched, s, "sft", loss_sum, bad)
+            row = {"train/loss": loss_sum, "train/grad_norm": grad_norm, "train/lr": sched.get_last_lr()[0],
+                   "train/skipped_steps": bad.skipped}
             if step % s.eval_every == 0 or step == s.steps:
                 val = validation_loss(model, eval_items, tokenizer.pad_token_id, s.micro_batch_size, device, cfg.run.precision)
                 row["eval/loss"] = val
             tracker.log(step, **row)
             bar.update(loss=loss_sum, val=val)
+    require_finite_weights(model, "sft")
     model_dir = save_trained_model(model, tokenizer, out, base=name)
     if on_trained is not None:
         on_trained(model)
