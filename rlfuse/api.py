@@ -22,6 +22,7 @@ from typing import Callable, Union
 
 from rlfuse.config import Config, RLConfig, RunConfig, config_from_dict, config_to_dict, save_config
 from rlfuse.config import load_config as _load_yaml
+from rlfuse.config.resume import record_resume_changes, resume_changes
 from rlfuse.data.chat import end_of_turn_ids
 from rlfuse.errors import ConfigError, UserError
 from rlfuse.live_rewards import is_live, reward_spec
@@ -208,9 +209,9 @@ def train_rl(config: ConfigLike = None, run_dir: str | os.PathLike | None = None
         cfg = _stage_config(config, overrides, folder, log, **{"rl.reward": reward},
                             **({} if resume else _dataset_override(dataset, folder)))
         _refuse_live_reward_on_workers(cfg)
-        if not resume:
-            save_config(cfg, folder)
-        return _rl_result(folder, run_rl(with_local_stage_paths(cfg), folder, log, resume=resume))
+        on_resumed = _resume_rules(cfg, folder, log) if resume else _save_new(cfg, folder)
+        return _rl_result(folder, run_rl(with_local_stage_paths(cfg), folder, log, resume=resume,
+                                         on_resumed=on_resumed))
 
 
 @dataclass
@@ -246,8 +247,7 @@ def run_pipeline(config: ConfigLike = None, run_dir: str | os.PathLike | None = 
                                                              "model.name": _model_override(model, tokenizer, folder)},
                             **({} if resume else _dataset_override(dataset, folder)))
         _refuse_live_reward_on_workers(cfg)
-        if not resume:
-            save_config(cfg, folder)
+        on_resumed = _resume_rules(cfg, folder, log) if resume else _save_new(cfg, folder)
         log(f"[run] run folder: {folder}")
         sft = stage_summary(folder, "sft") or _as_dict(run_sft(cfg, folder, log))
         local = with_local_stage_paths(cfg)  # hub ids fetched once the config is saved with them
@@ -256,7 +256,7 @@ def run_pipeline(config: ConfigLike = None, run_dir: str | os.PathLike | None = 
         else:
             rm = None
             log(f"[run] no RL role loads a reward model (rl.reward={cfg.rl.reward}): the reward-model stage is skipped")
-        rl = _rl_result(folder, run_rl(local, folder, log, resume=resume))
+        rl = _rl_result(folder, run_rl(local, folder, log, resume=resume, on_resumed=on_resumed))
     return PipelineResult(folder, rl.report, sft, rm, rl, time.perf_counter() - t0)
 
 
@@ -268,6 +268,21 @@ def _run_folder(config: ConfigLike, overrides: Overrides, run_dir) -> str | os.P
     """The run folder asked for: run_dir, else the config's run.dir (None: a new one). Read before the stage's own
     config is built, since building it may write into the folder (a dataset or model object)."""
     return run_dir if run_dir is not None else load_config(config, overrides).run.dir
+
+
+def _save_new(cfg: Config, folder: Path) -> None:
+    """A new run's config.yaml (a resumed run keeps its own, changed only by _resume_rules)."""
+    save_config(cfg, folder)
+
+
+def _resume_rules(cfg: Config, folder: Path, log: Callable) -> Callable[[int], None]:
+    """A resumed run's settings against its saved config.yaml: a change that may not be made is refused now, before
+    any model loads (config/resume.py); the others are logged, and the returned callback (called by the RL trainer
+    with the checkpoint's iteration) writes them into config.yaml."""
+    changes = resume_changes(_load_yaml(folder / "config.yaml"), cfg)
+    if changes:
+        log("[run] resume: applying " + ", ".join(f"{field} {a!r} -> {b!r}" for field, a, b in changes))
+    return lambda iteration: record_resume_changes(cfg, folder, changes, iteration) if changes else None
 
 
 def _resume_config(config: ConfigLike, run_dir) -> ConfigLike:

@@ -214,7 +214,8 @@ def build_parser() -> argparse.ArgumentParser:
                            "for this command (without it such a folder is refused)")
         if name in RESUMABLE:
             p.add_argument("--resume", metavar="RUN_DIR", help="continue a killed run from its last checkpoint "
-                           "(its saved config.yaml is used; overrides still apply)")
+                           "(its saved config.yaml, or a CONFIG given; overrides apply: rl.iterations, rl.lr, logging "
+                           "and evaluation may change, settings the checkpoint depends on may not)")
     rp = sub.add_parser("report", help="redraw a run's figures and report.html (also on a running or killed run)")
     rp.add_argument("run_dir", metavar="RUN_DIR")
     rp.add_argument("--baseline", metavar="RUN_DIR", help="a measured baseline run (e.g. rollout.fusion=true) for "
@@ -254,7 +255,8 @@ def main(argv: list[str] | None = None) -> int:
                 raise UserError(f"--resume: {resume} is not a run folder (no config.yaml); give the folder a run printed")
             if getattr(ns, "overwrite", False):
                 raise UserError("--resume and --overwrite: one continues the run, the other replaces it; give one")
-            cfg = load_config(saved, [f"run.dir={resume}", *overrides])
+            # a config file given with --resume is the run's new config, held to the resume rules like overrides
+            cfg = load_config(config or saved, [f"run.dir={resume}", *overrides])
             return fn(cfg, resume=resume)
         cfg = load_config(config, overrides)
         run_dir = cfg.run.dir

@@ -3,12 +3,15 @@
 from __future__ import annotations
 
 import contextlib
+import os
 import random
+import shutil
 from pathlib import Path
 
 import numpy as np
 import torch
 
+from rlfuse.errors import UserError
 from rlfuse.files import atomic_path
 from rlfuse.learn.learners import Learners
 from rlfuse.models.build import Models
@@ -37,8 +40,28 @@ def save_checkpoint(path: Path, *, iteration: int, actor, critic, opt_actor, opt
         "counters": counters,
         "rng": {"torch": torch.get_rng_state(), "numpy": np.random.get_state(), "python": random.getstate()},
     }
+    keep_previous(path)
     with atomic_path(path) as tmp:
         save_torch(state, tmp)
+
+
+def previous_of(path: Path) -> Path:
+    return path.with_name(path.name + ".prev")
+
+
+def keep_previous(path: Path) -> None:
+    """The checkpoint about to be replaced stays as checkpoint.pt.prev (a hard link: no copy, and checkpoint.pt is
+    never absent), so a damaged newest one can be stepped back from."""
+    if not path.exists():
+        return
+    prev = previous_of(path)
+    staged = prev.with_name(prev.name + ".tmp")
+    staged.unlink(missing_ok=True)
+    try:
+        os.link(path, staged)
+    except OSError:  # a file system without hard links
+        shutil.copyfile(path, staged)
+    os.replace(staged, prev)
 
 
 class _KeepWriteError:
@@ -78,22 +101,65 @@ def save_torch(obj, path: Path) -> None:
 def load_checkpoint(path: Path, actor, critic, opt_actor, opt_critic, sched_actor, sched_critic) -> dict:
     """Restore weights, optimiser, LR-scheduler and RNG states in place; returns the rest (iteration, kl_coef,
     counters)."""
-    state = torch.load(path, weights_only=False, map_location="cpu")  # load_state_dict copies to each tensor's device
-    for module, key in ((actor, "actor"), (critic, "critic")):
-        if module is not None and state[key] is not None:
-            missing = set(state[key]) - {n for n, _ in module.named_parameters()}
-            assert not missing, f"checkpoint has parameters the model lacks: {sorted(missing)[:3]}"
-            module.load_state_dict(state[key], strict=False)
-    opt_actor.load_state_dict(state["opt_actor"])
-    if opt_critic is not None and state["opt_critic"] is not None:
-        opt_critic.load_state_dict(state["opt_critic"])
-    for sched, key in ((sched_actor, "sched_actor"), (sched_critic, "sched_critic")):
-        if sched is not None and state.get(key) is not None:  # checkpoints before scheduler state have none
-            sched.load_state_dict(state[key])
+    state = read_checkpoint(path)
+    configured = {key: [g["lr"] for g in opt.param_groups] for key, opt in (("actor", opt_actor), ("critic", opt_critic))
+                  if opt is not None}
+    try:
+        for module, key in ((actor, "actor"), (critic, "critic")):
+            if module is not None and state[key] is not None:
+                missing = set(state[key]) - {n for n, _ in module.named_parameters()}
+                if missing:
+                    raise ValueError(f"it has parameters the model lacks: {sorted(missing)[:3]}")
+                module.load_state_dict(state[key], strict=False)
+        opt_actor.load_state_dict(state["opt_actor"])
+        if opt_critic is not None and state["opt_critic"] is not None:
+            opt_critic.load_state_dict(state["opt_critic"])
+        for sched, key in ((sched_actor, "sched_actor"), (sched_critic, "sched_critic")):
+            if sched is not None and state.get(key) is not None:  # checkpoints before scheduler state have none
+                sched.load_state_dict(state[key])
+    except (KeyError, ValueError, RuntimeError) as e:
+        raise UserError(f"{path} does not fit this run's models ({_first_line(e)}); it belongs to another "
+                        "run or model: resume the run it came from, or start a new run") from None
+    # a learning rate changed on resume (rl.lr, rl.critic_lr) takes effect: the restored optimiser and schedule
+    # would otherwise keep the checkpoint's
+    for (opt, sched), key in (((opt_actor, sched_actor), "actor"), ((opt_critic, sched_critic), "critic")):
+        if opt is not None:
+            keep_learning_rates(opt, sched, configured[key])
     torch.set_rng_state(state["rng"]["torch"])
     np.random.set_state(state["rng"]["numpy"])
     random.setstate(state["rng"]["python"])
     return state
+
+
+def read_checkpoint(path: Path) -> dict:
+    """The checkpoint's contents; a damaged or foreign file is one line saying how to step back to the previous."""
+    try:
+        state = torch.load(path, weights_only=False, map_location="cpu")  # load_state_dict moves to each device
+        missing = {"iteration", "kl_coef", "counters", "actor", "opt_actor", "rng"} - set(state)
+    except Exception as e:  # torch.load's failures on a damaged file are many (zip, pickle, EOF, unicode)
+        state, missing = None, f"{type(e).__name__}: {_first_line(e)}"
+    if missing:
+        prev = previous_of(path)
+        back = (f"go back one checkpoint with `mv {prev} {path}`, then --resume again" if prev.exists() else
+                "no previous checkpoint is kept: start the run again with --overwrite")
+        what = f"it lacks {sorted(missing)}" if isinstance(missing, set) else missing
+        raise UserError(f"{path} is not a readable rlfuse checkpoint ({what}); {back}")
+    return state
+
+
+def keep_learning_rates(opt, sched, lrs: list[float]) -> None:
+    """Set each parameter group's learning rate (and the constant schedule's base) to lrs."""
+    for group, lr in zip(opt.param_groups, lrs):
+        group["lr"] = lr
+        if "initial_lr" in group:
+            group["initial_lr"] = lr
+    if sched is not None:
+        sched.base_lrs = list(lrs)
+        sched._last_lr = list(lrs)  # what get_last_lr() reports (train/lr)
+
+
+def _first_line(e: BaseException) -> str:
+    return (str(e).strip().splitlines() or [type(e).__name__])[0][:200]
 
 
 CHECKPOINT_KEYS = ("actor", "critic", "opt_actor", "opt_critic", "sched_actor", "sched_critic")

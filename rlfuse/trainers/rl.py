@@ -32,7 +32,6 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-import torch
 
 from rlfuse.algos.kl import AdaptiveKLController, FixedKLController
 from rlfuse.algos.schedules import scheduled_value
@@ -44,6 +43,7 @@ from rlfuse.data.stages import rl_prompt_rows
 from rlfuse.evaluation import evaluate, evaluate_before, iteration_gold, prompt_difficulty, sampling_params
 from rlfuse.learn.advantages import compute_advantages
 from rlfuse.learn.batches import minibatches
+from rlfuse.learn.checkpoint import read_checkpoint
 from rlfuse.learn.learners import build_learners
 from rlfuse.learn.update import BadSteps, count_nonfinite_rewards
 from rlfuse.metrics.flops import compute_meter_for_run
@@ -77,10 +77,11 @@ def sampling_note(rl: RLConfig) -> str:
     return note + (f", curriculum by {rl.curriculum}" if rl.curriculum != "none" else "")
 
 
-def train_rl(cfg: Config, run_dir: Path, log=print, resume: bool = False, on_ready=None) -> dict:
+def train_rl(cfg: Config, run_dir: Path, log=print, resume: bool = False, on_ready=None, on_resumed=None) -> dict:
     """The RL stage: build -> loop -> save the policy. Returns {"before", "after", "samples_after", "seconds"}; the
     CLI writes eval.json and the report. on_ready(models), if given, is called once the models are loaded, before
-    the first iteration (benchmarks read the idle memory footprint there)."""
+    the first iteration (benchmarks read the idle memory footprint there); on_resumed(iteration), once a resumed
+    run's checkpoint is read (the API records the settings changed on resume with it)."""
     cfg = resolve(cfg, log)  # a Config used directly (the API and the CLI resolved theirs: this changes nothing)
     rl, t_start, seed = cfg.rl, time.perf_counter(), cfg.run.seed
     if not (run_dir / "config.yaml").exists():  # called as a library rather than through the CLI
@@ -108,9 +109,15 @@ def train_rl(cfg: Config, run_dir: Path, log=print, resume: bool = False, on_rea
         (out / "memory_predicted.json").write_text(json.dumps({"bytes": predicted_memory(cfg)}))
     ckpt, start, bad = out / "checkpoint.pt", 0, BadSteps()
     if resume and ckpt.exists():  # on Ray the trainers restore it (below); this process needs only the counters
-        state = torch.load(ckpt, weights_only=False, map_location="cpu") if uses_ray(cfg) else trainer.load_checkpoint(ckpt)
+        state = read_checkpoint(ckpt) if uses_ray(cfg) else trainer.load_checkpoint(ckpt)
         start, kl_ctl.coef, bad = state["iteration"], state["kl_coef"], BadSteps(**state["counters"])
-        log(f"[rl] resumed from {ckpt} at iteration {start}")
+        log(f"[rl] resumed from {ckpt} at iteration {start}" + ("" if start < rl.iterations else
+            f": rl.iterations={rl.iterations} are done, nothing left to train (raise rl.iterations to go on)"))
+    elif resume:
+        log(f"[rl] --resume: no RL checkpoint in {out} yet (the run stopped before its first, which comes every "
+            f"rl.ckpt_every={rl.ckpt_every} iterations): RL starts at iteration 0")
+    if resume and on_resumed is not None:
+        on_resumed(start)
     sync_weights(engine, models.actor)
     before = evaluate_before(out / "eval_before.json", models, engine, held_prompts, rl, seed + 12345, gold)
     difficulty = prompt_difficulty(models, engine, train_prompts, rl, seed + 23456, out / "difficulty.json", log)

@@ -1,0 +1,55 @@
+"""What a resumed run may change: settings that only say how long to train, how fast, what to log and how often to
+evaluate or checkpoint are applied from the resumed iteration on; every other one (the algorithm, k, the model,
+the data, the critic, the placement) would make the continued run a different run than its checkpoint's, so a
+change to it is refused with the list. The changes taken are appended to config.yaml as comments naming the
+iteration they took effect."""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from pathlib import Path
+
+import yaml
+
+from rlfuse.config.load import config_to_dict
+from rlfuse.config.sections import Config
+from rlfuse.errors import UserError
+from rlfuse.files import write_text_atomic
+
+CHANGEABLE = {
+    "run": {"dir", "quiet", "threads", "memory_table", "report_to"},  # where and how it logs, not what it computes
+    "rl": {"iterations", "lr", "critic_lr", "ckpt_every", "eval_every", "log_samples_every", "max_bad_steps"},
+    # rollout settings change where and when samples are decoded and scored, never the samples (tested equal)
+    "rollout": {f.name for f in dataclasses.fields(Config().rollout)},
+}
+NOTE = "# resumed at iteration"
+
+
+def resume_changes(saved: Config, new: Config) -> list[tuple[str, object, object]]:
+    """(field, saved value, new value) for each setting of `new` that differs from the run's `saved` one and may
+    change on resume. Raises UserError listing those that may not."""
+    old, now = config_to_dict(saved), config_to_dict(new)
+    changed, refused = [], []
+    for section, fields in now.items():
+        for name, value in fields.items():
+            if old.get(section, {}).get(name) == value or (section, name) == ("run", "dir"):
+                continue
+            entry = (f"{section}.{name}", old.get(section, {}).get(name), value)
+            (changed if name in CHANGEABLE.get(section, ()) else refused).append(entry)
+    if refused:
+        listed = ", ".join(f"{field} {a!r} -> {b!r}" for field, a, b in refused)
+        raise UserError(f"resume: {listed}: cannot change in a resumed run (its checkpoint was trained with the "
+                        f"saved values); drop the change, or start a new run (a new run.dir, or --overwrite). Changeable "
+                        f"on resume: rl.iterations, rl.lr, rl.critic_lr, logging, evaluation and checkpoint intervals, "
+                        f"rollout.*")
+    return changed
+
+
+def record_resume_changes(cfg: Config, run_dir: str | os.PathLike, changes: list, iteration: int) -> None:
+    """config.yaml becomes `cfg`, with the notes of earlier resumes kept and one line for this one's changes."""
+    path = Path(run_dir) / "config.yaml"
+    notes = [line for line in path.read_text().splitlines() if line.startswith(NOTE)] if path.exists() else []
+    notes.append(f"{NOTE} {iteration}: " + ", ".join(f"{field} {a!r} -> {b!r}" for field, a, b in changes))
+    text = yaml.safe_dump(config_to_dict(cfg), sort_keys=False)
+    write_text_atomic(path, text + "\n".join(notes) + "\n")
