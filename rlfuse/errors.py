@@ -1,5 +1,6 @@
 """User-facing errors: the CLI prints them as one line and exits non-zero, never a traceback."""
 
+import contextlib
 import errno
 
 
@@ -41,3 +42,13 @@ def os_error_line(e: OSError, resumable: bool, run_dir: str | None = None) -> st
     then = (f"continue with --resume {run_dir or 'RUN_DIR'} (the last checkpoint is intact)" if resumable else
             "run the command again with --overwrite")
     return f"cannot write {where}: {e.strerror}; {cause}, then {then}"
+
+
+@contextlib.contextmanager
+def said_where(where: str):
+    """A UserError raised in the block names where it happened (`where`, e.g. "iteration 3") in front of its line."""
+    try:
+        yield
+    except UserError as e:
+        e.args = (f"{where}: {e}",)
+        raise

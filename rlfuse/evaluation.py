@@ -123,5 +123,10 @@ def eval_table(result: dict) -> str:
     for k in keys:
         if k in result["before"] or k in result["after"]:
             b, a = result["before"].get(k, math.nan), result["after"].get(k, math.nan)
-            lines.append(f"  {k:<20}{b:>10.3f}{a:>10.3f}")
+            lines.append(f"  {k:<20}{_cell(b)}{_cell(a)}")
     return "\n".join(lines)
+
+
+def _cell(v: float) -> str:
+    """Ten characters: three decimals, or a mantissa and exponent where those would not fit (a runaway reward)."""
+    return f"{v:>10.3f}" if abs(v) < 1e5 or not math.isfinite(v) else f"{v:>10.3g}"

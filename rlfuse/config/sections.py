@@ -302,7 +302,8 @@ class RLConfig:
     """Every this many iterations, a table of the iteration's first prompts, completions and rewards: rl/samples.jsonl,
     TensorBoard text, the trackers, the report. 0 turns it off."""
     max_bad_steps: int = 3
-    """Stop after this many consecutive updates skipped for NaN/inf (a loss, or a reward of the iteration)."""
+    """Stop after this many consecutive updates skipped for NaN/inf (a loss, or a reward of the iteration), or this
+    many iterations in a row on which every reward function abstained (returned None) on every sample."""
     # --- prefix sharing and micro-batches (issue 19)
     share_prompt: bool = True
     """The k samples of a prompt in one micro-batch run its forward once (reference, reward, critic and the training

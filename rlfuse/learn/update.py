@@ -29,6 +29,8 @@ class BadSteps:
     skipped: int = 0
     consecutive: int = 0
     why: str | None = None
+    abstained: int = 0
+    """Iterations in a row on which every reward function abstained (returned None) on every sample."""
 
     def count(self, why: str, max_bad_steps: int, stop: bool = True, fix: str | None = None) -> None:
         """A skipped update: counted; max_bad_steps in a row end the run (at once, or at stop_if_diverged)."""
@@ -43,6 +45,21 @@ class BadSteps:
         if self.consecutive >= max_bad_steps:
             raise UserError(f"training diverged: {self.consecutive} consecutive updates skipped, the last for "
                             f"{self.why} ({fix or 'lower rl.lr, raise rl.kl_coef, or check rl.reward; last checkpoint kept'})")
+
+
+def count_abstained(share: float | None, bad: BadSteps, max_iterations: int, log) -> None:
+    """An iteration whose every sample every reward function abstained on (share 1.0: reward 0 throughout) is
+    warned about; max_iterations of them in a row stop the run."""
+    if share is None or share < 1.0:
+        bad.abstained = 0
+        return
+    bad.abstained += 1
+    if bad.abstained >= max_iterations:
+        raise UserError(f"reward error: rl.reward: every function abstained (returned None) on every sample for "
+                        f"{bad.abstained} iterations in a row, so nothing is learnt; make at least one function score "
+                        "these completions (check what it matches against: print a few completions)")
+    log(f"[rl] warning: every reward function abstained on every sample of this iteration (reward 0 throughout); "
+        f"{max_iterations} such iterations in a row stop the run")
 
 
 def stage_step(model: torch.nn.Module, opt, sched, section, stage: str, loss: float, bad: BadSteps) -> float:

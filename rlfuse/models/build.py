@@ -56,10 +56,18 @@ def _folder(given: str | None, default: Path, field: str, stage: str) -> str:
 def load_reward_function(spec: str):
     module, _, name = spec.partition(":")
     try:
-        return getattr(importlib.import_module(module), name)
+        fn = getattr(importlib.import_module(module), name)
     except (ImportError, AttributeError) as e:
         raise ConfigError("rl.reward", f"cannot import {spec!r} ({type(e).__name__})",
                           "give module:function of an importable function, e.g. f(prompts, completions, **columns)") from None
+    except Exception as e:  # the user's module fails as it imports: theirs to fix, named as such
+        first = (str(e).strip().splitlines() or [""])[0][:200]
+        raise ConfigError("rl.reward", f"importing {module} raised {type(e).__name__}: {first}",
+                          "fix the module (python -c 'import " + module + "' shows it)") from None
+    if not callable(fn):
+        raise ConfigError("rl.reward", f"{spec} is a {type(fn).__name__}, not a function",
+                          "name a function f(prompts, completions, **columns) -> list of floats")
+    return fn
 
 
 def load_policy(folder: str) -> torch.nn.Module:

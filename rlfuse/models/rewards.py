@@ -14,6 +14,8 @@ reward-model training read it.
 from __future__ import annotations
 
 import inspect
+import math
+import warnings
 from collections import defaultdict
 from dataclasses import dataclass
 from typing import Callable
@@ -58,6 +60,43 @@ def weighted_sum(values: list[list[float | None]], weights: list[float]) -> list
     return [sum(w * v for w, v in zip(weights, row) if v is not None) for row in zip(*values)]
 
 
+REWARD_BOUND = 1e4
+"""|reward| above this is reported (reward/beyond_bound, a warning): a value that large is a bug or a scale that
+swamps the KL penalty, though training goes on."""
+
+
+def reward_values(out, n: int, where: str) -> list[float | None]:
+    """A reward function's return value as n floats or Nones, or a UserError saying what was wrong with it."""
+    if out is None or isinstance(out, (str, bytes, dict)) or not hasattr(out, "__iter__"):
+        raise UserError(f"{where} returned {type(out).__name__} {_short(out)}, not a list; return one float (or None "
+                        "to abstain) per completion")
+    out = list(out)
+    if len(out) != n:
+        raise UserError(f"{where} returned {len(out)} values for {n} completions; return one float (or None) per "
+                        "completion")
+    values = []
+    for i, v in enumerate(out):
+        if v is None:
+            values.append(None)
+            continue
+        try:
+            if isinstance(v, (str, bytes)):
+                raise TypeError
+            x = float(v)
+        except (TypeError, ValueError):
+            raise UserError(f"{where} returned {type(v).__name__} {_short(v)} for completion {i}; return floats "
+                            "(or None to abstain)") from None
+        if not math.isfinite(x):
+            raise UserError(f"{where} returned {x} for completion {i}; return finite floats (or None to abstain)")
+        values.append(x)
+    return values
+
+
+def _short(v) -> str:
+    text = repr(v)
+    return text if len(text) <= 60 else text[:57] + "..."
+
+
 def function_name(fn: Callable) -> str:
     return getattr(fn, "__name__", type(fn).__name__)
 
@@ -75,7 +114,7 @@ class FunctionReward:
         self.signatures = [signature_of(fn) for fn in fns]
         self.rows: dict[tuple[int, ...], tuple[object, dict]] = {}
         self._sums: dict[str, list[float]] = defaultdict(lambda: [0.0, 0])
-        self._abstained = self._scored = 0
+        self._abstained = self._scored = self._beyond = 0
 
     def __call__(self, samples) -> Tensor:
         decode = lambda ids: self.tokenizer.decode(ids, skip_special_tokens=True)
@@ -93,19 +132,31 @@ class FunctionReward:
         return torch.tensor(weighted_sum(values, self.weights), dtype=torch.float32)
 
     def _call(self, fn: Callable, sig: RewardSignature, samples, completions, texts) -> list[float | None]:
-        if not sig.takes_completions:  # the older form: one text per sample, prompt and response together
-            out = list(fn(texts))
-        else:
-            rows = [self.rows.get(tuple(s.prompt_ids)) for s in samples]
-            prompts = [r[0] if r else self.tokenizer.decode(s.prompt_ids, skip_special_tokens=True)
-                       for r, s in zip(rows, samples)]
-            completions = [[{"role": "assistant", "content": c}] if isinstance(p, list) else c
-                           for p, c in zip(prompts, completions)]
-            out = list(fn(prompts=prompts, completions=completions, **self._columns(fn, sig, rows)))
-        if len(out) != len(samples):
-            raise UserError(f"reward error: rl.reward: {function_name(fn)} returned {len(out)} values for "
-                            f"{len(samples)} completions; return one float (or None) per completion")
-        return [None if v is None else float(v) for v in out]
+        where = f"reward error: rl.reward: {function_name(fn)}, called on {len(samples)} completions,"
+        try:
+            if not sig.takes_completions:  # the older form: one text per sample, prompt and response together
+                out = fn(texts)
+            else:
+                rows = [self.rows.get(tuple(s.prompt_ids)) for s in samples]
+                prompts = [r[0] if r else self.tokenizer.decode(s.prompt_ids, skip_special_tokens=True)
+                           for r, s in zip(rows, samples)]
+                completions = [[{"role": "assistant", "content": c}] if isinstance(p, list) else c
+                               for p, c in zip(prompts, completions)]
+                out = fn(prompts=prompts, completions=completions, **self._columns(fn, sig, rows))
+        except UserError:
+            raise
+        except Exception as e:  # the user's code: its failure is theirs to fix, named as theirs, not a traceback of ours
+            first = (str(e).strip().splitlines() or [""])[0][:200]
+            raise UserError(f"{where} raised {type(e).__name__}: {first}; fix the function (try it on a few "
+                            "completions by hand) or remove it from rl.reward") from None
+        values = reward_values(out, len(samples), where)
+        beyond = sum(1 for v in values if v is not None and abs(v) > REWARD_BOUND)
+        if beyond:
+            self._beyond += beyond
+            warnings.warn(f"rl.reward: {function_name(fn)} returned {beyond} values beyond +-{REWARD_BOUND:g} "
+                          f"(e.g. {max((v for v in values if v is not None), key=abs):g}); rewards that large swamp "
+                          "the KL penalty and the advantages' scale: rescale the function", stacklevel=2)
+        return values
 
     def _columns(self, fn: Callable, sig: RewardSignature, rows) -> dict[str, list]:
         known = set().union(*(r[1].keys() for r in rows if r)) if any(rows) else set()
@@ -121,9 +172,9 @@ class FunctionReward:
         """The raw tallies since the last call, then reset: {"fn": {name: (sum, count)}, "abstained": n,
         "scored": n}. Tallies add across processes (each Ray scoring worker keeps its own); means do not."""
         out = {"fn": {name: (s, n) for name, (s, n) in self._sums.items()}, "abstained": self._abstained,
-               "scored": self._scored}
+               "scored": self._scored, "beyond_bound": self._beyond}
         self._sums.clear()
-        self._abstained = self._scored = 0
+        self._abstained = self._scored = self._beyond = 0
         return out
 
     def metrics(self) -> dict[str, float]:
@@ -131,17 +182,18 @@ class FunctionReward:
 
 
 def metrics_of_sums(tallies: list[dict | None]) -> dict[str, float]:
-    """reward/fn/<name> (each function's mean over the samples it scored) and reward/all_abstained (the fraction
-    every function abstained on) from FunctionReward.take_sums of one or more processes (None: a reward model)."""
+    """reward/fn/<name> (each function's mean over the samples it scored), reward/all_abstained (the fraction
+    every function abstained on) and reward/beyond_bound (values past REWARD_BOUND) from FunctionReward.take_sums of one or more processes (None: a reward model)."""
     fn: dict[str, list[float]] = defaultdict(lambda: [0.0, 0])
-    abstained = scored = 0
+    abstained = scored = beyond = 0
     for t in filter(None, tallies):
         for name, (s, n) in t["fn"].items():
             fn[name][0], fn[name][1] = fn[name][0] + s, fn[name][1] + n
-        abstained, scored = abstained + t["abstained"], scored + t["scored"]
+        abstained, scored, beyond = abstained + t["abstained"], scored + t["scored"], beyond + t.get("beyond_bound", 0)
     out = {f"reward/fn/{name}": s / n for name, (s, n) in fn.items() if n}
     if scored:
         out["reward/all_abstained"] = abstained / scored
+        out["reward/beyond_bound"] = beyond
     return out
 
 

@@ -40,12 +40,13 @@ from rlfuse.data.chat import set_chat_template
 from rlfuse.data.curriculum import prompt_batch
 from rlfuse.data.prompts import encode_prompts, model_context, prompt_budget
 from rlfuse.data.stages import rl_prompt_rows
+from rlfuse.errors import said_where
 from rlfuse.evaluation import evaluate, evaluate_before, iteration_gold, prompt_difficulty, sampling_params
 from rlfuse.learn.advantages import compute_advantages
 from rlfuse.learn.batches import minibatches
 from rlfuse.learn.checkpoint import read_checkpoint
 from rlfuse.learn.learners import build_learners
-from rlfuse.learn.update import BadSteps, count_nonfinite_rewards
+from rlfuse.learn.update import BadSteps, count_abstained, count_nonfinite_rewards
 from rlfuse.metrics.flops import compute_meter_for_run
 from rlfuse.metrics.memory import MemoryMeter
 from rlfuse.metrics.progress import Progress
@@ -119,8 +120,9 @@ def train_rl(cfg: Config, run_dir: Path, log=print, resume: bool = False, on_rea
     if resume and on_resumed is not None:
         on_resumed(start)
     sync_weights(engine, models.actor)
-    before = evaluate_before(out / "eval_before.json", models, engine, held_prompts, rl, seed + 12345, gold)
-    difficulty = prompt_difficulty(models, engine, train_prompts, rl, seed + 23456, out / "difficulty.json", log)
+    with said_where("the held-out evaluation before RL"):
+        before = evaluate_before(out / "eval_before.json", models, engine, held_prompts, rl, seed + 12345, gold)
+        difficulty = prompt_difficulty(models, engine, train_prompts, rl, seed + 23456, out / "difficulty.json", log)
     reset_reward_metrics(models.reward_fn)  # the evaluations' calls are not the first iteration's
     tracker = stage_tracker(cfg, out, from_step=start)
     flops = compute_meter_for_run(cfg, models, device)  # perf/: FLOPs done over the bare matmul rate (< 1 s)
@@ -145,8 +147,9 @@ def train_rl(cfg: Config, run_dir: Path, log=print, resume: bool = False, on_rea
             prompts = prompt_batch(train_prompts, it, rl.prompts_per_iter, seed, difficulty, rl.iterations,
                                    rl.curriculum_start)
             shared_before = scorer.prompt_tokens_shared  # this process's scorer (Ray workers score on their own)
-            exp = rollout.generate(prompts, rl.k, dataclasses.replace(params, temperature=temperature),
-                                   seed * 1_000_003 + it)
+            with said_where(f"iteration {it + 1}"):  # a reward function's failure names the iteration it broke
+                exp = rollout.generate(prompts, rl.k, dataclasses.replace(params, temperature=temperature),
+                                       seed * 1_000_003 + it)
             shared_scoring = scorer.prompt_tokens_shared - shared_before
             # 3. KL-shaped rewards and advantages (pure functions in rlfuse/algos)
             adv, returns, kl = compute_advantages(exp, rl, kl_ctl.coef)
@@ -175,6 +178,7 @@ def train_rl(cfg: Config, run_dir: Path, log=print, resume: bool = False, on_rea
                     "rollout/samples_per_s": len(exp) / (t2 - t0), "rollout/tokens_per_s": float(exp.mask.sum()) / (t2 - t0)}
             tracker.log(it + 1, **row)
             bad.stop_if_diverged(rl.max_bad_steps)
+            count_abstained(row.get("reward/all_abstained"), bad, rl.max_bad_steps, log)
             if (it + 1) % rl.ckpt_every == 0 or it + 1 == rl.iterations:
                 trainer.save_checkpoint(ckpt, iteration=it + 1, kl_coef=kl_ctl.coef, counters=dataclasses.asdict(bad))
             (out / "last_rewards.json").write_text(json.dumps(exp.scores.tolist()))
@@ -182,7 +186,8 @@ def train_rl(cfg: Config, run_dir: Path, log=print, resume: bool = False, on_rea
         trainer.pull_into(models)
     tracker.close()
     sync_weights(engine, models.actor)
-    after, after_texts = evaluate(models, engine, held_prompts, rl, seed + 12345, gold)
+    with said_where("the held-out evaluation after RL"):
+        after, after_texts = evaluate(models, engine, held_prompts, rl, seed + 12345, gold)
     save_trained_model(models.actor, tok, out, base=models.policy_source)
     return {"before": before, "after": after, "samples_after": after_texts, "prompts": run_prompts.info(),
             "seconds": time.perf_counter() - t_start}
