@@ -155,6 +155,11 @@ def _names(groups: set[str]) -> str:
     return ", ".join(sorted(groups)) or "no group"
 
 
+def check_resources(spec: PlacementSpec, cluster: ClusterResources) -> list[str]:
+    """The CPU and GPU problems of `spec` on `cluster` (check_placement's resource checks alone)."""
+    return _check_cluster(spec, cluster)
+
+
 def _check_cluster(spec: PlacementSpec, cluster: ClusterResources) -> list[str]:
     out = []
     layout = " + ".join(f"{g.workers} x {g.cpus_per_worker:g}" for g in spec.groups)

@@ -4,11 +4,12 @@ and the placement checker can tell, each problem a ConfigError naming the field 
 - the layout places every role of the run, keeps shared weights in one process and (with
   placement.memory_per_worker_gb) fits the planner's memory model (plan/check.py);
 - a pipeline mode (rl.train_parallel=pipeline_*) gets two or more training workers and models it can cut into one
-  stage per worker.
+  stage per worker;
+- on a local Ray (no placement.address), the workers' CPUs, GPUs and (on CPU) predicted memory fit this machine.
 
 `load_config` returns what the file says; the CLI and the API call `resolve` once before a run, so the run folder's
-config.yaml records the plan and a layout that cannot work fails at `rlfuse validate`, not after Ray started. Pure:
-no torch, no Ray.
+config.yaml records the plan and a layout that cannot work fails at `rlfuse validate`, not after Ray started. No
+torch, no Ray: the machine is read from the OS.
 """
 
 from __future__ import annotations
@@ -18,9 +19,10 @@ from pathlib import Path
 
 from rlfuse.config import Config, validate
 from rlfuse.errors import ConfigError, UserError
-from rlfuse.plan.check import check_placement
+from rlfuse.plan.check import check_placement, check_resources
 from rlfuse.plan.planner import memory_of_config, resolve_auto
 from rlfuse.plan.roles import derive_roles
+from rlfuse.plan.spec import ClusterResources, available_memory
 from rlfuse.plan.strategies import spec_from_config
 
 SPLITTABLE = ("gpt2", "llama", "qwen2", "mistral")
@@ -35,6 +37,8 @@ def resolve(cfg: Config, log=None) -> Config:
         cfg = validate(resolve_auto(cfg, log))
     check_layout(cfg)
     check_pipeline(cfg)
+    if spec_from_config(cfg).uses_ray and cfg.placement.address is None:
+        check_this_machine(cfg)  # a local Ray: this machine is the cluster, checked before Ray starts any worker
     return cfg
 
 
@@ -52,6 +56,33 @@ def check_layout(cfg: Config) -> None:
     if problems:
         field_name = "placement.groups" if p.strategy == "custom" else "placement.strategy"
         raise ConfigError(field_name, " / ".join(problems), "fix each as it says")
+
+
+def check_this_machine(cfg: Config) -> None:
+    """The workers of a local Ray against this machine: their CPUs and GPUs (Ray would otherwise be told the
+    machine has what the placement asks for, and start them all), and on CPU the planner's memory for all of them
+    against the RAM available now."""
+    spec = spec_from_config(cfg)
+    machine = ClusterResources.this_machine()
+    problems = [p.replace("the cluster has", "this machine has").replace("give Ray more CPUs", "use a cluster "
+                          "(placement.address)") for p in check_resources(spec, machine)]
+    if problems:
+        raise ConfigError("placement.workers", " / ".join(problems), "fix each as it says")
+    available = available_memory()
+    if spec.gpus or available is None:
+        return
+    try:
+        per_worker = memory_of_config(cfg)
+        need = {g.name: (g.workers, per_worker(g)) for g in spec.groups}
+    except Exception:  # a model whose shape cannot be read before it loads: the run finds out for itself
+        return
+    total = sum(n * (b or 0) for n, b in need.values())
+    if total > available:
+        parts = ", ".join(f"{name} {n} x {b / 2**30:.2f} GiB" for name, (n, b) in need.items() if b)
+        raise ConfigError("placement.workers", f"the {spec.workers} workers are predicted to need "
+                          f"{total / 2**30:.1f} GiB together ({parts}) and this machine has "
+                          f"{available / 2**30:.1f} GiB available", "lower placement.workers, turn on model.lora, or "
+                          "run on a cluster (placement.address)")
 
 
 def _memory_check(cfg: Config) -> dict:

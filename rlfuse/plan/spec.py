@@ -9,6 +9,8 @@ different groups run concurrently.
 
 from __future__ import annotations
 
+import os
+import re
 from dataclasses import dataclass
 
 
@@ -105,6 +107,18 @@ class PlacementSpec:
         return "\n".join(lines)
 
 
+def available_memory() -> int | None:
+    """Bytes of RAM this machine can still give (MemAvailable of /proc/meminfo); None where that is not known."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    return None
+
+
 @dataclass(frozen=True)
 class NodeResources:
     cpus: float
@@ -120,6 +134,17 @@ class ClusterResources:
     @classmethod
     def one_node(cls, cpus: float, gpus: float = 0.0) -> "ClusterResources":
         return cls((NodeResources(cpus, gpus),))
+
+    @classmethod
+    def this_machine(cls) -> "ClusterResources":
+        """This machine as the one node a local Ray would have: the cores this process may run on and the NVIDIA
+        GPUs it sees (device files, narrowed by CUDA_VISIBLE_DEVICES), read without torch or Ray."""
+        cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+        gpus = len([d for d in os.listdir("/dev") if re.fullmatch(r"nvidia\d+", d)]) if os.path.isdir("/dev") else 0
+        visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+        if visible is not None:
+            gpus = min(gpus, len([v for v in visible.split(",") if v.strip() and v.strip() != "-1"]))
+        return cls.one_node(float(cpus), float(gpus))
 
     @property
     def cpus(self) -> float:

@@ -21,6 +21,7 @@ and the other ray_*.py import Ray: runtime/backend.py imports it only for a plac
 from __future__ import annotations
 
 import contextlib
+import socket
 import time
 from dataclasses import dataclass, field
 
@@ -46,11 +47,34 @@ def start_ray(spec: PlacementSpec) -> bool:
     if ray.is_initialized():
         return False
     if spec.address:
-        ray.init(address=spec.address, include_dashboard=False, log_to_driver=False)
+        reachable(spec.address)
+        try:
+            ray.init(address=spec.address, include_dashboard=False, log_to_driver=False)
+        except ConnectionError as e:
+            raise UserError(f"placement.address {spec.address}: Ray did not connect ({_first_line(e)}); check that "
+                            "the cluster is up (`ray status` there) and the address is its head's") from None
     else:
         ray.init(num_cpus=max(1, int(round(spec.cpus))), num_gpus=int(spec.gpus + 0.999),
                  include_dashboard=False, log_to_driver=False)
     return True
+
+
+def reachable(address: str, timeout_s: float = 5.0) -> None:
+    """Something listens at placement.address, or a UserError within timeout_s: ray.init would retry for long."""
+    host, _, port = address.split("://", 1)[-1].rpartition(":")
+    if not host or not port.isdigit():
+        raise UserError(f"placement.address {address!r}: expected host:port (or ray://host:port), e.g. "
+                        "10.0.0.5:6379")
+    try:
+        socket.create_connection((host.strip("[]"), int(port)), timeout=timeout_s).close()
+    except OSError as e:
+        why = f"no answer within {timeout_s:g} s" if isinstance(e, TimeoutError) else (e.strerror or type(e).__name__)
+        raise UserError(f"placement.address {address}: nothing answers there ({why}); start "
+                        "the cluster (`ray start --head` on that machine) or fix the address") from None
+
+
+def _first_line(e: BaseException) -> str:
+    return (str(e).strip().splitlines() or [type(e).__name__])[0][:200]
 
 
 def pins_cores(setting: bool | None, started_ray: bool, address: str | None) -> bool:

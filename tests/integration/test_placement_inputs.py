@@ -1,0 +1,49 @@
+"""Placements a machine cannot hold, and a cluster address nothing answers at: one line before any worker starts,
+not minutes of Ray workers filling memory or a connection retried without end."""
+
+import os
+import subprocess
+import sys
+
+from conftest import ROOT
+from rlfuse.plan.spec import ClusterResources
+from test_bad_rewards import FIXTURES
+from test_run_folders import one_line_error
+
+RL = ["configs/verifiable.yaml", "data.max_examples=300", "rl.iterations=1", "rl.prompts_per_iter=4", "rl.k=4",
+      "rl.mini_batch_size=16", "rl.micro_batch_size=8", "rl.eval_prompts=4", "run.quiet=true"]
+
+
+def rlfuse(*args) -> subprocess.CompletedProcess:
+    env = os.environ | {"CI": "true", "PYTHONPATH": str(FIXTURES)}
+    return subprocess.run([sys.executable, "-m", "rlfuse", *map(str, args)], cwd=ROOT, env=env, capture_output=True,
+                          text=True, timeout=300)
+
+
+def test_more_workers_than_this_machine_has_cores_is_refused_at_validate():
+    cores = int(ClusterResources.this_machine().cpus)
+    line = one_line_error(rlfuse("validate", "placement.strategy=flattened", f"placement.workers={cores * 32}"), 2,
+                          "rlfuse validate: config error: placement.workers:")
+    assert f"needs {cores * 32} CPUs" in line and f"this machine has {cores}" in line
+
+
+def test_gpus_this_machine_lacks_are_refused_at_validate():
+    gpus = int(ClusterResources.this_machine().gpus)
+    line = one_line_error(rlfuse("validate", "placement.strategy=flattened", "placement.workers=1",
+                                 f"placement.gpus_per_worker={gpus + 1}" if gpus else "placement.gpus_per_worker=1"),
+                          2, "rlfuse validate: config error: placement.workers:")
+    assert f"but this machine has {gpus}" in line
+
+
+def test_workers_predicted_beyond_the_memory_available_are_refused_at_validate():
+    line = one_line_error(rlfuse("validate", "placement.strategy=flattened", "placement.workers=2", "model.n_layer=48",
+                                 "model.n_embd=4096", "model.n_head=32"), 2,
+                          "rlfuse validate: config error: placement.workers:")
+    assert "are predicted to need" in line and "GiB available" in line
+
+
+def test_an_address_nothing_answers_at_is_one_line_within_seconds(tiny_task, tmp_path):
+    proc = rlfuse("rl", *RL, f"rl.sft_path={tiny_task.model_dir}", f"run.dir={tmp_path / 'run'}",
+                  "placement.strategy=flattened", "placement.workers=2", "placement.address=127.0.0.1:9")
+    line = one_line_error(proc, 2, "rlfuse rl: placement.address 127.0.0.1:9: nothing answers there")
+    assert "ray start --head" in line
