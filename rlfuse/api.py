@@ -20,6 +20,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Union
 
+import yaml
+
 from rlfuse.config import Config, RLConfig, RunConfig, config_from_dict, config_to_dict, save_config
 from rlfuse.config import load_config as _load_yaml
 from rlfuse.config.resume import record_resume_changes, resume_changes
@@ -28,7 +30,7 @@ from rlfuse.errors import ConfigError, UserError
 from rlfuse.live_rewards import is_live, reward_spec
 from rlfuse.plan.resolve import resolve
 from rlfuse.plan.roles import derive_roles
-from rlfuse.runs import claim_run_folder, stage_summary, with_local_stage_paths, write_rl_results
+from rlfuse.runs import claim_run_folder, clear_previous, stage_summary, with_local_stage_paths, write_rl_results
 
 ConfigLike = Union[Config, str, os.PathLike, dict, None]
 Overrides = Union[dict, list, tuple, None]
@@ -154,7 +156,7 @@ def train_sft(config: ConfigLike = None, run_dir: str | os.PathLike | None = Non
     with claim_run_folder(_run_folder(config, overrides, run_dir), "sft", overwrite=overwrite, log=log) as folder:
         cfg = _stage_config(config, overrides, folder, log, **{"model.name": _model_override(model, tokenizer, folder)},
                             **_dataset_override(dataset, folder))
-        save_config(cfg, folder)
+        _start_new(cfg, folder, "sft", overwrite, log)
         return run_sft(cfg, folder, log)
 
 
@@ -167,7 +169,7 @@ def train_rm(config: ConfigLike = None, run_dir: str | os.PathLike | None = None
 
     with claim_run_folder(_run_folder(config, overrides, run_dir), "rm", overwrite=overwrite, log=log) as folder:
         cfg = _stage_config(config, overrides, folder, log, **_dataset_override(dataset, folder))
-        save_config(cfg, folder)
+        _start_new(cfg, folder, "rm", overwrite, log)
         return run_rm(with_local_stage_paths(cfg), folder, log)
 
 
@@ -207,9 +209,9 @@ def train_rl(config: ConfigLike = None, run_dir: str | os.PathLike | None = None
     with claim_run_folder(_run_folder(config, overrides, run_dir), "rl", resume=resume, overwrite=overwrite,
                           log=log) as folder:
         cfg = _stage_config(config, overrides, folder, log, **{"rl.reward": reward},
-                            **({} if resume else _dataset_override(dataset, folder)))
+                            **(_resumed_dataset(dataset, folder) if resume else _dataset_override(dataset, folder)))
         _refuse_live_reward_on_workers(cfg)
-        on_resumed = _resume_rules(cfg, folder, log) if resume else _save_new(cfg, folder)
+        on_resumed = _resume_rules(cfg, folder, log) if resume else _start_new(cfg, folder, "rl", overwrite, log)
         return _rl_result(folder, run_rl(with_local_stage_paths(cfg), folder, log, resume=resume,
                                          on_resumed=on_resumed))
 
@@ -245,9 +247,9 @@ def run_pipeline(config: ConfigLike = None, run_dir: str | os.PathLike | None = 
                           log=log) as folder:
         cfg = _stage_config(config, overrides, folder, log, **{"rl.reward": reward,
                                                              "model.name": _model_override(model, tokenizer, folder)},
-                            **({} if resume else _dataset_override(dataset, folder)))
+                            **(_resumed_dataset(dataset, folder) if resume else _dataset_override(dataset, folder)))
         _refuse_live_reward_on_workers(cfg)
-        on_resumed = _resume_rules(cfg, folder, log) if resume else _save_new(cfg, folder)
+        on_resumed = _resume_rules(cfg, folder, log) if resume else _start_new(cfg, folder, "run", overwrite, log)
         log(f"[run] run folder: {folder}")
         sft = stage_summary(folder, "sft") or _as_dict(run_sft(cfg, folder, log))
         local = with_local_stage_paths(cfg)  # hub ids fetched once the config is saved with them
@@ -265,21 +267,56 @@ def needs_reward_model(cfg: Config) -> bool:
 
 
 def _run_folder(config: ConfigLike, overrides: Overrides, run_dir) -> str | os.PathLike | None:
-    """The run folder asked for: run_dir, else the config's run.dir (None: a new one). Read before the stage's own
-    config is built, since building it may write into the folder (a dataset or model object)."""
-    return run_dir if run_dir is not None else load_config(config, overrides).run.dir
+    """The run folder asked for: run_dir, else run.dir of the overrides or the config (None: a new one). Read, not
+    validated, before the stage's config is built: building it may write into the folder (a dataset or model
+    object) and checks it together with the live objects (reward=), which are not known yet."""
+    if run_dir is not None:
+        return run_dir
+    plain = _plain_overrides(overrides)
+    items = plain.items() if isinstance(plain, dict) else (o.partition("=")[::2] for o in plain if isinstance(o, str))
+    asked = [value for key, value in items if key.strip() == "run.dir"]
+    if asked:
+        return asked[-1] or None
+    if isinstance(config, Config):
+        return config.run.dir
+    if isinstance(config, dict):
+        return (config.get("run") or {}).get("dir")
+    if isinstance(config, (str, os.PathLike)):
+        try:
+            data = yaml.safe_load(Path(config).read_text(encoding="utf-8"))
+        except (OSError, UnicodeDecodeError, yaml.YAMLError):
+            load_config(config, overrides)  # says what is wrong with the file, in one line
+            raise
+        return ((data or {}).get("run") or {}).get("dir") if isinstance(data, dict) else None
+    return None
 
 
-def _save_new(cfg: Config, folder: Path) -> None:
-    """A new run's config.yaml (a resumed run keeps its own, changed only by _resume_rules)."""
+def _start_new(cfg: Config, folder: Path, command: str, overwrite: bool, log: Callable) -> None:
+    """A new run into `folder`, its config checked: with overwrite, what an earlier run wrote there for `command`
+    goes now; then its config.yaml (a resumed run keeps its own, changed only by _resume_rules)."""
+    if overwrite:
+        clear_previous(folder, command, log)
     save_config(cfg, folder)
+
+
+def _resumed_dataset(dataset, folder: Path) -> dict:
+    """A resumed run given its dataset object again: the copy saved when it started (data.jsonl), not a new one."""
+    saved = folder / "data.jsonl"
+    return {"data.kind": "jsonl", "data.path": str(saved)} if dataset is not None and saved.is_file() else {}
 
 
 def _resume_rules(cfg: Config, folder: Path, log: Callable) -> Callable[[int], None]:
     """A resumed run's settings against its saved config.yaml: a change that may not be made is refused now, before
     any model loads (config/resume.py); the others are logged, and the returned callback (called by the RL trainer
     with the checkpoint's iteration) writes them into config.yaml."""
-    changes = resume_changes(_load_yaml(folder / "config.yaml"), cfg)
+    free = set()  # sections whose stage has not produced what a change would contradict
+    if not (folder / "rl" / "checkpoint.pt").exists():
+        free |= {"rl", "rollout", "placement"}
+    if stage_summary(folder, "rm") is None:
+        free |= {"rm"}
+    if stage_summary(folder, "sft") is None:
+        free |= {"sft", "data", "model"}
+    changes = resume_changes(_load_yaml(folder / "config.yaml"), cfg, free)
     if changes:
         log("[run] resume: applying " + ", ".join(f"{field} {a!r} -> {b!r}" for field, a, b in changes))
     return lambda iteration: record_resume_changes(cfg, folder, changes, iteration) if changes else None

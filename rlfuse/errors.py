@@ -31,17 +31,18 @@ WRITE_ERRNOS = {errno.ENOSPC, errno.EDQUOT, errno.EFBIG, errno.EROFS, errno.EACC
                 errno.EISDIR}
 
 
-def os_error_line(e: OSError, resumable: bool, run_dir: str | None = None) -> str | None:
-    """One line for an OSError of WRITE_ERRNOS (the path, what happened, the fix); None for any other. resumable:
-    the command continues with --resume (its last checkpoint intact), else it starts again with --overwrite."""
+def os_error_line(e: OSError, command: str, run_dir: str | None = None) -> str | None:
+    """One line for an OSError of WRITE_ERRNOS (the path, what happened, the fix); None for any other. command: the
+    CLI command it ended (rl and run continue with --resume, sft and rm start again with --overwrite)."""
     if e.errno not in WRITE_ERRNOS:
         return None
     where = e.filename or "a file of the run"
-    cause = ("free space (or raise the quota) there" if e.errno in (errno.ENOSPC, errno.EDQUOT, errno.EFBIG) else
-             "make it writable")
-    then = (f"continue with --resume {run_dir or 'RUN_DIR'} (the last checkpoint is intact)" if resumable else
-            "run the command again with --overwrite")
-    return f"cannot write {where}: {e.strerror}; {cause}, then {then}"
+    space = e.errno in (errno.ENOSPC, errno.EDQUOT, errno.EFBIG)
+    cause = "free space (or raise the quota) there" if space else "check the path and its permissions"
+    then = {"run": f"continue with --resume {run_dir or 'RUN_DIR'} (the last checkpoint is intact)",
+            "rl": f"continue with --resume {run_dir or 'RUN_DIR'} (the last checkpoint is intact)",
+            "sft": "run the command again with --overwrite", "rm": "run the command again with --overwrite"}.get(command)
+    return f"cannot {'write' if space else 'use'} {where}: {e.strerror}; {cause}" + (f", then {then}" if then else "")
 
 
 @contextlib.contextmanager

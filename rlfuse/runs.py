@@ -29,7 +29,7 @@ def claim_run_folder(folder: str | os.PathLike | None, command: str, *, resume: 
     """The run folder of `command` (`folder`, else a new runs/<command>-<timestamp>), locked for the block: a second
     run into it is refused while this one lives (a lock left by a killed run is taken over, and said). A folder
     holding what `command` would write (a finished or partly finished run) is refused unless `resume` continues it or
-    `overwrite` removes it first."""
+    `overwrite` allows replacing it (clear_previous removes it, once the new config is known to be good)."""
     path = Path(folder) if folder else _new_run_path(command)
     _make_folder(path)
     lock = RunLock.acquire(path, log)
@@ -45,11 +45,17 @@ def claim_run_folder(folder: str | os.PathLike | None, command: str, *, resume: 
 
 
 def _new_run_path(command: str) -> Path:
+    """runs/<command>-<timestamp>, created here (two runs started in the same second get a folder each)."""
     stamp = time.strftime("%Y%m%d-%H%M%S")
-    path, i = Path("runs") / f"{command}-{stamp}", 1
-    while path.exists():
-        path, i = Path("runs") / f"{command}-{stamp}-{i}", i + 1
-    return path
+    Path("runs").mkdir(exist_ok=True)
+    for i in range(1000):
+        path = Path("runs") / (f"{command}-{stamp}" + (f"-{i}" if i else ""))
+        try:
+            path.mkdir()
+            return path
+        except FileExistsError:
+            continue
+    raise UserError(f"could not find a free folder runs/{command}-{stamp}-N; set run.dir")
 
 
 def _make_folder(path: Path) -> None:
@@ -64,16 +70,7 @@ def _make_folder(path: Path) -> None:
 
 def _refuse_or_clear(path: Path, command: str, overwrite: bool, log: Callable) -> None:
     present = [name for name in STAGE_OUTPUTS[command] if _has_content(path / name)]
-    if not present:
-        return
-    if overwrite:
-        for name in present:
-            target = path / name
-            if target.is_dir() and not target.is_symlink():
-                shutil.rmtree(target)
-            else:
-                target.unlink()
-        log(f"[run] --overwrite: removed {', '.join(present)} of the previous run in {path}")
+    if not present or overwrite:
         return
     stages = [s for s in ("sft", "rm", "rl") if s in present] or ["rl"]  # eval.json etc. alone: an RL stage's
     done = {s: (path / s / "summary.json").is_file() for s in stages}
@@ -85,6 +82,20 @@ def _refuse_or_clear(path: Path, command: str, overwrite: bool, log: Callable) -
                     f"{', or '.join(fixes)}")
 
 
+def clear_previous(path: Path, command: str, log: Callable) -> None:
+    """--overwrite: remove what an earlier run wrote into `path` for `command` (called once the new run's config
+    has been checked, so a config mistake never costs the old run)."""
+    present = [name for name in STAGE_OUTPUTS[command] if _has_content(path / name)]
+    for name in present:
+        target = path / name
+        if target.is_dir() and not target.is_symlink():
+            shutil.rmtree(target)
+        else:
+            target.unlink()
+    if present:
+        log(f"[run] --overwrite: removed {', '.join(present)} of the previous run in {path}")
+
+
 def _has_content(path: Path) -> bool:
     return path.is_file() or (path.is_dir() and any(path.iterdir()))
 
@@ -93,7 +104,7 @@ class RunLock:
     """An exclusive lock (flock) on RUN_DIR/run.lock for a run's life, the file naming its holder. The kernel drops
     it when the holder dies however it dies, so a lock file no process holds is a killed run's, and taken over."""
 
-    def __init__(self, fd: int, path: Path):
+    def __init__(self, fd: int | None, path: Path):
         self.fd, self.path = fd, path
 
     @classmethod
@@ -107,11 +118,15 @@ class RunLock:
                                 "can write to for run.dir") from None
             try:
                 fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-            except OSError:
+            except BlockingIOError:
                 holder = _describe_holder(_read_holder(fd))
                 os.close(fd)
                 raise UserError(f"run.dir {folder} is in use by another run ({holder}); wait for it to end, stop it, "
                                 "or choose another run.dir") from None
+            except OSError as e:  # a file system without locks (some NFS, Lustre): run, unprotected, and say so
+                os.close(fd)
+                log(f"[run] warning: {folder} cannot be locked ({e.strerror}); nothing stops a second run into it")
+                return cls(None, path)
             # the holder before us may have removed the file between our open and our lock: lock the one in place
             if path.exists() and os.stat(path).st_ino == os.fstat(fd).st_ino:
                 break
@@ -122,11 +137,16 @@ class RunLock:
                 f"({_describe_holder(previous)})")
         mine = json.dumps({"pid": os.getpid(), "host": socket.gethostname(),
                            "started": time.strftime("%Y-%m-%d %H:%M:%S %Z")}).encode()
-        os.ftruncate(fd, 0)
-        os.pwrite(fd, mine, 0)
+        try:
+            os.ftruncate(fd, 0)
+            os.pwrite(fd, mine, 0)
+        except OSError as e:  # a full disk: the lock is ours, only its note of who holds it is missing
+            log(f"[run] warning: could not write who holds {path} ({e.strerror})")
         return cls(fd, path)
 
     def release(self) -> None:
+        if self.fd is None:
+            return
         with contextlib.suppress(FileNotFoundError):
             os.unlink(self.path)
         os.close(self.fd)

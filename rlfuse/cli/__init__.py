@@ -265,7 +265,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"rlfuse {ns.command}: {e}", file=sys.stderr)
         return e.exit_code
     except OSError as e:  # a full disk, a read-only folder: the path and the fix, not a traceback
-        if (line := os_error_line(e, ns.command in RESUMABLE, run_dir)) is None:
+        if (line := os_error_line(e, ns.command, run_dir)) is None:
             raise
         print(f"rlfuse {ns.command}: {line}", file=sys.stderr)
         return 1

@@ -26,9 +26,10 @@ CHANGEABLE = {
 NOTE = "# resumed at iteration"
 
 
-def resume_changes(saved: Config, new: Config) -> list[tuple[str, object, object]]:
+def resume_changes(saved: Config, new: Config, free: set[str] = frozenset()) -> list[tuple[str, object, object]]:
     """(field, saved value, new value) for each setting of `new` that differs from the run's `saved` one and may
-    change on resume. Raises UserError listing those that may not."""
+    change on resume: CHANGEABLE's, and any of the sections in `free` (those whose stage has made nothing yet, e.g.
+    rl before its first checkpoint). Raises UserError listing those that may not."""
     old, now = config_to_dict(saved), config_to_dict(new)
     changed, refused = [], []
     for section, fields in now.items():
@@ -36,7 +37,7 @@ def resume_changes(saved: Config, new: Config) -> list[tuple[str, object, object
             if old.get(section, {}).get(name) == value or (section, name) == ("run", "dir"):
                 continue
             entry = (f"{section}.{name}", old.get(section, {}).get(name), value)
-            (changed if name in CHANGEABLE.get(section, ()) else refused).append(entry)
+            (changed if name in CHANGEABLE.get(section, ()) or section in free else refused).append(entry)
     if refused:
         listed = ", ".join(f"{field} {a!r} -> {b!r}" for field, a, b in refused)
         raise UserError(f"resume: {listed}: cannot change in a resumed run (its checkpoint was trained with the "

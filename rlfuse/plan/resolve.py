@@ -15,6 +15,7 @@ torch, no Ray: the machine is read from the OS.
 from __future__ import annotations
 
 import json
+import sys
 from pathlib import Path
 
 from rlfuse.config import Config, validate
@@ -37,7 +38,7 @@ def resolve(cfg: Config, log=None) -> Config:
         cfg = validate(resolve_auto(cfg, log))
     check_layout(cfg)
     check_pipeline(cfg)
-    if spec_from_config(cfg).uses_ray and cfg.placement.address is None:
+    if spec_from_config(cfg).uses_ray and cfg.placement.address is None and not _ray_running():
         check_this_machine(cfg)  # a local Ray: this machine is the cluster, checked before Ray starts any worker
     return cfg
 
@@ -58,12 +59,21 @@ def check_layout(cfg: Config) -> None:
         raise ConfigError(field_name, " / ".join(problems), "fix each as it says")
 
 
+def _ray_running() -> bool:
+    """Ray already started in this process (a notebook's or a test's ray.init): its cluster is the one to check,
+    which the runtime does once workers are placed. Read without importing Ray."""
+    ray = sys.modules.get("ray")
+    return bool(ray is not None and getattr(ray, "is_initialized", lambda: False)())
+
+
 def check_this_machine(cfg: Config) -> None:
     """The workers of a local Ray against this machine: their CPUs and GPUs (Ray would otherwise be told the
     machine has what the placement asks for, and start them all), and on CPU the planner's memory for all of them
     against the RAM available now."""
     spec = spec_from_config(cfg)
     machine = ClusterResources.this_machine()
+    if machine is None:  # its GPUs unknown here: Ray checks what it finds when it starts
+        return
     problems = [p.replace("the cluster has", "this machine has").replace("give Ray more CPUs", "use a cluster "
                           "(placement.address)") for p in check_resources(spec, machine)]
     if problems:

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import os
 import re
+import shutil
 from dataclasses import dataclass
 
 
@@ -136,11 +137,14 @@ class ClusterResources:
         return cls((NodeResources(cpus, gpus),))
 
     @classmethod
-    def this_machine(cls) -> "ClusterResources":
+    def this_machine(cls) -> "ClusterResources | None":
         """This machine as the one node a local Ray would have: the cores this process may run on and the NVIDIA
-        GPUs it sees (device files, narrowed by CUDA_VISIBLE_DEVICES), read without torch or Ray."""
+        GPUs it sees (device files, narrowed by CUDA_VISIBLE_DEVICES), read without torch or Ray. None where the
+        GPUs cannot be told that way (a driver without device files, as under WSL2)."""
         cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
         gpus = len([d for d in os.listdir("/dev") if re.fullmatch(r"nvidia\d+", d)]) if os.path.isdir("/dev") else 0
+        if not gpus and shutil.which("nvidia-smi"):
+            return None
         visible = os.environ.get("CUDA_VISIBLE_DEVICES")
         if visible is not None:
             gpus = min(gpus, len([v for v in visible.split(",") if v.strip() and v.strip() != "-1"]))

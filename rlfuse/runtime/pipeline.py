@@ -33,6 +33,7 @@ import torch.multiprocessing as mp
 
 from rlfuse.config import RLConfig
 from rlfuse.learn.batches import micro_batches
+from rlfuse.learn.checkpoint import keep_learning_rates
 from rlfuse.learn.losses import micro_policy_loss, micro_value_loss
 from rlfuse.learn.optim import build_constant_optimizer
 from rlfuse.learn.update import BadSteps, add_stats
@@ -280,9 +281,12 @@ class PipelineTrainer:
         return {m: {"opt": part.opt.state_dict(), "sched": part.sched.state_dict()} for m, part in self.parts.items()}
 
     def load_optimizer_state(self, state: dict) -> None:
+        """Restore what optimizer_state saved; the configured learning rates stay (one changed on resume applies)."""
         for m, part in self.parts.items():
+            configured = [g["lr"] for g in part.opt.param_groups]
             part.opt.load_state_dict(state[m]["opt"])
             part.sched.load_state_dict(state[m]["sched"])
+            keep_learning_rates(part.opt, part.sched, configured)
 
 def schedule_record(spans: list, schedules: dict[int, Schedule], devices: int, mode: str) -> dict:
     """The first mini-batch of an update as executed (seconds from its first task's start) and as the simulator

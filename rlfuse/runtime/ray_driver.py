@@ -61,9 +61,11 @@ def start_ray(spec: PlacementSpec) -> bool:
 
 def reachable(address: str, timeout_s: float = 5.0) -> None:
     """Something listens at placement.address, or a UserError within timeout_s: ray.init would retry for long."""
+    if address in ("auto", "local"):  # Ray finds the cluster of this machine itself (and says so if none)
+        return
     host, _, port = address.split("://", 1)[-1].rpartition(":")
     if not host or not port.isdigit():
-        raise UserError(f"placement.address {address!r}: expected host:port (or ray://host:port), e.g. "
+        raise UserError(f"placement.address {address!r}: expected host:port, ray://host:port or auto, e.g. "
                         "10.0.0.5:6379")
     try:
         socket.create_connection((host.strip("[]"), int(port)), timeout=timeout_s).close()
@@ -127,8 +129,9 @@ class RayWorkers:
         under way is not logged, so `--resume` repeats it from the last checkpoint (written by rank 0)."""
         try:
             yield
-        except RayTaskError as e:  # a user-facing error on a worker (divergence, a bad reward) is the driver's
-            if isinstance(e.cause, UserError):
+        except RayTaskError as e:  # a user-facing error on a worker (divergence, a bad reward, a full disk under
+            # rank 0's checkpoint) is the driver's, printed as one line
+            if isinstance(e.cause, (UserError, OSError)):
                 raise e.cause from None
             raise
         except RayActorError as e:

@@ -91,6 +91,7 @@ def test_a_checkpoint_of_another_model_is_one_line(run_dir, tmp_path):
 def test_resuming_a_run_with_no_checkpoint_says_so(run_dir):
     (run_dir / "rl" / "checkpoint.pt").unlink()
     (run_dir / "rl" / "checkpoint.pt.prev").unlink()
-    proc = rlfuse("rl", "--resume", run_dir)
+    proc = rlfuse("rl", "--resume", run_dir, "rl.clip=0.3")  # RL has made nothing a change would contradict
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "no RL checkpoint" in proc.stderr and "RL starts at iteration 0" in proc.stderr
+    assert "# resumed at iteration 0: rl.clip 0.2 -> 0.3" in (run_dir / "config.yaml").read_text()

@@ -78,6 +78,10 @@ def test_a_finished_stage_is_never_overwritten_without_overwrite(tmp_path):
     line = one_line_error(rlfuse("run", f"run.dir={run_dir}", *FAST), 2, "rlfuse run: run.dir")
     assert f"rlfuse run --resume {run_dir}" in line
     assert digest(run_dir) == before
+    # --overwrite with a config that cannot run removes nothing
+    one_line_error(rlfuse("sft", f"run.dir={run_dir}", *FAST, "sft.micro_batch_size=3", "--overwrite"), 2,
+                   "rlfuse sft: config error: sft.batch_size")
+    assert digest(run_dir) == before
     # the explicit choice replaces it
     proc = rlfuse("sft", f"run.dir={run_dir}", *FAST, "sft.steps=3", "--overwrite")
     assert proc.returncode == 0, proc.stderr[-3000:]
