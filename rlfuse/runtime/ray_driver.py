@@ -21,7 +21,10 @@ and the other ray_*.py import Ray: runtime/backend.py imports it only for a plac
 from __future__ import annotations
 
 import contextlib
+import os
 import socket
+import subprocess
+import sys
 import time
 from dataclasses import dataclass, field
 
@@ -54,9 +57,32 @@ def start_ray(spec: PlacementSpec) -> bool:
             raise UserError(f"placement.address {spec.address}: Ray did not connect ({_first_line(e)}); check that "
                             "the cluster is up (`ray status` there) and the address is its head's") from None
     else:
-        ray.init(num_cpus=max(1, int(round(spec.cpus))), num_gpus=int(spec.gpus + 0.999),
-                 include_dashboard=False, log_to_driver=False)
+        context = ray.init(num_cpus=max(1, int(round(spec.cpus))), num_gpus=int(spec.gpus + 0.999),
+                           include_dashboard=False, log_to_driver=False)
+        _watch_driver(context.address_info.get("session_dir"))
     return True
+
+
+_watchdog: subprocess.Popen | None = None
+
+
+def _watch_driver(session_dir: str | None) -> None:
+    """A process that ends this local Ray's session if this driver dies without ray.shutdown (ray_watchdog.py)."""
+    global _watchdog
+    if session_dir:
+        _watchdog = subprocess.Popen([sys.executable, "-m", "rlfuse.runtime.ray_watchdog", str(os.getpid()),
+                                      session_dir], start_new_session=True, stdin=subprocess.DEVNULL,
+                                     stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+
+
+def stop_ray() -> None:
+    """ray.shutdown of a Ray this run started, and its watchdog with it."""
+    global _watchdog
+    ray.shutdown()
+    if _watchdog is not None:
+        _watchdog.terminate()
+        _watchdog.wait()
+        _watchdog = None
 
 
 def reachable(address: str, timeout_s: float = 5.0) -> None:
@@ -150,7 +176,7 @@ class RayWorkers:
         if self.placement_group is not None:
             ray.util.remove_placement_group(self.placement_group)
         if self.started_ray:
-            ray.shutdown()
+            stop_ray()
 
 
 @dataclass

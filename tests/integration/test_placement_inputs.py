@@ -1,12 +1,17 @@
 """Placements a machine cannot hold, and a cluster address nothing answers at: one line before any worker starts,
-not minutes of Ray workers filling memory or a connection retried without end."""
+not minutes of Ray workers filling memory or a connection retried without end. A driver killed mid-run takes the
+local Ray it started with it."""
 
+import glob
 import os
+import signal
 import subprocess
 import sys
+import time
 
 from conftest import ROOT
 from rlfuse.plan.spec import ClusterResources
+from rlfuse.runtime.ray_watchdog import session_processes
 from test_bad_rewards import FIXTURES
 from test_run_folders import one_line_error
 
@@ -47,3 +52,25 @@ def test_an_address_nothing_answers_at_is_one_line_within_seconds(tiny_task, tmp
                   "placement.strategy=flattened", "placement.workers=2", "placement.address=127.0.0.1:9")
     line = one_line_error(proc, 2, "rlfuse rl: placement.address 127.0.0.1:9: nothing answers there")
     assert "ray start --head" in line
+
+
+def test_a_killed_driver_takes_its_local_ray_with_it(tiny_task, tmp_path):
+    run_dir = tmp_path / "run"
+    env = os.environ | {"CI": "true", "PYTHONPATH": str(FIXTURES)}
+    driver = subprocess.Popen([sys.executable, "-m", "rlfuse", "rl", *RL, "rl.iterations=200", "rl.ckpt_every=1000",
+                               f"rl.sft_path={tiny_task.model_dir}", f"run.dir={run_dir}",
+                               "placement.strategy=flattened", "placement.workers=2"],
+                              cwd=ROOT, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    metrics = run_dir / "rl" / "metrics.jsonl"
+    deadline = time.time() + 240
+    while not (metrics.exists() and metrics.read_text().strip()) and time.time() < deadline and driver.poll() is None:
+        time.sleep(1)
+    assert driver.poll() is None, "the run ended before it could be killed"
+    sessions = glob.glob(f"/tmp/ray/session_*_{driver.pid}")
+    assert len(sessions) == 1 and session_processes(sessions[0]), "no Ray session of this driver found"
+    driver.send_signal(signal.SIGKILL)
+    driver.wait()
+    deadline = time.time() + 30
+    while session_processes(sessions[0]) and time.time() < deadline:
+        time.sleep(1)
+    assert not session_processes(sessions[0]), "Ray processes outlived their driver by 30 s"
