@@ -86,9 +86,7 @@ def reward_values(out, n: int, where: str) -> list[float | None]:
         except (TypeError, ValueError):
             raise UserError(f"{where} returned {type(v).__name__} {_short(v)} for completion {i}; return floats "
                             "(or None to abstain)") from None
-        if not math.isfinite(x):
-            raise UserError(f"{where} returned {x} for completion {i}; return finite floats (or None to abstain)")
-        values.append(x)
+        values.append(x)  # a NaN/inf stays: the iteration's update is skipped and counted (learn/update.py)
     return values
 
 
@@ -150,11 +148,17 @@ class FunctionReward:
             raise UserError(f"{where} raised {type(e).__name__}: {first}; fix the function (try it on a few "
                             "completions by hand) or remove it from rl.reward") from None
         values = reward_values(out, len(samples), where)
-        beyond = sum(1 for v in values if v is not None and abs(v) > REWARD_BOUND)
+        nonfinite = [v for v in values if v is not None and not math.isfinite(v)]
+        if nonfinite:
+            warnings.warn(f"rl.reward: {function_name(fn)} returned {nonfinite[0]} for {len(nonfinite)} of "
+                          f"{len(samples)} completions; an iteration with a non-finite reward skips its update, and "
+                          "rl.max_bad_steps in a row stop the run", stacklevel=2)
+        beyond = sum(1 for v in values if v is not None and math.isfinite(v) and abs(v) > REWARD_BOUND)
         if beyond:
             self._beyond += beyond
             warnings.warn(f"rl.reward: {function_name(fn)} returned {beyond} values beyond +-{REWARD_BOUND:g} "
-                          f"(e.g. {max((v for v in values if v is not None), key=abs):g}); rewards that large swamp "
+                          f"(e.g. {max((v for v in values if v is not None and math.isfinite(v)), key=abs):g}); "
+                          "rewards that large swamp "
                           "the KL penalty and the advantages' scale: rescale the function", stacklevel=2)
         return values
 

@@ -30,7 +30,6 @@ WRONG = [
     ("returns_strings", "returned str 'good' for completion 0; return floats"),
     ("returns_nothing", "returned NoneType None, not a list"),
     ("returns_too_few", "returned 3 values for 4 completions"),
-    ("returns_nan", "returned nan for completion 0; return finite floats"),
 ]
 
 
@@ -62,6 +61,15 @@ def test_rewards_far_out_of_scale_are_reported_and_the_run_finishes(tiny_task, t
     assert len(rows) == 3 and all(r["reward/beyond_bound"] > 0 for r in rows)
     assert (tmp_path / "run" / "report.html").is_file()
     assert "e+29" in proc.stdout  # the before/after table keeps its columns
+
+
+def test_non_finite_rewards_are_named_skip_their_updates_and_stop_on_repeat(tiny_task, tmp_path):
+    proc = rl_with(tiny_task, tmp_path / "run", "returns_nan", "rl.max_bad_steps=2")
+    line = one_line_error(proc, 2, "rlfuse rl: training diverged: 2 consecutive updates skipped, the last for "
+                          "non-finite rewards")
+    assert "rl.reward: returns_nan returned nan for 4 of 4 completions" in proc.stderr
+    rows = [json.loads(row) for row in (tmp_path / "run" / "rl" / "metrics.jsonl").read_text().splitlines()]
+    assert [("train/policy_loss" in r) for r in rows] == [False, False] and line
 
 
 def test_a_function_abstaining_on_everything_warns_then_stops(tiny_task, tmp_path):

@@ -55,7 +55,8 @@ def test_functions_get_prompts_completions_and_columns_by_name():
     samples = [FakeSample(Q1, [5, 0]), FakeSample(Q2, [5, 0]), FakeSample(Q2, [7, 0]), FakeSample(Q1, [8, 0])]
     # correct: 1, 0, 0, 0; is_number: 1, 1, 0, None (abstains on "Hi")
     assert reward(samples).tolist() == [1.5, 0.5, 0.0, 0.0]
-    assert reward_metrics(reward) == {"reward/fn/correct": 0.25, "reward/fn/is_number": 2 / 3, "reward/all_abstained": 0.0}
+    assert reward_metrics(reward) == {"reward/fn/correct": 0.25, "reward/fn/is_number": 2 / 3, "reward/all_abstained": 0.0,
+                                      "reward/beyond_bound": 0}
     assert reward_metrics(reward) == {}  # read once
 
 
@@ -69,7 +70,8 @@ def test_tallies_of_several_scoring_workers_pool_into_one_process_means():
     workers[0]([FakeSample(Q1, [5, 0]), FakeSample(Q2, [5, 0])])
     workers[1]([FakeSample(Q2, [7, 0]), FakeSample(Q1, [8, 0])])
     pooled = metrics_of_sums([w.take_sums() for w in workers] + [None])  # None: a worker scoring with a model
-    assert pooled == {"reward/fn/correct": 0.25, "reward/fn/is_number": 2 / 3, "reward/all_abstained": 0.0}
+    assert pooled == {"reward/fn/correct": 0.25, "reward/fn/is_number": 2 / 3, "reward/all_abstained": 0.0,
+                      "reward/beyond_bound": 0}
     assert metrics_of_sums([w.take_sums() for w in workers]) == {}  # taken once
 
 
