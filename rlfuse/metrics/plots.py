@@ -94,7 +94,8 @@ def training_metrics(rows: list[dict], path: Path, reward_samples: list[float] |
     _line(axes[1, 0], rows, "train/value_loss", "critic (value) loss")
     ax = axes[1, 1]
     _, rewards = series(rows, "reward/mean")
-    dist = reward_samples if reward_samples else rewards
+    # a NaN/inf reward (a skipped iteration's) has no place on a histogram's axis
+    dist = [v for v in (reward_samples or rewards) if isinstance(v, (int, float)) and math.isfinite(v)]
     if dist:
         ax.hist(dist, bins=min(30, max(5, len(dist) // 3)), color="#8172B2", alpha=0.8)
         ax.axvline(mean(dist), color="black", linestyle="--", label=f"mean {mean(dist):.3f}")

@@ -63,13 +63,14 @@ def test_rewards_far_out_of_scale_are_reported_and_the_run_finishes(tiny_task, t
     assert "e+29" in proc.stdout  # the before/after table keeps its columns
 
 
-def test_non_finite_rewards_are_named_skip_their_updates_and_stop_on_repeat(tiny_task, tmp_path):
-    proc = rl_with(tiny_task, tmp_path / "run", "returns_nan", "rl.max_bad_steps=2")
-    line = one_line_error(proc, 2, "rlfuse rl: training diverged: 2 consecutive updates skipped, the last for "
-                          "non-finite rewards")
+def test_non_finite_rewards_are_named_skip_their_updates_and_the_report_still_draws(tiny_task, tmp_path):
+    # (max_bad_steps in a row stop the run: tests/integration/test_rl.py)
+    proc = rl_with(tiny_task, tmp_path / "run", "returns_nan", "rl.iterations=2")
+    assert proc.returncode == 0, proc.stderr[-3000:]
     assert "rl.reward: returns_nan returned nan for 4 of 4 completions" in proc.stderr
     rows = [json.loads(row) for row in (tmp_path / "run" / "rl" / "metrics.jsonl").read_text().splitlines()]
-    assert [("train/policy_loss" in r) for r in rows] == [False, False] and line
+    assert [("train/policy_loss" in r) for r in rows] == [False, False]  # both updates skipped
+    assert (tmp_path / "run" / "report.html").is_file()
 
 
 def test_a_function_abstaining_on_everything_warns_then_stops(tiny_task, tmp_path):
