@@ -10,6 +10,7 @@ import sys
 import time
 
 from conftest import ROOT
+from rlfuse.cli import main
 from rlfuse.plan.spec import ClusterResources
 from rlfuse.runtime.ray_watchdog import session_processes
 from test_bad_rewards import FIXTURES
@@ -25,25 +26,29 @@ def rlfuse(*args) -> subprocess.CompletedProcess:
                           text=True, timeout=300)
 
 
-def test_more_workers_than_this_machine_has_cores_is_refused_at_validate():
+def validate(capsys, *overrides) -> str:
+    """`rlfuse validate` in this process (no worker, no Ray): its exit code 2 and its one line."""
+    assert main(["validate", "placement.strategy=flattened", *overrides]) == 2
+    line = capsys.readouterr().err.strip().splitlines()[-1]
+    assert line.startswith("rlfuse validate: config error: placement.workers:"), line
+    return line
+
+
+def test_more_workers_than_this_machine_has_cores_is_refused_at_validate(capsys):
     cores = int(ClusterResources.this_machine().cpus)
-    line = one_line_error(rlfuse("validate", "placement.strategy=flattened", f"placement.workers={cores * 32}"), 2,
-                          "rlfuse validate: config error: placement.workers:")
+    line = validate(capsys, f"placement.workers={cores * 32}")
     assert f"needs {cores * 32} CPUs" in line and f"this machine has {cores}" in line
 
 
-def test_gpus_this_machine_lacks_are_refused_at_validate():
+def test_gpus_this_machine_lacks_are_refused_at_validate(capsys):
     gpus = int(ClusterResources.this_machine().gpus)
-    line = one_line_error(rlfuse("validate", "placement.strategy=flattened", "placement.workers=1",
-                                 f"placement.gpus_per_worker={gpus + 1}" if gpus else "placement.gpus_per_worker=1"),
-                          2, "rlfuse validate: config error: placement.workers:")
+    line = validate(capsys, "placement.workers=1", f"placement.gpus_per_worker={gpus + 1}" if gpus else
+                    "placement.gpus_per_worker=1")
     assert f"but this machine has {gpus}" in line
 
 
-def test_workers_predicted_beyond_the_memory_available_are_refused_at_validate():
-    line = one_line_error(rlfuse("validate", "placement.strategy=flattened", "placement.workers=2", "model.n_layer=48",
-                                 "model.n_embd=4096", "model.n_head=32"), 2,
-                          "rlfuse validate: config error: placement.workers:")
+def test_workers_predicted_beyond_the_memory_available_are_refused_at_validate(capsys):
+    line = validate(capsys, "placement.workers=2", "model.n_layer=48", "model.n_embd=4096", "model.n_head=32")
     assert "are predicted to need" in line and "GiB available" in line
 
 
