@@ -9,6 +9,8 @@ import subprocess
 import sys
 import time
 
+import pytest
+
 from conftest import ROOT
 from rlfuse.cli import main
 from rlfuse.plan.spec import ClusterResources
@@ -34,20 +36,28 @@ def validate(capsys, *overrides) -> str:
     return line
 
 
+def machine() -> ClusterResources:
+    found = ClusterResources.this_machine()
+    if found is None:
+        pytest.skip("this machine's GPUs cannot be read from the OS (nvidia-smi without device files): not checked")
+    return found
+
+
 def test_more_workers_than_this_machine_has_cores_is_refused_at_validate(capsys):
-    cores = int(ClusterResources.this_machine().cpus)
+    cores = int(machine().cpus)
     line = validate(capsys, f"placement.workers={cores * 32}")
     assert f"needs {cores * 32} CPUs" in line and f"this machine has {cores}" in line
 
 
 def test_gpus_this_machine_lacks_are_refused_at_validate(capsys):
-    gpus = int(ClusterResources.this_machine().gpus)
+    gpus = int(machine().gpus)
     line = validate(capsys, "placement.workers=1", f"placement.gpus_per_worker={gpus + 1}" if gpus else
                     "placement.gpus_per_worker=1")
     assert f"but this machine has {gpus}" in line
 
 
 def test_workers_predicted_beyond_the_memory_available_are_refused_at_validate(capsys):
+    machine()
     line = validate(capsys, "placement.workers=2", "model.n_layer=48", "model.n_embd=4096", "model.n_head=32")
     assert "are predicted to need" in line and "GiB available" in line
 
