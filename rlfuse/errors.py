@@ -4,6 +4,12 @@ import contextlib
 import errno
 
 
+def first_line(e: BaseException, limit: int = 200) -> str:
+    """The first line of an exception's message (its type's name if it has none), cut to `limit` characters: what a
+    one-line error quotes of a library's or the user's own failure."""
+    return (str(e).strip().splitlines() or [type(e).__name__])[0][:limit]
+
+
 class UserError(Exception):
     """A problem the user can fix. `str()` is the one line the CLI prints."""
 

@@ -24,7 +24,7 @@ def atomic_path(path: str | os.PathLike, suffix: str = ".tmp", keep_existing: bo
     not empty); give each writer a suffix of its own (the process id)."""
     path = Path(path)
     tmp, old = path.with_name(path.name + suffix), path.with_name(path.name + suffix + ".old")
-    _remove(tmp)
+    remove_path(tmp)
     try:
         yield tmp
         if keep_existing:
@@ -32,17 +32,17 @@ def atomic_path(path: str | os.PathLike, suffix: str = ".tmp", keep_existing: bo
                 os.replace(tmp, path)
             return
         if tmp.is_dir() and path.is_dir():
-            _remove(old)
+            remove_path(old)
             os.replace(path, old)
         os.replace(tmp, path)
-        _remove(old)
+        remove_path(old)
     except OSError as e:
         if not (keep_existing and path.exists()):  # keep_existing: another writer's copy landed first and stands
             if e.filename == str(tmp):
                 e.filename = str(path)  # the file the user knows, not our temporary
             raise
     finally:
-        _remove(tmp)
+        remove_path(tmp)
 
 
 def write_text_atomic(path: str | os.PathLike, text: str) -> Path:
@@ -54,7 +54,8 @@ def write_text_atomic(path: str | os.PathLike, text: str) -> Path:
     return path
 
 
-def _remove(p: Path) -> None:
+def remove_path(p: Path) -> None:
+    """A file, link or folder gone (a folder with what it holds); nothing if it is not there."""
     if p.is_dir() and not p.is_symlink():
         shutil.rmtree(p, ignore_errors=True)
     elif p.exists() or p.is_symlink():

@@ -8,15 +8,14 @@ import dataclasses
 import fcntl
 import json
 import os
-import shutil
 import socket
 import time
 from pathlib import Path
 from typing import Callable, Iterator
 
 from rlfuse.config import Config, is_hub_id
-from rlfuse.errors import UserError
-from rlfuse.files import write_text_atomic
+from rlfuse.errors import UserError, first_line
+from rlfuse.files import remove_path, write_text_atomic
 
 # what each command writes into a run folder, and so what starting it again there would replace
 STAGE_OUTPUTS = {"sft": ("sft",), "rm": ("rm",), "rl": ("rl", "eval.json", "report.html", "figures")}
@@ -37,8 +36,8 @@ def claim_run_folder(folder: str | os.PathLike | None, command: str, *, resume: 
         if resume:
             if not (path / "config.yaml").is_file():
                 raise UserError(f"resume: {path} is not a run folder (no config.yaml); give the folder a run printed")
-        else:
-            _refuse_or_clear(path, command, overwrite, log)
+        elif not overwrite:
+            _refuse_previous(path, command)
         yield path
     finally:
         lock.release()
@@ -68,9 +67,14 @@ def _make_folder(path: Path) -> None:
                         "run.dir") from None
 
 
-def _refuse_or_clear(path: Path, command: str, overwrite: bool, log: Callable) -> None:
-    present = [name for name in STAGE_OUTPUTS[command] if _has_content(path / name)]
-    if not present or overwrite:
+def _previous_outputs(path: Path, command: str) -> list[str]:
+    """What an earlier run wrote into `path` that `command` would write again."""
+    return [name for name in STAGE_OUTPUTS[command] if _has_content(path / name)]
+
+
+def _refuse_previous(path: Path, command: str) -> None:
+    present = _previous_outputs(path, command)
+    if not present:
         return
     stages = [s for s in ("sft", "rm", "rl") if s in present] or ["rl"]  # eval.json etc. alone: an RL stage's
     done = {s: (path / s / "summary.json").is_file() for s in stages}
@@ -85,13 +89,9 @@ def _refuse_or_clear(path: Path, command: str, overwrite: bool, log: Callable) -
 def clear_previous(path: Path, command: str, log: Callable) -> None:
     """--overwrite: remove what an earlier run wrote into `path` for `command` (called once the new run's config
     has been checked, so a config mistake never costs the old run)."""
-    present = [name for name in STAGE_OUTPUTS[command] if _has_content(path / name)]
+    present = _previous_outputs(path, command)
     for name in present:
-        target = path / name
-        if target.is_dir() and not target.is_symlink():
-            shutil.rmtree(target)
-        else:
-            target.unlink()
+        remove_path(path / name)
     if present:
         log(f"[run] --overwrite: removed {', '.join(present)} of the previous run in {path}")
 
@@ -209,7 +209,7 @@ def hub_model_folder(name: str, field: str) -> str:
         if not any(Path(folder).glob("*.safetensors")):
             folder = _snapshot_download(name, HUB_FILES + ["*.bin"])
     except Exception as e:  # the hub's errors are many; the message and the fix are the same
-        first = (str(e).strip().splitlines() or [type(e).__name__])[0][:200]
+        first = first_line(e)
         raise UserError(f"config error: {field}: could not fetch hub model {name!r} ({type(e).__name__}: {first}); "
                         f"check the name, or download it where there is network, or set {field} to a local folder") from None
     if not (Path(folder) / "config.json").is_file() and not (Path(folder) / "adapter_config.json").is_file():

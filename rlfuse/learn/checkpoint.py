@@ -11,7 +11,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from rlfuse.errors import UserError
+from rlfuse.errors import UserError, first_line
 from rlfuse.files import atomic_path
 from rlfuse.learn.learners import Learners
 from rlfuse.models.build import Models
@@ -118,7 +118,7 @@ def load_checkpoint(path: Path, actor, critic, opt_actor, opt_critic, sched_acto
             if sched is not None and state.get(key) is not None:  # checkpoints before scheduler state have none
                 sched.load_state_dict(state[key])
     except (KeyError, ValueError, RuntimeError) as e:
-        raise UserError(f"{path} does not fit this run's models ({_first_line(e)}); it belongs to another "
+        raise UserError(f"{path} does not fit this run's models ({first_line(e)}); it belongs to another "
                         "run or model: resume the run it came from, or start a new run") from None
     # a learning rate changed on resume (rl.lr, rl.critic_lr) takes effect: the restored optimiser and schedule
     # would otherwise keep the checkpoint's
@@ -137,7 +137,7 @@ def read_checkpoint(path: Path) -> dict:
         state = torch.load(path, weights_only=False, map_location="cpu")  # load_state_dict moves to each device
         missing = {"iteration", "kl_coef", "counters", "actor", "opt_actor", "rng"} - set(state)
     except Exception as e:  # torch.load's failures on a damaged file are many (zip, pickle, EOF, unicode)
-        state, missing = None, f"{type(e).__name__}: {_first_line(e)}"
+        state, missing = None, f"{type(e).__name__}: {first_line(e)}"
     if missing:
         prev = previous_of(path)
         back = (f"go back one checkpoint with `mv {prev} {path}`, then --resume again" if prev.exists() else
@@ -157,9 +157,6 @@ def keep_learning_rates(opt, sched, lrs: list[float]) -> None:
         sched.base_lrs = list(lrs)
         sched._last_lr = list(lrs)  # what get_last_lr() reports (train/lr)
 
-
-def _first_line(e: BaseException) -> str:
-    return (str(e).strip().splitlines() or [type(e).__name__])[0][:200]
 
 
 CHECKPOINT_KEYS = ("actor", "critic", "opt_actor", "opt_critic", "sched_actor", "sched_critic")

@@ -15,8 +15,8 @@ from rlfuse.config import RLConfig
 from rlfuse.errors import UserError
 from rlfuse.learn.batches import micro_batch_indices, micro_batches, prompt_tokens_shared
 from rlfuse.learn.learners import Learner, Learners
-from rlfuse.learn.optim import clip_and_step
 from rlfuse.learn.losses import micro_policy_loss, micro_value_loss
+from rlfuse.learn.optim import clip_and_step
 from rlfuse.models.build import Models
 from rlfuse.models.forward import can_share
 from rlfuse.rollout.fusion import Experience

@@ -11,7 +11,7 @@ from pathlib import Path
 import torch
 
 from rlfuse.config import Config, checkpointing_on
-from rlfuse.errors import ConfigError, UserError
+from rlfuse.errors import ConfigError, UserError, first_line
 from rlfuse.models.heads import ValueModel
 from rlfuse.models.load import apply_lora, load_causal_lm, load_reward_model, load_tokenizer
 from rlfuse.models.quantize import place
@@ -61,7 +61,7 @@ def load_reward_function(spec: str):
         raise ConfigError("rl.reward", f"cannot import {spec!r} ({type(e).__name__})",
                           "give module:function of an importable function, e.g. f(prompts, completions, **columns)") from None
     except Exception as e:  # the user's module fails as it imports: theirs to fix, named as such
-        first = (str(e).strip().splitlines() or [""])[0][:200]
+        first = first_line(e)
         raise ConfigError("rl.reward", f"importing {module} raised {type(e).__name__}: {first}",
                           "fix the module (python -c 'import " + module + "' shows it)") from None
     if not callable(fn):

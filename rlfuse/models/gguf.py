@@ -21,7 +21,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from rlfuse.config.model_files import gguf_file_of
 from rlfuse.data.task import cache_root
-from rlfuse.errors import UserError
+from rlfuse.errors import UserError, first_line
 from rlfuse.files import atomic_path, write_text_atomic
 
 
@@ -57,7 +57,7 @@ def convert(gguf: Path, out: Path, log=None) -> Path:
         tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
         loaded = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
     except (ValueError, KeyError, OSError) as e:  # e.g. "GGUF model with architecture X is not supported yet"
-        first = (str(e).strip().splitlines() or [type(e).__name__])[0][:200]
+        first = first_line(e)
         raise UserError(f"model.name: transformers cannot read {gguf} ({type(e).__name__}: {first}); give a GGUF "
                         "of an architecture transformers reads (llama, mistral, qwen2, ...) or a model folder") from None
     config = loaded.config

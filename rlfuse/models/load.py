@@ -27,7 +27,7 @@ from transformers import (
 from transformers.activations import GELUTanh, NewGELUActivation
 
 from rlfuse.config import ModelConfig
-from rlfuse.errors import UserError
+from rlfuse.errors import UserError, first_line
 from rlfuse.files import atomic_path
 from rlfuse.models.gguf import local_model
 from rlfuse.models.quantize import conv1d_layout, fix_cpu_heap, is_quantized, keep_one_cpu_layout, quantized_load_kwargs
@@ -82,7 +82,7 @@ def check_model_folder(name: str) -> None:
 
 def _load_error(name: str, e: Exception) -> UserError:
     """The folder or name, the exception's own first line, and the fix that fits it."""
-    first = (str(e).strip().splitlines() or [type(e).__name__])[0][:300]
+    first = first_line(e, 300)
     if _looks_local(name):  # the folder is there (check_model_folder ran) but its files do not load
         fix = ("re-run the stage that wrote this folder, or point the setting that names it (model.name, rm.sft_path, "
                "rl.sft_path, rl.rm_path) at another saved model folder")

@@ -24,7 +24,7 @@ import torch
 from torch import Tensor
 
 from rlfuse.data.prompts import model_context
-from rlfuse.errors import ConfigError, UserError
+from rlfuse.errors import ConfigError, UserError, first_line
 from rlfuse.models import prefix
 from rlfuse.models.forward import adapter_of, can_share, worth_sharing
 from rlfuse.models.shared import body
@@ -144,7 +144,7 @@ class FunctionReward:
         except UserError:
             raise
         except Exception as e:  # the user's code: its failure is theirs to fix, named as theirs, not a traceback of ours
-            first = (str(e).strip().splitlines() or [""])[0][:200]
+            first = first_line(e)
             raise UserError(f"{where} raised {type(e).__name__}: {first}; fix the function (try it on a few "
                             "completions by hand) or remove it from rl.reward") from None
         values = reward_values(out, len(samples), where)

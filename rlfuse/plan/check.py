@@ -44,7 +44,7 @@ def check_placement(spec: PlacementSpec, roles: Roles, cluster: ClusterResources
     problems += _check_colocation(spec, roles)
     problems += _check_training(spec, roles)
     if cluster is not None and spec.uses_ray:
-        problems += _check_cluster(spec, cluster)
+        problems += check_resources(spec, cluster)
     if memory_of is not None and memory_budget is not None:
         problems += _check_memory(spec, memory_of, memory_budget)
     return problems
@@ -156,11 +156,7 @@ def _names(groups: set[str]) -> str:
 
 
 def check_resources(spec: PlacementSpec, cluster: ClusterResources) -> list[str]:
-    """The CPU and GPU problems of `spec` on `cluster` (check_placement's resource checks alone)."""
-    return _check_cluster(spec, cluster)
-
-
-def _check_cluster(spec: PlacementSpec, cluster: ClusterResources) -> list[str]:
+    """The CPU and GPU problems of `spec` on `cluster` (check_placement's resource checks)."""
     out = []
     layout = " + ".join(f"{g.workers} x {g.cpus_per_worker:g}" for g in spec.groups)
     if spec.cpus > cluster.cpus:

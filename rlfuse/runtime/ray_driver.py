@@ -32,7 +32,7 @@ import ray
 from ray.exceptions import RayActorError, RayTaskError
 from ray.util.placement_group import placement_group
 
-from rlfuse.errors import UserError
+from rlfuse.errors import UserError, first_line
 from rlfuse.learn.update import BadSteps
 from rlfuse.plan.check import validate_placement
 from rlfuse.plan.roles import derive_roles
@@ -54,7 +54,7 @@ def start_ray(spec: PlacementSpec) -> bool:
         try:
             ray.init(address=spec.address, include_dashboard=False, log_to_driver=False)
         except ConnectionError as e:
-            raise UserError(f"placement.address {spec.address}: Ray did not connect ({_first_line(e)}); check that "
+            raise UserError(f"placement.address {spec.address}: Ray did not connect ({first_line(e)}); check that "
                             "the cluster is up (`ray status` there) and the address is its head's") from None
     else:
         context = ray.init(num_cpus=max(1, int(round(spec.cpus))), num_gpus=int(spec.gpus + 0.999),
@@ -100,9 +100,6 @@ def reachable(address: str, timeout_s: float = 5.0) -> None:
         raise UserError(f"placement.address {address}: nothing answers there ({why}); start "
                         "the cluster (`ray start --head` on that machine) or fix the address") from None
 
-
-def _first_line(e: BaseException) -> str:
-    return (str(e).strip().splitlines() or [type(e).__name__])[0][:200]
 
 
 def pins_cores(setting: bool | None, started_ray: bool, address: str | None) -> bool:

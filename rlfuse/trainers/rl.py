@@ -32,7 +32,6 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-
 from rlfuse.algos.kl import AdaptiveKLController, FixedKLController
 from rlfuse.algos.schedules import scheduled_value
 from rlfuse.config import Config, RLConfig, fusion_on, save_config
