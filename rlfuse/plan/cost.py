@@ -403,16 +403,10 @@ def round_trip_seconds(p: MachineProfile, calls: float, samples: float = 0.0) ->
     return calls * p.ray_round_trip_s + samples * p.ray_sample_s
 
 
-def rollout_chunks(samples: float, busy_s: float, every: int, chunk_s: float, steps: float | None = None) -> int:
+def rollout_chunks(samples: float, every: int) -> int:
     """Replies one decoding worker sends the driver in a rollout (ray_rollout.GenerationWorker.advance): a chunk ends
-    after `every` finished samples, or at the first sample to finish after `chunk_s` seconds. So at least
-    ceil(samples / every), never more than one per sample nor one per engine step (`steps`, its prefill and decode
-    calls: the rows a step retires arrive together; short answers end in a few steps), and about busy_s / chunk_s
-    in between."""
-    if samples <= 0:
-        return 0
-    most = min(math.ceil(samples), math.ceil(steps)) if steps else math.ceil(samples)
-    return max(math.ceil(samples / every), min(most, math.ceil(busy_s / chunk_s)))
+    after `every` finished samples (on counts only, so that runs are reproducible), so ceil(samples / every)."""
+    return math.ceil(samples / every) if samples > 0 else 0
 
 
 DDP_BUCKET_BYTES = 32 * 2**20

@@ -40,8 +40,6 @@ TP_MAX = 8
 TP_WEIGHT_SHARE = 0.5
 """Sharded (on paper): the generator's tensor-parallel degree is the smallest power of two that puts at most this
 share of a device's memory into its weights, leaving the rest to the KV cache."""
-CHUNK_SECONDS = 0.05
-"""Longest a Ray generation worker decodes before reporting back (ray_rollout.RolloutSettings.chunk_seconds)."""
 STAGES = ("generate", "score", "rollout", "train", "sync", "migration", "overhead", "iteration")
 """Predicted seconds per iteration. rollout: generate and score as the strategy overlaps them (what the RL loop
 logs as time/rollout); iteration = sync + rollout + train + overhead (time/iteration)."""
@@ -71,7 +69,6 @@ class Workload:
     (measured by bench/plan.py from the task's prompts; 1 when unknown)."""
     k: int = 1
     """Samples per prompt (rl.k): they share their prompt's prefill."""
-    chunk_s: float = CHUNK_SECONDS
     rows_per_worker: int = 16
     """rollout.rows_per_worker: the migration's capacity trigger (rollout/migration.py plan_migration)."""
     shared_prompt: bool = False
@@ -323,9 +320,7 @@ def _rollout_seconds(prob: Problem, spec: PlacementSpec, gen_w: int, score_w: in
     score_calls = 1
     if spec.uses_ray:
         per_decoder = w.samples / gen_w
-        steps = math.ceil(per_decoder / w.max_rows) * (w.response_longest or w.response_max) + w.prompt_lengths
-        chunks = cost.rollout_chunks(per_decoder, generate + (score if one_group else 0.0), w.score_every, w.chunk_s,
-                                     steps)
+        chunks = cost.rollout_chunks(per_decoder, w.score_every)
         generate += cost.round_trip_seconds(p, chunks, per_decoder)
         if not one_group:
             score_calls = max(math.ceil(w.samples / score_w / w.score_every), math.ceil(chunks * gen_w / score_w))
@@ -340,7 +335,7 @@ def _rollout_seconds(prob: Problem, spec: PlacementSpec, gen_w: int, score_w: in
     if one_group:
         rollout = generate + score - overlap + migration
     else:
-        first = min(generate, w.chunk_s)
+        first = generate * min(1.0, w.score_every / (w.samples / gen_w))  # the first chunk's samples finished
         rollout = max(generate + migration + score / score_calls, first + score)
     return generate, score, rollout + cost.round_trip_seconds(p, calls), migration
 

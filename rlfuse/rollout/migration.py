@@ -1,8 +1,10 @@
 """Tail migration across generation workers (RLHFuse, arXiv 2409.13221, section 4): when few samples are still
 decoding, move them onto as few workers as decode them at about full speed, so the other workers can score.
 
-Pure: counts in, a plan out. The Ray layer (rlfuse/runtime/ray_rollout.py) polls each worker's unfinished count
-and applies the plan once per iteration (a migrated tail never moves back: the freed workers are scoring by then).
+Pure: counts in, a plan out. The Ray layer (rlfuse/runtime/ray_rollout.py) gives each decoding worker its pause
+point up front (pause_points), waits until every one has reached it, and applies the plan on the counts they report:
+once per iteration (a migrated tail never moves back: the freed workers are scoring by then). Taken from counts, not
+from when replies arrive, the migration is the same in every run, and so are the samples' log-probs and the weights.
 """
 
 from __future__ import annotations
@@ -42,3 +44,19 @@ def plan_migration(unfinished: Sequence[int], total: int, migrate_below: float, 
     if m < 1 or m >= len(busy):
         return None
     return MigrationPlan(keep=tuple(busy[:m]), export=tuple(busy[m:]))
+
+
+def pause_points(unfinished: Sequence[int], migrate_below: float, rows_per_worker: int) -> list[int] | None:
+    """Where each decoding worker stops for the migration: its unfinished count at the first point, as samples
+    finish in proportion to each worker's share, where plan_migration would move the tail. unfinished: each worker's
+    samples at the start of decoding (together the iteration's). The driver waits until every worker has reached its
+    point (a worker's count goes down by one per finished sample, so it stops there exactly), then plans on the counts
+    they report: the decision does not depend on which worker replied first. None: no migration this iteration."""
+    if migrate_below <= 0 or sum(n > 0 for n in unfinished) < 2:
+        return None
+    total = sum(unfinished)
+    for left in range(total - 1, -1, -1):
+        points = [n * left // total for n in unfinished]
+        if plan_migration(points, total, migrate_below, rows_per_worker) is not None:
+            return points
+    return None

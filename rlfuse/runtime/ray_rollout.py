@@ -9,6 +9,11 @@ the exporting workers hand their unfinished rows over (DecodeEngine.export_state
 re-prefill of prompt + tokens so far), and every idle worker (the freed ones, later any done decoding) scores the
 waiting samples. The result is the Experience generate_rollouts returns, with the same samples and scores.
 
+Every decision is taken from counts, never from timing: a chunk ends after a number of finished samples, the
+migration happens once every decoding worker has reached the pause point it was given (migration.pause_points), and
+each waiting chunk is scored as one batch. So whichever worker replies first, each sample is scored in the same
+batch and the migrated rows are the same: two runs with the same seed and placement give bit-identical weights.
+
 Nothing here is imported by the single-process path; ray is imported inside the functions that need it.
 """
 
@@ -32,7 +37,7 @@ from rlfuse.models.rewards import metrics_of_sums, take_reward_sums
 from rlfuse.plan.roles import derive_roles
 from rlfuse.rollout.engine import DecodeEngine, Sample, SamplingParams
 from rlfuse.rollout.fusion import Experience, FusionPolicy, build_experience
-from rlfuse.rollout.migration import plan_migration
+from rlfuse.rollout.migration import pause_points, plan_migration
 from rlfuse.rollout.score import ScoredSample, Scorer
 from rlfuse.rollout.state import EngineState
 from rlfuse.rollout.weights import copy_weights, weight_buckets
@@ -98,8 +103,6 @@ class RolloutSettings:
     defer_scoring: bool = False
     """With migration: decoding workers never score (RLHFuse's order); default: they score their own until the
     migration, as without it."""
-    chunk_seconds: float = 0.05
-    """Longest a worker decodes before reporting back (checked between finished samples)."""
     eos_token_id: int | None = None
     """None: the tokenizer's EOS ends a row; -1: only the length limit does (benchmarks that set the lengths)."""
     device: str = "cpu"
@@ -168,10 +171,9 @@ class GenerationWorker:
     pinned to its CPU share. Made a Ray actor by start_generation_workers; usable in-process too (tests, debugging).
 
     Chunked decoding: start() opens a generate() iterator and leaves it suspended; advance() pulls finished samples
-    from it until `max_finished` have come or `max_seconds` passed (checked between samples: the engine can hand its
-    state out only between two yields), then reports back. So the driver sees live counts every few tens of ms,
-    can decide a migration between two chunks, and export_state() always finds the iterator suspended at a yield.
-    A chunk that ends on a count rather than on decode steps needs no change to the engine."""
+    from it until `max_finished` have come or the worker reaches its migration pause point, then reports back. So
+    export_state() always finds the iterator suspended at a yield (the engine can hand its state out only between
+    two yields), and a chunk that ends on a count rather than on decode steps needs no change to the engine."""
 
     def __init__(self, models: WorkerModels, settings: RolloutSettings, threads: int = 1):
         pin_threads(threads)
@@ -240,11 +242,12 @@ class GenerationWorker:
         self._it = self.engine.generate(prompts, k, params, seed, lengths, prompt_ids)
         self._pending, self._unfinished, self._decode_rows, self._prefill_s = [], len(prompts) * k, 0, 0.0
 
-    def advance(self, max_finished: int, max_seconds: float, score_own: bool) -> Chunk:
-        """Decode until max_finished samples finish, max_seconds pass, or nothing is left. score_own: score them here
-        (fusion policy: every score_every, or when the live batch is under live_below); else return them unscored."""
+    def advance(self, max_finished: int, score_own: bool, pause_at: int = 0) -> Chunk:
+        """Decode until max_finished samples finish, only pause_at are left unfinished (the migration's pause point;
+        0: none), or nothing is left. score_own: score them here (fusion policy: every score_every, or when the live
+        batch is under live_below); else return them unscored."""
         t0, out, n = time.perf_counter(), Chunk(), 0
-        while self._it is not None and n < max_finished and time.perf_counter() - t0 < max_seconds:
+        while self._it is not None and n < max_finished and not (pause_at and self._unfinished <= pause_at):
             sample = next(self._it, None)
             if sample is None:
                 self._it, out.done = None, True
@@ -324,7 +327,8 @@ class _Tally:
     n_workers: int
     busy_s: list[float] = field(default_factory=list)
     scored: list[ScoredSample] = field(default_factory=list)
-    unscored: list[Sample] = field(default_factory=list)
+    unscored: list[list[Sample]] = field(default_factory=list)
+    """Finished samples waiting for a scorer, as they came: each list is scored as one batch, whoever scores it."""
     stats: dict = field(default_factory=dict)
 
     def __post_init__(self):
@@ -386,19 +390,25 @@ class MultiWorkerRollout:
             mine = list(range(j, len(prompts), D))
             self.workers[w].start.remote([prompts[i] for i in mine], [ids[i] for i in mine], k, params, seed, lengths)
             unfinished[w] = len(mine) * k
+        # each decoding worker stops at its pause point; once all have, the migration is planned on their counts
+        pause = pause_points(unfinished, s.migrate_below, s.rows_per_worker) if migrate else None
         inflight: dict = {}  # object ref -> (worker, "advance" | "score")
         freed, keepers, reprefill, last_rows = set(), set(), {}, [0] * W
 
+        def paused(w) -> bool:
+            return pause is not None and unfinished[w] <= pause[w]
+
         def advance(w):
-            ref = self.workers[w].advance.remote(s.score_every, s.chunk_seconds, scoring_owner[w])
+            ref = self.workers[w].advance.remote(s.score_every, scoring_owner[w], pause[w] if pause else 0)
             inflight[ref] = (w, "advance")
 
-        def take(ref, go_on: bool = True) -> None:
+        def take(ref) -> None:
             w, kind = inflight.pop(ref)
             chunk: Chunk = ray.get(ref)
             tally.busy_s[w] += chunk.busy_s
             tally.scored += chunk.scored
-            tally.unscored += chunk.unscored
+            if chunk.unscored:
+                tally.unscored.append(chunk.unscored)
             tally.stats["scoring_s"] += chunk.score_s
             if kind == "score" and w in freed:
                 tally.stats["scoring_on_freed_s"] += chunk.score_s
@@ -408,7 +418,7 @@ class MultiWorkerRollout:
                 last_rows[w] = chunk.decode_rows
                 if w in keepers:
                     reprefill[w] = chunk.prefill_s
-                if go_on and not chunk.done:
+                if not chunk.done and not paused(w):
                     advance(w)
 
         for w in self.decoders:
@@ -417,11 +427,9 @@ class MultiWorkerRollout:
             if inflight:
                 ready, _ = ray.wait(list(inflight), num_returns=1)
                 take(ready[0])
-            if migrate and not freed and plan_migration(unfinished, total, s.migrate_below, s.rows_per_worker):
-                # every decoding worker ends its chunk first, so the counts are current and each engine is suspended
-                for ref in [r for r, (_, kind) in inflight.items() if kind == "advance"]:
-                    take(ref, go_on=False)
-                plan = plan_migration(unfinished, total, s.migrate_below, s.rows_per_worker)
+            if pause is not None and not any(kind == "advance" for _, kind in inflight.values()):
+                # every decoding worker is at its pause point (or done): the same counts in every run
+                plan, pause = plan_migration(unfinished, total, s.migrate_below, s.rows_per_worker), None
                 if plan is not None:
                     self._migrate(plan, tally, unfinished)
                     freed, keepers = set(plan.export), set(plan.keep)
@@ -433,8 +441,7 @@ class MultiWorkerRollout:
             busy = {w for w, _ in inflight.values()}
             for w in self.scorers:  # idle scorers (freed, done decoding, or scoring only) score what was finished
                 if w not in busy and tally.unscored:
-                    batch, tally.unscored = tally.unscored[: s.score_every], tally.unscored[s.score_every:]
-                    inflight[self.workers[w].score.remote(batch)] = (w, "score")
+                    inflight[self.workers[w].score.remote(tally.unscored.pop(0))] = (w, "score")
                     busy.add(w)
         tally.stats["reprefill_s"] = sum(reprefill.values())
         exp = build_experience(tally.scored)
@@ -453,7 +460,8 @@ class MultiWorkerRollout:
         states = []
         for w, (state, pending, secs) in zip(plan.export, exported):
             states.append(state)
-            tally.unscored += pending
+            if pending:
+                tally.unscored.append(pending)
             tally.busy_s[w] += secs
             unfinished[w] = 0
         moved = EngineState.combine(states)

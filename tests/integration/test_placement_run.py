@@ -2,7 +2,8 @@
 run finishes, logs weight sync, migration and per-worker time and memory, trains on the actor's group (2 ranks
 data-parallel under flattened, 1 otherwise), and after 3 iterations its actor equals
 the single-process run's from the same SFT and RM folders (per-sample streams: the same samples wherever they are
-decoded). The single-process reference runs once; the strategies share one Ray session."""
+decoded), and a second flattened run ends with the same bits. The single-process reference runs once; the strategies
+share one Ray session."""
 
 import json
 
@@ -54,11 +55,20 @@ def ray_session():
     ray.shutdown()
 
 
+# the tiny model's samples all run to the length limit, so only a forced migration (at the first pause point) moves
+# rows under flattened
+FLATTENED = ["placement.strategy=flattened", "placement.workers=2", "rollout.migrate_below=1.0"]
+flattened_runs = []
+
+
 @pytest.mark.parametrize("strategy", ["flattened", "interleaved", "separated"])
 def test_strategy_runs_on_two_workers_and_trains_as_one_process(strategy, tiny_task, folders, single, ray_session,
                                                                  tmp_path):
     start = load_file(str(tiny_task.model_dir / "model.safetensors"))
-    rows, actor, rewards = run_rl(tmp_path, folders, f"placement.strategy={strategy}", "placement.workers=2")
+    placement = FLATTENED if strategy == "flattened" else [f"placement.strategy={strategy}", "placement.workers=2"]
+    rows, actor, rewards = run_rl(tmp_path, folders, *placement)
+    if strategy == "flattened":
+        flattened_runs.append((rows, actor))
     want_rows, want_actor, want_rewards = single
     assert [r["step"] for r in rows] == [1, 2, 3]
     for r in rows:
@@ -79,17 +89,33 @@ def test_strategy_runs_on_two_workers_and_trains_as_one_process(strategy, tiny_t
     # the report shows per-worker time and memory
     assert "Workers (placement on Ray)" in (tmp_path / "report.html").read_text()
     assert (tmp_path / "figures" / "worker_usage.png").stat().st_size > 1000
-    # separated and interleaved have one decoding worker, so nothing to migrate to. (Under flattened the tiny model's
-    # samples all run to the length limit and a worker decodes its 4 in one chunk: no tail to move either; that a
-    # migrated tail leaves samples and scores unchanged is tests/integration/test_ray_rollout.py's job.)
+    # separated and interleaved have one decoding worker, so nothing to migrate to (that a migrated tail leaves samples
+    # and scores unchanged is tests/integration/test_ray_rollout.py's job)
     if strategy != "flattened":
         assert all(r["migration/rows_moved"] == 0 and r["migration/migrated"] == 0 for r in rows)
+    else:
+        assert all(r["migration/migrated"] == 1 and r["migration/rows_moved"] > 0 for r in rows)
     # the same samples in the same order: the last iteration's reward of every sample, and each iteration's means
     assert_close(rewards, want_rewards)
     for got, want in zip(rows, want_rows):
         assert got["rollout/length_mean"] == want["rollout/length_mean"]
         assert_close(got["reward/mean"], want["reward/mean"])
     assert_actor_as_single(actor, want_actor, start)
+
+
+def test_two_flattened_runs_end_with_the_same_bits(folders, ray_session, tmp_path):
+    # the migration from pause points, scoring batches by chunk, DDP's fixed reduction: nothing depends on which
+    # worker replies first, so the same seed and placement give bit-identical weights and metrics
+    if not flattened_runs:
+        flattened_runs.append(run_rl(tmp_path / "first", folders, *FLATTENED)[:2])
+    want_rows, want_actor = flattened_runs[0]
+    rows, actor, _ = run_rl(tmp_path / "second", folders, *FLATTENED)
+    assert actor.keys() == want_actor.keys()
+    assert all(torch.equal(actor[name], want_actor[name]) for name in actor)
+    for got, want in zip(rows, want_rows):
+        for key in ("reward/mean", "reward/kl", "train/policy_loss", "train/grad_norm", "train/value_loss",
+                    "migration/rows_moved", "rollout/length_mean"):
+            assert got[key] == want[key], key
 
 
 def assert_actor_as_single(actor, want_actor, start):

@@ -1,5 +1,8 @@
 """Rollout on 2 Ray generation workers (rlfuse/runtime/ray_rollout.py): the same samples and scores as one process,
-without and with the tail migrated; the migration really moved rows and the freed worker really scored."""
+without and with the tail migrated; the migration really moved rows and the freed worker really scored; and the same
+rollout, bit for bit, whichever worker is late."""
+
+import dataclasses
 
 import pytest
 import torch
@@ -24,9 +27,9 @@ SEED = 11
 # samples keep finishing (a worker reports back between two finished samples) while the long ones decode
 LENGTHS = LengthTable(tuple(tuple(40 if (p < 4 and j == 0) else 2 + (5 * p + 3 * j) % 19 for j in range(K))
                             for p in range(len(TEXTS))))
-# migrate_below=1.0 forces a migration at the first report (1 of 24 finished), whatever the machine's load
+# migrate_below=1.0 forces a migration at the first pause point (each worker has finished 1 of its 12 samples)
 SETTINGS = RolloutSettings(score_every=2, live_below=2, micro_batch_size=4, temperature=0.9, migrate_below=1.0,
-                           rows_per_worker=4, chunk_seconds=0.02)
+                           rows_per_worker=4)
 
 
 @pytest.fixture(scope="module")
@@ -119,3 +122,29 @@ def test_two_workers_with_the_tail_migrated_equal_one_process(rollout, prompts, 
     assert 0 < t["migration/migrated_at_unfinished"] < len(TEXTS) * K
     assert t["migration/reprefill_s"] > 0 and t["migration/scoring_on_freed_s"] > 0
     assert_same_experience(exp, one_process)
+
+
+def keep_busy(worker, prompts) -> None:
+    """Queue a decode of other prompts on `worker` before the rollout's calls: Ray runs an actor's calls in order, so
+    the rollout reaches this worker late and the other one gets ahead, as on a loaded machine."""
+    worker.start.remote(prompts, list(range(100, 100 + len(prompts))), K, PARAMS, SEED + 1, None)
+    worker.advance.remote(10**6, False)
+
+
+def test_a_migrated_rollout_is_the_same_whichever_worker_is_late(rollout, prompts):
+    # the migration is planned at pause points given up front and each waiting chunk is scored as one batch, so the
+    # order in which the workers reply changes nothing: not the rows moved, not one bit of a log-prob or a score.
+    # (Before, chunks ended on time and the migration on the counts last reported: with one worker late by 1 to 3
+    # prompts' decoding, the same rollout migrated or not, and log-probs moved by 5e-7.)
+    driver, _ = rollout
+    driver = MultiWorkerRollout(driver.workers, dataclasses.replace(SETTINGS, migrate_below=0.5))
+    want = driver.generate(prompts, K, PARAMS, SEED, lengths=LENGTHS, migrate=True)
+    assert want.timing["migrated"] == 1
+    for late, delay in ((0, 1), (1, 1), (0, 3), (1, 3)):
+        keep_busy(driver.workers[late], prompts[:delay])
+        got = driver.generate(prompts, K, PARAMS, SEED, lengths=LENGTHS, migrate=True)
+        for key in ("migrated", "migration/rows_moved", "migration/tokens_moved", "migration/migrated_at_unfinished"):
+            assert got.timing[key] == want.timing[key], (late, delay, key)
+        assert got.response_ids == want.response_ids and torch.equal(got.prompt_index, want.prompt_index)
+        for name in ("scores", "logprobs", "ref_logprobs", "values", "mask"):
+            assert torch.equal(getattr(got, name), getattr(want, name)), (late, delay, name)

@@ -2,7 +2,7 @@
 
 import pytest
 
-from rlfuse.rollout.migration import MigrationPlan, plan_migration
+from rlfuse.rollout.migration import MigrationPlan, pause_points, plan_migration
 
 
 def test_no_migration_while_the_batch_is_big_and_does_not_fit_on_fewer_workers():
@@ -43,3 +43,17 @@ def test_off_and_once_per_iteration():
     assert plan_migration([3, 3], 100, 0.2, 8, already_migrated=True) is None
     # forced (migrate_below = 1.0): 1 finished of 12 is enough
     assert plan_migration([5, 6], 12, 1.0, 1) == MigrationPlan(keep=(1,), export=(0,))
+
+
+def test_pause_points_by_hand():
+    # 2 workers x 32 samples, rows_per_worker 16: the capacity trigger first fires at 16 left (one worker holds them
+    # at full speed), 8 on each
+    assert pause_points([32, 32], 0.2, 16) == [8, 8]
+    assert plan_migration([8, 8], 64, 0.2, 16) == MigrationPlan(keep=(0,), export=(1,))
+    # uneven shares go down in proportion: 40 and 24 -> at 16 left, 10 and 6
+    assert pause_points([40, 24], 0.2, 16) == [10, 6]
+    # migrate_below=1.0 and 4 rows a worker: at the first count under the total, 22 of 24 (11 each)
+    assert pause_points([12, 12], 1.0, 4) == [11, 11]
+    # nothing to move: migration off, or one busy worker
+    assert pause_points([32, 32], 0.0, 16) is None
+    assert pause_points([64, 0], 0.2, 16) is None

@@ -55,14 +55,9 @@ def test_sync_allreduce_optimizer_by_hand():
 def test_round_trips_chunks_and_buckets_by_hand():
     p = replace(RATES, ray_round_trip_s=0.002, ray_sample_s=5e-4)
     assert cost.round_trip_seconds(p, 3, samples=16) == pytest.approx(3 * 0.002 + 16 * 5e-4)
-    # a chunk ends after 16 finished samples or at the first to finish after 0.05 s
-    assert cost.rollout_chunks(16, busy_s=0.13, every=16, chunk_s=0.05) == 3  # by time: ceil(0.13 / 0.05)
-    assert cost.rollout_chunks(32, busy_s=0.01, every=16, chunk_s=0.05) == 2  # by count: ceil(32 / 16)
-    assert cost.rollout_chunks(4, busy_s=10.0, every=16, chunk_s=0.05) == 4  # never more than one per sample
-    assert cost.rollout_chunks(0, busy_s=1.0, every=16, chunk_s=0.05) == 0
-    # nor more than one per engine step: 128 four-token answers finish in a few steps, together
-    assert cost.rollout_chunks(128, busy_s=6.0, every=16, chunk_s=0.05, steps=11) == 11
-    assert cost.rollout_chunks(128, busy_s=6.0, every=16, chunk_s=0.05, steps=5) == 8  # still one per 16 samples
+    # a chunk ends after 16 finished samples, whatever the time (reproducible runs)
+    assert cost.rollout_chunks(32, every=16) == 2 and cost.rollout_chunks(33, every=16) == 3
+    assert cost.rollout_chunks(4, every=16) == 1 and cost.rollout_chunks(0, every=16) == 0
     # DDP: the first bucket holds 1 MiB, the others bucket_bytes
     assert cost.ddp_buckets(2**19, 32 * 2**20) == 1 and cost.ddp_buckets(2**20, 32 * 2**20) == 1
     assert cost.ddp_buckets(2**20 + 1, 32 * 2**20) == 2
@@ -209,10 +204,12 @@ def test_gradient_sync_in_a_backward_at_its_own_rate(default_problem):
 def test_generation_dominating_chooses_a_scoring_group(default_problem):
     # decode steps 20 ms per layer (latency-bound: more workers do not shorten them) and a 12-layer reward model to
     # score: a layout with two groups hides the scoring under decoding and keeps three workers training (separated
-    # 3 train + 1 generating, or interleaved 3 train-and-generate + 1 scoring: within 2% of each other)
+    # 3 train + 1 generating, or interleaved 3 train-and-generate + 1 scoring: within 2% of each other). Decoders
+    # report every 4 finished samples (rollout.score_every=4), so the scorers get their first batch early.
     slow_decode = replace(default_problem.profile, decode_layer_call_s=0.02)
     big_rm = replace(default_problem.memory, reward=gpt2_shape("rm", 12, 768, 12, 1024, 512))
-    plans = plan(_fixed(default_problem, profile=slow_decode, memory=big_rm))
+    plans = plan(_fixed(default_problem, profile=slow_decode, memory=big_rm,
+                        workload=replace(default_problem.workload, score_every=4)))
     best = plans[0]
     assert best.strategy in ("separated", "interleaved") and best.spec.group("train").workers == 3
     assert best.seconds["rollout"] < best.seconds["generate"] + best.seconds["score"] / 2  # scoring mostly hidden
@@ -290,8 +287,8 @@ def test_ray_round_trips_per_rollout_chunk_sync_and_update(default_problem):
     base = plan(_flat2(default_problem, ray_round_trip_s=0.0, ray_sample_s=0.0, ray_call_s=0.0))[0]
     rt = plan(_flat2(default_problem, ray_round_trip_s=0.001, ray_sample_s=0.0, ray_call_s=0.0))[0]
     s = base.seconds
-    chunks = cost.rollout_chunks(16, s["generate"] + s["score"], 16, 0.05)
-    assert chunks >= 1
+    chunks = cost.rollout_chunks(16, 16)
+    assert chunks == 1
     assert rt.seconds["rollout"] - s["rollout"] == pytest.approx((chunks + 1) * 0.001)
     assert rt.seconds["sync"] - s["sync"] == pytest.approx(0.001)
     assert rt.seconds["train"] - s["train"] == pytest.approx(0.001)
@@ -312,8 +309,7 @@ def _compute_only(prob, **profile):
     """No Ray round trips, no all-reduce, decoding chunked by count only: every predicted second is compute."""
     quiet = dict(ray_round_trip_s=0.0, ray_sample_s=0.0, ray_call_s=0.0, allreduce_latency_s=0.0,
                  allreduce_bytes_s=1e30)
-    return replace(prob, workload=replace(prob.workload, chunk_s=1e3),
-                   profile=replace(prob.profile, **(quiet | profile)))
+    return replace(prob, profile=replace(prob.profile, **(quiet | profile)))
 
 
 def test_pair_slowdowns_slow_flattened_stages_where_both_workers_compute(default_problem):
@@ -343,17 +339,17 @@ def test_pair_slowdowns_slow_two_groups_only_where_they_overlap(default_problem)
 
 
 def test_a_scoring_group_starts_on_the_first_chunk(default_problem):
-    # separated 1 + 1: the scorer waits for the decoder's first chunk (0.05 s, or all of decoding if shorter), then
-    # scores chunk by chunk; the last chunk is scored after decoding ends
+    # separated 1 + 1: the scorer waits for the decoder's first chunk (16 of its 32 samples finished: about half of
+    # decoding), then scores chunk by chunk; the last chunk is scored after decoding ends
     prob = replace(default_problem, workers=2, strategies=("separated",), checkpointing=(False,),
                    migrate_below=(0.0,), micro_batches=(16,), profile=replace(default_problem.profile,
                                                                               ray_round_trip_s=0.0))
     best = plan(prob)[0]
     s = best.seconds
     generate, score = s["generate"], s["score"]
-    chunks = cost.rollout_chunks(32, generate, 16, 0.05)
-    calls = max(2, chunks)  # one scoring call per chunk, at least one per 16 samples
-    assert s["rollout"] == pytest.approx(max(generate + score / calls, min(generate, 0.05) + score))
+    calls = cost.rollout_chunks(32, 16)  # one scoring call per chunk
+    assert calls == 2
+    assert s["rollout"] == pytest.approx(max(generate + score / calls, generate * 16 / 32 + score))
 
 
 def test_more_cpu_workers_than_cores_share_them():
@@ -443,16 +439,14 @@ def test_qlora_config_is_planned_as_it_runs():
 
 
 def test_planner_constants_match_the_runtime():
-    # the pure planner keeps its own copy of the chunk time (it may not import torch) and the DDP bucket in cost.py,
-    # which the runtime imports: they must agree
+    # the pure planner keeps its own copy of the DDP bucket in cost.py (it may not import torch), which the runtime
+    # imports: they must agree
     from rlfuse.plan.cost import DDP_BUCKET_BYTES
-    from rlfuse.plan.planner import CHUNK_SECONDS
 
     pytest.importorskip("ray", reason="ray is not installed: the runtime's Ray modules import it")
-    from rlfuse.runtime.ray_rollout import RolloutSettings
     from rlfuse.runtime.ray_train import DEFAULT_BUCKET_BYTES
 
-    assert RolloutSettings().chunk_seconds == CHUNK_SECONDS and DEFAULT_BUCKET_BYTES == DDP_BUCKET_BYTES
+    assert DEFAULT_BUCKET_BYTES == DDP_BUCKET_BYTES
 
 
 def test_decoding_the_shared_base_copies_no_weights(default_problem):
