@@ -19,10 +19,17 @@ def kl_k2(logprobs: Tensor, ref_logprobs: Tensor) -> Tensor:
     return 0.5 * (logprobs - ref_logprobs) ** 2
 
 
+K3_MAX = 10.0
+"""k3 per token is clipped here. Unclipped, one sampled token that the policy has made rare (p) and the reference
+finds likely (q) weighs q/p: SmolLM2 on word problems (GRPO, 16 x 8 samples) had single iterations at a summed KL
+of 25 from one token, against under 1.7 otherwise, and the KL penalty's gradient from it alone dominates the update.
+veRL's low_var_kl clips the same way."""
+
+
 def kl_k3(logprobs: Tensor, ref_logprobs: Tensor) -> Tensor:
-    """(q/p - 1) - log(q/p): unbiased, >= 0 (the GRPO paper's estimator)."""
+    """(q/p - 1) - log(q/p): unbiased below K3_MAX, >= 0 (the GRPO paper's estimator), clipped at K3_MAX."""
     log_ratio = ref_logprobs - logprobs
-    return torch.expm1(log_ratio) - log_ratio
+    return (torch.expm1(log_ratio) - log_ratio).clamp(max=K3_MAX)
 
 
 KL_ESTIMATORS = {"k1": kl_k1, "k2": kl_k2, "k3": kl_k3}

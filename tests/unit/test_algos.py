@@ -7,7 +7,8 @@ import torch
 from torch.testing import assert_close
 
 from rlfuse.algos.advantages import ADVANTAGE_FNS, gae_advantages, grpo_advantages, rloo_advantages
-from rlfuse.algos.kl import AdaptiveKLController, FixedKLController, KL_ESTIMATORS, kl_penalty, kl_shaped_rewards
+from rlfuse.algos.kl import (K3_MAX, KL_ESTIMATORS, AdaptiveKLController, FixedKLController, kl_penalty,
+                             kl_shaped_rewards)
 from rlfuse.algos.losses import ppo_policy_loss, value_loss
 from rlfuse.algos.stats import explained_variance, masked_mean, masked_var, whiten
 
@@ -120,6 +121,13 @@ def test_kl_estimators_hand_computed():
     assert_close(kl_penalty(lp, ref, "k2"), torch.tensor([0.5 * math.log(2) ** 2]))
     assert_close(kl_penalty(lp, ref, "k3"), torch.tensor([-0.5 + math.log(2)]))
     assert set(KL_ESTIMATORS) == {"k1", "k2", "k3"}
+
+
+def test_k3_is_clipped_at_ten_per_token():
+    # the policy gave the sampled token 1e-4, the reference 0.9: q/p = 9000, k3 = 8999 - log 9000 = 8989.9 -> 10
+    lp, ref = torch.tensor([math.log(1e-4), math.log(0.5)]), torch.tensor([math.log(0.9), math.log(0.25)])
+    assert_close(kl_penalty(lp, ref, "k3"), torch.tensor([K3_MAX, -0.5 + math.log(2)]))
+    assert K3_MAX == 10.0
 
 
 def test_kl_estimators_agree_in_expectation():
