@@ -31,8 +31,9 @@ class Models:
     tokenizer: object
     actor: torch.nn.Module
     generator: torch.nn.Module | None
-    """The engine's own plain causal LM; gets the actor's weights through DecodeEngine.load_weights. None with
-    model.shared_base: the engine decodes the shared base itself (decode_engine), so no copy exists."""
+    """With LoRA: the engine's own plain causal LM, the actor's merged weights copied in through
+    DecodeEngine.load_weights (decoding merged weights is faster than through the adapters). None in full fine-tuning
+    (the engine decodes the actor itself) and with model.shared_base (it decodes the shared base): no copy exists."""
     ref: torch.nn.Module | None
     """None: the actor with its LoRA adapters disabled."""
     critic: ValueModel | None
@@ -99,7 +100,7 @@ def build_models(cfg: Config, run_dir: Path, device) -> Models:
     if cfg.model.shares_base:
         return build_shared_models(cfg, roles, sft_dir, rm_dir, tokenizer, device)
     actor = load_policy(sft_dir)
-    generator = frozen(load_policy(sft_dir), device)
+    generator = frozen(load_policy(sft_dir), device) if cfg.model.lora else None
     ref = None if roles["reference"].shares_with == "actor" else frozen(load_policy(sft_dir), device)
     if cfg.model.lora:
         actor = apply_lora(actor, cfg.model)

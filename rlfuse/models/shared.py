@@ -42,23 +42,29 @@ def use_adapter(peft_model, name: str):
 
 
 @contextlib.contextmanager
+def eval_for_decoding(model: nn.Module):
+    """The context of one decode forward on a model that is also trained (DecodeEngine's decode_context): eval mode
+    for that forward only (no dropout; transformers turns the KV cache off when a checkpointed model is in training
+    mode), then the mode before, so that scoring and updates between the engine's yields see the model as they would
+    without it."""
+    was_training = model.training
+    if was_training:
+        model.eval()
+    try:
+        yield
+    finally:
+        if was_training:
+            model.train()
+
+
+@contextlib.contextmanager
 def actor_decoding(peft_model):
-    """The context of one decode forward on the shared base (DecodeEngine's decode_context): the actor's adapter
-    active (the critic's or the reward model's may have been the last used), never the reference's adapters-off, and
-    eval mode for that forward only (no LoRA or model dropout; transformers turns the KV cache off when a checkpointed
-    model is in training mode), then the mode before: scoring and updates between the engine's yields see the model as
-    they would without it."""
+    """The context of one decode forward on the shared base: the actor's adapter active (the critic's or the reward
+    model's may have been the last used), never the reference's adapters-off, in eval_for_decoding."""
     if getattr(peft_model, "_adapters_disabled", False):  # peft's disable_adapter() flag
         raise RuntimeError("decoding on the shared base inside its adapters-off (reference) context")
-    was_training = peft_model.training
-    with use_adapter(peft_model, ACTOR):
-        if was_training:
-            peft_model.eval()
-        try:
-            yield
-        finally:
-            if was_training:
-                peft_model.train()
+    with use_adapter(peft_model, ACTOR), eval_for_decoding(peft_model):
+        yield
 
 
 def recompute_with_same_adapter(peft_model):

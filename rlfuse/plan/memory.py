@@ -6,10 +6,11 @@ gradients, optimizer (AdamW fp32 moments or 8-bit blockwise), activations (train
 gradient checkpointing; or a scoring forward's transient, whichever is larger), kv_cache (rows x length), slack (the
 process's fixed runtime plus allocator slack), total.
 
-Which copies of the weights a worker holds follows rlfuse/models/build.py: the generator is its own plain copy of
-the policy (LoRA merged); the reference is a copy unless LoRA makes it the actor with adapters off; a critic from the
-reward model or the SFT model is its own full model (trained whole even under LoRA); the reward model is a frozen
-copy. With `shared_base` (the one-GPU QLoRA pipeline) every policy role uses one frozen base and its own adapters.
+Which copies of the weights a worker holds follows rlfuse/models/build.py: the generator is the actor itself where a
+worker holds both and trains all the weights, else its own plain copy of the policy (LoRA merged); the reference is
+a copy unless LoRA makes it the actor with adapters off; a critic from the reward model or the SFT model is its own
+full model (trained whole even under LoRA); the reward model is a frozen copy. With `shared_base` (the one-GPU QLoRA
+pipeline) every policy role uses one frozen base and its own adapters.
 A group that scores (reference or reward) but has no critic holds a frozen copy of the critic for the values, as
 the Ray rollout syncs it there.
 """
@@ -140,12 +141,14 @@ def worker_memory(roles: set[str] | tuple[str, ...], m: MemoryInputs, p: Machine
     trainable, acts = 0.0, [0.0]
     train_seq, score_seq = m.train_seq or m.seq, m.score_seq or m.seq
     policy_roles = roles & {"actor", "generator", "reference"}
+    # full fine-tuning: a worker holding the actor decodes it in place (runtime/local.decode_engine), no copy
+    in_place = not m.shared_base and not lora and {"actor", "generator"} <= roles and m.shard == 1
     if m.shared_base:  # one frozen base; the actor's adapters serve the generator too, unless it has its own copy
         copies = 1 if policy_roles else 0
         if m.generator_copy and "generator" in roles:
             out["base"] += weight_bytes(m.policy, m.train_dtype)
     else:
-        copies = (("actor" in roles and lora) + ("generator" in roles)
+        copies = (("actor" in roles and lora) + ("generator" in roles and not in_place)
                   + ("reference" in roles and not (lora and "actor" in roles)))
     out["base"] += copies * policy_frozen
     if lora and roles & {"actor", "generator"} and (m.shared_base or "actor" in roles):

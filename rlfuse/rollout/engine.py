@@ -164,8 +164,8 @@ class DecodeEngine:
         it, see weight_buckets) into the engine's model in place. Returns bytes written. ValueError on an unknown name
         or a shape mismatch, before anything is copied."""
         if self.shares_weights:  # copying merged weights into the trainer's own base would corrupt what it trains
-            raise RuntimeError("load_weights: this engine decodes the trainer's own model (a shared base): it has no "
-                               "weights of its own to load")
+            raise RuntimeError("load_weights: this engine decodes the trainer's own model (the actor, or a shared "
+                               "base): it has no weights of its own to load")
         written = copy_weights(self.model, tensors)
         if self.fast_step is not None:
             self.fast_step.refresh()

@@ -16,7 +16,7 @@ from rlfuse.learn.checkpoint import CHECKPOINT_KEYS, checkpoint_parts, load_chec
 from rlfuse.learn.learners import Learners
 from rlfuse.learn.update import BadSteps, update
 from rlfuse.models.build import Models
-from rlfuse.models.shared import actor_decoding
+from rlfuse.models.shared import actor_decoding, eval_for_decoding
 from rlfuse.models.weights import merged_state_dict
 from rlfuse.rollout.engine import DecodeEngine, SamplingParams
 from rlfuse.rollout.fusion import Experience, FusionPolicy, generate_rollouts
@@ -91,14 +91,20 @@ class LocalTrainer:
         """The trained modules are `models`' own: nothing to copy."""
 
 
-def decode_engine(models: Models, max_rows: int) -> DecodeEngine:
-    """The rollout engine of this process: on the generator, or with a shared base on that base itself, running the
-    actor's adapter in eval mode per forward (shared.actor_decoding): no copy of the weights and no sync. The engine
-    gets the transformers model under the peft wrapper, whose LoRA layers run the active adapter, so the lean
-    Llama decode step (rollout/kv.py) applies to it as to a plain model."""
+def decode_engine(models: Models, max_rows: int, eos_token_id: int | None = None) -> DecodeEngine:
+    """The rollout engine of a process holding the actor: on the generator (LoRA: the merged copy); in full
+    fine-tuning on the actor itself, in eval mode per forward (shared.eval_for_decoding); with a shared base on that
+    base, running the actor's adapter (shared.actor_decoding). The last two copy no weights and need no sync. With a
+    shared base the engine gets the transformers model under the peft wrapper, whose LoRA layers run the active
+    adapter, so the lean Llama decode step (rollout/kv.py) applies to it as to a plain model."""
     tok = models.tokenizer
+    eos = tok.eos_token_id if eos_token_id is None else eos_token_id
+    if models.generator is not None:
+        return DecodeEngine(models.generator, eos, max_rows=max_rows, tokenizer=tok)
     if models.shared_base is None:
-        return DecodeEngine(models.generator, tok.eos_token_id, max_rows=max_rows, tokenizer=tok)
+        actor = models.actor
+        return DecodeEngine(actor, eos, max_rows=max_rows, tokenizer=tok,
+                            decode_context=lambda: eval_for_decoding(actor))
     base = models.shared_base
-    return DecodeEngine(base.get_base_model(), tok.eos_token_id, max_rows=max_rows, tokenizer=tok,
+    return DecodeEngine(base.get_base_model(), eos, max_rows=max_rows, tokenizer=tok,
                         decode_context=lambda: actor_decoding(base))

@@ -2,7 +2,8 @@
 the generator, scores (reference, reward and the critic's values, one pass over finished samples) if it has the
 reference or the reward, and trains as one rank of data-parallel training if it has the actor. A worker that both
 trains and decodes (flattened) or trains and scores (separated) shares its models between those jobs, as the single
-process does: its generator gets the actor's weights by an in-process copy, its scorer reads the critic it trains.
+process does: it decodes its actor replica itself (full fine-tuning) or copies the actor's merged weights into its
+generator in-process (LoRA), and its scorer reads the critic it trains.
 
 Imports Ray: only a placement on Ray workers imports this module (runtime/backend.py).
 """
@@ -12,8 +13,7 @@ from __future__ import annotations
 import time
 
 from rlfuse.models.weights import merged_state_dict
-from rlfuse.rollout.engine import DecodeEngine
-from rlfuse.runtime.local import local_scorer
+from rlfuse.runtime.local import decode_engine, local_scorer
 from rlfuse.runtime.process import pin_threads
 from rlfuse.runtime.ray_common import start_actors
 from rlfuse.runtime.ray_rollout import GenerationWorker, RolloutSettings, WorkerModels
@@ -36,16 +36,17 @@ class RoleWorker(GenerationWorker, TrainWorker):
         self._setup(*self._own_engine_and_scorer(cfg, models, settings), settings)
 
     def _own_engine_and_scorer(self, cfg, models: WorkerModels, settings: RolloutSettings):
-        """An engine on this worker's generator and a scorer on its reference, reward and the critic it trains."""
-        tok = self.models.tokenizer
-        eos = tok.eos_token_id if settings.eos_token_id is None else settings.eos_token_id
-        engine = (DecodeEngine(self.models.generator, eos, max_rows=settings.max_rows, tokenizer=tok)
-                  if models.decodes else None)
+        """An engine on this worker's generator (LoRA) or its actor replica itself (local.decode_engine) and a scorer
+        on its reference, reward and the critic it trains."""
+        engine = decode_engine(self.models, settings.max_rows, settings.eos_token_id) if models.decodes else None
         return engine, local_scorer(self.models, cfg) if models.scores else None
 
     def sync_from_actor(self) -> tuple[int, float]:
-        """The actor's weights into this worker's own generator (it holds a replica): no transfer. -> (bytes, s)."""
+        """The actor's weights into this worker's own generator (it holds a replica): no transfer; none at all where
+        the engine decodes the replica itself. -> (bytes, s)."""
         t = time.perf_counter()
+        if self.engine.shares_weights:
+            return 0, 0.0
         return self.engine.load_weights(merged_state_dict(self.models.actor)), time.perf_counter() - t
 
 

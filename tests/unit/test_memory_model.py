@@ -96,6 +96,18 @@ def test_lora_reference_shares_the_actor_and_only_adapters_train():
     assert worker_memory({"actor", "reference"}, full, NO_RUNTIME)["base"] == 2 * 568 * 4  # trained + frozen copy
 
 
+def test_full_fine_tuning_decodes_the_actor_in_place():
+    # the generator beside the actor is the actor itself in full fine-tuning; with LoRA it is a merged copy, and a
+    # worker that only decodes always holds its own
+    full = MemoryInputs(TINY, train_rows=1, seq=1, score_rows=1)
+    lora = MemoryInputs(TINY, lora_rank=2, train_rows=1, seq=1, score_rows=1)
+    both = {"actor", "generator", "reference"}
+    base = lambda roles, m: worker_memory(roles, m, NO_RUNTIME)["base"]
+    assert base(both, full) == base(both - {"generator"}, full)
+    assert base(both, lora) == base(both - {"generator"}, lora) + 568 * 4
+    assert worker_memory({"generator"}, full, NO_RUNTIME)["base"] == 568 * 4
+
+
 def test_shared_4bit_base_counts_one_base_for_every_policy_role():
     m = MemoryInputs(TINY, weight_dtype="nf4-dq", lora_rank=2, shared_base=True, train_rows=1, seq=1, score_rows=1)
     one = worker_memory({"actor"}, m, NO_RUNTIME)["base"]

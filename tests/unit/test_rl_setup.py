@@ -56,10 +56,10 @@ def test_gradient_checkpointing_keeps_the_gradients():
         torch.testing.assert_close(grads[1][name], g, msg=name)
 
 
-@pytest.mark.parametrize("lora", [False, True])
-def test_generator_gets_the_actors_weights_after_an_update(tiny_task, tmp_path, lora):
-    """The generator is its own plain model: after an optimiser step on the actor, load_weights(merged_state_dict(actor))
-    makes its logits the actor's (with LoRA: base + delta, computed out of place, so the actor's base is untouched)."""
+def test_generator_gets_the_actors_weights_after_an_update(tiny_task, tmp_path, lora=True):
+    """With LoRA the generator is its own plain model: after an optimiser step on the actor,
+    load_weights(merged_state_dict(actor)) makes its logits the actor's (base + delta, computed out of place, so the
+    actor's base is untouched)."""
     from rlfuse.config import load_config
     from rlfuse.models.build import build_models
     from rlfuse.models.weights import merged_state_dict
@@ -88,3 +88,36 @@ def test_generator_gets_the_actors_weights_after_an_update(tiny_task, tmp_path, 
         if n in base_before:
             assert torch.equal(p, base_before[n]), n
     assert engine.fast_step is not None  # the lean GPT-2 step applies to LoRA runs too
+
+
+def test_full_fine_tuning_decodes_the_actor_itself(tiny_task, tmp_path):
+    """Full fine-tuning keeps no generator copy: the engine decodes the actor in eval mode per forward (the actor
+    stays in training mode between yields), nothing to sync, and after an update it samples what an engine on a copy
+    of the updated actor samples, bit for bit, dropout on and checkpointing on in training."""
+    import copy
+
+    from rlfuse.config import load_config
+    from rlfuse.learn.learners import Learner
+    from rlfuse.models.build import build_models
+    from rlfuse.models.forward import collate, response_logprobs
+    from rlfuse.rollout.engine import DecodeEngine, SamplingParams
+    from rlfuse.runtime.local import decode_engine, sync_weights
+
+    cfg = load_config(None, [f"rl.sft_path={tiny_task.model_dir}", "rl.reward=rlfuse.data.gold:gold_reward",
+                             "rl.algo=grpo", "rl.k=2", "rl.disable_dropout=false", "rl.gradient_checkpointing=true"])
+    models = build_models(cfg, tmp_path, torch.device("cpu"))
+    assert models.generator is None and models.actor.training
+    engine = decode_engine(models, max_rows=8)
+    assert engine.model is models.actor and sync_weights(engine, models.actor)["sync/bytes"] == 0
+    actor = Learner.constant(models.actor, 1e-2)
+    mb = collate([[1, 2, 3], [4, 5]], [[6, 7, 8, 9], [10, 11]], 0, "cpu")
+    response_logprobs(models.actor, mb).sum().backward()
+    actor.step(0.0)
+    prompts, params = [[5, 9, 13], [2, 7]], SamplingParams(max_new_tokens=8, temperature=1.0)
+    got = list(engine.generate(prompts, 2, params, seed=3))
+    assert models.actor.training  # eval only inside each forward
+    copy_engine = DecodeEngine(copy.deepcopy(models.actor).eval(), models.tokenizer.eos_token_id, max_rows=8)
+    want = list(copy_engine.generate(prompts, 2, params, seed=3))
+    key = lambda s: (s.prompt_id, s.sample_index)
+    for a, b in zip(sorted(got, key=key), sorted(want, key=key)):
+        assert a.token_ids == b.token_ids and torch.equal(torch.as_tensor(a.logprobs), torch.as_tensor(b.logprobs))
