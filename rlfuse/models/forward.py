@@ -96,6 +96,9 @@ def response_logprobs(model, mb: MicroBatch, temperature: float = 1.0, chunk: in
     With with_entropy, also the per-position entropy (B, T)."""
     body, head = backbone_and_head(model)
     h = response_hidden(body, mb)  # (B, T, H)
+    if torch.is_grad_enabled() and h.requires_grad and type(head) is torch.nn.Linear and head.bias is None:
+        lp, ent = TokenLogprobs.apply(h, head.weight, mb.targets, temperature, chunk * h.shape[0], with_entropy)
+        return (lp * mb.mask, ent * mb.mask) if with_entropy else lp * mb.mask
     out, ent = [], []
     for s in range(0, h.shape[1], chunk):
         logits = head(h[:, s: s + chunk]).float() / temperature
@@ -106,6 +109,57 @@ def response_logprobs(model, mb: MicroBatch, temperature: float = 1.0, chunk: in
                 ent.append(-(logp.exp() * logp).sum(-1))
     lp = torch.cat(out, 1) * mb.mask
     return (lp, torch.cat(ent, 1) * mb.mask) if with_entropy else lp
+
+
+class TokenLogprobs(torch.autograd.Function):
+    """log-softmax(h W^T / temperature) at the target ids, for training, without keeping any (tokens, V) logits for
+    the backward. Through autograd each chunk's log-softmax would stay alive until the backward: all of the (B, T, V)
+    at once, 400 MB for 16 x 128 tokens of SmolLM2's 49k vocabulary, and the backward's own transients on top. Here
+    the forward keeps h and each token's log-sum-exp, and the backward recomputes the logits one chunk of tokens at a
+    time, turning them in place into the gradient g (onehot - softmax) / temperature: one more pass of the LM head,
+    for one (chunk, V) buffer at the peak. The same function as the loop in response_logprobs, to rounding."""
+
+    @staticmethod
+    def forward(ctx, h: Tensor, weight: Tensor, targets: Tensor, temperature: float, chunk_tokens: int,
+                with_entropy: bool) -> tuple[Tensor, Tensor]:
+        flat, tgt, w = h.reshape(-1, h.shape[-1]), targets.reshape(-1), weight.to(h.dtype)  # as autocast would
+        acc = torch.promote_types(h.dtype, torch.float32)  # fp32 logits under bf16, as the loop's .float()
+        lse, picked, ent = (torch.empty(len(tgt), device=h.device, dtype=acc) for _ in range(3))
+        for s in range(0, len(tgt), chunk_tokens):
+            z = (flat[s: s + chunk_tokens] @ w.T).to(acc).div_(temperature)
+            lse[s: s + chunk_tokens] = torch.logsumexp(z, dim=-1)
+            logp = z.sub_(lse[s: s + chunk_tokens, None])
+            picked[s: s + chunk_tokens] = logp.gather(1, tgt[s: s + chunk_tokens, None]).squeeze(1)
+            if with_entropy:
+                ent[s: s + chunk_tokens] = -(logp.exp() * logp).sum(-1)
+        ctx.save_for_backward(h, weight, targets, lse)
+        ctx.temperature, ctx.chunk_tokens = temperature, chunk_tokens
+        entropy = (ent if with_entropy else torch.zeros_like(ent)).view(targets.shape)
+        ctx.mark_non_differentiable(entropy)
+        return picked.view(targets.shape), entropy
+
+    @staticmethod
+    def backward(ctx, grad_lp: Tensor, _grad_ent: Tensor):
+        h, weight, targets, lse = ctx.saved_tensors
+        acc, w = lse.dtype, weight.to(h.dtype)
+        flat, tgt, g = h.reshape(-1, h.shape[-1]), targets.reshape(-1), grad_lp.reshape(-1).to(acc)
+        grad_h = torch.zeros_like(flat) if ctx.needs_input_grad[0] else None
+        grad_w = torch.zeros_like(weight, dtype=acc) if ctx.needs_input_grad[1] else None
+        n = ctx.chunk_tokens
+        for s in range(0, len(tgt), n):
+            x, gs = flat[s: s + n], g[s: s + n, None]
+            z = (x @ w.T).to(acc).div_(ctx.temperature)
+            # d logp / dz = onehot - softmax; times the upstream g, over the temperature: in place in z
+            z.sub_(lse[s: s + n, None]).exp_().mul_(-gs)
+            z.scatter_add_(1, tgt[s: s + n, None], gs)
+            z.div_(ctx.temperature)
+            dz = z.to(h.dtype)
+            if grad_h is not None:
+                grad_h[s: s + n] = dz @ w
+            if grad_w is not None:
+                grad_w.addmm_(dz.T.to(acc), x.to(acc))
+        return (grad_h.view_as(h) if grad_h is not None else None,
+                grad_w.to(weight.dtype) if grad_w is not None else None, None, None, None, None)
 
 
 def response_values(critic, mb: MicroBatch) -> Tensor:
