@@ -82,7 +82,8 @@ def derive_roles(cfg) -> Roles:
 
     - actor: the policy, from the SFT model; trains.
     - generator: the rollout engine's own copy of the policy, a plain causal LM (with LoRA the adapters merged) that
-      gets the actor's weights through an explicit sync before each rollout; it can live anywhere. With
+      gets the actor's weights through an explicit sync before each rollout; it can live anywhere (in full
+      fine-tuning, in the actor's process, it is the actor itself: runtime/local.decode_engine). With
       model.shared_base it is the shared base itself running the actor's adapter (shares the actor, no sync).
     - reference: with model.lora, the actor with its adapters switched off (no second copy: shares the actor);
       otherwise a frozen copy of the SFT model.
@@ -97,7 +98,8 @@ def derive_roles(cfg) -> Roles:
         Role("actor", True, "sft", why="the policy"),
         Role("generator", False, "actor", "actor" if shared else None,
              "decodes rollouts on the shared base with the actor's adapter" if shared
-             else "decodes rollouts; weights synced from the actor each iteration"),
+             else "decodes rollouts; weights synced from the actor each iteration" if lora
+             else "decodes rollouts: the actor itself beside it, else weights synced from it each iteration"),
         Role("reference", False, "sft", "actor" if lora else None,
              "the actor with LoRA adapters off" if lora else "a frozen copy of the SFT model"),
     ]
