@@ -10,7 +10,7 @@ from pathlib import Path
 
 import torch
 
-from rlfuse.algos.kl import kl_penalty
+from rlfuse.algos.kl import sequence_kl
 from rlfuse.config import RLConfig
 from rlfuse.data.chat import end_of_turn_ids
 from rlfuse.data.gold import gold_summary
@@ -54,7 +54,7 @@ def evaluate(models, engine: DecodeEngine, prompts: list[list[int]], rl: RLConfi
     texts = texts_of(exp, models.tokenizer)
     out = {
         "reward_mean": float(exp.scores.mean()),
-        "kl": float((kl_penalty(exp.logprobs, exp.ref_logprobs, "k1") * exp.mask).sum(1).mean()),
+        "kl": float(sequence_kl(exp.logprobs, exp.ref_logprobs, exp.mask)),
         "mean_length": float(exp.mask.sum(1).mean()),
     }
     if gold:

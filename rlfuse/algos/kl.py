@@ -40,6 +40,12 @@ def kl_penalty(logprobs: Tensor, ref_logprobs: Tensor, estimator: str = "k1") ->
     return KL_ESTIMATORS[estimator](logprobs, ref_logprobs)
 
 
+def sequence_kl(logprobs: Tensor, ref_logprobs: Tensor, mask: Tensor) -> Tensor:
+    """log pi(y) / pi_ref(y) per reply (k1 summed over its tokens), averaged over the batch: an unbiased estimate of
+    the KL to the reference, whatever estimator a penalty uses. (B, T) each -> scalar."""
+    return (kl_k1(logprobs, ref_logprobs) * mask).sum(1).mean()
+
+
 def kl_shaped_rewards(scores: Tensor, kl: Tensor, mask: Tensor, coef: float) -> Tensor:
     """Per-token rewards for PPO (Ziegler et al. 2019): -coef * KL on every response token, plus the sequence score
     on its last token. scores: (B,); kl, mask: (B, T) right-padded. Returns (B, T), 0 on padding."""

@@ -158,7 +158,6 @@ def keep_learning_rates(opt, sched, lrs: list[float]) -> None:
         sched._last_lr = list(lrs)  # what get_last_lr() reports (train/lr)
 
 
-
 CHECKPOINT_KEYS = ("actor", "critic", "opt_actor", "opt_critic", "sched_actor", "sched_critic")
 
 

@@ -101,7 +101,6 @@ def reachable(address: str, timeout_s: float = 5.0) -> None:
                         "the cluster (`ray start --head` on that machine) or fix the address") from None
 
 
-
 def pins_cores(setting: bool | None, started_ray: bool, address: str | None) -> bool:
     """placement.pin_cores resolved: as set, or (null) only on a local Ray this run started itself, where no other
     job's workers share the cores (on a cluster they may: each worker would take cores 0.. of its node)."""

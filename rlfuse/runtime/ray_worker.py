@@ -44,9 +44,9 @@ class RoleWorker(GenerationWorker, TrainWorker):
     def sync_from_actor(self) -> tuple[int, float]:
         """The actor's weights into this worker's own generator (it holds a replica): no transfer; none at all where
         the engine decodes the replica itself. -> (bytes, s)."""
-        t = time.perf_counter()
         if self.engine.shares_weights:
             return 0, 0.0
+        t = time.perf_counter()
         return self.engine.load_weights(merged_state_dict(self.models.actor)), time.perf_counter() - t
 
 

@@ -8,7 +8,7 @@ import time
 
 import torch
 
-from rlfuse.algos.kl import kl_k1
+from rlfuse.algos.kl import sequence_kl
 from rlfuse.algos.stats import explained_variance, zero_spread_fraction
 from rlfuse.config import RLConfig
 from rlfuse.data.gold import gold_reward
@@ -56,16 +56,16 @@ def evaluate_during(trainer, models, engine, prompts: list[list[int]], rl: RLCon
 
 
 def rollout_metrics(exp: Experience, kl, returns, kl_coef: float, max_new: int) -> dict:
-    """reward/ (mean, spread, non-finite, KL by the configured estimator and by k1, and its coefficient), rollout/ (response lengths, the share that hit
-    rl.max_new_tokens) and, with a critic, train/explained_variance of the iteration's experience."""
+    """reward/ (mean, spread, non-finite, KL by the configured estimator and by k1, and its coefficient), rollout/
+    (response lengths, the share that hit rl.max_new_tokens) and, with a critic, train/explained_variance of the
+    iteration's experience."""
     lengths, finite = exp.mask.sum(1), exp.scores[torch.isfinite(exp.scores)]
     m = {
         "reward/mean": float(finite.mean()) if len(finite) else float("nan"),
         "reward/std": float(finite.std()) if len(finite) > 1 else 0.0,
         "reward/nonfinite": len(exp) - len(finite),
         "reward/kl": float(kl.sum(1).mean()), "reward/kl_coef": kl_coef,
-        # log pi(y) / pi_ref(y) per reply, averaged: the KL itself, unbiased whatever estimator the penalty uses
-        "reward/kl_k1": float((kl_k1(exp.logprobs, exp.ref_logprobs) * exp.mask).sum(1).mean()),
+        "reward/kl_k1": float(sequence_kl(exp.logprobs, exp.ref_logprobs, exp.mask)),
         "rollout/length_mean": float(lengths.mean()), "rollout/length_p50": float(lengths.median()),
         "rollout/length_p95": float(torch.quantile(lengths, 0.95)), "rollout/length_max": float(lengths.max()),
         "rollout/hit_limit": float((lengths >= max_new).float().mean()), "rollout/samples": len(exp),

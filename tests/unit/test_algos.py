@@ -8,7 +8,7 @@ from torch.testing import assert_close
 
 from rlfuse.algos.advantages import ADVANTAGE_FNS, gae_advantages, grpo_advantages, rloo_advantages
 from rlfuse.algos.kl import (K3_MAX, KL_ESTIMATORS, AdaptiveKLController, FixedKLController, kl_penalty,
-                             kl_shaped_rewards)
+                             kl_shaped_rewards, sequence_kl)
 from rlfuse.algos.losses import ppo_policy_loss, value_loss
 from rlfuse.algos.stats import explained_variance, masked_mean, masked_var, whiten
 
@@ -240,3 +240,12 @@ def test_the_algorithm_table_is_consistent():
         assert a.advantage == "gae" or a.advantage in ADVANTAGE_FNS
         assert (a.advantage == "gae") == (a.kl_in == "token_reward") == a.critic, name
         assert (a.kl_in in ("token_reward", "sequence_reward", "loss")) and a.groups_prompts == (a.min_k >= 2), name
+
+
+def test_sequence_kl_sums_k1_over_each_reply_then_averages():
+    lp = torch.tensor([[math.log(0.5), math.log(0.5)], [math.log(0.25), 0.0]])
+    ref = torch.tensor([[math.log(0.25), math.log(0.5)], [math.log(0.5), 0.0]])
+    mask = torch.tensor([[1.0, 1.0], [1.0, 0.0]])
+    # reply 0: log 2 + 0; reply 1: -log 2 (its padding does not count) -> mean 0
+    assert_close(sequence_kl(lp, ref, mask), torch.tensor(0.0))
+    assert_close(sequence_kl(lp[:1], ref[:1], mask[:1]), torch.tensor(math.log(2)))

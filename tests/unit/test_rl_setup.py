@@ -119,5 +119,6 @@ def test_full_fine_tuning_decodes_the_actor_itself(tiny_task, tmp_path):
     copy_engine = DecodeEngine(copy.deepcopy(models.actor).eval(), models.tokenizer.eos_token_id, max_rows=8)
     want = list(copy_engine.generate(prompts, 2, params, seed=3))
     key = lambda s: (s.prompt_id, s.sample_index)
+    assert len(got) == len(want) == 4
     for a, b in zip(sorted(got, key=key), sorted(want, key=key)):
         assert a.token_ids == b.token_ids and torch.equal(torch.as_tensor(a.logprobs), torch.as_tensor(b.logprobs))
