@@ -19,8 +19,7 @@ import torch
 from torch import Tensor
 
 from rlfuse.algos.losses import ppo_policy_loss
-
-WEIGHT_MODES = ("truncate", "mask")
+from rlfuse.config.algorithms import BEHAVIOUR_WEIGHT_MODES as WEIGHT_MODES
 
 
 def behaviour_weights(proximal_logprobs: Tensor, behaviour_logprobs: Tensor, cap: float,

@@ -34,3 +34,7 @@ ALGORITHMS = {
                       groups_prompts=True),
 }
 """rl.algo -> its Algorithm."""
+
+BEHAVIOUR_WEIGHT_MODES = ("truncate", "mask")
+"""How the decoupled objective bounds a stale token's importance weight (rl.behaviour_weight_mode;
+rlfuse/algos/offpolicy.py)."""

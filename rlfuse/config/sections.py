@@ -293,6 +293,16 @@ class RLConfig:
     """Reward model folder or hub id; default RUN_DIR/rm/model."""
     ckpt_every: int = 5
     """Checkpoint every this many iterations (and at the end)."""
+    max_staleness: int = 0
+    """Asynchronous RL: 0 is the synchronous loop (exactly on-policy). N >= 1 with placement.strategy=separated: the
+    generation workers decode iteration i's batch with the weights of update max(0, i - N) while the trainers update,
+    so every trained sample is at most N updates old; the update corrects with the decoupled PPO objective
+    (rlfuse/algos/offpolicy.py). Other placements have nothing to overlap and stay synchronous (said in the log)."""
+    behaviour_weight_cap: float = 5.0
+    """rl.max_staleness >= 1: the bound on the behaviour importance weight pi_prox / pi_behav of a token."""
+    behaviour_weight_mode: str = "truncate"
+    """rl.max_staleness >= 1: truncate (min(w, cap), truncated importance sampling) | mask (a token with w > cap is
+    left out of the update, as AReaL)."""
     eval_prompts: int = 128
     """Held-out prompts for the before/after evaluation (0 skips it)."""
     eval_every: int = 0

@@ -11,7 +11,7 @@ import re
 import sys
 from pathlib import Path
 
-from rlfuse.config.algorithms import ALGORITHMS
+from rlfuse.config.algorithms import ALGORITHMS, BEHAVIOUR_WEIGHT_MODES
 from rlfuse.config.model_files import gguf_file_of
 from rlfuse.config.sections import (
     DATA_KINDS,
@@ -177,6 +177,17 @@ def _validate_quantization(cfg: Config) -> None:
     _choice(cfg.rl.optimizer, "rl.optimizer", OPTIMIZERS)
 
 
+def _validate_staleness(cfg: Config) -> None:
+    """rl.max_staleness and its importance-weight settings."""
+    rl = cfg.rl
+    _positive(rl, "rl", "max_staleness", allow_zero=True)
+    _positive(rl, "rl", "behaviour_weight_cap")
+    _choice(rl.behaviour_weight_mode, "rl.behaviour_weight_mode", BEHAVIOUR_WEIGHT_MODES)
+    if rl.max_staleness and rl.train_parallel.startswith("pipeline"):
+        raise ConfigError("rl.max_staleness", f"asynchronous RL trains data-parallel only, not with "
+                          f"rl.train_parallel={rl.train_parallel}", "set rl.train_parallel=data or rl.max_staleness=0")
+
+
 def _validate_rl(cfg: Config) -> None:
     rl, ro = cfg.rl, cfg.rollout
     _choice(rl.algo, "rl.algo", tuple(ALGORITHMS))
@@ -190,6 +201,7 @@ def _validate_rl(cfg: Config) -> None:
     _positive(rl, "rl", "top_k", "vf_clip", "kl_coef", "unfinished_penalty", "grad_clip", "eval_prompts", allow_zero=True)
     if rl.kl_target is not None:
         _positive(rl, "rl", "kl_target")
+    _validate_staleness(cfg)
     _validate_temperature_and_curriculum(rl)
     if rl.max_prompt_tokens is not None:
         _positive(rl, "rl", "max_prompt_tokens")

@@ -3,8 +3,12 @@ puts it) and the critic's clipped value loss, each on the model's own forward of
 
 from __future__ import annotations
 
+import torch
+from torch import Tensor
+
 from rlfuse.algos.kl import kl_penalty
 from rlfuse.algos.losses import ppo_policy_loss, value_loss
+from rlfuse.algos.offpolicy import decoupled_ppo_policy_loss
 from rlfuse.algos.stats import level_mean, masked_mean
 from rlfuse.config import RLConfig
 from rlfuse.config.algorithms import ALGORITHMS
@@ -28,13 +32,34 @@ def micro_policy_loss(actor, exp: Experience, idx: list[int], adv, rl: RLConfig,
     temperature: the one the samples were drawn and the reference scored at (the iteration's)."""
     mb, take = _micro(exp, idx, pad_id, actor, rl.share_prompt)
     new_lp, entropy = response_logprobs(actor, mb, temperature, with_entropy=True)
-    loss, st = ppo_policy_loss(new_lp, take(exp.logprobs), take(adv), mb.mask, rl.clip, rl.loss_level)
+    if exp.proximal_logprobs is None:
+        loss, st = ppo_policy_loss(new_lp, take(exp.logprobs), take(adv), mb.mask, rl.clip, rl.loss_level)
+    else:  # a stale batch (rl.max_staleness): PPO around the proximal policy, re-weighted from the behaviour one
+        loss, st = decoupled_ppo_policy_loss(new_lp, take(exp.proximal_logprobs), take(exp.logprobs), take(adv),
+                                             mb.mask, rl.clip, rl.behaviour_weight_cap, rl.behaviour_weight_mode,
+                                             rl.loss_level)
     stats = {"train/policy_loss": loss.detach(), "train/clip_frac": st["clip_frac"], "train/approx_kl": st["approx_kl"],
              "train/entropy": masked_mean(entropy.detach(), mb.mask)}
+    if exp.proximal_logprobs is not None:
+        stats |= {"train/behaviour_weight_mean": st["weight_mean"], "train/behaviour_weight_max": st["weight_max"],
+                  "train/behaviour_beyond_cap": st["beyond_frac"]}
     if ALGORITHMS[rl.algo].kl_in == "loss":  # KL to the reference inside the loss (grpo)
         kl = kl_penalty(new_lp, take(exp.ref_logprobs), rl.kl_estimator_used)
         loss = loss + kl_coef * level_mean(kl, mb.mask, rl.loss_level)
     return loss, stats
+
+
+def proximal_logprobs(actor, exp: Experience, rl: RLConfig, pad_id: int, temperature: float) -> Tensor:
+    """(N, T) the actor's log-probs of every sampled token now, before its update: the proximal policy of the
+    decoupled objective for a stale batch (one forward per micro-batch, no gradient)."""
+    out = torch.zeros_like(exp.logprobs)
+    with torch.no_grad():
+        for s in range(0, len(exp), rl.micro_batch_size):
+            idx = list(range(s, min(s + rl.micro_batch_size, len(exp))))
+            mb, _ = _micro(exp, idx, pad_id, actor, rl.share_prompt)
+            lp = response_logprobs(actor, mb, temperature).float().cpu()
+            out[idx, : lp.shape[1]] = lp
+    return out
 
 
 def micro_value_loss(critic, exp: Experience, idx: list[int], returns, rl: RLConfig, pad_id: int):

@@ -23,6 +23,17 @@ class SamplingParams:
     """Ids that end a sample as EOS does: a chat model's end-of-turn markers (data/chat.py end_of_turn_ids)."""
 
 
+@dataclass(frozen=True)
+class RolloutRequest:
+    """What one RL iteration generates: k samples of each prompt with these sampling settings and this seed. A
+    function of the iteration alone (trainers/rl.py), so an asynchronous rollout can ask for later ones ahead."""
+    iteration: int
+    prompts: list[list[int]]
+    k: int
+    params: SamplingParams
+    seed: int
+
+
 @dataclass
 class Sample:
     prompt_id: int

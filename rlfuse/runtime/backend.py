@@ -22,17 +22,29 @@ def uses_ray(cfg: Config) -> bool:
     return spec_from_config(cfg).uses_ray
 
 
+def runs_async(cfg: Config) -> bool:
+    """Whether rl.max_staleness applies: generation on workers of its own (placement.strategy=separated), where it
+    can run ahead of training. Elsewhere the same workers generate and train: nothing to overlap."""
+    return cfg.rl.max_staleness > 0 and spec_from_config(cfg).strategy == "separated"
+
+
 @contextlib.contextmanager
 def build_placement(cfg: Config, run_dir: Path, engine: DecodeEngine, scorer: Scorer, fusion: FusionPolicy,
-                    local_trainer: LocalTrainer, log) -> Iterator[tuple[Rollout, Trainer]]:
+                    local_trainer: LocalTrainer, requests, log) -> Iterator[tuple[Rollout, Trainer]]:
     """(rollout, trainer): LocalRollout and `local_trainer` in this process, or with placement.strategy != single
-    the Ray worker groups of the spec (ray_driver.py's RayRollout and RayTrainer; Ray imported only then), closed on
-    exit."""
+    the Ray worker groups of the spec (ray_driver.py's RayRollout and RayTrainer; Ray imported only then; with
+    rl.max_staleness on the separated placement ray_async.py's AsyncRollout, which asks `requests(iteration)` for
+    the batches it decodes ahead), closed on exit."""
     spec = spec_from_config(cfg)
+    if cfg.rl.max_staleness and not runs_async(cfg):
+        log(f"[rl] rl.max_staleness={cfg.rl.max_staleness} has no effect with placement.strategy={spec.strategy}: "
+            "the same workers generate and train, so the loop stays synchronous (asynchronous RL runs with "
+            "placement.strategy=separated)")
     if not spec.uses_ray:
         yield LocalRollout(engine, scorer, fusion), local_trainer
         return
     try:  # Ray (an optional install): imported only for a placement on Ray workers
+        from rlfuse.runtime.ray_async import AsyncRollout
         from rlfuse.runtime.ray_driver import start_ray_placement
     except ImportError as e:
         if e.name != "ray" and not str(e.name).startswith("ray."):
@@ -43,6 +55,10 @@ def build_placement(cfg: Config, run_dir: Path, engine: DecodeEngine, scorer: Sc
     # reward functions' dataset columns travel with the settings (rewards.attach_rows did it for this process)
     rows = getattr(scorer.reward_fn, "rows", None)
     rollout, trainer, workers = start_ray_placement(cfg, spec, run_dir, log, reward_rows=rows)
+    if runs_async(cfg):
+        rollout = AsyncRollout(rollout, requests, cfg.rl.max_staleness, cfg.rl.iterations, log)
+        log(f"[rl] asynchronous: iteration i trains the batch the weights of update max(0, i - "
+            f"{cfg.rl.max_staleness}) generated (rl.max_staleness={cfg.rl.max_staleness})")
     try:
         yield rollout, trainer
     finally:

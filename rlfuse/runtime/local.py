@@ -18,9 +18,10 @@ from rlfuse.learn.update import BadSteps, update
 from rlfuse.models.build import Models
 from rlfuse.models.shared import actor_decoding, eval_for_decoding
 from rlfuse.models.weights import merged_state_dict
-from rlfuse.rollout.engine import DecodeEngine, SamplingParams
+from rlfuse.rollout.engine import DecodeEngine
 from rlfuse.rollout.fusion import Experience, FusionPolicy, generate_rollouts
 from rlfuse.rollout.score import Scorer
+from rlfuse.rollout.state import RolloutRequest
 
 
 def sync_weights(engine: DecodeEngine, actor: torch.nn.Module) -> dict:
@@ -44,14 +45,21 @@ class LocalRollout:
     def sync_weights(self, models: Models) -> dict:
         return sync_weights(self.engine, models.actor)  # the critic is this process's own module: nothing to copy
 
-    def generate(self, prompts: list[list[int]], k: int, params: SamplingParams, seed: int) -> Experience:
-        before, self.scorer.temperature = dict(self.scorer.times), params.temperature
-        exp = generate_rollouts(self.engine, self.scorer, prompts, k, params, seed, self.fusion)
+    def generate(self, request: RolloutRequest) -> Experience:
+        before, self.scorer.temperature = dict(self.scorer.times), request.params.temperature
+        exp = generate_rollouts(self.engine, self.scorer, request.prompts, request.k, request.params, request.seed,
+                                self.fusion)
         exp.timing |= {f"score_{role}": t - before.get(role, 0.0) for role, t in self.scorer.times.items()}
         return exp
 
     def metrics(self, exp: Experience) -> dict:
         return {f"time/{k}": v for k, v in exp.timing.items() if not k.startswith("decode")}
+
+    def save_in_flight(self, path: Path, iteration: int) -> None:
+        """Nothing is in flight between two iterations of the synchronous loop."""
+
+    def begin_at(self, path: Path, iteration: int) -> None:
+        """The synchronous loop keeps nothing between iterations but the trainer's checkpoint."""
 
 
 def local_scorer(models: Models, cfg: Config) -> Scorer:

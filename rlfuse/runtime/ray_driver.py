@@ -246,15 +246,21 @@ class RayRollout:
         return {"time/weight_sync": time.perf_counter() - t, "sync/bytes": sum(per_holder.values()),
                 "sync/sent_bytes": sent}
 
-    def generate(self, prompts, k: int, params, seed: int):
+    def generate(self, request):
         with self.workers.naming_dead_workers("rollout"):
-            return self.driver.generate(prompts, k, params, seed, migrate=self.migrate)
+            return self.driver.generate(request.prompts, request.k, request.params, request.seed, migrate=self.migrate)
 
     def metrics(self, exp) -> dict:
         with self.workers.naming_dead_workers("rollout"):
             # the reward functions ran on the scoring workers: their means come from there
             return (worker_metrics(exp.timing, self.workers.ranks, self.driver.rss_mb())
                     | self.driver.reward_metrics())
+
+    def save_in_flight(self, path, iteration: int) -> None:
+        """Nothing is in flight between two iterations of the synchronous loop."""
+
+    def begin_at(self, path, iteration: int) -> None:
+        """The synchronous loop keeps nothing between iterations but the trainer's checkpoint."""
 
 
 def start_ray_placement(cfg, spec: PlacementSpec, run_dir, log=print, reward_rows: dict | None = None

@@ -39,7 +39,7 @@ from rlfuse.rollout.engine import DecodeEngine, Sample, SamplingParams
 from rlfuse.rollout.fusion import Experience, FusionPolicy, build_experience
 from rlfuse.rollout.migration import pause_points, plan_migration
 from rlfuse.rollout.score import ScoredSample, Scorer
-from rlfuse.rollout.state import EngineState
+from rlfuse.rollout.state import EngineState, RolloutRequest
 from rlfuse.rollout.weights import copy_weights, weight_buckets
 from rlfuse.runtime import process
 from rlfuse.runtime.process import pin_threads
@@ -164,6 +164,8 @@ class Chunk:
     prefill_s: float = 0.0
     """Prefill seconds since the last import_rows (the re-prefill of the migrated and the keeper's own rows)."""
     decode_rows: int = 0
+    rss_mb: tuple[float, float] | None = None
+    """decode_batch: the worker's memory now and at its peak, in MiB (asked while it is free, not queued behind)."""
 
 
 class GenerationWorker:
@@ -265,6 +267,17 @@ class GenerationWorker:
         out.unfinished, out.prefill_s = self._unfinished, self._prefill_s
         out.decode_rows = self._decode_rows + self.engine.stats.decode_rows
         out.busy_s = time.perf_counter() - t0
+        return out
+
+    def decode_batch(self, prompts: list[list[int]], prompt_ids: list[int], k: int, params: SamplingParams,
+                     seed: int) -> Chunk:
+        """Decode every sample of these prompts in one call and return them unscored, with this process's memory
+        (an asynchronous rollout queues these behind weight loads: Ray runs an actor's calls in order, so which
+        weights decode which batch is fixed by the order of the calls, never by timing)."""
+        t0 = time.perf_counter()
+        samples = list(self.engine.generate(prompts, k, params, seed, None, prompt_ids))
+        out = Chunk(unscored=samples, done=True, decode_rows=self.engine.stats.decode_rows)
+        out.busy_s, out.rss_mb = time.perf_counter() - t0, self.rss_mb()
         return out
 
     def _score_pending(self, chunk: Chunk) -> list[ScoredSample]:
@@ -369,6 +382,27 @@ class MultiWorkerRollout:
     def reward_metrics(self) -> dict[str, float]:
         """The scoring workers' reward-function means since the last call, pooled (rewards.metrics_of_sums)."""
         return metrics_of_sums(ray.get([self.workers[w].reward_sums.remote() for w in self.scorers]))
+
+    def submit_decode(self, request: RolloutRequest) -> list:
+        """Queue the request's decoding on the decoding workers (prompts dealt by position, global ids keeping each
+        sample's stream), returning at once: one object ref per decoder, of a Chunk of unscored samples."""
+        D, n = len(self.decoders), len(request.prompts)
+        return [self.workers[w].decode_batch.remote([request.prompts[i] for i in range(j, n, D)], list(range(j, n, D)),
+                                                    request.k, request.params, request.seed)
+                for j, w in enumerate(self.decoders)]
+
+    def score_in_order(self, samples: list[Sample], temperature: float) -> tuple[list[ScoredSample], list[float]]:
+        """Score finished samples on the scoring workers, in (prompt, sample index) order cut into one contiguous
+        share per scorer: each sample is scored in the same batch whoever finished it when. -> (scored, seconds per
+        scorer)."""
+        samples = sorted(samples, key=lambda x: (x.prompt_id, x.sample_index))
+        S = len(self.scorers)
+        ray.get([self.workers[w].set_temperature.remote(temperature) for w in self.scorers])
+        bounds = [round(i * len(samples) / S) for i in range(S + 1)]
+        refs = [self.workers[w].score.remote(samples[bounds[i]: bounds[i + 1]])
+                for i, w in enumerate(self.scorers) if bounds[i + 1] > bounds[i]]
+        chunks: list[Chunk] = ray.get(refs)
+        return [x for c in chunks for x in c.scored], [c.score_s for c in chunks]
 
     def generate(self, prompts: list[list[int]], k: int, params: SamplingParams, seed: int, lengths=None,
                  prompt_ids: list[int] | None = None, migrate: bool = True) -> Experience:

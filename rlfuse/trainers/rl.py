@@ -57,6 +57,7 @@ from rlfuse.models.rewards import attach_rows, reset_reward_metrics, reward_metr
 from rlfuse.plan.planner import predicted_memory
 from rlfuse.plan.resolve import resolve
 from rlfuse.rollout.fusion import FusionPolicy
+from rlfuse.rollout.state import RolloutRequest, SamplingParams
 from rlfuse.runtime.backend import build_placement, uses_ray
 from rlfuse.runtime.local import LocalTrainer, decode_engine, local_scorer, sync_weights
 from rlfuse.trainers.observe import due, evaluate_during, group_metrics, rollout_metrics, sample_table
@@ -130,25 +131,26 @@ def train_rl(cfg: Config, run_dir: Path, log=print, resume: bool = False, on_rea
     log(f"[rl] {rl.algo}: {rl.iterations} iterations x {rl.prompts_per_iter} prompts x k={rl.k}, fusion "
         f"{'on' if fusion.enabled else 'off'}, KL {rl.kl_estimator_used}{'' if rl.kl_estimator else ' (default)'}, "
         f"{sampling_note(rl)}")
-    with build_placement(cfg, run_dir, engine, scorer, fusion, trainer, log) as (rollout, trainer), \
+    requests = IterationRequests(train_prompts, difficulty, rl, params, seed)
+    with build_placement(cfg, run_dir, engine, scorer, fusion, trainer, requests, log) as (rollout, trainer), \
             Progress(rl.iterations, f"rl/{rl.algo}", cfg.run.quiet, unit="iter") as bar:
         if start and not isinstance(trainer, LocalTrainer):
             trainer.load_checkpoint(ckpt)
+        rollout.begin_at(ckpt, start)  # asynchronous: a resumed run takes back the batches generated ahead
         bar.update(start)
         rollout = meter.watch(rollout) if meter is not None else rollout
         for it in range(start, rl.iterations):
             t0 = time.perf_counter()
             # 1. the actor's weights into the generator(s): an explicit copy, never the optimiser's own tensors
+            # (asynchronous: they decode the batch of iteration it + rl.max_staleness while this one trains)
             sync = rollout.sync_weights(models)
             # 2. generate and score at the iteration's temperature (sampling and reference log-probs alike); scoring
             # runs on finished samples while the tail decodes (fusion on; on Ray workers, per the placement)
-            temperature = iteration_temperature(rl, it)
-            prompts = prompt_batch(train_prompts, it, rl.prompts_per_iter, seed, difficulty, rl.iterations,
-                                   rl.curriculum_start)
+            request = requests(it)
+            temperature = request.params.temperature
             shared_before = scorer.prompt_tokens_shared  # this process's scorer (Ray workers score on their own)
             with said_where(f"iteration {it + 1}"):  # a reward function's failure names the iteration it broke
-                exp = rollout.generate(prompts, rl.k, dataclasses.replace(params, temperature=temperature),
-                                       seed * 1_000_003 + it)
+                exp = rollout.generate(request)
             shared_scoring = scorer.prompt_tokens_shared - shared_before
             # 3. KL-shaped rewards and advantages (pure functions in rlfuse/algos)
             adv, returns, kl = compute_advantages(exp, rl, kl_ctl.coef)
@@ -179,6 +181,7 @@ def train_rl(cfg: Config, run_dir: Path, log=print, resume: bool = False, on_rea
             bad.stop_if_diverged(rl.max_bad_steps)
             count_abstained(row.get("reward/all_abstained"), bad, rl.max_bad_steps, log)
             if (it + 1) % rl.ckpt_every == 0 or it + 1 == rl.iterations:
+                rollout.save_in_flight(ckpt, it + 1)  # first: the trainer's checkpoint says which one it goes with
                 trainer.save_checkpoint(ckpt, iteration=it + 1, kl_coef=kl_ctl.coef, counters=dataclasses.asdict(bad))
             (out / "last_rewards.json").write_text(json.dumps(exp.scores.tolist()))
             bar.update(reward=row["reward/mean"], kl=row["reward/kl"], sps=row["rollout/samples_per_s"])
@@ -190,6 +193,25 @@ def train_rl(cfg: Config, run_dir: Path, log=print, resume: bool = False, on_rea
     save_trained_model(models.actor, tok, out, base=models.policy_source)
     return {"before": before, "after": after, "samples_after": after_texts, "prompts": run_prompts.info(),
             "seconds": time.perf_counter() - t_start}
+
+
+@dataclass
+class IterationRequests:
+    """What each iteration generates (rollout/state.py RolloutRequest), a function of the iteration alone: its
+    prompts (data/curriculum.py), its scheduled temperature and its seed. So a resumed run repeats an uninterrupted
+    one, and an asynchronous rollout asks for later iterations' batches ahead."""
+    prompts: list[list[int]]
+    difficulty: object
+    rl: RLConfig
+    params: SamplingParams
+    seed: int
+
+    def __call__(self, it: int) -> RolloutRequest:
+        rl = self.rl
+        prompts = prompt_batch(self.prompts, it, rl.prompts_per_iter, self.seed, self.difficulty, rl.iterations,
+                               rl.curriculum_start)
+        params = dataclasses.replace(self.params, temperature=iteration_temperature(rl, it))
+        return RolloutRequest(it, prompts, rl.k, params, self.seed * 1_000_003 + it)
 
 
 @dataclass

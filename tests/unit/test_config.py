@@ -77,6 +77,11 @@ BAD = [
     (["placement.strategy=custom"], "placement.groups", "set placement.strategy=custom with placement.groups"),
     (["placement.groups=train"], "placement.groups", "or remove placement.groups"),
     (["placement.strategy=custom", "placement.groups=train"], "placement.groups[0]", "expected a mapping"),
+    (["rl.max_staleness=-1"], "rl.max_staleness", "must be >= 0"),
+    (["rl.behaviour_weight_cap=0"], "rl.behaviour_weight_cap", "must be > 0"),
+    (["rl.behaviour_weight_mode=trunc"], "rl.behaviour_weight_mode", "did you mean truncate"),
+    (["rl.max_staleness=1", "rl.train_parallel=pipeline_fused", "rl.algo=ppo"], "rl.max_staleness",
+     "rl.train_parallel=data"),
 ]
 
 

@@ -31,7 +31,7 @@ def test_cluster_resources_count_alive_nodes_only():
 def test_single_placement_never_imports_ray():
     code = ("import sys; import rlfuse.trainers.rl; from rlfuse.config import load_config; "
             "from rlfuse.runtime.backend import build_placement; from rlfuse.runtime.local import LocalRollout; "
-            "cm = build_placement(load_config(None, []), None, None, None, None, 'local trainer', print); "
+            "cm = build_placement(load_config(None, []), None, None, None, None, 'local trainer', None, print); "
             "r, t = cm.__enter__(); assert isinstance(r, LocalRollout) and t == 'local trainer'; "
             "assert 'ray' not in sys.modules, 'ray imported'")
     subprocess.run([sys.executable, "-c", code], check=True)

@@ -1,0 +1,161 @@
+"""Asynchronous RL with bounded staleness (rl.max_staleness = N >= 1) on the separated placement: the generation
+workers decode later iterations' batches while the training workers update.
+
+The schedule is decided by counts, never by timing. After v updates (at the start of iteration v) the trainer's
+weights (version v) go to the generation workers, and the batch of iteration v + N is queued behind them; on a fresh
+start the batches 0..N are queued behind version 0. So the batch of iteration i is decoded by the weights of update
+max(0, i - N), whichever worker is faster: Ray runs an actor's calls in the order they were made, so a generator
+that is still decoding finishes that batch with the weights it had, and loads the new ones after. The trainer waits
+for a batch that is late; the generator never waits (N batches are queued ahead of it). Every sample is therefore
+trained by a policy at most N updates newer than the one that drew it (exp.staleness), and learn/update.py corrects
+with the decoupled PPO objective (rlfuse/algos/offpolicy.py): the proximal policy is the trainer's weights at the
+start of the update, the behaviour policy the sampler's recorded log-probs.
+
+A batch is scored (reference, reward, critic values) on the training workers just before its update, in (prompt,
+sample) order: its values come from the critic that trains on it, as in the synchronous loop. A batch is trained
+whole, never by finishing order, so short answers are not favoured (rollout/mean_length_trained against
+rollout/mean_length_generated says so every iteration). At a checkpoint the batches generated ahead are written
+beside it (checkpoint.pt.inflight, unscored samples and the version that drew them), so `--resume` trains the very
+samples the uninterrupted run would: the resumed run's weights equal it (tested).
+
+What it does not do yet: partial rollouts (a sample still decoding at a weight update finishes under the weights it
+started with: a batch is decoded by one version) and tail migration between generation workers in this mode.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import ray
+import torch
+
+from rlfuse.files import atomic_path
+from rlfuse.learn.checkpoint import save_torch
+from rlfuse.rollout.fusion import build_experience
+from rlfuse.rollout.state import RolloutRequest, Sample
+
+IN_FLIGHT_SUFFIX = ".inflight"
+
+
+@dataclass
+class InFlight:
+    """One batch generated ahead: the weights version that decodes it and, once decoded, its samples."""
+    version: int
+    refs: list = field(default_factory=list)
+    """One object ref per generation worker (MultiWorkerRollout.submit_decode)."""
+    samples: list[Sample] | None = None
+    decode_s: list[float] = field(default_factory=list)
+    rss_mb: list = field(default_factory=list)
+
+
+class AsyncRollout:
+    """The rollout object of trainers/rl.py (runtime/protocols.py) for rl.max_staleness >= 1: a RayRollout's
+    workers and weight transfer, with decoding queued ahead by the schedule above."""
+
+    def __init__(self, base, requests, max_staleness: int, iterations: int, log=print):
+        self.base, self.requests, self.N, self.iterations, self.log = base, requests, max_staleness, iterations, log
+        self.version = -1
+        """Updates done when sync_weights was last called (the weights the generators got last)."""
+        self.in_flight: dict[int, InFlight] = {}
+        self.loads: list = []
+        """The last weight push's load calls, queued on the generators (checked at the next one)."""
+
+    @property
+    def driver(self):
+        return self.base.driver
+
+    def sync_weights(self, models=None) -> dict:
+        """Version v = this call's count (the iteration about to train): its weights go to the generation workers
+        without waiting for them (they load them after the batches already queued), then the batches due are
+        queued: v + N, and on a fresh start everything from v."""
+        self.version = v = self.version + 1
+        w = self.base.workers
+        t = time.perf_counter()
+        with w.naming_dead_workers("weight sync"):
+            ray.get(self.loads)  # the previous push's loads ran (a failure there surfaces now)
+            refs = self.base.group.actor_weights(self.driver.bucket_bytes, "actor")
+            self.loads = [w.handles[i].load_weights.remote("generator", ref) for ref in refs.refs for i in w.decoders]
+            for i in range(v, min(v + self.N, self.iterations - 1) + 1):
+                if i not in self.in_flight:
+                    self.in_flight[i] = InFlight(v, self.driver.submit_decode(self.requests(i)))
+        return {"time/weight_sync": time.perf_counter() - t, "sync/bytes": refs.bytes, "sync/sent_bytes": refs.bytes}
+
+    def _decoded(self, i: int) -> InFlight:
+        """Batch i with its samples (waiting for its decoders if they are not done)."""
+        batch = self.in_flight[i]
+        if batch.samples is None:
+            chunks = ray.get(batch.refs)
+            batch.samples = [x for c in chunks for x in c.unscored]
+            batch.decode_s, batch.rss_mb, batch.refs = [c.busy_s for c in chunks], [c.rss_mb for c in chunks], []
+        return batch
+
+    def generate(self, request: RolloutRequest):
+        """The batch of request.iteration, queued earlier (sync_weights), scored now on the training workers."""
+        i, t0 = request.iteration, time.perf_counter()
+        with self.base.workers.naming_dead_workers("rollout"):
+            batch = self._decoded(i)
+            t1 = time.perf_counter()
+            scored, score_s = self.driver.score_in_order(batch.samples, request.params.temperature)
+        del self.in_flight[i]
+        exp = build_experience(scored)
+        if len(exp) != len(request.prompts) * request.k:
+            raise RuntimeError(f"asynchronous rollout returned {len(exp)} samples for iteration {i}, expected "
+                               f"{len(request.prompts) * request.k}")
+        exp.staleness = torch.full((len(exp),), self.version - batch.version, dtype=torch.long)
+        generated = [len(s.token_ids) for s in batch.samples]
+        exp.timing = {"rollout": time.perf_counter() - t0, "scoring": sum(score_s), "wait_for_batch": t1 - t0,
+                      "decode_s": sum(batch.decode_s), "mean_length_generated": sum(generated) / len(generated),
+                      "decode_rss_mb": batch.rss_mb}
+        return exp
+
+    def metrics(self, exp) -> dict:
+        """time/wait_for_batch (the seconds the trainer waited for its batch: 0 when generation kept ahead),
+        time/decode (the generation workers' seconds on it), the staleness histogram, the length-bias pair, and
+        the workers' memory (generation workers' as of their last batch: asking now would wait behind the queue)."""
+        t, w = exp.timing, self.base.workers
+        ages = exp.staleness.tolist()
+        out = {"time/rollout": t["rollout"], "time/scoring": t["scoring"], "time/wait_for_batch": t["wait_for_batch"],
+               "time/decode": t["decode_s"], "async/staleness_mean": sum(ages) / len(ages),
+               "async/staleness_max": max(ages), "async/batches_ahead": len(self.in_flight),
+               "rollout/mean_length_generated": t["mean_length_generated"],
+               "rollout/mean_length_trained": float(exp.mask.sum(1).mean())}
+        out |= {f"async/staleness_{a}": ages.count(a) / len(ages) for a in range(self.N + 1)}
+        with w.naming_dead_workers("rollout"):
+            free = [i for i in range(len(w.handles)) if i not in w.decoders]
+            rss = dict(zip(free, ray.get([w.handles[i].rss_mb.remote() for i in free])))
+            rss |= dict(zip(w.decoders, t["decode_rss_mb"]))  # none for a batch restored from a checkpoint
+            out |= self.driver.reward_metrics()
+        for i, rank in enumerate(w.ranks):
+            if i in rss:
+                out[f"worker/{rank}/rss_mb"], out[f"worker/{rank}/rss_peak_mb"] = rss[i]
+        return out
+
+    def save_in_flight(self, path: Path, iteration: int) -> None:
+        """The batches generated ahead (waiting for their decoding to end), written atomically beside the
+        checkpoint of `iteration`; the previous file is kept as .prev until the trainer's checkpoint is written
+        (a kill in between resumes from the previous checkpoint, which then finds its own batches)."""
+        batches = {i: (self._decoded(i).version, self._decoded(i).samples) for i in sorted(self.in_flight)}
+        current = Path(f"{path}{IN_FLIGHT_SUFFIX}")
+        if current.exists():
+            os.replace(current, current.with_name(current.name + ".prev"))
+        with atomic_path(current) as tmp:
+            save_torch({"iteration": iteration, "batches": batches}, tmp)
+
+    def begin_at(self, path: Path, iteration: int) -> None:
+        """The run starts at `iteration` (0, or a resumed checkpoint's): the next sync_weights is that version,
+        and a resumed run takes back the batches saved beside its checkpoint; without them (a checkpoint of a
+        synchronous run) the next ones are decoded afresh by the resumed weights, and the log says so."""
+        self.version = iteration - 1
+        if iteration == 0:
+            return
+        for f in (Path(f"{path}{IN_FLIGHT_SUFFIX}"), Path(f"{path}{IN_FLIGHT_SUFFIX}.prev")):
+            if f.exists():
+                saved = torch.load(f, weights_only=False)
+                if saved["iteration"] == iteration:
+                    self.in_flight = {i: InFlight(v, samples=s) for i, (v, s) in saved["batches"].items()}
+                    return
+        self.log(f"[rl] no batches in flight saved with the checkpoint of iteration {iteration}: the next "
+                 f"{self.N} are decoded by the resumed weights (less stale than the uninterrupted run's)")

@@ -1,0 +1,63 @@
+"""The update of a stale batch (rl.max_staleness): the proximal log-probs are the actor's own log-probs of each
+sample, and with behaviour = proximal the decoupled loss is the plain clipped one (weight 1 on every token), while a
+behaviour policy that gave a token half the probability doubles that token's weight."""
+
+import dataclasses
+import math
+
+import pytest
+import torch
+from transformers import GPT2Config, GPT2LMHeadModel
+
+from rlfuse.config import load_config
+from rlfuse.learn.losses import micro_policy_loss, proximal_logprobs
+from rlfuse.models.forward import collate, response_logprobs
+from rlfuse.rollout.fusion import Experience
+
+
+def setup():
+    torch.manual_seed(0)
+    model = GPT2LMHeadModel(GPT2Config(vocab_size=50, n_positions=32, n_embd=32, n_layer=2, n_head=2)).eval()
+    prompts = [[1, 2, 3]] * 2 + [[4, 5]] * 2
+    responses = [[6, 7, 8, 9], [6, 10], [11, 12, 13], [14]]
+    T, n = 4, 4
+    mask = torch.zeros(n, T)
+    for i, r in enumerate(responses):
+        mask[i, : len(r)] = 1
+    with torch.no_grad():  # each sample alone: the reference the batched forward must equal
+        own = torch.zeros(n, T)
+        for i in range(n):
+            own[i, : len(responses[i])] = response_logprobs(model, collate([prompts[i]], [responses[i]], 0, "cpu"))[0]
+    exp = Experience(prompts, responses, torch.tensor([0, 0, 1, 1]), torch.tensor([1.0, 0.0, 1.0, 0.0]), own.clone(),
+                     own.clone(), None, mask, ["eos"] * n)
+    rl = load_config(None, ["rl.algo=grpo", "rl.k=2", "rl.prompts_per_iter=2", "rl.mini_batch_size=4",
+                            "rl.micro_batch_size=2", "rl.max_staleness=1", "rl.kl_coef=0"]).rl
+    return model, exp, dataclasses.replace(rl, micro_batch_size=3)  # proximal_logprobs in two uneven forwards
+
+
+def test_proximal_logprobs_are_each_samples_own():
+    model, exp, rl = setup()
+    got = proximal_logprobs(model, exp, rl, 0, 1.0)
+    torch.testing.assert_close(got, exp.logprobs, atol=1e-5, rtol=0)
+    assert bool((got[exp.mask == 0] == 0).all())
+
+
+def test_behaviour_equal_to_proximal_is_the_plain_objective():
+    model, exp, rl = setup()
+    adv, idx = torch.tensor([1.0, -1.0, 0.5, -0.5]), [0, 1, 2, 3]
+    plain, _ = micro_policy_loss(model, exp, idx, adv, rl, 0.0, 0, 1.0)
+    exp.proximal_logprobs = exp.logprobs.clone()
+    decoupled, stats = micro_policy_loss(model, exp, idx, adv, rl, 0.0, 0, 1.0)
+    torch.testing.assert_close(decoupled, plain)
+    assert float(stats["train/behaviour_weight_mean"]) == 1.0 and float(stats["train/behaviour_beyond_cap"]) == 0.0
+
+
+def test_a_token_the_sampler_found_half_as_likely_counts_twice():
+    model, exp, rl = setup()
+    adv = torch.tensor([1.0, -1.0, 0.5, -0.5])
+    exp.proximal_logprobs = exp.logprobs.clone()
+    exp.logprobs[3, 0] -= math.log(2.0)  # the one-token sample 3: pi_prox / pi_behav = 2 (under the cap of 5)
+    loss, stats = micro_policy_loss(model, exp, [3], adv, rl, 0.0, 0, 1.0)
+    # at the proximal weights the ratio is 1: the per-token loss is -w * A = -2 * -0.5
+    assert float(loss) == pytest.approx(1.0, abs=1e-5)
+    assert float(stats["train/behaviour_weight_mean"]) == pytest.approx(2.0)
