@@ -176,6 +176,36 @@ def worker_usage(rows: list[dict], path: Path) -> Path:
     return _save(fig, path)
 
 
+def is_async(rows: list[dict]) -> bool:
+    """Whether the run trained asynchronously (rl.max_staleness on the separated placement)."""
+    return any("async/staleness_mean" in r for r in rows)
+
+
+def async_training(rows: list[dict], path: Path) -> Path:
+    """Asynchronous RL: the staleness of the trained samples, the behaviour importance weights of the decoupled
+    objective, and the mean length of generated against trained samples (apart: a length bias)."""
+    fig, axes = plt.subplots(1, 3, figsize=(15, 4))
+    ages = sorted({int(k.rsplit("_", 1)[1]) for r in rows for k in r if k.startswith("async/staleness_")
+                   and k.rsplit("_", 1)[1].isdigit()})
+    steps = [r["step"] for r in rows if "async/staleness_mean" in r]
+    bottom = [0.0] * len(steps)
+    for a in ages:
+        share = [float(r.get(f"async/staleness_{a}", 0.0)) for r in rows if "async/staleness_mean" in r]
+        axes[0].bar(steps, share, bottom=bottom, label=f"{a} update{'s' if a != 1 else ''} old")
+        bottom = [b + v for b, v in zip(bottom, share)]
+    axes[0].legend(fontsize=8)
+    _per_iteration(axes[0], "share of trained samples", "Staleness of trained samples")
+    _line(axes[1], rows, "train/behaviour_weight_mean", "weight mean")
+    _line(axes[1], rows, "train/behaviour_weight_max", "weight max (mean over micro-batches)")
+    _line(axes[1], rows, "train/behaviour_beyond_cap", "share of tokens beyond the cap",
+          title="Importance weights pi_prox / pi_behav")
+    axes[1].legend(fontsize=8)
+    _line(axes[2], rows, "rollout/mean_length_generated", "generated")
+    _line(axes[2], rows, "rollout/mean_length_trained", "trained", title="Mean response length (tokens)")
+    axes[2].legend(fontsize=8)
+    return _save(fig, path)
+
+
 def speedup_comparison(rows: list[dict], baseline_rows: list[dict], path: Path, names=("this run", "baseline")) -> Path:
     """Throughput of this run against a measured baseline run; the ratio is of the two measured averages."""
     fig, (ax, ax2) = plt.subplots(1, 2, figsize=(12, 4), gridspec_kw={"width_ratios": [2, 1]})

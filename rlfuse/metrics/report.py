@@ -56,6 +56,8 @@ def draw_figures(run_dir: Path, baseline_dir: Path | None = None) -> dict[str, P
     }
     if plots.worker_ranks(rows):  # placement on Ray: per-worker time and memory (not in FIGURES: optional)
         figs["worker_usage"] = plots.worker_usage(rows, out_dir / "worker_usage.png")
+    if plots.is_async(rows):  # rl.max_staleness: staleness, importance weights, length bias
+        figs["async_training"] = plots.async_training(rows, out_dir / "async_training.png")
     schedule = _json(run_dir / "rl" / "pipeline_schedule.json")
     if schedule:  # rl.train_parallel=pipeline_*: the executed schedule beside the simulated one
         figs["pipeline_schedule"] = draw_record(schedule, out_dir / "pipeline_schedule.png")
@@ -181,7 +183,7 @@ def write_report(run_dir: str | Path, baseline_dir: str | Path | None = None) ->
         parts += ["<h2>Workers (placement on Ray)</h2>", _table(worker_table(rows))]
     parts += memory_section(run_dir)
     parts.append("<h2>Figures</h2>")
-    for name in FIGURES + (["worker_usage"] if "worker_usage" in figs else []):
+    for name in FIGURES + [n for n in ("worker_usage", "async_training") if n in figs]:
         f = figs.get(name)
         parts.append(_img(f, name.replace("_", " ")) if isinstance(f, Path) else
                      f"<p class=note><b>{name.replace('_', ' ')}</b>: {html.escape(str(f))}</p>")

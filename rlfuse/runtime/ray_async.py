@@ -106,9 +106,9 @@ class AsyncRollout:
                                f"{len(request.prompts) * request.k}")
         exp.staleness = torch.full((len(exp),), self.version - batch.version, dtype=torch.long)
         generated = [len(s.token_ids) for s in batch.samples]
-        exp.timing = {"rollout": time.perf_counter() - t0, "scoring": sum(score_s), "wait_for_batch": t1 - t0,
+        exp.timing = {"rollout": time.perf_counter() - t0, "scoring": sum(score_s.values()), "wait_for_batch": t1 - t0,
                       "decode_s": sum(batch.decode_s), "mean_length_generated": sum(generated) / len(generated),
-                      "decode_rss_mb": batch.rss_mb}
+                      "decode_rss_mb": batch.rss_mb, "busy": score_s | dict(zip(self.driver.decoders, batch.decode_s))}
         return exp
 
     def metrics(self, exp) -> dict:
@@ -129,6 +129,7 @@ class AsyncRollout:
             rss |= dict(zip(w.decoders, t["decode_rss_mb"]))  # none for a batch restored from a checkpoint
             out |= self.driver.reward_metrics()
         for i, rank in enumerate(w.ranks):
+            out[f"worker/{rank}/busy_s"] = t["busy"].get(i, 0.0)  # decoding this batch, or scoring it
             if i in rss:
                 out[f"worker/{rank}/rss_mb"], out[f"worker/{rank}/rss_peak_mb"] = rss[i]
         return out

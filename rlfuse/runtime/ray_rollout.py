@@ -393,16 +393,16 @@ class MultiWorkerRollout:
 
     def score_in_order(self, samples: list[Sample], temperature: float) -> tuple[list[ScoredSample], list[float]]:
         """Score finished samples on the scoring workers, in (prompt, sample index) order cut into one contiguous
-        share per scorer: each sample is scored in the same batch whoever finished it when. -> (scored, seconds per
-        scorer)."""
+        share per scorer: each sample is scored in the same batch whoever finished it when. -> (scored, {worker:
+        seconds})."""
         samples = sorted(samples, key=lambda x: (x.prompt_id, x.sample_index))
         S = len(self.scorers)
         ray.get([self.workers[w].set_temperature.remote(temperature) for w in self.scorers])
         bounds = [round(i * len(samples) / S) for i in range(S + 1)]
-        refs = [self.workers[w].score.remote(samples[bounds[i]: bounds[i + 1]])
-                for i, w in enumerate(self.scorers) if bounds[i + 1] > bounds[i]]
-        chunks: list[Chunk] = ray.get(refs)
-        return [x for c in chunks for x in c.scored], [c.score_s for c in chunks]
+        refs = {w: self.workers[w].score.remote(samples[bounds[i]: bounds[i + 1]])
+                for i, w in enumerate(self.scorers) if bounds[i + 1] > bounds[i]}
+        chunks: dict[int, Chunk] = dict(zip(refs, ray.get(list(refs.values()))))
+        return [x for c in chunks.values() for x in c.scored], {w: c.score_s for w, c in chunks.items()}
 
     def generate(self, prompts: list[list[int]], k: int, params: SamplingParams, seed: int, lengths=None,
                  prompt_ids: list[int] | None = None, migrate: bool = True) -> Experience:

@@ -1,0 +1,146 @@
+"""Asynchronous RL against the synchronous loop, on 2 Ray workers (placement.strategy=separated: 1 generating, 1
+training and scoring), the embedded default task: `rlfuse rl` from one SFT and reward model with rl.max_staleness
+0, 1 and 2, the three alternated within each seed (0 1 2, 0 1 2, ...), every run with the held-out evaluation every
+few iterations.
+
+Two tables, printed and written to docs/benchmarks/async_rl.md (the headline to BENCHMARKS.md):
+- throughput: iterations per minute of the RL loop (the sum of time/iteration, the held-out evaluations left out),
+  against max_staleness 0 in the same seed; and the seconds each worker was busy per iteration (the generation
+  worker decoding, the training worker scoring and training) with the seconds the trainer waited for its batch,
+  which explain the ratio;
+- learning against wall time: the held-out gold positive rate at each evaluation, against the loop seconds so far;
+  the time each mode first reaches the synchronous run's final figure (per seed, as a fraction of the synchronous
+  run's time), and the final figures over the seeds.
+
+    python -m bench.async_rl                        # SFT + RM once, then 3 seeds x 3 modes (about 25 min on 2 cores)
+    python -m bench.async_rl --seeds 0 --staleness 0 1
+    python -m bench.async_rl --summarize            # the tables of the run folders that exist already
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+from pathlib import Path
+
+from bench.common import ROOT, WORK, machine_short, md_table, write_headline, write_section
+
+EVAL_EVERY = 5
+
+
+def base_models(work: Path) -> list[str]:
+    """The default task's SFT and reward model, trained once (`rlfuse sft`, `rlfuse rm`), for every RL run."""
+    base = work / "base"
+    for stage in ("sft", "rm"):
+        if not (base / stage / "model").exists():
+            subprocess.run([sys.executable, "-m", "rlfuse", stage, f"run.dir={base}", "run.quiet=true"], check=True,
+                           cwd=ROOT)
+    return [f"rl.sft_path={base / 'sft' / 'model'}", f"rl.rm_path={base / 'rm' / 'model'}"]
+
+
+def run_dir(work: Path, seed: int, staleness: int) -> Path:
+    return work / f"seed{seed}-staleness{staleness}"
+
+
+def run_rl(work: Path, models: list[str], seed: int, staleness: int) -> Path:
+    d = run_dir(work, seed, staleness)
+    if not (d / "eval.json").exists():
+        subprocess.run([sys.executable, "-m", "rlfuse", "rl", *models, f"run.dir={d}", f"run.seed={seed}",
+                        "run.quiet=true", "placement.strategy=separated", "placement.workers=2",
+                        f"rl.max_staleness={staleness}", f"rl.eval_every={EVAL_EVERY}"], check=True, cwd=ROOT,
+                       env=os.environ | {"CI": "true"})
+    return d
+
+
+def measured(d: Path) -> dict:
+    """One run's figures: loop seconds, per-iteration medians, and the held-out curve against loop seconds."""
+    rows = [json.loads(line) for line in (d / "rl" / "metrics.jsonl").read_text().splitlines()]
+    ev = json.loads((d / "eval.json").read_text())
+    med = lambda k: statistics.median(r[k] for r in rows if k in r) if any(k in r for r in rows) else 0.0
+    loop, curve = 0.0, [(0.0, ev["before"]["gold_positive_rate"])]
+    for r in rows:
+        loop += r["time/iteration"]
+        if "eval/gold_positive_rate" in r:
+            curve.append((loop, r["eval/gold_positive_rate"]))
+    curve.append((loop, ev["after"]["gold_positive_rate"]))
+    return {"loop_s": loop, "iterations": len(rows), "curve": curve, "final": ev["after"]["gold_positive_rate"],
+            "decode_s": med("time/decode") or med("worker/1/busy_s"), "train_s": med("worker/0/train_s"),
+            "score_s": med("time/scoring"), "wait_s": med("time/wait_for_batch"), "iteration_s": med("time/iteration"),
+            "weight_mean": med("train/behaviour_weight_mean"), "beyond": med("train/behaviour_beyond_cap")}
+
+
+def time_to_reach(curve: list[tuple[float, float]], target: float) -> float | None:
+    """Loop seconds at the first evaluation at or above target (None: never)."""
+    return next((t for t, v in curve if v >= target), None)
+
+
+def tables(work: Path, seeds: list[int], modes: list[int]) -> tuple[str, str]:
+    runs = {(s, n): measured(run_dir(work, s, n)) for s in seeds for n in modes if (run_dir(work, s, n) / "eval.json").exists()}
+    rows = []
+    for (s, n), m in sorted(runs.items()):
+        sync = runs.get((s, 0))
+        ratio = sync["loop_s"] / m["loop_s"] if sync else float("nan")
+        rows.append([s, n, f"{60 * m['iterations'] / m['loop_s']:.1f}", f"{ratio:.2f}x", f"{m['iteration_s']:.2f}",
+                     f"{m['decode_s']:.2f}", f"{m['score_s']:.2f}", f"{m['train_s']:.2f}", f"{m['wait_s']:.2f}",
+                     f"{m['weight_mean']:.3f}" if n else "-", f"{m['beyond']:.4f}" if n else "-"])
+    throughput = md_table(["seed", "max_staleness", "iterations / min", "vs staleness 0", "s / iteration (median)",
+                           "generation worker: decode s", "training worker: score s", "training worker: train s",
+                           "trainer waited for its batch s", "importance weight mean", "tokens beyond cap"], rows)
+    learn = []
+    for (s, n), m in sorted(runs.items()):
+        sync = runs.get((s, 0))
+        if sync is None:
+            continue
+        reached = time_to_reach(m["curve"], sync["final"])
+        learn.append([s, n, f"{m['curve'][0][1]:.3f}", f"{m['final']:.3f}", f"{m['loop_s']:.0f}",
+                      f"{reached:.0f}" if reached is not None else "never",
+                      f"{reached / sync['loop_s']:.2f}" if reached is not None else "-"])
+    finals = {n: [m["final"] for (s, k), m in runs.items() if k == n] for n in modes}
+    spread = {n: (max(v) - min(v)) if len(v) > 1 else float("nan") for n, v in finals.items() if v}
+    summary = "; ".join(f"max_staleness {n}: final {statistics.mean(v):.3f} (spread {spread[n]:.3f})"
+                        for n, v in finals.items() if v)
+    learning = md_table(["seed", "max_staleness", "gold positive before", "after", "loop s",
+                         "loop s to reach the synchronous final", "as a fraction of the synchronous loop"], learn)
+    return throughput, learning + "\n\nFinal held-out gold positive rate over the seeds: " + summary + "."
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(prog="python -m bench.async_rl", description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--work", type=Path, default=WORK / "async_rl")
+    ap.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
+    ap.add_argument("--staleness", type=int, nargs="+", default=[0, 1, 2])
+    ap.add_argument("--summarize", action="store_true", help="only the tables of the runs already in --work")
+    ap.add_argument("--no-write", action="store_true", help="print only; write neither the page nor BENCHMARKS.md")
+    args = ap.parse_args()
+    if not args.summarize:
+        models = base_models(args.work)
+        for seed in args.seeds:
+            for n in args.staleness:  # alternated within each seed: the machine's drift falls on every mode alike
+                run_rl(args.work, models, seed, n)
+    throughput, learning = tables(args.work, args.seeds, args.staleness)
+    command = "python -m bench.async_rl" + (" --summarize" if args.summarize else "")
+    text = (f"Command: `{command}`; machine: {machine_short(os.getloadavg()[0])}. Every run: `rlfuse rl` on the "
+            f"default task (40 iterations of 32 prompts, PPO with a critic), placement.strategy=separated on 2 Ray "
+            f"workers (1 CPU each), held-out evaluation every {EVAL_EVERY} iterations (left out of the loop time).\n\n"
+            f"### Throughput\n\n{throughput}\n\n### Learning against loop time\n\n{learning}")
+    print(text)
+    if args.no_write:
+        return
+    write_section("async_rl", text, page="async_rl")
+    runs = {(s, n): measured(run_dir(args.work, s, n)) for s in args.seeds for n in args.staleness
+            if (run_dir(args.work, s, n) / "eval.json").exists()}
+    ratios = {n: statistics.median(runs[(s, 0)]["loop_s"] / runs[(s, n)]["loop_s"] for s in args.seeds
+                                   if (s, n) in runs and (s, 0) in runs) for n in args.staleness if n}
+    write_headline("async_rl", "iterations per minute against max_staleness 0 (median over seeds): " + ", ".join(
+        f"max_staleness {n} {r:.2f}x" for n, r in ratios.items()),
+        "the synchronous loop (max_staleness 0) on the same 2 Ray workers", command,
+        machine_short(os.getloadavg()[0]), what="Asynchronous RL (separated, 2 workers)", page="async_rl")
+
+
+if __name__ == "__main__":
+    main()
