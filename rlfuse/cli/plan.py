@@ -82,7 +82,8 @@ def run(ns) -> int:
                                 "give an RL run folder")
         budget = ns.memory_per_worker if ns.memory_per_worker is not None else cfg.placement.memory_per_worker_gb
         prob = problem_from_config(cfg, profile, planned_workers(cfg, ns.workers), ns.cpus_per_worker,
-                                   ns.gpus_per_worker, None if budget is None else budget * GiB, lengths)
+                                   ns.gpus_per_worker, None if budget is None else budget * GiB, lengths,
+                                   staleness=(0, max(1, cfg.rl.max_staleness)))  # asynchronous plans beside
         plans = plan(prob)
         print(f"profile: {profile.name} ({profile.source})")
         w = prob.workload

@@ -121,6 +121,9 @@ class Problem:
     """Training micro-batch sizes to try; () means every power of two dividing the mini-batch."""
     checkpointing: tuple[bool, ...] = (False, True)
     migrate_below: tuple[float, ...] = (0.0, 0.2)
+    staleness: tuple[int, ...] = (0,)
+    """rl.max_staleness values to try on the separated placement (0: the synchronous loop; N >= 1: generation runs
+    ahead of training, runtime/ray_async.py)."""
     shard: bool = False
     """Shard weights, gradients and optimiser states over each group (FSDP), for the at-scale predictions."""
     address: str | None = None
@@ -139,6 +142,8 @@ class Plan:
     """Group name -> bytes per component of one of its workers."""
     fits: bool
     why_not: str = ""
+    max_staleness: int = 0
+    """rl.max_staleness of the plan (asynchronous RL on the separated placement when >= 1)."""
 
     @property
     def iteration_s(self) -> float:
@@ -154,7 +159,8 @@ class Plan:
 
     def label(self) -> str:
         return (f"{self.strategy} {self.split}, micro {self.micro_batch_size}, "
-                f"ckpt {'on' if self.gradient_checkpointing else 'off'}, migrate {self.migrate_below:g}")
+                f"ckpt {'on' if self.gradient_checkpointing else 'off'}, migrate {self.migrate_below:g}"
+                + (f", async (max_staleness {self.max_staleness})" if self.max_staleness else ""))
 
     def config_block(self) -> dict:
         """The plan as config sections: placement (strategy, or custom groups when the split is not the strategy's
@@ -173,7 +179,8 @@ class Plan:
         if self.spec.address:
             placement["address"] = self.spec.address
         return {"placement": placement,
-                "rl": {"micro_batch_size": self.micro_batch_size, "gradient_checkpointing": self.gradient_checkpointing},
+                "rl": {"micro_batch_size": self.micro_batch_size, "gradient_checkpointing": self.gradient_checkpointing}
+                | ({"max_staleness": self.max_staleness} if self.max_staleness else {}),
                 "rollout": {"migrate_below": self.migrate_below}}
 
 
@@ -225,8 +232,10 @@ def plan(prob: Problem) -> list[Plan]:
                 continue
             seen.add(rows)
             for ckpt in prob.checkpointing:
-                for migrate in (prob.migrate_below if decoders > 1 else (0.0,)):
-                    plans.append(predict(prob, spec, micro, ckpt, migrate))
+                for stale in (prob.staleness if spec.strategy == "separated" else (0,)):
+                    # an asynchronous rollout decodes each batch whole: no tail migration
+                    for migrate in (prob.migrate_below if decoders > 1 and not stale else (0.0,)):
+                        plans.append(predict(prob, spec, micro, ckpt, migrate, stale))
     plans.sort(key=lambda p: (not p.fits, p.iteration_s, p.peak_bytes))
     return plans
 
@@ -252,25 +261,28 @@ def _workers_with(spec: PlacementSpec, role: str) -> int:
     return sum(g.workers for g in spec.groups if role in g.roles)
 
 
-def predict(prob: Problem, spec: PlacementSpec, micro: int, ckpt: bool, migrate: float) -> Plan:
-    """Seconds per stage and memory per group of one candidate."""
+def predict(prob: Problem, spec: PlacementSpec, micro: int, ckpt: bool, migrate: float, staleness: int = 0) -> Plan:
+    """Seconds per stage and memory per group of one candidate (staleness >= 1: asynchronous, separated only)."""
     w, p, m = prob.workload, prob.profile, prob.memory
     gen_w = _workers_with(spec, "generator")
     train_w = _workers_with(spec, "actor")
     score_w = _workers_with(spec, "reward") or _workers_with(spec, "reference")
     shard_of = lambda workers: workers if prob.shard else 1
-    # workers computing at the same moment slow each other (profile_ray.pair_slowdowns): only where they overlap
-    gen_share, score_share = _pair_shares(prob, spec, gen_w, score_w, migrate)
-    generate, score, rollout, migration = _rollout_seconds(
-        prob, spec, gen_w, score_w, migrate, cost.overlap_slowdown(p.pair_decode_slowdown, gen_share),
-        cost.overlap_slowdown(p.pair_train_slowdown, score_share))
-    train_slow = cost.overlap_slowdown(p.pair_train_slowdown, 1.0 if train_w > 1 else 0.0)  # ranks step together
-    train = _train_seconds(_slowed(prob, train_slow), train_w, micro, ckpt, spec.uses_ray)
-    sync = _sync_seconds(prob, spec)
-    overhead = p.ray_call_s if spec.uses_ray else 0.0
-    seconds = {"generate": generate, "score": score, "rollout": rollout, "train": train, "sync": sync,
-               "migration": migration, "overhead": overhead}
-    seconds["iteration"] = sync + rollout + train + overhead
+    if staleness:
+        seconds = _async_seconds(prob, spec, gen_w, score_w, train_w, micro, ckpt)
+    else:
+        # workers computing at the same moment slow each other (profile_ray.pair_slowdowns): only where they overlap
+        gen_share, score_share = _pair_shares(prob, spec, gen_w, score_w, migrate)
+        generate, score, rollout, migration = _rollout_seconds(
+            prob, spec, gen_w, score_w, migrate, cost.overlap_slowdown(p.pair_decode_slowdown, gen_share),
+            cost.overlap_slowdown(p.pair_train_slowdown, score_share))
+        train_slow = cost.overlap_slowdown(p.pair_train_slowdown, 1.0 if train_w > 1 else 0.0)  # ranks step together
+        train = _train_seconds(_slowed(prob, train_slow), train_w, micro, ckpt, spec.uses_ray)
+        sync = _sync_seconds(prob, spec)
+        overhead = p.ray_call_s if spec.uses_ray else 0.0
+        seconds = {"generate": generate, "score": score, "rollout": rollout, "train": train, "sync": sync,
+                   "migration": migration, "overhead": overhead}
+        seconds["iteration"] = sync + rollout + train + overhead
     memory = {}
     rows = dp_micro_size(w.mini_batch, micro, train_w)
     lengths = w.memory_lengths(rows)
@@ -285,7 +297,39 @@ def predict(prob: Problem, spec: PlacementSpec, micro: int, ckpt: bool, migrate:
         over = [f"{n} needs {mem['total'] / GiB:.2f} GiB" for n, mem in memory.items() if mem["total"] > prob.memory_budget]
         if over:
             fits, why = False, f"{', '.join(over)} per worker, over the {prob.memory_budget / GiB:.2f} GiB budget"
-    return Plan(spec.strategy, spec, micro, ckpt, migrate, seconds, memory, fits, why)
+    return Plan(spec.strategy, spec, micro, ckpt, migrate, seconds, memory, fits, why, staleness)
+
+
+def _async_seconds(prob: Problem, spec: PlacementSpec, gen_w: int, score_w: int, train_w: int, micro: int,
+                   ckpt: bool) -> dict:
+    """Asynchronous RL on the separated placement (runtime/ray_async.py), in the steady state: the generating
+    group decodes the next batch (one call per worker) while the training group sends the weights, scores the
+    current batch (after its decoding, in one call), computes its proximal log-probs (one forward of the policy
+    over the batch on every rank) and trains; both compute throughout, so both are slowed as a pair. An iteration
+    takes the longer of the two sides; the trainer waits for its batch (rollout = scoring + that wait) only when
+    generation is the longer."""
+    p = prob.profile
+    gen_prob = _slowed(prob, cost.overlap_slowdown(p.pair_decode_slowdown, 1.0))
+    train_prob = _slowed(prob, cost.overlap_slowdown(p.pair_train_slowdown, 1.0))
+    w = prob.workload
+    generate = _generate_seconds(gen_prob, gen_w, _tp(prob, gen_w)) + cost.round_trip_seconds(p, 1, w.samples / gen_w)
+    per_scorer = w.samples / score_w  # one call each, scored in micro-batches
+    score = (_score_seconds(train_prob, score_w, math.ceil(per_scorer / w.score_micro_batch))
+             + cost.round_trip_seconds(p, 2, per_scorer))  # set_temperature, score
+    train = _train_seconds(train_prob, train_w, micro, ckpt, True) + _proximal_seconds(train_prob)
+    sync, overhead = _sync_seconds(prob, spec), p.ray_call_s
+    wait = max(0.0, generate - (sync + score + train + overhead))
+    return {"generate": generate, "score": score, "rollout": score + wait, "train": train, "sync": sync,
+            "migration": 0.0, "overhead": overhead, "iteration": sync + score + wait + train + overhead}
+
+
+def _proximal_seconds(prob: Problem) -> float:
+    """A stale batch's proximal log-probs (learn/losses.py proximal_logprobs): one forward of the policy over every
+    sample, in training micro-batches, on each training rank."""
+    w, m, p = prob.workload, prob.memory, prob.profile
+    calls = math.ceil(w.samples / w.score_micro_batch)
+    rows = w.samples / calls
+    return cost.forward_seconds(p, m.policy, rows, w.scored_seq(rows), weight_bytes(m.policy, m.weight_dtype), calls)
 
 
 def _slowed(prob: Problem, factor: float) -> Problem:
@@ -484,7 +528,8 @@ def plan_table(plans: list[Plan], top: int = 12) -> str:
              "|---" * 14 + "|"]
     for i, pl in enumerate(plans[:top], 1):
         s = pl.seconds
-        lines.append(f"| {i} | {pl.strategy} | {pl.split} | {pl.micro_batch_size} | "
+        name = f"{pl.strategy}, async {pl.max_staleness}" if pl.max_staleness else pl.strategy
+        lines.append(f"| {i} | {name} | {pl.split} | {pl.micro_batch_size} | "
                      f"{'on' if pl.gradient_checkpointing else 'off'} | {pl.migrate_below:g} | {s['generate']:.3g} | "
                      f"{s['score']:.3g} | {s['rollout']:.3g} | {s['train']:.3g} | {s['sync']:.3g} | "
                      f"{s['iteration']:.3g} | {pl.peak_bytes / GiB:.2f} | {'yes' if pl.fits else 'no: ' + pl.why_not} |")
@@ -509,13 +554,16 @@ IMDb prompts with the default-task tokenizer). Other data: 32."""
 def problem_from_config(cfg, profile: MachineProfile, workers: int | None = None, cpus_per_worker: float | None = None,
                         gpus_per_worker: float | None = None, memory_budget: float | None = None,
                         lengths: tuple[float, int] | None = None, prompt_tokens: float | None = None,
-                        cores: float | None = None, prompt_lengths: float | None = None) -> Problem:
+                        cores: float | None = None, prompt_lengths: float | None = None,
+                        staleness: tuple[int, ...] | None = None) -> Problem:
     """The planning problem of an RL run on `cfg` (rlfuse.config.Config): roles, shapes and batch sizes from the
     config, placement resources from the arguments or cfg.placement, rates from `profile`. Budget: the argument,
     else a GPU's memory, else the machine's RAM shared by the workers (0 in the profile: no check). lengths:
     (mean, longest) response tokens measured by a run; prompt_tokens: their measured mean (default PROMPT_TOKENS);
     prompt_lengths: distinct prompt lengths in an iteration's prompts, measured (default 1: one prefill call);
-    cores: CPU cores the workers share (default this machine's; CPU workers beyond them are slowed)."""
+    cores: CPU cores the workers share (default this machine's; CPU workers beyond them are slowed); staleness: the
+    rl.max_staleness values to rank on the separated placement (default 0, and the config's own where it sets one:
+    placement.strategy=auto never turns asynchronous RL on by itself)."""
     rl, pc = cfg.rl, cfg.placement
     roles = derive_roles(cfg)
     shape = policy_shape(cfg.model)
@@ -542,8 +590,10 @@ def problem_from_config(cfg, profile: MachineProfile, workers: int | None = None
                         shared_prompt=rl.share_prompt and rl.k > 1)
     mem = memory_inputs(cfg, roles, shape, profile)
     migrate = tuple(sorted({0.0, cfg.rollout.migrate_below}))
+    if staleness is None:
+        staleness = (0, rl.max_staleness) if rl.max_staleness else (0,)
     return Problem(roles, workload, mem, profile, workers, resources, memory_budget, migrate_below=migrate,
-                   address=pc.address)
+                   staleness=staleness, address=pc.address)
 
 
 QUANTISED_DTYPE = {"none": "fp32", "4bit": "nf4-dq", "8bit": "int8"}

@@ -498,3 +498,33 @@ def test_shared_prompts_cost_their_share_per_sample(default_problem):
                      checkpointing=(False,), migrate_below=(0.0,))
     alone = replace(shared, workload=replace(shared.workload, shared_prompt=False))
     assert plan(shared)[0].seconds["train"] < plan(alone)[0].seconds["train"]
+
+
+def test_an_async_plan_takes_the_longer_side(default_problem):
+    # separated 1 + 1, compute only: synchronous, the iteration is sync + rollout + train; asynchronous (max_staleness
+    # 1), decoding the next batch overlaps scoring and training this one, so it takes the longer side: with fast
+    # decoding the training side (plus a forward of the policy for the proximal log-probs), with slow decoding the
+    # generating side, the trainer waiting the difference
+    from rlfuse.plan import planner as pl
+
+    for decode_layer_call_s in (2.5e-4, 0.05):
+        prob = _compute_only(replace(default_problem, workers=2, strategies=("separated",), checkpointing=(False,),
+                                     migrate_below=(0.0, 0.2), micro_batches=(16,), staleness=(0, 1)),
+                             decode_layer_call_s=decode_layer_call_s)
+        plans = plan(prob)
+        assert sorted(p.max_staleness for p in plans) == [0, 1]  # one decoder: no migration to vary
+        sync, stale = (next(p for p in plans if p.max_staleness == n) for n in (0, 1))
+        s = stale.seconds
+        train_side = s["sync"] + s["score"] + s["train"] + s["overhead"]
+        assert s["iteration"] == pytest.approx(max(train_side, s["generate"]))
+        assert s["rollout"] == pytest.approx(s["score"] + max(0.0, s["generate"] - train_side))
+        assert s["train"] == pytest.approx(sync.seconds["train"] + pl._proximal_seconds(prob))
+        assert stale.iteration_s < sync.iteration_s
+        assert stale.config_block()["rl"]["max_staleness"] == 1 and "async (max_staleness 1)" in stale.label()
+    assert s["generate"] > train_side  # the slow-decoding case: generation is the longer side
+
+
+def test_auto_placement_plans_async_only_where_the_config_asks():
+    assert problem_from_config(load_config(None, []), CPU, workers=2, cores=2).staleness == (0,)
+    asked = load_config(None, ["rl.max_staleness=2", "placement.strategy=separated", "placement.workers=2"])
+    assert problem_from_config(asked, CPU, cores=2).staleness == (0, 2)
