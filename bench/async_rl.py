@@ -15,6 +15,11 @@ Two tables, printed and written to docs/benchmarks/async_rl.md (the headline to 
     python -m bench.async_rl                        # SFT + RM once, then 3 seeds x 3 modes (about 25 min on 2 cores)
     python -m bench.async_rl --seeds 0 --staleness 0 1
     python -m bench.async_rl --summarize            # the tables of the run folders that exist already
+    python -m bench.async_rl --real                 # throughput only, SmolLM2-135M-Instruct (needs the smollm2 extra)
+
+--real: RLOO k = 8, full fine-tuning, on 2 hh-rlhf conversations per iteration (configs/smollm2_hh.yaml's data and
+chat template), up to 128 new tokens, reward bench.vs_trl:reply_reward (a function: no reward model to train), RL
+straight from the instruct model (no SFT), 6 iterations per mode, max_staleness 0 and 1 alternated.
 """
 
 from __future__ import annotations
@@ -56,18 +61,54 @@ def run_rl(work: Path, models: list[str], seed: int, staleness: int) -> Path:
     return d
 
 
-def measured(d: Path) -> dict:
+REAL = ["configs/smollm2_hh.yaml", "model.lora=false", "model.shared_base=false", "rl.algo=rloo", "rl.k=8",
+        "rl.prompts_per_iter=2", "rl.max_new_tokens=128", "rl.reward=bench.vs_trl:reply_reward",
+        "rl.mini_batch_size=16", "rl.micro_batch_size=8", "rl.epochs=1", "rl.iterations=6", "rl.eval_prompts=0",
+        "rl.kl_target=null"]
+
+
+def run_real(work: Path, staleness: int) -> Path:
+    """One --real run: RL from the converted instruct model (rlfuse's GGUF cache), on 2 separated workers."""
+    from rlfuse.models.gguf import local_model  # transformers and gguf: only for this workload
+
+    d = work / f"real-staleness{staleness}"
+    if not (d / "eval.json").exists():
+        folder = local_model("smollm2-135m-instruct")
+        subprocess.run([sys.executable, "-m", "rlfuse", "rl", *REAL, f"rl.sft_path={folder}", f"run.dir={d}",
+                        "run.quiet=true", "placement.strategy=separated", "placement.workers=2",
+                        f"rl.max_staleness={staleness}"], check=True, cwd=ROOT, env=os.environ | {"CI": "true"})
+    return d
+
+
+def real_table(work: Path, modes: list[int]) -> str:
+    rows, base = [], None
+    for n in modes:
+        d = work / f"real-staleness{n}"
+        if not (d / "eval.json").exists():
+            continue
+        m = measured(d, gold=False)
+        base = base or m["loop_s"]
+        rows.append([n, f"{60 * m['iterations'] / m['loop_s']:.2f}", f"{base / m['loop_s']:.2f}x",
+                     f"{m['iteration_s']:.1f}", f"{m['decode_s']:.1f}", f"{m['score_s']:.1f}", f"{m['train_s']:.1f}",
+                     f"{m['wait_s']:.1f}", f"{m['weight_mean']:.3f}" if n else "-"])
+    return md_table(["max_staleness", "iterations / min", "vs staleness 0", "s / iteration (median)",
+                     "generation worker: decode s", "training worker: score s", "training worker: train s",
+                     "trainer waited for its batch s", "importance weight mean"], rows)
+
+
+def measured(d: Path, gold: bool = True) -> dict:
     """One run's figures: loop seconds, per-iteration medians, and the held-out curve against loop seconds."""
     rows = [json.loads(line) for line in (d / "rl" / "metrics.jsonl").read_text().splitlines()]
-    ev = json.loads((d / "eval.json").read_text())
+    ev = json.loads((d / "eval.json").read_text()) if gold else {}
     med = lambda k: statistics.median(r[k] for r in rows if k in r) if any(k in r for r in rows) else 0.0
-    loop, curve = 0.0, [(0.0, ev["before"]["gold_positive_rate"])]
+    loop, curve = 0.0, [(0.0, ev["before"]["gold_positive_rate"])] if gold else []
     for r in rows:
         loop += r["time/iteration"]
         if "eval/gold_positive_rate" in r:
             curve.append((loop, r["eval/gold_positive_rate"]))
-    curve.append((loop, ev["after"]["gold_positive_rate"]))
-    return {"loop_s": loop, "iterations": len(rows), "curve": curve, "final": ev["after"]["gold_positive_rate"],
+    if gold:
+        curve.append((loop, ev["after"]["gold_positive_rate"]))
+    return {"loop_s": loop, "iterations": len(rows), "curve": curve, "final": ev.get("after", {}).get("gold_positive_rate"),
             "decode_s": med("time/decode") or med("worker/1/busy_s"), "train_s": med("worker/0/train_s"),
             "score_s": med("time/scoring"), "wait_s": med("time/wait_for_batch"), "iteration_s": med("time/iteration"),
             "weight_mean": med("train/behaviour_weight_mean"), "beyond": med("train/behaviour_beyond_cap")}
@@ -115,8 +156,21 @@ def main() -> None:
     ap.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
     ap.add_argument("--staleness", type=int, nargs="+", default=[0, 1, 2])
     ap.add_argument("--summarize", action="store_true", help="only the tables of the runs already in --work")
+    ap.add_argument("--real", action="store_true", help="the SmolLM2-135M-Instruct throughput runs (see above)")
     ap.add_argument("--no-write", action="store_true", help="print only; write neither the page nor BENCHMARKS.md")
     args = ap.parse_args()
+    if args.real:
+        modes = [n for n in args.staleness if n <= 1]
+        if not args.summarize:
+            for n in modes:
+                run_real(args.work, n)
+        text = (f"Command: `python -m bench.async_rl --real`; machine: {machine_short(os.getloadavg()[0])}. `rlfuse rl "
+                f"{' '.join(REAL)}` from the converted instruct model, placement.strategy=separated on 2 Ray workers "
+                f"(1 CPU each).\n\n{real_table(args.work, modes)}")
+        print(text)
+        if not args.no_write:
+            write_section("async_rl_real", text, page="async_rl")
+        return
     if not args.summarize:
         models = base_models(args.work)
         for seed in args.seeds:

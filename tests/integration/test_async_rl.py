@@ -16,8 +16,9 @@ import torch
 from safetensors.torch import load_file
 
 from conftest import ROOT, TINY
+from rlfuse.cli import main
 
-pytest.importorskip("ray", reason="ray is not installed: pip install 'ray==2.60.*' for the placement tests")
+ray = pytest.importorskip("ray", reason="ray is not installed: pip install 'ray==2.60.*' for the placement tests")
 
 ITERATIONS = 5
 RL = ["rl.algo=grpo", "rl.k=2", "rl.reward=rlfuse.data.gold:gold_reward", f"rl.iterations={ITERATIONS}",
@@ -41,16 +42,22 @@ def weights_of(run_dir):
 
 
 @pytest.fixture(scope="module")
-def async_run(tiny_task, tmp_path_factory):
+def ray_session():
+    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
+    yield
+    ray.shutdown()
+
+
+@pytest.fixture(scope="module")
+def async_run(tiny_task, tmp_path_factory, ray_session):
+    """The uninterrupted run, in this process on the module's Ray (no Ray start of its own)."""
     run_dir = tmp_path_factory.mktemp("async")
-    done = subprocess.run(rl_cmd(tiny_task, run_dir), env=ENV, cwd=ROOT, capture_output=True, text=True)
-    assert done.returncode == 0, done.stderr[-3000:]
-    return run_dir, done.stderr
+    assert main(rl_cmd(tiny_task, run_dir)[3:]) == 0
+    return run_dir
 
 
 def test_async_run_trains_one_update_old_batches_whole(async_run):
-    run_dir, log = async_run
-    assert "asynchronous: iteration i trains the batch the weights of update max(0, i - 1) generated" in log
+    run_dir = async_run
     rows = rows_of(run_dir)
     assert [r["step"] for r in rows] == list(range(1, ITERATIONS + 1))
     assert [r["async/staleness_mean"] for r in rows] == [0.0] + [1.0] * (ITERATIONS - 1)
@@ -66,7 +73,7 @@ def test_async_run_trains_one_update_old_batches_whole(async_run):
     assert (run_dir / "rl" / "checkpoint.pt.inflight").exists()
 
 
-def test_a_second_run_killed_and_resumed_ends_with_the_first_runs_bits(tiny_task, async_run, tmp_path):
+def test_a_second_run_killed_and_resumed_ends_with_the_first_runs_bits(tiny_task, async_run, tmp_path, capfd):
     """Two runs with the same seed and placement, one of them killed after its first checkpoint and resumed: the
     same weights and rewards, bit for bit. Both the schedule (counts, not timing) and the resume (the batch generated
     ahead read back, not decoded again by newer weights) must hold for this."""
@@ -81,11 +88,9 @@ def test_a_second_run_killed_and_resumed_ends_with_the_first_runs_bits(tiny_task
     proc.wait(timeout=60)
     saved = torch.load(ckpt, weights_only=False)["iteration"]
     assert saved in (2, 4) and not (killed / "rl" / "model").exists()
-    resumed = subprocess.run([sys.executable, "-m", "rlfuse", "rl", "--resume", str(killed)], env=ENV, cwd=ROOT,
-                             capture_output=True, text=True)
-    assert resumed.returncode == 0, resumed.stderr[-3000:]
-    assert "no batches in flight saved" not in resumed.stderr
+    assert main(["rl", "--resume", str(killed)]) == 0  # in this process, on the module's Ray
+    assert "no batches in flight saved" not in capfd.readouterr().err
     assert [r["step"] for r in rows_of(killed)] == list(range(1, ITERATIONS + 1))
-    assert [r["reward/mean"] for r in rows_of(killed)] == [r["reward/mean"] for r in rows_of(async_run[0])]
-    a, b = weights_of(async_run[0]), weights_of(killed)
+    assert [r["reward/mean"] for r in rows_of(killed)] == [r["reward/mean"] for r in rows_of(async_run)]
+    a, b = weights_of(async_run), weights_of(killed)
     assert all(torch.equal(a[n], b[n]) for n in a)
