@@ -177,8 +177,8 @@ def main() -> None:
             for n in args.staleness:  # alternated within each seed: the machine's drift falls on every mode alike
                 run_rl(args.work, models, seed, n)
     throughput, learning = tables(args.work, args.seeds, args.staleness)
-    command = "python -m bench.async_rl" + (" --summarize" if args.summarize else "")
-    text = (f"Command: `{command}`; machine: {machine_short(os.getloadavg()[0])}. Every run: `rlfuse rl` on the "
+    command = "python -m bench.async_rl"  # --summarize redraws the tables of that command's run folders
+    text = (f"Command: `{command}`{' (tables redrawn from its run folders with --summarize)' if args.summarize else ''}; machine: {machine_short(os.getloadavg()[0])}. Every run: `rlfuse rl` on the "
             f"default task (40 iterations of 32 prompts, PPO with a critic), placement.strategy=separated on 2 Ray "
             f"workers (1 CPU each), held-out evaluation every {EVAL_EVERY} iterations (left out of the loop time).\n\n"
             f"### Throughput\n\n{throughput}\n\n### Learning against loop time\n\n{learning}")

@@ -298,6 +298,11 @@ class RLConfig:
     generation workers decode iteration i's batch with the weights of update max(0, i - N) while the trainers update,
     so every trained sample is at most N updates old; the update corrects with the decoupled PPO objective
     (rlfuse/algos/offpolicy.py). Other placements have nothing to overlap and stay synchronous (said in the log)."""
+    partial_rollout_after: int = 0
+    """rl.max_staleness >= 1, partial rollouts: a batch decoded ahead of its update takes the next weights once this
+    many of its samples (per generation worker) have finished; its unfinished samples continue under them
+    (re-prefilled), each recording from which token the new weights sampled it, and the generator waits for those
+    weights if they are late (fresher samples, less overlap). 0: a batch is decoded whole by one policy version."""
     behaviour_weight_cap: float = 5.0
     """rl.max_staleness >= 1: the bound on the behaviour importance weight pi_prox / pi_behav of a token."""
     behaviour_weight_mode: str = "truncate"

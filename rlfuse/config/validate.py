@@ -180,7 +180,11 @@ def _validate_quantization(cfg: Config) -> None:
 def _validate_staleness(cfg: Config) -> None:
     """rl.max_staleness and its importance-weight settings."""
     rl = cfg.rl
-    _positive(rl, "rl", "max_staleness", allow_zero=True)
+    _positive(rl, "rl", "max_staleness", "partial_rollout_after", allow_zero=True)
+    if rl.partial_rollout_after and not rl.max_staleness:
+        raise ConfigError("rl.partial_rollout_after", "partial rollouts carry a batch decoded ahead over a weight "
+                          "update, and rl.max_staleness=0 decodes nothing ahead", "set rl.max_staleness=1 or "
+                          "rl.partial_rollout_after=0")
     _positive(rl, "rl", "behaviour_weight_cap")
     _choice(rl.behaviour_weight_mode, "rl.behaviour_weight_mode", BEHAVIOUR_WEIGHT_MODES)
     if rl.max_staleness and rl.train_parallel.startswith("pipeline"):

@@ -44,6 +44,9 @@ class Sample:
     """(len(token_ids),) float32 log-probs of the sampled tokens."""
     finish_reason: str
     """eos | stop | length."""
+    switch_at: int | None = None
+    """Partial rollouts (asynchronous RL): the tokens from this index on were sampled by the next policy version, the
+    sample having been re-prefilled under it (0: all of them); None: one version sampled every token."""
 
 
 @dataclass

@@ -18,8 +18,14 @@ rollout/mean_length_generated says so every iteration). At a checkpoint the batc
 beside it (checkpoint.pt.inflight, unscored samples and the version that drew them), so `--resume` trains the very
 samples the uninterrupted run would: the resumed run's weights equal it (tested).
 
-What it does not do yet: partial rollouts (a sample still decoding at a weight update finishes under the weights it
-started with: a batch is decoded by one version) and tail migration between generation workers in this mode.
+Partial rollouts (rl.partial_rollout_after = F >= 1): a batch that will be stale when trained decodes under its
+first version until F of its samples (per generation worker) have finished, then parks the rest
+(DecodeEngine.export_state); the rest is queued behind the next version's weights and continues under them
+(re-prefilled: prompt + tokens so far), each sample recording from which token the new weights sampled it
+(Sample.switch_at). The switch point is a count, and a generator that reaches it before the next weights exist waits
+for them (its next call is queued behind them): fresher samples for less overlap. A parked rest is written into the
+checkpoint too. What it does not do yet: more than one switch per batch (rl.max_staleness >= 2 switches once, to
+the next version), and tail migration between generation workers in this mode.
 """
 
 from __future__ import annotations
@@ -42,21 +48,35 @@ IN_FLIGHT_SUFFIX = ".inflight"
 
 @dataclass
 class InFlight:
-    """One batch generated ahead: the weights version that decodes it and, once decoded, its samples."""
+    """One batch generated ahead: the weights version that decodes it (its first part, for a partial rollout) and
+    its samples as they come."""
     version: int
     refs: list = field(default_factory=list)
-    """One object ref per generation worker (MultiWorkerRollout.submit_decode)."""
-    samples: list[Sample] | None = None
+    """Object refs of the decoding calls not yet gathered (MultiWorkerRollout.submit_decode, submit_continue)."""
+    samples: list[Sample] = field(default_factory=list)
+    partial: bool = False
+    """A partial rollout: after rl.partial_rollout_after finished samples per worker, the rest continues under
+    version + 1."""
+    continued: bool = False
+    """The rest was queued behind version + 1 (submit_continue)."""
+    parked: list | None = None
+    """The parked rests read back from a checkpoint (one per decoder), handed to the workers with the continuation."""
     decode_s: list[float] = field(default_factory=list)
     rss_mb: list = field(default_factory=list)
+
+    @property
+    def complete(self) -> bool:
+        return not self.refs and (not self.partial or self.continued)
 
 
 class AsyncRollout:
     """The rollout object of trainers/rl.py (runtime/protocols.py) for rl.max_staleness >= 1: a RayRollout's
     workers and weight transfer, with decoding queued ahead by the schedule above."""
 
-    def __init__(self, base, requests, max_staleness: int, iterations: int, log=print):
+    def __init__(self, base, requests, max_staleness: int, iterations: int, log=print, partial_after: int = 0):
         self.base, self.requests, self.N, self.iterations, self.log = base, requests, max_staleness, iterations, log
+        self.partial_after = partial_after
+        """rl.partial_rollout_after (0: every batch decoded whole by one version)."""
         self.version = -1
         """Updates done when sync_weights was last called (the weights the generators got last)."""
         self.in_flight: dict[int, InFlight] = {}
@@ -69,8 +89,9 @@ class AsyncRollout:
 
     def sync_weights(self, models=None) -> dict:
         """Version v = this call's count (the iteration about to train): its weights go to the generation workers
-        without waiting for them (they load them after the batches already queued), then the batches due are
-        queued: v + N, and on a fresh start everything from v."""
+        without waiting for them (they load them after the calls already queued); behind them, the rests of the
+        partial rollouts started under version v - 1, then the batches due: v + N, and on a fresh start everything
+        from v (a batch that will be stale when trained is a partial rollout where rl.partial_rollout_after says)."""
         self.version = v = self.version + 1
         w = self.base.workers
         t = time.perf_counter()
@@ -78,18 +99,34 @@ class AsyncRollout:
             ray.get(self.loads)  # the previous push's loads ran (a failure there surfaces now)
             refs = self.base.group.actor_weights(self.driver.bucket_bytes, "actor")
             self.loads = [w.handles[i].load_weights.remote("generator", ref) for ref in refs.refs for i in w.decoders]
+            for i, batch in sorted(self.in_flight.items()):
+                if batch.partial and not batch.continued and batch.version == v - 1:
+                    batch.refs += self.driver.submit_continue(i, batch.parked)
+                    batch.continued, batch.parked = True, None
             for i in range(v, min(v + self.N, self.iterations - 1) + 1):
                 if i not in self.in_flight:
-                    self.in_flight[i] = InFlight(v, self.driver.submit_decode(self.requests(i)))
+                    partial = bool(self.partial_after) and v < i
+                    self.in_flight[i] = InFlight(v, self.driver.submit_decode(
+                        self.requests(i), self.partial_after if partial else 0), partial=partial)
         return {"time/weight_sync": time.perf_counter() - t, "sync/bytes": refs.bytes, "sync/sent_bytes": refs.bytes}
 
-    def _decoded(self, i: int) -> InFlight:
-        """Batch i with its samples (waiting for its decoders if they are not done)."""
-        batch = self.in_flight[i]
-        if batch.samples is None:
+    def _gather(self, batch: InFlight) -> InFlight:
+        """The batch's decoding calls so far gathered into its samples (waiting for them)."""
+        if batch.refs:
             chunks = ray.get(batch.refs)
-            batch.samples = [x for c in chunks for x in c.unscored]
-            batch.decode_s, batch.rss_mb, batch.refs = [c.busy_s for c in chunks], [c.rss_mb for c in chunks], []
+            batch.samples += [x for c in chunks for x in c.unscored]
+            D = len(self.driver.decoders)
+            busy = [sum(c.busy_s for c in chunks[j::D]) for j in range(D)]
+            batch.decode_s = [a + b for a, b in zip(batch.decode_s, busy)] if batch.decode_s else busy
+            batch.rss_mb, batch.refs = [c.rss_mb for c in chunks[-D:]], []
+        return batch
+
+    def _decoded(self, i: int) -> InFlight:
+        """Batch i with all its samples (waiting for its decoders if they are not done)."""
+        batch = self._gather(self.in_flight[i])
+        if not batch.complete:  # the schedule queues every continuation before the batch is trained
+            raise RuntimeError(f"asynchronous rollout: batch {i} (partial, from version {batch.version}) was not "
+                               f"continued before its update at version {self.version}")
         return batch
 
     def generate(self, request: RolloutRequest):
@@ -104,10 +141,15 @@ class AsyncRollout:
         if len(exp) != len(request.prompts) * request.k:
             raise RuntimeError(f"asynchronous rollout returned {len(exp)} samples for iteration {i}, expected "
                                f"{len(request.prompts) * request.k}")
-        exp.staleness = torch.full((len(exp),), self.version - batch.version, dtype=torch.long)
-        generated = [len(s.token_ids) for s in batch.samples]
+        samples = sorted(batch.samples, key=lambda x: (x.prompt_id, x.sample_index))  # the experience's order
+        # a sample's staleness is its oldest token's: a partial rollout's sample drew from the next version only
+        # when it had not started before the switch (switch_at 0)
+        exp.staleness = torch.tensor([self.version - batch.version - (x.switch_at == 0) for x in samples])
+        generated = [len(s.token_ids) for s in samples]
+        after = sum(len(x.token_ids) - x.switch_at for x in samples if x.switch_at is not None)
         exp.timing = {"rollout": time.perf_counter() - t0, "scoring": sum(score_s.values()), "wait_for_batch": t1 - t0,
                       "decode_s": sum(batch.decode_s), "mean_length_generated": sum(generated) / len(generated),
+                      "tokens_next_version": after / max(1, sum(generated)),
                       "decode_rss_mb": batch.rss_mb, "busy": score_s | dict(zip(self.driver.decoders, batch.decode_s))}
         return exp
 
@@ -122,6 +164,8 @@ class AsyncRollout:
                "async/staleness_max": max(ages), "async/batches_ahead": len(self.in_flight),
                "rollout/mean_length_generated": t["mean_length_generated"],
                "rollout/mean_length_trained": float(exp.mask.sum(1).mean())}
+        if self.partial_after:
+            out["async/tokens_next_version"] = t["tokens_next_version"]
         out |= {f"async/staleness_{a}": ages.count(a) / len(ages) for a in range(self.N + 1)}
         with w.naming_dead_workers("rollout"):
             free = [i for i in range(len(w.handles)) if i not in w.decoders]
@@ -135,10 +179,18 @@ class AsyncRollout:
         return out
 
     def save_in_flight(self, path: Path, iteration: int) -> None:
-        """The batches generated ahead (waiting for their decoding to end), written atomically beside the
-        checkpoint of `iteration`; the previous file is kept as .prev until the trainer's checkpoint is written
-        (a kill in between resumes from the previous checkpoint, which then finds its own batches)."""
-        batches = {i: (self._decoded(i).version, self._decoded(i).samples) for i in sorted(self.in_flight)}
+        """The batches generated ahead (waiting for their decoding calls to end; a partial rollout not yet continued
+        with the parked rest of each worker), written atomically beside the checkpoint of `iteration`; the previous
+        file is kept as .prev until the trainer's checkpoint is written (a kill in between resumes from the previous
+        checkpoint, which then finds its own batches)."""
+        batches = {}
+        for i, batch in sorted(self.in_flight.items()):
+            self._gather(batch)
+            parked = batch.parked
+            if batch.partial and not batch.continued and parked is None:
+                parked = self.driver.parked_states(i)
+            batches[i] = {"version": batch.version, "samples": batch.samples, "partial": batch.partial,
+                          "continued": batch.continued, "parked": parked}
         current = Path(f"{path}{IN_FLIGHT_SUFFIX}")
         if current.exists():
             os.replace(current, current.with_name(current.name + ".prev"))
@@ -156,7 +208,9 @@ class AsyncRollout:
             if f.exists():
                 saved = torch.load(f, weights_only=False)
                 if saved["iteration"] == iteration:
-                    self.in_flight = {i: InFlight(v, samples=s) for i, (v, s) in saved["batches"].items()}
+                    self.in_flight = {i: InFlight(b["version"], samples=b["samples"], partial=b["partial"],
+                                                  continued=b["continued"], parked=b["parked"])
+                                      for i, b in saved["batches"].items()}
                     return
         self.log(f"[rl] no batches in flight saved with the checkpoint of iteration {iteration}: the next "
                  f"{self.N} are decoded by the resumed weights (less stale than the uninterrupted run's)")

@@ -201,6 +201,8 @@ class GenerationWorker:
 
             self.engine._prefill = timed_prefill
         self._it, self._pending, self._unfinished, self._decode_rows = None, [], 0, 0
+        self._parked: dict[int, EngineState] = {}
+        """Partial rollouts: the unfinished rest of a batch (by iteration), waiting for the next weights."""
 
     def ready(self) -> bool:
         """Returns once the actor is built (its models loaded): Ray runs __init__ before any other call."""
@@ -279,6 +281,47 @@ class GenerationWorker:
         out = Chunk(unscored=samples, done=True, decode_rows=self.engine.stats.decode_rows)
         out.busy_s, out.rss_mb = time.perf_counter() - t0, self.rss_mb()
         return out
+
+    def decode_until(self, batch: int, prompts: list[list[int]], prompt_ids: list[int], k: int,
+                     params: SamplingParams, seed: int, finished: int) -> Chunk:
+        """A partial rollout's first part: decode under the weights loaded now until `finished` samples have
+        finished, then park the rest (exported: rows with their tokens so far, prompts not yet started) for
+        continue_batch under the next weights. Returns the finished samples, unscored."""
+        t0 = time.perf_counter()
+        self.start(prompts, prompt_ids, k, params, seed)
+        out = self.advance(finished, score_own=False)
+        if not out.done:
+            state, pending, _ = self.export()
+            out.unscored += pending
+            self._parked[batch] = state
+        out.busy_s, out.rss_mb = time.perf_counter() - t0, self.rss_mb()
+        return out
+
+    def continue_batch(self, batch: int) -> Chunk:
+        """The parked rest of `batch` under the weights loaded since decode_until (its rows re-prefilled, their
+        random streams going on): each sample records from which token the new weights sampled it (Sample.switch_at:
+        0 for a sample that had not started)."""
+        t0, state = time.perf_counter(), self._parked.pop(batch, None)
+        if state is None:  # every sample of this worker's share had finished before the switch
+            return Chunk(done=True, rss_mb=self.rss_mb())
+        drawn = {(r.prompt_id, r.sample_index): len(r.token_ids) for r in state.rows}
+        before = {(x.prompt_id, x.sample_index) for x in state.finished}
+        self._it, self._pending, self._unfinished = self.engine.resume(state), [], unfinished_in(state)
+        out = self.advance(2**62, score_own=False)  # to the end
+        for x in out.unscored:
+            if (x.prompt_id, x.sample_index) not in before:
+                x.switch_at = drawn.get((x.prompt_id, x.sample_index), 0)
+        out.busy_s, out.rss_mb = time.perf_counter() - t0, self.rss_mb()
+        return out
+
+    def parked(self, batch: int) -> EngineState | None:
+        """The parked rest of `batch` (a checkpoint writes it down), or None."""
+        return self._parked.get(batch)
+
+    def park(self, batch: int, state: EngineState | None) -> None:
+        """Take back a parked rest from a checkpoint (a resumed run continues it as the uninterrupted one would)."""
+        if state is not None:
+            self._parked[batch] = state
 
     def _score_pending(self, chunk: Chunk) -> list[ScoredSample]:
         t = time.perf_counter()
@@ -383,13 +426,31 @@ class MultiWorkerRollout:
         """The scoring workers' reward-function means since the last call, pooled (rewards.metrics_of_sums)."""
         return metrics_of_sums(ray.get([self.workers[w].reward_sums.remote() for w in self.scorers]))
 
-    def submit_decode(self, request: RolloutRequest) -> list:
+    def submit_decode(self, request: RolloutRequest, switch_after: int = 0) -> list:
         """Queue the request's decoding on the decoding workers (prompts dealt by position, global ids keeping each
-        sample's stream), returning at once: one object ref per decoder, of a Chunk of unscored samples."""
+        sample's stream), returning at once: one object ref per decoder, of a Chunk of unscored samples.
+        switch_after > 0: a partial rollout's first part (GenerationWorker.decode_until), to be continued by
+        submit_continue once the next weights are loaded."""
         D, n = len(self.decoders), len(request.prompts)
-        return [self.workers[w].decode_batch.remote([request.prompts[i] for i in range(j, n, D)], list(range(j, n, D)),
-                                                    request.k, request.params, request.seed)
-                for j, w in enumerate(self.decoders)]
+        out = []
+        for j, w in enumerate(self.decoders):
+            mine = list(range(j, n, D))
+            args = ([request.prompts[i] for i in mine], mine, request.k, request.params, request.seed)
+            out.append(self.workers[w].decode_until.remote(request.iteration, *args, switch_after) if switch_after
+                       else self.workers[w].decode_batch.remote(*args))
+        return out
+
+    def submit_continue(self, batch: int, states: list | None = None) -> list:
+        """Queue the rest of a partial rollout on each decoding worker (behind the weights queued before it); states:
+        the parked rests read back from a checkpoint, one per decoder, handed over first."""
+        if states is not None:
+            for w, state in zip(self.decoders, states):
+                self.workers[w].park.remote(batch, state)
+        return [self.workers[w].continue_batch.remote(batch) for w in self.decoders]
+
+    def parked_states(self, batch: int) -> list:
+        """Each decoding worker's parked rest of `batch` (behind its queued calls)."""
+        return ray.get([self.workers[w].parked.remote(batch) for w in self.decoders])
 
     def score_in_order(self, samples: list[Sample], temperature: float) -> tuple[list[ScoredSample], list[float]]:
         """Score finished samples on the scoring workers, in (prompt, sample index) order cut into one contiguous

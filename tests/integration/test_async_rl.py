@@ -1,8 +1,8 @@
-"""Asynchronous RL (rl.max_staleness=1) on 2 Ray workers, separated (rank 0 trains and scores, rank 1 generates):
-iteration i trains the batch the weights of update max(0, i - 1) decoded, so from the second iteration on every
-sample is one update old and the decoupled objective's importance weights are logged; a batch is trained whole (no
-length bias); and a second run, its driver killed with SIGKILL after a checkpoint and resumed, ends with the first
-run's bits (the schedule is counts, not timing; the batch generated ahead is saved beside the checkpoint)."""
+"""Asynchronous RL (rl.max_staleness=1) with partial rollouts on 2 Ray workers, separated (rank 0 trains and scores,
+rank 1 generates): iteration i trains the batch the weights of update max(0, i - 1) started and those of update i
+finished; the decoupled objective's importance weights are logged; a batch is trained whole (no length bias); and a
+second run, its driver killed with SIGKILL after a checkpoint and resumed, ends with the first run's bits (the
+schedule is counts, not timing; the batch generated ahead, parked half-way, is saved beside the checkpoint)."""
 
 import json
 import os
@@ -24,7 +24,7 @@ ITERATIONS = 5
 RL = ["rl.algo=grpo", "rl.k=2", "rl.reward=rlfuse.data.gold:gold_reward", f"rl.iterations={ITERATIONS}",
       "rl.prompts_per_iter=4", "rl.mini_batch_size=4", "rl.micro_batch_size=2", "rl.max_new_tokens=24", "rl.epochs=2",
       "rl.eval_prompts=4", "rl.lr=1e-3", "rl.ckpt_every=2", "run.threads=1", "placement.strategy=separated",
-      "placement.workers=2", "rl.max_staleness=1"]
+      "placement.workers=2", "rl.max_staleness=1", "rl.partial_rollout_after=2", "rollout.max_rows=4"]
 ENV = os.environ | {"CI": "true"}
 
 
@@ -56,11 +56,17 @@ def async_run(tiny_task, tmp_path_factory, ray_session):
     return run_dir
 
 
-def test_async_run_trains_one_update_old_batches_whole(async_run):
+def test_async_run_trains_partial_rollouts_whole_with_importance_weights(async_run):
     run_dir = async_run
     rows = rows_of(run_dir)
     assert [r["step"] for r in rows] == list(range(1, ITERATIONS + 1))
-    assert [r["async/staleness_mean"] for r in rows] == [0.0] + [1.0] * (ITERATIONS - 1)
+    # partial rollouts: a stale batch's first 2 samples finish under the old weights; with 4 rows the tiny model's
+    # samples (most run to the length limit) finish about 4 together, and the other 2 prompts start under the new
+    # weights: about half the samples and tokens are the trained policy's own (the first batch is not stale: whole)
+    assert rows[0]["async/staleness_mean"] == 0.0 and rows[0]["async/tokens_next_version"] == 0.0
+    for r in rows[1:]:
+        assert 0.0 < r["async/staleness_mean"] < 1.0 and 0.25 < r["async/tokens_next_version"] < 0.75
+        assert r["async/staleness_0"] + r["async/staleness_1"] == pytest.approx(1.0)
     assert "train/behaviour_weight_mean" not in rows[0]  # the first batch is on-policy: PPO's own objective
     for r in rows[1:]:
         # a one-update-old sampler: the weights differ from 1, and stay near it at this learning rate

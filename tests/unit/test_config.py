@@ -79,6 +79,8 @@ BAD = [
     (["placement.strategy=custom", "placement.groups=train"], "placement.groups[0]", "expected a mapping"),
     (["rl.max_staleness=-1"], "rl.max_staleness", "must be >= 0"),
     (["rl.behaviour_weight_cap=0"], "rl.behaviour_weight_cap", "must be > 0"),
+    (["rl.partial_rollout_after=4"], "rl.partial_rollout_after", "set rl.max_staleness=1"),
+    (["rl.partial_rollout_after=-1", "rl.max_staleness=1"], "rl.partial_rollout_after", "must be >= 0"),
     (["rl.behaviour_weight_mode=trunc"], "rl.behaviour_weight_mode", "did you mean truncate"),
     (["rl.max_staleness=1", "rl.train_parallel=pipeline_fused", "rl.algo=ppo"], "rl.max_staleness",
      "rl.train_parallel=data"),
