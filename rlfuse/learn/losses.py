@@ -3,9 +3,6 @@ puts it) and the critic's clipped value loss, each on the model's own forward of
 
 from __future__ import annotations
 
-import torch
-from torch import Tensor
-
 from rlfuse.algos.kl import kl_penalty
 from rlfuse.algos.losses import ppo_policy_loss, value_loss
 from rlfuse.algos.offpolicy import decoupled_ppo_policy_loss
@@ -47,19 +44,6 @@ def micro_policy_loss(actor, exp: Experience, idx: list[int], adv, rl: RLConfig,
         kl = kl_penalty(new_lp, take(exp.ref_logprobs), rl.kl_estimator_used)
         loss = loss + kl_coef * level_mean(kl, mb.mask, rl.loss_level)
     return loss, stats
-
-
-def proximal_logprobs(actor, exp: Experience, rl: RLConfig, pad_id: int, temperature: float) -> Tensor:
-    """(N, T) the actor's log-probs of every sampled token now, before its update: the proximal policy of the
-    decoupled objective for a stale batch (one forward per micro-batch, no gradient)."""
-    out = torch.zeros_like(exp.logprobs)
-    with torch.no_grad():
-        for s in range(0, len(exp), rl.micro_batch_size):
-            idx = list(range(s, min(s + rl.micro_batch_size, len(exp))))
-            mb, _ = _micro(exp, idx, pad_id, actor, rl.share_prompt)
-            lp = response_logprobs(actor, mb, temperature).float().cpu()
-            out[idx, : lp.shape[1]] = lp
-    return out
 
 
 def micro_value_loss(critic, exp: Experience, idx: list[int], returns, rl: RLConfig, pad_id: int):

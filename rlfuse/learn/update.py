@@ -4,7 +4,6 @@ updates over one iteration's experience, and the count of updates skipped for no
 
 from __future__ import annotations
 
-import dataclasses
 import math
 import time
 from dataclasses import dataclass
@@ -16,7 +15,7 @@ from rlfuse.config import RLConfig
 from rlfuse.errors import UserError
 from rlfuse.learn.batches import micro_batch_indices, micro_batches, prompt_tokens_shared
 from rlfuse.learn.learners import Learner, Learners
-from rlfuse.learn.losses import micro_policy_loss, micro_value_loss, proximal_logprobs
+from rlfuse.learn.losses import micro_policy_loss, micro_value_loss
 from rlfuse.learn.optim import clip_and_step
 from rlfuse.models.build import Models
 from rlfuse.models.forward import can_share
@@ -197,10 +196,6 @@ def update(models: Models, learners: Learners, exp: Experience, adv, returns, rl
     """Actor then critic over the same experience (sampled at `temperature`); returns their stats and times. group:
     see optimise."""
     pad, t0 = models.tokenizer.pad_token_id, time.perf_counter()
-    if exp.staleness is not None and bool(exp.staleness.any()):  # a stale batch: the proximal policy is this one
-        exp = dataclasses.replace(exp, proximal_logprobs=proximal_logprobs(
-            models.actor, exp, rl, pad, rl.temperature if temperature is None else temperature))
-    t_prox = time.perf_counter() - t0
     head = (models.critic, learners.critic, returns) if learners.shared_body else None
     stats = update_actor(learners.actor, exp, adv, batches, rl, kl_coef, pad, bad, head, temperature, group)
     t1 = time.perf_counter()
@@ -208,8 +203,7 @@ def update(models: Models, learners: Learners, exp: Experience, adv, returns, rl
         stats |= update_critic(learners.critic, exp, returns, batches, rl, pad, bad, group)
     passes = rl.share_prompt * (can_share(models.actor) + can_share(models.critic))  # a value head runs the body again
     shared = passes * prompt_tokens_shared(exp, batches, rl, group.world if group else 1) if passes else 0
-    return stats | {"time/train_actor": t1 - t0 - t_prox, "time/train_critic": time.perf_counter() - t1,
-                    **({"time/proximal_logprobs": t_prox} if exp.proximal_logprobs is not None else {}),
+    return stats | {"time/train_actor": t1 - t0, "time/train_critic": time.perf_counter() - t1,
                     "perf/prompt_tokens_shared_train": shared}
 
 

@@ -304,8 +304,8 @@ def _async_seconds(prob: Problem, spec: PlacementSpec, gen_w: int, score_w: int,
                    ckpt: bool) -> dict:
     """Asynchronous RL on the separated placement (runtime/ray_async.py), in the steady state: the generating
     group decodes the next batch (one call per worker) while the training group sends the weights, scores the
-    current batch (after its decoding, in one call), computes its proximal log-probs (one forward of the policy
-    over the batch on every rank) and trains; both compute throughout, so both are slowed as a pair. An iteration
+    current batch (after its decoding, in one call per worker, the policy's proximal log-probs among the passes) and
+    trains; both compute throughout, so both are slowed as a pair. An iteration
     takes the longer of the two sides; the trainer waits for its batch (rollout = scoring + that wait) only when
     generation is the longer."""
     p = prob.profile
@@ -315,20 +315,21 @@ def _async_seconds(prob: Problem, spec: PlacementSpec, gen_w: int, score_w: int,
     generate = _generate_seconds(gen_prob, gen_w, _tp(prob, gen_w)) + cost.round_trip_seconds(p, 1, w.samples / gen_w)
     per_scorer = w.samples / score_w  # one call each, scored in micro-batches
     score = (_score_seconds(train_prob, score_w, math.ceil(per_scorer / w.score_micro_batch))
-             + cost.round_trip_seconds(p, 2, per_scorer))  # set_temperature, score
-    train = _train_seconds(train_prob, train_w, micro, ckpt, True) + _proximal_seconds(train_prob)
+             + _proximal_seconds(train_prob, score_w) + cost.round_trip_seconds(p, 2, per_scorer))  # + set_temperature
+    train = _train_seconds(train_prob, train_w, micro, ckpt, True)
     sync, overhead = _sync_seconds(prob, spec), p.ray_call_s
     wait = max(0.0, generate - (sync + score + train + overhead))
     return {"generate": generate, "score": score, "rollout": score + wait, "train": train, "sync": sync,
             "migration": 0.0, "overhead": overhead, "iteration": sync + score + wait + train + overhead}
 
 
-def _proximal_seconds(prob: Problem) -> float:
-    """A stale batch's proximal log-probs (learn/losses.py proximal_logprobs): one forward of the policy over every
-    sample, in training micro-batches, on each training rank."""
+def _proximal_seconds(prob: Problem, workers: int) -> float:
+    """A stale batch's proximal log-probs (Scorer.score(proximal=True)): one more forward of the policy in the
+    scoring pass, each scoring worker over its share, in scoring micro-batches."""
     w, m, p = prob.workload, prob.memory, prob.profile
-    calls = math.ceil(w.samples / w.score_micro_batch)
-    rows = w.samples / calls
+    per_worker = w.samples / workers
+    calls = math.ceil(per_worker / w.score_micro_batch)
+    rows = per_worker / calls
     return cost.forward_seconds(p, m.policy, rows, w.scored_seq(rows), weight_bytes(m.policy, m.weight_dtype), calls)
 
 

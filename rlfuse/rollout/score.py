@@ -29,6 +29,8 @@ class ScoredSample:
     values: Tensor | None
     old_logprobs: Tensor
     """The engine's sampling log-probs (or a recomputed forward when the scorer has the `old_logprobs` role)."""
+    proximal_logprobs: Tensor | None = None
+    """score(proximal=True): the actor's own log-probs now (asynchronous RL's proximal policy for a stale sample)."""
 
 
 class Scorer:
@@ -87,10 +89,13 @@ class Scorer:
         return contextlib.nullcontext()
 
     @torch.no_grad()
-    def score(self, samples: list[Sample]) -> list[ScoredSample]:
+    def score(self, samples: list[Sample], proximal: bool = False) -> list[ScoredSample]:
+        """proximal: also the actor's log-probs of the sampled tokens as its weights are now (the proximal policy of
+        a stale batch, rlfuse/algos/offpolicy.py), beside the sampling ones: the old-log-probs pass, kept apart."""
         out = []
         order = self._order(samples)
-        passes = 1 + (self.critic is not None) + self.recompute_old
+        actor_pass = self.recompute_old or proximal
+        passes = 1 + (self.critic is not None) + actor_pass
         for i in range(0, len(order), self.micro):
             chunk = order[i: i + self.micro]
             dev = next((self.ref or self.actor).parameters()).device
@@ -101,15 +106,16 @@ class Scorer:
                 scores = self._reward(chunk) - self.unfinished_penalty * unfinished
             with self._timed("reference"), self._ref_context():
                 ref_lp = response_logprobs(self.ref or self.actor, mb, self.temperature).cpu()
-            values = old = None
+            values = actor_lp = None
             if self.critic is not None:
                 with self._timed("critic"):
                     values = response_values(self.critic, mb).cpu()
-            if self.recompute_old:
-                with self._timed("old_logprobs"):
-                    old = response_logprobs(self.actor, mb, self.temperature).cpu()
+            if actor_pass:
+                with self._timed("proximal" if proximal else "old_logprobs"):
+                    actor_lp = response_logprobs(self.actor, mb, self.temperature).cpu()
             for b, s in enumerate(chunk):
                 n = len(s.token_ids)
+                own = None if actor_lp is None else actor_lp[b, :n]
                 out.append(ScoredSample(s, float(scores[b]), ref_lp[b, :n], None if values is None else values[b, :n],
-                                        s.logprobs if old is None else old[b, :n]))
+                                        own if self.recompute_old else s.logprobs, own if proximal else None))
         return out

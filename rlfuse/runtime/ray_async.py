@@ -7,9 +7,10 @@ start the batches 0..N are queued behind version 0. So the batch of iteration i 
 max(0, i - N), whichever worker is faster: Ray runs an actor's calls in the order they were made, so a generator
 that is still decoding finishes that batch with the weights it had, and loads the new ones after. The trainer waits
 for a batch that is late; the generator never waits (N batches are queued ahead of it). Every sample is therefore
-trained by a policy at most N updates newer than the one that drew it (exp.staleness), and learn/update.py corrects
-with the decoupled PPO objective (rlfuse/algos/offpolicy.py): the proximal policy is the trainer's weights at the
-start of the update, the behaviour policy the sampler's recorded log-probs.
+trained by a policy at most N updates newer than the one that drew it (exp.staleness), and the update corrects with
+the decoupled PPO objective (rlfuse/algos/offpolicy.py): the proximal policy is the trainer's weights at the start of
+the update (their log-probs taken in the scoring pass just before it), the behaviour policy the sampler's recorded
+log-probs.
 
 A batch is scored (reference, reward, critic values) on the training workers just before its update, in (prompt,
 sample) order: its values come from the critic that trains on it, as in the synchronous loop. A batch is trained
@@ -135,22 +136,26 @@ class AsyncRollout:
         with self.base.workers.naming_dead_workers("rollout"):
             batch = self._decoded(i)
             t1 = time.perf_counter()
-            scored, score_s = self.driver.score_in_order(batch.samples, request.params.temperature)
+            samples = sorted(batch.samples, key=lambda x: (x.prompt_id, x.sample_index))  # the experience's order
+            # a sample's staleness is its oldest token's: a partial rollout's sample drew from the next version only
+            # when it had not started before the switch (switch_at 0)
+            ages = [self.version - batch.version - (x.switch_at == 0) for x in samples]
+            # a stale batch is scored with the proximal log-probs: the training workers' actor as it is now
+            scored, chunks = self.driver.score_in_order(samples, request.params.temperature, proximal=any(ages))
         del self.in_flight[i]
         exp = build_experience(scored)
         if len(exp) != len(request.prompts) * request.k:
             raise RuntimeError(f"asynchronous rollout returned {len(exp)} samples for iteration {i}, expected "
                                f"{len(request.prompts) * request.k}")
-        samples = sorted(batch.samples, key=lambda x: (x.prompt_id, x.sample_index))  # the experience's order
-        # a sample's staleness is its oldest token's: a partial rollout's sample drew from the next version only
-        # when it had not started before the switch (switch_at 0)
-        exp.staleness = torch.tensor([self.version - batch.version - (x.switch_at == 0) for x in samples])
+        exp.staleness = torch.tensor(ages)
         generated = [len(s.token_ids) for s in samples]
         after = sum(len(x.token_ids) - x.switch_at for x in samples if x.switch_at is not None)
-        exp.timing = {"rollout": time.perf_counter() - t0, "scoring": sum(score_s.values()), "wait_for_batch": t1 - t0,
+        exp.timing = {"rollout": time.perf_counter() - t0, "scoring": sum(c.score_s for c in chunks.values()),
+                      "proximal": sum(c.proximal_s for c in chunks.values()), "wait_for_batch": t1 - t0,
                       "decode_s": sum(batch.decode_s), "mean_length_generated": sum(generated) / len(generated),
-                      "tokens_next_version": after / max(1, sum(generated)),
-                      "decode_rss_mb": batch.rss_mb, "busy": score_s | dict(zip(self.driver.decoders, batch.decode_s))}
+                      "tokens_next_version": after / max(1, sum(generated)), "decode_rss_mb": batch.rss_mb,
+                      "busy": {w: c.score_s for w, c in chunks.items()} | dict(zip(self.driver.decoders,
+                                                                                 batch.decode_s))}
         return exp
 
     def metrics(self, exp) -> dict:
@@ -166,6 +171,8 @@ class AsyncRollout:
                "rollout/mean_length_trained": float(exp.mask.sum(1).mean())}
         if self.partial_after:
             out["async/tokens_next_version"] = t["tokens_next_version"]
+        if exp.proximal_logprobs is not None:  # inside time/scoring
+            out["time/proximal_logprobs"] = t["proximal"]
         out |= {f"async/staleness_{a}": ages.count(a) / len(ages) for a in range(self.N + 1)}
         with w.naming_dead_workers("rollout"):
             free = [i for i in range(len(w.handles)) if i not in w.decoders]

@@ -164,6 +164,8 @@ class Chunk:
     prefill_s: float = 0.0
     """Prefill seconds since the last import_rows (the re-prefill of the migrated and the keeper's own rows)."""
     decode_rows: int = 0
+    proximal_s: float = 0.0
+    """score(proximal=True): the seconds of the actor's pass among score_s."""
     rss_mb: tuple[float, float] | None = None
     """decode_batch: the worker's memory now and at its peak, in MiB (asked while it is free, not queued behind)."""
 
@@ -352,11 +354,13 @@ class GenerationWorker:
         self._prefill_s = 0.0
         return time.perf_counter() - t
 
-    def score(self, samples: list[Sample]) -> Chunk:
-        """Reference, reward and critic passes on finished samples (a freed or finished worker's job)."""
-        t0, out = time.perf_counter(), Chunk(done=True)
-        out.scored = self.scorer.score(samples)
+    def score(self, samples: list[Sample], proximal: bool = False) -> Chunk:
+        """Reference, reward and critic passes on finished samples (a freed or finished worker's job); proximal: the
+        actor's own log-probs too (a worker that trains it, scoring a stale batch just before its update)."""
+        t0, out, before = time.perf_counter(), Chunk(done=True), self.scorer.times["proximal"]
+        out.scored = self.scorer.score(samples, proximal)
         out.score_s = out.busy_s = time.perf_counter() - t0
+        out.proximal_s = self.scorer.times["proximal"] - before
         return out
 
 
@@ -452,18 +456,19 @@ class MultiWorkerRollout:
         """Each decoding worker's parked rest of `batch` (behind its queued calls)."""
         return ray.get([self.workers[w].parked.remote(batch) for w in self.decoders])
 
-    def score_in_order(self, samples: list[Sample], temperature: float) -> tuple[list[ScoredSample], list[float]]:
+    def score_in_order(self, samples: list[Sample], temperature: float, proximal: bool = False
+                       ) -> tuple[list[ScoredSample], dict[int, Chunk]]:
         """Score finished samples on the scoring workers, in (prompt, sample index) order cut into one contiguous
-        share per scorer: each sample is scored in the same batch whoever finished it when. -> (scored, {worker:
-        seconds})."""
+        share per scorer: each sample is scored in the same batch whoever finished it when; proximal: with the
+        actor's own log-probs (Scorer.score). -> (scored, {worker: its Chunk, for the seconds})."""
         samples = sorted(samples, key=lambda x: (x.prompt_id, x.sample_index))
         S = len(self.scorers)
         ray.get([self.workers[w].set_temperature.remote(temperature) for w in self.scorers])
         bounds = [round(i * len(samples) / S) for i in range(S + 1)]
-        refs = {w: self.workers[w].score.remote(samples[bounds[i]: bounds[i + 1]])
+        refs = {w: self.workers[w].score.remote(samples[bounds[i]: bounds[i + 1]], proximal)
                 for i, w in enumerate(self.scorers) if bounds[i + 1] > bounds[i]}
         chunks: dict[int, Chunk] = dict(zip(refs, ray.get(list(refs.values()))))
-        return [x for c in chunks.values() for x in c.scored], {w: c.score_s for w, c in chunks.items()}
+        return [x for c in chunks.values() for x in c.scored], chunks
 
     def generate(self, prompts: list[list[int]], k: int, params: SamplingParams, seed: int, lengths=None,
                  prompt_ids: list[int] | None = None, migrate: bool = True) -> Experience:

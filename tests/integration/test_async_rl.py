@@ -22,7 +22,7 @@ ray = pytest.importorskip("ray", reason="ray is not installed: pip install 'ray=
 
 ITERATIONS = 5
 RL = ["rl.algo=grpo", "rl.k=2", "rl.reward=rlfuse.data.gold:gold_reward", f"rl.iterations={ITERATIONS}",
-      "rl.prompts_per_iter=4", "rl.mini_batch_size=4", "rl.micro_batch_size=2", "rl.max_new_tokens=24", "rl.epochs=2",
+      "rl.prompts_per_iter=4", "rl.mini_batch_size=4", "rl.micro_batch_size=2", "rl.max_new_tokens=24", "rl.epochs=1",
       "rl.eval_prompts=4", "rl.lr=1e-3", "rl.ckpt_every=2", "run.threads=1", "placement.strategy=separated",
       "placement.workers=2", "rl.max_staleness=1", "rl.partial_rollout_after=2", "rollout.max_rows=4"]
 ENV = os.environ | {"CI": "true"}
@@ -77,6 +77,18 @@ def test_async_run_trains_partial_rollouts_whole_with_importance_weights(async_r
         assert r["rollout/mean_length_trained"] == pytest.approx(r["rollout/mean_length_generated"])
         assert r["worker/1/rss_mb"] > 0 and r["time/decode"] > 0
     assert (run_dir / "rl" / "checkpoint.pt.inflight").exists()
+
+
+def test_the_first_async_iteration_is_the_synchronous_single_processs(tiny_task, async_run, tmp_path):
+    # the first batch is drawn by the initial weights and trained by them (not stale, decoded whole): the same
+    # samples, rewards and on-policy update as one process running the synchronous loop
+    single = [a for a in rl_cmd(tiny_task, tmp_path / "single")[3:]
+              if not a.startswith(("placement.", "rl.max_staleness", "rl.partial_rollout_after", "rl.iterations"))]
+    assert main([*single, "rl.iterations=1"]) == 0
+    want, got = rows_of(tmp_path / "single")[0], rows_of(async_run)[0]
+    for key in ("reward/mean", "rollout/length_mean", "reward/kl_k1"):
+        assert got[key] == pytest.approx(want[key], abs=1e-6), key
+    assert got["train/policy_loss"] == pytest.approx(want["train/policy_loss"], abs=1e-5)
 
 
 def test_a_second_run_killed_and_resumed_ends_with_the_first_runs_bits(tiny_task, async_run, tmp_path, capfd):

@@ -1,8 +1,7 @@
-"""The update of a stale batch (rl.max_staleness): the proximal log-probs are the actor's own log-probs of each
-sample, and with behaviour = proximal the decoupled loss is the plain clipped one (weight 1 on every token), while a
-behaviour policy that gave a token half the probability doubles that token's weight."""
+"""The update of a stale batch (rl.max_staleness): the proximal log-probs (the scorer's actor pass) are the actor's
+own log-probs of each sample, and with behaviour = proximal the decoupled loss is the plain clipped one (weight 1 on
+every token), while a behaviour policy that gave a token half the probability doubles that token's weight."""
 
-import dataclasses
 import math
 
 import pytest
@@ -10,9 +9,11 @@ import torch
 from transformers import GPT2Config, GPT2LMHeadModel
 
 from rlfuse.config import load_config
-from rlfuse.learn.losses import micro_policy_loss, proximal_logprobs
+from rlfuse.learn.losses import micro_policy_loss
 from rlfuse.models.forward import collate, response_logprobs
-from rlfuse.rollout.fusion import Experience
+from rlfuse.rollout.fusion import Experience, build_experience
+from rlfuse.rollout.score import Scorer
+from rlfuse.rollout.state import Sample
 
 
 def setup():
@@ -32,14 +33,20 @@ def setup():
                      own.clone(), None, mask, ["eos"] * n)
     rl = load_config(None, ["rl.algo=grpo", "rl.k=2", "rl.prompts_per_iter=2", "rl.mini_batch_size=4",
                             "rl.micro_batch_size=2", "rl.max_staleness=1", "rl.kl_coef=0"]).rl
-    return model, exp, dataclasses.replace(rl, micro_batch_size=3)  # proximal_logprobs in two uneven forwards
+    return model, exp, rl
 
 
 def test_proximal_logprobs_are_each_samples_own():
+    # the scorer's proximal pass (micro-batches of 3: two uneven forwards) beside the sampling log-probs it keeps
     model, exp, rl = setup()
-    got = proximal_logprobs(model, exp, rl, 0, 1.0)
-    torch.testing.assert_close(got, exp.logprobs, atol=1e-5, rtol=0)
-    assert bool((got[exp.mask == 0] == 0).all())
+    drawn = [Sample(int(exp.prompt_index[i]), i % 2, exp.prompt_ids[i], exp.response_ids[i],
+                    torch.full((len(exp.response_ids[i]),), -1.0), "eos") for i in range(len(exp))]
+    scorer = Scorer(lambda chunk: torch.zeros(len(chunk)), 0, ref=model, actor=model, micro_batch_size=3)
+    got = build_experience(scorer.score(drawn, proximal=True))
+    torch.testing.assert_close(got.proximal_logprobs, exp.logprobs, atol=1e-5, rtol=0)
+    assert bool((got.proximal_logprobs[exp.mask == 0] == 0).all())
+    assert bool((got.logprobs[exp.mask == 1] == -1.0).all())  # the behaviour policy's, untouched
+    assert build_experience(scorer.score(drawn)).proximal_logprobs is None  # not asked: no actor pass
 
 
 def test_behaviour_equal_to_proximal_is_the_plain_objective():
