@@ -343,6 +343,10 @@ class RLConfig:
         """kl_estimator, or the algorithm's default when it is null."""
         return self.kl_estimator or ALGORITHMS[self.algo].kl_estimator
 
+    def optimiser_steps(self, samples: int) -> int:
+        """Optimiser steps of one update over `samples` samples: epochs x mini-batches."""
+        return self.epochs * -(-samples // self.mini_batch_size)
+
 
 @dataclass
 class RolloutConfig:

@@ -29,15 +29,16 @@ def micro_policy_loss(actor, exp: Experience, idx: list[int], adv, rl: RLConfig,
     temperature: the one the samples were drawn and the reference scored at (the iteration's)."""
     mb, take = _micro(exp, idx, pad_id, actor, rl.share_prompt)
     new_lp, entropy = response_logprobs(actor, mb, temperature, with_entropy=True)
-    if exp.proximal_logprobs is None:
+    stale = exp.proximal_logprobs is not None or exp.proximal_from_update
+    if not stale:
         loss, st = ppo_policy_loss(new_lp, take(exp.logprobs), take(adv), mb.mask, rl.clip, rl.loss_level)
     else:  # a stale batch (rl.max_staleness): PPO around the proximal policy, re-weighted from the behaviour one
-        loss, st = decoupled_ppo_policy_loss(new_lp, take(exp.proximal_logprobs), take(exp.logprobs), take(adv),
-                                             mb.mask, rl.clip, rl.behaviour_weight_cap, rl.behaviour_weight_mode,
-                                             rl.loss_level)
+        proximal = new_lp.detach() if exp.proximal_from_update else take(exp.proximal_logprobs)
+        loss, st = decoupled_ppo_policy_loss(new_lp, proximal, take(exp.logprobs), take(adv), mb.mask, rl.clip,
+                                             rl.behaviour_weight_cap, rl.behaviour_weight_mode, rl.loss_level)
     stats = {"train/policy_loss": loss.detach(), "train/clip_frac": st["clip_frac"], "train/approx_kl": st["approx_kl"],
              "train/entropy": masked_mean(entropy.detach(), mb.mask)}
-    if exp.proximal_logprobs is not None:
+    if stale:
         stats |= {"train/behaviour_weight_mean": st["weight_mean"], "train/behaviour_weight_max": st["weight_max"],
                   "train/behaviour_beyond_cap": st["beyond_frac"]}
     if ALGORITHMS[rl.algo].kl_in == "loss":  # KL to the reference inside the loss (grpo)

@@ -195,6 +195,8 @@ def update(models: Models, learners: Learners, exp: Experience, adv, returns, rl
            batches: list[list[int]], bad: BadSteps, temperature: float | None = None, group=None) -> dict:
     """Actor then critic over the same experience (sampled at `temperature`); returns their stats and times. group:
     see optimise."""
+    if exp.proximal_from_update and len(batches) != 1:  # the proximal policy would move after the first step
+        raise RuntimeError(f"a batch scored without proximal log-probs is trained in {len(batches)} optimiser steps")
     pad, t0 = models.tokenizer.pad_token_id, time.perf_counter()
     head = (models.critic, learners.critic, returns) if learners.shared_body else None
     stats = update_actor(learners.actor, exp, adv, batches, rl, kl_coef, pad, bad, head, temperature, group)

@@ -325,8 +325,11 @@ def _async_seconds(prob: Problem, spec: PlacementSpec, gen_w: int, score_w: int,
 
 def _proximal_seconds(prob: Problem, workers: int) -> float:
     """A stale batch's proximal log-probs (Scorer.score(proximal=True)): one more forward of the policy in the
-    scoring pass, each scoring worker over its share, in scoring micro-batches."""
+    scoring pass, each scoring worker over its share, in scoring micro-batches; none where the update is one
+    optimiser step (its own forward gives them: rollout/fusion.py Experience.proximal_from_update)."""
     w, m, p = prob.workload, prob.memory, prob.profile
+    if w.epochs * math.ceil(w.samples / w.mini_batch) == 1:
+        return 0.0
     per_worker = w.samples / workers
     calls = math.ceil(per_worker / w.score_micro_batch)
     rows = per_worker / calls

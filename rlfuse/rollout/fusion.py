@@ -54,6 +54,10 @@ class Experience:
     """(N, T) the trained policy's log-probs at the start of its update, for a stale batch (scored with
     Scorer.score(proximal=True) just before it): the decoupled objective's trust region is around them, `logprobs`
     are then the behaviour policy's."""
+    proximal_from_update: bool = False
+    """A stale batch whose update is one optimiser step (one epoch, one mini-batch): every forward of the update runs
+    on the weights it starts from, which are the proximal policy, so the proximal log-probs are the update's own
+    forward, detached, and the scoring pass leaves them out (proximal_logprobs None)."""
 
     def __len__(self) -> int:
         return len(self.prompt_ids)

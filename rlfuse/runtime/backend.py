@@ -56,8 +56,7 @@ def build_placement(cfg: Config, run_dir: Path, engine: DecodeEngine, scorer: Sc
     rows = getattr(scorer.reward_fn, "rows", None)
     rollout, trainer, workers = start_ray_placement(cfg, spec, run_dir, log, reward_rows=rows)
     if runs_async(cfg):
-        rollout = AsyncRollout(rollout, requests, cfg.rl.max_staleness, cfg.rl.iterations, log,
-                               cfg.rl.partial_rollout_after)
+        rollout = AsyncRollout(rollout, requests, cfg.rl, log)
         log(f"[rl] asynchronous: iteration i trains the batch the weights of update max(0, i - "
             f"{cfg.rl.max_staleness}) generated (rl.max_staleness={cfg.rl.max_staleness})")
     try:

@@ -39,6 +39,7 @@ from pathlib import Path
 import ray
 import torch
 
+from rlfuse.config import RLConfig
 from rlfuse.files import atomic_path
 from rlfuse.learn.checkpoint import save_torch
 from rlfuse.rollout.fusion import build_experience
@@ -74,10 +75,11 @@ class AsyncRollout:
     """The rollout object of trainers/rl.py (runtime/protocols.py) for rl.max_staleness >= 1: a RayRollout's
     workers and weight transfer, with decoding queued ahead by the schedule above."""
 
-    def __init__(self, base, requests, max_staleness: int, iterations: int, log=print, partial_after: int = 0):
-        self.base, self.requests, self.N, self.iterations, self.log = base, requests, max_staleness, iterations, log
-        self.partial_after = partial_after
+    def __init__(self, base, requests, rl: RLConfig, log=print):
+        self.base, self.requests, self.N, self.iterations, self.log = base, requests, rl.max_staleness, rl.iterations, log
+        self.partial_after = rl.partial_rollout_after
         """rl.partial_rollout_after (0: every batch decoded whole by one version)."""
+        self.rl = rl
         self.version = -1
         """Updates done when sync_weights was last called (the weights the generators got last)."""
         self.in_flight: dict[int, InFlight] = {}
@@ -140,10 +142,14 @@ class AsyncRollout:
             # a sample's staleness is its oldest token's: a partial rollout's sample drew from the next version only
             # when it had not started before the switch (switch_at 0)
             ages = [self.version - batch.version - (x.switch_at == 0) for x in samples]
-            # a stale batch is scored with the proximal log-probs: the training workers' actor as it is now
-            scored, chunks = self.driver.score_in_order(samples, request.params.temperature, proximal=any(ages))
+            # a stale batch is scored with the proximal log-probs (the training workers' actor as it is now), unless
+            # its update is one optimiser step, whose own forward gives them (Experience.proximal_from_update)
+            one_step = self.rl.optimiser_steps(len(samples)) == 1
+            scored, chunks = self.driver.score_in_order(samples, request.params.temperature,
+                                                        proximal=any(ages) and not one_step)
         del self.in_flight[i]
         exp = build_experience(scored)
+        exp.proximal_from_update = any(ages) and one_step
         if len(exp) != len(request.prompts) * request.k:
             raise RuntimeError(f"asynchronous rollout returned {len(exp)} samples for iteration {i}, expected "
                                f"{len(request.prompts) * request.k}")

@@ -521,6 +521,9 @@ def test_an_async_plan_takes_the_longer_side(default_problem):
         # the proximal log-probs are one more forward in the scoring pass; training is the synchronous plan's
         assert s["train"] == pytest.approx(sync.seconds["train"])
         assert 0 < pl._proximal_seconds(prob, 1) < s["score"]
+        # an update of one optimiser step takes them from its own forward: no scoring pass
+        one_step = replace(prob, workload=replace(prob.workload, epochs=1, mini_batch=prob.workload.samples))
+        assert pl._proximal_seconds(one_step, 1) == 0.0
         assert stale.iteration_s < sync.iteration_s
         assert stale.config_block()["rl"]["max_staleness"] == 1 and "async (max_staleness 1)" in stale.label()
     assert s["generate"] > train_side  # the slow-decoding case: generation is the longer side

@@ -68,3 +68,40 @@ def test_a_token_the_sampler_found_half_as_likely_counts_twice():
     # at the proximal weights the ratio is 1: the per-token loss is -w * A = -2 * -0.5
     assert float(loss) == pytest.approx(1.0, abs=1e-5)
     assert float(stats["train/behaviour_weight_mean"]) == pytest.approx(2.0)
+
+
+def test_a_one_step_update_takes_the_proximal_log_probs_from_its_own_forward():
+    # one epoch, one mini-batch: the update's forward runs on the weights it starts from (the proximal policy), so
+    # the detached forward gives the scored proximal log-probs' loss and gradient without the scoring pass
+    model, exp, rl = setup()
+    adv, idx = torch.tensor([1.0, -1.0, 0.5, -0.5]), [0, 1, 2, 3]
+    exp.logprobs[3, 0] -= math.log(2.0)  # a behaviour policy that differs from the proximal one
+    results = []
+    for from_update in (False, True):
+        model.zero_grad()
+        exp.proximal_logprobs = None if from_update else exp.ref_logprobs.clone()  # the model's own (setup)
+        exp.proximal_from_update = from_update
+        loss, stats = micro_policy_loss(model, exp, idx, adv, rl, 0.0, 0, 1.0)
+        loss.backward()
+        results.append((loss.detach(), stats, [p.grad.clone() for p in model.parameters() if p.grad is not None]))
+    (want, want_stats, want_grads), (got, got_stats, got_grads) = results
+    torch.testing.assert_close(got, want, atol=1e-5, rtol=0)
+    assert float(got_stats["train/behaviour_weight_max"]) == pytest.approx(2.0, rel=1e-4)
+    assert float(got_stats["train/behaviour_weight_mean"]) == pytest.approx(float(want_stats["train/behaviour_weight_mean"]), rel=1e-5)
+    for g, w in zip(got_grads, want_grads):
+        torch.testing.assert_close(g, w, atol=1e-5, rtol=1e-4)
+
+
+def test_a_batch_without_proximal_log_probs_is_refused_in_several_steps():
+    from rlfuse.learn.update import BadSteps, update
+
+    _, exp, rl = setup()
+    exp.proximal_from_update = True
+    with pytest.raises(RuntimeError, match="2 optimiser steps"):
+        update(None, None, exp, None, None, rl, 0.0, [[0, 1], [2, 3]], BadSteps())
+
+
+def test_optimiser_steps_count_epochs_and_mini_batches():
+    rl = load_config(None, ["rl.epochs=1", "rl.mini_batch_size=16"]).rl
+    assert [rl.optimiser_steps(n) for n in (1, 16, 17, 32)] == [1, 1, 2, 2]
+    assert load_config(None, ["rl.epochs=2", "rl.mini_batch_size=16"]).rl.optimiser_steps(16) == 2
