@@ -333,7 +333,9 @@ class RLConfig:
     # --- training across workers (issue 15)
     train_parallel: str = "data"
     """How a Ray placement's training workers share the update: data (data parallel: full replicas, gradients
-    all-reduced; one process with placement.strategy=single) | pipeline_serial (actor and critic each cut into P
+    all-reduced; one process with placement.strategy=single) | fsdp (data parallel on FSDP2 shards: each rank holds
+    1/P of the weights, gradients and AdamW states, gathered a block at a time; rlfuse/runtime/fsdp.py) |
+    pipeline_serial (actor and critic each cut into P
     stages over the P training workers, the critic reversed; the actor's 1F1B, then the critic's) | pipeline_fused
     (the same stages, one fused actor+critic schedule filling each other's bubbles; rlfuse/runtime/pipeline.py)
     | single (one process: placement.strategy=single)."""

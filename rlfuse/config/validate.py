@@ -260,14 +260,18 @@ GROUP_KEYS = ("name", "workers", "roles", "cpus_per_worker", "gpus_per_worker")
 
 
 def _validate_train_parallel(cfg: Config) -> None:
-    """A pipeline mode needs a separate PPO critic and plain (not LoRA) models; single needs one process. Whether the
-    placement gives it two or more training workers, and models it can cut into that many stages, is
-    rlfuse/plan/resolve.py's to check."""
+    """A pipeline mode needs a separate PPO critic and plain (not LoRA) models; single needs one process; fsdp Ray
+    workers. Whether the placement gives it two or more training workers, and models it can cut into that many
+    stages, is rlfuse/plan/resolve.py's to check."""
     rl, p, field_name = cfg.rl, cfg.placement, "rl.train_parallel"
-    _choice(rl.train_parallel, field_name, ("single", "data", "pipeline_serial", "pipeline_fused"))
+    _choice(rl.train_parallel, field_name, ("single", "data", "fsdp", "pipeline_serial", "pipeline_fused"))
     if rl.train_parallel == "single" and p.strategy not in ("single", "auto"):
         raise ConfigError(field_name, f"single trains in one process, but placement.strategy={p.strategy} trains on "
                           "Ray workers", "set rl.train_parallel=data (or a pipeline mode), or placement.strategy=single")
+    if rl.train_parallel == "fsdp" and p.strategy == "single":
+        raise ConfigError(field_name, "fsdp shards the training over the Ray training workers, but placement.strategy="
+                          "single trains in one process", "set placement.strategy=flattened (or separated, interleaved) "
+                          "with placement.workers=2 or more, or rl.train_parallel=data")
     if not rl.train_parallel.startswith("pipeline") or p.strategy == "auto":  # auto: checked once resolved
         return
     if not ALGORITHMS[rl.algo].critic or rl.critic_init == "actor":

@@ -25,20 +25,23 @@ def trainable_state(module: torch.nn.Module | None) -> dict | None:
 
 
 def save_checkpoint(path: Path, *, iteration: int, actor, critic, opt_actor, opt_critic, sched_actor, sched_critic,
-                    kl_coef: float, counters: dict) -> None:
+                    kl_coef: float, counters: dict, shards: str | None = None) -> None:
     """Weights that train, optimiser and LR-scheduler states, the KL coefficient, the bad-step counters and every
-    RNG state: what a resumed run needs to repeat an uninterrupted one bit for bit."""
+    RNG state: what a resumed run needs to repeat an uninterrupted one bit for bit. shards: a sharded run's
+    (rl.train_parallel=fsdp) DCP folder beside `path`, holding the weights and optimiser states (actor, critic and
+    their optimisers are then None here)."""
     state = {
         "iteration": iteration,
         "actor": trainable_state(actor),
         "critic": trainable_state(critic),
-        "opt_actor": opt_actor.state_dict(),
+        "opt_actor": opt_actor.state_dict() if opt_actor is not None else None,
         "opt_critic": opt_critic.state_dict() if opt_critic is not None else None,
         "sched_actor": sched_actor.state_dict(),
         "sched_critic": sched_critic.state_dict() if sched_critic is not None else None,
         "kl_coef": kl_coef,
         "counters": counters,
         "rng": {"torch": torch.get_rng_state(), "numpy": np.random.get_state(), "python": random.getstate()},
+        "shards": shards,
     }
     keep_previous(path)
     with atomic_path(path) as tmp:
@@ -98,10 +101,16 @@ def save_torch(obj, path: Path) -> None:
         raise OSError(error.errno, error.strerror, str(path)) from None
 
 
-def load_checkpoint(path: Path, actor, critic, opt_actor, opt_critic, sched_actor, sched_critic) -> dict:
+def load_checkpoint(path: Path, actor, critic, opt_actor, opt_critic, sched_actor, sched_critic,
+                    sharded: bool = False) -> dict:
     """Restore weights, optimiser, LR-scheduler and RNG states in place; returns the rest (iteration, kl_coef,
-    counters)."""
+    counters). sharded: a sharded run's checkpoint, whose weights and optimiser states the caller reads from its DCP
+    folder (runtime/fsdp.py load_shards)."""
     state = read_checkpoint(path)
+    if bool(state.get("shards")) != sharded:
+        held = "sharded (rl.train_parallel=fsdp)" if state.get("shards") else "whole"
+        raise UserError(f"{path} holds {held} weights, which this run cannot read; resume with the run's own "
+                        "rl.train_parallel, or start a new run")
     configured = {key: [g["lr"] for g in opt.param_groups] for key, opt in (("actor", opt_actor), ("critic", opt_critic))
                   if opt is not None}
     try:
@@ -111,7 +120,8 @@ def load_checkpoint(path: Path, actor, critic, opt_actor, opt_critic, sched_acto
                 if missing:
                     raise ValueError(f"it has parameters the model lacks: {sorted(missing)[:3]}")
                 module.load_state_dict(state[key], strict=False)
-        opt_actor.load_state_dict(state["opt_actor"])
+        if state["opt_actor"] is not None:
+            opt_actor.load_state_dict(state["opt_actor"])
         if opt_critic is not None and state["opt_critic"] is not None:
             opt_critic.load_state_dict(state["opt_critic"])
         for sched, key in ((sched_actor, "sched_actor"), (sched_critic, "sched_critic")):

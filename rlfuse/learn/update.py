@@ -88,7 +88,7 @@ def optimise(learners: list[Learner], batches: list[list[int]], exp: Experience,
     (already scaled by its share), then each learner clips its own gradient norm and steps. A non-finite loss skips
     the mini-batch (BadSteps.count). Returns (mean stats over micro-batches, mean grad norm per learner).
 
-    group: data parallelism (rlfuse/runtime/ray_train.py DataParallelGroup, DDP underneath): this rank runs its
+    group: data parallelism (rlfuse/runtime/data_parallel.py DataParallelGroup, DDP underneath, or fsdp.py ShardedGroup): this rank runs its
     micro-batches of each mini-batch (micro_batches), padded with zero-weight ones to the same count on every rank,
     the losses computed inside DDP's forward; the last micro-batch's backward all-reduces, so every rank steps on the
     gradient one process would get from the whole mini-batch."""

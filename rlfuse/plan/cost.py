@@ -410,7 +410,7 @@ def rollout_chunks(samples: float, every: int) -> int:
 
 
 DDP_BUCKET_BYTES = 32 * 2**20
-"""Gradient bucket of rlfuse's data-parallel training (ray_train.DataParallelGroup's DDP)."""
+"""Gradient bucket of rlfuse's data-parallel training (data_parallel.DataParallelGroup's DDP)."""
 DDP_FIRST_BUCKET_BYTES = 2**20
 """torch's DistributedDataParallel caps its first gradient bucket at 1 MiB (to start communicating early)."""
 

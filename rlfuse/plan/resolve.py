@@ -105,12 +105,19 @@ def _memory_check(cfg: Config) -> dict:
 
 def check_pipeline(cfg: Config) -> None:
     """A pipeline mode cuts the policy and the critic into one stage per training worker: at least two workers, a
-    splittable architecture and a layer per stage (where the models' configs are known before any stage runs)."""
+    splittable architecture and a layer per stage (where the models' configs are known before any stage runs).
+    fsdp shards over the training workers: at least two."""
     rl, field_name = cfg.rl, "rl.train_parallel"
-    if not rl.train_parallel.startswith("pipeline"):
+    if not rl.train_parallel.startswith("pipeline") and rl.train_parallel != "fsdp":
         return
     spec = spec_from_config(cfg)
     P = sum(spec.group(g).workers for g in spec.groups_of("actor")) if spec.uses_ray else 1
+    if rl.train_parallel == "fsdp":
+        if P < 2:
+            raise ConfigError(field_name, f"fsdp shards the training over the training workers, and placement.strategy="
+                              f"{cfg.placement.strategy} gives {P}", "give the actor's group 2 or more workers "
+                              "(placement.strategy=flattened placement.workers=2), or rl.train_parallel=data")
+        return
     if P < 2:
         raise ConfigError(field_name, f"{rl.train_parallel} cuts the models into one stage per training worker, and "
                           f"placement.strategy={cfg.placement.strategy} gives {P}", "set placement.strategy=flattened "

@@ -19,7 +19,7 @@ What is timed, and which MachineProfile field it gives:
   4-byte tensor (`allreduce_latency_s`, the median: a collective waits for the slower rank, as in a run) and a
   buffer of the model's gradient size (`allreduce_bytes_s`, ring bytes over the time beyond the latency).
 - a training micro-batch: the real one (learn/losses.py micro_policy_loss inside DDP's forward, then backward,
-  ray_train.DataParallelGroup.micro_batch) against the bare model's forward + backward over the same tokens:
+  data_parallel.DataParallelGroup.micro_batch) against the bare model's forward + backward over the same tokens:
   the difference is `train_micro_s`. Then the same micro-batch with the gradient sync against without, on both
   workers at once as a data-parallel step runs it: the gradients' bytes over that difference (less a latency per
   DDP bucket) are `ddp_allreduce_bytes_s`, the all-reduce's bandwidth while the ranks compute.
@@ -55,7 +55,7 @@ from rlfuse.runtime.probe import (
 )
 from rlfuse.runtime.process import free_port, pin_threads
 from rlfuse.runtime.ray_common import node_address, start_actors
-from rlfuse.runtime.ray_train import DataParallelGroup
+from rlfuse.runtime.data_parallel import DataParallelGroup
 
 CHUNKS = 10
 """Calls per worker in each chunk pattern."""

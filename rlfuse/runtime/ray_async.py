@@ -100,6 +100,7 @@ class AsyncRollout:
         t = time.perf_counter()
         with w.naming_dead_workers("weight sync"):
             ray.get(self.loads)  # the previous push's loads ran (a failure there surfaces now)
+            self.base.group.begin_rollout()  # sharded training: the whole weights, to send and to score with
             refs = self.base.group.actor_weights(self.driver.bucket_bytes, "actor")
             self.loads = [w.handles[i].load_weights.remote("generator", ref) for ref in refs.refs for i in w.decoders]
             for i, batch in sorted(self.in_flight.items()):

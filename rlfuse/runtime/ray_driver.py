@@ -21,12 +21,14 @@ and the other ray_*.py import Ray: runtime/backend.py imports it only for a plac
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import socket
 import subprocess
 import sys
 import time
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import ray
 from ray.exceptions import RayActorError, RayTaskError
@@ -42,6 +44,7 @@ from rlfuse.runtime.ray_train import TrainGroup, join_training
 from rlfuse.runtime.ray_worker import start_role_workers
 
 SCORING_ROLES = ("reference", "reward")
+TRAIN_PARALLEL_WORDS = {"data": "data-parallel", "fsdp": "data-parallel on FSDP2 shards"}
 
 
 def start_ray(spec: PlacementSpec) -> bool:
@@ -182,7 +185,7 @@ class RayTrainer:
     """ray_train.TrainGroup over the workers holding the actor."""
     workers: RayWorkers
     train_parallel: str = "data"
-    """rl.train_parallel: data (replicas) or pipeline_* (one stage of each model per rank)."""
+    """rl.train_parallel: data (replicas), fsdp (shards) or pipeline_* (one stage of each model per rank)."""
     rates: dict = field(default_factory=dict)
     """train/lr (and train/critic_lr): every rank steps the same constant schedule (learn/optim.py
     build_constant_optimizer), so the config's rates are the optimisers' own."""
@@ -195,13 +198,19 @@ class RayTrainer:
             stats, counters, seconds = self.group.update(exp, adv, returns, kl_coef, batches, bad, temperature)
         bad.skipped, bad.consecutive, bad.why = counters.skipped, counters.consecutive, counters.why  # every rank's
         ranks = [self.workers.ranks[i] for i in self.workers.trainers]
-        key = "train/data_parallel_ranks" if self.train_parallel == "data" else "train/pipeline_stages"
+        key = "train/pipeline_stages" if self.train_parallel.startswith("pipeline") else "train/data_parallel_ranks"
         return stats | {key: len(ranks)} | {
             f"worker/{r}/train_s": s for r, s in zip(ranks, seconds)}
 
     def save_checkpoint(self, path, iteration: int, kl_coef: float, counters: dict) -> None:
+        """Every rank's part, then one line of rl/checkpoints.jsonl: the seconds each rank spent and the bytes it
+        wrote (a checkpoint is written after its iteration's metrics row, so it has no column there)."""
         with self.workers.naming_dead_workers("checkpoint"):
-            self.group.save_checkpoint(path, iteration, kl_coef, counters)
+            ranks = self.group.save_checkpoint(path, iteration, kl_coef, counters)
+        line = {"iteration": iteration, "train_parallel": self.train_parallel,
+                "seconds": [r["seconds"] for r in ranks], "bytes": [r["bytes"] for r in ranks]}
+        with open(Path(path).with_name("checkpoints.jsonl"), "a") as f:
+            f.write(json.dumps(line) + "\n")
 
     def load_checkpoint(self, path) -> dict:
         with self.workers.naming_dead_workers("resume"):
@@ -231,6 +240,7 @@ class RayRollout:
         w = self.workers
         t, sent, per_holder, calls = time.perf_counter(), 0, {}, []
         with w.naming_dead_workers("weight sync"):
+            self.group.begin_rollout()  # sharded training: the whole weights, for this iteration's rollout
             local = [w.handles[i].sync_from_actor.remote() for i in w.decoders if i in w.trainers]
             for role, target, holders in (("actor", "generator", [i for i in w.decoders if i not in w.trainers]),
                                           ("critic", "critic", [i for i in w.scorers if i not in w.trainers])):
@@ -294,7 +304,8 @@ def start_ray_placement(cfg, spec: PlacementSpec, run_dir, log=print, reward_row
             workers.trainers += mine if trains else []
             jobs = [job for job, on in (("decode", decodes), ("score", scores), ("train", trains)) if on]
             log(f"[placement] group {g.name}: {g.workers} worker(s) {' + '.join(jobs)}")
-        train = TrainGroup([workers.handles[i] for i in workers.trainers])
+        train = TrainGroup([workers.handles[i] for i in workers.trainers],
+                           sharded=cfg.rl.train_parallel == "fsdp" and len(workers.trainers) > 1)
         join_training(train.workers)
         pids = ray.get([w.pid.remote() for w in workers.handles])
         cores = ray.get([w.cores.remote() for w in workers.handles]) if pin else []
@@ -302,7 +313,7 @@ def start_ray_placement(cfg, spec: PlacementSpec, run_dir, log=print, reward_row
         pinned = f"; on cores {where}" if cores else ""
         log(f"[placement] {len(workers.handles)} Ray worker(s) up in {time.perf_counter() - t:.1f}s (pids "
             f"{', '.join(f'{r}:{p}' for r, p in zip(workers.ranks, pids))}){pinned}; {len(train.workers)} train "
-            f"{'data-parallel' if cfg.rl.train_parallel == 'data' else 'as ' + cfg.rl.train_parallel + ' stages'}")
+            f"{TRAIN_PARALLEL_WORDS.get(cfg.rl.train_parallel, 'as ' + cfg.rl.train_parallel + ' stages')}")
         driver = MultiWorkerRollout(workers.handles, settings, decoders=workers.decoders, scorers=workers.scorers)
         rollout = RayRollout(driver, workers, train, cfg.rollout.migrate_below > 0, models.critic is not None)
         rates = {"train/lr": cfg.rl.lr} | ({"train/critic_lr": cfg.rl.critic_lr} if models.critic is not None else {})

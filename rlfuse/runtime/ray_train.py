@@ -7,133 +7,43 @@ Rank 0 sends the actor's merged weights to generators in buckets through the obj
 checkpoint file as learn/checkpoint.py (with full replicas it is the whole checkpoint; FSDP2's sharded states and
 torch.distributed.checkpoint are for models that do not fit one worker).
 
-How the RL losses meet DDP: DDP reduces the gradients of a backward that follows its own forward, and the RL
-log-probs never call the model's forward (response_logprobs runs the body and the LM head apart, to keep the
-(B, T, V) logits out of memory). So the trainable modules sit in a `TrainableRoles` container whose forward runs the
-micro-batch loss function it is given: the loss is computed inside DDP's forward, DDP's hooks see every gradient.
+The groups themselves (DDP's DataParallelGroup, FSDP2's ShardedGroup) are in data_parallel.py and fsdp.py.
 
 Imports Ray: only a placement on Ray workers imports this module (runtime/backend.py).
 """
 
 from __future__ import annotations
 
-import contextlib
+import dataclasses
 import json
 import os
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from datetime import timedelta
 from pathlib import Path
 
 import ray
 import torch
 import torch.distributed as dist
-from torch.nn.parallel import DistributedDataParallel
 
 from rlfuse.config import Config
 from rlfuse.errors import UserError
 from rlfuse.files import atomic_path, write_text_atomic
-from rlfuse.learn.checkpoint import (CHECKPOINT_KEYS, checkpoint_parts, load_checkpoint, save_checkpoint, save_torch,
-                                     trainable_state)
+from rlfuse.learn.checkpoint import (CHECKPOINT_KEYS, checkpoint_parts, keep_learning_rates, load_checkpoint,
+                                     previous_of, read_checkpoint, save_checkpoint, save_torch, trainable_state)
 from rlfuse.learn.learners import build_learners, learner_sets
 from rlfuse.learn.update import BadSteps, update
 from rlfuse.models.build import build_models
 from rlfuse.models.device import pick_device, seed_everything
 from rlfuse.models.weights import merged_state_dict
-from rlfuse.plan.cost import DDP_BUCKET_BYTES
 from rlfuse.rollout.fusion import Experience
 from rlfuse.rollout.weights import weight_buckets
+from rlfuse.runtime.data_parallel import DEFAULT_BUCKET_BYTES, DataParallelGroup
+from rlfuse.runtime.fsdp import (ShardedGroup, full_tensor, load_shards, remove_unreferenced_shards, save_shards,
+                                 whole_trainable_state)
 from rlfuse.runtime.pipeline import build_pipeline, schedule_record
 from rlfuse.runtime.process import free_port, pin_threads
 from rlfuse.runtime.ray_common import node_address, start_actors
-
-DEFAULT_BUCKET_BYTES = DDP_BUCKET_BYTES  # the planner's cost model counts the same buckets
-"""Gradient all-reduce and weight-sync buckets: large enough to amortise a collective's latency, small enough that
-one extra bucket of memory does not matter."""
-
-
-# ------------------------------------------------------------------------------------------- collectives
-
-
-class TrainableRoles(torch.nn.Module):
-    """The modules one optimise() call trains (the actor, with a value head on its body; or the critic), as one
-    module for DDP. forward(loss_of, *args) = loss_of(*args): the loss is built inside DDP's forward."""
-
-    def __init__(self, modules: list[torch.nn.Module]):
-        super().__init__()
-        self.roles = torch.nn.ModuleList(modules)
-
-    def forward(self, loss_of, *args):
-        return loss_of(*args)
-
-
-@dataclass
-class DataParallelGroup:
-    """This rank's view of the training group; what learn/update.py `optimise(group=...)` calls."""
-    rank: int
-    world: int
-    device: torch.device
-    bucket_bytes: int = DEFAULT_BUCKET_BYTES
-    loss_scale: float | None = None
-    """What each micro-batch loss is multiplied by before backward; None: world. DDP averages gradients over ranks,
-    and the micro-batch losses are already scaled by their share of the whole mini-batch (learn/batches.py micro_batches),
-    so the sum over ranks is the single-process gradient: world x DDP's mean. (Tests set 1 to show the mean is
-    the wrong weighting.)"""
-    _wrapped: dict = field(default_factory=dict, repr=False)
-
-    def wrap(self, modules: list[torch.nn.Module]) -> DistributedDataParallel:
-        """DDP over these modules, built once per set (every rank builds its sets in the same order, as
-        learn/update.py's update calls them). Building broadcasts rank 0's parameters and buffers: LoRA's random init differs per
-        process, so every rank starts from rank 0's replica."""
-        key = tuple(id(m) for m in modules)
-        if key not in self._wrapped:
-            device_ids = [self.device.index] if self.device.type == "cuda" else None
-            self._wrapped[key] = DistributedDataParallel(TrainableRoles(modules), device_ids=device_ids,
-                                                         bucket_cap_mb=self.bucket_bytes / 2**20,
-                                                         forward_sync_buffers=False)
-        return self._wrapped[key]
-
-    @contextlib.contextmanager
-    def micro_batch(self, modules: list[torch.nn.Module], sync: bool):
-        """Around one micro-batch's forward and backward: yields `run(loss_of, *args)`, which computes the loss
-        inside DDP's forward and returns (loss x loss_scale, stats). sync=False (all but a mini-batch's last
-        micro-batch) accumulates locally; the last one all-reduces."""
-        ddp = self.wrap(modules)
-        scale = self.world if self.loss_scale is None else self.loss_scale
-
-        def run(loss_of, *args):
-            loss, stats = ddp(loss_of, *args)
-            return loss * scale, stats
-
-        with contextlib.nullcontext() if sync else ddp.no_sync():
-            yield run
-
-    def check_all_used(self, modules: list[torch.nn.Module]) -> None:
-        """After a mini-batch's backward: every trainable parameter got a gradient. DDP (find_unused_parameters off,
-        which saves a graph walk per forward) would otherwise fail at the next mini-batch with a message that does
-        not name the parameter."""
-        unused = [n for m in modules for n, p in m.named_parameters() if p.requires_grad and p.grad is None]
-        if unused:
-            raise UserError(f"data-parallel training: {len(unused)} trainable parameter(s) get no gradient from the "
-                            f"RL losses (first: {unused[0]}); freeze them or train with placement.strategy=single")
-
-    def all_finite(self, finite: bool) -> bool:
-        """True on every rank iff every rank's losses were finite: one rank's NaN skips the step on all."""
-        flag = torch.tensor([int(finite)], device=self.device)
-        dist.all_reduce(flag, op=dist.ReduceOp.MIN)  # note: a host sync, once per mini-batch
-        return bool(flag.item())
-
-    def sum_stats(self, sums: dict, count: int) -> tuple[dict, int]:
-        """Per-micro-batch stat sums and counts over all ranks (a rank may have had no micro-batch: no keys)."""
-        mine = ({k: float(v) for k, v in sums.items()}, count)
-        gathered = [None] * self.world
-        dist.all_gather_object(gathered, mine)
-        total: dict = {}
-        for part, _ in gathered:
-            for k, v in part.items():
-                total[k] = total.get(k, 0.0) + v
-        return total, sum(c for _, c in gathered)
-
 
 # ------------------------------------------------------------------------------------------- weight sync
 
@@ -165,7 +75,7 @@ class TrainWorker:
         for name in {"generator", "ref", "reward_fn"} - set(keep):
             setattr(models, name, None)
         self.models, self.learners = models, build_learners(models, cfg.rl)
-        self.group: DataParallelGroup | None = None
+        self.group: DataParallelGroup | ShardedGroup | None = None
         self.pipeline = None  # rl.train_parallel=pipeline_*: this rank's stages (rlfuse/runtime/pipeline.py)
 
     def ready(self) -> bool:
@@ -186,10 +96,25 @@ class TrainWorker:
             self.pipeline = build_pipeline(self.models.actor, self.models.critic, self.cfg.rl,
                                            self.cfg.rl.train_parallel, self.models.tokenizer.pad_token_id)
             return
+        sets = [[learner.module for learner in learners] for learners in learner_sets(self.learners)]
+        if self.cfg.rl.train_parallel == "fsdp":
+            self.group = ShardedGroup(self.rank, self.world, self.device)
+            self.group.shard(sets)  # from rank 0's weights, as DDP below
+            self.learners = build_learners(self.models, self.cfg.rl)  # optimisers over the shards
+            return
         self.group = DataParallelGroup(self.rank, self.world, self.device)
+        for modules in sets:  # DDP copies rank 0's weights to every rank as it wraps
+            self.group.wrap(modules)
 
-        for learners in learner_sets(self.learners):  # DDP copies rank 0's weights to every rank as it wraps
-            self.group.wrap([learner.module for learner in learners])
+    @property
+    def sharded(self) -> bool:
+        return isinstance(self.group, ShardedGroup)
+
+    def begin_rollout(self) -> None:
+        """Sharded training (fsdp.py): the whole weights gathered for this iteration's decoding, scoring and weight
+        sends; every training rank at once (the driver calls them together, before anything else of the iteration)."""
+        if self.sharded:
+            self.group.gather()
 
     def update(self, exp: Experience, adv, returns, kl_coef: float, batches: list[list[int]], bad: BadSteps,
                temperature: float | None = None) -> dict:
@@ -202,7 +127,11 @@ class TrainWorker:
             if self.rank == 0:  # the last update's schedule, executed and simulated, for the report
                 self._save_schedule()
             return {"stats": stats, "bad": bad, "seconds": time.perf_counter() - t}
-        stats = update(self.models, self.learners, exp, adv, returns, self.cfg.rl, kl_coef, batches, bad,
+        rl = self.cfg.rl
+        if self.sharded:  # the whole weights of the rollout freed; no prefix-shared forwards (fsdp.py says why)
+            self.group.shard_again()
+            rl = dataclasses.replace(rl, share_prompt=False)
+        stats = update(self.models, self.learners, exp, adv, returns, rl, kl_coef, batches, bad,
                        temperature=temperature, group=self.group)
         return {"stats": stats, "bad": bad, "seconds": time.perf_counter() - t}
 
@@ -213,7 +142,10 @@ class TrainWorker:
 
     def actor_weights(self, bucket_bytes: int = DEFAULT_BUCKET_BYTES, role: str = "actor") -> WeightRefs:
         """The actor's (or role="critic": the critic's) merged weights (models/weights.merged_state_dict) in
-        object-store buckets (rank 0 is enough: every rank holds the same replica)."""
+        object-store buckets (rank 0 is enough: every rank holds the same replica, or, sharded, the whole weights
+        begin_rollout gathered)."""
+        if self.sharded and not self.group.gathered:
+            raise RuntimeError("actor_weights on sharded training: begin_rollout first (on every rank)")
         t, refs, nbytes = time.perf_counter(), [], 0
         for bucket in weight_buckets(merged_state_dict(getattr(self.models, role)), bucket_bytes):
             bucket = {k: v.detach().cpu() for k, v in bucket.items()}  # the object store holds host memory
@@ -233,15 +165,45 @@ class TrainWorker:
         with atomic_path(current) as tmp:
             save_torch({"iteration": iteration, "state": self.pipeline.optimizer_state()}, tmp)
 
-    def save_checkpoint(self, path: str, iteration: int, kl_coef: float, counters: dict) -> None:
-        """Rank 0 writes learn/checkpoint.py's file (replicas are whole; others return at once)."""
+    def save_checkpoint(self, path: str, iteration: int, kl_coef: float, counters: dict) -> dict:
+        """Rank 0 writes learn/checkpoint.py's file (replicas are whole; others return at once). Sharded: every
+        rank first writes its shards (fsdp.save_shards), then rank 0 the file naming them, without the weights and
+        optimiser states, and removes the shard folders no kept checkpoint names. -> {"seconds", "bytes"} this rank
+        spent and wrote."""
+        t, path, written = time.perf_counter(), Path(path), []
+        parts = dict(zip(CHECKPOINT_KEYS, checkpoint_parts(self.models, self.learners)))
+        shards = None
+        if self.sharded:
+            self.group.shard_again()
+            shards = save_shards(path, iteration, self.group, learner_sets(self.learners))
+            parts = parts | {key: None for key in ("actor", "critic", "opt_actor", "opt_critic")}
+            written.append(path.with_name(shards) / f"__{self.rank}_0.distcp")
         if self.rank == 0:
-            save_checkpoint(Path(path), **dict(zip(CHECKPOINT_KEYS, checkpoint_parts(self.models, self.learners))),
-                            iteration=iteration, kl_coef=kl_coef, counters=counters)
+            save_checkpoint(path, **parts, iteration=iteration, kl_coef=kl_coef, counters=counters, shards=shards)
+            written.append(path)
+        if shards is not None and self.rank == 0:
+            prev = previous_of(path)
+            keep = {shards} | ({read_checkpoint(prev).get("shards")} if prev.exists() else set())
+            remove_unreferenced_shards(path, keep)
+        if self.pipeline is not None:
+            written.append(Path(f"{path}.stage{self.rank}"))
+        return {"seconds": time.perf_counter() - t,
+                "bytes": sum(f.stat().st_size for f in written if f.exists())}
 
     def load_checkpoint(self, path: str) -> dict:
-        """Every rank restores the same file; returns its iteration, kl_coef and counters."""
-        state = load_checkpoint(Path(path), *checkpoint_parts(self.models, self.learners))
+        """Every rank restores the same file; returns its iteration, kl_coef and counters. Sharded: every rank reads
+        its shards from the folder the file names (a learning rate changed on resume kept, as load_checkpoint does)."""
+        parts = checkpoint_parts(self.models, self.learners)
+        if self.sharded:
+            self.group.shard_again()
+            learners = [learner for s in learner_sets(self.learners) for learner in s]
+            configured = [[g["lr"] for g in learner.opt.param_groups] for learner in learners]
+            state = load_checkpoint(Path(path), *parts, sharded=True)  # counters, schedules, RNG states
+            load_shards(Path(path).with_name(state["shards"]), self.group, learner_sets(self.learners))
+            for learner, lrs in zip(learners, configured):
+                keep_learning_rates(learner.opt, learner.sched, lrs)
+            return {k: state[k] for k in ("iteration", "kl_coef", "counters")}
+        state = load_checkpoint(Path(path), *parts)
         if self.pipeline is not None:
             self.pipeline.load_optimizer_state(self._stage_state_of(Path(f"{path}.stage{self.rank}"), state["iteration"]))
         return {k: state[k] for k in ("iteration", "kl_coef", "counters")}
@@ -258,9 +220,34 @@ class TrainWorker:
                         "stopped while saving it and the previous one is gone); start the RL stage again")
 
     def trainable_state(self) -> dict:
-        """{role: {name: tensor}} of what trains (tests compare ranks and processes with it)."""
+        """{role: {name: tensor}} of what trains (tests compare ranks and processes with it). Sharded: the whole
+        tensors, gathered one at a time (every rank calls it together)."""
         roles = {"actor": self.models.actor, "critic": self.models.critic}
+        if self.sharded:
+            self.group.shard_again()
+            return {r: whole_trainable_state(m) for r, m in roles.items() if m is not None}
         return {r: {n: t.cpu() for n, t in trainable_state(m).items()} for r, m in roles.items() if m is not None}
+
+    def trainable_buckets(self, bucket_bytes: int = DEFAULT_BUCKET_BYTES) -> dict | None:
+        """Sharded: what trains, gathered a bucket at a time (every rank together), rank 0 putting each bucket into
+        the object store: {role: [refs]} on rank 0, None elsewhere. No process holds the whole state dict at once
+        (the driver loads the buckets one by one into its own models)."""
+        self.group.shard_again()
+        out = {}
+        for role in ("actor", "critic"):
+            module = getattr(self.models, role)
+            if module is None:
+                continue
+            out[role], bucket, size = [], {}, 0
+            named = [(n, p) for n, p in module.named_parameters() if p.requires_grad]
+            for i, (name, p) in enumerate(named):
+                whole = full_tensor(p.detach()).cpu()
+                if self.rank == 0:
+                    bucket[name], size = whole, size + whole.numel() * whole.element_size()
+                if self.rank == 0 and (size >= bucket_bytes or i == len(named) - 1):
+                    out[role].append(ray.put(bucket))
+                    bucket, size = {}, 0
+        return out if self.rank == 0 else None
 
     def shutdown(self) -> None:
         if dist.is_initialized():
@@ -274,6 +261,13 @@ class TrainWorker:
 class TrainGroup:
     """The driver's handle on the training ranks: step 4 of the RL loop and the trainer side of weight sync."""
     workers: list
+    sharded: bool = False
+    """rl.train_parallel=fsdp on two or more ranks (fsdp.py): the gathers are collectives, every rank called."""
+
+    def begin_rollout(self) -> None:
+        """Sharded: every rank gathers the whole weights for this iteration's rollout (TrainWorker.begin_rollout)."""
+        if self.sharded:
+            get_failing_fast([w.begin_rollout.remote() for w in self.workers])
 
     def update(self, exp: Experience, adv, returns, kl_coef: float, batches: list[list[int]], bad: BadSteps,
                temperature: float | None = None) -> tuple[dict, dict, list[float]]:
@@ -285,8 +279,14 @@ class TrainGroup:
         return outs[0]["stats"], outs[0]["bad"], [o["seconds"] for o in outs]
 
     def pull_into(self, models) -> None:
-        """Rank 0's trainable weights into the driver's own models (its evaluation and the saved model)."""
-        for role, state in ray.get(self.workers[0].trainable_state.remote()).items():
+        """Rank 0's trainable weights into the driver's own models (its evaluation and the saved model); sharded,
+        a bucket at a time (TrainWorker.trainable_buckets)."""
+        if self.sharded:
+            parts = get_failing_fast([w.trainable_buckets.remote() for w in self.workers])[0]
+            states = ((role, ray.get(ref)) for role, refs in parts.items() for ref in refs)
+        else:
+            states = ray.get(self.workers[0].trainable_state.remote()).items()
+        for role, state in states:
             unexpected = getattr(models, role).load_state_dict(state, strict=False).unexpected_keys
             if unexpected:  # a naming mismatch would otherwise save the untrained model
                 raise RuntimeError(f"the trained {role} has parameters the driver's {role} lacks: {unexpected[:3]}")
@@ -294,17 +294,19 @@ class TrainGroup:
     def actor_weights(self, bucket_bytes: int = DEFAULT_BUCKET_BYTES, role: str = "actor") -> WeightRefs:
         return ray.get(self.workers[0].actor_weights.remote(bucket_bytes, role))
 
-    def save_checkpoint(self, path, iteration: int, kl_coef: float, counters: dict) -> None:
+    def save_checkpoint(self, path, iteration: int, kl_coef: float, counters: dict) -> list[dict]:
+        """-> each rank's {"seconds", "bytes"} (TrainWorker.save_checkpoint)."""
         # with pipeline stages every rank saves its own optimiser states first, then rank 0 the checkpoint: a kill
         # in between leaves the previous checkpoint, whose stage files it never reads again (the new ones are newer)
-        ray.get([w.save_stage_state.remote(str(path), iteration) for w in self.workers])
-        ray.get([w.save_checkpoint.remote(str(path), iteration, kl_coef, counters) for w in self.workers])
+        get_failing_fast([w.save_stage_state.remote(str(path), iteration) for w in self.workers])
+        return get_failing_fast([w.save_checkpoint.remote(str(path), iteration, kl_coef, counters)
+                                 for w in self.workers])
 
     def load_checkpoint(self, path) -> dict:
         return ray.get([w.load_checkpoint.remote(str(path)) for w in self.workers])[0]
 
     def trainable_states(self) -> list[dict]:
-        return ray.get([w.trainable_state.remote() for w in self.workers])
+        return get_failing_fast([w.trainable_state.remote() for w in self.workers])
 
     def shutdown(self, timeout_s: float = 30) -> None:
         """Leave the process group, then end the actors (also those stuck in a collective past timeout_s)."""
@@ -331,7 +333,7 @@ def start_train_workers(cfg: Config, run_dir, world: int, cpus_per_worker: int =
     workers = start_actors(TrainWorker, world, lambda r: (cfg, str(run_dir), r, world, threads), cpus_per_worker,
                            gpus_per_worker, placement_group, first_bundle)
     join_training(workers)
-    return TrainGroup(workers)
+    return TrainGroup(workers, sharded=cfg.rl.train_parallel == "fsdp" and world > 1)
 
 
 def join_training(workers: list) -> None:

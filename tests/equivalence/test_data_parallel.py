@@ -109,6 +109,45 @@ def assert_same_update(dp, one, start, shared_body=False):
             torch.testing.assert_close(dp[role][n], one[role][n], msg=f"{role}.{n}")
 
 
+def test_fsdp_on_two_workers_equals_one_process(ray_cluster, tiny_task, tmp_path):
+    """rl.train_parallel=fsdp (rlfuse/runtime/fsdp.py): each rank holds half of each tensor; one update on the same
+    experience ends with the single-process weights (gathered), and each rank holds only its shard between updates.
+    GRPO with LoRA (frozen base weights and trained adapters in each block) and 3 micro-batches per mini-batch: rank 1
+    runs a zero-weight padding one, so that both ranks run the same forwards (FSDP's collectives). PPO with a separate
+    critic (two shard groups) runs end to end in tests/integration/test_placement_run.py. It comes before the tests
+    below: its ranks must be gone before ppo_workers takes the cluster's 2 CPUs."""
+    extra = ["rl.algo=grpo", "rl.k=2", "rl.prompts_per_iter=6", "rl.mini_batch_size=6", "rl.micro_batch_size=2",
+             "rl.epochs=1", "model.lora=true", "model.lora_r=4"]
+    cfg = rl_config(tiny_task, "grpo", *extra, "rl.train_parallel=fsdp", "placement.strategy=flattened",
+                    "placement.workers=2")
+    workers = start_train_workers(cfg, tmp_path, world=2)
+    try:
+        start = workers.trainable_states()[0]
+        shard_sizes = ray.get(workers.workers[0].__ray_call__.remote(
+            lambda w: {n: p.to_local().numel() for n, p in w.models.actor.named_parameters()}))
+        exp = hand_experience(build_models(cfg, tmp_path, torch.device("cpu")).actor, len_of(cfg), cfg.rl.k)
+        adv, returns, _ = compute_advantages(exp, cfg.rl, KL)
+        batches = minibatches(len(exp), cfg.rl, cfg.run.seed, 0)
+        dp_stats, dp_bad, _ = workers.update(exp, adv, returns, KL, batches, BadSteps())
+        states = workers.trainable_states()
+    finally:
+        workers.shutdown()
+    for role in states[0]:  # gathered: every rank returns the same whole tensors
+        for n, t in states[0][role].items():
+            torch.testing.assert_close(states[1][role][n], t, rtol=0, atol=0)
+    models, learners = single_process(cfg, tmp_path, start)
+    bad = BadSteps()
+    one_stats = update(models, learners, exp, adv, returns, cfg.rl, KL, batches, bad)
+    assert dp_bad == bad == BadSteps()
+    one = {"actor": learners.actor.module, "critic": models.critic}
+    one = {r: {n: p.detach() for n, p in m.named_parameters() if p.requires_grad} for r, m in one.items() if m is not None}
+    assert_same_update(states[0], one, start)
+    whole = {n: p.numel() for n, p in models.actor.named_parameters()}
+    big = [n for n in whole if whole[n] >= 64]
+    assert big and all(shard_sizes[n] <= -(-whole[n] // 2) for n in big)  # rank 0 holds about half of each
+    assert dp_stats["train/grad_norm"] == pytest.approx(one_stats["train/grad_norm"], rel=1e-5, abs=1e-6)
+
+
 @pytest.fixture(scope="module")
 def ppo_workers(ray_cluster, tiny_task, tmp_path_factory):
     """Two PPO ranks (separate critic) shared by the tests below: starting a worker costs seconds (imports, models);

@@ -6,13 +6,18 @@ decoded), and a second flattened run ends with the same bits. The single-process
 share one Ray session."""
 
 import json
+import os
+import signal
+import subprocess
+import sys
+import time
 
 import pytest
 import torch
 from safetensors.torch import load_file
 from torch.testing import assert_close
 
-from conftest import TINY
+from conftest import ROOT, TINY
 from rlfuse.cli import main
 
 ray = pytest.importorskip("ray", reason="ray is not installed: pip install 'ray==2.60.*' for the placement tests")
@@ -155,3 +160,53 @@ def test_pipeline_stages_on_two_workers_train_as_one_process(tiny_task, folders,
     assert record["devices"] == 2 and len(record["executed"]) == len(record["simulated"]) == tasks
     assert 0 <= record["bubble_simulated"] < 1 and 0 <= record["bubble_executed"] < 1
     assert draw_figures(tmp_path)["pipeline_schedule"].stat().st_size > 0
+
+
+FSDP = [*FLATTENED, "rl.train_parallel=fsdp", "rl.ckpt_every=1"]
+fsdp_runs = []
+
+
+def test_fsdp_shards_train_as_one_process_and_checkpoint_with_dcp(tiny_task, folders, single, ray_session, tmp_path):
+    """rl.train_parallel=fsdp (rlfuse/runtime/fsdp.py) flattened on 2 workers: the shards are gathered for each
+    rollout (both workers decode and score on whole weights), trained as shards, and the run's actor equals the single
+    process's; every checkpoint is a DCP folder of both ranks' shards beside a checkpoint.pt without weights, and only
+    the kept checkpoints' folders stay."""
+    start = load_file(str(tiny_task.model_dir / "model.safetensors"))
+    rows, actor, rewards = run_rl(tmp_path, folders, *FSDP)
+    fsdp_runs.append(actor)
+    want_rows, want_actor, want_rewards = single
+    assert [r["train/data_parallel_ranks"] for r in rows] == [2, 2, 2]
+    assert all(r["sync/bytes"] == 0 and r["migration/rows_moved"] > 0 for r in rows)  # decoded in place, migrated
+    assert_close(rewards, want_rewards)
+    assert_actor_as_single(actor, want_actor, start)
+    ckpt = torch.load(tmp_path / "rl" / "checkpoint.pt", weights_only=False)
+    assert ckpt["iteration"] == 3 and ckpt["actor"] is None and ckpt["opt_actor"] is None
+    folders_left = sorted(p.name for p in (tmp_path / "rl").glob("checkpoint.pt.shards-*"))
+    assert folders_left == ["checkpoint.pt.shards-000002", "checkpoint.pt.shards-000003"]  # checkpoint.pt and .prev
+    assert ckpt["shards"] == folders_left[-1]
+    shards = sorted(p.name for p in (tmp_path / "rl" / ckpt["shards"]).iterdir())
+    assert shards == [".metadata", "__0_0.distcp", "__1_0.distcp"]  # each rank wrote its own
+
+
+def test_an_fsdp_run_killed_and_resumed_ends_with_the_uninterrupted_runs_bits(tiny_task, folders, ray_session,
+                                                                             tmp_path):
+    """SIGKILL of the driver and its Ray after the first sharded checkpoint, then --resume: each rank reads its
+    shards (weights and AdamW states) back, and the run ends with the uninterrupted fsdp run's weights, bit for bit."""
+    if not fsdp_runs:
+        fsdp_runs.append(run_rl(tmp_path / "full", folders, *FSDP)[1])
+    killed = tmp_path / "killed"
+    cmd = [sys.executable, "-m", "rlfuse", "rl", f"run.dir={killed}", *TINY, *folders, *RL, *FSDP]
+    proc = subprocess.Popen(cmd, env=os.environ | {"CI": "true"}, cwd=ROOT, stdout=subprocess.DEVNULL,
+                            stderr=subprocess.DEVNULL, start_new_session=True)
+    ckpt = killed / "rl" / "checkpoint.pt"
+    deadline = time.time() + 180
+    while time.time() < deadline and not ckpt.exists():
+        time.sleep(0.05)
+    os.killpg(proc.pid, signal.SIGKILL)  # the driver and its Ray workers, as a lost machine would
+    proc.wait(timeout=60)
+    saved = torch.load(ckpt, weights_only=False)
+    assert saved["iteration"] in (1, 2) and not (killed / "rl" / "model").exists()
+    assert main(["rl", "--resume", str(killed)]) == 0  # in this process, on the module's Ray
+    actor = load_file(str(killed / "rl" / "model" / "model.safetensors"))
+    want = fsdp_runs[0]
+    assert actor.keys() == want.keys() and all(torch.equal(actor[n], want[n]) for n in actor)

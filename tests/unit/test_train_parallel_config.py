@@ -22,7 +22,9 @@ def config(*overrides):
     (["rl.train_parallel=pipeline_fused", *RAY2, "rl.critic_init=actor"], "a separate critic"),
     (["rl.train_parallel=pipeline_fused", *RAY2, "model.lora=true"], "no LoRA"),
     (["rl.train_parallel=single", *RAY2], "trains on Ray workers"),
-    (["rl.train_parallel=tensor"], "not one of single, data, pipeline_serial, pipeline_fused"),
+    (["rl.train_parallel=tensor"], "not one of single, data, fsdp, pipeline_serial, pipeline_fused"),
+    (["rl.train_parallel=fsdp"], "placement.strategy=single trains in one process"),
+    (["rl.train_parallel=fsdp", "placement.strategy=separated", "placement.workers=2"], "separated gives 1"),
 ])
 def test_a_pipeline_that_cannot_run_is_refused_in_one_line(overrides, problem):
     with pytest.raises(ConfigError, match="rl.train_parallel") as e:
@@ -34,3 +36,4 @@ def test_runnable_settings_pass():
     assert config("rl.train_parallel=pipeline_fused", *RAY2).rl.train_parallel == "pipeline_fused"
     assert config("rl.train_parallel=pipeline_serial", *RAY2).rl.train_parallel == "pipeline_serial"
     assert config().rl.train_parallel == "data"
+    assert config("rl.train_parallel=fsdp", *RAY2, "model.lora=true").rl.train_parallel == "fsdp"
