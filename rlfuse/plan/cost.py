@@ -391,6 +391,13 @@ def allreduce_seconds(p: MachineProfile, nbytes: float, workers: int, calls: flo
     return calls * (p.allreduce_latency_s + 2 * (workers - 1) / workers * nbytes / p.allreduce_bytes_s)
 
 
+def allgather_seconds(p: MachineProfile, nbytes: float, workers: int, calls: float = 1.0) -> float:
+    """Ring all-gather of `nbytes` in all (or reduce-scatter of them): each worker sends and receives (w-1)/w of it."""
+    if workers <= 1:
+        return 0.0
+    return calls * (p.allreduce_latency_s + (workers - 1) / workers * nbytes / p.allreduce_bytes_s)
+
+
 def overlap_slowdown(pair_slowdown: float, share: float) -> float:
     """The factor a stage's compute is slowed by when `share` (0..1) of its time overlaps another worker's compute
     and each such second runs `pair_slowdown` times slower: 1 + (pair_slowdown - 1) x share. A flattened stage, every

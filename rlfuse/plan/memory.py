@@ -128,12 +128,18 @@ class MemoryInputs:
     rlfuse's DDP trains today; the at-scale predictions shard)."""
     generator_shard: int = 0
     """Tensor-parallel degree of the generator's weights and KV cache (0: `shard`)."""
+    fsdp: int = 1
+    """rl.train_parallel=fsdp over this many training ranks (runtime/fsdp.py): the trained roles' weights, gradients
+    and optimiser states in shards; the whole weights gathered for the rollout, one block (and the root's embeddings
+    and heads) at a time in training. 1: DDP replicas."""
 
 
 def worker_memory(roles: set[str] | tuple[str, ...], m: MemoryInputs, p: MachineProfile) -> dict[str, float]:
     """Bytes per component (COMPONENTS) of one worker holding `roles` (the policy roles: actor, generator,
     reference; critic; reward)."""
     roles = set(roles)
+    if m.fsdp > 1 and "actor" in roles:
+        return fsdp_worker_memory(roles, m, p)
     lora = m.lora_rank > 0
     policy_frozen = weight_bytes(m.policy, m.weight_dtype)
     train_b = 4.0 if m.train_dtype == "fp32" else 2.0
@@ -199,6 +205,40 @@ def worker_memory(roles: set[str] | tuple[str, ...], m: MemoryInputs, p: Machine
     return out
 
 
+def fsdp_worker_memory(roles: set[str], m: MemoryInputs, p: MachineProfile) -> dict[str, float]:
+    """A training rank of rl.train_parallel=fsdp (runtime/fsdp.py) over m.fsdp ranks, at the larger of its two
+    phases. Rollout: the trained roles' whole weights gathered beside their shards and the AdamW shards, decoding
+    (KV cache) and scoring; no gradients. Update: the shards of weights, gradients and AdamW states, one block of each
+    trained model gathered (a block's all-gather output; the next block's prefetch is not counted) with the root
+    group's (embeddings, final norm, LM head) kept from its forward to its backward, and a micro-batch's training
+    activations. Frozen copies (reference, reward) are whole in both."""
+    whole = worker_memory(roles, replace(m, fsdp=1), p)
+    W, train_b = m.fsdp, (4.0 if m.train_dtype == "fp32" else 2.0)
+    lora = m.lora_rank > 0
+    sharded = [m.policy] + ([m.critic] if m.critic is not None and "critic" in roles else [])
+    # the sharded modules hold every weight of their model: under LoRA the frozen base weights too, plus adapters
+    base_b = lambda s: (weight_bytes(s, m.weight_dtype) + s.lora_params(m.lora_rank) * train_b
+                        if lora and s is m.policy else s.params * train_b)
+    gathered = sum(base_b(s) for s in sharded)
+    root = sum(base_b(s) * (s.params - s.layers * s.layer_params) / s.params for s in sharded)
+    block = sum(base_b(s) * s.layer_params / s.params for s in sharded)
+    frozen = whole["base"] + whole["adapters"] - gathered
+    train_seq, score_seq = m.train_seq or m.seq, m.score_seq or m.seq
+    train_acts = [train_activation_bytes(s, m.train_rows * train_seq, m.act_bytes, m.checkpointing, s is m.policy)
+                  for s in sharded]
+    score_acts = [inference_activation_bytes(m.policy, m.score_rows * score_seq, m.act_bytes, True)]
+    if m.reward is not None and "reward" in roles:
+        score_acts.append(inference_activation_bytes(m.reward, m.score_rows * score_seq, m.act_bytes, False))
+    rollout = {"base": frozen + gathered + gathered / W, "adapters": 0.0, "gradients": 0.0,
+               "optimizer": whole["optimizer"] / W, "activations": max(score_acts), "kv_cache": whole["kv_cache"]}
+    update = {"base": frozen + gathered / W + root + block, "adapters": 0.0, "gradients": whole["gradients"] / W,
+              "optimizer": whole["optimizer"] / W, "activations": max(train_acts), "kv_cache": 0.0}
+    out = max((rollout, update), key=lambda c: sum(c.values()))
+    out["slack"] = p.runtime_bytes + p.slack_fraction * sum(out.values())
+    out["total"] = sum(out[k] for k in COMPONENTS[:6]) + out["slack"]
+    return out
+
+
 def memory_table(rows: dict[str, dict[str, float]], unit: float = GiB, unit_name: str = "GiB") -> str:
     """A markdown table: one row per worker (or group), one column per component."""
     head = "| worker | " + " | ".join(COMPONENTS) + " |"
@@ -210,12 +250,14 @@ def memory_table(rows: dict[str, dict[str, float]], unit: float = GiB, unit_name
 
 
 def memory_model(m: MemoryInputs, p: MachineProfile, samples: int, max_rows: int,
-                 shard_groups: bool = False) -> Callable:
+                 shard_groups: bool = False, fsdp: bool = False) -> Callable:
     """A `memory_of` for rlfuse.plan.check: predicted peak bytes of one worker of a WorkerGroup. A group that
-    decodes splits the iteration's `samples` over its workers (at most `max_rows` at once each)."""
+    decodes splits the iteration's `samples` over its workers (at most `max_rows` at once each). fsdp: the training
+    group shards its roles over its workers (rl.train_parallel=fsdp)."""
     def memory_of(group) -> int:
         kv_rows = min(max_rows, math.ceil(samples / group.workers))
         shard = group.workers if shard_groups else 1
-        return int(worker_memory(group.roles, replace(m, kv_rows=kv_rows, shard=shard), p)["total"])
+        mi = replace(m, kv_rows=kv_rows, shard=shard, fsdp=group.workers if fsdp else 1)
+        return int(worker_memory(group.roles, mi, p)["total"])
 
     return memory_of

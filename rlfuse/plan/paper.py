@@ -2,10 +2,11 @@
 instead of a measured profile, for the cases of issue 13. `rlfuse plan --paper` prints them; docs/benchmarks/plan.md
 keeps the output and compares the one-GPU QLoRA row with that pipeline's published table.
 
-These are predictions of the model, not measurements: nothing here has run on these GPUs. Two assumptions go
-beyond what rlfuse runs today, and are marked in the output: the big cases shard weights, gradients and optimiser
-states over each group (FSDP / ZeRO-3; rlfuse trains DDP) and decode with tensor-parallel generators (up to 8 GPUs,
-vLLM-style); and they train in bf16 with fp32 master weights and AdamW (16 bytes per trained parameter).
+These are predictions of the model, not measurements: nothing here has run on these GPUs. The big cases shard
+weights, gradients and optimiser states over each group (rlfuse runs that as rl.train_parallel=fsdp, tested on CPU
+only) and go beyond what rlfuse runs today, marked in the output, in two ways: they decode with tensor-parallel
+generators (up to 8 GPUs, vLLM-style), and they train in bf16 with fp32 master weights and AdamW (16 bytes per
+trained parameter).
 """
 
 from __future__ import annotations
@@ -78,7 +79,7 @@ def actor_critic(size: str, gpus: int, device: str = "h100-80gb") -> PaperCase:
     prob = Problem(_roles(False), work, mem, profile, gpus, WorkerResources(8, 1), profile.memory_bytes,
                    micro_batches=(1, 2, 4, 8), shard=True)
     return PaperCase(f"{shape.name} actor + critic (+ reference, reward), {gpus} x {profile.name}", prob,
-                     "sharded over each group (FSDP/ZeRO-3) with tensor-parallel generators: beyond rlfuse's DDP today")
+                     "sharded over each group (FSDP: rl.train_parallel=fsdp) with tensor-parallel generators (not run by rlfuse yet)")
 
 
 def paper_cases() -> list[PaperCase]:

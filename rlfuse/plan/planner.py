@@ -127,6 +127,9 @@ class Problem:
     shard: bool = False
     """Shard weights, gradients and optimiser states over each group (FSDP), for the at-scale predictions."""
     address: str | None = None
+    train_parallel: tuple[str, ...] = ()
+    """rl.train_parallel values to rank where two or more workers train (data: DDP replicas; fsdp: FSDP2 shards,
+    runtime/fsdp.py); (): replicas, unlabelled (a pipeline mode the planner prices as data parallelism)."""
 
 
 @dataclass(frozen=True)
@@ -144,6 +147,8 @@ class Plan:
     why_not: str = ""
     max_staleness: int = 0
     """rl.max_staleness of the plan (asynchronous RL on the separated placement when >= 1)."""
+    train_parallel: str | None = None
+    """rl.train_parallel of the plan (data | fsdp), where the planner chose it; None: the config's own."""
 
     @property
     def iteration_s(self) -> float:
@@ -160,7 +165,8 @@ class Plan:
     def label(self) -> str:
         return (f"{self.strategy} {self.split}, micro {self.micro_batch_size}, "
                 f"ckpt {'on' if self.gradient_checkpointing else 'off'}, migrate {self.migrate_below:g}"
-                + (f", async (max_staleness {self.max_staleness})" if self.max_staleness else ""))
+                + (f", async (max_staleness {self.max_staleness})" if self.max_staleness else "")
+                + (", fsdp" if self.train_parallel == "fsdp" else ""))
 
     def config_block(self) -> dict:
         """The plan as config sections: placement (strategy, or custom groups when the split is not the strategy's
@@ -180,7 +186,8 @@ class Plan:
             placement["address"] = self.spec.address
         return {"placement": placement,
                 "rl": {"micro_batch_size": self.micro_batch_size, "gradient_checkpointing": self.gradient_checkpointing}
-                | ({"max_staleness": self.max_staleness} if self.max_staleness else {}),
+                | ({"max_staleness": self.max_staleness} if self.max_staleness else {})
+                | ({"train_parallel": self.train_parallel} if self.train_parallel else {}),
                 "rollout": {"migrate_below": self.migrate_below}}
 
 
@@ -231,11 +238,14 @@ def plan(prob: Problem) -> list[Plan]:
             if rows in seen:  # the same micro-batches per rank as a smaller size already gave: the same plan
                 continue
             seen.add(rows)
+            # FSDP shards over two or more training ranks; one rank trains whole (data)
+            modes = (prob.train_parallel or (None,)) if ranks > 1 else (("data",) if prob.train_parallel else (None,))
             for ckpt in prob.checkpointing:
                 for stale in (prob.staleness if spec.strategy == "separated" else (0,)):
                     # an asynchronous rollout decodes each batch whole: no tail migration
                     for migrate in (prob.migrate_below if decoders > 1 and not stale else (0.0,)):
-                        plans.append(predict(prob, spec, micro, ckpt, migrate, stale))
+                        for mode in modes:
+                            plans.append(predict(prob, spec, micro, ckpt, migrate, stale, mode))
     plans.sort(key=lambda p: (not p.fits, p.iteration_s, p.peak_bytes))
     return plans
 
@@ -261,11 +271,16 @@ def _workers_with(spec: PlacementSpec, role: str) -> int:
     return sum(g.workers for g in spec.groups if role in g.roles)
 
 
-def predict(prob: Problem, spec: PlacementSpec, micro: int, ckpt: bool, migrate: float, staleness: int = 0) -> Plan:
-    """Seconds per stage and memory per group of one candidate (staleness >= 1: asynchronous, separated only)."""
+def predict(prob: Problem, spec: PlacementSpec, micro: int, ckpt: bool, migrate: float, staleness: int = 0,
+            train_parallel: str | None = None) -> Plan:
+    """Seconds per stage and memory per group of one candidate (staleness >= 1: asynchronous, separated only;
+    train_parallel fsdp: the training group's roles in FSDP2 shards)."""
     w, p, m = prob.workload, prob.profile, prob.memory
     gen_w = _workers_with(spec, "generator")
     train_w = _workers_with(spec, "actor")
+    fsdp = train_w if train_parallel == "fsdp" and train_w > 1 else 1
+    if fsdp > 1:
+        prob = replace(prob, memory=replace(m, fsdp=fsdp))
     score_w = _workers_with(spec, "reward") or _workers_with(spec, "reference")
     shard_of = lambda workers: workers if prob.shard else 1
     if staleness:
@@ -290,14 +305,14 @@ def predict(prob: Problem, spec: PlacementSpec, micro: int, ckpt: bool, migrate:
         replicas = g.workers // _tp(prob, g.workers)  # sharded: tensor-parallel generator replicas
         kv_rows = min(w.max_rows, math.ceil(w.samples / replicas)) if "generator" in g.roles else 0
         mi = replace(m, train_rows=rows, checkpointing=ckpt, **lengths, score_rows=w.score_micro_batch,
-                     kv_rows=kv_rows, shard=shard_of(g.workers), generator_shard=_tp(prob, g.workers))
+                     kv_rows=kv_rows, shard=shard_of(g.workers), generator_shard=_tp(prob, g.workers), fsdp=fsdp)
         memory[g.name] = worker_memory(g.roles, mi, p)
     fits, why = True, ""
     if prob.memory_budget is not None:
         over = [f"{n} needs {mem['total'] / GiB:.2f} GiB" for n, mem in memory.items() if mem["total"] > prob.memory_budget]
         if over:
             fits, why = False, f"{', '.join(over)} per worker, over the {prob.memory_budget / GiB:.2f} GiB budget"
-    return Plan(spec.strategy, spec, micro, ckpt, migrate, seconds, memory, fits, why, staleness)
+    return Plan(spec.strategy, spec, micro, ckpt, migrate, seconds, memory, fits, why, staleness, train_parallel)
 
 
 def _async_seconds(prob: Problem, spec: PlacementSpec, gen_w: int, score_w: int, train_w: int, micro: int,
@@ -447,7 +462,9 @@ def _train_seconds(prob: Problem, workers: int, micro: int, ckpt: bool, ray: boo
     all-reduce (one per bucket) and the all-reduce that checks every rank's loss was finite; per update, the
     ranks' stats gathered (all_gather_object: two collectives). On Ray the driver's call and the experience's trip
     to the ranks. Sharding (on paper) changes the memory, not this: each worker gathers the whole weights for its
-    micro-batches, as FSDP does."""
+    micro-batches, as FSDP does. rlfuse's FSDP (memory.fsdp > 1) instead of DDP's all-reduce: per micro-batch each
+    block's weights all-gathered twice (forward, and again in the backward: freed after the forward) and its
+    gradient reduce-scattered, one collective per block and per root group; the optimiser steps on a shard."""
     w, m, p = prob.workload, prob.memory, prob.profile
     steps = w.epochs * w.samples / w.mini_batch
     # each rank runs every world-th micro-batch of each mini-batch (micro-batches cut smaller where there are fewer
@@ -466,10 +483,15 @@ def _train_seconds(prob: Problem, workers: int, micro: int, ckpt: bool, ray: boo
         seq = w.padded_seq(rows, workers, calls / steps)  # every optimiser step waits for the slowest rank
         total += cost.train_seconds(p, shape, rows, seq, wb, calls, ckpt, frozen)
         total += calls * p.train_micro_s
-        total += cost.optimizer_seconds(p, params / (workers if prob.shard else 1), steps)
-        buckets = cost.ddp_buckets(params * train_b, cost.DDP_BUCKET_BYTES)
+        total += cost.optimizer_seconds(p, params / (workers if prob.shard or m.fsdp > 1 else 1), steps)
         in_backward = replace(p, allreduce_bytes_s=p.ddp_allreduce_bytes_s or p.allreduce_bytes_s)
-        total += cost.allreduce_seconds(in_backward, params * train_b / buckets, workers, steps * buckets)
+        if m.fsdp > 1:  # 2 all-gathers of the weights, 1 reduce-scatter of the trained gradients, per group
+            groups = shape.layers + 1
+            total += cost.allgather_seconds(in_backward, 2 * wb / groups, workers, calls * groups)
+            total += cost.allgather_seconds(in_backward, params * train_b / groups, workers, calls * groups)
+        else:
+            buckets = cost.ddp_buckets(params * train_b, cost.DDP_BUCKET_BYTES)
+            total += cost.allreduce_seconds(in_backward, params * train_b / buckets, workers, steps * buckets)
         total += cost.allreduce_seconds(p, 4, workers, steps + 2)  # finite-loss check per step; the stats
     if ray:  # the experience goes as a few batched tensors: a round trip, not a per-sample cost
         total += cost.round_trip_seconds(p, 1)
@@ -502,6 +524,9 @@ def _sync_seconds(prob: Problem, spec: PlacementSpec) -> float:
     train_b = 4.0 if m.train_dtype == "fp32" else 2.0
     trainers = _workers_with(spec, "actor")
     total = 0.0
+    if m.fsdp > 1:  # the shards gathered whole for the rollout (fsdp.ShardedGroup.gather), actor and critic
+        trained = [m.policy] + ([m.critic] if m.critic is not None and "critic" in prob.roles else [])
+        total += cost.allgather_seconds(p, sum(weight_bytes(s, m.weight_dtype) for s in trained), trainers)
     if spec.uses_ray and any({"generator", "actor"} <= set(g.roles) for g in spec.groups):
         total += cost.round_trip_seconds(p, 1)  # the driver asks each such worker to copy its own replica
     for g in spec.groups:
@@ -533,6 +558,7 @@ def plan_table(plans: list[Plan], top: int = 12) -> str:
     for i, pl in enumerate(plans[:top], 1):
         s = pl.seconds
         name = f"{pl.strategy}, async {pl.max_staleness}" if pl.max_staleness else pl.strategy
+        name += ", fsdp" if pl.train_parallel == "fsdp" else ""
         lines.append(f"| {i} | {name} | {pl.split} | {pl.micro_batch_size} | "
                      f"{'on' if pl.gradient_checkpointing else 'off'} | {pl.migrate_below:g} | {s['generate']:.3g} | "
                      f"{s['score']:.3g} | {s['rollout']:.3g} | {s['train']:.3g} | {s['sync']:.3g} | "
@@ -596,8 +622,10 @@ def problem_from_config(cfg, profile: MachineProfile, workers: int | None = None
     migrate = tuple(sorted({0.0, cfg.rollout.migrate_below}))
     if staleness is None:
         staleness = (0, rl.max_staleness) if rl.max_staleness else (0,)
+    # replicas or shards, ranked side by side (a pipeline mode is priced as replicas and keeps its setting)
+    train_parallel = ("data", "fsdp") if rl.train_parallel in ("data", "fsdp") else ()
     return Problem(roles, workload, mem, profile, workers, resources, memory_budget, migrate_below=migrate,
-                   staleness=staleness, address=pc.address)
+                   staleness=staleness, address=pc.address, train_parallel=train_parallel)
 
 
 QUANTISED_DTYPE = {"none": "fp32", "4bit": "nf4-dq", "8bit": "int8"}
@@ -677,7 +705,7 @@ def memory_of_config(cfg):
     """The checker's `memory_of` hook (rlfuse.plan.check) for an RL run on `cfg` as configured: predicted
     peak bytes of one worker of a group, with the config's micro-batch and checkpointing."""
     m, w, prob = _configured_memory(cfg)
-    return memory_model(m, prob.profile, w.samples, w.max_rows)
+    return memory_model(m, prob.profile, w.samples, w.max_rows, fsdp=cfg.rl.train_parallel == "fsdp")
 
 
 def predicted_memory(cfg) -> dict[str, float]:

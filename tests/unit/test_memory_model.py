@@ -123,6 +123,28 @@ def test_sharding_divides_states_not_activations():
     assert four["activations"] == one["activations"]
 
 
+def test_fsdp_rank_by_hand_at_its_larger_phase():
+    # rl.train_parallel=fsdp on 2 ranks, the tiny actor (568 weights: 2 blocks of 244, a root of 80 with the tied
+    # head). Update: shards of weights 1136 B, gradients 1136, AdamW 2272, the root's 320 and one block's 976 gathered,
+    # the training activations 3552 (as test_actor_worker_fp32_adamw_by_hand). Rollout: the whole weights 2272
+    # gathered beside the shards, AdamW's shards, a scoring forward's 1008 (3 tokens: 64 x 3 x 4 + logits 240).
+    m = MemoryInputs(TINY, train_rows=2, seq=3, score_rows=1, fsdp=2)
+    mem = worker_memory({"actor"}, m, NO_RUNTIME)
+    assert mem["base"] == 1136 + 320 + 976 and mem["gradients"] == 1136 and mem["optimizer"] == 2272
+    assert mem["activations"] == 3552 and mem["kv_cache"] == 0
+    tensors = 2432 + 1136 + 2272 + 3552
+    assert mem["total"] == pytest.approx(tensors + 1000 + 0.1 * tensors)
+    ddp = worker_memory({"actor"}, MemoryInputs(TINY, train_rows=2, seq=3, score_rows=1), NO_RUNTIME)
+    assert mem["total"] < ddp["total"]
+    # decoding 64 rows of 8 tokens makes the rollout the larger phase: whole weights, no gradients, the KV cache
+    decoding = MemoryInputs(TINY, train_rows=2, seq=8, score_rows=1, kv_rows=64, fsdp=2)
+    roll = worker_memory({"actor", "generator"}, decoding, NO_RUNTIME)
+    assert roll["base"] == 2272 + 1136 and roll["gradients"] == 0 and roll["kv_cache"] == 64 * 8 * 2 * 2 * 4 * 4
+    # frozen copies (the reference) stay whole in both phases
+    with_ref = worker_memory({"actor", "reference"}, m, NO_RUNTIME)
+    assert with_ref["base"] == mem["base"] + 568 * 4
+
+
 def test_memory_hook_rejects_a_group_over_budget():
     from rlfuse.config import load_config
     from rlfuse.plan.roles import derive_roles

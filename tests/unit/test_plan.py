@@ -224,7 +224,7 @@ def test_memory_binding_moves_the_big_frozen_model_off_the_trainers(default_prob
     # a 24-layer reward model does not fit beside the actor, critic and reference: flattened and separated keep it
     # on the training workers, interleaved puts it on its own scoring group
     big_rm = replace(default_problem.memory, reward=gpt2_shape("rm", 24, 1024, 16, 1024, 512))
-    prob = _fixed(default_problem, memory=big_rm)
+    prob = _fixed(default_problem, memory=big_rm, train_parallel=("data",))  # DDP replicas only
     unbounded = plan(prob)
     flat = next(p for p in unbounded if p.strategy == "flattened")
     inter = next(p for p in unbounded if p.strategy == "interleaved")
@@ -234,6 +234,13 @@ def test_memory_binding_moves_the_big_frozen_model_off_the_trainers(default_prob
     assert plans[0].strategy == "interleaved" and plans[0].fits
     assert not any(p.fits for p in plans if p.strategy in ("flattened", "separated"))
     assert all(p.fits for p in plans[: sum(p.fits for p in plans)])  # those that fit rank first
+    # with FSDP among the choices the trainers' states shard over the 4 workers instead: flattened fits again, and
+    # the plan says so in its config (rl.train_parallel=fsdp)
+    sharded = plan(replace(prob, memory_budget=budget, train_parallel=("data", "fsdp")))
+    assert sharded[0].fits and sharded[0].train_parallel == "fsdp" and sharded[0].strategy == "flattened"
+    assert sharded[0].config_block()["rl"]["train_parallel"] == "fsdp" and ", fsdp" in sharded[0].label()
+    flat_data = next(p for p in sharded if p.strategy == "flattened" and p.train_parallel == "data")
+    assert not flat_data.fits and sharded[0].peak_bytes < flat_data.peak_bytes
 
 
 def test_memory_binding_turns_on_checkpointing(default_problem):
