@@ -12,9 +12,11 @@ forwards are never prefix-shared, so DDP's would otherwise do less work).
     python -m bench.fsdp --rounds 2
     python -m bench.fsdp --summarize     # the table of the run folders that exist already
 
-Per mode: each worker's peak RSS (the largest worker/<rank>/rss_peak_mb of the run: loading, rollouts and updates),
-the median iteration and per-rank training seconds, and each rank's checkpoint bytes and seconds (rl/checkpoints.jsonl,
-median over the run's checkpoints). Written to docs/benchmarks/fsdp.md and BENCHMARKS.md.
+Per mode: each worker's peak RSS (the largest worker/<rank>/rss_peak_mb of the run: loading, rollouts and updates)
+beside the planner's prediction for the same config (rlfuse/plan/planner.py memory_of_config: the memory model's
+peak of one worker, FSDP's at the larger of its rollout and update phases), the median iteration and per-rank
+training seconds, and each rank's checkpoint bytes and seconds (rl/checkpoints.jsonl, median over the run's
+checkpoints). Written to docs/benchmarks/fsdp.md and BENCHMARKS.md.
 """
 
 from __future__ import annotations
@@ -52,6 +54,16 @@ def run(work: Path, mode: str, round_: int) -> Path:
     return d
 
 
+def predicted_mb(mode: str) -> float:
+    """The planner's predicted peak per worker of the run's config (both workers run the same roles)."""
+    from rlfuse.config import load_config
+    from rlfuse.plan.planner import memory_of_config
+    from rlfuse.plan.strategies import spec_from_config
+
+    cfg = load_config(str(ROOT / RUN[0]), [*RUN[1:], f"rl.train_parallel={mode}"])
+    return memory_of_config(cfg)(spec_from_config(cfg).groups[0]) / 2**20
+
+
 def measured(d: Path) -> dict:
     rows = [json.loads(line) for line in (d / "rl" / "metrics.jsonl").read_text().splitlines()]
     ckpts = [json.loads(line) for line in (d / "rl" / "checkpoints.jsonl").read_text().splitlines()]
@@ -73,11 +85,14 @@ def table(work: Path, rounds: int) -> tuple[str, dict]:
                 continue
             m = measured(d)
             by_mode[mode].append(m)
-            rows.append([r, mode, *(f"{x:.0f}" for x in m["peak_mb"]), f"{m['iteration_s']:.1f}",
+            pred = predicted_mb(mode)
+            error = 100 * (pred - max(m["peak_mb"])) / max(m["peak_mb"])
+            rows.append([r, mode, *(f"{x:.0f}" for x in m["peak_mb"]), f"{pred:.0f} ({error:+.0f}%)",
+                         f"{m['iteration_s']:.1f}",
                          f"{m['rollout_s']:.1f}", *(f"{x:.1f}" for x in m["train_s"]),
                          *(f"{x:.0f}" for x in m["ckpt_mb"]), *(f"{x:.1f}" for x in m["ckpt_s"])])
     return md_table(["round", "rl.train_parallel", "worker 0 peak RSS MiB", "worker 1 peak RSS MiB",
-                     "s / iteration (median)", "rollout s", "rank 0 train s", "rank 1 train s",
+                     "planner's prediction MiB (error)", "s / iteration (median)", "rollout s", "rank 0 train s", "rank 1 train s",
                      "rank 0 checkpoint MiB", "rank 1 checkpoint MiB", "rank 0 checkpoint s", "rank 1 checkpoint s"],
                     rows), by_mode
 

@@ -75,7 +75,7 @@ def child_single(args) -> None:
 
     torch.set_num_threads(args.workers)
     models, settings, prompts, lengths, params = setup(args)
-    engine, scorer = build_worker_roles(models, settings)
+    engine, scorer, _ = build_worker_roles(models, settings)
     fusion = FusionPolicy(True, settings.score_every, settings.live_below)
     runs = []
     for _ in range(args.repeats + 1):  # the first is a warm-up

@@ -17,11 +17,12 @@ from rlfuse.learn.learners import Learners
 from rlfuse.models.build import Models
 
 
-def trainable_state(module: torch.nn.Module | None) -> dict | None:
-    """Only what training changes (with LoRA: the adapters), not the frozen base."""
+def trainable_state(module: torch.nn.Module | None, copy: bool = True) -> dict | None:
+    """Only what training changes (with LoRA: the adapters), not the frozen base. copy=False: the live tensors, for
+    a write that serialises them at once (a checkpoint: a copy would hold the weights twice while it is written)."""
     if module is None:
         return None
-    return {n: p.detach().clone() for n, p in module.named_parameters() if p.requires_grad}
+    return {n: p.detach().clone() if copy else p.detach() for n, p in module.named_parameters() if p.requires_grad}
 
 
 def save_checkpoint(path: Path, *, iteration: int, actor, critic, opt_actor, opt_critic, sched_actor, sched_critic,
@@ -32,8 +33,8 @@ def save_checkpoint(path: Path, *, iteration: int, actor, critic, opt_actor, opt
     their optimisers are then None here)."""
     state = {
         "iteration": iteration,
-        "actor": trainable_state(actor),
-        "critic": trainable_state(critic),
+        "actor": trainable_state(actor, copy=False),
+        "critic": trainable_state(critic, copy=False),
         "opt_actor": opt_actor.state_dict() if opt_actor is not None else None,
         "opt_critic": opt_critic.state_dict() if opt_critic is not None else None,
         "sched_actor": sched_actor.state_dict(),

@@ -306,7 +306,10 @@ def predict(prob: Problem, spec: PlacementSpec, micro: int, ckpt: bool, migrate:
         kv_rows = min(w.max_rows, math.ceil(w.samples / replicas)) if "generator" in g.roles else 0
         mi = replace(m, train_rows=rows, checkpointing=ckpt, **lengths, score_rows=w.score_micro_batch,
                      kv_rows=kv_rows, shard=shard_of(g.workers), generator_shard=_tp(prob, g.workers), fsdp=fsdp)
-        memory[g.name] = worker_memory(g.roles, mi, p)
+        # asynchronous: a generation worker holds a copy of the reference too (it takes the log-probs)
+        roles = set(g.roles) | ({"reference"} if staleness and "generator" in g.roles and "actor" not in g.roles
+                                else set())
+        memory[g.name] = worker_memory(roles, mi, p)
     fits, why = True, ""
     if prob.memory_budget is not None:
         over = [f"{n} needs {mem['total'] / GiB:.2f} GiB" for n, mem in memory.items() if mem["total"] > prob.memory_budget]
@@ -318,18 +321,24 @@ def predict(prob: Problem, spec: PlacementSpec, micro: int, ckpt: bool, migrate:
 def _async_seconds(prob: Problem, spec: PlacementSpec, gen_w: int, score_w: int, train_w: int, micro: int,
                    ckpt: bool) -> dict:
     """Asynchronous RL on the separated placement (runtime/ray_async.py), in the steady state: the generating
-    group decodes the next batch (one call per worker) while the training group sends the weights, scores the
-    current batch (after its decoding, in one call per worker, the policy's proximal log-probs among the passes) and
-    trains; both compute throughout, so both are slowed as a pair. An iteration
+    group decodes the next batch (one call per worker) and takes its reference log-probs, while the training group
+    sends the weights, scores the current batch (after its decoding, in one call per worker, the policy's proximal
+    log-probs among the passes) and trains; both compute throughout, so both are slowed as a pair. An iteration
     takes the longer of the two sides; the trainer waits for its batch (rollout = scoring + that wait) only when
     generation is the longer."""
     p = prob.profile
     gen_prob = _slowed(prob, cost.overlap_slowdown(p.pair_decode_slowdown, 1.0))
     train_prob = _slowed(prob, cost.overlap_slowdown(p.pair_train_slowdown, 1.0))
-    w = prob.workload
-    generate = _generate_seconds(gen_prob, gen_w, _tp(prob, gen_w)) + cost.round_trip_seconds(p, 1, w.samples / gen_w)
+    w, m = prob.workload, prob.memory
+    per_decoder = w.samples / gen_w
+    ref_calls = math.ceil(per_decoder / w.score_micro_batch)
+    reference = cost.forward_seconds(gen_prob.profile, m.policy, per_decoder / ref_calls,
+                                     w.scored_seq(per_decoder / ref_calls), weight_bytes(m.policy, m.weight_dtype),
+                                     ref_calls)
+    generate = (_generate_seconds(gen_prob, gen_w, _tp(prob, gen_w)) + reference
+                + cost.round_trip_seconds(p, 1, per_decoder))
     per_scorer = w.samples / score_w  # one call each, scored in micro-batches
-    score = (_score_seconds(train_prob, score_w, math.ceil(per_scorer / w.score_micro_batch))
+    score = (_score_seconds(train_prob, score_w, math.ceil(per_scorer / w.score_micro_batch), reference=False)
              + _proximal_seconds(train_prob, score_w) + cost.round_trip_seconds(p, 2, per_scorer))  # + set_temperature
     train = _train_seconds(train_prob, train_w, micro, ckpt, True)
     sync, overhead = _sync_seconds(prob, spec), p.ray_call_s
@@ -431,10 +440,10 @@ def _generate_seconds(prob: Problem, workers: int, tp: int) -> float:
                                _policy_bytes(m), m.act_bytes, w.max_rows, prefills, w.k, waited_for=w.samples)
 
 
-def _scored_models(m: MemoryInputs, roles: Roles) -> list[ModelShape]:
-    """The forwards scoring runs per sample: the reference's log-probs, the reward model, the critic's values
-    (the critic's own body, or the actor's when the value head sits on it)."""
-    out = [m.policy]
+def _scored_models(m: MemoryInputs, roles: Roles, reference: bool = True) -> list[ModelShape]:
+    """The forwards scoring runs per sample: the reference's log-probs (unless taken elsewhere), the reward model,
+    the critic's values (the critic's own body, or the actor's when the value head sits on it)."""
+    out = [m.policy] if reference else []
     if m.reward is not None:
         out.append(m.reward)
     if "critic" in roles:
@@ -442,9 +451,10 @@ def _scored_models(m: MemoryInputs, roles: Roles) -> list[ModelShape]:
     return out
 
 
-def _score_seconds(prob: Problem, workers: int, calls: float | None = None) -> float:
+def _score_seconds(prob: Problem, workers: int, calls: float | None = None, reference: bool = True) -> float:
     """Data-parallel scoring: each worker runs every scoring forward over its share, in micro-batches, plus the
-    fused tail's one-sample calls; or in `calls` calls (a scoring group scores each chunk as it comes)."""
+    fused tail's one-sample calls; or in `calls` calls (a scoring group scores each chunk as it comes). reference:
+    the reference's pass among them (False: the generation workers take it, asynchronous RL)."""
     w, m, p = prob.workload, prob.memory, prob.profile
     per_worker = w.samples / workers
     if calls is None:
@@ -452,7 +462,7 @@ def _score_seconds(prob: Problem, workers: int, calls: float | None = None) -> f
         calls = math.ceil((per_worker - singles) / w.score_micro_batch) + singles
     rows = per_worker / calls
     forwards = sum(cost.forward_seconds(p, s, rows, w.scored_seq(rows), weight_bytes(s, m.weight_dtype), calls)
-                   for s in _scored_models(m, prob.roles))
+                   for s in _scored_models(m, prob.roles, reference))
     return forwards + calls * p.score_call_s
 
 

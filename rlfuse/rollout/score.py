@@ -100,12 +100,16 @@ class Scorer:
             chunk = order[i: i + self.micro]
             dev = next((self.ref or self.actor).parameters()).device
             mb = collate([s.prompt_ids for s in chunk], [s.token_ids for s in chunk], self.pad_id, dev, self.share)
-            self._shared_here += passes * (mb.prefix.saved_tokens if mb.prefix is not None else 0)
+            taken = all(s.ref_logprobs is not None for s in chunk)  # where the samples were decoded
+            self._shared_here += (passes - taken) * (mb.prefix.saved_tokens if mb.prefix is not None else 0)
             unfinished = torch.tensor([s.finish_reason == "length" for s in chunk], dtype=torch.float32)
             with self._timed("reward"):
                 scores = self._reward(chunk) - self.unfinished_penalty * unfinished
-            with self._timed("reference"), self._ref_context():
-                ref_lp = response_logprobs(self.ref or self.actor, mb, self.temperature).cpu()
+            if taken:
+                ref_lp = [s.ref_logprobs for s in chunk]
+            else:
+                with self._timed("reference"), self._ref_context():
+                    ref_lp = response_logprobs(self.ref or self.actor, mb, self.temperature).cpu()
             values = actor_lp = None
             if self.critic is not None:
                 with self._timed("critic"):
@@ -116,6 +120,24 @@ class Scorer:
             for b, s in enumerate(chunk):
                 n = len(s.token_ids)
                 own = None if actor_lp is None else actor_lp[b, :n]
-                out.append(ScoredSample(s, float(scores[b]), ref_lp[b, :n], None if values is None else values[b, :n],
+                out.append(ScoredSample(s, float(scores[b]), ref_lp[b][:n], None if values is None else values[b, :n],
                                         own if self.recompute_old else s.logprobs, own if proximal else None))
         return out
+
+    @torch.no_grad()
+    def reference_logprobs(self, samples: list[Sample], temperature: float) -> float:
+        """The reference's log-probs of each sample's tokens at `temperature`, stored on the sample (Sample.ref_logprobs:
+        score() then skips that pass), in micro-batches as score() forms them. For a generation worker holding the
+        reference, between its decoding calls (asynchronous RL: time it would otherwise wait). -> seconds."""
+        t = time.perf_counter()
+        order = self._order(samples)
+        for i in range(0, len(order), self.micro):
+            chunk = order[i: i + self.micro]
+            mb = collate([s.prompt_ids for s in chunk], [s.token_ids for s in chunk], self.pad_id,
+                         next(self.ref.parameters()).device, self.share)
+            self._shared_here += mb.prefix.saved_tokens if mb.prefix is not None else 0
+            lp = response_logprobs(self.ref, mb, temperature).cpu()
+            for b, s in enumerate(chunk):
+                s.ref_logprobs = lp[b, : len(s.token_ids)]
+        self.times["reference"] += time.perf_counter() - t
+        return time.perf_counter() - t

@@ -47,6 +47,9 @@ class Sample:
     switch_at: int | None = None
     """Partial rollouts (asynchronous RL): the tokens from this index on were sampled by the next policy version, the
     sample having been re-prefilled under it (0: all of them); None: one version sampled every token."""
+    ref_logprobs: Tensor | None = None
+    """The reference policy's log-probs of token_ids, where the generation worker that decoded the sample took them
+    (asynchronous RL, rollout.Scorer.reference_logprobs); None: the scorer's job."""
 
 
 @dataclass

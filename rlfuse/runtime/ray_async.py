@@ -12,8 +12,10 @@ the decoupled PPO objective (rlfuse/algos/offpolicy.py): the proximal policy is 
 the update (their log-probs taken in the scoring pass just before it), the behaviour policy the sampler's recorded
 log-probs.
 
-A batch is scored (reference, reward, critic values) on the training workers just before its update, in (prompt,
-sample) order: its values come from the critic that trains on it, as in the synchronous loop. A batch is trained
+A batch is scored (reward, critic values) on the training workers just before its update, in (prompt, sample)
+order: its values come from the critic that trains on it, as in the synchronous loop. The reference's log-probs are
+taken where the batch was decoded, by the generation workers, in the time they would otherwise wait for the trainer
+(RolloutSettings.reference_on_decoders; a generation worker then holds a frozen copy of the reference). A batch is trained
 whole, never by finishing order, so short answers are not favoured (rollout/mean_length_trained against
 rollout/mean_length_generated says so every iteration). At a checkpoint the batches generated ahead are written
 beside it (checkpoint.pt.inflight, unscored samples and the version that drew them), so `--resume` trains the very
@@ -64,6 +66,8 @@ class InFlight:
     parked: list | None = None
     """The parked rests read back from a checkpoint (one per decoder), handed to the workers with the continuation."""
     decode_s: list[float] = field(default_factory=list)
+    reference_s: float = 0.0
+    """The generation workers' reference pass over the batch (inside decode_s)."""
     rss_mb: list = field(default_factory=list)
 
     @property
@@ -122,6 +126,7 @@ class AsyncRollout:
             D = len(self.driver.decoders)
             busy = [sum(c.busy_s for c in chunks[j::D]) for j in range(D)]
             batch.decode_s = [a + b for a, b in zip(batch.decode_s, busy)] if batch.decode_s else busy
+            batch.reference_s += sum(c.reference_s for c in chunks)
             batch.rss_mb, batch.refs = [c.rss_mb for c in chunks[-D:]], []
         return batch
 
@@ -159,7 +164,8 @@ class AsyncRollout:
         after = sum(len(x.token_ids) - x.switch_at for x in samples if x.switch_at is not None)
         exp.timing = {"rollout": time.perf_counter() - t0, "scoring": sum(c.score_s for c in chunks.values()),
                       "proximal": sum(c.proximal_s for c in chunks.values()), "wait_for_batch": t1 - t0,
-                      "decode_s": sum(batch.decode_s), "mean_length_generated": sum(generated) / len(generated),
+                      "decode_s": sum(batch.decode_s), "reference_on_decoders": batch.reference_s,
+                      "mean_length_generated": sum(generated) / len(generated),
                       "tokens_next_version": after / max(1, sum(generated)), "decode_rss_mb": batch.rss_mb,
                       "busy": {w: c.score_s for w, c in chunks.items()} | dict(zip(self.driver.decoders,
                                                                                  batch.decode_s))}
@@ -180,6 +186,8 @@ class AsyncRollout:
             out["async/tokens_next_version"] = t["tokens_next_version"]
         if exp.proximal_logprobs is not None:  # inside time/scoring
             out["time/proximal_logprobs"] = t["proximal"]
+        if t["reference_on_decoders"]:  # inside time/decode
+            out["time/reference_on_decoders"] = t["reference_on_decoders"]
         out |= {f"async/staleness_{a}": ages.count(a) / len(ages) for a in range(self.N + 1)}
         with w.naming_dead_workers("rollout"):
             free = [i for i in range(len(w.handles)) if i not in w.decoders]

@@ -293,7 +293,8 @@ def start_ray_placement(cfg, spec: PlacementSpec, run_dir, log=print, reward_row
             decodes, scores = "generator" in g.roles, any(r in g.roles for r in SCORING_ROLES)
             trains, first = "actor" in g.roles, len(workers.handles)
             group_ranks = list(spec.worker_ranks(g.name))
-            workers.handles += start_role_workers(cfg, run_dir, g.workers, models.holding(decodes, scores), settings,
+            holds = models.holding(decodes, scores, reference=decodes and settings.reference_on_decoders)
+            workers.handles += start_role_workers(cfg, run_dir, g.workers, holds, settings,
                                                   g.cpus_per_worker, g.gpus_per_worker, pg, group_ranks[0], trains,
                                                   pin)
             mine = list(range(first, len(workers.handles)))
@@ -302,7 +303,9 @@ def start_ray_placement(cfg, spec: PlacementSpec, run_dir, log=print, reward_row
             workers.decoders += mine if decodes else []
             workers.scorers += mine if scores else []
             workers.trainers += mine if trains else []
-            jobs = [job for job, on in (("decode", decodes), ("score", scores), ("train", trains)) if on]
+            jobs = [job for job, on in (("decode", decodes), ("score", scores), ("train", trains),
+                                        ("reference log-probs", decodes and not scores and settings.reference_on_decoders))
+                    if on]
             log(f"[placement] group {g.name}: {g.workers} worker(s) {' + '.join(jobs)}")
         train = TrainGroup([workers.handles[i] for i in workers.trainers],
                            sharded=cfg.rl.train_parallel == "fsdp" and len(workers.trainers) > 1)

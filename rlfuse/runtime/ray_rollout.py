@@ -35,6 +35,7 @@ from rlfuse.models.device import pick_device
 from rlfuse.models.load import load_tokenizer
 from rlfuse.models.rewards import metrics_of_sums, take_reward_sums
 from rlfuse.plan.roles import derive_roles
+from rlfuse.plan.strategies import spec_from_config
 from rlfuse.rollout.engine import DecodeEngine, Sample, SamplingParams
 from rlfuse.rollout.fusion import Experience, FusionPolicy, build_experience
 from rlfuse.rollout.migration import pause_points, plan_migration
@@ -74,11 +75,13 @@ class WorkerModels:
         reward = rm if roles["reward"].has_model else roles["reward"].source
         return cls(sft, sft, reward, critic, critic_source)
 
-    def holding(self, decodes: bool, scores: bool) -> "WorkerModels":
+    def holding(self, decodes: bool, scores: bool, reference: bool = False) -> "WorkerModels":
         """The folders of a worker that decodes and/or scores (reference, reward and critic values go together):
-        a worker loads only the models it runs."""
+        a worker loads only the models it runs. reference: a decoding worker that also takes the reference's
+        log-probs of its samples (RolloutSettings.reference_on_decoders)."""
         return dataclasses.replace(self, generator=self.generator if decodes else None,
-                                   **({} if scores else {"reference": None, "reward": None, "critic": None}))
+                                   **({} if scores else {"reference": self.reference if reference else None,
+                                                         "reward": None, "critic": None}))
 
     @property
     def decodes(self) -> bool:
@@ -111,6 +114,10 @@ class RolloutSettings:
     """rl.reward_weights: the weights of several reward functions."""
     share_prompt: bool = True
     """rl.share_prompt: a prompt's samples share its forward in the scoring passes (rlfuse/models/prefix.py)."""
+    reference_on_decoders: bool = False
+    """Asynchronous RL on the separated placement: the generation workers take the reference's log-probs of the
+    samples they decode (Sample.ref_logprobs), in the time they would wait for the trainer, so the training workers'
+    scoring leaves that pass out."""
     reward_rows: dict | None = None
     """Each prompt's data row by its token ids (rewards.attach_rows): the columns reward functions read."""
 
@@ -120,23 +127,29 @@ class RolloutSettings:
         return cls(ro.max_rows, ro.micro_batch_size, rl.temperature, rl.unfinished_penalty, ro.score_every,
                    ro.live_below, ro.migrate_below, ro.rows_per_worker, device=cfg.run.device,
                    reward_weights=tuple(rl.reward_weights) if rl.reward_weights else None, share_prompt=rl.share_prompt,
+                   reference_on_decoders=rl.max_staleness > 0 and spec_from_config(cfg).strategy == "separated",
                    reward_rows=reward_rows)
 
 
-def build_worker_roles(models: WorkerModels, settings: RolloutSettings) -> tuple[DecodeEngine | None, Scorer | None]:
-    """A generator engine and a scorer from folders, with models/build.py's loaders (frozen, eval); None for the one
-    the worker does not hold (WorkerModels.holding)."""
+def build_worker_roles(models: WorkerModels, settings: RolloutSettings
+                       ) -> tuple[DecodeEngine | None, Scorer | None, Scorer | None]:
+    """A generator engine, a scorer and a decoding worker's reference pass (a Scorer used only for
+    reference_logprobs) from folders, with models/build.py's loaders (frozen, eval); None for those the worker does
+    not hold (WorkerModels.holding)."""
     if not (models.decodes or models.scores):
-        return None, None
+        return None, None, None
     tok = load_tokenizer(models.generator or models.reference)
 
     device = pick_device(RunConfig(device=settings.device))  # Ray shows a worker only the GPUs it reserved
     eos = tok.eos_token_id if settings.eos_token_id is None else settings.eos_token_id
     engine = DecodeEngine(frozen(load_policy(models.generator), device), eos, max_rows=settings.max_rows,
                           tokenizer=tok) if models.decodes else None
+    ref = frozen(load_policy(models.reference), device) if models.reference is not None else None
     if not models.scores:
-        return engine, None
-    ref = frozen(load_policy(models.reference), device)
+        reference = None if ref is None else Scorer(None, tok.pad_token_id, ref=ref,
+                                                    micro_batch_size=settings.micro_batch_size,
+                                                    share_prompt=settings.share_prompt)
+        return engine, None, reference
     reward_fn = reward_function(models.reward, tok, device, settings.reward_weights and list(settings.reward_weights))
     critic = None
     if models.critic is not None:
@@ -144,7 +157,7 @@ def build_worker_roles(models: WorkerModels, settings: RolloutSettings) -> tuple
     scorer = Scorer(reward_fn, tok.pad_token_id, ref=ref, critic=critic, temperature=settings.temperature,
                     micro_batch_size=settings.micro_batch_size, unfinished_penalty=settings.unfinished_penalty,
                     share_prompt=settings.share_prompt)
-    return engine, scorer
+    return engine, scorer, None
 
 
 # ------------------------------------------------------------------------------------------- the worker
@@ -166,6 +179,9 @@ class Chunk:
     decode_rows: int = 0
     proximal_s: float = 0.0
     """score(proximal=True): the seconds of the actor's pass among score_s."""
+    reference_s: float = 0.0
+    """A decoding worker's reference pass over the samples it finished (RolloutSettings.reference_on_decoders),
+    among busy_s."""
     rss_mb: tuple[float, float] | None = None
     """decode_batch: the worker's memory now and at its peak, in MiB (asked while it is free, not queued behind)."""
 
@@ -181,12 +197,14 @@ class GenerationWorker:
 
     def __init__(self, models: WorkerModels, settings: RolloutSettings, threads: int = 1):
         pin_threads(threads)
-        self._setup(*build_worker_roles(models, settings), settings)
+        engine, scorer, reference = build_worker_roles(models, settings)
+        self._setup(engine, scorer, settings, reference)
 
-    def _setup(self, engine: DecodeEngine | None, scorer: Scorer | None, settings: RolloutSettings) -> None:
-        """Hold this engine and scorer (either may be None); a worker that also trains builds them from its own
-        models (runtime/ray_worker.py)."""
-        self.settings, self.engine, self.scorer = settings, engine, scorer
+    def _setup(self, engine: DecodeEngine | None, scorer: Scorer | None, settings: RolloutSettings,
+               reference: Scorer | None = None) -> None:
+        """Hold this engine and scorer (either may be None), and a decoding worker's reference pass; a worker that
+        also trains builds them from its own models (runtime/ray_worker.py)."""
+        self.settings, self.engine, self.scorer, self.reference = settings, engine, scorer, reference
         if scorer is not None and settings.reward_rows is not None and hasattr(scorer.reward_fn, "rows"):
             scorer.reward_fn.rows = settings.reward_rows  # reward functions' columns (rewards.attach_rows)
         self.fusion = FusionPolicy(True, settings.score_every, settings.live_below)
@@ -281,8 +299,14 @@ class GenerationWorker:
         t0 = time.perf_counter()
         samples = list(self.engine.generate(prompts, k, params, seed, None, prompt_ids))
         out = Chunk(unscored=samples, done=True, decode_rows=self.engine.stats.decode_rows)
+        self._take_reference(out, params.temperature)
         out.busy_s, out.rss_mb = time.perf_counter() - t0, self.rss_mb()
         return out
+
+    def _take_reference(self, chunk: Chunk, temperature: float) -> None:
+        """The reference's log-probs of the chunk's finished samples, where this worker holds the reference."""
+        if self.reference is not None and chunk.unscored:
+            chunk.reference_s += self.reference.reference_logprobs(chunk.unscored, temperature)
 
     def decode_until(self, batch: int, prompts: list[list[int]], prompt_ids: list[int], k: int,
                      params: SamplingParams, seed: int, finished: int) -> Chunk:
@@ -296,6 +320,7 @@ class GenerationWorker:
             state, pending, _ = self.export()
             out.unscored += pending
             self._parked[batch] = state
+        self._take_reference(out, params.temperature)
         out.busy_s, out.rss_mb = time.perf_counter() - t0, self.rss_mb()
         return out
 
@@ -313,6 +338,7 @@ class GenerationWorker:
         for x in out.unscored:
             if (x.prompt_id, x.sample_index) not in before:
                 x.switch_at = drawn.get((x.prompt_id, x.sample_index), 0)
+        self._take_reference(out, state.params.temperature)
         out.busy_s, out.rss_mb = time.perf_counter() - t0, self.rss_mb()
         return out
 

@@ -1,5 +1,5 @@
 """Asynchronous RL (rl.max_staleness=1) with partial rollouts on 2 Ray workers, separated (rank 0 trains and scores,
-rank 1 generates): iteration i trains the batch the weights of update max(0, i - 1) started and those of update i
+rank 1 generates and takes the reference's log-probs of what it decoded): iteration i trains the batch the weights of update max(0, i - 1) started and those of update i
 finished; the decoupled objective's importance weights are logged; a batch is trained whole (no length bias); and a
 second run, its driver killed with SIGKILL after a checkpoint and resumed, ends with the first run's bits (the
 schedule is counts, not timing; the batch generated ahead, parked half-way, is saved beside the checkpoint)."""
@@ -76,6 +76,8 @@ def test_async_run_trains_partial_rollouts_whole_with_importance_weights(async_r
     for r in rows:  # every generated sample is trained: the two lengths agree
         assert r["rollout/mean_length_trained"] == pytest.approx(r["rollout/mean_length_generated"])
         assert r["worker/1/rss_mb"] > 0 and r["time/decode"] > 0
+        # the generation worker took the reference's log-probs of what it decoded (inside its decoding time)
+        assert 0 < r["time/reference_on_decoders"] < r["time/decode"]
     assert (run_dir / "rl" / "checkpoint.pt.inflight").exists()
 
 

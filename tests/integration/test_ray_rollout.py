@@ -80,7 +80,7 @@ def prompts(folders):
 
 @pytest.fixture(scope="module")
 def one_process(folders, policy, prompts):
-    engine, scorer = build_worker_roles(folders, SETTINGS)
+    engine, scorer, _ = build_worker_roles(folders, SETTINGS)
     engine.load_weights(merged_state_dict(policy))
     fusion = FusionPolicy(True, SETTINGS.score_every, SETTINGS.live_below)
     return generate_rollouts(engine, scorer, prompts, K, PARAMS, SEED, fusion, lengths=LENGTHS)

@@ -105,3 +105,22 @@ def test_optimiser_steps_count_epochs_and_mini_batches():
     rl = load_config(None, ["rl.epochs=1", "rl.mini_batch_size=16"]).rl
     assert [rl.optimiser_steps(n) for n in (1, 16, 17, 32)] == [1, 1, 2, 2]
     assert load_config(None, ["rl.epochs=2", "rl.mini_batch_size=16"]).rl.optimiser_steps(16) == 2
+
+
+def test_reference_log_probs_taken_where_decoded_are_what_the_scorer_takes():
+    # asynchronous RL: a generation worker takes the reference's log-probs of what it decoded (micro-batches of 3);
+    # the training worker's scorer then leaves its reference pass out and passes them on, equal to its own
+    model, exp, rl = setup()
+    drawn = lambda: [Sample(int(exp.prompt_index[i]), i % 2, exp.prompt_ids[i], exp.response_ids[i],
+                            torch.full((len(exp.response_ids[i]),), -1.0), "eos") for i in range(len(exp))]
+    scorer = Scorer(lambda chunk: torch.zeros(len(chunk)), 0, ref=model, micro_batch_size=2, temperature=0.7)
+    want = build_experience(scorer.score(drawn()))
+    assert scorer.times["reference"] > 0
+    samples = drawn()
+    on_decoder = Scorer(None, 0, ref=model, micro_batch_size=3)
+    assert on_decoder.reference_logprobs(samples, 0.7) > 0
+    assert all(s.ref_logprobs is not None and len(s.ref_logprobs) == len(s.token_ids) for s in samples)
+    before = scorer.times["reference"]
+    got = build_experience(scorer.score(samples))
+    assert scorer.times["reference"] == before  # no reference pass on the training side
+    torch.testing.assert_close(got.ref_logprobs, want.ref_logprobs, atol=1e-5, rtol=0)
