@@ -12,8 +12,9 @@ forwards are never prefix-shared, so DDP's would otherwise do less work).
     python -m bench.fsdp --rounds 2
     python -m bench.fsdp --summarize     # the table of the run folders that exist already
 
-Per mode: each worker's peak RSS (the largest worker/<rank>/rss_peak_mb of the run: loading, rollouts and updates)
-beside the planner's prediction for the same config (rlfuse/plan/planner.py memory_of_config: the memory model's
+Per mode: each worker's peak RSS (the largest worker/<rank>/rss_peak_mb of the run: loading, rollouts, updates and
+checkpoints), the larger worker's peak after the first iteration (before any checkpoint, and before AdamW's states
+exist during a rollout), the planner's prediction for the same config (rlfuse/plan/planner.py memory_of_config: the memory model's
 peak of one worker, FSDP's at the larger of its rollout and update phases), the median iteration and per-rank
 training seconds, and each rank's checkpoint bytes and seconds (rl/checkpoints.jsonl, median over the run's
 checkpoints). Written to docs/benchmarks/fsdp.md and BENCHMARKS.md.
@@ -69,6 +70,7 @@ def measured(d: Path) -> dict:
     ckpts = [json.loads(line) for line in (d / "rl" / "checkpoints.jsonl").read_text().splitlines()]
     med = lambda values: statistics.median(values)
     return {"peak_mb": [max(r[f"worker/{w}/rss_peak_mb"] for r in rows) for w in (0, 1)],
+            "first_mb": max(rows[0][f"worker/{w}/rss_peak_mb"] for w in (0, 1)),
             "iteration_s": med([r["time/iteration"] for r in rows]),
             "train_s": [med([r[f"worker/{w}/train_s"] for r in rows]) for w in (0, 1)],
             "rollout_s": med([r["time/rollout"] for r in rows]),
@@ -87,12 +89,12 @@ def table(work: Path, rounds: int) -> tuple[str, dict]:
             by_mode[mode].append(m)
             pred = predicted_mb(mode)
             error = 100 * (pred - max(m["peak_mb"])) / max(m["peak_mb"])
-            rows.append([r, mode, *(f"{x:.0f}" for x in m["peak_mb"]), f"{pred:.0f} ({error:+.0f}%)",
+            rows.append([r, mode, *(f"{x:.0f}" for x in m["peak_mb"]), f"{m['first_mb']:.0f}", f"{pred:.0f} ({error:+.0f}%)",
                          f"{m['iteration_s']:.1f}",
                          f"{m['rollout_s']:.1f}", *(f"{x:.1f}" for x in m["train_s"]),
                          *(f"{x:.0f}" for x in m["ckpt_mb"]), *(f"{x:.1f}" for x in m["ckpt_s"])])
     return md_table(["round", "rl.train_parallel", "worker 0 peak RSS MiB", "worker 1 peak RSS MiB",
-                     "planner's prediction MiB (error)", "s / iteration (median)", "rollout s", "rank 0 train s", "rank 1 train s",
+                     "peak after iteration 1 MiB", "planner's prediction MiB (error against the run's peak)", "s / iteration (median)", "rollout s", "rank 0 train s", "rank 1 train s",
                      "rank 0 checkpoint MiB", "rank 1 checkpoint MiB", "rank 0 checkpoint s", "rank 1 checkpoint s"],
                     rows), by_mode
 

@@ -32,7 +32,9 @@ def test_sft_step_lowers_loss_on_a_fixed_batch(tiny_task):
 
 def test_run_writes_sft_and_rm_into_one_folder(tmp_path, capsys):
     run_dir = tmp_path / "run"
-    assert main(["run", f"run.dir={run_dir}", *TINY]) == 0
+    # the RL stage runs too, kept short: this test is about the SFT and RM outputs
+    assert main(["run", f"run.dir={run_dir}", *TINY, "rl.iterations=2", "rl.prompts_per_iter=16",
+                 "rl.eval_prompts=8"]) == 0
     assert f"run folder: {run_dir}" in capsys.readouterr().out
     assert (run_dir / "config.yaml").exists()
     for stage in ("sft", "rm"):
