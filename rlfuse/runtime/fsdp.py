@@ -120,12 +120,15 @@ class ShardedGroup(DataParallelGroup):
 
     def shard_again(self) -> None:
         """Free the whole parameters gather() kept; blocks free theirs after each forward again (the root keeps its
-        own until the backward, FSDP's default)."""
+        own until the backward, FSDP's default). The rollout's forwards, each rank's own number of them, are also
+        forgotten (reset_iter_state: FSDP records every forward's order to prefetch in the backward, and order left
+        over from a rollout made the ranks' first backward prefetch different blocks: a deadlock in the collectives)."""
         if not self.gathered:
             return
         roots = {id(r) for r in self.roots}
+        for root in self.roots:
+            root.reset_iter_state()  # also reshards every group, freeing the whole parameters
         for module in self._fsdp_modules():
-            module.reshard()
             module.set_reshard_after_forward(id(module) not in roots, recurse=False)
         self.gathered = False
 

@@ -109,6 +109,12 @@ def assert_same_update(dp, one, start, shared_body=False):
             torch.testing.assert_close(dp[role][n], one[role][n], msg=f"{role}.{n}")
 
 
+def inference_forwards(worker, n: int) -> None:
+    with torch.no_grad():
+        for _ in range(n):
+            worker.models.actor(input_ids=torch.tensor([[1, 2, 3, 4]]))
+
+
 def test_fsdp_on_two_workers_equals_one_process(ray_cluster, tiny_task, tmp_path):
     """rl.train_parallel=fsdp (rlfuse/runtime/fsdp.py): each rank holds half of each tensor; one update on the same
     experience ends with the single-process weights (gathered), and each rank holds only its shard between updates.
@@ -125,6 +131,12 @@ def test_fsdp_on_two_workers_equals_one_process(ray_cluster, tiny_task, tmp_path
         start = workers.trainable_states()[0]
         shard_sizes = ray.get(workers.workers[0].__ray_call__.remote(
             lambda w: {n: p.to_local().numel() for n, p in w.models.actor.named_parameters()}))
+        # a rollout on the gathered weights first, each rank running its own number of forwards (as each scores what
+        # it finished; here none on rank 0): FSDP records every forward's order to prefetch in the backward, and order
+        # left over from the rollout made the ranks prefetch different blocks first: a deadlock (fails without
+        # ShardedGroup.shard_again's reset_iter_state, found in the default task's first update)
+        workers.begin_rollout()
+        ray.get([w.__ray_call__.remote(inference_forwards, n) for w, n in zip(workers.workers, (0, 2))])
         exp = hand_experience(build_models(cfg, tmp_path, torch.device("cpu")).actor, len_of(cfg), cfg.rl.k)
         adv, returns, _ = compute_advantages(exp, cfg.rl, KL)
         batches = minibatches(len(exp), cfg.rl, cfg.run.seed, 0)
