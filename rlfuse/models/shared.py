@@ -42,6 +42,22 @@ def use_adapter(peft_model, name: str):
 
 
 @contextlib.contextmanager
+def adapters_off(peft_model):
+    """The reference on a LoRA actor: the base with every adapter off (peft's disable_adapter), then every adapter's
+    requires_grad put back. Leaving peft's context re-activates the active adapter and freezes all others, and
+    autograd accumulates only into leaves that require grad when the backward runs: the critic's adapter on a shared
+    base would silently stop training after the first reference pass (its own forward switches it on, but the flag
+    is back off before its backward)."""
+    flags = [(p, p.requires_grad) for p in peft_model.parameters()]
+    try:
+        with peft_model.disable_adapter():
+            yield
+    finally:
+        for p, flag in flags:
+            p.requires_grad_(flag)
+
+
+@contextlib.contextmanager
 def eval_for_decoding(model: nn.Module):
     """The context of one decode forward on a model that is also trained (DecodeEngine's decode_context): eval mode
     for that forward only (no dropout; transformers turns the KV cache off when a checkpointed model is in training

@@ -18,6 +18,7 @@ import torch
 from torch import Tensor
 
 from rlfuse.models.forward import can_share, collate, forward_tokens, response_logprobs, response_values
+from rlfuse.models.shared import adapters_off
 from rlfuse.rollout.state import Sample
 
 
@@ -85,7 +86,7 @@ class Scorer:
     def _ref_context(self):
         # with LoRA the reference is the actor's own base with adapters switched off: no second copy of the weights
         if self.ref is None and self.actor is not None and hasattr(self.actor, "disable_adapter"):
-            return self.actor.disable_adapter()
+            return adapters_off(self.actor)
         return contextlib.nullcontext()
 
     @torch.no_grad()

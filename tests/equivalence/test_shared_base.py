@@ -90,6 +90,22 @@ def test_critic_gradient_through_a_checkpointed_shared_base_is_its_own(llama_run
         torch.testing.assert_close(grads[True][n], grads[False][n], msg=n)
 
 
+def test_the_critics_adapter_trains_after_a_reference_pass(llama_run):
+    """The scorer's reference pass (every adapter off) leaves the critic's adapter trainable: its next backward gets
+    gradients (peft freezes every inactive adapter as its disable_adapter context ends; with that flag off at the
+    backward, autograd dropped the critic adapter's gradients and only its value head trained)."""
+    m = _models(llama_run, True)
+    samples = _batch(m.tokenizer)
+    flags = {n: p.requires_grad for n, p in m.actor.named_parameters()}
+    Scorer(m.reward_fn, m.tokenizer.pad_token_id, ref=m.ref, actor=m.actor, critic=m.critic).score(samples)
+    assert {n: p.requires_grad for n, p in m.actor.named_parameters()} == flags
+    mb = collate([s.prompt_ids for s in samples], [s.token_ids for s in samples], m.tokenizer.pad_token_id, "cpu")
+    response_values(m.critic, mb).pow(2).sum().backward()
+    critic = [p for n, p in m.actor.named_parameters() if ".critic." in n and ".lora_" in n]
+    assert critic and all(p.grad is not None for p in critic)
+    assert any(float(p.grad.abs().max()) > 0 for p in critic)
+
+
 def _same_actor_adapter(source, target):
     """Copy the actor's LoRA tensors of `source` into `target` by name (both are the actor on the same SFT model)."""
     own = dict(source.actor.named_parameters())
