@@ -20,8 +20,7 @@ from rlfuse.metrics.tracker import measured_lengths
 from rlfuse.plan.cost import policy_shape
 from rlfuse.plan.memory import GiB
 from rlfuse.plan.paper import paper_report
-from rlfuse.plan.planner import (first_fitting, plan, plan_memory_table, plan_table, planned_workers,
-                                 problem_from_config)
+from rlfuse.plan.planner import first_fitting, plan, plan_memory_table, plan_table, problem_from_config
 from rlfuse.plan.profiles import default_profile_path, load_profile
 
 
@@ -81,7 +80,7 @@ def run(ns) -> int:
                 raise UserError(f"--lengths-from {ns.lengths_from}: no rl/metrics.jsonl with response lengths there; "
                                 "give an RL run folder")
         budget = ns.memory_per_worker if ns.memory_per_worker is not None else cfg.placement.memory_per_worker_gb
-        prob = problem_from_config(cfg, profile, planned_workers(cfg, ns.workers), ns.cpus_per_worker,
+        prob = problem_from_config(cfg, profile, ns.workers, ns.cpus_per_worker,
                                    ns.gpus_per_worker, None if budget is None else budget * GiB, lengths,
                                    staleness=(0, max(1, cfg.rl.max_staleness)))  # asynchronous plans beside
         plans = plan(prob)

@@ -167,10 +167,16 @@ def _validate_quantization(cfg: Config) -> None:
     if m.quantization != "none" and m.shared_base is False:
         raise ConfigError("model.shared_base", "a quantised base is loaded once and shared by the RL roles as adapters",
                           "set model.shared_base=true (or leave it unset)")
-    if m.shares_base and cfg.placement.strategy != "single":
-        raise ConfigError("model.shared_base", f"the shared base lives in one process, and placement.strategy="
-                          f"{cfg.placement.strategy} has Ray workers load their roles as separate models",
-                          "set placement.strategy=single (or model.shared_base=false and model.quantization=none)")
+    if m.shares_base and cfg.placement.strategy not in ("single", "flattened", "auto"):
+        raise ConfigError("model.shared_base", f"every role is an adapter on one base, so a worker holding the base "
+                          f"holds them all, and placement.strategy={cfg.placement.strategy} puts the roles on "
+                          "different workers", "set placement.strategy=flattened (every worker holds the base and "
+                          "all roles; the adapters train data-parallel) or single (or model.shared_base=false and "
+                          "model.quantization=none)")
+    if m.shares_base and cfg.rl.train_parallel == "fsdp":
+        raise ConfigError("rl.train_parallel", "the shared base trains its adapters on replicas of the (quantised) "
+                          "base, which fsdp does not shard", "set rl.train_parallel=data (or model.shared_base=false "
+                          "and model.quantization=none)")
     if m.shares_base and cfg.rm.init != "sft":
         raise ConfigError("rm.init", "with model.shared_base the reward adapter must be trained on the SFT model, the "
                           "base it is attached to in RL", "set rm.init=sft")

@@ -632,8 +632,10 @@ def problem_from_config(cfg, profile: MachineProfile, workers: int | None = None
     migrate = tuple(sorted({0.0, cfg.rollout.migrate_below}))
     if staleness is None:
         staleness = (0, rl.max_staleness) if rl.max_staleness else (0,)
-    # replicas or shards, ranked side by side (a pipeline mode is priced as replicas and keeps its setting)
-    train_parallel = ("data", "fsdp") if rl.train_parallel in ("data", "fsdp") else ()
+    # replicas or shards, ranked side by side (a pipeline mode is priced as replicas and keeps its setting; a
+    # shared base trains its adapters on replicas of the base: config/validate.py refuses fsdp there)
+    train_parallel = () if rl.train_parallel not in ("data", "fsdp") else ("data",) if cfg.model.shares_base else (
+        "data", "fsdp")
     return Problem(roles, workload, mem, profile, workers, resources, memory_budget, migrate_below=migrate,
                    staleness=staleness, address=pc.address, train_parallel=train_parallel)
 
@@ -659,24 +661,9 @@ def memory_inputs(cfg, roles, shape, profile: MachineProfile) -> MemoryInputs:
                         shared_base=shared)  # the engine decodes the shared base: no generator copy
 
 
-def planned_workers(cfg, workers: int | None) -> int | None:
-    """The workers to plan `cfg` for: `workers` (None: placement.workers), except that model.shared_base keeps
-    every RL role on one base in one process (config/validate.py refuses Ray placements of it), so it is planned
-    for one; asking for more is a one-line error rather than a plan the run would refuse."""
-    if not cfg.model.shares_base:
-        return workers
-    if workers is not None and workers > 1:
-        raise UserError(f"placement planner: model.shared_base keeps every RL role on one base in one process, so "
-                        f"{workers} workers cannot run it; plan it for one (--workers 1: placement.strategy=single), "
-                        "or set model.shared_base=false (and model.quantization=none) to place the roles on Ray "
-                        "workers")
-    return 1
-
-
 def plan_config(cfg, log=None, **kw) -> list[Plan]:
     """Every plan for an RL run on `cfg`, best first, with the machine profile at its default place (or the
     built-in one). Keyword arguments go to problem_from_config."""
-    kw["workers"] = planned_workers(cfg, kw.get("workers"))
     budget = cfg.placement.memory_per_worker_gb
     kw.setdefault("memory_budget", budget * GiB if budget else None)
     return plan(problem_from_config(cfg, load_profile(log=log, shape=policy_shape(cfg.model)), **kw))

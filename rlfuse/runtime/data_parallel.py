@@ -51,15 +51,31 @@ class DataParallelGroup:
     so the sum over ranks is the single-process gradient: world x DDP's mean. (Tests set 1 to show the mean is
     the wrong weighting.)"""
     _wrapped: dict = field(default_factory=dict, repr=False)
+    _trained: dict = field(default_factory=dict, repr=False)
 
-    def wrap(self, modules: list[torch.nn.Module]) -> DistributedDataParallel:
+    def wrap(self, modules: list[torch.nn.Module], trained: list[torch.nn.Parameter] | None = None,
+             holder: torch.nn.Module | None = None) -> DistributedDataParallel:
         """DDP over these modules, built once per set (every rank builds its sets in the same order, as
         learn/update.py's update calls them). Building broadcasts rank 0's parameters and buffers: LoRA's random init differs per
-        process, so every rank starts from rank 0's replica."""
+        process, so every rank starts from rank 0's replica.
+
+        trained: what this set trains when that is not every trainable parameter of `modules` (model.shared_base:
+        the actor's and the critic's adapters live on one peft model, and each role's backward reaches only its own);
+        DDP then reduces and broadcasts these alone, and `holder` (the shared base) joins the root where it holds
+        tensors the modules do not register (the critic's adapter under its AdapterValueModel)."""
         key = tuple(id(m) for m in modules)
         if key not in self._wrapped:
+            root = TrainableRoles(modules + ([holder] if holder is not None and holder not in modules else []))
+            if trained is not None:
+                self._trained[key] = trained
+                mine = {id(p) for p in trained}
+                # every rank loads the frozen base and the other role's adapter from the same files (or gets them
+                # from the other set's DDP): only this set's tensors are rank 0's to broadcast and everyone's to reduce
+                ignore = [n for n, p in root.named_parameters() if id(p) not in mine]
+                DistributedDataParallel._set_params_and_buffers_to_ignore_for_model(
+                    root, ignore + [n for n, _ in root.named_buffers()])
             device_ids = [self.device.index] if self.device.type == "cuda" else None
-            self._wrapped[key] = DistributedDataParallel(TrainableRoles(modules), device_ids=device_ids,
+            self._wrapped[key] = DistributedDataParallel(root, device_ids=device_ids,
                                                          bucket_cap_mb=self.bucket_bytes / 2**20,
                                                          forward_sync_buffers=False)
         return self._wrapped[key]
@@ -88,7 +104,12 @@ class DataParallelGroup:
         """After a mini-batch's backward: every trainable parameter got a gradient. DDP (find_unused_parameters off,
         which saves a graph walk per forward) would otherwise fail at the next mini-batch with a message that does
         not name the parameter."""
-        unused = [n for m in modules for n, p in m.named_parameters() if p.requires_grad and p.grad is None]
+        trained = self._trained.get(tuple(id(m) for m in modules))
+        if trained is None:
+            trained = [p for m in modules for p in m.parameters() if p.requires_grad]
+        root = self.wrap(modules)
+        names = {id(p): n for n, p in getattr(root, "module", root).named_parameters()}  # DDP wraps the root
+        unused = [names[id(p)] for p in trained if p.grad is None]
         if unused:
             raise UserError(f"data-parallel training: {len(unused)} trainable parameter(s) get no gradient from the "
                             f"RL losses (first: {unused[0]}); freeze them or train with placement.strategy=single")

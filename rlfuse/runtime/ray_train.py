@@ -103,8 +103,10 @@ class TrainWorker:
             self.learners = build_learners(self.models, self.cfg.rl)  # optimisers over the shards
             return
         self.group = DataParallelGroup(self.rank, self.world, self.device)
-        for modules in sets:  # DDP copies rank 0's weights to every rank as it wraps
-            self.group.wrap(modules)
+        base = self.models.shared_base  # model.shared_base: each rank holds the base, DDP reduces the adapters
+        for modules, learners in zip(sets, learner_sets(self.learners)):  # DDP copies rank 0's weights as it wraps
+            trained = [p for learner in learners for p in learner.trained()] if base is not None else None
+            self.group.wrap(modules, trained, holder=base)
 
     @property
     def sharded(self) -> bool:

@@ -113,3 +113,45 @@ def test_shared_4bit_base_with_8bit_adamw_resumes_as_uninterrupted(stages, tmp_p
     assert len(states(part)) == len(states(full))
     for a, b in zip(states(part), states(full)):
         torch.testing.assert_close(a, b, rtol=0, atol=0)
+
+
+def test_shared_4bit_base_on_two_flattened_ray_workers_trains_as_one_process(stages, tmp_path):
+    """model.shared_base on Ray (placement.strategy=flattened): each worker holds the 4-bit base with every role's
+    adapter, decodes it with no weight sync, and DDP reduces each role's adapter alone (the actor's backward never
+    reaches the critic's adapter on the same base). After 2 PPO iterations the actor's and critic's adapters and the
+    critic's head equal the single process's (plain AdamW: 8-bit states would round the workers' rounding-level
+    differences into whole quantisation steps)."""
+    ray = pytest.importorskip("ray", reason="ray is not installed: pip install 'ray==2.60.*' for the placement tests")
+    from rlfuse.cli import main
+
+    _, run_dir = stages
+    args = [*STAGES, *RL, f"rl.sft_path={run_dir / 'sft' / 'model'}", f"rl.rm_path={run_dir / 'rm' / 'model'}",
+            "rl.iterations=2", "rl.optimizer=adamw", "run.threads=1"]
+    assert main(["rl", f"run.dir={tmp_path / 'single'}", *args]) == 0
+    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
+    try:
+        assert main(["rl", f"run.dir={tmp_path / 'ray'}", *args, "placement.strategy=flattened",
+                     "placement.workers=2"]) == 0
+    finally:
+        ray.shutdown()
+    rows = [json.loads(l) for l in (tmp_path / "ray" / "rl" / "metrics.jsonl").read_text().splitlines()]
+    assert all(r["train/data_parallel_ranks"] == 2 and r["sync/bytes"] == 0 for r in rows)
+    single, placed = (torch.load(tmp_path / d / "rl" / "checkpoint.pt", weights_only=False) for d in ("single", "ray"))
+    start = dict(build_start_adapters(run_dir))
+    for role in ("actor", "critic"):
+        assert placed[role].keys() == single[role].keys()
+        for n in single[role]:  # rounding only: the workers score other micro-batches (test_placement_run.py)
+            torch.testing.assert_close(placed[role][n], single[role][n], atol=1e-4, rtol=1.3e-6, msg=n)
+    moved = {n: float((t - start[n]).abs().max()) for n, t in single["actor"].items() if n in start}
+    assert any(".default." in n for n in moved) and any(".critic." in n for n in moved)
+    assert max(v for n, v in moved.items() if ".default." in n) > 1e-3  # both adapters trained, far past atol
+    assert max(v for n, v in moved.items() if ".critic." in n) > 1e-3
+
+
+def build_start_adapters(run_dir):
+    """The adapters' tensors as RL starts them (the critic's copied from the reward adapter; the actor's LoRA B zero)."""
+    from rlfuse.models.build import build_models
+
+    cfg = load_config(None, [f"run.dir={run_dir}", *STAGES, *RL])
+    models = build_models(cfg, run_dir, torch.device("cpu"))
+    return {n: p.detach().clone() for n, p in models.actor.named_parameters() if p.requires_grad}.items()

@@ -136,9 +136,11 @@ def test_every_config_field_is_read_somewhere():
     (["model.quantization=4bit", "model.lora=true", "model.shared_base=false"], "model.shared_base"),
     (["model.shared_base=true", "model.lora=true", "rm.init=base"], "rm.init"),
     (["rl.optimizer=adam8"], "rl.optimizer"),
-    # one shared base lives in one process: Ray workers would load separate models
+    # every role is an adapter on the shared base: a worker holding it holds every role (flattened or single)
     (["model.quantization=4bit", "model.lora=true", "placement.strategy=separated"], "model.shared_base"),
-    (["model.shared_base=true", "model.lora=true", "placement.strategy=flattened"], "model.shared_base"),
+    (["model.shared_base=true", "model.lora=true", "placement.strategy=interleaved"], "model.shared_base"),
+    (["model.shared_base=true", "model.lora=true", "placement.strategy=flattened", "placement.workers=2",
+      "rl.train_parallel=fsdp"], "rl.train_parallel"),
 ])
 def test_quantization_and_shared_base_errors_name_the_field(overrides, field):
     with pytest.raises(ConfigError) as e:
@@ -154,3 +156,10 @@ def test_quantised_base_defaults_to_shared_and_checkpointed():
     assert q.model.shares_base and checkpointing_on(q) and not plain.model.shares_base and not checkpointing_on(plain)
     assert not checkpointing_on(load_config(None, ["model.quantization=4bit", "model.lora=true",
                                                    "rl.gradient_checkpointing=false"]))
+
+
+def test_a_shared_base_runs_flattened_on_ray_workers():
+    # each worker holds the base with every role's adapter (tests/integration/test_qlora_stages.py trains it)
+    cfg = load_config(None, ["model.quantization=4bit", "model.lora=true", "placement.strategy=flattened",
+                             "placement.workers=2"])
+    assert cfg.model.shares_base and cfg.rl.train_parallel == "data"

@@ -469,19 +469,18 @@ def test_decoding_the_shared_base_copies_no_weights(default_problem):
     assert _sync_seconds(shared, spec) < copies
 
 
-def test_a_shared_base_is_planned_for_the_one_process_it_runs_in():
-    # config/validate.py refuses Ray placements of a shared base: the planner must not recommend one (it did:
-    # flattened on 2 workers for configs/smollm2_hh.yaml, which `rlfuse rl` then refused)
-    from rlfuse.errors import UserError
-    from rlfuse.plan.planner import plan_config, planned_workers
+def test_a_shared_base_is_planned_on_replicas_of_the_base():
+    # every role is an adapter on the one base, so a worker holding it holds them all: flattened (each worker a
+    # replica of the base, the adapters data-parallel) or single; never separated roles, never fsdp shards
+    from rlfuse.plan.planner import plan_config
 
     shared = load_config(None, ["model.lora=true", "model.shared_base=true"])
-    assert planned_workers(shared, None) == 1 and planned_workers(shared, 1) == 1
-    with pytest.raises(UserError, match="model.shared_base.*--workers 1"):
-        planned_workers(shared, 2)
-    assert {p.strategy for p in plan_config(shared)} == {"single"}
+    assert {p.strategy for p in plan_config(shared, workers=1)} == {"single"}
+    two = plan_config(shared, workers=2)
+    assert {p.strategy for p in two} == {"flattened"} and {p.train_parallel for p in two} == {"data"}
     separate = load_config(None, ["model.lora=true", "model.shared_base=false"])
-    assert planned_workers(separate, None) is None and planned_workers(separate, 3) == 3
+    assert {p.strategy for p in plan_config(separate, workers=2)} > {"flattened"}
+    assert "fsdp" in {p.train_parallel for p in plan_config(separate, workers=2)}
 
 
 def test_shared_prompts_cost_their_share_per_sample(default_problem):
