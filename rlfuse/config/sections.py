@@ -372,6 +372,18 @@ class RolloutConfig:
     rows_per_worker: int = 16
     """Several generation workers: rows one worker decodes at about full speed (a step costs little more than a
     1-row step); the tail moves onto ceil(unfinished / this) workers, and earlier if that is fewer than are busy."""
+    weight_sync: str = "auto"
+    """auto | merged | adapters: what the actor's weight sync sends to generation workers without an actor replica
+    (separated, interleaved). merged: the whole policy with the LoRA adapters folded in. adapters (model.lora): only
+    the trainable tensors (the adapters); each such worker holds the SFT model with the actor's adapter beside its
+    generator and merges them itself, bit for bit as the trainer would (one more copy of the adapted weights there,
+    a few MB sent instead of the whole model). auto: adapters with LoRA, merged otherwise."""
+
+
+    def syncs_adapters(self, model: "ModelConfig") -> bool:
+        """The weight sync sends only the LoRA adapters (weight_sync, auto resolved); never with a shared base,
+        whose workers decode the base itself and sync nothing."""
+        return model.lora and not model.shares_base and self.weight_sync in ("auto", "adapters")
 
 
 @dataclass

@@ -260,6 +260,11 @@ def _validate_rl(cfg: Config) -> None:
                           "set it to e.g. 0.2 (0 turns tail migration off)")
     if ro.max_rows < rl.k:
         raise ConfigError("rollout.max_rows", f"{ro.max_rows} < rl.k={rl.k}: a prompt's samples must fit", f"set it >= {rl.k}")
+    _choice(ro.weight_sync, "rollout.weight_sync", ("auto", "merged", "adapters"))
+    if ro.weight_sync == "adapters" and (not cfg.model.lora or cfg.model.shares_base):
+        why = ("with model.shared_base the workers decode the base itself: nothing is synced" if cfg.model.lora else
+               "only LoRA adapters can be sent alone; full fine-tuning changes every weight")
+        raise ConfigError("rollout.weight_sync", why, "set rollout.weight_sync=auto")
 
 
 GROUP_KEYS = ("name", "workers", "roles", "cpus_per_worker", "gpus_per_worker")

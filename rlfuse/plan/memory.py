@@ -107,6 +107,10 @@ class MemoryInputs:
     """With shared_base: the generator is its own full-precision copy synced from the actor's merged weights (a
     layout rlfuse ran before its engine decoded the shared base; kept to price that choice), not adapters on it."""
     checkpointing: bool = False
+    sync_adapters: bool = False
+    """LoRA with rollout.weight_sync sending the adapters alone: a decoding worker without the actor holds the SFT
+    model with the adapter beside its generator (one more frozen copy, kept) and receives only the adapters, instead
+    of the whole merged policy passing through it at each sync."""
     train_rows: int = 16
     """Sequences per training micro-batch."""
     seq: int = 64
@@ -168,7 +172,10 @@ def worker_memory(roles: set[str] | tuple[str, ...], m: MemoryInputs, p: Machine
         acts.append(train_activation_bytes(m.policy, m.train_rows * train_seq, m.act_bytes, m.checkpointing, True))
     if "generator" in roles:
         out["kv_cache"] += m.kv_rows * m.seq * m.policy.kv_bytes_per_token(m.act_bytes)
-        if "actor" not in roles and not m.shared_base:  # the weight sync's received copy beside the engine's own
+        if "actor" not in roles and not m.shared_base and lora and m.sync_adapters:  # the base the adapters merge on
+            out["base"] += policy_frozen
+            out["adapters"] += m.policy.lora_params(m.lora_rank) * train_b
+        elif "actor" not in roles and not m.shared_base:  # the weight sync's received copy beside the engine's own
             acts.append(policy_frozen)  # (measured on SmolLM2: a decoding-only worker peaked ~one copy above)
     if roles & {"actor", "reference"}:  # log-prob passes over scored samples (the generator keeps only the last logits)
         acts.append(inference_activation_bytes(m.policy, m.score_rows * score_seq, m.act_bytes, True))

@@ -541,7 +541,10 @@ def _sync_seconds(prob: Problem, spec: PlacementSpec) -> float:
         total += cost.round_trip_seconds(p, 1)  # the driver asks each such worker to copy its own replica
     for g in spec.groups:
         if "generator" in g.roles:
-            if "actor" not in g.roles:
+            if "actor" not in g.roles and m.sync_adapters and m.lora_rank:  # the adapters, merged there
+                total += _send(prob, m.policy.lora_params(m.lora_rank) * train_b, g.workers, trainers)
+                total += 2 * m.policy.params * train_b / p.mem_bw  # the base read, the merged weights written
+            elif "actor" not in g.roles:
                 total += _send(prob, m.policy.params * train_b, g.workers, trainers)
             elif not (m.shared_base and not m.generator_copy):  # decoding the shared base itself: nothing to copy
                 total += m.policy.params * train_b / p.mem_bw
@@ -658,7 +661,8 @@ def memory_inputs(cfg, roles, shape, profile: MachineProfile) -> MemoryInputs:
                         act_bytes=2.0 if half and mc.quantization != "none" else 4.0,
                         lora_rank=mc.lora_r if mc.lora else 0,
                         optimizer="adamw8bit" if cfg.rl.optimizer.endswith("8bit") else "adamw",
-                        shared_base=shared)  # the engine decodes the shared base: no generator copy
+                        shared_base=shared,  # the engine decodes the shared base: no generator copy
+                        sync_adapters=cfg.rollout.syncs_adapters(mc))
 
 
 def plan_config(cfg, log=None, **kw) -> list[Plan]:

@@ -105,8 +105,11 @@ class AsyncRollout:
         with w.naming_dead_workers("weight sync"):
             ray.get(self.loads)  # the previous push's loads ran (a failure there surfaces now)
             self.base.group.begin_rollout()  # sharded training: the whole weights, to send and to score with
-            refs = self.base.group.actor_weights(self.driver.bucket_bytes, "actor")
-            self.loads = [w.handles[i].load_weights.remote("generator", ref) for ref in refs.refs for i in w.decoders]
+            adapters = self.base.adapters  # rollout.weight_sync: the adapters alone, merged by each worker
+            refs = self.base.group.actor_weights(self.driver.bucket_bytes, "actor", adapters)
+            self.loads = [w.handles[i].load_weights.remote("adapter" if adapters else "generator", ref)
+                          for ref in refs.refs for i in w.decoders]
+            self.loads += [w.handles[i].merge_adapter.remote() for i in w.decoders] if adapters else []
             for i, batch in sorted(self.in_flight.items()):
                 if batch.partial and not batch.continued and batch.version == v - 1:
                     batch.refs += self.driver.submit_continue(i, batch.parked)

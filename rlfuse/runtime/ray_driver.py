@@ -231,6 +231,8 @@ class RayRollout:
     """ray_train.TrainGroup: where the weights come from."""
     migrate: bool
     critic_trains: bool = False
+    adapters: bool = False
+    """rollout.weight_sync sends the actor's adapters alone: the generation workers merge them (merge_adapter)."""
 
     def sync_weights(self, models=None) -> dict:
         """Actor -> every decoding worker; critic -> every scoring worker that does not train it (its frozen copy
@@ -246,9 +248,12 @@ class RayRollout:
                                           ("critic", "critic", [i for i in w.scorers if i not in w.trainers])):
                 if not holders or (role == "critic" and not self.critic_trains):
                     continue
-                refs = self.group.actor_weights(self.driver.bucket_bytes, role)
+                adapters = self.adapters and role == "actor"
+                refs = self.group.actor_weights(self.driver.bucket_bytes, role, adapters)
                 sent, per_holder[target] = sent + refs.bytes, refs.bytes
-                calls += [w.handles[i].load_weights.remote(target, ref) for ref in refs.refs for i in holders]
+                calls += [w.handles[i].load_weights.remote("adapter" if adapters else target, ref)
+                          for ref in refs.refs for i in holders]
+                calls += [w.handles[i].merge_adapter.remote() for i in holders] if adapters else []
             copied = ray.get(local)
             ray.get(calls)
         if copied:
@@ -318,7 +323,8 @@ def start_ray_placement(cfg, spec: PlacementSpec, run_dir, log=print, reward_row
             f"{', '.join(f'{r}:{p}' for r, p in zip(workers.ranks, pids))}){pinned}; {len(train.workers)} train "
             f"{TRAIN_PARALLEL_WORDS.get(cfg.rl.train_parallel, 'as ' + cfg.rl.train_parallel + ' stages')}")
         driver = MultiWorkerRollout(workers.handles, settings, decoders=workers.decoders, scorers=workers.scorers)
-        rollout = RayRollout(driver, workers, train, cfg.rollout.migrate_below > 0, models.critic is not None)
+        rollout = RayRollout(driver, workers, train, cfg.rollout.migrate_below > 0, models.critic is not None,
+                             models.adapter is not None)
         rates = {"train/lr": cfg.rl.lr} | ({"train/critic_lr": cfg.rl.critic_lr} if models.critic is not None else {})
         return rollout, RayTrainer(train, workers, cfg.rl.train_parallel, rates), workers
     except BaseException:

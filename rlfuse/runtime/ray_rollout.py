@@ -32,8 +32,9 @@ from rlfuse.config import RunConfig
 from rlfuse.metrics.tracker import peak_rss_mb
 from rlfuse.models.build import frozen, load_policy, reward_function, stage_folders, value_model
 from rlfuse.models.device import pick_device
-from rlfuse.models.load import load_tokenizer
+from rlfuse.models.load import apply_lora, load_tokenizer
 from rlfuse.models.rewards import metrics_of_sums, take_reward_sums
+from rlfuse.models.weights import merged_state_dict
 from rlfuse.plan.roles import derive_roles
 from rlfuse.plan.strategies import spec_from_config
 from rlfuse.rollout.engine import DecodeEngine, Sample, SamplingParams
@@ -63,6 +64,10 @@ class WorkerModels:
     """Folder the critic starts from (None: no critic); its weights are then synced with load_weights("critic")."""
     critic_source: str = "rm"
     """rm: the reward model's body and scalar head; sft or actor: a causal LM's body with a zero head."""
+    adapter: object = None
+    """The actor's LoRA settings (its config.ModelConfig) where the weight sync sends only the adapters
+    (rollout.weight_sync): a decoding worker holds the SFT model with that adapter beside its generator, loads what
+    it is sent into the adapter and merges it into the generator itself. None: merged weights are sent."""
 
     @classmethod
     def from_config(cls, cfg, run_dir: Path) -> "WorkerModels":
@@ -73,13 +78,14 @@ class WorkerModels:
         critic_source = roles["critic"].source if "critic" in roles else "rm"
         critic = (rm if critic_source == "rm" else sft) if "critic" in roles else None
         reward = rm if roles["reward"].has_model else roles["reward"].source
-        return cls(sft, sft, reward, critic, critic_source)
+        return cls(sft, sft, reward, critic, critic_source, cfg.model if cfg.rollout.syncs_adapters(cfg.model) else None)
 
     def holding(self, decodes: bool, scores: bool, reference: bool = False) -> "WorkerModels":
         """The folders of a worker that decodes and/or scores (reference, reward and critic values go together):
         a worker loads only the models it runs. reference: a decoding worker that also takes the reference's
         log-probs of its samples (RolloutSettings.reference_on_decoders)."""
         return dataclasses.replace(self, generator=self.generator if decodes else None,
+                                   adapter=self.adapter if decodes else None,
                                    **({} if scores else {"reference": self.reference if reference else None,
                                                          "reward": None, "critic": None}))
 
@@ -160,6 +166,15 @@ def build_worker_roles(models: WorkerModels, settings: RolloutSettings
     return engine, scorer, None
 
 
+def adapted_copy(models: WorkerModels, settings: RolloutSettings):
+    """A decoding worker's SFT model with the actor's LoRA adapter (WorkerModels.adapter), frozen: the base the
+    adapters it is sent are merged on. None where merged weights are sent."""
+    if models.adapter is None or not models.decodes:
+        return None
+    device = pick_device(RunConfig(device=settings.device))
+    return frozen(apply_lora(load_policy(models.generator), models.adapter), device)
+
+
 # ------------------------------------------------------------------------------------------- the worker
 
 
@@ -198,6 +213,7 @@ class GenerationWorker:
     def __init__(self, models: WorkerModels, settings: RolloutSettings, threads: int = 1):
         pin_threads(threads)
         engine, scorer, reference = build_worker_roles(models, settings)
+        self.adapted = adapted_copy(models, settings)
         self._setup(engine, scorer, settings, reference)
 
     def _setup(self, engine: DecodeEngine | None, scorer: Scorer | None, settings: RolloutSettings,
@@ -233,11 +249,21 @@ class GenerationWorker:
         t = time.perf_counter()
         if role == "generator" and self.engine is not None:
             n = self.engine.load_weights(tensors)
+        elif role == "adapter" and getattr(self, "adapted", None) is not None:
+            n = copy_weights(self.adapted, tensors)  # merged into the generator by merge_adapter, once all are in
         elif role == "critic" and self.scorer is not None and self.scorer.critic is not None:
             n = copy_weights(self.scorer.critic, tensors)
         else:
-            raise ValueError(f"load_weights: this worker has no {role!r} (generator, or critic where it has one)")
+            raise ValueError(f"load_weights: this worker has no {role!r} (generator, adapter where the sync sends "
+                             "adapters, or critic where it has one)")
         return n, time.perf_counter() - t
+
+    def merge_adapter(self) -> tuple[int, float]:
+        """The adapter load_weights("adapter", ...) received, folded into the generator: the merged weights are
+        merged_state_dict of the same base and adapter tensors as the trainer's actor, so the generator gets the same
+        bits a merged sync would send. -> (bytes written into the generator, seconds)."""
+        t = time.perf_counter()
+        return self.engine.load_weights(merged_state_dict(self.adapted)), time.perf_counter() - t
 
     def set_temperature(self, temperature: float) -> None:
         """The iteration's temperature for the reference (and sampling) log-probs (rl.temperature_schedule)."""

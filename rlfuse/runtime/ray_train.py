@@ -142,14 +142,18 @@ class TrainWorker:
         record = schedule_record(pipe.last_spans, pipe.last_schedules, pipe.world, pipe.mode)
         write_text_atomic(self.run_dir / "rl" / "pipeline_schedule.json", json.dumps(record))
 
-    def actor_weights(self, bucket_bytes: int = DEFAULT_BUCKET_BYTES, role: str = "actor") -> WeightRefs:
+    def actor_weights(self, bucket_bytes: int = DEFAULT_BUCKET_BYTES, role: str = "actor",
+                      adapters: bool = False) -> WeightRefs:
         """The actor's (or role="critic": the critic's) merged weights (models/weights.merged_state_dict) in
         object-store buckets (rank 0 is enough: every rank holds the same replica, or, sharded, the whole weights
-        begin_rollout gathered)."""
+        begin_rollout gathered). adapters: only what trains (the LoRA adapters), for generation workers that merge
+        them themselves (rollout.weight_sync)."""
         if self.sharded and not self.group.gathered:
             raise RuntimeError("actor_weights on sharded training: begin_rollout first (on every rank)")
         t, refs, nbytes = time.perf_counter(), [], 0
-        for bucket in weight_buckets(merged_state_dict(getattr(self.models, role)), bucket_bytes):
+        module = getattr(self.models, role)
+        state = trainable_state(module, copy=False) if adapters else merged_state_dict(module)
+        for bucket in weight_buckets(state, bucket_bytes):
             bucket = {k: v.detach().cpu() for k, v in bucket.items()}  # the object store holds host memory
             nbytes += sum(v.numel() * v.element_size() for v in bucket.values())
             refs.append(ray.put(bucket))  # serialised now: later steps cannot change what was sent
@@ -293,8 +297,9 @@ class TrainGroup:
             if unexpected:  # a naming mismatch would otherwise save the untrained model
                 raise RuntimeError(f"the trained {role} has parameters the driver's {role} lacks: {unexpected[:3]}")
 
-    def actor_weights(self, bucket_bytes: int = DEFAULT_BUCKET_BYTES, role: str = "actor") -> WeightRefs:
-        return ray.get(self.workers[0].actor_weights.remote(bucket_bytes, role))
+    def actor_weights(self, bucket_bytes: int = DEFAULT_BUCKET_BYTES, role: str = "actor",
+                      adapters: bool = False) -> WeightRefs:
+        return ray.get(self.workers[0].actor_weights.remote(bucket_bytes, role, adapters))
 
     def save_checkpoint(self, path, iteration: int, kl_coef: float, counters: dict) -> list[dict]:
         """-> each rank's {"seconds", "bytes"} (TrainWorker.save_checkpoint)."""

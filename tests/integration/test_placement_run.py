@@ -123,6 +123,23 @@ def test_two_flattened_runs_end_with_the_same_bits(folders, ray_session, tmp_pat
             assert got[key] == want[key], key
 
 
+def test_lora_weight_sync_of_the_adapters_alone_gives_the_merged_syncs_bits(folders, ray_session, tmp_path):
+    # separated with LoRA: the generation worker merges the adapters it is sent on its own copy of the SFT model, the
+    # same base and adapter tensors as the trainer's merge, so its generator gets the same bits as a merged sync:
+    # the same samples, the same trained weights, bit for bit; a small fraction of the bytes sent
+    runs = {}
+    for sync in ("merged", "adapters"):
+        rows, actor, rewards = run_rl(tmp_path / sync, folders, "placement.strategy=separated", "placement.workers=2",
+                                      "model.lora=true", f"rollout.weight_sync={sync}", "rl.iterations=2")
+        runs[sync] = rows, actor, rewards
+    (merged_rows, merged, merged_rewards), (rows, actor, rewards) = runs["merged"], runs["adapters"]
+    assert torch.equal(rewards, merged_rewards)
+    assert actor.keys() == merged.keys() and all(torch.equal(actor[n], merged[n]) for n in actor)
+    for got, want in zip(rows, merged_rows):
+        assert got["reward/mean"] == want["reward/mean"] and got["rollout/length_mean"] == want["rollout/length_mean"]
+        assert 0 < got["sync/sent_bytes"] < want["sync/sent_bytes"] / 10
+
+
 def assert_actor_as_single(actor, want_actor, start):
     # Samples are identical; what differs is rounding: the workers score other micro-batches than the single
     # process, and a migrated row's re-prefilled log-probs round differently (< 1e-5). Adam divides each gradient by

@@ -141,6 +141,9 @@ def test_every_config_field_is_read_somewhere():
     (["model.shared_base=true", "model.lora=true", "placement.strategy=interleaved"], "model.shared_base"),
     (["model.shared_base=true", "model.lora=true", "placement.strategy=flattened", "placement.workers=2",
       "rl.train_parallel=fsdp"], "rl.train_parallel"),
+    (["rollout.weight_sync=adapters"], "rollout.weight_sync"),  # full fine-tuning: every weight changes
+    (["rollout.weight_sync=adapters", "model.lora=true", "model.shared_base=true"], "rollout.weight_sync"),
+    (["rollout.weight_sync=lora"], "rollout.weight_sync"),
 ])
 def test_quantization_and_shared_base_errors_name_the_field(overrides, field):
     with pytest.raises(ConfigError) as e:

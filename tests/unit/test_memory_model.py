@@ -77,6 +77,17 @@ def test_a_decoding_only_worker_holds_the_received_weights_once_more():
         worker_memory({"actor"}, tiny_batch, NO_RUNTIME)["activations"] < 568 * 4
 
 
+def test_a_decoding_worker_merging_the_adapters_holds_the_base_they_merge_on():
+    # rollout.weight_sync=adapters (LoRA): the SFT model with the adapter stays beside the engine's copy, kept; no
+    # whole received copy passes through
+    merged = MemoryInputs(TINY, seq=3, kv_rows=5, score_rows=1, lora_rank=2)
+    adapters = MemoryInputs(TINY, seq=3, kv_rows=5, score_rows=1, lora_rank=2, sync_adapters=True)
+    lora_params = 2 * ((4 + 12) + (4 + 4) + (4 + 16) + (16 + 4)) * 2
+    a, b = worker_memory({"generator"}, merged, NO_RUNTIME), worker_memory({"generator"}, adapters, NO_RUNTIME)
+    assert b["base"] == a["base"] + 568 * 4 and b["adapters"] == a["adapters"] + lora_params * 4
+    assert a["activations"] == 568 * 4 and b["activations"] < 568 * 4
+
+
 def test_shared_prompts_shrink_training_activations():
     # rl.share_prompt: a sequence costs train_seq tokens in a training pass (its prompt's share) instead of seq
     whole = MemoryInputs(TINY, train_rows=2, seq=3, score_rows=1)
