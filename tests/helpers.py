@@ -101,9 +101,10 @@ def llama_sft_and_rm(root: Path, texts: list[str], stage_overrides: list[str]) -
     return model, run_dir
 
 
-def hand_experience(actor, n: int, k: int, seed: int = 1, longest: int = 6):
+def hand_experience(actor, n: int, k: int, seed: int = 1, longest: int = 6, long_prompts: int = 0):
     """An Experience of n samples, n/k prompts of 2..5 tokens, responses of 1..`longest` tokens (unequal lengths);
-    old log-probs near the actor's own so some ratios clip; random values and scores."""
+    old log-probs near the actor's own so some ratios clip; random values and scores. long_prompts: that many more
+    tokens in every other prompt (their samples' forwards then pay to share the prompt)."""
     import torch
 
     from rlfuse.rollout.fusion import Experience
@@ -111,7 +112,8 @@ def hand_experience(actor, n: int, k: int, seed: int = 1, longest: int = 6):
 
     g = torch.Generator().manual_seed(seed)
     vocab = actor.config.vocab_size
-    prompts = [torch.randint(1, vocab, (2 + i % 4,), generator=g).tolist() for i in range(n // k)]
+    prompts = [torch.randint(1, vocab, (2 + i % 4 + (long_prompts if i % 2 == 0 else 0),), generator=g).tolist()
+               for i in range(n // k)]
     prompt_ids = [prompts[i // k] for i in range(n)]
     step = 3 if longest == 6 else 5  # 3 keeps the lengths the data-parallel tests were written with
     response_ids = [torch.randint(1, vocab, (1 + (step * i) % longest,), generator=g).tolist() for i in range(n)]

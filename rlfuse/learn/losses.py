@@ -24,10 +24,11 @@ def _micro(exp: Experience, idx: list[int], pad_id: int, model, share_prompt: bo
 
 
 def micro_policy_loss(actor, exp: Experience, idx: list[int], adv, rl: RLConfig, kl_coef: float, pad_id: int,
-                      temperature: float):
+                      temperature: float, share_prompt: bool | None = None):
     """Clipped surrogate (plus grpo's in-loss KL, same estimator and averaging level) of one micro-batch, unscaled.
-    temperature: the one the samples were drawn and the reference scored at (the iteration's)."""
-    mb, take = _micro(exp, idx, pad_id, actor, rl.share_prompt)
+    temperature: the one the samples were drawn and the reference scored at (the iteration's). share_prompt: this
+    micro-batch's prefix sharing where the caller decides it (FSDP: the same on every rank); None: rl.share_prompt."""
+    mb, take = _micro(exp, idx, pad_id, actor, rl.share_prompt if share_prompt is None else share_prompt)
     new_lp, entropy = response_logprobs(actor, mb, temperature, with_entropy=True)
     stale = exp.proximal_logprobs is not None or exp.proximal_from_update
     if not stale:
@@ -47,8 +48,9 @@ def micro_policy_loss(actor, exp: Experience, idx: list[int], adv, rl: RLConfig,
     return loss, stats
 
 
-def micro_value_loss(critic, exp: Experience, idx: list[int], returns, rl: RLConfig, pad_id: int):
-    """Clipped value loss of one micro-batch (a token mean), unscaled."""
-    mb, take = _micro(exp, idx, pad_id, critic, rl.share_prompt)
+def micro_value_loss(critic, exp: Experience, idx: list[int], returns, rl: RLConfig, pad_id: int,
+                     share_prompt: bool | None = None):
+    """Clipped value loss of one micro-batch (a token mean), unscaled; share_prompt as micro_policy_loss's."""
+    mb, take = _micro(exp, idx, pad_id, critic, rl.share_prompt if share_prompt is None else share_prompt)
     loss, st = value_loss(response_values(critic, mb), take(exp.values), take(returns), mb.mask, rl.vf_clip)
     return loss, {"train/value_loss": loss.detach(), "train/value_clip_frac": st["clip_frac"]}

@@ -18,7 +18,7 @@ from rlfuse.learn.learners import Learner, Learners
 from rlfuse.learn.losses import micro_policy_loss, micro_value_loss
 from rlfuse.learn.optim import clip_and_step
 from rlfuse.models.build import Models
-from rlfuse.models.forward import can_share
+from rlfuse.models.forward import can_share, worth_sharing
 from rlfuse.rollout.fusion import Experience
 
 
@@ -124,6 +124,10 @@ def _optimise_data_parallel(learners, batches, exp, micro_size, loss_of, rl, bad
         finite = torch.ones((), dtype=torch.bool)
         for j in range(slots):
             idx, share = mine[j] if j < len(mine) else (every[0], zero)  # a padding slot adds nothing
+            if shared and group.same_forwards:  # FSDP: every rank's slot j runs prefix-shared, or none does
+                share = share | {"prefix": all(worth_sharing([exp.prompt_ids[i] for i in slot],
+                                                             [exp.response_ids[i] for i in slot])
+                                               for slot in _slot(every, j, group.world))}
             with group.micro_batch(modules, sync=j == slots - 1) as run:
                 loss, stats = run(loss_of, idx, share)
                 finite = finite.to(loss.device) & torch.isfinite(loss.detach())
@@ -135,6 +139,12 @@ def _optimise_data_parallel(learners, batches, exp, micro_size, loss_of, rl, bad
         steps, norms = _step_or_skip(learners, group.all_finite(bool(finite)), rl, bad, steps, norms)
     sums, count = group.sum_stats(sums, int(count))
     return {k: float(v) / max(1, count) for k, v in sums.items()}, [float(n) / max(1, steps) for n in norms]
+
+
+def _slot(every: list[list[int]], j: int, world: int) -> list[list[int]]:
+    """The micro-batches every rank runs at its j-th slot (micro_batches: rank r runs r, r + world, ...; a rank
+    without one runs the first as zero-weight padding)."""
+    return [every[r + j * world] if r + j * world < len(every) else every[0] for r in range(world)]
 
 
 def add_stats(sums: dict, stats: dict, count, finite: torch.Tensor):
@@ -171,10 +181,11 @@ def update_actor(actor: Learner, exp: Experience, adv, batches: list[list[int]],
     temperature = rl.temperature if temperature is None else temperature
 
     def loss_of(idx, share):
-        loss, stats = micro_policy_loss(actor.module, exp, idx, adv, rl, kl_coef, pad_id, temperature)
+        loss, stats = micro_policy_loss(actor.module, exp, idx, adv, rl, kl_coef, pad_id, temperature,
+                                        share.get("prefix"))
         loss = loss * share[rl.loss_level]
         if value_head:
-            vloss, vstats = micro_value_loss(value_head[0], exp, idx, value_head[2], rl, pad_id)
+            vloss, vstats = micro_value_loss(value_head[0], exp, idx, value_head[2], rl, pad_id, share.get("prefix"))
             loss, stats = loss + vloss * share["token"], stats | vstats
         return loss, stats
 
@@ -186,7 +197,7 @@ def update_critic(critic: Learner, exp: Experience, returns, batches: list[list[
                   bad: BadSteps, group=None) -> dict:
     """The separate critic's update: the clipped value loss (a token mean) over the same mini-batches."""
     loss_of = lambda idx, share: (lambda l, s: (l * share["token"], s))(
-        *micro_value_loss(critic.module, exp, idx, returns, rl, pad_id))
+        *micro_value_loss(critic.module, exp, idx, returns, rl, pad_id, share.get("prefix")))
     stats, norms = optimise([critic], batches, exp, rl.micro_batch_size, loss_of, rl, bad, group)
     return stats | {"train/critic_grad_norm": norms[0]}
 

@@ -50,6 +50,9 @@ class DataParallelGroup:
     and the micro-batch losses are already scaled by their share of the whole mini-batch (learn/batches.py micro_batches),
     so the sum over ranks is the single-process gradient: world x DDP's mean. (Tests set 1 to show the mean is
     the wrong weighting.)"""
+    same_forwards = False
+    """Whether every rank must run the same module forwards in each micro-batch slot (FSDP's per-block collectives):
+    optimise then decides each slot's prefix sharing for all ranks alike. DDP reduces once per backward."""
     _wrapped: dict = field(default_factory=dict, repr=False)
     _trained: dict = field(default_factory=dict, repr=False)
 

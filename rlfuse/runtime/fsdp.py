@@ -17,9 +17,9 @@ update (`shard_again`): the rank holds whole weights only while it decodes and s
 gradients and optimiser states. It is FSDP1's summon_full_params and veRL's hybrid engine, on FSDP2's unshard.
 
 Two things FSDP's collectives need that DDP does not: every rank must run the same forwards of the same blocks in
-the same order, so a micro-batch's forward is never prefix-shared here (whether sharing pays is decided per
-micro-batch, and a shared forward runs the body twice); and which module is the root is fixed by a first forward
-through it (`shard`), before any block runs alone in a rollout.
+the same order, so a micro-batch slot runs prefix-shared (the body twice: prompts, then responses) on every rank or
+on none (learn/update.py decides it per slot from all ranks' micro-batches: `same_forwards`); and which module is
+the root is fixed by a first forward through it (`shard`), before any block runs alone in a rollout.
 
 Imports no Ray: ray_train.py's TrainWorker builds a ShardedGroup once its process group is joined.
 """
@@ -76,6 +76,8 @@ class ShardedGroup(DataParallelGroup):
     """DataParallelGroup's interface (learn/update.py optimise) over FSDP2 shards instead of DDP replicas."""
     gathered: bool = False
     """Between gather() and shard_again(): every shard group's whole parameters are registered on its modules."""
+    same_forwards = True  # each block's forward all-gathers: a prefix-shared forward (two passes) on one rank only
+                          # would leave the other waiting
     _mesh: object = field(default=None, repr=False)
 
     def shard(self, module_sets: list[list[nn.Module]]) -> None:

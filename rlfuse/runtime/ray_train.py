@@ -14,7 +14,6 @@ Imports Ray: only a placement on Ray workers imports this module (runtime/backen
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import os
 import time
@@ -130,9 +129,8 @@ class TrainWorker:
                 self._save_schedule()
             return {"stats": stats, "bad": bad, "seconds": time.perf_counter() - t}
         rl = self.cfg.rl
-        if self.sharded:  # the whole weights of the rollout freed; no prefix-shared forwards (fsdp.py says why)
+        if self.sharded:  # the whole weights of the rollout freed
             self.group.shard_again()
-            rl = dataclasses.replace(rl, share_prompt=False)
         stats = update(self.models, self.learners, exp, adv, returns, rl, kl_coef, batches, bad,
                        temperature=temperature, group=self.group)
         return {"stats": stats, "bad": bad, "seconds": time.perf_counter() - t}

@@ -19,7 +19,8 @@ from rlfuse.models.build import build_models  # noqa: E402
 from rlfuse.runtime.ray_train import start_train_workers  # noqa: E402
 from rlfuse.learn.learners import build_learners  # noqa: E402
 from rlfuse.learn.advantages import compute_advantages  # noqa: E402
-from rlfuse.learn.batches import minibatches  # noqa: E402
+from rlfuse.learn.batches import micro_batch_indices, minibatches  # noqa: E402
+from rlfuse.models.forward import worth_sharing  # noqa: E402
 from rlfuse.learn.update import BadSteps, update  # noqa: E402
 
 ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])  # the helpers below run inside the workers
@@ -119,9 +120,12 @@ def test_fsdp_on_two_workers_equals_one_process(ray_cluster, tiny_task, tmp_path
     """rl.train_parallel=fsdp (rlfuse/runtime/fsdp.py): each rank holds half of each tensor; one update on the same
     experience ends with the single-process weights (gathered), and each rank holds only its shard between updates.
     GRPO with LoRA (frozen base weights and trained adapters in each block) and 3 micro-batches per mini-batch: rank 1
-    runs a zero-weight padding one, so that both ranks run the same forwards (FSDP's collectives). PPO with a separate
-    critic (two shard groups) runs end to end in tests/integration/test_placement_run.py. It comes before the tests
-    below: its ranks must be gone before ppo_workers takes the cluster's 2 CPUs."""
+    runs a zero-weight padding one, so that both ranks run the same forwards (FSDP's collectives). Every other prompt
+    is long, so some micro-batches pay to share their prompt and others do not: a slot runs prefix-shared (the body
+    twice) on both ranks or on neither (a rank sharing alone would wait for the other in a collective), and slots
+    where both share are among them. PPO with a separate critic (two shard groups) runs end to end in
+    tests/integration/test_placement_run.py. It comes before the tests below: its ranks must be gone before
+    ppo_workers takes the cluster's 2 CPUs."""
     extra = ["rl.algo=grpo", "rl.k=2", "rl.prompts_per_iter=6", "rl.mini_batch_size=6", "rl.micro_batch_size=2",
              "rl.epochs=1", "model.lora=true", "model.lora_r=4"]
     cfg = rl_config(tiny_task, "grpo", *extra, "rl.train_parallel=fsdp", "placement.strategy=flattened",
@@ -137,9 +141,13 @@ def test_fsdp_on_two_workers_equals_one_process(ray_cluster, tiny_task, tmp_path
         # ShardedGroup.shard_again's reset_iter_state, found in the default task's first update)
         workers.begin_rollout()
         ray.get([w.__ray_call__.remote(inference_forwards, n) for w, n in zip(workers.workers, (0, 2))])
-        exp = hand_experience(build_models(cfg, tmp_path, torch.device("cpu")).actor, len_of(cfg), cfg.rl.k)
+        exp = hand_experience(build_models(cfg, tmp_path, torch.device("cpu")).actor, len_of(cfg), cfg.rl.k,
+                              longest=12, long_prompts=16)
         adv, returns, _ = compute_advantages(exp, cfg.rl, KL)
         batches = minibatches(len(exp), cfg.rl, cfg.run.seed, 0)
+        slots = [[worth_sharing([exp.prompt_ids[i] for i in mb], [exp.response_ids[i] for i in mb]) for mb in slot]
+                 for mini in batches for slot in all_slots(exp, mini, cfg.rl)]
+        assert any(all(s) for s in slots) and any(any(s) and not all(s) for s in slots)
         dp_stats, dp_bad, _ = workers.update(exp, adv, returns, KL, batches, BadSteps())
         states = workers.trainable_states()
     finally:
@@ -158,6 +166,7 @@ def test_fsdp_on_two_workers_equals_one_process(ray_cluster, tiny_task, tmp_path
     big = [n for n in whole if whole[n] >= 64]
     assert big and all(shard_sizes[n] <= -(-whole[n] // 2) for n in big)  # rank 0 holds about half of each
     assert dp_stats["train/grad_norm"] == pytest.approx(one_stats["train/grad_norm"], rel=1e-5, abs=1e-6)
+    assert dp_stats["perf/prompt_tokens_shared_train"] > 0  # the sharded actor runs prefix-shared forwards
 
 
 @pytest.fixture(scope="module")
@@ -199,6 +208,13 @@ def test_two_workers_equal_one_process(ray_cluster, request, tiny_task, tmp_path
     cut = "rl.micro_batch_size=6" in extra  # other micro-batches than one process: only the grad norm agrees
     for key in ("train/grad_norm",) if cut else ("train/policy_loss", "train/clip_frac", "train/grad_norm"):
         assert dp_stats[key] == pytest.approx(one_stats[key], rel=1e-5, abs=1e-6), key
+
+
+def all_slots(exp, mini, rl):
+    """Each slot's micro-batches, one per rank (the second rank's last a padding one where it has none)."""
+    every = micro_batch_indices(exp, mini, rl.micro_batch_size, 2)
+    return [[every[r + j * 2] if r + j * 2 < len(every) else every[0] for r in (0, 1)]
+            for j in range(-(-len(every) // 2))]
 
 
 def len_of(cfg):
