@@ -5,8 +5,8 @@ Both runs: `rlfuse rl` PPO with a critic (rl.critic_init=sft: a second 135M mode
 placement.strategy=flattened on 2 workers (each decodes, scores and trains), from the converted instruct model on
 configs/smollm2_hh.yaml's hh-rlhf prompts and chat template, reward bench.vs_trl:reply_reward (a function: no reward
 model), a checkpoint every iteration; rl.train_parallel=data (DDP, full replicas) against fsdp (FSDP2 shards,
-rlfuse/runtime/fsdp.py), alternated A B (A B ...) in one command. rl.share_prompt=false on both (FSDP's training
-forwards are never prefix-shared, so DDP's would otherwise do less work).
+rlfuse/runtime/fsdp.py), alternated A B (A B ...) in one command. rl.share_prompt=false on both (as measured: FSDP's training
+forwards were not prefix-shared then, so DDP's would have done less work).
 
     python -m bench.fsdp                 # one round (about 15 min on 2 cores; needs the smollm2 extra)
     python -m bench.fsdp --rounds 2
