@@ -190,17 +190,17 @@ def kendall_tau(a: list[float], b: list[float]) -> float:
 
 
 def plans_for(task: str, models: Path, profile_path: Path, inputs: dict) -> list:
-    """Every plan for the task's workers (2; 1 for a shared base: planned_workers), ranked, from the profile and the
+    """Every plan for the task's workers (2), ranked, from the profile and the
     measured inputs (lengths, prompt tokens, distinct prompt lengths): no model runs, so a stored run can be
     predicted again in a second."""
     from rlfuse.config import load_config
-    from rlfuse.plan.planner import plan, planned_workers, problem_from_config
+    from rlfuse.plan.planner import plan, problem_from_config
     from rlfuse.plan.profiles import load_profile
 
     cfg = load_config(task_config(task), common_overrides(models, task, 3))
     inputs = {k: v for k, v in inputs.items() if k != "iteration_lengths"}
     inputs["lengths"] = tuple(inputs["lengths"]) if inputs.get("lengths") else None
-    return plan(problem_from_config(cfg, load_profile(profile_path), workers=planned_workers(cfg, None) or 2, **inputs))
+    return plan(problem_from_config(cfg, load_profile(profile_path), workers=2, **inputs))
 
 
 def iteration_lengths(run: Path) -> list[tuple[float, int]]:
