@@ -117,12 +117,14 @@ def main() -> None:
     print(text)
     if a.no_write:
         return
-    write_section("decode_step", text, page="decode_step")
+    gpu = "_gpu" if torch.cuda.is_available() else ""  # a GPU run gets its own section and row: the CPU's stay
+    write_section(f"decode_step{gpu}", text, page="decode_step")
     gpt2, llama, sampler = rows[0], rows[1], rows[4]
-    write_headline("decode_step", f"lean GPT-2 decode step {gpt2[3]:.2f}x transformers' forward ({gpt2[2]:.2f} ms), "
+    write_headline(f"decode_step{gpu}", f"lean GPT-2 decode step {gpt2[3]:.2f}x transformers' forward ({gpt2[2]:.2f} ms), "
                    f"Llama {llama[3]:.2f}x; sampler {sampler[3]:.2f}x torch.multinomial",
                    "transformers' forward; torch.multinomial", "python -m bench.decode_step",
-                   machine_short(os.getloadavg()[0]))
+                   machine_short(os.getloadavg()[0]), page="decode_step",
+                   what="Decode step, on a GPU" if gpu else None)
 
 
 if __name__ == "__main__":

@@ -829,8 +829,15 @@ def workloads(a) -> None:
                 algo = chosen[0].algo.upper()
                 write_headline(f"vs_trl_{w}{gpu}", figure, f"TRL {__import__('trl').__version__} {algo}, the same work",
                                workload_command(a, w), machine_short(os.getloadavg()[0]), page="vs_trl",
-                               what=("rlfuse vs TRL: real model SmolLM2-135M-Instruct, RLOO on chat prompts (d1)"
-                                     if w == "d1" else None))
+                               what=headline_title(w, gpu))
+
+
+def headline_title(w: str, gpu: str) -> str | None:
+    """BENCHMARKS.md's first cell for a workload's row (None: keep the row's own); a GPU row says so."""
+    title = {"a": "rlfuse vs TRL: worst case (a)", "b": "rlfuse vs TRL: long-tailed lengths (b)",
+             "c": "rlfuse vs TRL: long prompts (c)",
+             "d1": "rlfuse vs TRL: real model SmolLM2-135M-Instruct, RLOO on chat prompts (d1)"}.get(w)
+    return f"{title}, on a GPU" if title and gpu else title
 
 
 def workload_command(a, w: str) -> str:
@@ -843,6 +850,11 @@ def pair(res: dict) -> tuple[dict, dict]:
     trl = next(r for n, r in res.items() if n.startswith("trl-"))
     rlfuse = next(r for n, r in res.items() if n.startswith("rlfuse-"))
     return trl, rlfuse
+
+
+def on_gpu(res: dict) -> bool:
+    """Whether every system of one case measured the GPU's own memory (CUDA peak allocated): a GPU run."""
+    return all("cuda_peak_allocated_mb" in r for r in res.values())
 
 
 def headline(w: str, results: dict) -> str | None:
@@ -858,8 +870,10 @@ def headline(w: str, results: dict) -> str | None:
                 f"{t['compute_fraction']:.2f}; {speed:.2f}x TRL's samples/s")
     if w == "d1":
         rss = r["peak_rss_mb"] / t["peak_rss_mb"]
+        gpu = (f", CUDA peak allocated {r['cuda_peak_allocated_mb'] / t['cuda_peak_allocated_mb']:.2f}x "
+               f"({r['cuda_peak_allocated_mb']:.0f} vs {t['cuda_peak_allocated_mb']:.0f} MiB)" if on_gpu(results[(w, k)]) else "")
         return (f"{speed:.2f}x TRL's samples/s (target 3x), peak RSS {rss:.2f}x ({r['peak_rss_mb']:.0f} vs "
-                f"{t['peak_rss_mb']:.0f} MiB; target 0.8x), RLOO k={k}, full fine-tuning")
+                f"{t['peak_rss_mb']:.0f} MiB; target 0.8x){gpu}, RLOO k={k}, full fine-tuning")
     return f"{speed:.2f}x TRL's samples/s at k={k}, memory above idle {mem:.2f}x"
 
 
@@ -893,23 +907,27 @@ def measure_workload(a, w: str, cases: list[Case]) -> tuple[str, dict]:
                          r["samples_per_s"], r["tokens_per_s"], r["median_step_s"], r["peak_rss_mb"],
                          r["peak_above_idle_mb"], r["compute_fraction"], r["matmul_flops_s"] / r["flops_per_sample"],
                          r["samples_per_s"] / trl["samples_per_s"], r["peak_rss_mb"] / trl["peak_rss_mb"],
-                         r["peak_above_idle_mb"] / trl["peak_above_idle_mb"]])
+                         r["peak_above_idle_mb"] / trl["peak_above_idle_mb"]]
+                        + ([r["cuda_peak_allocated_mb"], r["cuda_peak_allocated_mb"] / trl["cuda_peak_allocated_mb"]]
+                           if on_gpu(res) else []))
     load1 = os.getloadavg()
     if not a.smoke:
         (WORK / f"vs_trl_workload_{w}.json").write_text(json.dumps({f"k{k}": v for (_, k), v in results.items()},
                                                                   indent=1, default=str))
+    cuda = all(on_gpu(res) for res in results.values())
     loads = lambda xs: " ".join(f"{x:.2f}" for x in xs)
     command = workload_command(a, w)
     setup = ([f"Setup: {SETUP_NOTES[w]}", ""] if w in SETUP_NOTES else [])
     return "\n".join([
         f"### {WORKLOAD_TITLES[w].format(shape=f'{a.n_layer} x {a.n_embd}')}", "",
         f"Command: `{command}`; wall time {time.time() - t0:.0f} s; load average (1, 5, 15 min) {loads(load0)} before, "
-        f"{loads(load1)} after (2 cores: above 2, other work shared them). {warmup} warm-up + {iters} measured "
+        f"{loads(load1)} after ({os.cpu_count()} cores: above {os.cpu_count()}, other work shared them). {warmup} warm-up + {iters} measured "
         f"iterations per run, {rounds} alternated round(s). Machine: "
         f"{json.dumps(machine() | {'trl': __import__('trl').__version__})}", "", *setup,
         md_table(["system", "k", "prompts x k", "max new", "mean prompt tokens", "mean completion tokens", "samples/s",
                   "tokens/s", "median iteration s", "peak RSS MiB", "peak above idle MiB", "fraction of compute limit",
-                  "compute limit samples/s", "samples/s vs TRL", "peak RSS vs TRL", "memory above idle vs TRL"], rows),
+                  "compute limit samples/s", "samples/s vs TRL", "peak RSS vs TRL", "memory above idle vs TRL"]
+                 + (["CUDA peak allocated MiB", "CUDA peak allocated vs TRL"] if cuda else []), rows),
         "", *target_verdicts(results), ""]), results
 
 
@@ -957,6 +975,11 @@ def target_verdicts(results: dict) -> list[str]:
             key = "peak_rss_mb" if memory == "peak RSS" else "peak_above_idle_mb"
             ratio = r[key] / t[key]
             line += (f", {memory} {ratio:.2f}x TRL's ({r[key]:.0f} vs {t[key]:.0f} MiB; target <= {memory_target:g}x: "
+                     f"{'met' if ratio <= memory_target else 'not met'})")
+        if on_gpu(results[(w, 8)]) and memory is not None:
+            ratio = r["cuda_peak_allocated_mb"] / t["cuda_peak_allocated_mb"]
+            line += (f"; on the GPU, CUDA peak allocated {ratio:.2f}x TRL's ({r['cuda_peak_allocated_mb']:.0f} vs "
+                     f"{t['cuda_peak_allocated_mb']:.0f} MiB; target <= {memory_target:g}x: "
                      f"{'met' if ratio <= memory_target else 'not met'})")
         out.append(line + ".")
     for (w, k), res in results.items():  # where the limit is lost: each stage's FLOPs over its seconds
