@@ -70,6 +70,14 @@ def micro_batch_indices(exp: Experience, mini: list[int], size: int, world: int 
     return [mini[s: s + size] for s in range(0, len(mini), size)]
 
 
+def rank_slots(every: list[list[int]], world: int) -> list[list[list[int]]]:
+    """The micro-batches each rank runs at each slot, [slot][rank], from every rank's list in order (micro_batches:
+    rank r runs r, r + world, ...). A rank with none left at a slot runs the first as zero-weight padding, so that
+    every rank takes part in each collective."""
+    return [[every[r + j * world] if r + j * world < len(every) else every[0] for r in range(world)]
+            for j in range(-(-len(every) // world))]
+
+
 def micro_batches(exp: Experience, mini: list[int], size: int, rank: int = 0, world: int = 1,
                   tokens: int | None = None, shared: bool = False) -> Iterator[tuple[list[int], dict]]:
     """(indices, share) per micro-batch (micro_batch_indices); share[level] is its part of the mini-batch's tokens

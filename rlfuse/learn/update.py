@@ -13,7 +13,7 @@ import torch
 
 from rlfuse.config import RLConfig
 from rlfuse.errors import UserError
-from rlfuse.learn.batches import micro_batch_indices, micro_batches, prompt_tokens_shared
+from rlfuse.learn.batches import micro_batch_indices, micro_batches, prompt_tokens_shared, rank_slots
 from rlfuse.learn.learners import Learner, Learners
 from rlfuse.learn.losses import micro_policy_loss, micro_value_loss
 from rlfuse.learn.optim import clip_and_step
@@ -120,14 +120,15 @@ def _optimise_data_parallel(learners, batches, exp, micro_size, loss_of, rl, bad
     for n, mini in enumerate(batches):
         every = micro_batch_indices(exp, mini, micro_size, group.world, tokens, shared)
         mine = list(micro_batches(exp, mini, micro_size, group.rank, group.world, tokens, shared))
-        slots = -(-len(every) // group.world)  # the most any rank has: every rank takes part in each all-reduce
+        by_slot = rank_slots(every, group.world)  # the most any rank has: every rank takes part in each all-reduce
+        slots = len(by_slot)
         finite = torch.ones((), dtype=torch.bool)
         for j in range(slots):
             idx, share = mine[j] if j < len(mine) else (every[0], zero)  # a padding slot adds nothing
             if shared and group.same_forwards:  # FSDP: every rank's slot j runs prefix-shared, or none does
                 share = share | {"prefix": all(worth_sharing([exp.prompt_ids[i] for i in slot],
                                                              [exp.response_ids[i] for i in slot])
-                                               for slot in _slot(every, j, group.world))}
+                                               for slot in by_slot[j])}
             with group.micro_batch(modules, sync=j == slots - 1) as run:
                 loss, stats = run(loss_of, idx, share)
                 finite = finite.to(loss.device) & torch.isfinite(loss.detach())
@@ -139,12 +140,6 @@ def _optimise_data_parallel(learners, batches, exp, micro_size, loss_of, rl, bad
         steps, norms = _step_or_skip(learners, group.all_finite(bool(finite)), rl, bad, steps, norms)
     sums, count = group.sum_stats(sums, int(count))
     return {k: float(v) / max(1, count) for k, v in sums.items()}, [float(n) / max(1, steps) for n in norms]
-
-
-def _slot(every: list[list[int]], j: int, world: int) -> list[list[int]]:
-    """The micro-batches every rank runs at its j-th slot (micro_batches: rank r runs r, r + world, ...; a rank
-    without one runs the first as zero-weight padding)."""
-    return [every[r + j * world] if r + j * world < len(every) else every[0] for r in range(world)]
 
 
 def add_stats(sums: dict, stats: dict, count, finite: torch.Tensor):

@@ -19,7 +19,7 @@ from rlfuse.models.build import build_models  # noqa: E402
 from rlfuse.runtime.ray_train import start_train_workers  # noqa: E402
 from rlfuse.learn.learners import build_learners  # noqa: E402
 from rlfuse.learn.advantages import compute_advantages  # noqa: E402
-from rlfuse.learn.batches import micro_batch_indices, minibatches  # noqa: E402
+from rlfuse.learn.batches import micro_batch_indices, minibatches, rank_slots  # noqa: E402
 from rlfuse.models.forward import worth_sharing  # noqa: E402
 from rlfuse.learn.update import BadSteps, update  # noqa: E402
 
@@ -212,9 +212,7 @@ def test_two_workers_equal_one_process(ray_cluster, request, tiny_task, tmp_path
 
 def all_slots(exp, mini, rl):
     """Each slot's micro-batches, one per rank (the second rank's last a padding one where it has none)."""
-    every = micro_batch_indices(exp, mini, rl.micro_batch_size, 2)
-    return [[every[r + j * 2] if r + j * 2 < len(every) else every[0] for r in (0, 1)]
-            for j in range(-(-len(every) // 2))]
+    return rank_slots(micro_batch_indices(exp, mini, rl.micro_batch_size, 2), 2)
 
 
 def len_of(cfg):

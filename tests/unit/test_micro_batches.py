@@ -9,7 +9,7 @@ from rlfuse.data.collate import pack_by_tokens, prompt_runs
 from rlfuse.rollout.fusion import Experience
 from rlfuse.models.forward import forward_tokens
 from rlfuse.learn.learners import Learner
-from rlfuse.learn.batches import micro_batch_indices
+from rlfuse.learn.batches import micro_batch_indices, rank_slots
 from rlfuse.learn.update import BadSteps, optimise
 
 
@@ -90,3 +90,11 @@ def test_no_host_read_per_micro_batch(monkeypatch):
         optimise([learner], [list(range(8))], exp, micro, loss_of, rl, BadSteps())
         counts.append(reads["n"] - before)
     assert counts[0] == counts[1], counts
+
+
+def test_rank_slots_pad_the_last_slot_with_the_first_micro_batch():
+    every = [[0, 1], [2, 3], [4, 5]]
+    assert rank_slots(every, 2) == [[[0, 1], [2, 3]], [[4, 5], [0, 1]]]
+    assert rank_slots(every, 1) == [[[0, 1]], [[2, 3]], [[4, 5]]]
+    for rank in range(2):  # the real (non-padding) ones are micro_batches' [rank::world]
+        assert [slot[rank] for slot in rank_slots(every, 2)][:len(every[rank::2])] == every[rank::2]
