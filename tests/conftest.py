@@ -7,7 +7,7 @@ import pytest
 sys.path.insert(0, str(Path(__file__).parent))
 if os.environ.get("PYTEST_XDIST_WORKER"):
     # two workers on CI's two cores: one torch thread each (their CLI and Ray children inherit it), since OpenMP
-    # threads that spin on a core the other worker holds made small tests 3x slower (a 14 s engine test took 46 s)
+    # threads that spin on a core the other worker holds made small tests far slower (an engine test of 0.4 s took 46 s)
     os.environ["OMP_NUM_THREADS"] = "1"
     import torch
 
@@ -36,16 +36,11 @@ def tiny_task():
 
 
 # The suite runs on 2 pytest-xdist workers (pyproject's addopts: -n 2 --dist loadgroup; -n 0 runs it in one process).
-# Much of a Ray or CLI test is process start-up and waiting, so two workers on CI's 2 cores finish in about 0.7 of the
-# time of one. A module with a module-scoped fixture (a Ray session, trained folders, a reference run) stays on one
-# worker, so the fixture is built once; SPLIT_MODULES cuts the longest of them into groups, each building the fixtures
-# again for far less than it saves. Other tests are scheduled one by one. LONGEST_FIRST (measured module times, longest
-# first) starts the long groups first, so that the two workers finish together.
+# Much of a Ray or CLI test is process start-up and waiting, so two workers on CI's 2 cores finish in about 0.75 of
+# the time of one (1194 against 1588 s on the AMD VM). A module with a module-scoped fixture (a Ray session, trained
+# folders, a reference run) stays on one worker, so the fixture is built once; SPLIT_MODULES cuts the longest two into
+# groups, each building the fixtures again for far less than it saves. Other tests are scheduled one by one.
 SPLIT_MODULES = {"test_placement_run.py": 2, "test_placement_faults.py": 2}
-LONGEST_FIRST = ["test_placement_run.py", "test_placement_faults.py", "test_async_rl.py", "test_data_parallel.py",
-                 "test_resume_rules.py", "test_run_folders.py", "test_bad_rewards.py", "test_rl.py", "test_smollm2.py",
-                 "test_placement_inputs.py", "test_qlora_stages.py", "test_ray_rollout.py", "test_ray_train.py",
-                 "test_schedule.py", "test_plan_profile_ray.py"]
 
 
 @pytest.hookimpl(tryfirst=True)  # before xdist's own hook, which reads the groups
@@ -60,6 +55,3 @@ def pytest_collection_modifyitems(config, items):
             n = seen[module] = seen.get(module, -1) + 1
             part = f"#{n % SPLIT_MODULES[module]}" if module in SPLIT_MODULES else ""
             item.add_marker(pytest.mark.xdist_group(f"{item.path.parent.name}/{module}{part}"))
-    rank = {m: i for i, m in enumerate(LONGEST_FIRST)}
-    order = {id(item): i for i, item in enumerate(items)}
-    items.sort(key=lambda item: (rank.get(item.path.name, len(rank)), order[id(item)]))

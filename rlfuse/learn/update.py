@@ -120,8 +120,8 @@ def _optimise_data_parallel(learners, batches, exp, micro_size, loss_of, rl, bad
     for n, mini in enumerate(batches):
         every = micro_batch_indices(exp, mini, micro_size, group.world, tokens, shared)
         mine = list(micro_batches(exp, mini, micro_size, group.rank, group.world, tokens, shared))
-        by_slot = rank_slots(every, group.world)  # the most any rank has: every rank takes part in each all-reduce
-        slots = len(by_slot)
+        by_slot = rank_slots(every, group.world)  # as many slots as the most any rank has: every rank takes part in
+        slots = len(by_slot)                      # each all-reduce
         finite = torch.ones((), dtype=torch.bool)
         for j in range(slots):
             idx, share = mine[j] if j < len(mine) else (every[0], zero)  # a padding slot adds nothing
