@@ -921,7 +921,7 @@ def measure_workload(a, w: str, cases: list[Case]) -> tuple[str, dict]:
     return "\n".join([
         f"### {WORKLOAD_TITLES[w].format(shape=f'{a.n_layer} x {a.n_embd}')}", "",
         f"Command: `{command}`; wall time {time.time() - t0:.0f} s; load average (1, 5, 15 min) {loads(load0)} before, "
-        f"{loads(load1)} after ({os.cpu_count()} cores: above {os.cpu_count()}, other work shared them). {warmup} warm-up + {iters} measured "
+        f"{loads(load1)} after ({os.cpu_count()} cores; a load above {os.cpu_count()} means other work shared them). {warmup} warm-up + {iters} measured "
         f"iterations per run, {rounds} alternated round(s). Machine: "
         f"{json.dumps(machine() | {'trl': __import__('trl').__version__})}", "", *setup,
         md_table(["system", "k", "prompts x k", "max new", "mean prompt tokens", "mean completion tokens", "samples/s",
