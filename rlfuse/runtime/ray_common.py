@@ -15,9 +15,10 @@ from rlfuse.runtime.process import CORE_OFFSET_ENV, core_offsets
 
 
 def start_actors(cls, n: int, args_of: Callable[[int], tuple], cpus_per_worker: float = 1, gpus_per_worker: float = 0,
-                 placement_group=None, first_bundle: int = 0, pin_cores: bool = False) -> list:
+                 placement_group=None, first_bundle: int = 0, pin_cores: bool = False, wait: bool = True) -> list:
     """n Ray actors of `cls`, actor i built with args_of(i), in bundle first_bundle + i of placement_group (else
-    Ray places them); returns once every constructor has run (their models loaded). The actors import the same
+    Ray places them); returns once every constructor has run (their models loaded), or at once with wait=False
+    (then wait_ready: several groups' workers start side by side). The actors import the same
     rlfuse as this process (its folder goes first on their PYTHONPATH), and one that reserved no GPU sees none:
     Ray no longer hides the GPUs from it, and run.device=auto must not take a device another worker owns.
     pin_cores: each actor's threads keep to its own whole cores of its node (core_offsets; pin_threads applies it);
@@ -43,6 +44,11 @@ def start_actors(cls, n: int, args_of: Callable[[int], tuple], cpus_per_worker: 
             opts["scheduling_strategy"] = PlacementGroupSchedulingStrategy(
                 placement_group, placement_group_bundle_index=first_bundle + i)
         actors.append(remote.options(**opts).remote(*args_of(i)))
+    return wait_ready(actors) if wait else actors
+
+
+def wait_ready(actors: list) -> list:
+    """Block until every actor's constructor has run (raising its error if one failed); returns the actors."""
     ray.get([a.ready.remote() for a in actors])  # models loaded: later timings (weight sync) exclude the start
     return actors
 

@@ -52,10 +52,11 @@ class RoleWorker(GenerationWorker, TrainWorker):
 
 def start_role_workers(cfg, run_dir, n: int, models: WorkerModels, settings: RolloutSettings, cpus_per_worker: float,
                        gpus_per_worker: float, placement_group, first_bundle: int, trains: bool,
-                       pin_cores: bool = False) -> list:
+                       pin_cores: bool = False, wait: bool = True) -> list:
     """n RoleWorker actors in bundles first_bundle.. of placement_group (ray_common.start_actors), ranks 0..n-1 of
-    training if `trains`, each on its own cores if `pin_cores`; returns once their models are loaded."""
+    training if `trains`, each on its own cores if `pin_cores`; returns once their models are loaded (at once with
+    wait=False: ray_common.wait_ready)."""
     threads = max(1, int(cpus_per_worker))
     return start_actors(RoleWorker, n, lambda i: (cfg, str(run_dir), models, settings, threads, i if trains else None,
                                                   n), cpus_per_worker, gpus_per_worker, placement_group, first_bundle,
-                        pin_cores)
+                        pin_cores, wait)
