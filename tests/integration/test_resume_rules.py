@@ -9,7 +9,7 @@ import shutil
 import pytest
 import torch
 
-from test_run_folders import FAST, digest, one_line_error, rlfuse
+from test_run_folders import FAST, digest, one_line_error, rlfuse, rlfuse_here
 
 
 @pytest.fixture(scope="module")
@@ -34,7 +34,7 @@ def lr_by_step(run_dir):
 
 def test_settings_the_checkpoint_depends_on_are_refused_with_the_list(run_dir):
     before = digest(run_dir)
-    line = one_line_error(rlfuse("run", "--resume", run_dir, "rl.algo=rloo", "rl.k=2", "model.n_embd=32"), 2,
+    line = one_line_error(rlfuse_here("run", "--resume", run_dir, "rl.algo=rloo", "rl.k=2", "model.n_embd=32"), 2,
                           "rlfuse run: resume:")
     assert "rl.algo 'ppo' -> 'rloo'" in line and "rl.k 1 -> 2" in line and "model.n_embd 64 -> 32" in line
     assert "cannot change in a resumed run" in line
@@ -42,7 +42,7 @@ def test_settings_the_checkpoint_depends_on_are_refused_with_the_list(run_dir):
 
 
 def test_learning_rate_and_iterations_changed_on_resume_take_effect_and_are_noted(run_dir):
-    proc = rlfuse("rl", "--resume", run_dir, "rl.iterations=4", "rl.lr=5e-4")
+    proc = rlfuse_here("rl", "--resume", run_dir, "rl.iterations=4", "rl.lr=5e-4")
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "resume: applying rl.iterations 2 -> 4, rl.lr 0.0001 -> 0.0005" in proc.stderr
     assert lr_by_step(run_dir) == {1: 1e-4, 2: 1e-4, 3: 5e-4, 4: 5e-4}  # the optimiser follows, not the checkpoint's
@@ -55,14 +55,14 @@ def test_a_config_file_given_with_resume_is_used_by_the_same_rules(run_dir, tmp_
     saved = (run_dir / "config.yaml").read_text()
     longer = tmp_path / "longer.yaml"
     longer.write_text(saved.replace("iterations: 2", "iterations: 3"))
-    proc = rlfuse("rl", "--resume", run_dir, longer)
+    proc = rlfuse_here("rl", "--resume", run_dir, longer)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert sorted(lr_by_step(run_dir)) == [1, 2, 3]
     other = tmp_path / "other.yaml"
     assert "  clip: 0.2\n" in saved
     other.write_text(saved.replace("  clip: 0.2\n", "  clip: 0.3\n"))
     before = digest(run_dir)
-    line = one_line_error(rlfuse("rl", "--resume", run_dir, other), 2, "rlfuse rl: resume:")
+    line = one_line_error(rlfuse_here("rl", "--resume", run_dir, other), 2, "rlfuse rl: resume:")
     assert "rl.clip 0.2 -> 0.3" in line
     assert digest(run_dir) == before
 
@@ -72,11 +72,11 @@ def test_a_damaged_checkpoint_is_one_line_and_the_previous_one_is_kept(run_dir):
     prev = run_dir / "rl" / "checkpoint.pt.prev"
     assert prev.is_file(), "the checkpoint before the last was not kept"
     ckpt.write_bytes(ckpt.read_bytes()[:1000])  # a write cut short
-    line = one_line_error(rlfuse("rl", "--resume", run_dir, "rl.iterations=3"), 2, f"rlfuse rl: {ckpt} is not a "
+    line = one_line_error(rlfuse_here("rl", "--resume", run_dir, "rl.iterations=3"), 2, f"rlfuse rl: {ckpt} is not a "
                           "readable rlfuse checkpoint")
     assert f"`mv {prev} {ckpt}`" in line
     prev.replace(ckpt)  # the step back the line names
-    proc = rlfuse("rl", "--resume", run_dir, "rl.iterations=3")
+    proc = rlfuse_here("rl", "--resume", run_dir, "rl.iterations=3")
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "resumed from" in proc.stderr and "at iteration 1" in proc.stderr
 
@@ -87,14 +87,14 @@ def test_a_checkpoint_of_another_model_is_one_line(run_dir):
     name = next(iter(state["actor"]))
     state["actor"][name] = torch.zeros(3)  # a tensor of another model's shape
     torch.save(state, ckpt)
-    line = one_line_error(rlfuse("rl", "--resume", run_dir, "rl.iterations=3"), 2, "rlfuse rl:")
+    line = one_line_error(rlfuse_here("rl", "--resume", run_dir, "rl.iterations=3"), 2, "rlfuse rl:")
     assert "does not fit this run's models" in line and "start a new run" in line
 
 
 def test_resuming_a_run_with_no_checkpoint_says_so(run_dir):
     (run_dir / "rl" / "checkpoint.pt").unlink()
     (run_dir / "rl" / "checkpoint.pt.prev").unlink()
-    proc = rlfuse("rl", "--resume", run_dir, "rl.clip=0.3")  # RL has made nothing a change would contradict
+    proc = rlfuse_here("rl", "--resume", run_dir, "rl.clip=0.3")  # RL has made nothing a change would contradict
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "no RL checkpoint" in proc.stderr and "RL starts at iteration 0" in proc.stderr
     assert "# resumed at iteration 0: rl.clip 0.2 -> 0.3" in (run_dir / "config.yaml").read_text()

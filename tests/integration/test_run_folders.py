@@ -2,7 +2,9 @@
 a finished one, a run.dir that cannot be written, a disk that fills during a checkpoint. Each case asserts the exit
 code, the one line printed and that nothing already there was lost or overwritten."""
 
+import contextlib
 import hashlib
+import io
 import json
 import os
 import resource
@@ -12,6 +14,7 @@ import sys
 from pathlib import Path
 
 from conftest import ROOT
+from rlfuse.cli import main
 from rlfuse.runs import LOCK_NAME, RunLock
 
 # the embedded task at its smallest: every stage a few seconds
@@ -30,6 +33,17 @@ def rlfuse(*args, limit_file_bytes: int | None = None) -> subprocess.CompletedPr
     return subprocess.run([sys.executable, "-m", "rlfuse", *map(str, args)], cwd=ROOT, capture_output=True, text=True,
                           env=os.environ | {"CI": "true"}, preexec_fn=cap_file_size if limit_file_bytes else None,
                           timeout=600)
+
+
+def rlfuse_here(*args) -> subprocess.CompletedProcess:
+    """`rlfuse ARGS` through rlfuse.cli.main in this process, which is all `python -m rlfuse` runs (its __main__ is
+    `raise SystemExit(main())`): the same exit code and output, without a new interpreter importing torch and
+    transformers (8-10 s of a test on 2 shared cores). Where a test needs a process of its own (another pid, a file
+    size limit, a kill), it calls rlfuse()."""
+    out, err = io.StringIO(), io.StringIO()
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        code = main([str(a) for a in args])
+    return subprocess.CompletedProcess(["rlfuse", *map(str, args)], code, out.getvalue(), err.getvalue())
 
 
 def one_line_error(proc: subprocess.CompletedProcess, code: int, prefix: str) -> str:
@@ -61,7 +75,7 @@ def test_a_killed_runs_lock_is_taken_over_and_said(tmp_path):
     run_dir = tmp_path / "run"
     run_dir.mkdir()
     (run_dir / LOCK_NAME).write_text(json.dumps({"pid": 2 ** 22 + 7, "host": "gone", "started": "yesterday"}))
-    proc = rlfuse("sft", f"run.dir={run_dir}", *FAST)
+    proc = rlfuse_here("sft", f"run.dir={run_dir}", *FAST)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "took over the lock of a run that is no longer running (pid 4194311 on gone, started yesterday)" in proc.stderr
     assert (run_dir / "sft" / "summary.json").is_file() and not (run_dir / LOCK_NAME).exists()
@@ -69,21 +83,21 @@ def test_a_killed_runs_lock_is_taken_over_and_said(tmp_path):
 
 def test_a_finished_stage_is_never_overwritten_without_overwrite(tmp_path):
     run_dir = tmp_path / "run"
-    assert rlfuse("sft", f"run.dir={run_dir}", *FAST).returncode == 0
+    assert rlfuse_here("sft", f"run.dir={run_dir}", *FAST).returncode == 0
     before = digest(run_dir)
-    line = one_line_error(rlfuse("sft", f"run.dir={run_dir}", *FAST, "sft.steps=3"), 2, "rlfuse sft: run.dir")
+    line = one_line_error(rlfuse_here("sft", f"run.dir={run_dir}", *FAST, "sft.steps=3"), 2, "rlfuse sft: run.dir")
     assert "already holds an earlier run (sft finished)" in line and "--overwrite" in line
     assert digest(run_dir) == before, "a refused run changed the folder"
     # the whole pipeline into it: a partly finished run, which --resume continues
-    line = one_line_error(rlfuse("run", f"run.dir={run_dir}", *FAST), 2, "rlfuse run: run.dir")
+    line = one_line_error(rlfuse_here("run", f"run.dir={run_dir}", *FAST), 2, "rlfuse run: run.dir")
     assert f"rlfuse run --resume {run_dir}" in line
     assert digest(run_dir) == before
     # --overwrite with a config that cannot run removes nothing
-    one_line_error(rlfuse("sft", f"run.dir={run_dir}", *FAST, "sft.micro_batch_size=3", "--overwrite"), 2,
+    one_line_error(rlfuse_here("sft", f"run.dir={run_dir}", *FAST, "sft.micro_batch_size=3", "--overwrite"), 2,
                    "rlfuse sft: config error: sft.batch_size")
     assert digest(run_dir) == before
     # the explicit choice replaces it
-    proc = rlfuse("sft", f"run.dir={run_dir}", *FAST, "sft.steps=3", "--overwrite")
+    proc = rlfuse_here("sft", f"run.dir={run_dir}", *FAST, "sft.steps=3", "--overwrite")
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "--overwrite: removed sft of the previous run" in proc.stderr
     rows = [json.loads(line) for line in (run_dir / "sft" / "metrics.jsonl").read_text().splitlines()]
@@ -93,9 +107,9 @@ def test_a_finished_stage_is_never_overwritten_without_overwrite(tmp_path):
 def test_a_run_dir_that_cannot_be_a_folder_is_one_line(tmp_path):
     a_file = tmp_path / "notes.txt"
     a_file.write_text("mine")
-    line = one_line_error(rlfuse("run", f"run.dir={a_file}", *FAST), 2, "rlfuse run: run.dir")
+    line = one_line_error(rlfuse_here("run", f"run.dir={a_file}", *FAST), 2, "rlfuse run: run.dir")
     assert "is a file, not a folder" in line
-    line = one_line_error(rlfuse("rl", f"run.dir={a_file / 'run'}", *FAST), 2, "rlfuse rl: run.dir")
+    line = one_line_error(rlfuse_here("rl", f"run.dir={a_file / 'run'}", *FAST), 2, "rlfuse rl: run.dir")
     assert "cannot write there (Not a directory)" in line
     assert a_file.read_text() == "mine"
 
@@ -108,6 +122,6 @@ def test_a_disk_full_during_a_checkpoint_is_one_line_and_the_run_resumes(tmp_pat
     assert f"{run_dir / 'rl' / 'checkpoint.pt'}: File too large" in line and f"--resume {run_dir}" in line
     assert not [p for p in run_dir.rglob("*") if ".tmp" in p.name], "a temporary file was left behind"
     assert (run_dir / "sft" / "summary.json").is_file() and (run_dir / "rm" / "summary.json").is_file()
-    resumed = rlfuse("run", "--resume", run_dir)
+    resumed = rlfuse_here("run", "--resume", run_dir)
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     assert (run_dir / "rl" / "model" / "config.json").is_file() and (run_dir / "eval.json").is_file()

@@ -48,14 +48,14 @@ def test_reference_serial_and_lower_bound_exact(row):
 @pytest.mark.parametrize("row", REFERENCE, ids=ids)
 def test_reference_fused_search(row):
     """The 8-stage RLHFuse rows: the K = 2 rows and the M = 8 and 32 rows of K = 1 reach the bound in seconds; the
-    K = 1, M = 16 row (5:2) is the hardest of them: the search stops at the issue's 1% (usually within 20 s), but its
-    phases follow the clock, and suite runs on an idle machine ended 20 s at 1.9% and 60 s at 1.09%, so here it is
-    held to 2% in 60 s; the 1% is bench/schedule_reference.py's to show (docs/benchmarks/schedule_reference.md, 120 s per row)."""
+    K = 1, M = 16 row (5:2) is the hardest of them: its phases follow the clock, and suite runs on an idle machine
+    ended 20 s at 1.9% and 60 s at 1.09%, so here it is held to 2% in 60 s and stops as soon as it is there; the 1%
+    is bench/schedule_reference.py's to show (docs/benchmarks/schedule_reference.md, 120 s per row)."""
     pp, pps, m, ms, f, fs, ser, target = row
     prob = Problem.fused(pp, pps, m, ms, f, fs)
     hardest = row == REFERENCE[4]
     # makespan only (the memory pass is tested on its own); rows stop as soon as they reach the bound
-    res = fused(prob, seed=0, time_limit=60, memory_pass=False, tolerance=0.01 if hardest else 0.0)
+    res = fused(prob, seed=0, time_limit=60, memory_pass=False, tolerance=0.02 if hardest else 0.0)
     check(prob, res.schedule)
     assert res.result.makespan >= target  # never below the lower bound
     if hardest:
