@@ -52,7 +52,7 @@ def rollout(cfg, work: Path):
     from rlfuse.learn.advantages import compute_advantages
     from rlfuse.learn.batches import minibatches
     from rlfuse.data.curriculum import prompt_batch
-    from rlfuse.trainers.sft import resolve_base_model
+    from rlfuse.models.load import resolve_base_model
 
     rl, seed = cfg.rl, cfg.run.seed
     _, task = resolve_base_model(cfg, lambda *_: None)

@@ -9,7 +9,8 @@ the default task and on real IMDb prompts, predicted vs measured per stage from 
 
 Inputs of the predictions, all taken before any plan runs: the machine profile (`rlfuse plan --profile`, measured at
 the start, Ray overheads included), the config, the mean prompt tokens of the task and the distinct prompt lengths
-in an iteration's prompts (its prompts tokenised: one prefill call per length), and the response lengths (mean,
+in an iteration's prompts (the first iterations' prompts tokenised as `rlfuse plan` does,
+rlfuse/models/prompt_workload.py: one prefill call per length), and the response lengths (mean,
 longest) of each iteration of a single-process calibration run per task, as many iterations as the plans run:
 samples do not depend on the placement, so every plan decodes the same lengths, and they drift as the policy trains.
 A plan's prediction per stage is the median over iterations 2..N of each iteration's prediction from its own
@@ -113,32 +114,6 @@ def rl_args(models: Path, task: str, iterations: int) -> list[str]:
     return [*([str(config)] if config else []), *common_overrides(models, task, iterations)]
 
 
-def prompt_stats(cfg, sft_dir: Path) -> tuple[float, float]:
-    """(mean tokens, mean distinct lengths in an iteration's rl.prompts_per_iter prompts) of the task's RL train
-    prompts as the RL stage encodes them (BOS included, cut to the budget): the engine prefills each distinct length
-    in its own call."""
-    import random
-
-    from rlfuse.data.prompts import encode_prompts, model_context, prompt_budget
-    from rlfuse.data.stages import rl_prompts
-    from rlfuse.models.load import load_tokenizer
-
-    task = None
-    if cfg.data.kind == "synthetic":
-        from rlfuse.trainers.sft import resolve_base_model
-
-        _, task = resolve_base_model(cfg, lambda m: None)
-    import transformers
-
-    tok = load_tokenizer(str(sft_dir))
-    context = model_context(transformers.AutoConfig.from_pretrained(str(sft_dir)))
-    train, _ = rl_prompts(cfg, task, lambda m: None)
-    ids, _ = encode_prompts(tok, train, prompt_budget(cfg.rl, context))
-    lengths, rng, n = [len(i) for i in ids], random.Random(0), min(cfg.rl.prompts_per_iter, len(ids))
-    distinct = statistics.mean(len(set(rng.sample(lengths, n))) for _ in range(50))
-    return sum(lengths) / len(lengths), distinct
-
-
 def metrics(run: Path) -> list[dict]:
     return [json.loads(line) for line in (run / "rl" / "metrics.jsonl").read_text().splitlines() if line.strip()]
 
@@ -232,6 +207,7 @@ def predict_all(task: str, models: Path, profile_path: Path, work: Path,
                 iterations: int) -> tuple[dict, list, dict]:
     from rlfuse.config import load_config
     from rlfuse.metrics.tracker import measured_lengths
+    from rlfuse.models.prompt_workload import measure_prompts
     from rlfuse.plan.spec import dp_micro_size
 
     # the calibration runs as many iterations as the plans do: its lengths are the measured window's
@@ -241,8 +217,8 @@ def predict_all(task: str, models: Path, profile_path: Path, work: Path,
         rlfuse("rl", *rl_args(models, task, iterations), "run.threads=1", f"run.dir={calib}",
                log=work / f"calibrate_{task}.log")
     cfg = load_config(task_config(task), common_overrides(models, task, 3))
-    tokens, distinct = prompt_stats(cfg, task_models(task, models) / "sft" / "model")
-    inputs = {"lengths": measured_lengths(calib), "prompt_tokens": tokens, "prompt_lengths": distinct,
+    prompts = measure_prompts(cfg, lambda m: None)  # rl.sft_path's tokenizer, the run's first iterations' batches
+    inputs = {"lengths": measured_lengths(calib), "prompt_tokens": prompts.tokens, "prompt_lengths": prompts.distinct,
               "iteration_lengths": iteration_lengths(calib)[: iterations - 1]}
     plans, seconds = ranked_plans(task, models, profile_path, inputs)
     chosen = [plans[0]]  # the planner's own choice always runs

@@ -89,7 +89,17 @@ def _stage_config(config: ConfigLike, overrides: Overrides, run_dir, log: Callab
     else:
         cfg = load_config(config, plain)
         cfg = config_from_dict(config_to_dict(cfg), _plain_overrides(updates)) if updates else cfg
-    return resolve(cfg, log)
+    return resolved(cfg, log)
+
+
+def resolved(cfg: Config, log: Callable = log_stderr) -> Config:
+    """The config as a run uses it (rlfuse.plan.resolve), an auto placement planned on the run's prompts as
+    measured with the model's tokenizer (rlfuse/models/prompt_workload.py)."""
+    if cfg.placement.strategy != "auto":  # nothing to plan: no tokenizer or data to load
+        return resolve(cfg, log)
+    from rlfuse.models.prompt_workload import resolve_measured  # transformers: only when a placement is planned
+
+    return resolve_measured(cfg, log)
 
 
 def _model_override(model, tokenizer, run_dir) -> str | None:

@@ -24,7 +24,6 @@ from rlfuse.cli import plan as plan_cli
 from rlfuse.cli import schedule as schedule_cli
 from rlfuse.config import Config, config_to_dict, field_docs, field_summary, load_config, section_class, split_args
 from rlfuse.errors import UserError, os_error_line
-from rlfuse.plan.resolve import resolve
 
 log = log_stderr
 
@@ -86,7 +85,7 @@ def cmd_report(run_dir: str, baseline: str | None = None) -> int:
 
 def cmd_validate(cfg: Config) -> int:
     """The config as a run would use it: planned (placement.strategy=auto) and checked (plan.resolve)."""
-    print(yaml.safe_dump(config_to_dict(resolve(cfg, log)), sort_keys=False), end="")
+    print(yaml.safe_dump(config_to_dict(api.resolved(cfg, log)), sort_keys=False), end="")
     print("config OK", file=sys.stderr)
     return 0
 

@@ -3,6 +3,8 @@
 
 Prints the ranked plans, the memory table of the best one and the overrides that run it, and writes the best as
 config sections (`placement:`, with its rl micro-batch and checkpointing and rollout migration) to --out.
+The workload's prompts are the run's own, measured with the model's tokenizer (rlfuse/models/prompt_workload.py),
+or as --lengths-from's run recorded them; where neither can be had, the planner's table, with a line saying so.
 `--profile` first measures this machine (rlfuse/runtime/profile.py) and saves the profile file.
 `--paper` prints the at-scale predictions from published device figures instead (rlfuse/plan/paper.py).
 """
@@ -16,7 +18,7 @@ import yaml
 
 from rlfuse.config import load_config, split_args
 from rlfuse.errors import UserError
-from rlfuse.metrics.tracker import measured_lengths
+from rlfuse.metrics.tracker import measured_lengths, measured_prompts
 from rlfuse.plan.cost import policy_shape
 from rlfuse.plan.memory import GiB
 from rlfuse.plan.paper import paper_report
@@ -48,11 +50,26 @@ def add_arguments(p) -> None:
                         "embedded model, about 9 on 2 cores for SmolLM2-135M)")
     p.add_argument("--profile-path", metavar="FILE", help="profile file to write/read (default "
                    "$RLFUSE_CACHE/machine_profile.json, i.e. ~/.cache/rlfuse/machine_profile.json)")
-    p.add_argument("--lengths-from", metavar="RUN_DIR", help="response lengths measured by an RL run "
-                   "(its rl/metrics.jsonl) instead of the config's defaults")
+    p.add_argument("--lengths-from", metavar="RUN_DIR", help="response (and prompt) lengths measured by an RL run "
+                   "(its rl/metrics.jsonl) instead of the config's defaults (and of the prompts measured here)")
     p.add_argument("--out", default="plan.yaml", metavar="FILE", help="where the best plan's YAML goes (plan.yaml)")
     p.add_argument("--top", type=int, default=12, help="rows of the ranked table")
     p.add_argument("--paper", action="store_true", help="the at-scale predictions from published GPU figures")
+
+
+def workload_prompts(cfg, lengths_from: str | None, log) -> tuple[dict, str]:
+    """(problem_from_config's prompt_tokens and prompt_lengths, the line saying where they came from): as the
+    --lengths-from run recorded them where it did (what ran beats what is predicted to run), else the config's
+    prompts measured with the model's tokenizer, else ({}: the planner's table) and a line saying why."""
+    recorded = measured_prompts(lengths_from) if lengths_from else None
+    if recorded is not None:
+        tokens, distinct = recorded
+        return ({"prompt_tokens": tokens, "prompt_lengths": distinct},
+                f"prompts: {tokens:.1f} tokens on average, {distinct:.1f} distinct lengths per iteration, as the RL "
+                f"iterations of {lengths_from} recorded them")
+    from rlfuse.models.prompt_workload import planner_prompt_inputs  # torch and transformers: only when measuring
+
+    return planner_prompt_inputs(cfg, log)
 
 
 def run(ns) -> int:
@@ -79,15 +96,18 @@ def run(ns) -> int:
             if lengths is None:
                 raise UserError(f"--lengths-from {ns.lengths_from}: no rl/metrics.jsonl with response lengths there; "
                                 "give an RL run folder")
+        prompts, prompts_line = workload_prompts(cfg, ns.lengths_from, log)
         budget = ns.memory_per_worker if ns.memory_per_worker is not None else cfg.placement.memory_per_worker_gb
         prob = problem_from_config(cfg, profile, ns.workers, ns.cpus_per_worker,
                                    ns.gpus_per_worker, None if budget is None else budget * GiB, lengths,
-                                   staleness=(0, max(1, cfg.rl.max_staleness)))  # asynchronous plans beside
+                                   staleness=(0, max(1, cfg.rl.max_staleness)), **prompts)  # asynchronous plans beside
         plans = plan(prob)
         print(f"profile: {profile.name} ({profile.source})")
+        print(prompts_line)
         w = prob.workload
-        print(f"workload: {w.samples} samples x {w.prompt_tokens:g} prompt + {w.response_mean:.1f} response tokens "
-              f"(at most {w.response_max}), {w.epochs} epochs, mini-batch {w.mini_batch}; {prob.workers} workers; "
+        print(f"workload: {w.samples} samples x {w.prompt_tokens:.1f} prompt ({w.prompt_lengths:.1f} distinct "
+              f"lengths) + {w.response_mean:.1f} response tokens (at most {w.response_max}), {w.epochs} epochs, "
+              f"mini-batch {w.mini_batch}; {prob.workers} workers; "
               f"budget {'none' if prob.memory_budget is None else f'{prob.memory_budget / GiB:.2f} GiB'} per worker\n")
         print(plan_table(plans, ns.top))
         best = first_fitting(plans, prob.workers)  # after the table: it shows what did not fit

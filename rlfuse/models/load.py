@@ -16,6 +16,7 @@ import torch
 from peft import AutoPeftModelForCausalLM, AutoPeftModelForSequenceClassification, LoraConfig, get_peft_model
 from safetensors.torch import save_file
 from transformers import (
+    AutoConfig,
     AutoModelForCausalLM,
     AutoModelForSequenceClassification,
     AutoTokenizer,
@@ -26,7 +27,8 @@ from transformers import (
 )
 from transformers.activations import GELUTanh, NewGELUActivation
 
-from rlfuse.config import ModelConfig
+from rlfuse.config import Config, ModelConfig
+from rlfuse.data.task import build_default_task
 from rlfuse.errors import UserError, first_line
 from rlfuse.files import atomic_path
 from rlfuse.models.gguf import local_model
@@ -109,6 +111,30 @@ def load_tokenizer(name: str):
         tok.pad_token = tok.eos_token
     tok.padding_side = "right"
     return tok
+
+
+def load_model_config(name: str):
+    """A model's transformers config (its context length, its shape) without its weights, from the same names
+    load_tokenizer takes: a folder, a hub name, a GGUF model, a LoRA adapter (its base's config)."""
+    name = local_model(name)
+    check_model_folder(name)
+    if _is_adapter(name):
+        name = _adapter_base(name)
+    try:
+        return AutoConfig.from_pretrained(name)
+    except Exception as e:
+        raise _load_error(name, e) from None
+
+
+def resolve_base_model(cfg: Config, log=print):
+    """(model name or folder, embedded task or None). The embedded task is built and cached on first use; a GGUF
+    model is converted once into its cached folder, which the stages then name as their base."""
+    task = None
+    if cfg.data.kind == "synthetic" or cfg.model.name == "embedded":
+        task = build_default_task(cfg.data.num_reviews, cfg.run.seed, cfg.model.n_layer, cfg.model.n_embd,
+                                  cfg.model.n_head, log=log)
+    name = str(task.model_dir) if cfg.model.name == "embedded" else local_model(cfg.model.name, cfg.model.gguf_file, log)
+    return name, task
 
 
 def lora_targets(model, cfg: ModelConfig):

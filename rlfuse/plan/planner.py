@@ -591,7 +591,13 @@ default `rlfuse run`, its rl/metrics.jsonl); real data runs to rl.max_new_tokens
 otherwise."""
 PROMPT_TOKENS = {"synthetic": 4.0, "imdb": 15.0}
 """Mean prompt tokens as the RL stage encodes them (BOS + words; measured by bench/plan.py on the default task and on
-IMDb prompts with the default-task tokenizer). Other data: 32."""
+IMDb prompts with the default-task tokenizer). Other data: 32. Only a fallback: `rlfuse plan` and
+placement.strategy=auto measure the run's own prompts (rlfuse/models/prompt_workload.py) and pass them in."""
+
+
+def table_prompt_tokens(data_kind: str) -> float:
+    """The mean prompt tokens assumed for data.kind when the prompts were not measured."""
+    return PROMPT_TOKENS.get(data_kind, 32.0)
 
 
 def problem_from_config(cfg, profile: MachineProfile, workers: int | None = None, cpus_per_worker: float | None = None,
@@ -602,8 +608,9 @@ def problem_from_config(cfg, profile: MachineProfile, workers: int | None = None
     """The planning problem of an RL run on `cfg` (rlfuse.config.Config): roles, shapes and batch sizes from the
     config, placement resources from the arguments or cfg.placement, rates from `profile`. Budget: the argument,
     else a GPU's memory, else the machine's RAM shared by the workers (0 in the profile: no check). lengths:
-    (mean, longest) response tokens measured by a run; prompt_tokens: their measured mean (default PROMPT_TOKENS);
-    prompt_lengths: distinct prompt lengths in an iteration's prompts, measured (default 1: one prefill call);
+    (mean, longest) response tokens measured by a run; prompt_tokens: the prompts' measured mean (default
+    table_prompt_tokens); prompt_lengths: distinct prompt lengths in an iteration's prompts, measured (default 1:
+    one prefill call);
     cores: CPU cores the workers share (default this machine's; CPU workers beyond them are slowed); staleness: the
     rl.max_staleness values to rank on the separated placement (default 0, and the config's own where it sets one:
     placement.strategy=auto never turns asynchronous RL on by itself)."""
@@ -621,7 +628,7 @@ def problem_from_config(cfg, profile: MachineProfile, workers: int | None = None
     if memory_budget is None and profile.memory_bytes:
         memory_budget = profile.memory_bytes if profile.device == "cuda" else profile.memory_bytes / workers
     mean, longest = lengths or ((SYNTHETIC_RESPONSE_MEAN if cfg.data.kind == "synthetic" else rl.max_new_tokens), 0)
-    prompt_tokens = prompt_tokens or PROMPT_TOKENS.get(cfg.data.kind, 32.0)
+    prompt_tokens = prompt_tokens or table_prompt_tokens(cfg.data.kind)
     workload = Workload(samples=rl.prompts_per_iter * rl.k, prompt_tokens=prompt_tokens,
                         response_mean=min(mean, rl.max_new_tokens), response_max=rl.max_new_tokens,
                         epochs=rl.epochs, mini_batch=rl.mini_batch_size, score_micro_batch=cfg.rollout.micro_batch_size,
@@ -673,14 +680,15 @@ def plan_config(cfg, log=None, **kw) -> list[Plan]:
     return plan(problem_from_config(cfg, load_profile(log=log, shape=policy_shape(cfg.model)), **kw))
 
 
-def resolve_auto(cfg, log=None):
+def resolve_auto(cfg, log=None, **measured):
     """placement.strategy=auto -> a copy of `cfg` with the best plan applied (placement, rl.micro_batch_size,
     rl.gradient_checkpointing, rollout.migrate_below) and one log line saying what was chosen; other configs as
     they are. Called once before a run by rlfuse.plan.resolve.resolve, so the run folder's config.yaml records the
-    choice."""
+    choice. measured: problem_from_config's measured inputs (prompt_tokens, prompt_lengths), which only a layer
+    that loads data and tokenizers can take (rlfuse/models/prompt_workload.py)."""
     if cfg.placement.strategy != "auto":
         return cfg
-    plans = plan_config(cfg, log)
+    plans = plan_config(cfg, log, **measured)
     best = first_fitting(plans, cfg.placement.workers)
     block = best.config_block()
     placement = replace(cfg.placement, **block["placement"])
@@ -692,9 +700,10 @@ def resolve_auto(cfg, log=None):
     return out
 
 
-def _configured_memory(cfg):
-    """(memory inputs with the config's micro-batch, checkpointing and lengths; the workload; the profile)."""
-    prob = problem_from_config(cfg, load_profile(shape=policy_shape(cfg.model)))
+def _configured_memory(cfg, **measured):
+    """(memory inputs with the config's micro-batch, checkpointing and lengths; the workload; the profile).
+    measured: as resolve_auto's."""
+    prob = problem_from_config(cfg, load_profile(shape=policy_shape(cfg.model)), **measured)
     w = prob.workload
 
     m = replace(prob.memory, train_rows=cfg.rl.micro_batch_size, checkpointing=checkpointing_on(cfg),
@@ -702,10 +711,11 @@ def _configured_memory(cfg):
     return m, w, prob
 
 
-def memory_of_config(cfg):
+def memory_of_config(cfg, **measured):
     """The checker's `memory_of` hook (rlfuse.plan.check) for an RL run on `cfg` as configured: predicted
-    peak bytes of one worker of a group, with the config's micro-batch and checkpointing."""
-    m, w, prob = _configured_memory(cfg)
+    peak bytes of one worker of a group, with the config's micro-batch and checkpointing (measured: as
+    resolve_auto's)."""
+    m, w, prob = _configured_memory(cfg, **measured)
     return memory_model(m, prob.profile, w.samples, w.max_rows, fsdp=cfg.rl.train_parallel == "fsdp")
 
 

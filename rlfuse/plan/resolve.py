@@ -31,19 +31,21 @@ SPLITTABLE = ("gpt2", "llama", "qwen2", "mistral")
 wte/wpe/h/ln_f; Llama-style: embed_tokens/layers/norm/rotary_emb; rlfuse/models/pipeline_stages.py)."""
 
 
-def resolve(cfg: Config, log=None) -> Config:
+def resolve(cfg: Config, log=None, **measured) -> Config:
     """`cfg` with placement.strategy=auto planned (one log line says what was chosen), checked as described above.
+    measured: the planner's inputs measured from the run's data (prompt_tokens, prompt_lengths; this layer loads no
+    data: the API and the CLI measure them, rlfuse/models/prompt_workload.py), for the plan and the memory checks.
     Raises ConfigError."""
     if cfg.placement.strategy == "auto":
-        cfg = validate(resolve_auto(cfg, log))
-    check_layout(cfg)
+        cfg = validate(resolve_auto(cfg, log, **measured))
+    check_layout(cfg, **measured)
     check_pipeline(cfg)
     if spec_from_config(cfg).uses_ray and cfg.placement.address is None and not _ray_running():
-        check_this_machine(cfg)  # a local Ray: this machine is the cluster, checked before Ray starts any worker
+        check_this_machine(cfg, **measured)  # a local Ray: this machine is the cluster, checked before any worker starts
     return cfg
 
 
-def check_layout(cfg: Config) -> None:
+def check_layout(cfg: Config, **measured) -> None:
     """The placement checker without a cluster (roles placed, shared weights together, and with
     placement.memory_per_worker_gb the planner's memory per worker); the cluster's own resources are checked when
     Ray is up (runtime/ray_driver.py)."""
@@ -51,7 +53,7 @@ def check_layout(cfg: Config) -> None:
     if p.strategy == "single":
         return
     try:
-        problems = check_placement(spec_from_config(cfg), derive_roles(cfg), **_memory_check(cfg))
+        problems = check_placement(spec_from_config(cfg), derive_roles(cfg), **_memory_check(cfg, **measured))
     except UserError as e:  # a strategy that cannot place these roles
         raise ConfigError("placement.strategy", str(e), "pick another placement.strategy") from None
     if problems:
@@ -66,7 +68,7 @@ def _ray_running() -> bool:
     return bool(ray is not None and getattr(ray, "is_initialized", lambda: False)())
 
 
-def check_this_machine(cfg: Config) -> None:
+def check_this_machine(cfg: Config, **measured) -> None:
     """The workers of a local Ray against this machine: their CPUs and GPUs (Ray would otherwise be told the
     machine has what the placement asks for, and start them all), and on CPU the planner's memory for all of them
     against the RAM available now."""
@@ -82,7 +84,7 @@ def check_this_machine(cfg: Config) -> None:
     if spec.gpus or available is None:
         return
     try:
-        per_worker = memory_of_config(cfg)
+        per_worker = memory_of_config(cfg, **measured)
         need = {g.name: (g.workers, per_worker(g)) for g in spec.groups}
     except Exception:  # a model whose shape cannot be read before it loads: the run finds out for itself
         return
@@ -95,12 +97,12 @@ def check_this_machine(cfg: Config) -> None:
                           "run on a cluster (placement.address)")
 
 
-def _memory_check(cfg: Config) -> dict:
+def _memory_check(cfg: Config, **measured) -> dict:
     """With placement.memory_per_worker_gb, the checker's memory hook: the planner's memory model per worker."""
     gb = cfg.placement.memory_per_worker_gb
     if gb is None:
         return {}
-    return {"memory_of": memory_of_config(cfg), "memory_budget": int(gb * 2**30)}
+    return {"memory_of": memory_of_config(cfg, **measured), "memory_budget": int(gb * 2**30)}
 
 
 def check_pipeline(cfg: Config) -> None:

@@ -57,9 +57,10 @@ def evaluate_during(trainer, models, engine, prompts: list[list[int]], rl: RLCon
 
 def rollout_metrics(exp: Experience, kl, returns, kl_coef: float, max_new: int) -> dict:
     """reward/ (mean, spread, non-finite, KL by the configured estimator and by k1, and its coefficient), rollout/
-    (response lengths, the share that hit rl.max_new_tokens) and, with a critic, train/explained_variance of the
-    iteration's experience."""
+    (response lengths, the share that hit rl.max_new_tokens, the prompts' lengths: what `rlfuse plan --lengths-from`
+    reads back) and, with a critic, train/explained_variance of the iteration's experience."""
     lengths, finite = exp.mask.sum(1), exp.scores[torch.isfinite(exp.scores)]
+    prompt_lengths = [len(p) for p in exp.prompt_ids]  # each prompt k times: its mean is the prompts' mean
     m = {
         "reward/mean": float(finite.mean()) if len(finite) else float("nan"),
         "reward/std": float(finite.std()) if len(finite) > 1 else 0.0,
@@ -69,6 +70,8 @@ def rollout_metrics(exp: Experience, kl, returns, kl_coef: float, max_new: int) 
         "rollout/length_mean": float(lengths.mean()), "rollout/length_p50": float(lengths.median()),
         "rollout/length_p95": float(torch.quantile(lengths, 0.95)), "rollout/length_max": float(lengths.max()),
         "rollout/hit_limit": float((lengths >= max_new).float().mean()), "rollout/samples": len(exp),
+        "rollout/prompt_length_mean": sum(prompt_lengths) / len(prompt_lengths),
+        "rollout/prompt_lengths_distinct": len(set(prompt_lengths)),
     }
     if returns is not None and not m["reward/nonfinite"]:
         m["train/explained_variance"] = float(explained_variance(exp.values, returns, exp.mask))

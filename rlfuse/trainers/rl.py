@@ -52,16 +52,15 @@ from rlfuse.metrics.progress import Progress
 from rlfuse.metrics.tracker import memory_metrics, stage_tracker
 from rlfuse.models.build import Models, build_models
 from rlfuse.models.device import setup_runtime
-from rlfuse.models.load import save_trained_model
+from rlfuse.models.load import resolve_base_model, save_trained_model
+from rlfuse.models.prompt_workload import resolve_measured
 from rlfuse.models.rewards import attach_rows, reset_reward_metrics, reward_metrics
 from rlfuse.plan.planner import predicted_memory
-from rlfuse.plan.resolve import resolve
 from rlfuse.rollout.fusion import FusionPolicy
 from rlfuse.rollout.state import RolloutRequest, SamplingParams
 from rlfuse.runtime.backend import build_placement, uses_ray
 from rlfuse.runtime.local import LocalTrainer, decode_engine, local_scorer, sync_weights
 from rlfuse.trainers.observe import due, evaluate_during, group_metrics, rollout_metrics, sample_table
-from rlfuse.trainers.sft import resolve_base_model
 
 
 def iteration_temperature(rl: RLConfig, iteration: int) -> float:
@@ -83,7 +82,7 @@ def train_rl(cfg: Config, run_dir: Path, log=print, resume: bool = False, on_rea
     CLI writes eval.json and the report. on_ready(models), if given, is called once the models are loaded, before
     the first iteration (benchmarks read the idle memory footprint there); on_resumed(iteration), once a resumed
     run's checkpoint is read (the API records the settings changed on resume with it)."""
-    cfg = resolve(cfg, log)  # a Config used directly (the API and the CLI resolved theirs: this changes nothing)
+    cfg = resolve_measured(cfg, log)  # a Config used directly (the API and the CLI resolved theirs: no change)
     rl, t_start, seed = cfg.rl, time.perf_counter(), cfg.run.seed
     if not (run_dir / "config.yaml").exists():  # called as a library rather than through the CLI
         save_config(cfg, run_dir)

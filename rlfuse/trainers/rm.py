@@ -24,9 +24,8 @@ from rlfuse.learn.update import BadSteps, require_finite_weights, stage_step
 from rlfuse.metrics.progress import Progress
 from rlfuse.metrics.tracker import stage_tracker
 from rlfuse.models.device import autocast, setup_runtime
-from rlfuse.models.load import load_reward_model, load_tokenizer, save_trained_model
+from rlfuse.models.load import load_reward_model, load_tokenizer, resolve_base_model, save_trained_model
 from rlfuse.models.quantize import place
-from rlfuse.trainers.sft import resolve_base_model
 
 
 @dataclass

@@ -21,7 +21,6 @@ from rlfuse.data.collate import encode, encode_sft, sft_batch
 from rlfuse.data.gold import gold_summary
 from rlfuse.data.prompts import check_max_length, model_context
 from rlfuse.data.stages import rl_prompts, sft_examples
-from rlfuse.data.task import build_default_task
 from rlfuse.files import write_text_atomic
 from rlfuse.learn.batches import batch_indices
 from rlfuse.learn.optim import build_optimizer
@@ -29,8 +28,7 @@ from rlfuse.learn.update import BadSteps, require_finite_weights, stage_step
 from rlfuse.metrics.progress import Progress
 from rlfuse.metrics.tracker import stage_tracker
 from rlfuse.models.device import autocast, setup_runtime
-from rlfuse.models.gguf import local_model
-from rlfuse.models.load import load_causal_lm, load_tokenizer, save_trained_model
+from rlfuse.models.load import load_causal_lm, load_tokenizer, resolve_base_model, save_trained_model
 from rlfuse.models.quantize import place
 from rlfuse.rollout.engine import DecodeEngine, SamplingParams
 
@@ -43,17 +41,6 @@ class SFTResult:
     seconds: float
     grammatical_rate: float | None = None
     gold_positive_rate: float | None = None
-
-
-def resolve_base_model(cfg: Config, log=print):
-    """(model name or folder, embedded task or None). The embedded task is built and cached on first use; a GGUF
-    model is converted once into its cached folder, which the stages then name as their base."""
-    task = None
-    if cfg.data.kind == "synthetic" or cfg.model.name == "embedded":
-        task = build_default_task(cfg.data.num_reviews, cfg.run.seed, cfg.model.n_layer, cfg.model.n_embd,
-                                  cfg.model.n_head, log=log)
-    name = str(task.model_dir) if cfg.model.name == "embedded" else local_model(cfg.model.name, cfg.model.gguf_file, log)
-    return name, task
 
 
 @torch.no_grad()

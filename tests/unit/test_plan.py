@@ -385,11 +385,13 @@ def test_lora_reference_cannot_be_interleaved_alone():
 # ------------------------------------------------------------------------------------------ CLI and auto
 
 
-def test_rlfuse_plan_default_config(tmp_path, capsys):
+def test_rlfuse_plan_default_config(tmp_path, capsys, tiny_task):
+    from conftest import TINY as TINY_RUN  # at the tests' sizes: the prompts are measured on the cached tiny task
+
     from rlfuse.cli import main
 
     out = tmp_path / "plan.yaml"
-    assert main(["plan", "--out", str(out), "--top", "3"]) == 0
+    assert main(["plan", *TINY_RUN, "--out", str(out), "--top", "3"]) == 0
     printed = capsys.readouterr().out
     assert "| rank | strategy" in printed and "best: " in printed and "| base | adapters |" in printed
     block = yaml.safe_load(out.read_text())
