@@ -38,20 +38,19 @@ def tiny_task():
 # The suite runs on 2 pytest-xdist workers (pyproject's addopts: -n 2 --dist loadgroup; -n 0 runs it in one process).
 # Much of a Ray or CLI test is process start-up and waiting, so two workers on CI's 2 cores finish in about 0.75 of
 # the time of one (1194 against 1588 s on the AMD VM). A module with a module-scoped fixture (a Ray session, trained
-# folders, a reference run) stays on one worker, so the fixture is built once; SPLIT_MODULES cuts the longest two into
-# groups, each building the fixtures again for far less than it saves. Other tests are scheduled one by one.
-SPLIT_MODULES = {"test_placement_run.py": 2, "test_placement_faults.py": 2}
+# folders, a reference run) stays on one worker, so the fixture is built once; a long module splits itself with
+# @pytest.mark.split_group(name): each name's tests share a worker and build the fixtures again, for less than the
+# split saves. A test that reuses another's run (a second run to compare bits with) names the same group, or it
+# would run that first run again. Other tests are scheduled one by one.
 
 
 @pytest.hookimpl(tryfirst=True)  # before xdist's own hook, which reads the groups
 def pytest_collection_modifyitems(config, items):
     if not config.pluginmanager.hasplugin("xdist"):
         return
-    seen: dict[str, int] = {}
     for item in items:
-        module = item.path.name
         scopes = {d.scope for defs in item._fixtureinfo.name2fixturedefs.values() for d in defs}
         if scopes & {"module", "class"}:
-            n = seen[module] = seen.get(module, -1) + 1
-            part = f"#{n % SPLIT_MODULES[module]}" if module in SPLIT_MODULES else ""
-            item.add_marker(pytest.mark.xdist_group(f"{item.path.parent.name}/{module}{part}"))
+            split = item.get_closest_marker("split_group")
+            part = f"#{split.args[0]}" if split else ""
+            item.add_marker(pytest.mark.xdist_group(f"{item.path.parent.name}/{item.path.name}{part}"))

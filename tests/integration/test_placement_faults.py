@@ -39,7 +39,10 @@ def full_run(tiny_task, tmp_path_factory):
 
 # separated on 2 workers: rank 0 is "train" (trains, scores), rank 1 is "generate" (decodes). flattened: both ranks
 # decode, score and train (data-parallel): killing one leaves the other blocked in a collective or a rollout call.
-@pytest.mark.parametrize("strategy,group", [("separated", "generate"), ("flattened", "all")])
+# each on a test worker of its own (tests/conftest.py), each building full_run: 20 s against a minute and more apiece
+@pytest.mark.parametrize("strategy,group", [
+    pytest.param("separated", "generate", marks=pytest.mark.split_group("separated")),
+    pytest.param("flattened", "all", marks=pytest.mark.split_group("flattened"))])
 def test_killed_worker_stops_the_run_and_resume_finishes_it(tiny_task, tmp_path, full_run, strategy, group):
     env, full, killed = os.environ | {"CI": "true"}, full_run, tmp_path / "killed"
     err = open(tmp_path / "stderr.txt", "w")

@@ -66,7 +66,13 @@ FLATTENED = ["placement.strategy=flattened", "placement.workers=2", "rollout.mig
 flattened_runs = []
 
 
-@pytest.mark.parametrize("strategy", ["flattened", "interleaved", "separated"])
+# two halves on two test workers (tests/conftest.py): the flattened runs and the FSDP runs, whose later tests
+# compare bits with the earlier ones' runs, and the runs with a role of their own on each worker
+FLAT, ROLES = pytest.mark.split_group("flattened"), pytest.mark.split_group("roles")
+
+
+@pytest.mark.parametrize("strategy", [pytest.param("flattened", marks=FLAT), pytest.param("interleaved", marks=ROLES),
+                                      pytest.param("separated", marks=ROLES)])
 def test_strategy_runs_on_two_workers_and_trains_as_one_process(strategy, tiny_task, folders, single, ray_session,
                                                                  tmp_path):
     start = load_file(str(tiny_task.model_dir / "model.safetensors"))
@@ -108,6 +114,7 @@ def test_strategy_runs_on_two_workers_and_trains_as_one_process(strategy, tiny_t
     assert_actor_as_single(actor, want_actor, start)
 
 
+@FLAT
 def test_two_flattened_runs_end_with_the_same_bits(folders, ray_session, tmp_path):
     # the migration from pause points, scoring batches by chunk, DDP's fixed reduction: nothing depends on which
     # worker replies first, so the same seed and placement give bit-identical weights and metrics
@@ -123,6 +130,7 @@ def test_two_flattened_runs_end_with_the_same_bits(folders, ray_session, tmp_pat
             assert got[key] == want[key], key
 
 
+@ROLES
 def test_lora_weight_sync_of_the_adapters_alone_gives_the_merged_syncs_bits(folders, ray_session, tmp_path):
     # separated with LoRA: the generation worker merges the adapters it is sent on its own copy of the SFT model, the
     # same base and adapter tensors as the trainer's merge, so its generator gets the same bits as a merged sync:
@@ -155,6 +163,7 @@ def assert_actor_as_single(actor, want_actor, start):
     assert moved > 10 * atol
 
 
+@ROLES
 def test_pipeline_stages_on_two_workers_train_as_one_process(tiny_task, folders, single, ray_session, tmp_path):
     """rl.train_parallel=pipeline_fused: each worker trains actor stage r and critic stage 1 - r on one fused schedule
     (rlfuse/runtime/pipeline.py); the run's actor equals the single process's, and each rank checkpoints its
@@ -183,6 +192,7 @@ FSDP = [*FLATTENED, "rl.train_parallel=fsdp", "rl.ckpt_every=1"]
 fsdp_runs = []
 
 
+@FLAT
 def test_fsdp_shards_train_as_one_process_and_checkpoint_with_dcp(tiny_task, folders, single, ray_session, tmp_path):
     """rl.train_parallel=fsdp (rlfuse/runtime/fsdp.py) flattened on 2 workers: the shards are gathered for each
     rollout (both workers decode and score on whole weights), trained as shards, and the run's actor equals the single
@@ -205,6 +215,7 @@ def test_fsdp_shards_train_as_one_process_and_checkpoint_with_dcp(tiny_task, fol
     assert shards == [".metadata", "__0_0.distcp", "__1_0.distcp"]  # each rank wrote its own
 
 
+@FLAT
 def test_an_fsdp_run_killed_and_resumed_ends_with_the_uninterrupted_runs_bits(tiny_task, folders, ray_session,
                                                                              tmp_path):
     """SIGKILL of the driver and its Ray after the first sharded checkpoint, then --resume: each rank reads its
