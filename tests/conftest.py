@@ -37,7 +37,7 @@ def tiny_task():
 
 # The suite runs on 2 pytest-xdist workers (pyproject's addopts: -n 2 --dist loadgroup; -n 0 runs it in one process).
 # Much of a Ray or CLI test is process start-up and waiting, so two workers on CI's 2 cores finish in about 0.75 of
-# the time of one (1194 against 1588 s on the AMD VM). A module with a module-scoped fixture (a Ray session, trained
+# the time of one (1194 against 1588 s on the AMD VM at stop 37; 723 s since, 703 tests). A module with a module-scoped fixture (a Ray session, trained
 # folders, a reference run) stays on one worker, so the fixture is built once; a long module splits itself with
 # @pytest.mark.split_group(name): each name's tests share a worker and build the fixtures again, for less than the
 # split saves. A test that reuses another's run (a second run to compare bits with) names the same group, or it
