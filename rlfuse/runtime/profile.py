@@ -195,8 +195,16 @@ def measure_profile(shape: ModelShape | None = None, threads: int = 1, device: s
                 "bwd_ratio": bwd_ratio, "optimizer_bytes_s": optimizer_bytes_s, "sync_bytes_s": sync_bytes_s,
                 "contention": contention}
 
+    measured_on_ray = ray and device == "cpu"
+    # a line per pass: on 2 cores SmolLM2-135M's passes take minutes each (19 minutes in all with the Ray part)
+    log(f"[profile] timing {shape.name} ({n_params / 1e6:.0f} M parameters) on {device}, {threads} thread(s): "
+        f"{PASSES} passes{', then the overheads of 2 Ray workers' if measured_on_ray else ''}")
     before = cpu_sample()
-    passes = [one_pass() for _ in range(PASSES)]
+    passes = []
+    for i in range(PASSES):
+        t_pass = time.perf_counter()
+        passes.append(one_pass())
+        log(f"[profile] pass {i + 1}/{PASSES} in {time.perf_counter() - t_pass:.0f} s")
     others = other_cores(before, cpu_sample())
     rates = dict(passes[-1])
     contention = statistics.median(r["contention"] for r in passes)
@@ -206,7 +214,7 @@ def measure_profile(shape: ModelShape | None = None, threads: int = 1, device: s
                                  if statistics.median(r[k] for r in passes) > 0), key=lambda kv: kv[1])
     driver_s = _driver_seconds(shape.vocab)
     overheads = {}
-    if ray and device == "cpu":
+    if measured_on_ray:
         overheads = _ray_overheads(shape, threads, log)
     memory = (torch.cuda.get_device_properties(0).total_memory if device == "cuda"
               else psutil.virtual_memory().total)

@@ -10,8 +10,12 @@ from rlfuse.runtime.profile import measure_profile
 
 
 def test_measure_profile_tiny_model(tmp_path):
-    p = measure_profile(gpt2_shape("tiny", 2, 64, 2, 256, 128), threads=1, device="cpu", log=lambda m: None,
+    lines = []
+    p = measure_profile(gpt2_shape("tiny", 2, 64, 2, 256, 128), threads=1, device="cpu", log=lines.append,
                         ray=False)
+    # a line as it starts and one per pass: a real model's profile runs for many minutes
+    assert lines[0].startswith("[profile] timing tiny") and "3 passes" in lines[0] and "Ray" not in lines[0]
+    assert [l.split(" in ")[0] for l in lines[1:4]] == [f"[profile] pass {i}/3" for i in (1, 2, 3)]
     # plausible for any CPU this runs on, and far from the 1e-7 floors the fits clamp to (a failed fit lands there)
     plausible = {"flops": (1e8, 1e13), "decode_flops": (1e7, 1e13), "mem_bw": (1e7, 1e12),
                  "layer_call_s": (1e-6, 0.1), "decode_layer_call_s": (1e-6, 0.1), "optimizer_bytes_s": (1e6, 1e12),
