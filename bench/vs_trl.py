@@ -109,6 +109,10 @@ SYSTEMS = {
     "rlfuse-grpo-unfused": ("rlfuse", "grpo", {"fusion": False}),
     # the update in token-budget micro-batches (rl.micro_batch_tokens) instead of MICRO_BATCH completions each
     "rlfuse-rloo-tokens": ("rlfuse", "rloo", {"fusion": "auto", "tokens": 256}),
+    # rlfuse with gradient checkpointing, as TRL's default runs (--rlfuse-gc): on a GPU the activations it keeps
+    # without it put its CUDA peak above TRL's (d1, H100: 1.28x)
+    "rlfuse-rloo-gc": ("rlfuse", "rloo", {"fusion": "auto", "gc": True}),
+    "rlfuse-grpo-gc": ("rlfuse", "grpo", {"fusion": "auto", "gc": True}),
 }
 
 
@@ -594,6 +598,9 @@ def main() -> None:
     ap.add_argument("--smoke", action="store_true",
                     help="does each side run: 1 warm-up + 1 measured iteration, one round, (d) at 2 prompts of at "
                          "most 64 tokens and 16 new tokens, (a)-(c) at --small's size; prints, writes nothing")
+    ap.add_argument("--rlfuse-gc", action="store_true",
+                    help="every workload also runs rlfuse with gradient checkpointing on (rlfuse-<algo>-gc), a row of "
+                         "its own beside rlfuse's default; the targets stay judged on the default")
     ap.add_argument("--write", action="store_true",
                     help="--small: write the sections of docs/benchmarks/vs_trl.md and BENCHMARKS.md's rows anyway")
     ap.add_argument("--trl-default-precision", action="store_true",
@@ -842,7 +849,7 @@ def headline_title(w: str, gpu: str) -> str | None:
 
 def workload_command(a, w: str) -> str:
     return f"python -m bench.vs_trl --workloads {w}" + (" --small" if a.small and not a.smoke else "") + \
-        (" --smoke" if a.smoke else "")
+        (" --smoke" if a.smoke else "") + (" --rlfuse-gc" if a.rlfuse_gc else "")
 
 
 def pair(res: dict) -> tuple[dict, dict]:
@@ -891,7 +898,8 @@ def measure_workload(a, w: str, cases: list[Case]) -> tuple[str, dict]:
     for case in cases:
         # (b): also rlfuse with token-budget micro-batches (most of its samples are short: 4 completions a
         # micro-batch leaves the update overhead-bound)
-        names = case.names + (("rlfuse-rloo-tokens",) if w == "b" else ())
+        names = case.names + (("rlfuse-rloo-tokens",) if w == "b" else ()) + (
+            (f"rlfuse-{case.algo}-gc",) if a.rlfuse_gc else ())
         runs = {n: [] for n in names}
         for _ in range(rounds):  # alternate A B A B
             for n in names:
