@@ -11,7 +11,6 @@ import sys
 import pytest
 
 from conftest import ROOT
-from rlfuse.cli import main
 from test_run_folders import one_line_error, rlfuse_here
 
 FIXTURES = ROOT / "tests" / "fixtures"
@@ -45,17 +44,10 @@ WRONG = [
 
 
 @pytest.mark.parametrize("function,what", WRONG, ids=[w[0] for w in WRONG])
-def test_a_wrong_reward_function_is_one_line_naming_it_and_the_call(tiny_task, tmp_path, capsys, monkeypatch,
-                                                                    function, what):
-    if function == "raises":  # one in its own process, the CLI as a user runs it; the others in this one
-        line = one_line_error(rl_with(tiny_task, tmp_path / "run", function), 2, "rlfuse rl: the held-out "
-                              "evaluation before RL: reward error: rl.reward:")
-    else:
-        monkeypatch.syspath_prepend(str(FIXTURES))
-        code = main(["rl", "configs/verifiable.yaml", f"run.dir={tmp_path / 'run'}", f"rl.sft_path={tiny_task.model_dir}",
-                     f"rl.reward=bad_rewards:{function}", *SMALL])
-        line = capsys.readouterr().err.strip().splitlines()[-1]
-        assert code == 2 and line.startswith("rlfuse rl: the held-out evaluation before RL: reward error:"), line
+def test_a_wrong_reward_function_is_one_line_naming_it_and_the_call(tiny_task, rl_here, tmp_path, function, what):
+    # one in its own process, the CLI as a user runs it; the others in this one
+    run = rl_with(tiny_task, tmp_path / "run", function) if function == "raises" else rl_here(tmp_path / "run", function)
+    line = one_line_error(run, 2, "rlfuse rl: the held-out evaluation before RL: reward error: rl.reward:")
     assert f"rl.reward: {function}, called on 4 completions, {what}" in line
 
 

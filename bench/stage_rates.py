@@ -1,0 +1,84 @@
+"""The planner's per-call cost model against the calls themselves, on the real model: one forward, one LoRA
+forward+backward and rlfuse's decode engine over one Ray worker's share of `configs/smollm2_hh.yaml` (4 rows of
+115-token prompts, 48 new tokens), timed on one thread as a placement worker runs them, beside what
+rlfuse/plan/cost.py predicts for the same call with this machine's profile for SmolLM2's shape (`rlfuse plan
+configs/smollm2_hh.yaml --profile` writes it; the built-in profile otherwise). The figures in docs/usage.md's planner
+paragraph come from here.
+
+    python -m bench.stage_rates        # ~2 min on 2 cores; prints its table and writes nothing
+"""
+
+from __future__ import annotations
+
+import statistics
+
+import torch
+from peft import LoraConfig, get_peft_model
+from transformers import AutoModelForCausalLM
+
+from bench.common import machine, md_table
+from rlfuse.config import load_config
+from rlfuse.metrics.flops import fastest_seconds
+from rlfuse.models.gguf import local_model
+from rlfuse.plan.cost import forward_seconds, policy_shape, train_seconds
+from rlfuse.plan.memory import weight_bytes
+from rlfuse.plan.profiles import load_profile
+from rlfuse.rollout.engine import DecodeEngine
+from rlfuse.rollout.state import SamplingParams
+
+ROWS, PROMPT, NEW = 4, 115, 48
+"""One worker's share of smollm2_hh's iteration on 2 flattened workers (8 prompts, k = 1), its measured mean prompt
+(rlfuse plan prints it) and rl.max_new_tokens."""
+LORA_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+
+
+def fastest(fn, repeats: int) -> float:
+    """The fastest of `repeats` timed calls after a warm-up, as the profile's rates are fitted (CPU: no sync)."""
+    return fastest_seconds(fn, repeats, lambda: None)
+
+
+def main() -> None:
+    torch.set_num_threads(1)  # a placement worker's share: placement.cpus_per_worker=1
+    torch.manual_seed(0)
+    cfg = load_config("configs/smollm2_hh.yaml", [])
+    shape = policy_shape(cfg.model)
+    profile = load_profile(shape=shape)
+    wb = weight_bytes(shape, "fp32")
+    model = AutoModelForCausalLM.from_pretrained(local_model(cfg.model.name)).eval()
+    ids = torch.randint(0, shape.vocab, (ROWS, PROMPT + NEW // 2))  # a scored sequence: prompt and half a response
+    prompts = [[1 + (i * 7 + j) % 400 for j in range(PROMPT)] for i in range(ROWS)]
+    rows = []
+
+    def decode(m) -> float:
+        engine = DecodeEngine(m, eos_token_id=-1, max_rows=16)  # EOS off: every row runs to the limit
+        return fastest(lambda: list(engine.generate(prompts, 1, SamplingParams(max_new_tokens=NEW), seed=0)), 2)
+
+    seq = PROMPT + NEW // 2
+    with torch.no_grad():
+        rows.append(["forward (logits)", f"{ROWS} x {seq}", fastest(lambda: model(ids), 3),
+                     forward_seconds(profile, shape, ROWS, seq, wb)])
+        rows.append([f"decode, {NEW} steps", f"{ROWS} x {PROMPT} prompt", decode(model), None])
+    lora = get_peft_model(model, LoraConfig(r=cfg.model.lora_r, lora_alpha=cfg.model.lora_alpha,
+                                            target_modules=LORA_TARGETS))
+    with torch.no_grad():
+        rows.append(["LoRA forward (logits)", f"{ROWS} x {seq}", fastest(lambda: lora(ids), 3),
+                     forward_seconds(profile, shape, ROWS, seq, wb)])
+        rows.append([f"LoRA decode, {NEW} steps", f"{ROWS} x {PROMPT} prompt", decode(lora), None])
+
+    def step():
+        lora(ids).logits.float().log_softmax(-1).mean().backward()
+
+    rows.append(["LoRA forward + backward", f"{ROWS} x {seq}", fastest(step, 2),
+                 train_seconds(profile, shape, ROWS, seq, wb, 1, False, True)])
+    print(f"profile: {profile.name} ({profile.source})")
+    print(f"machine: {machine()}; one torch thread\n")
+    print(md_table(["call", "shape", "measured s", "cost model s", "measured / model"],
+                   [[name, size, f"{got:.2f}", "-" if want is None else f"{want:.2f}",
+                     "-" if want is None else f"{got / want:.2f}"] for name, size, got, want in rows]))
+    print(f"\n(decode: the planner prices a worker's decode inside its generate stage, with migration and prefill "
+          f"calls; `rlfuse plan configs/smollm2_hh.yaml --workers 2` prints it; median of measured / model "
+          f"{statistics.median(g / w for _, _, g, w in rows if w):.2f})")
+
+
+if __name__ == "__main__":
+    main()
