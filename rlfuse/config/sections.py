@@ -371,7 +371,7 @@ class RolloutConfig:
     iteration's samples is unfinished (RLHFuse's R_t); the freed workers score. 0 turns migration off."""
     rows_per_worker: int = 16
     """Several generation workers: rows one worker decodes at about full speed (a step costs little more than a
-    1-row step); the tail moves onto ceil(unfinished / this) workers, and earlier if that is fewer than are busy."""
+    1-row step); a migrated tail moves onto ceil(unfinished / this) workers (at most all but one of the busy ones)."""
     weight_sync: str = "auto"
     """auto | merged | adapters: what the actor's weight sync sends to generation workers without an actor replica
     (separated, interleaved). merged: the whole policy with the LoRA adapters folded in. adapters (model.lora): only

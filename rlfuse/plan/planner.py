@@ -70,7 +70,7 @@ class Workload:
     k: int = 1
     """Samples per prompt (rl.k): they share their prompt's prefill."""
     rows_per_worker: int = 16
-    """rollout.rows_per_worker: the migration's capacity trigger (rollout/migration.py plan_migration)."""
+    """rollout.rows_per_worker: how many workers keep a migrated tail (rollout/migration.py plan_migration)."""
     shared_prompt: bool = False
     """rl.share_prompt: the k samples of a prompt in one micro-batch run their prompt's forward (and backward) once
     in scoring and training (models/prefix.py). Without it a short-answer task (word problems: 28 prompt tokens, 4
@@ -510,14 +510,12 @@ def _train_seconds(prob: Problem, workers: int, micro: int, ckpt: bool, ray: boo
 
 def _migration(prob: Problem, gen_w: int, migrate_below: float) -> tuple[float, float]:
     """(re-prefill seconds on the keeper, seconds of tail decode the freed workers can score under): the tail starts
-    when fewer than `migrate_below` of the samples are unfinished, or as soon as the unfinished rows fit on fewer
-    workers at rollout.rows_per_worker each (rollout/migration.py plan_migration's two triggers)."""
+    when fewer than `migrate_below` of the samples are unfinished (rollout/migration.py plan_migration)."""
     w, p, m = prob.workload, prob.profile, prob.memory
     per_worker = w.samples / gen_w
     rows = w.lengths.live_rows(per_worker, w.samples)  # the keeper decodes on to the longest of all
-    fits_fewer = lambda r: math.ceil(r * gen_w / w.rows_per_worker - 1e-9) < gen_w
-    start = next((t for t, r in enumerate(rows) if r < migrate_below * per_worker or fits_fewer(r)), len(rows))
-    if start >= len(rows):
+    start = next((t for t, r in enumerate(rows) if r < migrate_below * per_worker), len(rows))
+    if start >= len(rows) or rows[start] * gen_w < 2:  # under 2 rows left in all: no second busy worker to free
         return 0.0, 0.0
     moved = rows[start] * (gen_w - 1)
     wb = _policy_bytes(m)

@@ -24,6 +24,16 @@ class FusionPolicy:
         return self.enabled and pending > 0 and (pending >= self.score_every or live_rows < self.live_below)
 
 
+def scoring_shares(samples: list, scorers: int) -> list[list]:
+    """Finished samples waiting for a scorer, cut into min(scorers, len(samples)) contiguous batches of near-equal
+    size, in the order given: several idle workers score one chunk side by side (the last chunk of a rollout whose
+    rows all finish at the length limit is every sample at once: one worker scoring it all left the others idle).
+    Cut by counts only, so each sample is scored in the same batch in every run, whichever worker takes it."""
+    parts = max(1, min(scorers, len(samples)))
+    bounds = [round(i * len(samples) / parts) for i in range(parts + 1)]
+    return [samples[bounds[i]: bounds[i + 1]] for i in range(parts) if bounds[i + 1] > bounds[i]]
+
+
 @dataclass(frozen=True)
 class LengthTable:
     """A per-sample length override as data, table[prompt_id][sample_index] (DecodeEngine.generate's `lengths`):

@@ -28,20 +28,21 @@ def plan_migration(unfinished: Sequence[int], total: int, migrate_below: float, 
     prompts still waiting); total: the iteration's samples; migrate_below: R_t (0 turns migration off);
     rows_per_worker: rows one worker decodes at about full speed.
 
-    Two triggers, with m = max(1, ceil(sum(unfinished) / rows_per_worker)) workers to hold the tail at full speed:
-    - capacity: m is fewer than the workers still busy -> the tail moves onto m of them, at no loss of decode speed;
-    - fraction: under migrate_below of the samples are unfinished -> the tail moves onto min(m, busy - 1) workers:
-      even if the keepers then decode a little slower per row, a freed worker scoring is worth more by now.
-    The busiest workers keep decoding, so the fewest rows move. None: do nothing (off, done, already migrated, or a
-    single busy worker: moving would free nobody)."""
+    RLHFuse's trigger: under migrate_below of the samples are unfinished -> the tail moves onto
+    min(ceil(left / rows_per_worker), busy - 1) workers, the busiest, so the fewest rows move.
+    (A second trigger, "the unfinished rows fit on fewer workers", fired at the first finished sample of a small
+    batch: SmolLM2 on hh-rlhf, 8 samples on 2 workers, moved 3 rows at 6 of 8 unfinished, and since chat replies run
+    to the length limit together, the freed worker had nothing to score until the end while the keeper re-prefilled
+    and decoded 7 rows: rollout 28-34 s against 16-25 s without migration. It was removed.)
+    None: do nothing (off, done, already migrated, or a single busy worker: moving would free nobody)."""
     if already_migrated or migrate_below <= 0:
         return None
     left = sum(unfinished)
     busy = sorted((w for w, n in enumerate(unfinished) if n > 0), key=lambda w: (-unfinished[w], w))
-    m = max(1, math.ceil(left / rows_per_worker))
-    if left < migrate_below * total:
-        m = min(m, len(busy) - 1)
-    if m < 1 or m >= len(busy):
+    if left >= migrate_below * total:
+        return None
+    m = min(max(1, math.ceil(left / rows_per_worker)), len(busy) - 1)
+    if m < 1:
         return None
     return MigrationPlan(keep=tuple(busy[:m]), export=tuple(busy[m:]))
 

@@ -11,7 +11,8 @@ waiting samples. The result is the Experience generate_rollouts returns, with th
 
 Every decision is taken from counts, never from timing: a chunk ends after a number of finished samples, the
 migration happens once every decoding worker has reached the pause point it was given (migration.pause_points), and
-each waiting chunk is scored as one batch. So whichever worker replies first, each sample is scored in the same
+each waiting chunk is cut into one share per scorer by count (fusion.scoring_shares), each share scored as one
+batch by whichever scorer is idle. So whichever worker replies first, each sample is scored in the same
 batch and the migrated rows are the same: two runs with the same seed and placement give bit-identical weights.
 
 Nothing here is imported by the single-process path; ray is imported inside the functions that need it.
@@ -38,7 +39,7 @@ from rlfuse.models.weights import merged_state_dict
 from rlfuse.plan.roles import derive_roles
 from rlfuse.plan.strategies import spec_from_config
 from rlfuse.rollout.engine import DecodeEngine, Sample, SamplingParams
-from rlfuse.rollout.fusion import Experience, FusionPolicy, build_experience
+from rlfuse.rollout.fusion import Experience, FusionPolicy, build_experience, scoring_shares
 from rlfuse.rollout.migration import pause_points, plan_migration
 from rlfuse.rollout.score import ScoredSample, Scorer
 from rlfuse.rollout.state import EngineState, RolloutRequest
@@ -440,7 +441,8 @@ class _Tally:
     busy_s: list[float] = field(default_factory=list)
     scored: list[ScoredSample] = field(default_factory=list)
     unscored: list[list[Sample]] = field(default_factory=list)
-    """Finished samples waiting for a scorer, as they came: each list is scored as one batch, whoever scores it."""
+    """Finished samples waiting for a scorer, as they came, each chunk cut into one share per scorer
+    (fusion.scoring_shares): each list is scored as one batch, whoever scores it."""
     stats: dict = field(default_factory=dict)
 
     def __post_init__(self):
@@ -559,8 +561,7 @@ class MultiWorkerRollout:
             chunk: Chunk = ray.get(ref)
             tally.busy_s[w] += chunk.busy_s
             tally.scored += chunk.scored
-            if chunk.unscored:
-                tally.unscored.append(chunk.unscored)
+            tally.unscored += scoring_shares(chunk.unscored, len(self.scorers))
             tally.stats["scoring_s"] += chunk.score_s
             if kind == "score" and w in freed:
                 tally.stats["scoring_on_freed_s"] += chunk.score_s
@@ -612,8 +613,7 @@ class MultiWorkerRollout:
         states = []
         for w, (state, pending, secs) in zip(plan.export, exported):
             states.append(state)
-            if pending:
-                tally.unscored.append(pending)
+            tally.unscored += scoring_shares(pending, len(self.scorers))
             tally.busy_s[w] += secs
             unfinished[w] = 0
         moved = EngineState.combine(states)
