@@ -1,11 +1,11 @@
 """The planner's per-call cost model against the calls themselves, on the real model: one forward, one LoRA
-forward+backward and rlfuse's decode engine over one Ray worker's share of `configs/smollm2_hh.yaml` (4 rows of
-115-token prompts, 48 new tokens), timed on one thread as a placement worker runs them, beside what
+forward+backward (and one over 4 sequences of mixed lengths, padded and packed) and rlfuse's decode engine over
+one Ray worker's share of `configs/smollm2_hh.yaml` (4 rows of 115-token prompts, 48 new tokens), timed on one thread as a placement worker runs them, beside what
 rlfuse/plan/cost.py predicts for the same call with this machine's profile for SmolLM2's shape (`rlfuse plan
 configs/smollm2_hh.yaml --profile` writes it; the built-in profile otherwise). The figures in docs/usage.md's planner
 paragraph come from here.
 
-    python -m bench.stage_rates        # ~2 min on 2 cores; prints its table and writes nothing
+    python -m bench.stage_rates        # ~3 min on 2 cores; prints its table and writes nothing
 """
 
 from __future__ import annotations
@@ -19,6 +19,7 @@ from transformers import AutoModelForCausalLM
 from bench.common import machine, md_table
 from rlfuse.config import load_config
 from rlfuse.metrics.flops import fastest_seconds
+from rlfuse.models.forward import collate, response_logprobs
 from rlfuse.models.gguf import local_model
 from rlfuse.plan.cost import forward_seconds, policy_shape, train_seconds
 from rlfuse.plan.memory import weight_bytes
@@ -29,6 +30,8 @@ from rlfuse.rollout.state import SamplingParams
 ROWS, PROMPT, NEW = 4, 115, 48
 """One worker's share of smollm2_hh's iteration on 2 flattened workers (8 prompts, k = 1), its measured mean prompt
 (rlfuse plan prints it) and rl.max_new_tokens."""
+MIXED_PROMPTS, MIXED_ANSWERS = (83, 119, 158, 81), (20, 30, 40, 25)
+"""4 sequences of 103 to 198 tokens: padded 4 x 198 = 792 positions, packed 556."""
 LORA_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 
 
@@ -70,6 +73,21 @@ def main() -> None:
 
     rows.append(["LoRA forward + backward", f"{ROWS} x {seq}", fastest(step, 2),
                  train_seconds(profile, shape, ROWS, seq, wb, 1, False, True)])
+    # mixed lengths, as hh-rlhf's chat prompts give them: the update's micro-batch padded to its longest, or packed
+    # end to end (models/prefix.py pack_sequences; what collate does with rl.share_prompt where no prompt repeats)
+    prompts = [[1 + (i * 7 + j) % 400 for j in range(n)] for i, n in enumerate(MIXED_PROMPTS)]
+    answers = [[5 + j % 300 for j in range(n)] for n in MIXED_ANSWERS]
+    mixed = f"{ROWS} of {min(map(sum, zip(MIXED_PROMPTS, MIXED_ANSWERS)))}-{max(map(sum, zip(MIXED_PROMPTS, MIXED_ANSWERS)))}"
+    for packed in (False, True):
+        mb = collate(prompts, answers, 0, "cpu", share_prompt=packed)
+        tokens = mb.packed.ids.numel() if packed else mb.input_ids.numel()
+
+        def mixed_step(mb=mb):
+            lora.zero_grad(set_to_none=True)
+            response_logprobs(lora, mb).sum().backward()
+
+        rows.append([f"LoRA forward + backward, {'packed' if packed else 'padded'} ({tokens} positions)", mixed,
+                     fastest(mixed_step, 2), None])
     print(f"profile: {profile.name} ({profile.source})")
     print(f"machine: {machine()}; one torch thread\n")
     print(md_table(["call", "shape", "measured s", "cost model s", "measured / model"],

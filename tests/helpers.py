@@ -5,6 +5,11 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import torch
+from peft import LoraConfig, get_peft_model
+
+from rlfuse.models.build import enable_gradient_checkpointing
+from rlfuse.models.heads import ValueModel
 from rlfuse.models.tiny import make_tiny_llama, make_tiny_model  # noqa: F401  (the tests' tiny models)
 from rlfuse.models.tiny import tiny_tokenizer as _tiny_tokenizer  # noqa: F401
 
@@ -123,3 +128,28 @@ def hand_experience(actor, n: int, k: int, seed: int = 1, longest: int = 6, long
     noise = lambda s: s * torch.randn(*mb.mask.shape, generator=g) * mb.mask
     return Experience(prompt_ids, response_ids, torch.arange(n) // k, torch.randn(n, generator=g), lp + noise(0.2),
                       lp + noise(0.3), noise(1.0), mb.mask, ["eos"] * n)
+
+
+def lora_on(model, arch: str, targets: list[str] | None = None):
+    """A peft LoRA (rank 4) on a tiny GPT-2 or Llama, its B matrices drawn away from zero so that the adapters change
+    the forward (equivalence tests compare paths through them)."""
+    targets = targets or (["c_attn", "c_proj", "c_fc"] if arch == "gpt2" else
+                          ["q_proj", "k_proj", "v_proj", "o_proj", "up_proj"])
+    model = get_peft_model(model, LoraConfig(r=4, lora_alpha=8, target_modules=targets, lora_dropout=0.0,
+                                             fan_in_fan_out=arch == "gpt2"))
+    for n, p in model.named_parameters():
+        if "lora_B" in n:
+            torch.nn.init.normal_(p, std=0.3)
+    return model
+
+
+def actor_and_critic(build, arch: str, lora: bool, checkpointing: bool):
+    """A tiny actor build(arch, 0) (with lora_on where asked) and a critic on build(arch, 1)'s body with a random head,
+    both with gradient checkpointing where asked."""
+    actor = lora_on(build(arch, 0), arch) if lora else build(arch, 0)
+    critic = ValueModel.from_causal_lm(build(arch, 1)).train()
+    torch.nn.init.normal_(critic.head.weight, std=0.5)
+    if checkpointing:
+        enable_gradient_checkpointing(actor)
+        enable_gradient_checkpointing(critic.backbone)
+    return actor, critic

@@ -324,7 +324,9 @@ class RLConfig:
     """The k samples of a prompt in one micro-batch run its forward once (reference, reward, critic and the training
     forward and backward; rlfuse/models/prefix.py), the same numbers with prompt tokens x (k - 1) fewer
     token-forwards per pass (perf/prompt_tokens_shared). GPT-2 and Llama-style models; others keep the full forward.
-    With ppo and k > 1 a prompt's samples then stay in one mini-batch, as for rloo and grpo. false: today's path."""
+    With ppo and k > 1 a prompt's samples then stay in one mini-batch, as for rloo and grpo. Where no prompt repeats,
+    a micro-batch of mixed lengths runs packed (its sequences end to end, each seeing only itself) where that cuts
+    its padded token positions by a fifth or more. false: right-padded micro-batches everywhere."""
     micro_batch_tokens: Optional[int] = None
     """The update's micro-batches by a token budget instead of rl.micro_batch_size samples: each holds the most
     samples (a prompt's samples together, similar lengths together) whose forward, padding included (prompts once with

@@ -161,3 +161,68 @@ def hidden_at(h_prompt: Tensor, h_cont: Tensor, pb: PrefixBatch, positions: Tens
     at = (positions - lens).clamp(0, h_cont.shape[1] - 1)
     from_cont = h_cont.gather(1, at[..., None].expand(-1, -1, H))
     return torch.where(in_prompt[..., None], from_prompt, from_cont)
+
+
+# ------------------------------------------------------------------------------------------- packed sequences
+
+PACK_ROW_TOKENS = 1024
+"""A packed row holds sequences up to this many tokens in all (or the longest sequence, if longer): attention over a
+row grows with its length squared, so a micro-batch is not packed into one row without bound."""
+
+
+@dataclass
+class PackedBatch:
+    """A micro-batch's sequences laid end to end in a few rows, each attending only to itself (a block-diagonal
+    causal mask) from its own positions 0, 1, ...: no padding inside a row, only at the end of the shorter rows."""
+    ids: Tensor            # (R, W)
+    position_ids: Tensor   # (R, W) each sequence's own positions; padding 0
+    segment: Tensor        # (R, W) the sequence's index in the micro-batch; padding -1 - column (each on its own)
+    starts: list[tuple[int, int]]
+    """(row, column) where each sequence starts, in the micro-batch's order."""
+    saved_tokens: int
+    """Padding token-forwards not computed: rows x longest sequence of the padded batch less R x W."""
+
+
+def pack_rows(lengths: list[int], capacity: int) -> list[list[int]]:
+    """Sequence indices per row, first fit by decreasing length (ties: lower index first) into rows of `capacity`
+    tokens: a deterministic layout of these lengths."""
+    rows: list[list[int]] = []
+    used: list[int] = []
+    for i in sorted(range(len(lengths)), key=lambda i: (-lengths[i], i)):
+        r = next((r for r, u in enumerate(used) if u + lengths[i] <= capacity), None)
+        if r is None:
+            rows.append([i])
+            used.append(lengths[i])
+        else:
+            rows[r].append(i)
+            used[r] += lengths[i]
+    return rows
+
+
+def pack_sequences(seqs: list[list[int]], pad_id: int, device) -> PackedBatch:
+    """PackedBatch of these token sequences (rows of at most max(PACK_ROW_TOKENS, longest) tokens)."""
+    lengths = [len(s) for s in seqs]
+    rows = pack_rows(lengths, max(PACK_ROW_TOKENS, max(lengths)))
+    W = max(sum(lengths[i] for i in row) for row in rows)
+    ids = torch.full((len(rows), W), pad_id, dtype=torch.long)
+    pos = torch.zeros(len(rows), W, dtype=torch.long)
+    seg = -1 - torch.arange(W).repeat(len(rows), 1)
+    starts = [(0, 0)] * len(seqs)
+    for r, row in enumerate(rows):
+        col = 0
+        for i in row:
+            n = lengths[i]
+            ids[r, col: col + n], pos[r, col: col + n], seg[r, col: col + n] = torch.tensor(seqs[i]), torch.arange(n), i
+            starts[i] = (r, col)
+            col += n
+    saved = len(seqs) * max(lengths) - len(rows) * W
+    return PackedBatch(ids.to(device), pos.to(device), seg.to(device), starts, saved)
+
+
+def packed_hidden(body, pk: PackedBatch) -> Tensor:
+    """(R, W, H) the body's last hidden states of a packed batch: each sequence as if it ran alone. Differentiable."""
+    W = pk.ids.shape[1]
+    ar = torch.arange(W, device=pk.ids.device)
+    allowed = (pk.segment[:, :, None] == pk.segment[:, None, :]) & (ar[:, None] >= ar[None, :])[None]  # (R, W, W)
+    return body(input_ids=pk.ids, attention_mask=_mask(allowed, body), position_ids=pk.position_ids,
+                use_cache=False).last_hidden_state

@@ -20,6 +20,7 @@ from rlfuse.models.forward import collate, response_logprobs
 from rlfuse.models.rewards import reward_model_fn
 from rlfuse.learn.losses import micro_policy_loss, micro_value_loss
 from rlfuse.learn.batches import minibatches, prompt_tokens_shared
+from helpers import actor_and_critic
 
 V, PAD, K = 48, 0, 3
 PROMPT_LENS, RESPONSE_LENS = (7, 3, 5), (1, 4, 6, 2, 5, 3, 6, 1, 4)
@@ -115,21 +116,7 @@ def loss_gradients(model, loss_fn) -> dict:
     ("gpt2", False, False, "ppo"), ("llama", False, False, "ppo"), ("gpt2", True, False, "ppo"),
     ("llama", True, True, "grpo"), ("gpt2", False, True, "ppo")])
 def test_training_gradients_equal_unshared(arch, lora, checkpointing, algo):
-    actor = tiny(arch, 0)
-    if lora:
-        from peft import LoraConfig, get_peft_model
-
-        targets = ["c_attn", "c_proj", "c_fc"] if arch == "gpt2" else ["q_proj", "k_proj", "v_proj", "o_proj", "up_proj"]
-        actor = get_peft_model(actor, LoraConfig(r=4, lora_alpha=8, target_modules=targets, lora_dropout=0.0,
-                                                 fan_in_fan_out=arch == "gpt2"))
-        for n, p in actor.named_parameters():  # B away from zero, so the adapters change the forward
-            if "lora_B" in n:
-                torch.nn.init.normal_(p, std=0.3)
-    critic = ValueModel.from_causal_lm(tiny(arch, 1)).train()
-    torch.nn.init.normal_(critic.head.weight, std=0.5)
-    if checkpointing:
-        enable_gradient_checkpointing(actor)
-        enable_gradient_checkpointing(critic.backbone)
+    actor, critic = actor_and_critic(tiny, arch, lora, checkpointing)
     exp, idx = experience(actor), list(range(len(RESPONSE_LENS)))
     adv, returns = torch.randn(exp.mask.shape) * exp.mask, torch.randn(exp.mask.shape) * exp.mask
     grads = {}
