@@ -62,9 +62,9 @@ RUNS = {
     # micro-32 runs showed; they check the fixes on runs the fixes were not read from
     "smollm2_math": [("flattened", 32, False), ("separated", 32, False), ("interleaved", 32, False),
                      ("flattened", 8, False), ("separated", 8, False)],
-    # the shared base runs in one process (no Ray placement can split it): the planner plans it for 1 worker, so its
-    # plans differ in micro-batch and checkpointing only
-    "smollm2_hh": [("single", 4, False), ("single", 4, True), ("single", 1, False)],
+    # the shared base now runs flattened on 2 Ray workers (each holding the base and the roles' adapters): micro 8
+    # and 2 (4 and 1 rows per rank), and the single process at micro 4 (the plans of the 2026-11-24 rows)
+    "smollm2_hh": [("flattened", 8, False), ("flattened", 2, False), ("single", 4, False)],
 }
 
 
@@ -517,20 +517,23 @@ def main() -> None:
                     *([f"--plans {args.plans}"] if args.plans else [])])
     load_note = (f"load average {min(loads):.1f}-{max(loads):.1f} after the runs made now" if loads else
                  "every run reused from an earlier invocation (their load is in its log)")
-    one = " (1 x 1 CPU for the shared base of smollm2_hh)" if "smollm2_hh" in args.tasks else ""
+    one = " (1 x 1 CPU for a single-process plan)" if any(pl.strategy == "single" for _, pl, _, _ in todo) else ""
     header = (f"Command: `{cmd}` ({args.iterations} iterations per run, {args.repeats} runs per plan, 2 workers x 1 "
               f"CPU{one}; {time.time() - t0:.0f} s; {load_note}, on 2 cores shared with other work).")
     text = report(results, profile_desc, header)
-    (work / ("results_real_model.json" if real else "results.json")).write_text(json.dumps(results, indent=1,
-                                                                                          default=str))
+    # the real model's rows in a section and a headline row of their own; one real task alone in its own, so a run
+    # of one config does not drop the other's rows
+    name = ("real_model" if set(args.tasks) == set(REAL_MODEL) else "_".join(args.tasks)) if real else ""
+    (work / (f"results_{name}.json" if real else "results.json")).write_text(json.dumps(results, indent=1,
+                                                                                        default=str))
     print(text)
-    if not args.no_write:  # the real model's rows in a section and a headline row of their own
-        write_section("plan_bench_real_model" if real else "plan_bench", text, page="plan")
-        write_headline("plan_real_model" if real else "plan", headline(results),
+    if not args.no_write:
+        write_section(f"plan_bench_{name}" if real else "plan_bench", text, page="plan")
+        write_headline(f"plan_{name}" if real else "plan", headline(results),
                        f"the same {len(results)} plans run ({args.repeats} runs each, 2 Ray workers x 1 CPU)", cmd,
                        f"{machine_short()}; {load_note}",
-                       what=("Planner on SmolLM2-135M (predicted vs measured runs)" if real else None),
-                       page="plan")
+                       what=(f"Planner on SmolLM2-135M{'' if name == 'real_model' else ', ' + name} (predicted vs "
+                             "measured runs)" if real else None), page="plan")
 
 
 if __name__ == "__main__":
