@@ -26,7 +26,7 @@ from torch import Tensor
 from rlfuse.data.prompts import model_context
 from rlfuse.errors import ConfigError, UserError, first_line
 from rlfuse.models import prefix
-from rlfuse.models.forward import adapter_of, can_share, worth_sharing
+from rlfuse.models.forward import adapter_of, can_share, worth_packing, worth_sharing
 from rlfuse.models.shared import body
 
 
@@ -240,7 +240,8 @@ def reward_model_fn(rm, eos_id: int, pad_id: int, share_prompt: bool = True) -> 
     pad id is the EOS id (GPT-2 tokenizers have no pad token), so the score is read at the last token of the text,
     the one before the trailing EOS, in training and here alike. share_prompt: samples of one prompt run it once
     (where the model supports it and no sequence is cut to the context); the saving is counted in
-    `score.prompt_tokens_shared`. The samples are the engine's (rollout/state.py Sample: prompt_ids, token_ids)."""
+    `score.prompt_tokens_shared`; where no prompt repeats, sequences of mixed lengths run packed (worth_packing).
+    The samples are the engine's (rollout/state.py Sample: prompt_ids, token_ids)."""
     context = model_context(rm.config)
     supported = can_share(rm)
 
@@ -256,6 +257,8 @@ def reward_model_fn(rm, eos_id: int, pad_id: int, share_prompt: bool = True) -> 
             return _shared_reward(rm, prompts, ends, seqs, pad_id, dev)
         if context:  # a full-budget prompt + a length-capped response + EOS is one past the context: keep the end,
             seqs = [s[-context:] for s in seqs]  # as RM training does (collate.encode_reward_text)
+        if share_prompt and supported and worth_packing(seqs):
+            return _packed_reward(rm, seqs, pad_id, dev)
         L = max(map(len, seqs))
         ids = torch.full((len(seqs), L), pad_id, dtype=torch.long)
         attn = torch.zeros(len(seqs), L, dtype=torch.long)
@@ -267,10 +270,29 @@ def reward_model_fn(rm, eos_id: int, pad_id: int, share_prompt: bool = True) -> 
     return score
 
 
+def _pooled_at(seq: list[int], pad_id: int) -> int:
+    """transformers' sequence-classification pooling: the rightmost token that is not the pad id."""
+    return max((i for i, t in enumerate(seq) if t != pad_id), default=0)
+
+
+def _packed_reward(rm, seqs, pad_id: int, dev) -> Tensor:
+    """reward_model_fn's score over sequences packed end to end (models/prefix.py pack_sequences, as collate packs the
+    other scoring passes): the body's state at each sequence's pooling position through the score head."""
+    pk = prefix.pack_sequences(seqs, pad_id, dev)
+    width = pk.ids.shape[1]
+    pooled = torch.tensor([row * width + col + _pooled_at(s, pad_id) for (row, col), s in zip(pk.starts, seqs)],
+                          device=dev)
+    body, head = _reward_body_and_head(rm)
+    with adapter_of(rm):
+        h = prefix.packed_hidden(body, pk)
+    h = h.reshape(-1, h.shape[-1])[pooled]
+    return head(h.to(head.weight.dtype)).squeeze(-1).float().cpu()
+
+
 def _shared_reward(rm, prompts, ends, seqs, pad_id: int, dev) -> Tensor:
     """reward_model_fn's score, prefix-shared: the body's state at each sequence's rightmost non-pad token (its
     pooling) through the score head."""
-    pooled = torch.tensor([max((i for i, t in enumerate(s) if t != pad_id), default=0) for s in seqs])
+    pooled = torch.tensor([_pooled_at(s, pad_id) for s in seqs])
     pb = prefix.group_by_prompt(prompts, ends, pad_id, dev)
     body, head = _reward_body_and_head(rm)
     with adapter_of(rm):

@@ -6,7 +6,8 @@ fails when the mask lets one sequence see another."""
 
 import pytest
 import torch
-from transformers import GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausalLM
+from transformers import (GPT2Config, GPT2ForSequenceClassification, GPT2LMHeadModel, LlamaConfig, LlamaForCausalLM,
+                          LlamaForSequenceClassification)
 
 from rlfuse.config import load_config
 from rlfuse.learn.losses import micro_policy_loss, micro_value_loss
@@ -14,6 +15,8 @@ from rlfuse.models import prefix
 from rlfuse.models.build import disable_dropout
 from rlfuse.models.forward import collate, forward_tokens, response_logprobs, response_values
 from rlfuse.models.heads import ValueModel
+from rlfuse.models.rewards import reward_model_fn
+from rlfuse.rollout.engine import Sample
 from rlfuse.rollout.fusion import Experience
 
 from helpers import actor_and_critic
@@ -23,15 +26,17 @@ PROMPT_LENS, RESPONSE_LENS = (20, 3, 9, 14), (2, 11, 5, 1)
 """Sequences of 22, 14, 14 and 15 tokens: padded 4 x 22 = 88 positions, packed one row of 65."""
 
 
-def tiny(arch: str, seed: int, attn: str = "sdpa"):
+def tiny(arch: str, seed: int, attn: str = "sdpa", head: str = "lm"):
     torch.manual_seed(seed)
     if arch == "gpt2":
-        model = GPT2LMHeadModel(GPT2Config(vocab_size=V, n_positions=64, n_embd=32, n_layer=2, n_head=2,
-                                           pad_token_id=PAD, attn_implementation=attn))
+        cfg = GPT2Config(vocab_size=V, n_positions=64, n_embd=32, n_layer=2, n_head=2, pad_token_id=PAD,
+                         attn_implementation=attn, num_labels=1)
+        model = (GPT2LMHeadModel if head == "lm" else GPT2ForSequenceClassification)(cfg)
     else:
-        model = LlamaForCausalLM(LlamaConfig(vocab_size=V, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                                             num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
-                                             pad_token_id=PAD, attn_implementation=attn))
+        cfg = LlamaConfig(vocab_size=V, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+                          num_key_value_heads=2, max_position_embeddings=64, pad_token_id=PAD, attn_implementation=attn,
+                          num_labels=1)
+        model = (LlamaForCausalLM if head == "lm" else LlamaForSequenceClassification)(cfg)
     disable_dropout(model)
     return model.train()
 
@@ -72,6 +77,22 @@ def test_packed_logprobs_and_values_equal_padded(arch, attn):
     with torch.no_grad():
         torch.testing.assert_close(response_logprobs(model, packed), response_logprobs(model, padded))
         torch.testing.assert_close(response_values(critic, packed), response_values(critic, padded))
+
+
+@pytest.mark.parametrize("arch,attn", [("gpt2", "sdpa"), ("llama", "eager")])
+def test_packed_rewards_equal_padded(arch, attn, monkeypatch):
+    packed = []
+    monkeypatch.setattr(prefix, "pack_sequences", lambda *a, f=prefix.pack_sequences: packed.append(1) or f(*a))
+    prompts, responses = prompts_and_responses()
+    rm = tiny(arch, 2, attn, head="rm").eval()
+    # responses ending in EOS (= the pad id here) and not: the pooling skips the trailing EOS either way
+    samples = [Sample(i, 0, p, r + ([PAD] if i % 2 else []), torch.zeros(len(r)), "eos" if i % 2 else "length")
+               for i, (p, r) in enumerate(zip(prompts, responses))]
+    score = reward_model_fn(rm, PAD, PAD)
+    with torch.no_grad():
+        want, got = score(samples, share_prompt=False), score(samples, share_prompt=True)
+    assert packed == [1] and not torch.equal(want, torch.zeros_like(want))  # the packed path ran, once
+    torch.testing.assert_close(got, want)
 
 
 def test_a_mask_that_lets_sequences_see_each_other_fails():
