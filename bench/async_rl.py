@@ -16,10 +16,18 @@ Two tables, printed and written to docs/benchmarks/async_rl.md (the headline to 
     python -m bench.async_rl --seeds 0 --staleness 0 1
     python -m bench.async_rl --summarize            # the tables of the run folders that exist already
     python -m bench.async_rl --real                 # throughput only, SmolLM2-135M-Instruct (needs the smollm2 extra)
+    python -m bench.async_rl --real-learning        # the same task, 3 seeds x max_staleness 0 and 1 (about 80 min)
 
 --real: RLOO k = 8, full fine-tuning, on 2 hh-rlhf conversations per iteration (configs/smollm2_hh.yaml's data and
 chat template), up to 128 new tokens, reward bench.vs_trl:reply_reward (a function: no reward model to train), RL
 straight from the instruct model (no SFT), 6 iterations per mode, max_staleness 0 and 1 alternated.
+
+--real-learning: the same task for 10 iterations per run, the held-out reward (16 hh-rlhf conversations never trained
+on, one reply each at the training temperature, scored by the same reward) before, every 2 iterations and after;
+max_staleness 0 and 1 alternated within each seed. Time is wall time since the loop began, the evaluations included:
+both modes pay the same evaluations, and the asynchronous one keeps decoding through them (its generation worker does
+not wait for the driver's evaluation), which a user's run with evaluations gets too; the loop time alone is given
+beside it.
 """
 
 from __future__ import annotations
@@ -67,17 +75,51 @@ REAL = ["configs/smollm2_hh.yaml", "model.lora=false", "model.shared_base=false"
         "rl.kl_target=null"]
 
 
-def run_real(work: Path, staleness: int) -> Path:
-    """One --real run: RL from the converted instruct model (rlfuse's GGUF cache), on 2 separated workers."""
-    from rlfuse.models.gguf import local_model  # transformers and gguf: only for this workload
+REAL_LEARNING = [o for o in REAL if not o.startswith(("rl.iterations=", "rl.eval_prompts="))] + [
+    "rl.iterations=10", "rl.eval_prompts=16", "rl.eval_every=2"]
 
-    d = work / f"real-staleness{staleness}"
+
+def real_learning_dir(work: Path, seed: int, staleness: int) -> Path:
+    return work / f"real-learn-seed{seed}-staleness{staleness}"
+
+
+def run_real(d: Path, overrides: list[str], staleness: int, seed: int = 0) -> Path:
+    """One real-model run into `d`: RL from the converted instruct model (rlfuse's GGUF cache), on 2 separated
+    workers (kept: a folder with its eval.json is not run again)."""
+    from rlfuse.models.gguf import local_model  # transformers and gguf: only for these workloads
+
     if not (d / "eval.json").exists():
-        folder = local_model("smollm2-135m-instruct")
-        subprocess.run([sys.executable, "-m", "rlfuse", "rl", *REAL, f"rl.sft_path={folder}", f"run.dir={d}",
-                        "run.quiet=true", "placement.strategy=separated", "placement.workers=2",
-                        f"rl.max_staleness={staleness}"], check=True, cwd=ROOT, env=os.environ | {"CI": "true"})
+        subprocess.run([sys.executable, "-m", "rlfuse", "rl", *overrides, f"rl.sft_path={local_model('smollm2-135m-instruct')}",
+                        f"run.dir={d}", f"run.seed={seed}", "run.quiet=true", "placement.strategy=separated",
+                        "placement.workers=2", f"rl.max_staleness={staleness}"], check=True, cwd=ROOT,
+                       env=os.environ | {"CI": "true"})
     return d
+
+
+def real_learning_tables(work: Path, seeds: list[int], modes: list[int]) -> str:
+    """Held-out reward against wall time (loop + evaluations) per seed and mode, the time each mode first reaches
+    the synchronous run's final figure, and the final figures over the seeds."""
+    runs = {(s, n): measured(real_learning_dir(work, s, n), key="reward_mean") for s in seeds for n in modes
+            if (real_learning_dir(work, s, n) / "eval.json").exists()}
+    rows, curves = [], []
+    for (s, n), m in sorted(runs.items()):
+        sync = runs.get((s, 0))
+        if sync is None:
+            continue
+        reached = time_to_reach(m["wall_curve"], sync["final"])
+        rows.append([s, n, f"{m['curve'][0][1]:.3f}", f"{m['final']:.3f}", f"{m['wall_s']:.0f}", f"{m['loop_s']:.0f}",
+                     f"{sync['loop_s'] / m['loop_s']:.2f}x", f"{reached:.0f}" if reached is not None else "never",
+                     f"{reached / sync['wall_s']:.2f}" if reached is not None else "-",
+                     f"{m['weight_mean']:.3f}" if n else "-"])
+        curves.append([s, n, " ".join(f"{t:.0f}s:{v:+.3f}" for t, v in m["wall_curve"])])
+    finals = {n: [m["final"] for (s, k), m in runs.items() if k == n] for n in modes}
+    summary = "; ".join(f"max_staleness {n}: mean {statistics.mean(v):.3f} over {len(v)} seeds (spread "
+                        f"{max(v) - min(v):.3f})" for n, v in finals.items() if v)
+    return (md_table(["seed", "max_staleness", "held-out reward before", "after", "wall s (loop + evaluations)",
+                      "loop s", "loop speed vs staleness 0", "wall s to reach the synchronous final",
+                      "as a fraction of the synchronous wall time", "importance weight mean"], rows)
+            + "\n\nHeld-out reward (mean over 16 conversations) at each evaluation, against wall seconds:\n\n"
+            + md_table(["seed", "max_staleness", "curve"], curves) + "\n\nFinal held-out reward: " + summary + ".")
 
 
 def real_table(work: Path, modes: list[int]) -> str:
@@ -96,19 +138,29 @@ def real_table(work: Path, modes: list[int]) -> str:
                      "trainer waited for its batch s", "importance weight mean"], rows)
 
 
-def measured(d: Path, gold: bool = True) -> dict:
-    """One run's figures: loop seconds, per-iteration medians, and the held-out curve against loop seconds."""
+def measured(d: Path, gold: bool = True, key: str | None = None) -> dict:
+    """One run's figures: loop seconds, per-iteration medians, and the held-out curve (`key` of the evaluation, the
+    gold positive rate by default; none with gold=False) against loop seconds and against wall seconds (the loop
+    and the evaluations during it)."""
     rows = [json.loads(line) for line in (d / "rl" / "metrics.jsonl").read_text().splitlines()]
-    ev = json.loads((d / "eval.json").read_text()) if gold else {}
+    key = key or ("gold_positive_rate" if gold else None)
+    ev = json.loads((d / "eval.json").read_text()) if key else {}
     med = lambda k: statistics.median(r[k] for r in rows if k in r) if any(k in r for r in rows) else 0.0
-    loop, curve = 0.0, [(0.0, ev["before"]["gold_positive_rate"])] if gold else []
+    loop, wall = 0.0, 0.0
+    start = [(0.0, ev["before"][key])] if key else []
+    curve, wall_curve = list(start), list(start)
     for r in rows:
         loop += r["time/iteration"]
-        if "eval/gold_positive_rate" in r:
-            curve.append((loop, r["eval/gold_positive_rate"]))
-    if gold:
-        curve.append((loop, ev["after"]["gold_positive_rate"]))
-    return {"loop_s": loop, "iterations": len(rows), "curve": curve, "final": ev.get("after", {}).get("gold_positive_rate"),
+        wall += r["time/iteration"]
+        if key and f"eval/{key}" in r:
+            curve.append((loop, r[f"eval/{key}"]))
+            wall_curve.append((wall, r[f"eval/{key}"]))
+        wall += r.get("time/eval", 0.0)  # after the point: the evaluation measures the weights as they were
+    if key:
+        curve.append((loop, ev["after"][key]))
+        wall_curve.append((wall, ev["after"][key]))
+    return {"loop_s": loop, "wall_s": wall, "iterations": len(rows), "curve": curve, "wall_curve": wall_curve,
+            "final": ev.get("after", {}).get(key) if key else None,
             "decode_s": med("time/decode") or med("worker/1/busy_s"), "train_s": med("worker/0/train_s"),
             "score_s": med("time/scoring"), "wait_s": med("time/wait_for_batch"), "iteration_s": med("time/iteration"),
             "weight_mean": med("train/behaviour_weight_mean"), "beyond": med("train/behaviour_beyond_cap")}
@@ -157,19 +209,25 @@ def main() -> None:
     ap.add_argument("--staleness", type=int, nargs="+", default=[0, 1, 2])
     ap.add_argument("--summarize", action="store_true", help="only the tables of the runs already in --work")
     ap.add_argument("--real", action="store_true", help="the SmolLM2-135M-Instruct throughput runs (see above)")
+    ap.add_argument("--real-learning", action="store_true", help="SmolLM2 learning against wall time (see above)")
     ap.add_argument("--no-write", action="store_true", help="print only; write neither the page nor BENCHMARKS.md")
     args = ap.parse_args()
-    if args.real:
+    if args.real or args.real_learning:
         modes = [n for n in args.staleness if n <= 1]
         if not args.summarize:
-            for n in modes:
-                run_real(args.work, n)
-        text = (f"Command: `python -m bench.async_rl --real`; machine: {machine_short(os.getloadavg()[0])}. `rlfuse rl "
-                f"{' '.join(REAL)}` from the converted instruct model, placement.strategy=separated on 2 Ray workers "
-                f"(1 CPU each).\n\n{real_table(args.work, modes)}")
+            for seed in args.seeds if args.real_learning else [0]:
+                for n in modes:  # alternated within each seed
+                    run_real(real_learning_dir(args.work, seed, n), REAL_LEARNING, n, seed) if args.real_learning \
+                        else run_real(args.work / f"real-staleness{n}", REAL, n)
+        flag, overrides = ("--real-learning", REAL_LEARNING) if args.real_learning else ("--real", REAL)
+        text = (f"Command: `python -m bench.async_rl {flag}`; machine: {machine_short(os.getloadavg()[0])}. `rlfuse rl "
+                f"{' '.join(overrides)}` from the converted instruct model"
+                f"{f', seeds {args.seeds}' if args.real_learning else ''}, placement.strategy=separated on 2 Ray "
+                f"workers (1 CPU each).\n\n" + (real_learning_tables(args.work, args.seeds, modes) if args.real_learning
+                                                 else real_table(args.work, modes)))
         print(text)
         if not args.no_write:
-            write_section("async_rl_real", text, page="async_rl")
+            write_section("async_rl_real_learning" if args.real_learning else "async_rl_real", text, page="async_rl")
         return
     if not args.summarize:
         models = base_models(args.work)

@@ -62,10 +62,9 @@ def worth_sharing(prompts: list[list[int]], responses: list[list[int]]) -> bool:
 
 
 def _packed_tokens(seqs: list[list[int]]) -> int:
-    """Token positions of these sequences packed (prefix.pack_rows): rows x the longest row."""
-    lengths = [len(s) for s in seqs]
-    rows = prefix.pack_rows(lengths, max(prefix.PACK_ROW_TOKENS, max(lengths)))
-    return len(rows) * max(sum(lengths[i] for i in row) for row in rows)
+    """Token positions of these sequences packed (prefix.pack_layout): rows x the widest row."""
+    rows, width = prefix.pack_layout([len(s) for s in seqs])
+    return len(rows) * width
 
 
 def worth_packing(seqs: list[list[int]]) -> bool:

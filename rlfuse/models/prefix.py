@@ -199,11 +199,17 @@ def pack_rows(lengths: list[int], capacity: int) -> list[list[int]]:
     return rows
 
 
-def pack_sequences(seqs: list[list[int]], pad_id: int, device) -> PackedBatch:
-    """PackedBatch of these token sequences (rows of at most max(PACK_ROW_TOKENS, longest) tokens)."""
-    lengths = [len(s) for s in seqs]
+def pack_layout(lengths: list[int]) -> tuple[list[list[int]], int]:
+    """The rows sequences of these lengths pack into (pack_rows, at max(PACK_ROW_TOKENS, longest) tokens a row) and
+    the widest row's tokens, which every row is padded to."""
     rows = pack_rows(lengths, max(PACK_ROW_TOKENS, max(lengths)))
-    W = max(sum(lengths[i] for i in row) for row in rows)
+    return rows, max(sum(lengths[i] for i in row) for row in rows)
+
+
+def pack_sequences(seqs: list[list[int]], pad_id: int, device) -> PackedBatch:
+    """PackedBatch of these token sequences (pack_layout's rows)."""
+    lengths = [len(s) for s in seqs]
+    rows, W = pack_layout(lengths)
     ids = torch.full((len(rows), W), pad_id, dtype=torch.long)
     pos = torch.zeros(len(rows), W, dtype=torch.long)
     seg = -1 - torch.arange(W).repeat(len(rows), 1)

@@ -516,11 +516,9 @@ class MultiWorkerRollout:
         share per scorer: each sample is scored in the same batch whoever finished it when; proximal: with the
         actor's own log-probs (Scorer.score). -> (scored, {worker: its Chunk, for the seconds})."""
         samples = sorted(samples, key=lambda x: (x.prompt_id, x.sample_index))
-        S = len(self.scorers)
         ray.get([self.workers[w].set_temperature.remote(temperature) for w in self.scorers])
-        bounds = [round(i * len(samples) / S) for i in range(S + 1)]
-        refs = {w: self.workers[w].score.remote(samples[bounds[i]: bounds[i + 1]], proximal)
-                for i, w in enumerate(self.scorers) if bounds[i + 1] > bounds[i]}
+        refs = {w: self.workers[w].score.remote(share, proximal)
+                for w, share in zip(self.scorers, scoring_shares(samples, len(self.scorers)))}
         chunks: dict[int, Chunk] = dict(zip(refs, ray.get(list(refs.values()))))
         return [x for c in chunks.values() for x in c.scored], chunks
 
