@@ -53,21 +53,31 @@ def minibatches(n: int, rl: RLConfig, seed: int, iteration: int) -> list[list[in
 
 def micro_batch_indices(exp: Experience, mini: list[int], size: int, world: int = 1, tokens: int | None = None,
                         shared: bool = False) -> list[list[int]]:
-    """A mini-batch's micro-batches, every rank's, in order: `size` samples each, or with a token budget (`tokens`,
-    rl.micro_batch_tokens) packed by collate.pack_by_tokens, a prompt's samples kept together, similar lengths
-    together, each micro-batch's forward (models/forward.py forward_tokens; prompts once when `shared`) within the budget. A
-    mini-batch too small to give each of `world` ranks a micro-batch is cut into `world` smaller ones
-    (plan/spec.py dp_micro_size), so no rank only pads."""
+    """A mini-batch's micro-batches, every rank's, in order: `size` samples each (by_length_within_prompts: a
+    prompt's samples in order of length, so each micro-batch pads its responses to a similar length), or with a token
+    budget (`tokens`, rl.micro_batch_tokens) packed by collate.pack_by_tokens, a prompt's samples kept together,
+    similar lengths together, each micro-batch's forward (models/forward.py forward_tokens; prompts once when
+    `shared`) within the budget. A mini-batch too small to give each of `world` ranks a micro-batch is cut into
+    `world` smaller ones (plan/spec.py dp_micro_size), so no rank only pads."""
+    units = prompt_runs(mini, exp.prompt_index.tolist())
     if tokens is not None:
         prompts, responses = exp.prompt_ids, exp.response_ids
-        units = prompt_runs(mini, exp.prompt_index.tolist())
         units.sort(key=lambda u: max(len(prompts[i]) + len(responses[i]) for i in u))
         cost = lambda idx: forward_tokens([prompts[i] for i in idx], [responses[i] for i in idx], shared)
         packed = pack_by_tokens(units, cost, tokens)
         if len(packed) >= world:
             return packed
     size = dp_micro_size(len(mini), size, world)
-    return [mini[s: s + size] for s in range(0, len(mini), size)]
+    order = by_length_within_prompts(units, exp.response_ids)
+    return [order[s: s + size] for s in range(0, len(order), size)]
+
+
+def by_length_within_prompts(units: list[list[int]], responses: list[list[int]]) -> list[int]:
+    """The samples of each run of one prompt (collate.prompt_runs) shortest response first (ties: in the order
+    given), the runs in their order. A prompt's k samples cut into micro-batches in this order pad to similar lengths:
+    at k = 8 in micro-batches of 4, the four short replies no longer pad to the longest of the eight. The update is
+    the same whichever samples share a micro-batch (micro_batches' shares make accumulation one big batch)."""
+    return [i for unit in units for i in sorted(unit, key=lambda i: len(responses[i]))]
 
 
 def rank_slots(every: list[list[int]], world: int) -> list[list[list[int]]]:

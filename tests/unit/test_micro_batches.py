@@ -63,6 +63,21 @@ def test_token_budget_micro_batches_keep_prompts_together_within_budget():
     assert len(micro_batch_indices(exp, mini, 12, world=2, tokens=10_000)) == 2
 
 
+def test_micro_batches_by_count_group_a_prompts_samples_by_length():
+    """By count, each prompt's samples are cut shortest first (the runs of one prompt in their order), so the short
+    replies of a prompt share a micro-batch and pad to each other, not to its longest: by hand."""
+    exp = experience([5, 7], [9, 1, 30, 2, 5, 4, 3, 8], k=4)
+    mini = [4, 5, 6, 7, 0, 1, 2, 3]  # prompt 1's samples, then prompt 0's
+    assert micro_batch_indices(exp, mini, 2) == [[6, 5], [4, 7], [1, 3], [0, 2]]
+    assert micro_batch_indices(exp, mini, 3) == [[6, 5, 4], [7, 1, 3], [0, 2]]  # a micro-batch across two prompts
+    # the longest response padded to, summed over micro-batches: 5 + 8 + 2 + 30 against 5 + 8 + 9 + 30 in mini's order
+    padded = lambda micro: sum(len(m) * max(len(exp.response_ids[i]) for i in m) for m in micro)
+    assert padded(micro_batch_indices(exp, mini, 2)) < padded([mini[s: s + 2] for s in range(0, 8, 2)])
+    assert micro_batch_indices(exp, [2, 1, 0], 2) == [[1, 0], [2]]  # one prompt, ties none
+    tie = experience([5], [4, 4, 2], k=3)
+    assert micro_batch_indices(tie, [1, 0, 2], 3) == [[2, 1, 0]]  # equal lengths keep the order given
+
+
 def test_no_host_read_per_micro_batch(monkeypatch):
     """optimise's inner loop (micro-batches of one mini-batch) reads no tensor back to the host: the number of reads
     is the same for 1 and for 8 micro-batches (a NaN check per micro-batch would add one each)."""
