@@ -1,5 +1,6 @@
 """The planner's per-call cost model against the calls themselves, on the real model: one forward, one LoRA
-forward+backward (and one over 4 sequences of mixed lengths, padded and packed) and rlfuse's decode engine over
+forward+backward (and one over 4 sequences of mixed lengths, padded and packed; and one prompt's 8 replies in
+micro-batches of 4, in sample order and by length, as workload d1's update runs them) and rlfuse's decode engine over
 one Ray worker's share of `configs/smollm2_hh.yaml` (4 rows of 115-token prompts, 48 new tokens), timed on one thread as a placement worker runs them, beside what
 rlfuse/plan/cost.py predicts for the same call with this machine's profile for SmolLM2's shape (`rlfuse plan
 configs/smollm2_hh.yaml --profile` writes it; the built-in profile otherwise). The figures in docs/usage.md's planner
@@ -18,6 +19,7 @@ from transformers import AutoModelForCausalLM
 
 from bench.common import machine, md_table
 from rlfuse.config import load_config
+from rlfuse.learn.batches import by_length_within_prompts
 from rlfuse.metrics.flops import fastest_seconds
 from rlfuse.models.forward import collate, response_logprobs
 from rlfuse.models.gguf import local_model
@@ -32,6 +34,9 @@ ROWS, PROMPT, NEW = 4, 115, 48
 (rlfuse plan prints it) and rl.max_new_tokens."""
 MIXED_PROMPTS, MIXED_ANSWERS = (83, 119, 158, 81), (20, 30, 40, 25)
 """4 sequences of 103 to 198 tokens: padded 4 x 198 = 792 positions, packed 556."""
+D1_PROMPT, D1_REPLIES = 98, (128, 41, 128, 95, 57, 128, 33, 66)
+"""One prompt's k = 8 replies as workload d1 (bench/vs_trl.py) draws them: a 98-token chat prompt, replies of mean
+84.5 tokens, three stopped at the 128-token limit."""
 LORA_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 
 
@@ -88,6 +93,22 @@ def main() -> None:
 
         rows.append([f"LoRA forward + backward, {'packed' if packed else 'padded'} ({tokens} positions)", mixed,
                      fastest(mixed_step, 2), None])
+    # one prompt's 8 replies in 2 micro-batches of 4, prefix-shared: in sample order each pads to 128; by length
+    # (learn/batches.py by_length_within_prompts) the short four pad to 66
+    prompt = [1 + j % 400 for j in range(D1_PROMPT)]
+    replies = [[5 + j % 300 for j in range(n)] for n in D1_REPLIES]
+    for label, order in (("in sample order", list(range(len(replies)))),
+                         ("by length", by_length_within_prompts([list(range(len(replies)))], replies))):
+        mbs = [collate([prompt] * 4, [replies[i] for i in order[s: s + 4]], 0, "cpu", share_prompt=True)
+               for s in (0, 4)]
+
+        def d1_step(mbs=mbs):
+            lora.zero_grad(set_to_none=True)
+            for mb in mbs:
+                response_logprobs(lora, mb).sum().backward()
+
+        rows.append([f"LoRA forward + backward, 8 replies in micro-batches of 4, {label}",
+                     f"{D1_PROMPT} + {min(D1_REPLIES)}-{max(D1_REPLIES)}", fastest(d1_step, 2), None])
     print(f"profile: {profile.name} ({profile.source})")
     print(f"machine: {machine()}; one torch thread\n")
     print(md_table(["call", "shape", "measured s", "cost model s", "measured / model"],
