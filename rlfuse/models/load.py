@@ -175,8 +175,7 @@ def load_causal_lm(name: str, cfg: ModelConfig | None = None, trainable_lora: bo
     name = local_model(name)
     check_model_folder(name)
     quant = quantized_load_kwargs(cfg.quantization if cfg is not None else "none", precision, device)
-    if quant:
-        fix_cpu_heap(device)
+    fix_cpu_heap(device)
     try:
         if _is_adapter(name):
             model = AutoPeftModelForCausalLM.from_pretrained(name, is_trainable=bool(trainable_lora))
@@ -203,8 +202,7 @@ def load_reward_model(name: str, cfg: ModelConfig | None = None, pad_token_id: i
     name = local_model(name)
     check_model_folder(name)
     quant = quantized_load_kwargs(cfg.quantization if cfg is not None else "none", precision, device)
-    if quant:
-        fix_cpu_heap(device)
+    fix_cpu_heap(device)
     adapter_task = _adapter_config(name).get("task_type") if _is_adapter(name) else None
     try:
         if adapter_task == "SEQ_CLS":  # a saved reward model with LoRA

@@ -65,18 +65,20 @@ def quantized_load_kwargs(quantization: str, precision: str = "auto", device="cp
 MMAP_THRESHOLD = 1 << 20
 """Bytes from which glibc serves an allocation by its own mmap (returned to the OS when freed); see fix_cpu_heap."""
 FIX_CPU_HEAP = True
-"""Whether a quantised load on the CPU fixes glibc's thresholds (python -m bench.memory --glibc-arm turns it off)."""
+"""Whether a model load on the CPU fixes glibc's thresholds (python -m bench.memory --glibc-arm turns it off)."""
 _heap_fixed = False
 
 
 def fix_cpu_heap(device="cpu") -> bool:
-    """Make glibc give back the pages of bitsandbytes' dequantised weights. On the CPU every 4-bit matmul dequantises
-    its layer's weight to fp32 (MBs) and frees it; glibc's mmap threshold grows to the size of the largest freed
-    mapping (up to 32 MiB), after which these buffers come from the heap, whose freed pages stay resident: RSS grew by
-    GBs on a 0.5B model. Fixed thresholds (set once per process; this also stops that growth) keep every allocation
-    of MMAP_THRESHOLD or more an mmap of its own, unmapped when freed, and trim the heap top above twice that.
-    Linux/glibc on the CPU only (a GPU's dequantised weights are CUDA allocations). Returns whether the thresholds are
-    fixed in this process (by this call or an earlier one)."""
+    """Make glibc give back the pages of large freed tensors. glibc's mmap threshold grows to the size of the largest
+    freed mapping (up to 32 MiB), after which such buffers come from the heap, whose freed pages stay resident and
+    fragment: on the CPU every 4-bit matmul dequantises its layer's weight to fp32 (MBs) and frees it (RSS grew by
+    GBs on a 0.5B model), and a full-precision update's activations and logit chunks are the same churn (SmolLM2
+    RLOO, workload d1 of bench/vs_trl.py: peak RSS 4600 MiB with the thresholds fixed against 5130 without, the same
+    iteration time). Fixed thresholds (set once per process, at the first model load; this also stops that growth)
+    keep every allocation of MMAP_THRESHOLD or more an mmap of its own, unmapped when freed, and trim the heap top
+    above twice that. Linux/glibc on the CPU only (a GPU's tensors are CUDA allocations). Returns whether the
+    thresholds are fixed in this process (by this call or an earlier one)."""
     global _heap_fixed
     if _heap_fixed or not FIX_CPU_HEAP or torch.device(device).type != "cpu":
         return _heap_fixed
