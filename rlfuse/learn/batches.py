@@ -53,8 +53,8 @@ def minibatches(n: int, rl: RLConfig, seed: int, iteration: int) -> list[list[in
 
 def micro_batch_indices(exp: Experience, mini: list[int], size: int, world: int = 1, tokens: int | None = None,
                         shared: bool = False) -> list[list[int]]:
-    """A mini-batch's micro-batches, every rank's, in order: `size` samples each (by_length_within_prompts: a
-    prompt's samples in order of length, so each micro-batch pads its responses to a similar length), or with a token
+    """A mini-batch's micro-batches, every rank's, in order: `size` samples each (in one process by_length_within_prompts:
+    a prompt's samples in order of length, so each micro-batch pads its responses to a similar length), or with a token
     budget (`tokens`, rl.micro_batch_tokens) packed by collate.pack_by_tokens, a prompt's samples kept together,
     similar lengths together, each micro-batch's forward (models/forward.py forward_tokens; prompts once when
     `shared`) within the budget. A mini-batch too small to give each of `world` ranks a micro-batch is cut into
@@ -68,7 +68,9 @@ def micro_batch_indices(exp: Experience, mini: list[int], size: int, world: int 
         if len(packed) >= world:
             return packed
     size = dp_micro_size(len(mini), size, world)
-    order = by_length_within_prompts(units, exp.response_ids)
+    # several ranks take micro-batches r, r + world, ...: by length, one rank would get every prompt's long replies
+    # and the others would wait for it at each collective
+    order = by_length_within_prompts(units, exp.response_ids) if world == 1 else mini
     return [order[s: s + size] for s in range(0, len(order), size)]
 
 

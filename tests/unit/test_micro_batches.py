@@ -70,10 +70,12 @@ def test_micro_batches_by_count_group_a_prompts_samples_by_length():
     mini = [4, 5, 6, 7, 0, 1, 2, 3]  # prompt 1's samples, then prompt 0's
     assert micro_batch_indices(exp, mini, 2) == [[6, 5], [4, 7], [1, 3], [0, 2]]
     assert micro_batch_indices(exp, mini, 3) == [[6, 5, 4], [7, 1, 3], [0, 2]]  # a micro-batch across two prompts
-    # the longest response padded to, summed over micro-batches: 5 + 8 + 2 + 30 against 5 + 8 + 9 + 30 in mini's order
+    # the longest response padded to, summed over micro-batches: 4 + 8 + 2 + 30 against 5 + 8 + 9 + 30 in mini's order
     padded = lambda micro: sum(len(m) * max(len(exp.response_ids[i]) for i in m) for m in micro)
     assert padded(micro_batch_indices(exp, mini, 2)) < padded([mini[s: s + 2] for s in range(0, 8, 2)])
     assert micro_batch_indices(exp, [2, 1, 0], 2) == [[1, 0], [2]]  # one prompt, ties none
+    # two ranks keep mini's order: by length, rank 1 (micro-batches 1 and 3) would get both prompts' long replies
+    assert micro_batch_indices(exp, mini, 2, world=2) == [mini[s: s + 2] for s in range(0, 8, 2)]
     tie = experience([5], [4, 4, 2], k=3)
     assert micro_batch_indices(tie, [1, 0, 2], 3) == [[2, 1, 0]]  # equal lengths keep the order given
 
