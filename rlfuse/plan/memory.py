@@ -218,7 +218,9 @@ def fsdp_worker_memory(roles: set[str], m: MemoryInputs, p: MachineProfile) -> d
     (KV cache) and scoring; no gradients. Update: the shards of weights, gradients and AdamW states, one block of each
     trained model gathered (a block's all-gather output; the next block's prefetch is not counted) with the root
     group's (embeddings, final norm, LM head) kept from its forward to its backward, and a micro-batch's training
-    activations. Frozen copies (reference, reward) are whole in both."""
+    activations. The frozen reference is sharded too, a frozen reward model whole throughout. A rank that scores
+    gathers the actor alone for the rollout, then the reference and a separate critic, one at a time, each in a
+    phase of its own."""
     whole = worker_memory(roles, replace(m, fsdp=1), p)
     W, train_b = m.fsdp, (4.0 if m.train_dtype == "fp32" else 2.0)
     lora = m.lora_rank > 0
@@ -229,18 +231,33 @@ def fsdp_worker_memory(roles: set[str], m: MemoryInputs, p: MachineProfile) -> d
     gathered = sum(base_b(s) for s in sharded)
     root = sum(base_b(s) * (s.params - s.layers * s.layer_params) / s.params for s in sharded)
     block = sum(base_b(s) * s.layer_params / s.params for s in sharded)
-    frozen = whole["base"] + whole["adapters"] - gathered
+    # the frozen reference (full fine-tuning; under LoRA it is the actor with adapters off) sharded as well, gathered
+    # with the actor for the rollout's scoring; other frozen copies (a reward model) whole throughout
+    ref = weight_bytes(m.policy, m.weight_dtype) if "reference" in roles and not lora else 0.0
+    frozen = whole["base"] + whole["adapters"] - gathered - ref
     train_seq, score_seq = m.train_seq or m.seq, m.score_seq or m.seq
     train_acts = [train_activation_bytes(s, m.train_rows * train_seq, m.act_bytes, m.checkpointing, s is m.policy)
                   for s in sharded]
     score_acts = [inference_activation_bytes(m.policy, m.score_rows * score_seq, m.act_bytes, True)]
     if m.reward is not None and "reward" in roles:
         score_acts.append(inference_activation_bytes(m.reward, m.score_rows * score_seq, m.act_bytes, False))
-    rollout = {"base": frozen + gathered + gathered / W, "adapters": 0.0, "gradients": 0.0,
-               "optimizer": whole["optimizer"] / W, "activations": max(score_acts), "kv_cache": whole["kv_cache"]}
-    update = {"base": frozen + gathered / W + root + block, "adapters": 0.0, "gradients": whole["gradients"] / W,
+    # a rank that scores (flattened) gathers the actor alone for the rollout, then the reference and a separate
+    # critic one at a time for a pass each (runtime/fsdp.py); a rank that only trains gathers what it sends
+    deferred = bool(roles & {"reference", "reward"})
+    shards = (gathered + ref) / W
+    rollout = {"base": frozen + (base_b(m.policy) if deferred else gathered + ref) + shards, "adapters": 0.0,
+               "gradients": 0.0, "optimizer": whole["optimizer"] / W, "activations": max(score_acts),
+               "kv_cache": whole["kv_cache"]}
+    update = {"base": frozen + shards + root + block, "adapters": 0.0, "gradients": whole["gradients"] / W,
               "optimizer": whole["optimizer"] / W, "activations": max(train_acts), "kv_cache": 0.0}
-    out = max((rollout, update), key=lambda c: sum(c.values()))
+    phases = [rollout, update]
+    later = [(ref, m.policy, True)] if deferred and ref else []
+    later += [(base_b(m.critic), m.critic, False)] if deferred and len(sharded) > 1 else []
+    for whole_b, spec, lm in later:
+        phases.append({"base": frozen + whole_b + shards, "adapters": 0.0, "gradients": 0.0, "kv_cache": 0.0,
+                       "optimizer": whole["optimizer"] / W, "activations": inference_activation_bytes(
+                           spec, m.score_rows * score_seq, m.act_bytes, lm)})
+    out = max(phases, key=lambda c: sum(c.values()))
     out["slack"] = p.runtime_bytes + p.slack_fraction * sum(out.values())
     out["total"] = sum(out[k] for k in COMPONENTS[:6]) + out["slack"]
     return out

@@ -532,9 +532,12 @@ def _sync_seconds(prob: Problem, spec: PlacementSpec) -> float:
     train_b = 4.0 if m.train_dtype == "fp32" else 2.0
     trainers = _workers_with(spec, "actor")
     total = 0.0
-    if m.fsdp > 1:  # the shards gathered whole for the rollout (fsdp.ShardedGroup.gather), actor and critic
-        trained = [m.policy] + ([m.critic] if m.critic is not None and "critic" in prob.roles else [])
-        total += cost.allgather_seconds(p, sum(weight_bytes(s, m.weight_dtype) for s in trained), trainers)
+    if m.fsdp > 1:  # the shards gathered whole for the rollout (fsdp.ShardedGroup.gather): actor, critic and, on
+        # ranks that score, the sharded frozen reference (full fine-tuning)
+        sharded = [m.policy] + ([m.critic] if m.critic is not None and "critic" in prob.roles else [])
+        scores = any("actor" in g.roles and "reference" in g.roles for g in spec.groups)
+        sharded += [m.policy] if scores and not m.lora_rank else []
+        total += cost.allgather_seconds(p, sum(weight_bytes(s, m.weight_dtype) for s in sharded), trainers)
     if spec.uses_ray and any({"generator", "actor"} <= set(g.roles) for g in spec.groups):
         total += cost.round_trip_seconds(p, 1)  # the driver asks each such worker to copy its own replica
     for g in spec.groups:

@@ -52,7 +52,7 @@ class Experience:
     prompt_index: Tensor   # (N,)
     scores: Tensor         # (N,)
     logprobs: Tensor       # (N, T) old log-probs of the sampled tokens
-    ref_logprobs: Tensor   # (N, T)
+    ref_logprobs: Tensor   # (N, T); None only until a deferred pass fills it (ray_train.TrainGroup.deferred_passes)
     values: Tensor | None  # (N, T)
     mask: Tensor           # (N, T)
     finish_reasons: list[str]
@@ -89,7 +89,7 @@ def build_experience(scored: list[ScoredSample]) -> Experience:
         prompt_index=torch.tensor([x.sample.prompt_id for x in scored]),
         scores=torch.tensor([x.score for x in scored]),
         logprobs=_pad([x.old_logprobs for x in scored], T),
-        ref_logprobs=_pad([x.ref_logprobs for x in scored], T),
+        ref_logprobs=None if scored[0].ref_logprobs is None else _pad([x.ref_logprobs for x in scored], T),
         values=None if scored[0].values is None else _pad([x.values for x in scored], T),
         mask=_pad([torch.ones(len(x.sample.token_ids)) for x in scored], T),
         finish_reasons=[x.sample.finish_reason for x in scored],

@@ -26,7 +26,8 @@ from rlfuse.rollout.state import Sample
 class ScoredSample:
     sample: Sample
     score: float
-    ref_logprobs: Tensor
+    ref_logprobs: Tensor | None
+    """None: a pass the scorer defers (Scorer.deferred), filled in over the whole iteration later."""
     values: Tensor | None
     old_logprobs: Tensor
     """The engine's sampling log-probs (or a recomputed forward when the scorer has the `old_logprobs` role)."""
@@ -44,6 +45,10 @@ class Scorer:
                  micro_batch_size: int = 16, recompute_old_logprobs: bool = False, unfinished_penalty: float = 0.0,
                  share_prompt: bool = True):
         self.reward_fn, self.pad_id, self.ref, self.actor, self.critic = reward_fn, pad_id, ref, actor, critic
+        self.deferred: tuple[str, ...] = ()
+        """Passes score() leaves out ("reference", "critic": their fields None) for deferred_pass to run later, over
+        the whole iteration: FSDP training ranks (runtime/fsdp.py) gather each of those models whole only for its own
+        pass, never beside the decoding actor."""
         self.temperature, self.micro = temperature, micro_batch_size
         self.recompute_old, self.unfinished_penalty = recompute_old_logprobs, unfinished_penalty
         self.times: dict[str, float] = defaultdict(float)
@@ -96,23 +101,26 @@ class Scorer:
         out = []
         order = self._order(samples)
         actor_pass = self.recompute_old or proximal
-        passes = 1 + (self.critic is not None) + actor_pass
+        with_ref, with_critic = "reference" not in self.deferred, self.critic is not None and "critic" not in self.deferred
+        passes = with_ref + with_critic + actor_pass
         for i in range(0, len(order), self.micro):
             chunk = order[i: i + self.micro]
             dev = next((self.ref or self.actor).parameters()).device
             mb = collate([s.prompt_ids for s in chunk], [s.token_ids for s in chunk], self.pad_id, dev, self.share)
             taken = all(s.ref_logprobs is not None for s in chunk)  # where the samples were decoded
-            self._shared_here += (passes - taken) * (mb.prefix.saved_tokens if mb.prefix is not None else 0)
+            self._shared_here += (passes - (taken and with_ref)) * (mb.prefix.saved_tokens if mb.prefix is not None else 0)
             unfinished = torch.tensor([s.finish_reason == "length" for s in chunk], dtype=torch.float32)
             with self._timed("reward"):
                 scores = self._reward(chunk) - self.unfinished_penalty * unfinished
             if taken:
                 ref_lp = [s.ref_logprobs for s in chunk]
+            elif not with_ref:
+                ref_lp = [None] * len(chunk)
             else:
                 with self._timed("reference"), self._ref_context():
                     ref_lp = response_logprobs(self.ref or self.actor, mb, self.temperature).cpu()
             values = actor_lp = None
-            if self.critic is not None:
+            if with_critic:
                 with self._timed("critic"):
                     values = response_values(self.critic, mb).cpu()
             if actor_pass:
@@ -121,8 +129,31 @@ class Scorer:
             for b, s in enumerate(chunk):
                 n = len(s.token_ids)
                 own = None if actor_lp is None else actor_lp[b, :n]
-                out.append(ScoredSample(s, float(scores[b]), ref_lp[b][:n], None if values is None else values[b, :n],
+                out.append(ScoredSample(s, float(scores[b]), None if ref_lp[b] is None else ref_lp[b][:n],
+                                        None if values is None else values[b, :n],
                                         own if self.recompute_old else s.logprobs, own if proximal else None))
+        return out
+
+    @torch.no_grad()
+    def deferred_pass(self, role: str, prompts: list[list[int]], responses: list[list[int]]) -> list[Tensor]:
+        """A pass score() left out (self.deferred): the reference's log-probs (at self.temperature) or the critic's
+        values of each sample's response tokens, in micro-batches as score() forms them; one (len(response),)
+        tensor per sample, in the order given."""
+        model = {"reference": self.ref, "critic": self.critic}[role]
+        samples = [Sample(0, 0, p, r, logprobs=None, finish_reason="") for p, r in zip(prompts, responses)]
+        position = {id(s): i for i, s in enumerate(samples)}
+        out: list[Tensor | None] = [None] * len(samples)
+        dev = next(model.parameters()).device
+        order = self._order(samples)
+        with self._timed(role):
+            for i in range(0, len(order), self.micro):
+                chunk = order[i: i + self.micro]
+                mb = collate([s.prompt_ids for s in chunk], [s.token_ids for s in chunk], self.pad_id, dev, self.share)
+                self._shared_here += mb.prefix.saved_tokens if mb.prefix is not None else 0
+                v = (response_values(model, mb) if role == "critic" else
+                     response_logprobs(model, mb, self.temperature)).cpu()
+                for b, s in enumerate(chunk):
+                    out[position[id(s)]] = v[b, : len(s.token_ids)]
         return out
 
     @torch.no_grad()

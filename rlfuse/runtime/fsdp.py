@@ -3,7 +3,8 @@ block of the trainable roles and at their root, on the process group the workers
 GPU), with sharded checkpoints through torch.distributed.checkpoint (DCP). Nothing here is ours but the wiring:
 which modules are shard groups, when the shards are gathered, and where the checkpoint's files go.
 
-Each rank holds 1/world of the actor's (and critic's) weights, gradients and AdamW states. A micro-batch's forward
+Each rank holds 1/world of the actor's (and critic's) weights, gradients and AdamW states, and of the frozen
+reference where it holds one. A micro-batch's forward
 all-gathers one block at a time and frees it after; its backward reduce-scatters the block's gradient into the
 shards (every micro-batch: keeping whole gradients across micro-batches is what sharding is there to avoid). The
 loss is computed inside the root's forward (data_parallel.TrainableRoles), as for DDP, so the root's own
@@ -11,10 +12,12 @@ parameters (embeddings, final norm, LM head, value head) are gathered before the
 
 Rollouts need whole weights: the engine decodes the actor and the scorer runs the critic and the actor's log-probs
 on every worker independently, in whatever order samples finish, which collectives cannot follow. So the training
-ranks gather every shard group together once per iteration, when the weights go to the generators
-(`gather`: one collective, all ranks at once), decode and score on the whole weights, and free them before the
-update (`shard_again`): the rank holds whole weights only while it decodes and scores, never beside whole
-gradients and optimiser states. It is FSDP1's summon_full_params and veRL's hybrid engine, on FSDP2's unshard.
+ranks gather the shard groups once per iteration, when the weights go to the generators (`gather`: one collective,
+all ranks at once), decode and score on the whole weights, and free them before the update (`shard_again`): the rank
+holds whole weights only while it decodes and scores, never beside whole gradients and optimiser states. Where the
+ranks score with the critic they train (flattened), the actor alone is gathered for decoding and the fused reward,
+and the frozen reference (sharded too) and the critic after it, each freeing the one before, for one pass each over
+the iteration's samples (Scorer.deferred): no two models are ever whole together. It is FSDP1's summon_full_params and veRL's hybrid engine, on FSDP2's unshard.
 
 Two things FSDP's collectives need that DDP does not: every rank must run the same forwards of the same blocks in
 the same order, so a micro-batch slot runs prefix-shared (the body twice: prompts, then responses) on every rank or
@@ -79,6 +82,8 @@ class ShardedGroup(DataParallelGroup):
     same_forwards = True  # each block's forward all-gathers: a prefix-shared forward (two passes) on one rank only
                           # would leave the other waiting
     _mesh: object = field(default=None, repr=False)
+    frozen: list = field(default_factory=list, repr=False)
+    """The frozen roles' roots (shard_frozen), gathered with the actor for the rollout."""
 
     def shard(self, module_sets: list[list[nn.Module]]) -> None:
         """fully_shard each set's blocks, then its root (a TrainableRoles over the set): every rank at once. Every
@@ -98,24 +103,43 @@ class ShardedGroup(DataParallelGroup):
             root.reshard()
             self._wrapped[tuple(id(m) for m in modules)] = root
 
+    def shard_frozen(self, modules: list[nn.Module]) -> list[TrainableRoles]:
+        """Frozen roles held beside the trained ones (the reference): sharded too, gathered whole for the rollout's
+        scoring with the actor (begin_rollout) and in shards through the update, which never runs them. Every rank
+        loaded them from the same folder, so nothing is broadcast; they are not checkpointed (they reload from it).
+        -> their roots, to gather."""
+        roots = []
+        for m in modules:
+            for block in transformer_blocks(m):
+                fully_shard(block, mesh=self._mesh)
+            root = TrainableRoles([m])
+            fully_shard(root, mesh=self._mesh)
+            with torch.no_grad():
+                root(lambda: None)
+            root.reshard()
+            roots.append(root)
+        self.frozen += roots
+        return roots
+
     def wrap(self, modules: list[nn.Module]) -> TrainableRoles:
         return self._wrapped[tuple(id(m) for m in modules)]
 
     @property
     def roots(self) -> list[TrainableRoles]:
-        return list(self._wrapped.values())
+        """Every shard group's root: the trained sets', then the frozen roles'."""
+        return list(self._wrapped.values()) + self.frozen
 
     def micro_batch(self, modules: list[nn.Module], sync: bool):
         """As DataParallelGroup.micro_batch; every micro-batch's backward reduce-scatters (sync is not needed)."""
         return self._run_in_root(self.wrap(modules))
 
-    def gather(self) -> None:
-        """Every shard group's whole parameters, all-gathered and kept registered on the modules (and their
-        blocks' forwards told not to free them) until shard_again: the rollout's decoding and scoring then run on
-        whole weights with no collective. A collective: every training rank calls it at once."""
+    def gather(self, roots: list[TrainableRoles] | None = None) -> None:
+        """Every shard group's (or those of `roots`') whole parameters, all-gathered and kept registered on the
+        modules (and their blocks' forwards told not to free them) until shard_again: the rollout's decoding and
+        scoring then run on whole weights with no collective. A collective: every training rank calls it at once."""
         if self.gathered:
             return
-        for module in self._fsdp_modules():
+        for module in self._fsdp_modules(roots):
             module.set_reshard_after_forward(False, recurse=False)
             module.unshard()
         self.gathered = True
@@ -134,8 +158,9 @@ class ShardedGroup(DataParallelGroup):
             module.set_reshard_after_forward(id(module) not in roots, recurse=False)
         self.gathered = False
 
-    def _fsdp_modules(self) -> list[FSDPModule]:
-        return [m for root in self.roots for m in root.modules() if isinstance(m, FSDPModule)]
+    def _fsdp_modules(self, roots: list[TrainableRoles] | None = None) -> list[FSDPModule]:
+        return [m for root in (self.roots if roots is None else roots) for m in root.modules()
+                if isinstance(m, FSDPModule)]
 
 
 # ------------------------------------------------------------------------------------------- checkpoints

@@ -131,6 +131,7 @@ def worker_metrics(timing: dict, ranks: list[int], rss_mb: list[tuple[float, flo
     out = {"time/rollout": timing["rollout"], "time/scoring": timing["scoring"],
            "migration/migrated": timing["migrated"]}
     out |= {k: v for k, v in timing.items() if k.startswith("migration/")}
+    out |= {"time/deferred_scoring": timing["deferred_scoring"]} if "deferred_scoring" in timing else {}
     for i, rank in enumerate(ranks):
         out[f"worker/{rank}/busy_s"] = timing[f"busy/worker{i}"]
         out[f"worker/{rank}/rss_mb"], out[f"worker/{rank}/rss_peak_mb"] = rss_mb[i]
@@ -234,6 +235,9 @@ class RayRollout:
     critic_trains: bool = False
     adapters: bool = False
     """rollout.weight_sync sends the actor's adapters alone: the generation workers merge them (merge_adapter)."""
+    deferred: bool = False
+    """FSDP ranks that score with the critic they train: the actor alone is gathered for the rollout, the
+    reference and the critic after it, one at a time, for a pass each (TrainGroup.deferred_passes)."""
 
     def sync_weights(self, models=None) -> dict:
         """Actor -> every decoding worker; critic -> every scoring worker that does not train it (its frozen copy
@@ -243,7 +247,7 @@ class RayRollout:
         w = self.workers
         t, sent, per_holder, calls = time.perf_counter(), 0, {}, []
         with w.naming_dead_workers("weight sync"):
-            self.group.begin_rollout()  # sharded training: the whole weights, for this iteration's rollout
+            self.group.begin_rollout(everything=not self.deferred)  # sharded: whole weights for the rollout
             local = [w.handles[i].sync_from_actor.remote() for i in w.decoders if i in w.trainers]
             for role, target, holders in (("actor", "generator", [i for i in w.decoders if i not in w.trainers]),
                                           ("critic", "critic", [i for i in w.scorers if i not in w.trainers])):
@@ -264,7 +268,13 @@ class RayRollout:
 
     def generate(self, request):
         with self.workers.naming_dead_workers("rollout"):
-            return self.driver.generate(request.prompts, request.k, request.params, request.seed, migrate=self.migrate)
+            exp = self.driver.generate(request.prompts, request.k, request.params, request.seed, migrate=self.migrate)
+            if self.deferred:
+                seconds = self.group.deferred_passes(exp)
+                exp.timing["rollout"] += seconds
+                exp.timing["scoring"] += seconds
+                exp.timing["deferred_scoring"] = seconds
+            return exp
 
     def metrics(self, exp) -> dict:
         with self.workers.naming_dead_workers("rollout"):
@@ -327,8 +337,12 @@ def start_ray_placement(cfg, spec: PlacementSpec, run_dir, log=print, reward_row
             f"{', '.join(f'{r}:{p}' for r, p in zip(workers.ranks, pids))}){pinned}; {len(train.workers)} train "
             f"{TRAIN_PARALLEL_WORDS.get(cfg.rl.train_parallel, 'as ' + cfg.rl.train_parallel + ' stages')}")
         driver = MultiWorkerRollout(workers.handles, settings, decoders=workers.decoders, scorers=workers.scorers)
+        # sharded and synchronous, every scorer a training rank (flattened): the reference's and the critic's passes
+        # after the decoding, each model gathered alone
+        deferred = (train.sharded and cfg.rl.max_staleness == 0 and set(workers.scorers) <= set(workers.trainers)
+                    and any(ray.get([workers.handles[i].defer_passes.remote() for i in workers.scorers])))
         rollout = RayRollout(driver, workers, train, cfg.rollout.migrate_below > 0, models.critic is not None,
-                             models.adapter is not None)
+                             models.adapter is not None, deferred)
         rates = {"train/lr": cfg.rl.lr} | ({"train/critic_lr": cfg.rl.critic_lr} if models.critic is not None else {})
         return rollout, RayTrainer(train, workers, cfg.rl.train_parallel, rates), workers
     except BaseException:

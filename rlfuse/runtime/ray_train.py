@@ -99,6 +99,8 @@ class TrainWorker:
         if self.cfg.rl.train_parallel == "fsdp":
             self.group = ShardedGroup(self.rank, self.world, self.device)
             self.group.shard(sets)  # from rank 0's weights, as DDP below
+            if self.models.ref is not None:  # a worker that scores: its reference in shards too
+                self.group.shard_frozen([self.models.ref])
             self.learners = build_learners(self.models, self.cfg.rl)  # optimisers over the shards
             return
         self.group = DataParallelGroup(self.rank, self.world, self.device)
@@ -111,11 +113,17 @@ class TrainWorker:
     def sharded(self) -> bool:
         return isinstance(self.group, ShardedGroup)
 
-    def begin_rollout(self) -> None:
+    def begin_rollout(self, everything: bool = True) -> None:
         """Sharded training (fsdp.py): the whole weights gathered for this iteration's decoding, scoring and weight
-        sends; every training rank at once (the driver calls them together, before anything else of the iteration)."""
+        sends; every training rank at once (the driver calls them together, before anything else of the iteration).
+        everything=False: the actor's shard group alone (reference and critic later: RoleWorker.deferred_passes)."""
         if self.sharded:
-            self.group.gather()
+            self.group.gather(None if everything else [self._root_of(self.models.actor)])
+
+    def _root_of(self, module):
+        """The shard group (fsdp.ShardedGroup's root) holding `module`."""
+        sets = [[learner.module for learner in learners] for learners in learner_sets(self.learners)]
+        return next(self.group.wrap(modules) for modules in sets if any(m is module for m in modules))
 
     def update(self, exp: Experience, adv, returns, kl_coef: float, batches: list[list[int]], bad: BadSteps,
                temperature: float | None = None) -> dict:
@@ -268,10 +276,28 @@ class TrainGroup:
     sharded: bool = False
     """rl.train_parallel=fsdp on two or more ranks (fsdp.py): the gathers are collectives, every rank called."""
 
-    def begin_rollout(self) -> None:
-        """Sharded: every rank gathers the whole weights for this iteration's rollout (TrainWorker.begin_rollout)."""
+    def begin_rollout(self, everything: bool = True) -> None:
+        """Sharded: every rank gathers the whole weights for this iteration's rollout (TrainWorker.begin_rollout;
+        everything=False: the actor's alone)."""
         if self.sharded:
-            get_failing_fast([w.begin_rollout.remote() for w in self.workers])
+            get_failing_fast([w.begin_rollout.remote(everything) for w in self.workers])
+
+    def deferred_passes(self, exp: Experience) -> float:
+        """Sharded ranks that score with the models they hold (RoleWorker.defer_passes): exp.ref_logprobs and
+        exp.values from one pass each over the samples, each rank a contiguous share. -> the slowest rank's seconds."""
+        shares = torch.arange(len(exp)).tensor_split(len(self.workers))
+        outs = get_failing_fast([w.deferred_passes.remote([exp.prompt_ids[i] for i in share],
+                                                          [exp.response_ids[i] for i in share])
+                                 for w, share in zip(self.workers, shares)])
+        for role, field_name in (("reference", "ref_logprobs"), ("critic", "values")):
+            if role not in outs[0][0]:
+                continue
+            whole = torch.zeros_like(exp.mask)
+            for share, (passes, _) in zip(shares, outs):
+                for i, v in zip(share.tolist(), passes[role]):
+                    whole[i, : len(v)] = v
+            setattr(exp, field_name, whole)
+        return max(seconds for _, seconds in outs)
 
     def update(self, exp: Experience, adv, returns, kl_coef: float, batches: list[list[int]], bad: BadSteps,
                temperature: float | None = None) -> tuple[dict, dict, list[float]]:

@@ -41,6 +41,29 @@ class RoleWorker(GenerationWorker, TrainWorker):
         engine = decode_engine(self.models, settings.max_rows, settings.eos_token_id) if models.decodes else None
         return engine, local_scorer(self.models, cfg) if models.scores else None
 
+    def defer_passes(self) -> tuple[str, ...]:
+        """Sharded training on a worker that scores: the fused scoring leaves out the passes of its sharded reference
+        and of a separate critic, and deferred_passes runs them after the decoding, one model gathered whole at a
+        time, never beside the whole actor. -> the passes deferred (none: nothing to defer)."""
+        separate_critic = self.learners.critic is not None and not self.learners.shared_body
+        self.scorer.deferred = (("reference",) if self.group.frozen else ()) + (("critic",) if separate_critic else ())
+        return self.scorer.deferred
+
+    def deferred_passes(self, prompts: list[list[int]], responses: list[list[int]]) -> tuple[dict, float]:
+        """The deferred passes over this rank's share of the iteration's samples: for each, the whole weights held
+        until now freed and that model's gathered (a collective: every training rank calls it, with a share or
+        none), one pass, freed again. -> ({pass: one tensor per sample}, seconds)."""
+        t, out = time.perf_counter(), {}
+        roots = {"reference": self.group.frozen, "critic": [self._root_of(self.models.critic)]}
+        try:
+            for role in self.scorer.deferred:
+                self.group.shard_again()
+                self.group.gather(roots[role])
+                out[role] = self.scorer.deferred_pass(role, prompts, responses) if prompts else []
+        finally:
+            self.group.shard_again()
+        return out, time.perf_counter() - t
+
     def sync_from_actor(self) -> tuple[int, float]:
         """The actor's weights into this worker's own generator (it holds a replica): no transfer; none at all where
         the engine decodes the replica itself. -> (bytes, s)."""

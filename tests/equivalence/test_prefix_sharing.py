@@ -78,6 +78,30 @@ def test_scores_equal_unshared(arch, attn):
         torch.testing.assert_close(b.old_logprobs, a.old_logprobs)
 
 
+def test_deferred_passes_equal_the_fused_ones():
+    """Scorer.deferred (FSDP ranks gather the reference and the critic only after decoding, one at a time): score()
+    leaves their passes out, and deferred_pass over the samples, in another order and other micro-batches, gives each
+    sample the fused passes' reference log-probs and values."""
+    actor, ref = tiny("llama", 0).eval(), tiny("llama", 1).eval()
+    critic = ValueModel.from_causal_lm(tiny("llama", 3)).eval()
+    torch.nn.init.normal_(critic.head.weight, std=0.5)
+    scorer = lambda: Scorer(lambda chunk: torch.zeros(len(chunk)), PAD, ref=ref, actor=actor, critic=critic,
+                            temperature=0.7, micro_batch_size=4)
+    fused = {(x.sample.prompt_id, x.sample.sample_index): x for x in scorer().score(samples())}
+    deferred = scorer()
+    deferred.deferred = ("reference", "critic")
+    assert all(x.values is None and x.ref_logprobs is None for x in deferred.score(samples()))
+    ss = samples()[::-1]
+    prompts, responses = [s.prompt_ids for s in ss], [s.token_ids for s in ss]
+    ref_lp, values = deferred.deferred_pass("reference", prompts, responses), deferred.deferred_pass("critic", prompts,
+                                                                                                      responses)
+    assert [len(v) for v in values] == [len(v) for v in ref_lp] == [len(s.token_ids) for s in ss]
+    assert deferred.prompt_tokens_shared > 0  # a prompt's samples went together
+    for s, lp, v in zip(ss, ref_lp, values):
+        torch.testing.assert_close(lp, fused[(s.prompt_id, s.sample_index)].ref_logprobs)
+        torch.testing.assert_close(v, fused[(s.prompt_id, s.sample_index)].values)
+
+
 def test_wrong_prompt_fails():
     """The comparison can fail: each sample continuing the next sample's prompt gives other log-probs."""
     model, ss = tiny("gpt2", 0).eval(), samples()

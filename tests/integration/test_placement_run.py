@@ -204,6 +204,9 @@ def test_fsdp_shards_train_as_one_process_and_checkpoint_with_dcp(tiny_task, fol
     want_rows, want_actor, want_rewards = single
     assert [r["train/data_parallel_ranks"] for r in rows] == [2, 2, 2]
     assert all(r["sync/bytes"] == 0 and r["migration/rows_moved"] > 0 for r in rows)  # decoded in place, migrated
+    # the reference's log-probs and the critic's values in their own passes after decoding (neither whole beside
+    # the whole actor), equal to the single process's fused ones: the same updates follow
+    assert all(r["time/deferred_scoring"] > 0 for r in rows)
     assert_close(rewards, want_rewards)
     assert_actor_as_single(actor, want_actor, start)
     ckpt = torch.load(tmp_path / "rl" / "checkpoint.pt", weights_only=False)

@@ -151,9 +151,14 @@ def test_fsdp_rank_by_hand_at_its_larger_phase():
     decoding = MemoryInputs(TINY, train_rows=2, seq=8, score_rows=1, kv_rows=64, fsdp=2)
     roll = worker_memory({"actor", "generator"}, decoding, NO_RUNTIME)
     assert roll["base"] == 2272 + 1136 and roll["gradients"] == 0 and roll["kv_cache"] == 64 * 8 * 2 * 2 * 4 * 4
-    # frozen copies (the reference) stay whole in both phases
+    # the frozen reference is sharded too: its half (1136 B) beside the update's shards
     with_ref = worker_memory({"actor", "reference"}, m, NO_RUNTIME)
-    assert with_ref["base"] == mem["base"] + 568 * 4
+    assert with_ref["base"] == mem["base"] + 568 * 4 // 2
+    # a rank that decodes and scores with a separate critic gathers the actor alone for the rollout (reference and
+    # critic later, one at a time): whole actor 2272 beside the shards of actor, critic and reference (3 x 1136)
+    flattened = MemoryInputs(TINY, critic=TINY, train_rows=2, seq=8, score_rows=1, kv_rows=64, fsdp=2)
+    roll = worker_memory({"actor", "generator", "reference", "critic"}, flattened, NO_RUNTIME)
+    assert roll["kv_cache"] > 0 and roll["base"] == 2272 + 3 * 1136
 
 
 def test_memory_hook_rejects_a_group_over_budget():
