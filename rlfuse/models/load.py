@@ -13,7 +13,6 @@ import shutil
 from pathlib import Path
 
 import torch
-from peft import AutoPeftModelForCausalLM, AutoPeftModelForSequenceClassification, LoraConfig, get_peft_model
 from safetensors.torch import save_file
 from transformers import (
     AutoConfig,
@@ -144,12 +143,16 @@ def lora_targets(model, cfg: ModelConfig):
 
 
 def apply_lora(model, cfg: ModelConfig, task_type: str = "CAUSAL_LM", extra_trainable: list[str] | None = None):
+    from peft import get_peft_model  # deferred: peft (and the bitsandbytes it imports) costs 2.5 s and 50 MiB in
+    # every process, Ray worker and command, and only LoRA runs use it
     return get_peft_model(model, lora_config(model, cfg, task_type, extra_trainable))
 
 
 def lora_config(model, cfg: ModelConfig, task_type: str | None = "CAUSAL_LM", extra_trainable: list[str] | None = None):
     """The run's LoRA settings for `model`. GPT-2's Conv1D stores weights (in, out) (peft's fan_in_fan_out), except
     once quantised: bitsandbytes layers are Linear, (out, in)."""
+    from peft import LoraConfig  # deferred: see apply_lora
+
     return LoraConfig(r=cfg.lora_r, lora_alpha=cfg.lora_alpha, lora_dropout=0.0, target_modules=lora_targets(model, cfg),
                       task_type=task_type, modules_to_save=extra_trainable,
                       fan_in_fan_out=conv1d_layout(model) and not is_quantized(model))
@@ -178,6 +181,8 @@ def load_causal_lm(name: str, cfg: ModelConfig | None = None, trainable_lora: bo
     fix_cpu_heap(device)
     try:
         if _is_adapter(name):
+            from peft import AutoPeftModelForCausalLM  # deferred: see apply_lora
+
             model = AutoPeftModelForCausalLM.from_pretrained(name, is_trainable=bool(trainable_lora))
         else:
             model = AutoModelForCausalLM.from_pretrained(name, dtype=torch.float32, **quant)
@@ -206,6 +211,8 @@ def load_reward_model(name: str, cfg: ModelConfig | None = None, pad_token_id: i
     adapter_task = _adapter_config(name).get("task_type") if _is_adapter(name) else None
     try:
         if adapter_task == "SEQ_CLS":  # a saved reward model with LoRA
+            from peft import AutoPeftModelForSequenceClassification  # deferred: see apply_lora
+
             model = AutoPeftModelForSequenceClassification.from_pretrained(name, num_labels=1)
         elif adapter_task is not None:  # an older adapter-only SFT folder as backbone
             lm = load_causal_lm(name).merge_and_unload()

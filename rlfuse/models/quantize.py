@@ -8,7 +8,6 @@ from __future__ import annotations
 import ctypes
 
 import torch
-from peft.utils.integrations import dequantize_bnb_weight
 from transformers import BitsAndBytesConfig
 
 from rlfuse.errors import UserError
@@ -131,6 +130,8 @@ def dequantized_weight(layer: torch.nn.Module, transpose: bool = False) -> torch
         from bitsandbytes.functional import _convert_weight_packed_for_cpu_inverse  # bitsandbytes: optional
 
         w.data, w.quant_state = _convert_weight_packed_for_cpu_inverse(w.data, w.quant_state)  # as its state_dict does
+    from peft.utils.integrations import dequantize_bnb_weight  # deferred: see models/load.py apply_lora
+
     state = getattr(w, "quant_state", None) if state_is_4bit(layer) else layer.state
     out = dequantize_bnb_weight(w, state).float()
     return out.t().contiguous() if transpose else out

@@ -14,7 +14,6 @@ import json
 from pathlib import Path
 
 import torch
-from peft import set_peft_model_state_dict
 from safetensors.torch import load_file
 from torch import nn
 
@@ -181,6 +180,8 @@ def attach_reward_adapter(peft_model, folder: Path, cfg) -> nn.Linear:
     lcfg.r, lcfg.lora_alpha, lcfg.target_modules = saved["r"], saved["lora_alpha"], saved["target_modules"]
     peft_model.add_adapter(REWARD, lcfg)
     body_tensors = {k: v for k, v in tensors.items() if k not in score_keys}
+    from peft import set_peft_model_state_dict  # deferred: see models/load.py apply_lora
+
     result = set_peft_model_state_dict(peft_model, body_tensors, adapter_name=REWARD)
     missing = [k for k in result.missing_keys if f".{REWARD}." in k]
     if missing:

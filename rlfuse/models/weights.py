@@ -4,15 +4,27 @@ buckets."""
 
 from __future__ import annotations
 
+import sys
+
 import torch
-from peft.tuners.lora import LoraLayer
-from peft.utils import ModulesToSaveWrapper
 
 from rlfuse.models.quantize import conv1d_layout, dequantized_weight, quantized_layer
 
 # bitsandbytes' quantisation state beside a quantised weight in a state dict (4-bit: weight.absmax, weight.quant_map,
 # ...; 8-bit: SCB, weight_format): not weights of the plain model.
 QUANT_STATE_KEYS = ("weight.", "SCB", "weight_format")
+
+
+def peft_layer_types() -> tuple[tuple, tuple]:
+    """(peft's LoRA layer classes, its modules_to_save wrapper classes), or empty where peft was never imported:
+    no module of this process can be one of them then, and peft stays out of processes that never use it (see
+    models/load.py apply_lora)."""
+    if "peft" not in sys.modules:
+        return (), ()
+    from peft.tuners.lora import LoraLayer  # deferred: already imported by whoever built a LoRA model
+    from peft.utils import ModulesToSaveWrapper  # (the same)
+
+    return (LoraLayer,), (ModulesToSaveWrapper,)
 
 
 @torch.no_grad()
@@ -29,8 +41,9 @@ def merged_state_dict(model) -> dict[str, torch.Tensor]:
     base = model.get_base_model() if hasattr(model, "get_base_model") else model
     transpose = conv1d_layout(base)  # a quantised GPT-2 Conv1D is a Linear: back to (in, out) for the plain model
     merged, renamed, quant_states = {}, [], []
+    lora_layer, modules_to_save = peft_layer_types()
     for name, module in base.named_modules():
-        if isinstance(module, LoraLayer):
+        if isinstance(module, lora_layer):
             layer = module.get_base_layer()
             quantized = quantized_layer(layer)
             weight = dequantized_weight(layer) if quantized else layer.weight
@@ -45,7 +58,7 @@ def merged_state_dict(model) -> dict[str, torch.Tensor]:
         elif quantized_layer(module):  # a quantised layer without LoRA: its weight, dequantised
             merged[f"{name}.weight"] = dequantized_weight(module, transpose)
             quant_states += [f"{name}.{k}" for k in QUANT_STATE_KEYS]
-        elif isinstance(module, ModulesToSaveWrapper):
+        elif isinstance(module, modules_to_save):
             renamed.append((f"{name}.modules_to_save.{module.active_adapter}.", f"{name}."))
             renamed.append((f"{name}.original_module.", None))  # the untrained original: not part of the result
     out, seen = {}, set()
