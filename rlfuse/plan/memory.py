@@ -246,17 +246,21 @@ def fsdp_worker_memory(roles: set[str], m: MemoryInputs, p: MachineProfile) -> d
     deferred = bool(roles & {"reference", "reward"})
     shards = (gathered + ref) / W
     rollout = {"base": frozen + (base_b(m.policy) if deferred else gathered + ref) + shards, "adapters": 0.0,
-               "gradients": 0.0, "optimizer": whole["optimizer"] / W, "activations": max(score_acts),
+               "gradients": 0.0, "optimizer": whole["optimizer"] / W,
+               # deferred: the policy's scoring passes run in the phases below; decoding keeps the last logits only
+               "activations": max(score_acts[1:] if deferred else score_acts, default=0.0),
                "kv_cache": whole["kv_cache"]}
     update = {"base": frozen + shards + root + block, "adapters": 0.0, "gradients": whole["gradients"] / W,
               "optimizer": whole["optimizer"] / W, "activations": max(train_acts), "kv_cache": 0.0}
     phases = [rollout, update]
     later = [(ref, m.policy, True)] if deferred and ref else []
     later += [(base_b(m.critic), m.critic, False)] if deferred and len(sharded) > 1 else []
+    rows = min(m.score_rows, m.kv_rows)  # a deferred pass scores this rank's share of the samples (kv_rows: the
+    # rows it decodes, the iteration's samples over the ranks)
     for whole_b, spec, lm in later:
         phases.append({"base": frozen + whole_b + shards, "adapters": 0.0, "gradients": 0.0, "kv_cache": 0.0,
                        "optimizer": whole["optimizer"] / W, "activations": inference_activation_bytes(
-                           spec, m.score_rows * score_seq, m.act_bytes, lm)})
+                           spec, rows * score_seq, m.act_bytes, lm)})
     out = max(phases, key=lambda c: sum(c.values()))
     out["slack"] = p.runtime_bytes + p.slack_fraction * sum(out.values())
     out["total"] = sum(out[k] for k in COMPONENTS[:6]) + out["slack"]
