@@ -74,6 +74,15 @@ def whole_trainable_state(module: nn.Module | None) -> dict | None:
     return {n: full_tensor(p.detach()).cpu().clone() for n, p in module.named_parameters() if p.requires_grad}
 
 
+def unique_state(module: nn.Module) -> dict:
+    """module.state_dict() with a tied weight once, under its first name (models/weights.merged_state_dict's keys
+    for a model without LoRA), its sharded tensors as DTensors: what a weight sync sends, read without gathering.
+    The same keys in the same order on every rank."""
+    named = {n for n, _ in module.named_parameters()}  # tied parameters once
+    tied = {n for n, _ in module.named_parameters(remove_duplicate=False)} - named
+    return {k: v for k, v in module.state_dict().items() if k not in tied}
+
+
 @dataclass
 class ShardedGroup(DataParallelGroup):
     """DataParallelGroup's interface (learn/update.py optimise) over FSDP2 shards instead of DDP replicas."""

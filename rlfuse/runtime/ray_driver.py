@@ -238,6 +238,9 @@ class RayRollout:
     deferred: bool = False
     """FSDP ranks that score with the critic they train: the actor alone is gathered for the rollout, the
     reference and the critic after it, one at a time, for a pass each (TrainGroup.deferred_passes)."""
+    streamed: bool = False
+    """FSDP ranks that need no whole weights for the rollout (they neither decode nor score with the actor): nothing
+    is gathered whole; the weights go out a tensor at a time (TrainGroup.streamed_weights)."""
 
     def sync_weights(self, models=None) -> dict:
         """Actor -> every decoding worker; critic -> every scoring worker that does not train it (its frozen copy
@@ -247,14 +250,16 @@ class RayRollout:
         w = self.workers
         t, sent, per_holder, calls = time.perf_counter(), 0, {}, []
         with w.naming_dead_workers("weight sync"):
-            self.group.begin_rollout(everything=not self.deferred)  # sharded: whole weights for the rollout
+            if not self.streamed:
+                self.group.begin_rollout(everything=not self.deferred)  # sharded: whole weights for the rollout
+            send = self.group.streamed_weights if self.streamed else self.group.actor_weights
             local = [w.handles[i].sync_from_actor.remote() for i in w.decoders if i in w.trainers]
             for role, target, holders in (("actor", "generator", [i for i in w.decoders if i not in w.trainers]),
                                           ("critic", "critic", [i for i in w.scorers if i not in w.trainers])):
                 if not holders or (role == "critic" and not self.critic_trains):
                     continue
                 adapters = self.adapters and role == "actor"
-                refs = self.group.actor_weights(self.driver.bucket_bytes, role, adapters)
+                refs = send(self.driver.bucket_bytes, role, adapters)
                 sent, per_holder[target] = sent + refs.bytes, refs.bytes
                 calls += [w.handles[i].load_weights.remote("adapter" if adapters else target, ref)
                           for ref in refs.refs for i in holders]
@@ -264,7 +269,7 @@ class RayRollout:
         if copied:
             per_holder["generator"] = copied[0][0]
         return {"time/weight_sync": time.perf_counter() - t, "sync/bytes": sum(per_holder.values()),
-                "sync/sent_bytes": sent}
+                "sync/sent_bytes": sent} | ({"sync/streamed": 1.0} if self.streamed else {})
 
     def generate(self, request):
         with self.workers.naming_dead_workers("rollout"):
@@ -337,12 +342,18 @@ def start_ray_placement(cfg, spec: PlacementSpec, run_dir, log=print, reward_row
             f"{', '.join(f'{r}:{p}' for r, p in zip(workers.ranks, pids))}){pinned}; {len(train.workers)} train "
             f"{TRAIN_PARALLEL_WORDS.get(cfg.rl.train_parallel, 'as ' + cfg.rl.train_parallel + ' stages')}")
         driver = MultiWorkerRollout(workers.handles, settings, decoders=workers.decoders, scorers=workers.scorers)
-        # sharded and synchronous, every scorer a training rank (flattened): the reference's and the critic's passes
-        # after the decoding, each model gathered alone
-        deferred = (train.sharded and cfg.rl.max_staleness == 0 and set(workers.scorers) <= set(workers.trainers)
-                    and any(ray.get([workers.handles[i].defer_passes.remote() for i in workers.scorers])))
+        # sharded and synchronous, every scorer a training rank: the reference's and the critic's passes after the
+        # decoding, each model gathered alone; where no rank then needs the whole actor (none decodes, and those that
+        # score defer the reference), none gathers it: the weights go out a tensor at a time
+        trainers, sync_mode = set(workers.trainers), train.sharded and cfg.rl.max_staleness == 0
+        passes = (ray.get([workers.handles[i].defer_passes.remote() for i in workers.scorers])
+                  if sync_mode and set(workers.scorers) <= trainers else [])
+        deferred = any(passes)
+        actor_needed = bool(trainers & set(workers.decoders)) or bool(trainers & set(workers.scorers)) and not (
+            passes and all("reference" in p for p in passes))
+        streamed = sync_mode and not actor_needed and (not cfg.model.lora or models.adapter is not None)
         rollout = RayRollout(driver, workers, train, cfg.rollout.migrate_below > 0, models.critic is not None,
-                             models.adapter is not None, deferred)
+                             models.adapter is not None, deferred, streamed)
         rates = {"train/lr": cfg.rl.lr} | ({"train/critic_lr": cfg.rl.critic_lr} if models.critic is not None else {})
         return rollout, RayTrainer(train, workers, cfg.rl.train_parallel, rates), workers
     except BaseException:

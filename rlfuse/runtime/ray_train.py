@@ -39,7 +39,7 @@ from rlfuse.rollout.fusion import Experience
 from rlfuse.rollout.weights import weight_buckets
 from rlfuse.runtime.data_parallel import DEFAULT_BUCKET_BYTES, DataParallelGroup
 from rlfuse.runtime.fsdp import (ShardedGroup, full_tensor, load_shards, remove_unreferenced_shards, save_shards,
-                                 whole_trainable_state)
+                                 unique_state, whole_trainable_state)
 from rlfuse.runtime.pipeline import build_pipeline, schedule_record
 from rlfuse.runtime.process import free_port, pin_threads
 from rlfuse.runtime.ray_common import node_address, start_actors
@@ -164,6 +164,22 @@ class TrainWorker:
             nbytes += sum(v.numel() * v.element_size() for v in bucket.values())
             refs.append(ray.put(bucket))  # serialised now: later steps cannot change what was sent
         return WeightRefs(refs, nbytes, time.perf_counter() - t)
+
+    def streamed_weights(self, bucket_bytes: int = DEFAULT_BUCKET_BYTES, role: str = "actor",
+                         adapters: bool = False) -> WeightRefs | None:
+        """Sharded ranks that neither decode nor score with whole weights: what actor_weights sends (the whole
+        state, or adapters: what trains), gathered one tensor at a time (every rank calls it together) into rank 0's
+        object-store buckets, so no rank ever holds the whole state dict. Not for LoRA's merged weights (their deltas
+        are computed per layer on whole tensors). -> rank 0's WeightRefs, None on the others."""
+        t, refs, nbytes = time.perf_counter(), [], 0
+        module = getattr(self.models, role)
+        state = trainable_state(module, copy=False) if adapters else unique_state(module)
+        whole = ((name, full_tensor(value.detach()).cpu()) for name, value in state.items())
+        for bucket in weight_buckets(whole, bucket_bytes):  # a bucket of whole tensors at a time, on every rank
+            if self.rank == 0:
+                nbytes += sum(v.numel() * v.element_size() for v in bucket.values())
+                refs.append(ray.put(bucket))
+        return WeightRefs(refs, nbytes, time.perf_counter() - t) if self.rank == 0 else None
 
     def save_stage_state(self, path: str, iteration: int) -> None:
         """Pipeline stages: this rank's optimiser states of `iteration`, one file per rank beside the checkpoint
@@ -324,6 +340,11 @@ class TrainGroup:
     def actor_weights(self, bucket_bytes: int = DEFAULT_BUCKET_BYTES, role: str = "actor",
                       adapters: bool = False) -> WeightRefs:
         return ray.get(self.workers[0].actor_weights.remote(bucket_bytes, role, adapters))
+
+    def streamed_weights(self, bucket_bytes: int = DEFAULT_BUCKET_BYTES, role: str = "actor",
+                         adapters: bool = False) -> WeightRefs:
+        """Sharded: every rank gathers a tensor at a time, rank 0 sends (TrainWorker.streamed_weights)."""
+        return get_failing_fast([w.streamed_weights.remote(bucket_bytes, role, adapters) for w in self.workers])[0]
 
     def save_checkpoint(self, path, iteration: int, kl_coef: float, counters: dict) -> list[dict]:
         """-> each rank's {"seconds", "bytes"} (TrainWorker.save_checkpoint)."""
