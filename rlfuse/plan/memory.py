@@ -241,11 +241,15 @@ def fsdp_worker_memory(roles: set[str], m: MemoryInputs, p: MachineProfile) -> d
     score_acts = [inference_activation_bytes(m.policy, m.score_rows * score_seq, m.act_bytes, True)]
     if m.reward is not None and "reward" in roles:
         score_acts.append(inference_activation_bytes(m.reward, m.score_rows * score_seq, m.act_bytes, False))
-    # a rank that scores (flattened) gathers the actor alone for the rollout, then the reference and a separate
-    # critic one at a time for a pass each (runtime/fsdp.py); a rank that only trains gathers what it sends
+    # a rank that scores gathers the actor alone for the rollout (to decode, or as the reference under LoRA), then
+    # the reference and a separate critic one at a time for a pass each; a rank that needs no whole actor (it
+    # neither decodes nor scores with it) gathers nothing whole: the weights leave it a tensor at a time
+    # (runtime/fsdp.py)
     deferred = bool(roles & {"reference", "reward"})
+    actor_whole = "generator" in roles or (deferred and lora)
     shards = (gathered + ref) / W
-    rollout = {"base": frozen + (base_b(m.policy) if deferred else gathered + ref) + shards, "adapters": 0.0,
+    whole_in_rollout = (base_b(m.policy) if deferred else gathered + ref) if actor_whole else 0.0
+    rollout = {"base": frozen + whole_in_rollout + shards, "adapters": 0.0,
                "gradients": 0.0, "optimizer": whole["optimizer"] / W,
                # deferred: the policy's scoring passes run in the phases below; decoding keeps the last logits only
                "activations": max(score_acts[1:] if deferred else score_acts, default=0.0),

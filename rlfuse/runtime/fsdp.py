@@ -17,7 +17,9 @@ all ranks at once), decode and score on the whole weights, and free them before 
 holds whole weights only while it decodes and scores, never beside whole gradients and optimiser states. Where the
 ranks score with the critic they train (flattened), the actor alone is gathered for decoding and the fused reward,
 and the frozen reference (sharded too) and the critic after it, each freeing the one before, for one pass each over
-the iteration's samples (Scorer.deferred): no two models are ever whole together. It is FSDP1's summon_full_params and veRL's hybrid engine, on FSDP2's unshard.
+the iteration's samples (Scorer.deferred): no two models are ever whole together. Where no rank needs the whole
+actor at all (none decodes, and those that score defer the reference: separated), nothing is gathered whole for
+the rollout: the generators' weights leave the shards a tensor at a time (ray_train.TrainWorker.streamed_weights). It is FSDP1's summon_full_params and veRL's hybrid engine, on FSDP2's unshard.
 
 Two things FSDP's collectives need that DDP does not: every rank must run the same forwards of the same blocks in
 the same order, so a micro-batch slot runs prefix-shared (the body twice: prompts, then responses) on every rank or

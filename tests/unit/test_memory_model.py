@@ -159,6 +159,10 @@ def test_fsdp_rank_by_hand_at_its_larger_phase():
     flattened = MemoryInputs(TINY, critic=TINY, train_rows=2, seq=8, score_rows=1, kv_rows=64, fsdp=2)
     roll = worker_memory({"actor", "generator", "reference", "critic"}, flattened, NO_RUNTIME)
     assert roll["kv_cache"] > 0 and roll["base"] == 2272 + 3 * 1136
+    # a rank that scores but does not decode (separated) needs no whole actor: its weights leave it a tensor at a
+    # time, and its larger phase is a deferred pass or the update, with no KV cache
+    scoring = worker_memory({"actor", "reference", "critic"}, flattened, NO_RUNTIME)
+    assert scoring["kv_cache"] == 0 and scoring["total"] < roll["total"]
 
 
 def test_memory_hook_rejects_a_group_over_budget():
