@@ -39,7 +39,7 @@ MODES = ("data", "fsdp")
 VARIANTS = {"plain": [], "checkpointed": ["rl.gradient_checkpointing=true"]}
 """Each pair of runs as configured, and again with activation checkpointing on both sides: a micro-batch's
 activations (4 x ~250 tokens through 30 layers, ~0.8 GiB) are whole on every rank whatever shards the weights, and
-FSDP users run it with checkpointing (veRL's FSDP workers enable it by default)."""
+FSDP users run it with checkpointing (veRL's FSDP configs set enable_gradient_checkpointing: True)."""
 RUN = ["configs/smollm2_hh.yaml", "model.lora=false", "model.shared_base=false", "rl.algo=ppo", "rl.critic_init=sft",
        "rl.k=4", "rl.prompts_per_iter=2", "rl.max_new_tokens=64", "rl.reward=bench.vs_trl:reply_reward",
        "rl.mini_batch_size=8", "rl.micro_batch_size=4", "rl.epochs=1", "rl.iterations=3", "rl.eval_prompts=0",
