@@ -54,11 +54,10 @@ class RoleWorker(GenerationWorker, TrainWorker):
         until now freed and that model's gathered (a collective: every training rank calls it, with a share or
         none), one pass, freed again. -> ({pass: one tensor per sample}, seconds)."""
         t, out = time.perf_counter(), {}
-        roots = {"reference": self.group.frozen, "critic": [self._root_of(self.models.critic)]}
         try:
             for role in self.scorer.deferred:
                 self.group.shard_again()
-                self.group.gather(roots[role])
+                self.group.gather(self.group.frozen if role == "reference" else [self._root_of(self.models.critic)])
                 out[role] = self.scorer.deferred_pass(role, prompts, responses) if prompts else []
         finally:
             self.group.shard_again()

@@ -219,15 +219,16 @@ def test_fsdp_shards_train_as_one_process_and_checkpoint_with_dcp(tiny_task, fol
 
 
 @ROLES
-def test_fsdp_training_ranks_that_do_not_decode_send_the_weights_a_tensor_at_a_time(folders, single, ray_session,
-                                                                                     tmp_path):
+def test_fsdp_training_ranks_that_do_not_decode_send_the_weights_a_tensor_at_a_time(folders, ray_session, tmp_path):
     """separated on 3 workers: 2 FSDP ranks train and score, 1 decodes. No rank gathers the whole actor: the generator's
-    weights leave the shards a tensor at a time (ray_train.TrainWorker.streamed_weights), the reference's and the
-    critic's passes run after the decoding, and the run trains as the single process does."""
+    weights leave the shards a tensor at a time (ray_train.TrainWorker.streamed_weights), the reference's pass runs
+    after the decoding, and the run trains as the single process does. GRPO: no critic, the reference's pass alone
+    deferred (the flattened PPO runs above defer the critic's too)."""
     start = load_file(str(folders[0].split("=", 1)[1] + "/model.safetensors"))
-    rows, actor, rewards = run_rl(tmp_path, folders, "placement.strategy=separated", "placement.workers=3",
-                                  "placement.cpus_per_worker=0.6", "rl.train_parallel=fsdp")
-    want_rows, want_actor, want_rewards = single
+    grpo = ["rl.algo=grpo", "rl.reward=rlfuse.data.gold:gold_reward"]
+    want_rows, want_actor, want_rewards = run_rl(tmp_path / "single", folders, *grpo)
+    rows, actor, rewards = run_rl(tmp_path / "fsdp", folders, *grpo, "placement.strategy=separated",
+                                  "placement.workers=3", "placement.cpus_per_worker=0.6", "rl.train_parallel=fsdp")
     assert all(r["sync/streamed"] == 1 and r["sync/sent_bytes"] > 0 and r["train/data_parallel_ranks"] == 2
                and r["time/deferred_scoring"] > 0 for r in rows)
     assert_close(rewards, want_rewards)
