@@ -31,6 +31,7 @@ Imports no Ray: ray_train.py's TrainWorker builds a ShardedGroup once its proces
 
 from __future__ import annotations
 
+import errno
 import os
 import shutil
 from dataclasses import dataclass, field
@@ -202,13 +203,35 @@ def save_shards(path: Path, iteration: int, group: ShardedGroup, learner_sets: l
     if group.rank == 0:
         shutil.rmtree(tmp, ignore_errors=True)  # a killed save's; the other ranks write only after the planning
         # collective inside dcp.save, which waits for rank 0
-    dcp.save(_sets_state(group, learner_sets), checkpoint_id=str(tmp))
+    try:
+        dcp.save(_sets_state(group, learner_sets), checkpoint_id=str(tmp))
+    except Exception:
+        full = disk_full(tmp)
+        if full is None:
+            raise
+        raise full from None
     dist.barrier()
     if group.rank == 0:
         shutil.rmtree(final, ignore_errors=True)
         os.replace(tmp, final)
     dist.barrier()
     return final.name
+
+
+DISK_NEARLY_FULL = 64 * 2**20
+"""Free bytes under which a failed checkpoint write is taken for a full disk."""
+
+
+def disk_full(folder: Path) -> OSError | None:
+    """An OSError(ENOSPC) for `folder` if its file system has under DISK_NEARLY_FULL bytes free, else None. DCP's
+    writer reports a full disk as a failed zip write (a RuntimeError inside a CheckpointException, not ENOSPC), which
+    the driver would print as a traceback; as an OSError it is the one line every full disk gets (errors.os_error_line),
+    and --resume goes on from the previous checkpoint, which the failed write left in place."""
+    free = shutil.disk_usage(folder.parent).free
+    if free >= DISK_NEARLY_FULL:
+        return None
+    return OSError(errno.ENOSPC, f"No space left on device ({free // 2**20} MiB free while writing the sharded "
+                   "checkpoint)", str(folder))
 
 
 def load_shards(folder: Path, group: ShardedGroup, learner_sets: list) -> None:

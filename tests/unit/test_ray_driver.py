@@ -35,3 +35,22 @@ def test_single_placement_never_imports_ray():
             "r, t = cm.__enter__(); assert isinstance(r, LocalRollout) and t == 'local trainer'; "
             "assert 'ray' not in sys.modules, 'ray imported'")
     subprocess.run([sys.executable, "-c", code], check=True)
+
+
+def test_a_failed_sharded_checkpoint_on_a_full_disk_is_the_one_line_of_a_full_disk(tmp_path, monkeypatch):
+    # DCP's writer reports a full disk as a failed zip write (RuntimeError in a CheckpointException): with under
+    # 64 MiB free it becomes ENOSPC, which the CLI prints as one line naming the folder and the fix
+    import shutil
+    from collections import namedtuple
+
+    from rlfuse.errors import os_error_line
+    from rlfuse.runtime import fsdp
+
+    usage = namedtuple("usage", "total used free")
+    folder = tmp_path / "checkpoint.pt.shards-000002.tmp"
+    monkeypatch.setattr(shutil, "disk_usage", lambda _: usage(10 * 2**30, 10 * 2**30 - 2**20, 2**20))
+    error = fsdp.disk_full(folder)
+    line = os_error_line(error, "rl", "RUN")
+    assert str(folder) in line and "No space left" in line and "--resume RUN" in line
+    monkeypatch.setattr(shutil, "disk_usage", lambda _: usage(10 * 2**30, 2**30, 9 * 2**30))
+    assert fsdp.disk_full(folder) is None  # another failure stays itself
