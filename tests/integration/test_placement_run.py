@@ -225,7 +225,7 @@ def test_fsdp_training_ranks_that_do_not_decode_send_the_weights_a_tensor_at_a_t
     after the decoding, and the run trains as the single process does. GRPO: no critic, the reference's pass alone
     deferred (the flattened PPO runs above defer the critic's too)."""
     start = load_file(str(folders[0].split("=", 1)[1] + "/model.safetensors"))
-    grpo = ["rl.algo=grpo", "rl.reward=rlfuse.data.gold:gold_reward"]
+    grpo = ["rl.algo=grpo", "rl.reward=rlfuse.data.gold:gold_reward", "rl.iterations=2"]
     want_rows, want_actor, want_rewards = run_rl(tmp_path / "single", folders, *grpo)
     rows, actor, rewards = run_rl(tmp_path / "fsdp", folders, *grpo, "placement.strategy=separated",
                                   "placement.workers=3", "placement.cpus_per_worker=0.6", "rl.train_parallel=fsdp")
