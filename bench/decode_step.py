@@ -117,14 +117,16 @@ def main() -> None:
     print(text)
     if a.no_write:
         return
-    gpu = "_gpu" if torch.cuda.is_available() else ""  # a GPU run gets its own section and row: the CPU's stay
+    # everything here runs on the CPU (bench.decode_graph measures a GPU); on a GPU machine that is its host CPU, whose
+    # section and row are kept apart from this VM's
+    gpu = "_gpu" if torch.cuda.is_available() else ""
     write_section(f"decode_step{gpu}", text, page="decode_step")
     gpt2, llama, sampler = rows[0], rows[1], rows[4]
     write_headline(f"decode_step{gpu}", f"lean GPT-2 decode step {gpt2[3]:.2f}x transformers' forward ({gpt2[2]:.2f} ms), "
                    f"Llama {llama[3]:.2f}x; sampler {sampler[3]:.2f}x torch.multinomial",
                    "transformers' forward; torch.multinomial", "python -m bench.decode_step",
                    machine_short(os.getloadavg()[0]), page="decode_step",
-                   what="Decode step, on a GPU" if gpu else None)
+                   what="Decode step, on the GPU machine's host CPU (not the GPU)" if gpu else None)
 
 
 if __name__ == "__main__":

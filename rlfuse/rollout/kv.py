@@ -219,11 +219,7 @@ class LlamaDecodeStep:
         mask = attn[:, None, None, :]
         for i, layer in enumerate(self.layers):
             a = layer.self_attn
-            h = layer.input_layernorm(x)
-            q = a.q_proj(h).view(R, 1, H, D).transpose(1, 2)
-            k = a.k_proj(h).view(R, 1, KVH, D).transpose(1, 2)
-            v = a.v_proj(h).view(R, 1, KVH, D).transpose(1, 2)
-            q, k = q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin
+            q, k, v = self.rotated_qkv(a, layer.input_layernorm(x), cos, sin)
             keys, values = kv[i, 0], kv[i, 1]
             keys[:, :, w], values[:, :, w] = k[:, :, 0], v[:, :, 0]
             o = F.scaled_dot_product_attention(q, keys[:, :, : w + 1], values[:, :, : w + 1], attn_mask=mask,
@@ -231,6 +227,15 @@ class LlamaDecodeStep:
             x = x + a.o_proj(o.transpose(1, 2).reshape(R, 1, H * D))
             x = x + layer.mlp(layer.post_attention_layernorm(x))
         return self.lm_head(self.norm(x))[:, 0]
+
+
+    def rotated_qkv(self, attn, h: Tensor, cos: Tensor, sin: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+        """One layer's query, key and value heads of h (R, 1, E), rotary applied: (R, H, 1, D), (R, KVH, 1, D) x 2."""
+        R, H, KVH, D = h.shape[0], self.H, self.KVH, self.D
+        q = attn.q_proj(h).view(R, 1, H, D).transpose(1, 2)
+        k = attn.k_proj(h).view(R, 1, KVH, D).transpose(1, 2)
+        v = attn.v_proj(h).view(R, 1, KVH, D).transpose(1, 2)
+        return q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin, v
 
 
 def _rotate_half(x: Tensor) -> Tensor:
