@@ -5,6 +5,14 @@ bf16 and int8 (torch's dynamic quantisation: fbgemm int8 weights, activations qu
 the int8 result's error against fp32.
 
     python -m bench.decode_precision        # about a minute
+    python -m bench.decode_precision --real # the whole SmolLM2-135M (smollm2 extra) through the engine, ~3 minutes
+
+--real: the real model's decode step through rlfuse's engine (2 chat prompts x k = 8, 64 new tokens, all
+threads) in fp32 and with torch's dynamic int8 three ways (per-tensor weights, the default; per-channel weights;
+per-channel with the LM head kept fp32), and what an int8 sampler would do to RL: the sampled tokens' log-probs
+under the int8 model against the fp32 policy's (mean |difference| per token, and the importance weight
+pi_fp32 / pi_int8 the decoupled objective would apply), plus torch's weight-only int8 kernel
+(_weight_int8pack_mm: int8 weights, fp32 activations) at the decode shapes.
 
 Nothing in rlfuse decodes in bf16 or int8 yet: this is the measurement that decides whether it should, on which
 hardware. Written to docs/benchmarks/decode_step.md (section decode_precision).
@@ -19,7 +27,9 @@ import warnings
 
 import torch
 
-from bench.common import machine, md_table, write_section
+import os
+
+from bench.common import machine, machine_short, md_table, write_headline, write_section
 
 # SmolLM2-135M: hidden 576, 9 heads of 64 (3 KV heads: 192), MLP 1536, vocabulary 49152, 30 blocks
 SHAPES = {"q/o projection 576x576": (576, 576), "k/v projection 576x192": (576, 192),
@@ -58,11 +68,109 @@ def measure(rows: int, k: int, n: int) -> dict:
                 "int8": seconds(lambda: int8(x), reps), "int8_error": err}
 
 
+QUESTIONS = ["How do I keep my houseplants alive through the winter when the apartment gets very dry?",
+             "Can you explain how a bill becomes a law in the United States, step by step?"]
+"""--real's prompts: two everyday chat questions in the model's own template."""
+
+
+def real_model() -> tuple[str, list]:
+    """--real (see the module's docstring): the real model's decode step and an int8 sampler's log-prob error."""
+    import copy
+
+    from torch.ao.quantization import per_channel_dynamic_qconfig, quantize_dynamic
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from rlfuse.models.gguf import local_model
+    from rlfuse.rollout.engine import DecodeEngine, SamplingParams
+
+    folder = local_model("smollm2-135m-instruct")
+    fp32 = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
+    tok = AutoTokenizer.from_pretrained(folder)
+    prompts = [tok.apply_chat_template([{"role": "user", "content": q}], add_generation_prompt=True, tokenize=True,
+                                       return_dict=False) for q in QUESTIONS]
+
+    def decode(model):
+        engine = DecodeEngine(model, eos_token_id=-1)
+        t = time.perf_counter()
+        out = list(engine.generate(prompts, 8, SamplingParams(64), seed=0))
+        return out, 1000 * (time.perf_counter() - t) / engine.stats.decode_steps
+
+    def sampled_logprobs(model, s) -> torch.Tensor:
+        ids = torch.tensor([s.prompt_ids + list(s.token_ids)])
+        lp = torch.log_softmax(model(ids).logits[0, :-1], -1).gather(1, ids[0, 1:, None])[:, 0]
+        return lp[-len(s.token_ids):]
+
+    def int8(head: bool, per_channel: bool):
+        model = copy.deepcopy(fp32)
+        qconfig = per_channel_dynamic_qconfig if per_channel else torch.ao.quantization.default_dynamic_qconfig
+        names = {n: qconfig for n, m in model.named_modules() if isinstance(m, torch.nn.Linear) and (head or n != "lm_head")}
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            return quantize_dynamic(model, names, dtype=torch.qint8, inplace=True)
+
+    out = []
+    with torch.no_grad():
+        _, base_ms = decode(fp32)
+        _, base_ms2 = decode(fp32)
+        base_ms = min(base_ms, base_ms2)
+        out.append(["fp32", f"{base_ms:.0f}", "1.00x", "0", "1", "1"])
+        for name, head, per_channel in (("int8 dynamic, per-tensor weights (torch's default)", True, False),
+                                        ("int8 dynamic, per-channel weights", True, True),
+                                        ("int8 dynamic, per-channel, LM head fp32", False, True)):
+            model = int8(head, per_channel)
+            samples, ms = decode(model)
+            ms = min(ms, decode(model)[1])
+            # the int8 sampler's own samples, scored by both: behaviour = int8, policy = fp32
+            d = torch.cat([sampled_logprobs(fp32, s) - sampled_logprobs(model, s) for s in samples])
+            w = d.exp()
+            out.append([name, f"{ms:.0f}", f"{base_ms / ms:.2f}x", f"{float(d.abs().mean()):.3f}",
+                        f"{float(w.mean()):.2f}", f"{float(w.max()):.1f}"])
+        hidden = fp32(torch.tensor([prompts[0]]), output_hidden_states=True).hidden_states
+        outliers = ", ".join(f"{float(h.abs().max()):.0f}" for h in hidden[::5])
+    torch.manual_seed(0)
+    packed = []
+    for rows in (16,):
+        for name, (k, n) in SHAPES.items():
+            x, w = torch.randn(rows, k), torch.randn(n, k)
+            scale = w.abs().amax(1) / 127
+            wq = torch.round(w / scale[:, None]).to(torch.int8)
+            packed.append([rows, name, f"{seconds(lambda: x @ w.t(), 5) * 1e3:.2f}",
+                           f"{seconds(lambda: torch._weight_int8pack_mm(x, wq, scale), 2) * 1e3:.2f}"])
+    text = "\n\n".join([
+        f"Command: `python -m bench.decode_precision --real` (SmolLM2-135M-Instruct, {torch.get_num_threads()} threads; "
+        f"{len(prompts)} chat prompts of {sum(map(len, prompts)) / len(prompts):.0f} tokens x k = 8, 64 new tokens "
+        "(end of text ignored: every row decodes 64 steps), temperature 1, the best of 2 runs; every sample decoded by the int8 model is "
+        f"scored by both models). Machine: {machine()}.",
+        md_table(["decoder", "ms per decode step (16 rows)", "speed-up", "mean |log pi_fp32 - log pi_int8| "
+                  "per sampled token", "importance weight pi_fp32 / pi_int8: mean", "max"], out),
+        f"The fp32 model's residual stream on the first prompt, max |x| after layers 0, 5, ..., 30: {outliers} (dynamic "
+        "int8 gives each matrix's input one scale per call).",
+        "Weight-only int8 (torch._weight_int8pack_mm) at the decode shapes, one step's matrices one at a time:",
+        md_table(["rows", "matrix", "fp32 ms", "weight-only int8 ms"], packed)])
+    return text, out
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(prog="python -m bench.decode_precision", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--no-write", action="store_true", help="print only")
+    ap.add_argument("--real", action="store_true", help="the real model through the engine (see above)")
     args = ap.parse_args()
+    if args.real:
+        text, rows = real_model()
+        print(text)
+        if not args.no_write:
+            write_section("decode_precision_real", text, "decode_step")
+            int8 = rows[1:]
+            write_headline("decode_precision_real",
+                           f"int8 dynamic decode step {min(r[2] for r in int8)}-{max(r[2] for r in int8)} fp32's speed "
+                           f"at 16 rows, but the sampled tokens' log-probs {min(r[3] for r in int8)}-"
+                           f"{max(r[3] for r in int8)} nats off the fp32 policy's per token (importance weights mean "
+                           f"{min(float(r[4]) for r in int8):.0f}-{max(float(r[4]) for r in int8):.0f}): no int8 sampler",
+                           "the fp32 model (decode speed, log-probs of the same samples)",
+                           "python -m bench.decode_precision --real", machine_short(os.getloadavg()[0]),
+                           page="decode_step", what="An int8 generator for SmolLM2-135M on this CPU")
+        return
     torch.set_num_threads(1)
     rows_out, steps = [], {}
     for rows in (16, 64):
