@@ -171,15 +171,23 @@ class TrainWorker:
         state, or adapters: what trains), gathered one tensor at a time (every rank calls it together) into rank 0's
         object-store buckets, so no rank ever holds the whole state dict. Not for LoRA's merged weights (their deltas
         are computed per layer on whole tensors). -> rank 0's WeightRefs, None on the others."""
-        t, refs, nbytes = time.perf_counter(), [], 0
+        t = time.perf_counter()
         module = getattr(self.models, role)
         state = trainable_state(module, copy=False) if adapters else unique_state(module)
-        whole = ((name, full_tensor(value.detach()).cpu()) for name, value in state.items())
-        for bucket in weight_buckets(whole, bucket_bytes):  # a bucket of whole tensors at a time, on every rank
+        refs, nbytes = self._put_gathered(state.items(), bucket_bytes)
+        return WeightRefs(refs, nbytes, time.perf_counter() - t) if self.rank == 0 else None
+
+    def _put_gathered(self, named, bucket_bytes: int) -> tuple[list, int]:
+        """Gather (name, shard) pairs whole a tensor at a time (a collective: every rank calls it, in the same order)
+        and put them into the object store a bucket at a time from rank 0. -> (refs, bytes) on rank 0, ([], 0)
+        elsewhere."""
+        refs, nbytes = [], 0
+        whole = ((name, full_tensor(value.detach()).cpu()) for name, value in named)
+        for bucket in weight_buckets(whole, bucket_bytes):
             if self.rank == 0:
                 nbytes += sum(v.numel() * v.element_size() for v in bucket.values())
                 refs.append(ray.put(bucket))
-        return WeightRefs(refs, nbytes, time.perf_counter() - t) if self.rank == 0 else None
+        return refs, nbytes
 
     def save_stage_state(self, path: str, iteration: int) -> None:
         """Pipeline stages: this rank's optimiser states of `iteration`, one file per rank beside the checkpoint
@@ -264,17 +272,9 @@ class TrainWorker:
         out = {}
         for role in ("actor", "critic"):
             module = getattr(self.models, role)
-            if module is None:
-                continue
-            out[role], bucket, size = [], {}, 0
-            named = [(n, p) for n, p in module.named_parameters() if p.requires_grad]
-            for i, (name, p) in enumerate(named):
-                whole = full_tensor(p.detach()).cpu()
-                if self.rank == 0:
-                    bucket[name], size = whole, size + whole.numel() * whole.element_size()
-                if self.rank == 0 and (size >= bucket_bytes or i == len(named) - 1):
-                    out[role].append(ray.put(bucket))
-                    bucket, size = {}, 0
+            if module is not None:
+                named = ((n, p) for n, p in module.named_parameters() if p.requires_grad)
+                out[role] = self._put_gathered(named, bucket_bytes)[0]
         return out if self.rank == 0 else None
 
     def shutdown(self) -> None:
