@@ -452,7 +452,8 @@ def child_rlfuse(a) -> dict:
                              "rl.kl_coef=0.05", "rl.kl_target=null", f"rl.iterations={a.warmup + a.iters}",
                              "rl.eval_prompts=0", "rl.ckpt_every=100000", f"rollout.fusion={a.fusion}",
                              f"rl.gradient_checkpointing={str(a.gc).lower()}", *data,  # fusion policy: rlfuse defaults
-                             *([f"rl.micro_batch_tokens={a.micro_batch_tokens}"] if a.micro_batch_tokens else [])])
+                             *([f"rl.micro_batch_tokens={a.micro_batch_tokens}"] if a.micro_batch_tokens else []),
+                             *a.rlfuse_set])
     rec = {}
     def ready(models):
         warm_up(models.actor)
@@ -565,6 +566,8 @@ def main() -> None:
     ap.add_argument("--reward", default="gold", choices=sorted(REWARDS), help="child: the reward both systems use")
     ap.add_argument("--lora", action="store_true", help="child: LoRA adapters (rlfuse model.lora; TRL peft_config)")
     ap.add_argument("--model-name", help="child: rlfuse's model.name for --model (e.g. smollm2-135m-instruct)")
+    ap.add_argument("--rlfuse-set", nargs="*", default=[], metavar="KEY=VALUE",
+                    help="child: more overrides of rlfuse's config (e.g. rl.release_reference=false)")
     ap.add_argument("--k", type=int, default=4)
     ap.add_argument("--prompts", type=int, default=4)
     ap.add_argument("--max-new", type=int, default=64)

@@ -19,6 +19,7 @@ from rlfuse.learn.losses import micro_policy_loss, micro_value_loss
 from rlfuse.learn.optim import clip_and_step
 from rlfuse.models.build import Models
 from rlfuse.models.forward import can_share, worth_sharing
+from rlfuse.models.mapped import release_mapped
 from rlfuse.rollout.fusion import Experience
 
 
@@ -204,6 +205,7 @@ def update(models: Models, learners: Learners, exp: Experience, adv, returns, rl
     if exp.proximal_from_update and len(batches) != 1:  # the proximal policy would move after the first step
         raise RuntimeError(f"a batch scored without proximal log-probs is trained in {len(batches)} optimiser steps")
     pad, t0 = models.tokenizer.pad_token_id, time.perf_counter()
+    release_mapped(models.ref)  # rl.release_reference: the update's peak without the reference's pages
     head = (models.critic, learners.critic, returns) if learners.shared_body else None
     stats = update_actor(learners.actor, exp, adv, batches, rl, kl_coef, pad, bad, head, temperature, group)
     t1 = time.perf_counter()

@@ -12,8 +12,10 @@ import torch
 
 from rlfuse.config import Config, checkpointing_on
 from rlfuse.errors import ConfigError, UserError, first_line
+from rlfuse.models.gguf import local_model
 from rlfuse.models.heads import ValueModel
 from rlfuse.models.load import apply_lora, load_causal_lm, load_reward_model, load_tokenizer
+from rlfuse.models.mapped import map_frozen_weights
 from rlfuse.models.quantize import place
 from rlfuse.models.rewards import FunctionReward, reward_model_fn
 from rlfuse.models.shared import (
@@ -102,6 +104,8 @@ def build_models(cfg: Config, run_dir: Path, device) -> Models:
     actor = load_policy(sft_dir)
     generator = frozen(load_policy(sft_dir), device) if cfg.model.lora else None
     ref = None if roles["reference"].shares_with == "actor" else frozen(load_policy(sft_dir), device)
+    if ref is not None and cfg.rl.release_reference and torch.device(device).type == "cpu":
+        map_frozen_weights(ref, local_model(sft_dir))  # resident only from its scoring pass to the next update
     if cfg.model.lora:
         actor = apply_lora(actor, cfg.model)
     actor = prepare_trainable(actor.to(device), rl, checkpointing_on(cfg))

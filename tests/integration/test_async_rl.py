@@ -20,7 +20,7 @@ from rlfuse.cli import main
 
 ray = pytest.importorskip("ray", reason="ray is not installed: pip install 'ray==2.60.*' for the placement tests")
 
-ITERATIONS = 5
+ITERATIONS = 4
 RL = ["rl.algo=grpo", "rl.k=2", "rl.reward=rlfuse.data.gold:gold_reward", f"rl.iterations={ITERATIONS}",
       "rl.prompts_per_iter=4", "rl.mini_batch_size=4", "rl.micro_batch_size=2", "rl.max_new_tokens=24", "rl.epochs=1",
       "rl.eval_prompts=4", "rl.lr=1e-3", "rl.ckpt_every=2", "run.threads=1", "placement.strategy=separated",
@@ -107,7 +107,7 @@ def test_a_second_run_killed_and_resumed_ends_with_the_first_runs_bits(tiny_task
     os.killpg(proc.pid, signal.SIGKILL)  # the driver and its Ray workers, as a lost machine would
     proc.wait(timeout=60)
     saved = torch.load(ckpt, weights_only=False)["iteration"]
-    assert saved in (2, 4) and not (killed / "rl" / "model").exists()
+    assert saved == 2 and not (killed / "rl" / "model").exists()
     assert main(["rl", "--resume", str(killed)]) == 0  # in this process, on the module's Ray
     assert "no batches in flight saved" not in capfd.readouterr().err
     assert [r["step"] for r in rows_of(killed)] == list(range(1, ITERATIONS + 1))

@@ -75,11 +75,11 @@ def test_a_killed_driver_takes_its_local_ray_with_it(tiny_task, tmp_path):
     driver = subprocess.Popen([sys.executable, "-m", "rlfuse", "rl", *RL, "rl.iterations=200", "rl.ckpt_every=1000",
                                f"rl.sft_path={tiny_task.model_dir}", f"run.dir={run_dir}",
                                "placement.strategy=flattened", "placement.workers=2"],
-                              cwd=ROOT, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    metrics = run_dir / "rl" / "metrics.jsonl"
-    deadline = time.time() + 240
-    while not (metrics.exists() and metrics.read_text().strip()) and time.time() < deadline and driver.poll() is None:
-        time.sleep(1)
+                              cwd=ROOT, env=env, stdout=subprocess.DEVNULL, stderr=open(tmp_path / "stderr.txt", "w"))
+    deadline = time.time() + 240  # killed once its Ray workers are up (the line naming their pids)
+    while "Ray worker(s) up" not in (tmp_path / "stderr.txt").read_text() and time.time() < deadline \
+            and driver.poll() is None:
+        time.sleep(0.2)
     assert driver.poll() is None, "the run ended before it could be killed"
     sessions = glob.glob(f"/tmp/ray/session_*_{driver.pid}")
     assert len(sessions) == 1 and session_processes(sessions[0]), "no Ray session of this driver found"

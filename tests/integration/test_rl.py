@@ -41,6 +41,22 @@ def test_rl_algorithms_run_and_change_every_parameter(tiny_task, tmp_path, algo,
     assert not unchanged, unchanged[:5]
 
 
+def test_a_released_reference_trains_the_same_bits_as_a_resident_one(tiny_task, tmp_path):
+    # rl.release_reference (on by default): the reference mapped from the SFT folder, its pages handed back at every
+    # update; the KL it gives, and so the rewards and the weights, are the resident reference's to the bit
+    runs = {}
+    for release in ("true", "false"):
+        run_dir = tmp_path / release
+        assert main(["rl", f"rl.sft_path={tiny_task.model_dir}", "rl.reward=rlfuse.data.gold:gold_reward",
+                     "rl.critic_init=sft", "rl.algo=ppo", "rl.k=1", f"run.dir={run_dir}", *TINY, *RL_TINY,
+                     "rl.eval_prompts=0", f"rl.release_reference={release}"]) == 0
+        rows = [json.loads(l) for l in (run_dir / "rl" / "metrics.jsonl").read_text().splitlines()]
+        runs[release] = [(r["reward/mean"], r["reward/kl_k1"]) for r in rows], weights(run_dir / "rl" / "model")
+    (rows, actor), (want_rows, want_actor) = runs["true"], runs["false"]
+    assert rows == want_rows and any(kl != 0 for _, kl in rows[1:])  # the second iteration's KL is not zero
+    assert actor.keys() == want_actor.keys() and all(torch.equal(actor[n], want_actor[n]) for n in actor)
+
+
 def test_full_pipeline_command_writes_eval(tmp_path, capsys):
     assert main(["run", f"run.dir={tmp_path}", *TINY, *RL_TINY, "rl.reward=rm", "rl.critic_init=rm"]) == 0
     out = capsys.readouterr().out
