@@ -285,10 +285,11 @@ class RLConfig:
     """Switch dropout off in the actor and critic during RL: with dropout the update's log-probs are noisy draws, so
     the PPO ratio is not 1 on the very samples just drawn (OpenRLHF and veRL do the same; TRL's disable_dropout)."""
     release_reference: bool = True
-    """Full fine-tuning on a CPU: the reference's weights are a memory map of its folder's safetensors files, handed
-    back to the OS at the start of each update and mapped in again by the next scoring pass (rlfuse/models/mapped.py),
-    so the update's peak memory does not hold a second copy of the model (SmolLM2-135M: 513 MB). The same bits either
-    way; false keeps the reference resident."""
+    """Full fine-tuning on a CPU (one process or DDP; FSDP shards the reference instead): the reference's weights are
+    a memory map of its folder's safetensors files, handed back to the OS at the start of each update and mapped in
+    again by the next scoring pass (rlfuse/models/mapped.py), so the update's peak memory does not hold a second copy
+    of the model (SmolLM2-135M: 513 MB). Its pages stay in the OS page cache, which the OS may reclaim. The same bits
+    either way; false keeps the reference resident."""
     whiten_advantages: bool = True
     """Shift and scale each iteration's advantages to mean 0, std 1: over response tokens for ppo (one advantage per
     token), over samples for rloo and grpo (one advantage per sample)."""

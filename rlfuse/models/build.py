@@ -104,8 +104,10 @@ def build_models(cfg: Config, run_dir: Path, device) -> Models:
     actor = load_policy(sft_dir)
     generator = frozen(load_policy(sft_dir), device) if cfg.model.lora else None
     ref = None if roles["reference"].shares_with == "actor" else frozen(load_policy(sft_dir), device)
-    if ref is not None and cfg.rl.release_reference and torch.device(device).type == "cpu":
-        map_frozen_weights(ref, local_model(sft_dir))  # resident only from its scoring pass to the next update
+    # resident only from its scoring pass to the next update; FSDP shards the reference instead (runtime/fsdp.py)
+    if ref is not None and cfg.rl.release_reference and torch.device(device).type == "cpu" and \
+            cfg.rl.train_parallel != "fsdp":
+        map_frozen_weights(ref, local_model(sft_dir))
     if cfg.model.lora:
         actor = apply_lora(actor, cfg.model)
     actor = prepare_trainable(actor.to(device), rl, checkpointing_on(cfg))

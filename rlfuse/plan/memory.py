@@ -124,6 +124,10 @@ class MemoryInputs:
     """Sequences per scoring forward."""
     kv_rows: int = 32
     """Rows the generator decodes at once on one worker."""
+    release_reference: bool = False
+    """rl.release_reference on a CPU (full fine-tuning, not FSDP): a worker that trains maps the reference and hands
+    its pages back at each update (models/mapped.py), so the reference is resident in the scoring phase, not in the
+    update's."""
     master_weights: bool = False
     """Mixed precision: bf16 trained weights with an fp32 master copy in the optimiser (4 more bytes per parameter,
     counted under optimizer; ZeRO's 16 bytes per parameter in all)."""
@@ -160,7 +164,9 @@ def worker_memory(roles: set[str] | tuple[str, ...], m: MemoryInputs, p: Machine
     else:
         copies = (("actor" in roles and lora) + ("generator" in roles and not in_place)
                   + ("reference" in roles and not (lora and "actor" in roles)))
-    out["base"] += copies * policy_frozen
+    # rl.release_reference: a separate reference beside the actor it scores for is resident in scoring alone
+    released = m.release_reference and not lora and not m.shared_base and {"actor", "reference"} <= roles
+    out["base"] += (copies - released) * policy_frozen
     if lora and roles & {"actor", "generator"} and (m.shared_base or "actor" in roles):
         out["adapters"] += m.policy.lora_params(m.lora_rank) * train_b
     if "actor" in roles:
@@ -178,7 +184,8 @@ def worker_memory(roles: set[str] | tuple[str, ...], m: MemoryInputs, p: Machine
         elif "actor" not in roles and not m.shared_base:  # the weight sync's received copy beside the engine's own
             acts.append(policy_frozen)  # (measured on SmolLM2: a decoding-only worker peaked ~one copy above)
     if roles & {"actor", "reference"}:  # log-prob passes over scored samples (the generator keeps only the last logits)
-        acts.append(inference_activation_bytes(m.policy, m.score_rows * score_seq, m.act_bytes, True))
+        acts.append(inference_activation_bytes(m.policy, m.score_rows * score_seq, m.act_bytes, True)
+                    + released * policy_frozen)
     on_base = m.shared_base and lora  # critic and reward as adapters on the shared base (same shape as the policy)
     if m.critic is not None and "critic" in roles:
         if on_base:

@@ -670,7 +670,8 @@ def memory_inputs(cfg, roles, shape, profile: MachineProfile) -> MemoryInputs:
                         lora_rank=mc.lora_r if mc.lora else 0,
                         optimizer="adamw8bit" if cfg.rl.optimizer.endswith("8bit") else "adamw",
                         shared_base=shared,  # the engine decodes the shared base: no generator copy
-                        sync_adapters=cfg.rollout.syncs_adapters(mc))
+                        sync_adapters=cfg.rollout.syncs_adapters(mc),
+                        release_reference=cfg.rl.release_reference and profile.device == "cpu")
 
 
 def plan_config(cfg, log=None, **kw) -> list[Plan]:

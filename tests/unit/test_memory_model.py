@@ -4,8 +4,8 @@ import pytest
 
 from rlfuse.plan.check import check_placement
 from rlfuse.plan.cost import KNOWN_SHAPES, MachineProfile, ModelShape, gpt2_shape
-from rlfuse.plan.memory import (COMPONENTS, MemoryInputs, bytes_per_param, memory_model, memory_table,
-                                optimizer_bytes_per_param, weight_bytes, worker_memory)
+from rlfuse.plan.memory import (COMPONENTS, MemoryInputs, bytes_per_param, inference_activation_bytes, memory_model,
+                                memory_table, optimizer_bytes_per_param, weight_bytes, worker_memory)
 from rlfuse.plan.spec import PlacementSpec, WorkerGroup
 
 # a 2-layer GPT-2 small enough to count by hand: hidden 4, ffn 16, vocab 10, 8 positions
@@ -52,6 +52,23 @@ def test_actor_worker_fp32_adamw_by_hand():
     tensors = 2272 + 2272 + 4544 + 3552
     assert mem["slack"] == pytest.approx(1000 + 0.1 * tensors)
     assert mem["total"] == pytest.approx(tensors + mem["slack"])
+
+
+def test_a_released_reference_counts_in_the_scoring_phase_alone():
+    # rl.release_reference: the reference (568 fp32 weights) is resident while scoring, not in the update
+    roles = {"actor", "generator", "reference"}
+    kept = worker_memory(roles, MemoryInputs(TINY, train_rows=1, seq=3, score_rows=1), NO_RUNTIME)
+    released = worker_memory(roles, MemoryInputs(TINY, train_rows=1, seq=3, score_rows=1, release_reference=True),
+                             NO_RUNTIME)
+    assert kept["base"] == 2 * 568 * 4 and released["base"] == 568 * 4
+    train = 64 * 3 * 4 * 2 + 3 * 10 * 8  # the update's activations: 3 tokens (as in the test above)
+    score = inference_activation_bytes(TINY, 3, 4.0, True)  # one row of 3 tokens scored
+    assert kept["activations"] == max(train, score) == train
+    assert released["activations"] == score + 568 * 4  # the scoring phase, reference resident, is now the peak
+    assert released["total"] < kept["total"]
+    # a scoring worker without the actor never updates, so never releases
+    alone = MemoryInputs(TINY, seq=3, score_rows=1, release_reference=True)
+    assert worker_memory({"reference"}, alone, NO_RUNTIME)["base"] == 568 * 4
 
 
 def test_checkpointing_keeps_layer_inputs_and_one_layer():
