@@ -7,7 +7,8 @@ the pages stay file-backed), its pages are handed back to the OS after each pass
 the page cache, which the OS may reclaim, and the next pass faults them back in, from the cache when they are
 still there. The numbers are the same bits: a tensor is mapped only where it equals the loaded one.
 
-CPU only (a GPU's reference lives in device memory). Ours: safetensors reads into memory or maps read-only through
+CPU only (a GPU's reference lives in device memory). The folder's files must not be rewritten in place while a run
+maps them (a file truncated under a mapping faults the reader); rlfuse's own stage folders are not, during RL. Ours: safetensors reads into memory or maps read-only through
 its own handle, with no way to hand the pages back between passes.
 """
 
@@ -50,7 +51,8 @@ class MappedSafetensors:
         return flat.view(e["shape"])
 
     def release(self) -> None:
-        self.map.madvise(mmap.MADV_DONTNEED)
+        if hasattr(mmap, "MADV_DONTNEED"):  # Linux and the BSDs; elsewhere the pages stay until the OS needs them
+            self.map.madvise(mmap.MADV_DONTNEED)
 
 
 def safetensors_files(folder: str | Path) -> list[Path]:

@@ -228,7 +228,6 @@ class LlamaDecodeStep:
             x = x + layer.mlp(layer.post_attention_layernorm(x))
         return self.lm_head(self.norm(x))[:, 0]
 
-
     def rotated_qkv(self, attn, h: Tensor, cos: Tensor, sin: Tensor) -> tuple[Tensor, Tensor, Tensor]:
         """One layer's query, key and value heads of h (R, 1, E), rotary applied: (R, H, 1, D), (R, KVH, 1, D) x 2."""
         R, H, KVH, D = h.shape[0], self.H, self.KVH, self.D
