@@ -206,6 +206,7 @@ def _validate_rl(cfg: Config) -> None:
     if rl.kl_estimator is not None:
         _choice(rl.kl_estimator, "rl.kl_estimator", ("k1", "k2", "k3"))
     _choice(rl.critic_init, "rl.critic_init", ("rm", "sft", "actor"))
+    _choice(rl.checkpoint_scope, "rl.checkpoint_scope", ("layer", "mlp"))
     _positive(rl, "rl", "iterations", "prompts_per_iter", "k", "max_new_tokens", "temperature", "lr", "critic_lr",
               "epochs", "mini_batch_size", "micro_batch_size", "clip", "kl_horizon", "ckpt_every", "max_bad_steps")
     _positive(rl, "rl", "top_k", "vf_clip", "kl_coef", "unfinished_penalty", "grad_clip", "eval_prompts", allow_zero=True)

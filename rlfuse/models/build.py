@@ -9,6 +9,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+from torch.utils.checkpoint import checkpoint
 
 from rlfuse.config import Config, checkpointing_on
 from rlfuse.errors import ConfigError, UserError, first_line
@@ -129,7 +130,7 @@ def build_shared_models(cfg: Config, roles: Roles, sft_dir: str, rm_dir: str | N
         score = attach_reward_adapter(base, reward_adapter_folder(rm_dir, sft_dir), cfg.model)
     actor = prepare_trainable(base, rl, checkpointing=False)
     if checkpointing_on(cfg):  # the backward's recompute must run the adapter its forward ran, not the active one
-        enable_gradient_checkpointing(base, context_fn=recompute_with_same_adapter(base))
+        enable_gradient_checkpointing(base, context_fn=recompute_with_same_adapter(base), scope=rl.checkpoint_scope)
     if roles["reward"].has_model:
         reward_fn = reward_model_fn(AdapterRewardModel(base, score, pad), tokenizer.eos_token_id, pad)
     else:
@@ -177,7 +178,8 @@ def prepare_trainable(model: torch.nn.Module, rl, checkpointing: bool | None = N
     if rl.disable_dropout:
         disable_dropout(model)
     if rl.gradient_checkpointing if checkpointing is None else checkpointing:
-        enable_gradient_checkpointing(model.backbone if isinstance(model, ValueModel) else model)
+        enable_gradient_checkpointing(model.backbone if isinstance(model, ValueModel) else model,
+                                      scope=rl.checkpoint_scope)
     return model
 
 
@@ -191,11 +193,27 @@ def disable_dropout(model: torch.nn.Module) -> None:
             module.attention_dropout = 0.0
 
 
-def enable_gradient_checkpointing(model: torch.nn.Module, context_fn=None) -> None:
+def enable_gradient_checkpointing(model: torch.nn.Module, context_fn=None, scope: str = "layer") -> None:
     """transformers' per-layer activation checkpointing, non-reentrant (works with LoRA's frozen inputs and with the
-    backbone called directly, as response_logprobs does). It acts only in training mode: the engine decodes in eval."""
+    backbone called directly, as response_logprobs does). It acts only in training mode: the engine decodes in eval.
+    scope "mlp" (rl.checkpoint_scope): each decoder layer's MLP alone is recomputed, its attention's activations kept."""
     kwargs = {"use_reentrant": False} | ({"context_fn": context_fn} if context_fn is not None else {})
+    if scope == "mlp":
+        for name, module in model.named_modules():
+            if name.rsplit(".", 1)[-1] == "mlp":
+                module.forward = _recomputed_in_training(module, module.forward, kwargs)
+        return
     if hasattr(model, "activation_checkpointing_enable"):  # transformers >= 5.x renamed it
         model.activation_checkpointing_enable(activation_checkpointing_kwargs=kwargs)
     else:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
+
+
+def _recomputed_in_training(module: torch.nn.Module, forward, kwargs: dict):
+    """module's forward, checkpointed while the module trains with gradients on (as transformers' layer
+    checkpointing acts), called as is otherwise (decoding, scoring)."""
+    def run(*args, **kw):
+        if module.training and torch.is_grad_enabled():
+            return checkpoint(forward, *args, **kwargs, **kw)
+        return forward(*args, **kw)
+    return run
