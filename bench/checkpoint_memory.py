@@ -12,7 +12,6 @@ fastest of three timed steps after a first.
 from __future__ import annotations
 
 import argparse
-import functools
 import json
 import subprocess
 import sys
@@ -26,19 +25,16 @@ MODES = {"none": "nothing recomputed (rlfuse's default)", "mlp": "each layer's M
 
 def child(mode: str, rows: int, tokens: int) -> dict:
     import torch
-    from torch.utils.checkpoint import checkpoint
     from transformers import AutoModelForCausalLM
 
+    from rlfuse.models.build import enable_gradient_checkpointing
     from rlfuse.models.gguf import local_model
     from rlfuse.models.quantize import fix_cpu_heap
 
     fix_cpu_heap("cpu")  # as every rlfuse model load on a CPU
     model = AutoModelForCausalLM.from_pretrained(local_model("smollm2-135m-instruct"), dtype=torch.float32).train()
-    if mode == "full":
-        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-    elif mode == "mlp":
-        for layer in model.model.layers:
-            layer.mlp.forward = functools.partial(checkpoint, layer.mlp.forward, use_reentrant=False)
+    if mode != "none":  # what rl.gradient_checkpointing=true with rl.checkpoint_scope=layer|mlp runs
+        enable_gradient_checkpointing(model, scope="mlp" if mode == "mlp" else "layer")
     torch.manual_seed(0)
     ids = torch.randint(100, 40000, (rows, tokens))
 
