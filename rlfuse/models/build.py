@@ -15,6 +15,7 @@ from rlfuse.config import Config, checkpointing_on
 from rlfuse.errors import ConfigError, UserError, first_line
 from rlfuse.models.gguf import local_model
 from rlfuse.models.heads import ValueModel
+from rlfuse.models.lean import enable_lean_activations
 from rlfuse.models.load import apply_lora, load_causal_lm, load_reward_model, load_tokenizer
 from rlfuse.models.mapped import map_frozen_weights
 from rlfuse.models.quantize import place
@@ -111,10 +112,11 @@ def build_models(cfg: Config, run_dir: Path, device) -> Models:
         map_frozen_weights(ref, local_model(sft_dir))
     if cfg.model.lora:
         actor = apply_lora(actor, cfg.model)
-    actor = prepare_trainable(actor.to(device), rl, checkpointing_on(cfg))
+    actor = prepare_trainable(actor.to(device), rl, checkpointing_on(cfg), cfg.model.lean_activations)
     reward_fn = reward_function(rm_dir if roles["reward"].has_model else roles["reward"].source, tokenizer, device,
                                 rl.reward_weights)
-    critic = (build_critic(roles, actor, sft_dir, rm_dir, tokenizer.pad_token_id, device, rl, checkpointing_on(cfg))
+    critic = (build_critic(roles, actor, sft_dir, rm_dir, tokenizer.pad_token_id, device, rl, checkpointing_on(cfg),
+                           cfg.model.lean_activations)
               if "critic" in roles else None)
     return Models(tokenizer, actor, generator, ref, critic, reward_fn, roles, sft_dir)
 
@@ -128,7 +130,7 @@ def build_shared_models(cfg: Config, roles: Roles, sft_dir: str, rm_dir: str | N
     score = None
     if rm_dir is not None:  # the reward model and/or a critic started from it
         score = attach_reward_adapter(base, reward_adapter_folder(rm_dir, sft_dir), cfg.model)
-    actor = prepare_trainable(base, rl, checkpointing=False)
+    actor = prepare_trainable(base, rl, checkpointing=False, lean=cfg.model.lean_activations)
     if checkpointing_on(cfg):  # the backward's recompute must run the adapter its forward ran, not the active one
         enable_gradient_checkpointing(base, context_fn=recompute_with_same_adapter(base), scope=rl.checkpoint_scope)
     if roles["reward"].has_model:
@@ -144,12 +146,12 @@ def build_shared_models(cfg: Config, roles: Roles, sft_dir: str, rm_dir: str | N
 
 
 def build_critic(roles: Roles, actor, sft_dir: str, rm_dir: str | None, pad_id: int, device, rl,
-                 checkpointing: bool | None = None) -> ValueModel:
+                 checkpointing: bool | None = None, lean: bool = False) -> ValueModel:
     source = roles["critic"].source
     if source == "actor":  # the actor's own body: dropout and checkpointing are already set on it
         return ValueModel.from_causal_lm(actor).to(device).train()
     critic = value_model(source, rm_dir if source == "rm" else sft_dir, pad_id)
-    return prepare_trainable(critic.to(device), rl, checkpointing)
+    return prepare_trainable(critic.to(device), rl, checkpointing, lean)
 
 
 def reward_function(source: str, tokenizer, device, weights: list[float] | None = None):
@@ -171,12 +173,15 @@ def value_model(init: str, folder: str, pad_id: int) -> ValueModel:
     return ValueModel.from_causal_lm(load_policy(folder))
 
 
-def prepare_trainable(model: torch.nn.Module, rl, checkpointing: bool | None = None) -> torch.nn.Module:
-    """Training mode, dropout off (rl.disable_dropout), activation checkpointing (`checkpointing`; None reads
-    rl.gradient_checkpointing, unset meaning off)."""
+def prepare_trainable(model: torch.nn.Module, rl, checkpointing: bool | None = None,
+                      lean: bool = False) -> torch.nn.Module:
+    """Training mode, dropout off (rl.disable_dropout), lean SwiGLU activations (`lean`: model.lean_activations),
+    activation checkpointing (`checkpointing`; None reads rl.gradient_checkpointing, unset meaning off)."""
     model.train()
     if rl.disable_dropout:
         disable_dropout(model)
+    if lean:  # before checkpointing, whose MLP scope then wraps the lean forward
+        enable_lean_activations(model)
     if rl.gradient_checkpointing if checkpointing is None else checkpointing:
         enable_gradient_checkpointing(model.backbone if isinstance(model, ValueModel) else model,
                                       scope=rl.checkpoint_scope)

@@ -24,6 +24,7 @@ from rlfuse.learn.update import BadSteps, require_finite_weights, stage_step
 from rlfuse.metrics.progress import Progress
 from rlfuse.metrics.tracker import stage_tracker
 from rlfuse.models.device import autocast, setup_runtime
+from rlfuse.models.lean import enable_lean_activations
 from rlfuse.models.load import load_reward_model, load_tokenizer, resolve_base_model, save_trained_model
 from rlfuse.models.quantize import place
 
@@ -84,6 +85,8 @@ def train_rm(cfg: Config, run_dir: Path, log=print, on_trained=None) -> RMResult
                                     device=device), device)
     check_max_length(cfg.data.max_length, model_context(model.config))
     model.train()
+    if cfg.model.lean_activations:
+        enable_lean_activations(model)
     train_pairs, eval_pairs = preference_pairs(cfg, task, log)
     L = cfg.data.max_length
     train_items = [encode_pair(tokenizer, p, L) for p in train_pairs]

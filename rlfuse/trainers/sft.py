@@ -28,6 +28,7 @@ from rlfuse.learn.update import BadSteps, require_finite_weights, stage_step
 from rlfuse.metrics.progress import Progress
 from rlfuse.metrics.tracker import stage_tracker
 from rlfuse.models.device import autocast, setup_runtime
+from rlfuse.models.lean import enable_lean_activations
 from rlfuse.models.load import load_causal_lm, load_tokenizer, resolve_base_model, save_trained_model
 from rlfuse.models.quantize import place
 from rlfuse.rollout.engine import DecodeEngine, SamplingParams
@@ -70,6 +71,8 @@ def train_sft(cfg: Config, run_dir: Path, log=print, on_trained=None) -> SFTResu
     model = place(load_causal_lm(name, cfg.model, precision=cfg.run.precision, device=device), device)
     check_max_length(cfg.data.max_length, model_context(model.config))
     model.train()
+    if cfg.model.lean_activations:
+        enable_lean_activations(model)
     train_ex, eval_ex = sft_examples(cfg, task, log)
     enc = lambda ex: encode_sft(tokenizer, ex, cfg.data.max_length, cfg.sft.completion_only)
     train_items, eval_items = [enc(e) for e in train_ex], [enc(e) for e in eval_ex][:512]

@@ -1,0 +1,148 @@
+"""Lean SwiGLU MLPs and RMSNorms for training (model.lean_activations). A Llama-family MLP computes down(silu(gate(x)) * up(x)), and
+autograd keeps four ffn-wide tensors of it per token for the backward (gate, silu(gate), up and their product, the
+down projection's input): at SmolLM2-135M (ffn 1536, 30 layers) that is 647 MiB of d1's 1178 MiB of saved
+activations for one micro-batch of 4 x 230 tokens. The functions here keep gate and up only and recompute the other
+two in the backward, elementwise (no matmul is recomputed, unlike rl.gradient_checkpointing): the gradients are the
+same operations on the same values, so equal bit for bit (tests/equivalence/test_lean_mlp.py). An RMSNorm keeps
+its input, its normalised input and (through the next layer) its output; the lean one keeps the input and one rsqrt
+per token (121 MiB more at d1's micro-batch), its gradient equal to autograd's to rounding (the same formula summed in
+another order).
+
+No library does either on a CPU (Liger's fused SwiGLU and RMSNorm are Triton kernels for GPUs), hence this file."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+SILU_NAMES = ("silu", "swish")
+
+
+class _SwiGLUDown(torch.autograd.Function):
+    """down(silu(gate) * up) with a plain weight (full fine-tuning): keeps gate and up, recomputes the product."""
+
+    @staticmethod
+    def forward(ctx, gate, up, weight, bias):
+        ctx.save_for_backward(gate, up, weight)
+        ctx.has_bias = bias is not None
+        return F.linear(F.silu(gate) * up, weight, bias)
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        gate, up, weight = ctx.saved_tensors
+        act = F.silu(gate)
+        grad_weight = grad_bias = None
+        grad_2d = grad_out.reshape(-1, grad_out.shape[-1])
+        if ctx.needs_input_grad[2]:
+            grad_weight = grad_2d.t().mm((act * up).reshape(-1, up.shape[-1]))
+        if ctx.has_bias and ctx.needs_input_grad[3]:
+            grad_bias = grad_2d.sum(0)
+        grad_product = grad_out.matmul(weight)
+        grad_gate = torch.ops.aten.silu_backward(grad_product * up, gate)
+        return grad_gate, grad_product * act, grad_weight, grad_bias
+
+
+class _SwiGLU(torch.autograd.Function):
+    """silu(gate) * up alone (a down projection autograd already handles: LoRA, a quantised layer): keeps gate and up,
+    recomputes silu(gate)."""
+
+    @staticmethod
+    def forward(ctx, gate, up):
+        ctx.save_for_backward(gate, up)
+        return F.silu(gate) * up
+
+    @staticmethod
+    def backward(ctx, grad_product):
+        gate, up = ctx.saved_tensors
+        return torch.ops.aten.silu_backward(grad_product * up, gate), grad_product * F.silu(gate)
+
+
+class _RMSNorm(torch.autograd.Function):
+    """Llama's RMSNorm, weight * (x * rsqrt(mean(x^2) + eps)), keeping x and the per-token rsqrt (autograd keeps x,
+    the normalised x and the output's consumer its own input: the normalised x is dropped here and recomputed)."""
+
+    @staticmethod
+    def forward(ctx, x, weight, eps):
+        xf = x.float()
+        rstd = torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+        ctx.save_for_backward(x, weight, rstd)
+        return weight * (xf * rstd).to(x.dtype)
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        x, weight, rstd = ctx.saved_tensors
+        xf = x.float()
+        normed = xf * rstd
+        grad_weight = None
+        if ctx.needs_input_grad[1]:
+            grad_weight = (grad_out * normed.to(x.dtype)).reshape(-1, weight.shape[-1]).sum(0).to(weight.dtype)
+        grad_normed = (grad_out * weight).float()
+        # d/dx of x * rsqrt(mean(x^2) + eps): rstd * g - rstd^3 * x * mean(g * x)
+        grad_x = rstd * grad_normed - rstd.pow(3) * xf * (grad_normed * xf).mean(-1, keepdim=True)
+        return grad_x.to(x.dtype), grad_weight, None
+
+
+def is_llama_rms_norm(module: torch.nn.Module) -> bool:
+    """transformers' Llama-family RMSNorm (LlamaRMSNorm, Qwen2RMSNorm, MistralRMSNorm...): weight * normalised x with
+    `variance_epsilon` (Gemma's, weight (1 + w) and `eps`, is not one)."""
+    return (type(module).__name__.endswith("RMSNorm") and isinstance(getattr(module, "weight", None), torch.Tensor)
+            and isinstance(getattr(module, "variance_epsilon", None), float))
+
+
+def lean_rms_norm_forward(module: torch.nn.Module):
+    """module's forward as _RMSNorm while it trains with gradients on; the stock forward otherwise."""
+    stock = module.forward
+
+    def forward(x):
+        if not (module.training and torch.is_grad_enabled()):
+            return stock(x)
+        return _RMSNorm.apply(x, module.weight, module.variance_epsilon)
+
+    return forward
+
+
+def is_swiglu_mlp(module: torch.nn.Module) -> bool:
+    """A transformers MLP of the Llama family (Llama, Mistral, Qwen2/3, SmolLM2...): gate_proj, up_proj, down_proj
+    and a SiLU activation."""
+    config = getattr(module, "config", None)
+    act = getattr(config, "hidden_act", None) or getattr(config, "hidden_activation", None)
+    return (all(isinstance(getattr(module, n, None), torch.nn.Module) for n in ("gate_proj", "up_proj", "down_proj"))
+            and act in SILU_NAMES)
+
+
+def lean_swiglu_forward(module: torch.nn.Module):
+    """module's forward as a lean SwiGLU while it trains with gradients on; the stock forward otherwise (decoding,
+    scoring: nothing is kept there anyway). The down projection joins the fused function when it is a plain
+    nn.Linear (full fine-tuning); otherwise (peft's LoRA layer, a bitsandbytes layer) it runs as itself on the fused
+    product, which it keeps once."""
+    stock = module.forward
+    down = module.down_proj
+    plain_down = type(down) is torch.nn.Linear
+
+    def forward(x):
+        if not (module.training and torch.is_grad_enabled()):
+            return stock(x)
+        gate, up = module.gate_proj(x), module.up_proj(x)
+        if plain_down:
+            return _SwiGLUDown.apply(gate, up, down.weight, down.bias)
+        return down(_SwiGLU.apply(gate, up))
+
+    return forward
+
+
+def enable_lean_activations(model: torch.nn.Module, norms: bool = True) -> int:
+    """Every SwiGLU MLP of `model` trains lean (lean_swiglu_forward), and with `norms` every Llama-family RMSNorm
+    (lean_rms_norm_forward); returns how many modules changed. Idempotent."""
+    count = 0
+    for module in model.modules():
+        if getattr(module, "_rlfuse_lean", False):
+            continue
+        if is_swiglu_mlp(module):
+            module.forward = lean_swiglu_forward(module)
+        elif norms and is_llama_rms_norm(module):
+            module.forward = lean_rms_norm_forward(module)
+        else:
+            continue
+        module._rlfuse_lean = True
+        count += 1
+    return count
