@@ -1,8 +1,9 @@
 """What activation checkpointing costs and saves in one training micro-batch of the real model (issue 28, workload d1's
 memory): SmolLM2-135M-Instruct's body, forward and backward over 4 sequences of 230 tokens (d1's micro-batch of 4
-completions with their prompt), three ways: nothing recomputed (rlfuse's default), each layer's MLP recomputed
-(its activations are most of a layer's: 3 x 1536 against 576-wide attention values), and whole layers recomputed
-(transformers' gradient checkpointing, what rl.gradient_checkpointing=true and TRL's default run). Each way in a
+completions with their prompt), four ways: nothing recomputed through transformers' forward, nothing recomputed with
+lean SwiGLU MLPs and RMSNorms (model.lean_activations, rlfuse's default: a MLP keeps 2 of its 4 ffn-wide tensors), each
+layer's MLP recomputed (its activations are most of a layer's: ffn 1536 against 576-wide attention values), and whole
+layers recomputed (transformers' gradient checkpointing, what rl.gradient_checkpointing=true and TRL's default run). Each way in a
 process of its own; the figures are the peak RSS above the steps' start (gradients already allocated) and the
 fastest of three timed steps after a first.
 
@@ -19,8 +20,10 @@ import time
 
 from bench.common import ROOT, machine, md_table, peak_rss_mb, reset_peak_rss, rss_mb, write_section
 
-MODES = {"none": "nothing recomputed (rlfuse's default)", "mlp": "each layer's MLP recomputed",
-         "full": "whole layers recomputed (gradient checkpointing)"}
+MODES = {"none": "nothing recomputed, transformers' forward (model.lean_activations=false)",
+         "lean": "nothing recomputed, lean MLPs and norms (model.lean_activations, rlfuse's default)",
+         "mlp": "each layer's MLP recomputed (with lean norms)",
+         "full": "whole layers recomputed (gradient checkpointing; lean inside)"}
 
 
 def child(mode: str, rows: int, tokens: int) -> dict:
@@ -29,11 +32,14 @@ def child(mode: str, rows: int, tokens: int) -> dict:
 
     from rlfuse.models.build import enable_gradient_checkpointing
     from rlfuse.models.gguf import local_model
+    from rlfuse.models.lean import enable_lean_activations
     from rlfuse.models.quantize import fix_cpu_heap
 
     fix_cpu_heap("cpu")  # as every rlfuse model load on a CPU
     model = AutoModelForCausalLM.from_pretrained(local_model("smollm2-135m-instruct"), dtype=torch.float32).train()
-    if mode != "none":  # what rl.gradient_checkpointing=true with rl.checkpoint_scope=layer|mlp runs
+    if mode != "none":  # rlfuse's default since model.lean_activations; prepare_trainable's order
+        enable_lean_activations(model)
+    if mode in ("mlp", "full"):  # what rl.gradient_checkpointing=true with rl.checkpoint_scope=layer|mlp runs
         enable_gradient_checkpointing(model, scope="mlp" if mode == "mlp" else "layer")
     torch.manual_seed(0)
     ids = torch.randint(100, 40000, (rows, tokens))

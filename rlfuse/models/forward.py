@@ -14,6 +14,7 @@ from torch import Tensor
 from rlfuse.models import prefix
 from rlfuse.models.heads import backbone_and_head
 from rlfuse.models.shared import use_adapter
+from rlfuse.plan.memory import LOGIT_CHUNK_TOKENS  # 48 MiB of fp32 logits at SmolLM2's 49k vocabulary a chunk
 
 
 @dataclass
@@ -126,16 +127,23 @@ def response_hidden(body, mb: MicroBatch) -> Tensor:
     return hidden.gather(1, mb.positions[..., None].expand(-1, -1, hidden.shape[-1]))
 
 
-def response_logprobs(model, mb: MicroBatch, temperature: float = 1.0, chunk: int = 64,
+def response_logprobs(model, mb: MicroBatch, temperature: float = 1.0, chunk_tokens: int = LOGIT_CHUNK_TOKENS,
                       with_entropy: bool = False) -> Tensor | tuple[Tensor, Tensor]:
     """log p(response token | prefix) under softmax(logits / temperature): (B, T), 0 on padding. Differentiable.
-    With with_entropy, also the per-position entropy (B, T)."""
+    With with_entropy, also the per-position entropy (B, T). The LM head runs over chunk_tokens tokens at a time (a
+    scoring pass over 16 rows once ran 64 positions x 16 rows with three (tokens, V) buffers, 600 MB at SmolLM2's
+    vocabulary: d1's peak)."""
     body, head = backbone_and_head(model)
     h = response_hidden(body, mb)  # (B, T, H)
-    if torch.is_grad_enabled() and h.requires_grad and type(head) is torch.nn.Linear and head.bias is None:
-        lp, ent = TokenLogprobs.apply(h, head.weight, mb.targets, temperature, chunk * h.shape[0], with_entropy)
+    if type(head) is torch.nn.Linear and head.bias is None:
+        if torch.is_grad_enabled() and h.requires_grad:
+            lp, ent = TokenLogprobs.apply(h, head.weight, mb.targets, temperature, chunk_tokens, with_entropy)
+        else:  # scoring: the same chunks, no graph
+            lp, ent = chunked_logprobs(h, head.weight, mb.targets, temperature, chunk_tokens, with_entropy)[:2]
+            lp, ent = lp.view(mb.targets.shape), ent.view(mb.targets.shape)
         return (lp * mb.mask, ent * mb.mask) if with_entropy else lp * mb.mask
     out, ent = [], []
+    chunk = max(1, chunk_tokens // max(1, h.shape[0]))
     for s in range(0, h.shape[1], chunk):
         logits = head(h[:, s: s + chunk]).float() / temperature
         logp = torch.log_softmax(logits, dim=-1)
@@ -145,6 +153,23 @@ def response_logprobs(model, mb: MicroBatch, temperature: float = 1.0, chunk: in
                 ent.append(-(logp.exp() * logp).sum(-1))
     lp = torch.cat(out, 1) * mb.mask
     return (lp, torch.cat(ent, 1) * mb.mask) if with_entropy else lp
+
+
+def chunked_logprobs(h: Tensor, weight: Tensor, targets: Tensor, temperature: float, chunk_tokens: int,
+                     with_entropy: bool) -> tuple[Tensor, Tensor, Tensor]:
+    """(log-prob of each target, entropy or zeros, log-sum-exp), flat over h's tokens: the LM head over chunk_tokens
+    tokens at a time, each chunk's logits turned into log-probs in place (one (chunk, V) buffer and logsumexp's)."""
+    flat, tgt, w = h.reshape(-1, h.shape[-1]), targets.reshape(-1), weight.to(h.dtype)  # as autocast would
+    acc = torch.promote_types(h.dtype, torch.float32)  # fp32 logits under bf16, as the loop's .float()
+    lse, picked, ent = (torch.empty(len(tgt), device=h.device, dtype=acc) for _ in range(3))
+    for s in range(0, len(tgt), chunk_tokens):
+        z = (flat[s: s + chunk_tokens] @ w.T).to(acc).div_(temperature)
+        lse[s: s + chunk_tokens] = torch.logsumexp(z, dim=-1)
+        logp = z.sub_(lse[s: s + chunk_tokens, None])
+        picked[s: s + chunk_tokens] = logp.gather(1, tgt[s: s + chunk_tokens, None]).squeeze(1)
+        if with_entropy:
+            ent[s: s + chunk_tokens] = -(logp.exp() * logp).sum(-1)
+    return picked, (ent if with_entropy else ent.zero_()), lse
 
 
 class TokenLogprobs(torch.autograd.Function):
@@ -158,19 +183,10 @@ class TokenLogprobs(torch.autograd.Function):
     @staticmethod
     def forward(ctx, h: Tensor, weight: Tensor, targets: Tensor, temperature: float, chunk_tokens: int,
                 with_entropy: bool) -> tuple[Tensor, Tensor]:
-        flat, tgt, w = h.reshape(-1, h.shape[-1]), targets.reshape(-1), weight.to(h.dtype)  # as autocast would
-        acc = torch.promote_types(h.dtype, torch.float32)  # fp32 logits under bf16, as the loop's .float()
-        lse, picked, ent = (torch.empty(len(tgt), device=h.device, dtype=acc) for _ in range(3))
-        for s in range(0, len(tgt), chunk_tokens):
-            z = (flat[s: s + chunk_tokens] @ w.T).to(acc).div_(temperature)
-            lse[s: s + chunk_tokens] = torch.logsumexp(z, dim=-1)
-            logp = z.sub_(lse[s: s + chunk_tokens, None])
-            picked[s: s + chunk_tokens] = logp.gather(1, tgt[s: s + chunk_tokens, None]).squeeze(1)
-            if with_entropy:
-                ent[s: s + chunk_tokens] = -(logp.exp() * logp).sum(-1)
+        picked, ent, lse = chunked_logprobs(h, weight, targets, temperature, chunk_tokens, with_entropy)
         ctx.save_for_backward(h, weight, targets, lse)
         ctx.temperature, ctx.chunk_tokens = temperature, chunk_tokens
-        entropy = (ent if with_entropy else torch.zeros_like(ent)).view(targets.shape)
+        entropy = ent.view(targets.shape)
         ctx.mark_non_differentiable(entropy)
         return picked.view(targets.shape), entropy
 

@@ -59,28 +59,42 @@ def optimizer_bytes_per_param(optimizer: str) -> float:
     return 8.0
 
 
-def activation_elems_per_token(shape: ModelShape) -> float:
+def activation_elems_per_token(shape: ModelShape, lean: bool = False, adapters: bool = False) -> float:
     """Values one layer keeps for the backward per token with fused (SDPA/flash) attention and no dropout:
     attention 5h (the q/k/v projection's input, q, k, v, the output projection's input), two norms' inputs 2h,
     MLP h + 2 ffn (GPT-2: input, up-projection output, GELU output) or h + 4 ffn (SwiGLU: gate, up, act, product).
-    Korthikanti et al. 2022's 34 s b h bytes (16-bit, with dropout masks and ffn = 4h) counts the same tensors."""
-    mlp = shape.hidden + (4 if shape.gated else 2) * shape.ffn
+    Korthikanti et al. 2022's 34 s b h bytes (16-bit, with dropout masks and ffn = 4h) counts the same tensors.
+    `lean` (model.lean_activations): a SwiGLU MLP keeps gate and up alone (2 ffn), or 3 ffn with LoRA (`adapters`:
+    the down projection's adapter keeps the product itself); its norms' normalised inputs, which this count leaves
+    out, are gone too."""
+    swiglu = (3 if adapters else 2) if lean else 4
+    mlp = shape.hidden + (swiglu if shape.gated else 2) * shape.ffn
     return 7 * shape.hidden + mlp
 
 
+LOGIT_CHUNK_TOKENS = 256
+"""Tokens whose (tokens, V) fp32 logits exist at once in a log-prob pass (rlfuse/models/forward.py runs the LM head
+chunk by chunk; the training pass keeps each token's log-sum-exp and recomputes its chunk's logits in the backward)."""
+
+
+def logit_bytes(tokens: float, vocab: int) -> float:
+    """A log-prob pass's LM-head transient: one chunk's fp32 logits and logsumexp's buffer of the same size."""
+    return min(tokens, LOGIT_CHUNK_TOKENS) * vocab * 8
+
+
 def train_activation_bytes(shape: ModelShape, tokens: float, elem_bytes: float, checkpointing: bool,
-                           lm_head: bool) -> float:
+                           lm_head: bool, lean: bool = False, adapters: bool = False) -> float:
     """Activations of one micro-batch's forward kept for its backward. Checkpointing keeps each layer's input only
-    and recomputes one layer at a time. The LM loss keeps the fp32 logits and their log-softmax (2 x vocab x 4 bytes
-    per token); a value model's scalar head keeps nothing of note."""
-    per_layer = activation_elems_per_token(shape) * tokens * elem_bytes
+    and recomputes one layer at a time. The LM loss's logits: logit_bytes; a value model's scalar head keeps nothing
+    of note. lean, adapters: as activation_elems_per_token."""
+    per_layer = activation_elems_per_token(shape, lean, adapters) * tokens * elem_bytes
     body = (shape.layers * shape.hidden * tokens * elem_bytes + per_layer) if checkpointing else shape.layers * per_layer
-    return body + (tokens * shape.vocab * 8 if lm_head else 0.0)
+    return body + (logit_bytes(tokens, shape.vocab) if lm_head else 0.0)
 
 
 def inference_activation_bytes(shape: ModelShape, tokens: float, elem_bytes: float, lm_head: bool) -> float:
-    """A no-grad forward: one layer's tensors at a time, plus the logits and log-probs of a log-prob pass."""
-    return activation_elems_per_token(shape) * tokens * elem_bytes + (tokens * shape.vocab * 8 if lm_head else 0.0)
+    """A no-grad forward: one layer's tensors at a time, plus a log-prob pass's logits (logit_bytes)."""
+    return activation_elems_per_token(shape) * tokens * elem_bytes + (logit_bytes(tokens, shape.vocab) if lm_head else 0.0)
 
 
 @dataclass(frozen=True)
@@ -107,6 +121,8 @@ class MemoryInputs:
     """With shared_base: the generator is its own full-precision copy synced from the actor's merged weights (a
     layout rlfuse ran before its engine decoded the shared base; kept to price that choice), not adapters on it."""
     checkpointing: bool = False
+    lean_activations: bool = False
+    """model.lean_activations: SwiGLU MLPs keep 2 of their 4 ffn-wide activations (3 with LoRA) for the backward."""
     sync_adapters: bool = False
     """LoRA with rollout.weight_sync sending the adapters alone: a decoding worker without the actor holds the SFT
     model with the adapter beside its generator (one more frozen copy, kept) and receives only the adapters, instead
@@ -175,7 +191,8 @@ def worker_memory(roles: set[str] | tuple[str, ...], m: MemoryInputs, p: Machine
         else:
             out["base"] += m.policy.params * train_b
             trainable += m.policy.params
-        acts.append(train_activation_bytes(m.policy, m.train_rows * train_seq, m.act_bytes, m.checkpointing, True))
+        acts.append(train_activation_bytes(m.policy, m.train_rows * train_seq, m.act_bytes, m.checkpointing, True,
+                                           m.lean_activations, lora))
     if "generator" in roles:
         out["kv_cache"] += m.kv_rows * m.seq * m.policy.kv_bytes_per_token(m.act_bytes)
         if "actor" not in roles and not m.shared_base and lora and m.sync_adapters:  # the base the adapters merge on
@@ -194,7 +211,8 @@ def worker_memory(roles: set[str] | tuple[str, ...], m: MemoryInputs, p: Machine
         else:
             out["base"] += m.critic.params * train_b
             trainable += m.critic.params
-        acts.append(train_activation_bytes(m.critic, m.train_rows * train_seq, m.act_bytes, m.checkpointing, False))
+        acts.append(train_activation_bytes(m.critic, m.train_rows * train_seq, m.act_bytes, m.checkpointing, False,
+                                           m.lean_activations, on_base))
     elif m.critic is not None and roles & {"reference", "reward"}:  # values for scoring: a frozen copy
         out["base"] += weight_bytes(m.critic, m.weight_dtype)
     if m.reward is not None and "reward" in roles:
@@ -243,8 +261,8 @@ def fsdp_worker_memory(roles: set[str], m: MemoryInputs, p: MachineProfile) -> d
     ref = weight_bytes(m.policy, m.weight_dtype) if "reference" in roles and not lora else 0.0
     frozen = whole["base"] + whole["adapters"] - gathered - ref
     train_seq, score_seq = m.train_seq or m.seq, m.score_seq or m.seq
-    train_acts = [train_activation_bytes(s, m.train_rows * train_seq, m.act_bytes, m.checkpointing, s is m.policy)
-                  for s in sharded]
+    train_acts = [train_activation_bytes(s, m.train_rows * train_seq, m.act_bytes, m.checkpointing, s is m.policy,
+                                         m.lean_activations, lora) for s in sharded]
     score_acts = [inference_activation_bytes(m.policy, m.score_rows * score_seq, m.act_bytes, True)]
     if m.reward is not None and "reward" in roles:
         score_acts.append(inference_activation_bytes(m.reward, m.score_rows * score_seq, m.act_bytes, False))

@@ -658,7 +658,8 @@ QUANTISED_DTYPE = {"none": "fp32", "4bit": "nf4-dq", "8bit": "int8"}
 def memory_inputs(cfg, roles, shape, profile: MachineProfile) -> MemoryInputs:
     """The memory model's inputs as rlfuse runs `cfg`: the base's dtype (model.quantization), one shared base for
     the roles (model.shared_base: the critic and reward as adapters on it; the generator still its own
-    full-precision copy today), the optimiser's state size (rl.optimizer), activations in the compute dtype."""
+    full-precision copy today), the optimiser's state size (rl.optimizer), activations in the compute dtype (lean
+    SwiGLU MLPs with model.lean_activations)."""
     mc = cfg.model
     shared = mc.lora and mc.shares_base
     critic = "critic" in roles and (roles["critic"].shares_with is None or (shared and roles["critic"].source != "actor"))
@@ -671,7 +672,8 @@ def memory_inputs(cfg, roles, shape, profile: MachineProfile) -> MemoryInputs:
                         optimizer="adamw8bit" if cfg.rl.optimizer.endswith("8bit") else "adamw",
                         shared_base=shared,  # the engine decodes the shared base: no generator copy
                         sync_adapters=cfg.rollout.syncs_adapters(mc),
-                        release_reference=cfg.rl.release_reference and profile.device == "cpu")
+                        release_reference=cfg.rl.release_reference and profile.device == "cpu",
+                        lean_activations=mc.lean_activations)
 
 
 def plan_config(cfg, log=None, **kw) -> list[Plan]:

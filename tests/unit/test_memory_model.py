@@ -77,6 +77,22 @@ def test_checkpointing_keeps_layer_inputs_and_one_layer():
     assert worker_memory({"actor"}, m, NO_RUNTIME)["activations"] == 2 * 4 * 6 * 4 + 64 * 6 * 4 + 480
 
 
+def test_lean_activations_keep_two_of_a_swiglu_mlps_four_ffn_tensors():
+    gated = ModelShape("tiny-llama", layers=2, hidden=4, heads=2, ffn=16, vocab=10, context=8, gated=True)
+    per_token = {lean: worker_memory({"actor"}, MemoryInputs(gated, train_rows=2, seq=3, score_rows=1,
+                                                               lean_activations=lean), NO_RUNTIME)["activations"]
+                 for lean in (False, True)}
+    # 2 layers x 6 tokens x 4 bytes x (2 of the 4 ffn = 16 wide tensors dropped); the logits (480) alike
+    assert per_token[False] - per_token[True] == 2 * 6 * 4 * 2 * 16
+    lora = {lean: worker_memory({"actor"}, MemoryInputs(gated, train_rows=2, seq=3, score_rows=1, lora_rank=2,
+                                                         lean_activations=lean), NO_RUNTIME)["activations"]
+            for lean in (False, True)}
+    assert lora[False] - lora[True] == 2 * 6 * 4 * 1 * 16  # LoRA's down projection keeps the product itself
+    gpt2 = [worker_memory({"actor"}, MemoryInputs(TINY, train_rows=2, seq=3, score_rows=1, lean_activations=lean),
+                          NO_RUNTIME)["activations"] for lean in (False, True)]
+    assert gpt2[0] == gpt2[1]  # no SwiGLU: nothing changes
+
+
 def test_kv_cache_rows_by_length():
     m = MemoryInputs(TINY, seq=3, kv_rows=5, score_rows=1)
     # keys and values x 2 layers x 4 dims x 4 bytes = 64 bytes per token; 5 rows x 3 tokens

@@ -1,10 +1,11 @@
 """TokenLogprobs (rlfuse/models/forward.py): the training path's log-probs, with logits recomputed chunk by chunk in
-the backward, equal autograd through the full log-softmax, values and gradients, with and without a temperature."""
+the backward, equal autograd through the full log-softmax, values and gradients, with and without a temperature; the
+no-grad path (scoring) gives the same values in chunks of any size."""
 
 import pytest
 import torch
 
-from rlfuse.models.forward import TokenLogprobs
+from rlfuse.models.forward import TokenLogprobs, chunked_logprobs
 
 
 @pytest.mark.parametrize("temperature", [1.0, 0.7])
@@ -35,3 +36,19 @@ def test_values_entropy_and_gradients_equal_autograd_through_log_softmax(tempera
     for g, wg in zip(got_grads, want_grads):
         torch.testing.assert_close(g, wg, rtol=1e-5, atol=1e-5)
     assert not ent.requires_grad
+
+
+@pytest.mark.parametrize("chunk_tokens", [1, 4, 21, 256])
+def test_scoring_without_a_graph_equals_the_training_path_whatever_the_chunk(chunk_tokens):
+    """response_logprobs' no-grad path (scoring) runs chunked_logprobs: the training path's values, with at most
+    chunk_tokens tokens' logits at once, whatever the chunk."""
+    torch.manual_seed(2)
+    h, w = torch.randn(3, 7, 16), torch.randn(50, 16)
+    targets = torch.randint(0, 50, (3, 7))
+    want = torch.log_softmax(h @ w.T, dim=-1).gather(-1, targets[..., None]).squeeze(-1)
+    with torch.no_grad():
+        lp, ent, lse = chunked_logprobs(h, w, targets, 1.0, chunk_tokens, True)
+    torch.testing.assert_close(lp.view(3, 7), want)
+    torch.testing.assert_close(lse.view(3, 7), torch.logsumexp(h @ w.T, -1))
+    assert ent.shape == (21,) and (ent > 0).all()
+    assert (chunked_logprobs(h, w, targets, 1.0, chunk_tokens, False)[1] == 0).all()  # no entropy asked: zeros
