@@ -42,6 +42,53 @@ class _SwiGLUDown(torch.autograd.Function):
         return grad_gate, grad_product * act, grad_weight, grad_bias
 
 
+class _SwiGLUDownLoRA(torch.autograd.Function):
+    """down(silu(gate) * up) for a frozen or trained plain down weight with one LoRA adapter (peft's Linear: base +
+    B(A(x)) * scaling, no dropout): keeps gate and up, where peft's A would keep the product for its gradient."""
+
+    @staticmethod
+    def forward(ctx, gate, up, weight, bias, lora_a, lora_b, scaling):
+        product = F.silu(gate) * up
+        ctx.save_for_backward(gate, up, weight, lora_a, lora_b)
+        ctx.has_bias, ctx.scaling = bias is not None, scaling
+        return F.linear(product, weight, bias) + F.linear(F.linear(product, lora_a), lora_b) * scaling
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        gate, up, weight, lora_a, lora_b = ctx.saved_tensors
+        act = F.silu(gate)
+        product = (act * up).reshape(-1, up.shape[-1])
+        grad_2d = grad_out.reshape(-1, grad_out.shape[-1])
+        grad_weight = grad_2d.t().mm(product) if ctx.needs_input_grad[2] else None
+        grad_bias = grad_2d.sum(0) if ctx.has_bias and ctx.needs_input_grad[3] else None
+        grad_scaled = grad_2d * ctx.scaling
+        grad_b = grad_scaled.t().mm(product.mm(lora_a.t())) if ctx.needs_input_grad[5] else None
+        grad_low = grad_scaled.mm(lora_b)  # (tokens, rank)
+        grad_a = grad_low.t().mm(product) if ctx.needs_input_grad[4] else None
+        grad_product = (grad_2d.mm(weight) + grad_low.mm(lora_a)).view_as(up)
+        grad_gate = torch.ops.aten.silu_backward(grad_product * up, gate)
+        return grad_gate, grad_product * act, grad_weight, grad_bias, grad_a, grad_b, None
+
+
+def single_lora_adapter(layer: torch.nn.Module):
+    """(A weight, B weight, scaling) of a peft LoRA Linear over a plain nn.Linear with exactly one active adapter,
+    unmerged, no dropout, no DoRA, bias-free adapter layers; None otherwise (the layer then runs as itself)."""
+    if not hasattr(layer, "lora_A") or type(getattr(layer, "base_layer", None)) is not torch.nn.Linear:
+        return None
+    if getattr(layer, "disable_adapters", True) or getattr(layer, "merged", True):
+        return None
+    active = [a for a in layer.active_adapters if a in layer.lora_A]
+    if len(active) != 1:
+        return None
+    name = active[0]
+    a, b = layer.lora_A[name], layer.lora_B[name]
+    if (type(layer.lora_dropout[name]) is not torch.nn.Identity or layer.use_dora.get(name, False)
+            or type(a) is not torch.nn.Linear or type(b) is not torch.nn.Linear or a.bias is not None
+            or b.bias is not None):
+        return None
+    return a.weight, b.weight, layer.scaling[name]
+
+
 class _SwiGLU(torch.autograd.Function):
     """silu(gate) * up alone (a down projection autograd already handles: LoRA, a quantised layer): keeps gate and up,
     recomputes silu(gate)."""
@@ -113,8 +160,8 @@ def is_swiglu_mlp(module: torch.nn.Module) -> bool:
 def lean_swiglu_forward(module: torch.nn.Module):
     """module's forward as a lean SwiGLU while it trains with gradients on; the stock forward otherwise (decoding,
     scoring: nothing is kept there anyway). The down projection joins the fused function when it is a plain
-    nn.Linear (full fine-tuning); otherwise (peft's LoRA layer, a bitsandbytes layer) it runs as itself on the fused
-    product, which it keeps once."""
+    nn.Linear (full fine-tuning) or peft's LoRA over one (single_lora_adapter); otherwise (a bitsandbytes base,
+    several active adapters, dropout) it runs as itself on the fused product, which it keeps once."""
     stock = module.forward
     down = module.down_proj
     plain_down = type(down) is torch.nn.Linear
@@ -125,6 +172,10 @@ def lean_swiglu_forward(module: torch.nn.Module):
         gate, up = module.gate_proj(x), module.up_proj(x)
         if plain_down:
             return _SwiGLUDown.apply(gate, up, down.weight, down.bias)
+        adapter = single_lora_adapter(down)  # read at each call: the active adapter can change (shared base)
+        if adapter is not None:
+            base = down.base_layer
+            return _SwiGLUDownLoRA.apply(gate, up, base.weight, base.bias, *adapter)
         return down(_SwiGLU.apply(gate, up))
 
     return forward

@@ -59,15 +59,15 @@ def optimizer_bytes_per_param(optimizer: str) -> float:
     return 8.0
 
 
-def activation_elems_per_token(shape: ModelShape, lean: bool = False, adapters: bool = False) -> float:
+def activation_elems_per_token(shape: ModelShape, lean: bool = False, down_apart: bool = False) -> float:
     """Values one layer keeps for the backward per token with fused (SDPA/flash) attention and no dropout:
     attention 5h (the q/k/v projection's input, q, k, v, the output projection's input), two norms' inputs 2h,
     MLP h + 2 ffn (GPT-2: input, up-projection output, GELU output) or h + 4 ffn (SwiGLU: gate, up, act, product).
     Korthikanti et al. 2022's 34 s b h bytes (16-bit, with dropout masks and ffn = 4h) counts the same tensors.
-    `lean` (model.lean_activations): a SwiGLU MLP keeps gate and up alone (2 ffn), or 3 ffn with LoRA (`adapters`:
-    the down projection's adapter keeps the product itself); its norms' normalised inputs, which this count leaves
-    out, are gone too."""
-    swiglu = (3 if adapters else 2) if lean else 4
+    `lean` (model.lean_activations): a SwiGLU MLP keeps gate and up alone (2 ffn), or 3 ffn where its down
+    projection runs as itself and keeps the product (`down_apart`: LoRA over a quantised base); its norms' normalised
+    inputs, which this count leaves out, are gone too."""
+    swiglu = (3 if down_apart else 2) if lean else 4
     mlp = shape.hidden + (swiglu if shape.gated else 2) * shape.ffn
     return 7 * shape.hidden + mlp
 
@@ -77,17 +77,20 @@ LOGIT_CHUNK_TOKENS = 256
 chunk by chunk; the training pass keeps each token's log-sum-exp and recomputes its chunk's logits in the backward)."""
 
 
+QUANTISED = ("int8", "nf4", "nf4-dq")
+
+
 def logit_bytes(tokens: float, vocab: int) -> float:
     """A log-prob pass's LM-head transient: one chunk's fp32 logits and logsumexp's buffer of the same size."""
     return min(tokens, LOGIT_CHUNK_TOKENS) * vocab * 8
 
 
 def train_activation_bytes(shape: ModelShape, tokens: float, elem_bytes: float, checkpointing: bool,
-                           lm_head: bool, lean: bool = False, adapters: bool = False) -> float:
+                           lm_head: bool, lean: bool = False, down_apart: bool = False) -> float:
     """Activations of one micro-batch's forward kept for its backward. Checkpointing keeps each layer's input only
     and recomputes one layer at a time. The LM loss's logits: logit_bytes; a value model's scalar head keeps nothing
-    of note. lean, adapters: as activation_elems_per_token."""
-    per_layer = activation_elems_per_token(shape, lean, adapters) * tokens * elem_bytes
+    of note. lean, down_apart: as activation_elems_per_token."""
+    per_layer = activation_elems_per_token(shape, lean, down_apart) * tokens * elem_bytes
     body = (shape.layers * shape.hidden * tokens * elem_bytes + per_layer) if checkpointing else shape.layers * per_layer
     return body + (logit_bytes(tokens, shape.vocab) if lm_head else 0.0)
 
@@ -122,7 +125,8 @@ class MemoryInputs:
     layout rlfuse ran before its engine decoded the shared base; kept to price that choice), not adapters on it."""
     checkpointing: bool = False
     lean_activations: bool = False
-    """model.lean_activations: SwiGLU MLPs keep 2 of their 4 ffn-wide activations (3 with LoRA) for the backward."""
+    """model.lean_activations: SwiGLU MLPs keep 2 of their 4 ffn-wide activations (3 with LoRA on a quantised base)
+    for the backward."""
     sync_adapters: bool = False
     """LoRA with rollout.weight_sync sending the adapters alone: a decoding worker without the actor holds the SFT
     model with the adapter beside its generator (one more frozen copy, kept) and receives only the adapters, instead
@@ -165,6 +169,7 @@ def worker_memory(roles: set[str] | tuple[str, ...], m: MemoryInputs, p: Machine
     if m.fsdp > 1 and "actor" in roles:
         return fsdp_worker_memory(roles, m, p)
     lora = m.lora_rank > 0
+    quantised = m.weight_dtype in QUANTISED  # a bitsandbytes base: its LoRA layers run apart from the lean MLP
     policy_frozen = weight_bytes(m.policy, m.weight_dtype)
     train_b = 4.0 if m.train_dtype == "fp32" else 2.0
     out = dict.fromkeys(COMPONENTS, 0.0)
@@ -192,7 +197,7 @@ def worker_memory(roles: set[str] | tuple[str, ...], m: MemoryInputs, p: Machine
             out["base"] += m.policy.params * train_b
             trainable += m.policy.params
         acts.append(train_activation_bytes(m.policy, m.train_rows * train_seq, m.act_bytes, m.checkpointing, True,
-                                           m.lean_activations, lora))
+                                           m.lean_activations, lora and quantised))
     if "generator" in roles:
         out["kv_cache"] += m.kv_rows * m.seq * m.policy.kv_bytes_per_token(m.act_bytes)
         if "actor" not in roles and not m.shared_base and lora and m.sync_adapters:  # the base the adapters merge on
@@ -212,7 +217,7 @@ def worker_memory(roles: set[str] | tuple[str, ...], m: MemoryInputs, p: Machine
             out["base"] += m.critic.params * train_b
             trainable += m.critic.params
         acts.append(train_activation_bytes(m.critic, m.train_rows * train_seq, m.act_bytes, m.checkpointing, False,
-                                           m.lean_activations, on_base))
+                                           m.lean_activations, on_base and quantised))
     elif m.critic is not None and roles & {"reference", "reward"}:  # values for scoring: a frozen copy
         out["base"] += weight_bytes(m.critic, m.weight_dtype)
     if m.reward is not None and "reward" in roles:
@@ -262,7 +267,7 @@ def fsdp_worker_memory(roles: set[str], m: MemoryInputs, p: MachineProfile) -> d
     frozen = whole["base"] + whole["adapters"] - gathered - ref
     train_seq, score_seq = m.train_seq or m.seq, m.score_seq or m.seq
     train_acts = [train_activation_bytes(s, m.train_rows * train_seq, m.act_bytes, m.checkpointing, s is m.policy,
-                                         m.lean_activations, lora) for s in sharded]
+                                         m.lean_activations, lora and m.weight_dtype in QUANTISED) for s in sharded]
     score_acts = [inference_activation_bytes(m.policy, m.score_rows * score_seq, m.act_bytes, True)]
     if m.reward is not None and "reward" in roles:
         score_acts.append(inference_activation_bytes(m.reward, m.score_rows * score_seq, m.act_bytes, False))

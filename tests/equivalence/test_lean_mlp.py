@@ -6,6 +6,7 @@ and GPT-2 (no SwiGLU, LayerNorm) is left alone."""
 
 import pytest
 import torch
+from peft import LoraConfig, get_peft_model
 
 from helpers import actor_and_critic
 from rlfuse.config import load_config
@@ -58,6 +59,32 @@ def test_lean_mlp_gives_the_same_gradients_bit_for_bit(lora, scope):
         mb = batch()
         ffn_tensor = mb.input_ids.numel() * 64 * 4
         assert stock_bytes - lean_bytes == 2 * (1 if lora else 2) * ffn_tensor
+
+
+@pytest.mark.parametrize("dropout", [0.0, 0.1])
+def test_a_lora_down_projection_folds_into_the_lean_mlp(dropout):
+    """With an adapter on down_proj (d2's targets) the lean function runs base + B(A(product)) itself and keeps gate
+    and up alone; with LoRA dropout (random masks) the adapter layer runs as itself: gradients equal either way."""
+    targets = ["q_proj", "v_proj", "gate_proj", "up_proj", "down_proj"]
+    models = []
+    for _ in range(2):
+        model = get_peft_model(tiny("llama", 0), LoraConfig(r=4, lora_alpha=8, target_modules=targets,
+                                                            lora_dropout=dropout))
+        for n, p in model.named_parameters():
+            if "lora_B" in n:
+                torch.nn.init.normal_(p, std=0.3, generator=torch.Generator().manual_seed(len(n)))
+        models.append(model.train())
+    stock, lean = models
+    enable_lean_activations(lean, norms=False)
+    torch.manual_seed(5)
+    want, stock_bytes = gradients_and_saved_bytes(stock)
+    torch.manual_seed(5)
+    got, lean_bytes = gradients_and_saved_bytes(lean)
+    for n in want:
+        torch.testing.assert_close(got[n], want[n], rtol=1e-6, atol=1e-7, msg=lambda m, n=n: f"{n}: {m}")
+    if dropout == 0.0:  # stock keeps gate, silu(gate), up, the product (A's input) and A's output (B's input):
+        tokens = batch().input_ids.numel()  # 2 layers x (2 ffn-wide + the rank-4 one) dropped
+        assert stock_bytes - lean_bytes == 2 * (2 * 64 + 4) * tokens * 4
 
 
 def test_a_reward_models_body_trains_lean_with_the_same_gradients():

@@ -84,10 +84,11 @@ def test_lean_activations_keep_two_of_a_swiglu_mlps_four_ffn_tensors():
                  for lean in (False, True)}
     # 2 layers x 6 tokens x 4 bytes x (2 of the 4 ffn = 16 wide tensors dropped); the logits (480) alike
     assert per_token[False] - per_token[True] == 2 * 6 * 4 * 2 * 16
-    lora = {lean: worker_memory({"actor"}, MemoryInputs(gated, train_rows=2, seq=3, score_rows=1, lora_rank=2,
-                                                         lean_activations=lean), NO_RUNTIME)["activations"]
-            for lean in (False, True)}
-    assert lora[False] - lora[True] == 2 * 6 * 4 * 1 * 16  # LoRA's down projection keeps the product itself
+    for dtype, dropped in (("fp32", 2), ("nf4-dq", 1)):  # a quantised base's LoRA down projection keeps the product
+        lora = {lean: worker_memory({"actor"}, MemoryInputs(gated, train_rows=2, seq=3, score_rows=1, lora_rank=2,
+                                                             weight_dtype=dtype, lean_activations=lean),
+                                    NO_RUNTIME)["activations"] for lean in (False, True)}
+        assert lora[False] - lora[True] == 2 * 6 * 4 * dropped * 16
     gpt2 = [worker_memory({"actor"}, MemoryInputs(TINY, train_rows=2, seq=3, score_rows=1, lean_activations=lean),
                           NO_RUNTIME)["activations"] for lean in (False, True)]
     assert gpt2[0] == gpt2[1]  # no SwiGLU: nothing changes
