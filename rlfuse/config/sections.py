@@ -123,7 +123,8 @@ class ModelConfig:
     """In SFT, RM and RL training, each SwiGLU MLP (Llama, Mistral, Qwen, SmolLM2) keeps 2 of its 4 ffn-wide
     activations for the backward and recomputes the other two elementwise (gradients equal bit for bit), and each
     Llama-family RMSNorm keeps its input alone (gradients equal to rounding); no matmul is recomputed
-    (rlfuse/models/lean.py). SmolLM2-135M over 4 x 230 tokens keeps 731 MiB of activations instead of 1178. false
+    (rlfuse/models/lean.py). SmolLM2-135M over 4 x 230 tokens keeps 770-863 MiB of activations instead of 1193 (python -m
+    bench.checkpoint_memory). false
     keeps transformers' forward."""
     quantization: str = "none"
     """none | 4bit (NF4, double quantisation, QLoRA) | 8bit: the frozen base weights through bitsandbytes, in SFT, RM

@@ -19,39 +19,17 @@ SILU_NAMES = ("silu", "swish")
 
 
 class _SwiGLUDown(torch.autograd.Function):
-    """down(silu(gate) * up) with a plain weight (full fine-tuning): keeps gate and up, recomputes the product."""
+    """down(silu(gate) * up) with a plain down weight (full fine-tuning), plus, where lora_a is given, one LoRA
+    adapter on it (peft's Linear: base + B(A(x)) * scaling, no dropout): keeps gate and up, recomputes the product
+    (which autograd, or peft's A, would keep)."""
 
     @staticmethod
-    def forward(ctx, gate, up, weight, bias):
-        ctx.save_for_backward(gate, up, weight)
-        ctx.has_bias = bias is not None
-        return F.linear(F.silu(gate) * up, weight, bias)
-
-    @staticmethod
-    def backward(ctx, grad_out):
-        gate, up, weight = ctx.saved_tensors
-        act = F.silu(gate)
-        grad_weight = grad_bias = None
-        grad_2d = grad_out.reshape(-1, grad_out.shape[-1])
-        if ctx.needs_input_grad[2]:
-            grad_weight = grad_2d.t().mm((act * up).reshape(-1, up.shape[-1]))
-        if ctx.has_bias and ctx.needs_input_grad[3]:
-            grad_bias = grad_2d.sum(0)
-        grad_product = grad_out.matmul(weight)
-        grad_gate = torch.ops.aten.silu_backward(grad_product * up, gate)
-        return grad_gate, grad_product * act, grad_weight, grad_bias
-
-
-class _SwiGLUDownLoRA(torch.autograd.Function):
-    """down(silu(gate) * up) for a frozen or trained plain down weight with one LoRA adapter (peft's Linear: base +
-    B(A(x)) * scaling, no dropout): keeps gate and up, where peft's A would keep the product for its gradient."""
-
-    @staticmethod
-    def forward(ctx, gate, up, weight, bias, lora_a, lora_b, scaling):
+    def forward(ctx, gate, up, weight, bias, lora_a=None, lora_b=None, scaling=1.0):
         product = F.silu(gate) * up
         ctx.save_for_backward(gate, up, weight, lora_a, lora_b)
         ctx.has_bias, ctx.scaling = bias is not None, scaling
-        return F.linear(product, weight, bias) + F.linear(F.linear(product, lora_a), lora_b) * scaling
+        out = F.linear(product, weight, bias)
+        return out if lora_a is None else out + F.linear(F.linear(product, lora_a), lora_b) * scaling
 
     @staticmethod
     def backward(ctx, grad_out):
@@ -61,11 +39,15 @@ class _SwiGLUDownLoRA(torch.autograd.Function):
         grad_2d = grad_out.reshape(-1, grad_out.shape[-1])
         grad_weight = grad_2d.t().mm(product) if ctx.needs_input_grad[2] else None
         grad_bias = grad_2d.sum(0) if ctx.has_bias and ctx.needs_input_grad[3] else None
-        grad_scaled = grad_2d * ctx.scaling
-        grad_b = grad_scaled.t().mm(product.mm(lora_a.t())) if ctx.needs_input_grad[5] else None
-        grad_low = grad_scaled.mm(lora_b)  # (tokens, rank)
-        grad_a = grad_low.t().mm(product) if ctx.needs_input_grad[4] else None
-        grad_product = (grad_2d.mm(weight) + grad_low.mm(lora_a)).view_as(up)
+        grad_product = grad_2d.mm(weight)
+        grad_a = grad_b = None
+        if lora_a is not None:
+            grad_scaled = grad_2d * ctx.scaling
+            grad_b = grad_scaled.t().mm(product.mm(lora_a.t())) if ctx.needs_input_grad[5] else None
+            grad_low = grad_scaled.mm(lora_b)  # (tokens, rank)
+            grad_a = grad_low.t().mm(product) if ctx.needs_input_grad[4] else None
+            grad_product = grad_product + grad_low.mm(lora_a)
+        grad_product = grad_product.view_as(up)
         grad_gate = torch.ops.aten.silu_backward(grad_product * up, gate)
         return grad_gate, grad_product * act, grad_weight, grad_bias, grad_a, grad_b, None
 
@@ -175,7 +157,7 @@ def lean_swiglu_forward(module: torch.nn.Module):
         adapter = single_lora_adapter(down)  # read at each call: the active adapter can change (shared base)
         if adapter is not None:
             base = down.base_layer
-            return _SwiGLUDownLoRA.apply(gate, up, base.weight, base.bias, *adapter)
+            return _SwiGLUDown.apply(gate, up, base.weight, base.bias, *adapter)
         return down(_SwiGLU.apply(gate, up))
 
     return forward

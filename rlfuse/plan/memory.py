@@ -43,10 +43,14 @@ def bytes_per_param(dtype: str) -> float:
     return {"fp32": 4.0, "bf16": 2.0, "fp16": 2.0, "int8": 1.0}[dtype]
 
 
+QUANTISED = ("int8", "nf4", "nf4-dq")
+"""Weight dtypes of a bitsandbytes base."""
+
+
 def weight_bytes(shape: ModelShape, dtype: str) -> float:
     """A model's weights. Quantised formats (bitsandbytes' Linear4bit/8bit) replace only the blocks' linear layers:
     embeddings, output head and norms stay 16-bit."""
-    if dtype in ("nf4", "nf4-dq", "int8"):
+    if dtype in QUANTISED:
         linear = shape.layers * shape.layer_linear_params
         return linear * bytes_per_param(dtype) + (shape.params - linear) * 2.0
     return shape.params * bytes_per_param(dtype)
@@ -75,9 +79,6 @@ def activation_elems_per_token(shape: ModelShape, lean: bool = False, down_apart
 LOGIT_CHUNK_TOKENS = 256
 """Tokens whose (tokens, V) fp32 logits exist at once in a log-prob pass (rlfuse/models/forward.py runs the LM head
 chunk by chunk; the training pass keeps each token's log-sum-exp and recomputes its chunk's logits in the backward)."""
-
-
-QUANTISED = ("int8", "nf4", "nf4-dq")
 
 
 def logit_bytes(tokens: float, vocab: int) -> float:
