@@ -16,18 +16,18 @@ Two tables, printed and written to docs/benchmarks/async_rl.md (the headline to 
     python -m bench.async_rl --seeds 0 --staleness 0 1
     python -m bench.async_rl --summarize            # the tables of the run folders that exist already
     python -m bench.async_rl --real                 # throughput only, SmolLM2-135M-Instruct (needs the smollm2 extra)
-    python -m bench.async_rl --real-learning        # the same task, 3 seeds x max_staleness 0 and 1 (about 80 min)
+    python -m bench.async_rl --math-learning        # SmolLM2 on worked word problems, 3 seeds x staleness 0 and 1
 
 --real: RLOO k = 8, full fine-tuning, on 2 hh-rlhf conversations per iteration (configs/smollm2_hh.yaml's data and
 chat template), up to 128 new tokens, reward bench.vs_trl:reply_reward (a function: no reward model to train), RL
 straight from the instruct model (no SFT), 6 iterations per mode, max_staleness 0 and 1 alternated.
 
---real-learning: the same task for 10 iterations per run, the held-out reward (16 hh-rlhf conversations never trained
-on, one reply each at the training temperature, scored by the same reward) before, every 2 iterations and after;
-max_staleness 0 and 1 alternated within each seed. Time is wall time since the loop began, the evaluations included:
-both modes pay the same evaluations, and the asynchronous one keeps decoding through them (its generation worker does
-not wait for the driver's evaluation), which a user's run with evaluations gets too; the loop time alone is given
-beside it.
+--math-learning: configs/smollm2_math_steps.yaml (two-step word problems answered with their working, about 25
+tokens a sample; exact match on the stated answer): its SFT once (`rlfuse sft`), then per seed `rlfuse rl` from it with
+max_staleness 0 and 1 alternated, 20 GRPO iterations (LoRA, 4 prompts x k = 8, one optimiser step each), the held-out
+exact match (128 problems never trained on, sampled at temperature 1) before, every 5 iterations and after. Time is
+the loop's (the sum of time/iteration: the held-out evaluations, which both modes pay alike and which a run without
+them does not have, left out); wall time with the evaluations is given beside it.
 """
 
 from __future__ import annotations
@@ -75,12 +75,29 @@ REAL = ["configs/smollm2_hh.yaml", "model.lora=false", "model.shared_base=false"
         "rl.kl_target=null"]
 
 
-REAL_LEARNING = [o for o in REAL if not o.startswith(("rl.iterations=", "rl.eval_prompts="))] + [
-    "rl.iterations=10", "rl.eval_prompts=16", "rl.eval_every=2"]
+MATH = "configs/smollm2_math_steps.yaml"
 
 
-def real_learning_dir(work: Path, seed: int, staleness: int) -> Path:
-    return work / f"real-learn-seed{seed}-staleness{staleness}"
+def math_sft(work: Path) -> Path:
+    """configs/smollm2_math_steps.yaml's SFT, once for every seed and mode (kept when its model exists)."""
+    d = work / "math-sft"
+    if not (d / "sft" / "model").exists():
+        subprocess.run([sys.executable, "-m", "rlfuse", "sft", MATH, f"run.dir={d}", "run.quiet=true"], check=True,
+                       cwd=ROOT, env=os.environ | {"CI": "true"})
+    return d / "sft" / "model"
+
+
+def math_learning_dir(work: Path, seed: int, staleness: int) -> Path:
+    return work / f"math-seed{seed}-staleness{staleness}"
+
+
+def run_math(work: Path, sft: Path, seed: int, staleness: int) -> Path:
+    d = math_learning_dir(work, seed, staleness)
+    if not (d / "eval.json").exists():
+        subprocess.run([sys.executable, "-m", "rlfuse", "rl", MATH, f"rl.sft_path={sft}", f"run.dir={d}",
+                        f"run.seed={seed}", "run.quiet=true", "placement.strategy=separated", "placement.workers=2",
+                        f"rl.max_staleness={staleness}"], check=True, cwd=ROOT, env=os.environ | {"CI": "true"})
+    return d
 
 
 def run_real(d: Path, overrides: list[str], staleness: int, seed: int = 0) -> Path:
@@ -96,30 +113,33 @@ def run_real(d: Path, overrides: list[str], staleness: int, seed: int = 0) -> Pa
     return d
 
 
-def real_learning_tables(work: Path, seeds: list[int], modes: list[int]) -> str:
-    """Held-out reward against wall time (loop + evaluations) per seed and mode, the time each mode first reaches
-    the synchronous run's final figure, and the final figures over the seeds."""
-    runs = {(s, n): measured(real_learning_dir(work, s, n), key="reward_mean") for s in seeds for n in modes
-            if (real_learning_dir(work, s, n) / "eval.json").exists()}
+def math_learning_tables(work: Path, seeds: list[int], modes: list[int]) -> str:
+    """Held-out exact match against loop time per seed and mode, the loop time each mode first reaches the
+    synchronous run's final figure, and the final figures over the seeds."""
+    runs = {(s, n): measured(math_learning_dir(work, s, n), key="reward_mean") for s in seeds for n in modes
+            if (math_learning_dir(work, s, n) / "eval.json").exists()}
     rows, curves = [], []
     for (s, n), m in sorted(runs.items()):
         sync = runs.get((s, 0))
         if sync is None:
             continue
-        reached = time_to_reach(m["wall_curve"], sync["final"])
-        rows.append([s, n, f"{m['curve'][0][1]:.3f}", f"{m['final']:.3f}", f"{m['wall_s']:.0f}", f"{m['loop_s']:.0f}",
-                     f"{sync['loop_s'] / m['loop_s']:.2f}x", f"{reached:.0f}" if reached is not None else "never",
-                     f"{reached / sync['wall_s']:.2f}" if reached is not None else "-",
+        reached = time_to_reach(m["curve"], sync["final"])
+        rows.append([s, n, f"{m['curve'][0][1]:.3f}", f"{m['final']:.3f}", f"{m['loop_s']:.0f}", f"{m['wall_s']:.0f}",
+                     f"{sync['loop_s'] / m['loop_s']:.2f}x", f"{m['iteration_s']:.1f}", f"{m['decode_s']:.1f}",
+                     f"{m['train_s']:.1f}", f"{reached:.0f}" if reached is not None else "never",
+                     f"{reached / sync['loop_s']:.2f}" if reached is not None else "-",
                      f"{m['weight_mean']:.3f}" if n else "-"])
-        curves.append([s, n, " ".join(f"{t:.0f}s:{v:+.3f}" for t, v in m["wall_curve"])])
+        curves.append([s, n, " ".join(f"{t:.0f}s:{v:.3f}" for t, v in m["curve"])])
     finals = {n: [m["final"] for (s, k), m in runs.items() if k == n] for n in modes}
     summary = "; ".join(f"max_staleness {n}: mean {statistics.mean(v):.3f} over {len(v)} seeds (spread "
                         f"{max(v) - min(v):.3f})" for n, v in finals.items() if v)
-    return (md_table(["seed", "max_staleness", "held-out reward before", "after", "wall s (loop + evaluations)",
-                      "loop s", "loop speed vs staleness 0", "wall s to reach the synchronous final",
-                      "as a fraction of the synchronous wall time", "importance weight mean"], rows)
-            + "\n\nHeld-out reward (mean over 16 conversations) at each evaluation, against wall seconds:\n\n"
-            + md_table(["seed", "max_staleness", "curve"], curves) + "\n\nFinal held-out reward: " + summary + ".")
+    return (md_table(["seed", "max_staleness", "held-out exact match before", "after", "loop s",
+                      "wall s (loop + evaluations)", "loop speed vs staleness 0", "s / iteration (median)",
+                      "generation worker: decode s", "training worker: train s",
+                      "loop s to reach the synchronous final", "as a fraction of the synchronous loop",
+                      "importance weight mean"], rows)
+            + "\n\nHeld-out exact match (128 problems) at each evaluation, against loop seconds:\n\n"
+            + md_table(["seed", "max_staleness", "curve"], curves) + "\n\nFinal held-out exact match: " + summary + ".")
 
 
 def real_table(work: Path, modes: list[int]) -> str:
@@ -209,25 +229,35 @@ def main() -> None:
     ap.add_argument("--staleness", type=int, nargs="+", default=[0, 1, 2])
     ap.add_argument("--summarize", action="store_true", help="only the tables of the runs already in --work")
     ap.add_argument("--real", action="store_true", help="the SmolLM2-135M-Instruct throughput runs (see above)")
-    ap.add_argument("--real-learning", action="store_true", help="SmolLM2 learning against wall time (see above)")
+    ap.add_argument("--math-learning", action="store_true", help="SmolLM2 learning against time (see above)")
     ap.add_argument("--no-write", action="store_true", help="print only; write neither the page nor BENCHMARKS.md")
     args = ap.parse_args()
-    if args.real or args.real_learning:
+    if args.math_learning:
         modes = [n for n in args.staleness if n <= 1]
         if not args.summarize:
-            for seed in args.seeds if args.real_learning else [0]:
+            sft = math_sft(args.work)
+            for seed in args.seeds:
                 for n in modes:  # alternated within each seed
-                    run_real(real_learning_dir(args.work, seed, n), REAL_LEARNING, n, seed) if args.real_learning \
-                        else run_real(args.work / f"real-staleness{n}", REAL, n)
-        flag, overrides = ("--real-learning", REAL_LEARNING) if args.real_learning else ("--real", REAL)
-        text = (f"Command: `python -m bench.async_rl {flag}`; machine: {machine_short(os.getloadavg()[0])}. `rlfuse rl "
-                f"{' '.join(overrides)}` from the converted instruct model"
-                f"{f', seeds {args.seeds}' if args.real_learning else ''}, placement.strategy=separated on 2 Ray "
-                f"workers (1 CPU each).\n\n" + (real_learning_tables(args.work, args.seeds, modes) if args.real_learning
-                                                 else real_table(args.work, modes)))
+                    run_math(args.work, sft, seed, n)
+        text = (f"Command: `python -m bench.async_rl --math-learning`; machine: {machine_short(os.getloadavg()[0])}. "
+                f"`rlfuse sft {MATH}` once, then per seed (run.seed={args.seeds}) `rlfuse rl {MATH}` from it, "
+                f"placement.strategy=separated on 2 Ray workers (1 CPU each), max_staleness {modes} alternated.\n\n"
+                + math_learning_tables(args.work, args.seeds, modes))
         print(text)
         if not args.no_write:
-            write_section("async_rl_real_learning" if args.real_learning else "async_rl_real", text, page="async_rl")
+            write_section("async_rl_math_learning", text, page="async_rl")
+        return
+    if args.real:
+        modes = [n for n in args.staleness if n <= 1]
+        if not args.summarize:
+            for n in modes:  # alternated
+                run_real(args.work / f"real-staleness{n}", REAL, n)
+        text = (f"Command: `python -m bench.async_rl --real`; machine: {machine_short(os.getloadavg()[0])}. `rlfuse rl "
+                f"{' '.join(REAL)}` from the converted instruct model, placement.strategy=separated on 2 Ray "
+                f"workers (1 CPU each).\n\n" + real_table(args.work, modes))
+        print(text)
+        if not args.no_write:
+            write_section("async_rl_real", text, page="async_rl")
         return
     if not args.summarize:
         models = base_models(args.work)

@@ -95,6 +95,9 @@ class DataConfig:
     then gives some away, or the other way round)."""
     max_operand: int = 9
     """Arithmetic task: the largest number in a problem."""
+    arithmetic_working: bool = False
+    """Arithmetic task: completions show their working ("12 + 5 = 17, and 17 - 3 = 14. The answer is 14.") instead of
+    the bare answer: longer samples, and an answer that follows from the steps the model writes."""
 
 
 @dataclass

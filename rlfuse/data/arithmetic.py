@@ -7,6 +7,10 @@ Offline like the first: problems are generated from a seed, each row a TRL promp
 ground truth in its own column, `{"prompt", "completion", "answer"}`. SFT learns the answer format from the
 completions; RL is rewarded by `exact_match` (a reward function of the TRL form, reading the `answer` column),
 and the held-out reward is the exact-match accuracy.
+
+With data.arithmetic_working=true the completions show their working before the answer (" 12 + 5 = 17, and 17 - 3 =
+14. The answer is 14.", about 25 tokens instead of 2): a task whose samples take many decode steps, where the answer
+depends on the steps the model writes, and `exact_match` reads the number after "The answer is".
 """
 
 from __future__ import annotations
@@ -26,7 +30,13 @@ GIVE_THEN_GET = ("{n} has {a} {t}, gives {c} to {m} and then gets {b} more. How 
                  "{n} had {a} {t}, sold {c} of them and then found {b} more. How many {t} does {n} have now?")
 
 
-def problem(rng: random.Random, max_operand: int) -> dict:
+def row(question: str, answer: int, working: str | None) -> dict:
+    """A prompt-completion row; with `working`, the completion is the working then "The answer is N."."""
+    completion = f" {answer}" if working is None else f" {working} The answer is {answer}."
+    return {"prompt": f"Question: {question}\nAnswer:", "completion": completion, "answer": str(answer)}
+
+
+def problem(rng: random.Random, max_operand: int, working: bool = False) -> dict:
     """One of three kinds, equally often: a sum of two small numbers (up to max_operand // 2 each, so a small model
     can learn it), or the larger or the smaller of two different numbers up to max_operand."""
     kind = rng.choice(("add", "more", "fewer"))
@@ -34,14 +44,16 @@ def problem(rng: random.Random, max_operand: int) -> dict:
     if kind == "add":
         a, b = rng.randint(1, max_operand // 2), rng.randint(1, max_operand // 2)
         question, answer = rng.choice(ADD).format(n=n, a=a, b=b, t=rng.choice(THINGS)), a + b
+        steps = f"{a} + {b} = {a + b}."
     else:
         a, b = rng.sample(range(1, max_operand + 1), 2)
         template, pick = (MORE, max) if kind == "more" else (FEWER, min)
         question, answer = template.format(n=n, m=m, a=a, b=b, t=rng.choice(THINGS)), pick(a, b)
-    return {"prompt": f"Question: {question}\nAnswer:", "completion": f" {answer}", "answer": str(answer)}
+        steps = f"{max(a, b)} is more than {min(a, b)}."
+    return row(question, answer, steps if working else None)
 
 
-def two_step_problem(rng: random.Random, max_operand: int) -> dict:
+def two_step_problem(rng: random.Random, max_operand: int, working: bool = False) -> dict:
     """A number changed twice, each operand up to max_operand: a + b - c (c below a + b), or a - c + b (c below a)."""
     n, m = rng.sample(NAMES, 2)
     t = rng.choice(THINGS)
@@ -49,17 +61,20 @@ def two_step_problem(rng: random.Random, max_operand: int) -> dict:
     if rng.random() < 0.5:
         c = rng.randint(1, min(max_operand, a + b - 1))
         question, answer = rng.choice(GET_THEN_GIVE).format(n=n, m=m, a=a, b=b, c=c, t=t), a + b - c
+        steps = f"{a} + {b} = {a + b}, and {a + b} - {c} = {answer}."
     else:
         c = rng.randint(1, a - 1)
         question, answer = rng.choice(GIVE_THEN_GET).format(n=n, m=m, a=a, b=b, c=c, t=t), a - c + b
-    return {"prompt": f"Question: {question}\nAnswer:", "completion": f" {answer}", "answer": str(answer)}
+        steps = f"{a} - {c} = {a - c}, and {a - c} + {b} = {answer}."
+    return row(question, answer, steps if working else None)
 
 
-def problems(n: int, seed: int, max_operand: int = 9, steps: int = 1) -> list[dict]:
-    """n problems of `steps` operations (data.arithmetic_steps: 1 or 2) on numbers up to max_operand."""
+def problems(n: int, seed: int, max_operand: int = 9, steps: int = 1, working: bool = False) -> list[dict]:
+    """n problems of `steps` operations (data.arithmetic_steps: 1 or 2) on numbers up to max_operand; `working`
+    (data.arithmetic_working): completions show the working (the same problems for a seed either way)."""
     rng = random.Random(seed)
     make = problem if steps == 1 else two_step_problem
-    return [make(rng, max_operand) for _ in range(n)]
+    return [make(rng, max_operand, working) for _ in range(n)]
 
 
 def wrong_completion(row: dict, rng: random.Random) -> str:
@@ -68,13 +83,16 @@ def wrong_completion(row: dict, rng: random.Random) -> str:
 
 
 FIRST_NUMBER = re.compile(r"-?\d+")
+STATED_ANSWER = re.compile(r"answer is\s*(-?\d+)", re.IGNORECASE)
 
 
 def exact_match(prompts: list, completions: list, answer: list, **_) -> list[float]:
-    """1.0 where the completion's first number is the answer, else 0.0 (`rlfuse.data.arithmetic:exact_match`)."""
+    """1.0 where the completion's answer is the truth, else 0.0 (`rlfuse.data.arithmetic:exact_match`): the number
+    after the first "the answer is" where the completion says it (completions with working), else its first number."""
     out = []
     for completion, truth in zip(completions, answer):
         text = completion if isinstance(completion, str) else completion[-1]["content"]
-        found = FIRST_NUMBER.search(text)
-        out.append(float(found is not None and found.group() == str(truth).strip()))
+        stated = STATED_ANSWER.search(text)
+        found = stated.group(1) if stated else (m.group() if (m := FIRST_NUMBER.search(text)) else None)
+        out.append(float(found == str(truth).strip()))
     return out

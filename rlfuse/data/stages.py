@@ -227,4 +227,5 @@ def rl_prompt_rows(cfg: Config, task: DefaultTask | None, log=print) -> tuple[li
 
 def arithmetic_rows(cfg: Config) -> list[dict]:
     d = cfg.data
-    return problems(d.max_examples or ARITHMETIC_PROBLEMS, cfg.run.seed, d.max_operand, d.arithmetic_steps)
+    return problems(d.max_examples or ARITHMETIC_PROBLEMS, cfg.run.seed, d.max_operand, d.arithmetic_steps,
+                    d.arithmetic_working)

@@ -125,6 +125,26 @@ def test_arithmetic_problems_and_exact_match():
     assert exact_match(["q"] * 4, [" 12", "12 apples", " 13", "none"], ["12", "12", "12", "12"]) == [1.0, 1.0, 0.0, 0.0]
 
 
+def test_arithmetic_working_completions_by_hand():
+    """data.arithmetic_working: the same problems, each completion its working then the stated answer, which
+    exact_match reads (not the working's first number)."""
+    for steps in (1, 2):
+        plain, worked = problems(100, seed=7, max_operand=20, steps=steps), problems(100, 7, 20, steps, working=True)
+        assert [(r["prompt"], r["answer"]) for r in plain] == [(r["prompt"], r["answer"]) for r in worked]
+        for r in worked:
+            assert r["completion"].endswith(f" The answer is {r['answer']}.")
+            for a, op, b, c in re.findall(r"(\d+) ([+-]) (\d+) = (\d+)", r["completion"]):
+                assert int(c) == (int(a) + int(b) if op == "+" else int(a) - int(b))
+        assert exact_match([r["prompt"] for r in worked], [r["completion"] for r in worked],
+                           [r["answer"] for r in worked]) == [1.0] * 100
+    row = problems(1, seed=1, max_operand=20, steps=2, working=True)[0]
+    assert row["completion"] == " 10 + 4 = 14, and 14 - 8 = 6. The answer is 6."
+    assert exact_match(["q"] * 4, [" 10 + 4 = 14, and 14 - 8 = 6. The answer is 7.", " 6 apples. the Answer is 6",
+                                   " 10 + 4 = 14. The answer is", " 6, so the answer is 6 or 7"], ["6"] * 4) == \
+        [0.0, 1.0, 0.0, 1.0]
+    assert load_config(None, ["data.kind=arithmetic", "data.arithmetic_working=true"]).data.arithmetic_working
+
+
 def test_two_step_arithmetic_problems_by_hand():
     """data.arithmetic_steps=2: a number changed twice, in the order the question tells it, never below zero."""
     rows = problems(200, seed=5, max_operand=30, steps=2)
