@@ -60,12 +60,16 @@ def run_dir(work: Path, seed: int, staleness: int) -> Path:
 
 
 def run_rl(work: Path, models: list[str], seed: int, staleness: int) -> Path:
-    d = run_dir(work, seed, staleness)
+    return rl_separated(run_dir(work, seed, staleness), [*models, f"rl.eval_every={EVAL_EVERY}"], seed, staleness)
+
+
+def rl_separated(d: Path, args: list[str], seed: int, staleness: int) -> Path:
+    """`rlfuse rl ARGS` into `d` on 2 separated Ray workers at max_staleness `staleness` (kept: a folder with its
+    eval.json is not run again)."""
     if not (d / "eval.json").exists():
-        subprocess.run([sys.executable, "-m", "rlfuse", "rl", *models, f"run.dir={d}", f"run.seed={seed}",
+        subprocess.run([sys.executable, "-m", "rlfuse", "rl", *args, f"run.dir={d}", f"run.seed={seed}",
                         "run.quiet=true", "placement.strategy=separated", "placement.workers=2",
-                        f"rl.max_staleness={staleness}", f"rl.eval_every={EVAL_EVERY}"], check=True, cwd=ROOT,
-                       env=os.environ | {"CI": "true"})
+                        f"rl.max_staleness={staleness}"], check=True, cwd=ROOT, env=os.environ | {"CI": "true"})
     return d
 
 
@@ -92,25 +96,14 @@ def math_learning_dir(work: Path, seed: int, staleness: int) -> Path:
 
 
 def run_math(work: Path, sft: Path, seed: int, staleness: int) -> Path:
-    d = math_learning_dir(work, seed, staleness)
-    if not (d / "eval.json").exists():
-        subprocess.run([sys.executable, "-m", "rlfuse", "rl", MATH, f"rl.sft_path={sft}", f"run.dir={d}",
-                        f"run.seed={seed}", "run.quiet=true", "placement.strategy=separated", "placement.workers=2",
-                        f"rl.max_staleness={staleness}"], check=True, cwd=ROOT, env=os.environ | {"CI": "true"})
-    return d
+    return rl_separated(math_learning_dir(work, seed, staleness), [MATH, f"rl.sft_path={sft}"], seed, staleness)
 
 
-def run_real(d: Path, overrides: list[str], staleness: int, seed: int = 0) -> Path:
-    """One real-model run into `d`: RL from the converted instruct model (rlfuse's GGUF cache), on 2 separated
-    workers (kept: a folder with its eval.json is not run again)."""
+def run_real(d: Path, staleness: int) -> Path:
+    """One --real run into `d`: RL from the converted instruct model (rlfuse's GGUF cache)."""
     from rlfuse.models.gguf import local_model  # transformers and gguf: only for these workloads
 
-    if not (d / "eval.json").exists():
-        subprocess.run([sys.executable, "-m", "rlfuse", "rl", *overrides, f"rl.sft_path={local_model('smollm2-135m-instruct')}",
-                        f"run.dir={d}", f"run.seed={seed}", "run.quiet=true", "placement.strategy=separated",
-                        "placement.workers=2", f"rl.max_staleness={staleness}"], check=True, cwd=ROOT,
-                       env=os.environ | {"CI": "true"})
-    return d
+    return rl_separated(d, [*REAL, f"rl.sft_path={local_model('smollm2-135m-instruct')}"], 0, staleness)
 
 
 def math_learning_tables(work: Path, seeds: list[int], modes: list[int]) -> str:
@@ -251,7 +244,7 @@ def main() -> None:
         modes = [n for n in args.staleness if n <= 1]
         if not args.summarize:
             for n in modes:  # alternated
-                run_real(args.work / f"real-staleness{n}", REAL, n)
+                run_real(args.work / f"real-staleness{n}", n)
         text = (f"Command: `python -m bench.async_rl --real`; machine: {machine_short(os.getloadavg()[0])}. `rlfuse rl "
                 f"{' '.join(REAL)}` from the converted instruct model, placement.strategy=separated on 2 Ray "
                 f"workers (1 CPU each).\n\n" + real_table(args.work, modes))

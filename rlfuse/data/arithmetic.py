@@ -44,13 +44,13 @@ def problem(rng: random.Random, max_operand: int, working: bool = False) -> dict
     if kind == "add":
         a, b = rng.randint(1, max_operand // 2), rng.randint(1, max_operand // 2)
         question, answer = rng.choice(ADD).format(n=n, a=a, b=b, t=rng.choice(THINGS)), a + b
-        steps = f"{a} + {b} = {a + b}."
+        shown = f"{a} + {b} = {a + b}."
     else:
         a, b = rng.sample(range(1, max_operand + 1), 2)
         template, pick = (MORE, max) if kind == "more" else (FEWER, min)
         question, answer = template.format(n=n, m=m, a=a, b=b, t=rng.choice(THINGS)), pick(a, b)
-        steps = f"{max(a, b)} is more than {min(a, b)}."
-    return row(question, answer, steps if working else None)
+        shown = f"{max(a, b)} is more than {min(a, b)}."
+    return row(question, answer, shown if working else None)
 
 
 def two_step_problem(rng: random.Random, max_operand: int, working: bool = False) -> dict:
@@ -61,12 +61,12 @@ def two_step_problem(rng: random.Random, max_operand: int, working: bool = False
     if rng.random() < 0.5:
         c = rng.randint(1, min(max_operand, a + b - 1))
         question, answer = rng.choice(GET_THEN_GIVE).format(n=n, m=m, a=a, b=b, c=c, t=t), a + b - c
-        steps = f"{a} + {b} = {a + b}, and {a + b} - {c} = {answer}."
+        shown = f"{a} + {b} = {a + b}, and {a + b} - {c} = {answer}."
     else:
         c = rng.randint(1, a - 1)
         question, answer = rng.choice(GIVE_THEN_GET).format(n=n, m=m, a=a, b=b, c=c, t=t), a - c + b
-        steps = f"{a} - {c} = {a - c}, and {a - c} + {b} = {answer}."
-    return row(question, answer, steps if working else None)
+        shown = f"{a} - {c} = {a - c}, and {a - c} + {b} = {answer}."
+    return row(question, answer, shown if working else None)
 
 
 def problems(n: int, seed: int, max_operand: int = 9, steps: int = 1, working: bool = False) -> list[dict]:
