@@ -60,8 +60,11 @@ RUNS = {
     "imdb": [("flattened", 16, False), ("separated", 16, False), ("interleaved", 16, False), ("flattened", 4, False)],
     # micro 8: plans first run after the cost model's fixes for prompt sharing and step-bounded chunks, which the
     # micro-32 runs showed; they check the fixes on runs the fixes were not read from
+    # micro 16: first run after the cost model's second pass for prefix-shared micro-batches (2026-11-27), which
+    # the micro-8 runs showed
     "smollm2_math": [("flattened", 32, False), ("separated", 32, False), ("interleaved", 32, False),
-                     ("flattened", 8, False), ("separated", 8, False)],
+                     ("flattened", 8, False), ("separated", 8, False), ("flattened", 16, False),
+                     ("separated", 16, False)],
     # the shared base now runs flattened on 2 Ray workers (each holding the base and the roles' adapters): micro 8
     # and 2 (4 and 1 rows per rank), and the single process at micro 4 (the plans of the 2026-11-24 rows)
     "smollm2_hh": [("flattened", 8, False), ("flattened", 2, False), ("single", 4, False)],

@@ -81,6 +81,11 @@ class Workload:
         share among the samples of its group in the pass (micro-batches keep a prompt's samples together)."""
         return self.prompt_tokens / (max(1.0, min(self.k, rows)) if self.shared_prompt else 1.0)
 
+    def passes(self, rows: float) -> int:
+        """Model runs per forward of `rows` samples: 2 where their prompts are shared (a prompt repeats among them:
+        the prompts' pass, then the continuations'), 1 otherwise."""
+        return 2 if self.shared_prompt and min(self.k, rows) > 1 else 1
+
     def scored_seq(self, rows: float) -> float:
         """Mean tokens a sample costs in a scoring pass of `rows` samples (prompt, shared where it is, + response;
         scoring sorts by length, so pads little)."""
@@ -332,9 +337,9 @@ def _async_seconds(prob: Problem, spec: PlacementSpec, gen_w: int, score_w: int,
     w, m = prob.workload, prob.memory
     per_decoder = w.samples / gen_w
     ref_calls = math.ceil(per_decoder / w.score_micro_batch)
-    reference = cost.forward_seconds(gen_prob.profile, m.policy, per_decoder / ref_calls,
-                                     w.scored_seq(per_decoder / ref_calls), weight_bytes(m.policy, m.weight_dtype),
-                                     ref_calls)
+    ref_rows = per_decoder / ref_calls
+    reference = cost.forward_seconds(gen_prob.profile, m.policy, ref_rows, w.scored_seq(ref_rows),
+                                     weight_bytes(m.policy, m.weight_dtype), ref_calls, w.passes(ref_rows))
     generate = (_generate_seconds(gen_prob, gen_w, _tp(prob, gen_w)) + reference
                 + cost.round_trip_seconds(p, 1, per_decoder))
     per_scorer = w.samples / score_w  # one call each, scored in micro-batches
@@ -357,7 +362,8 @@ def _proximal_seconds(prob: Problem, workers: int) -> float:
     per_worker = w.samples / workers
     calls = math.ceil(per_worker / w.score_micro_batch)
     rows = per_worker / calls
-    return cost.forward_seconds(p, m.policy, rows, w.scored_seq(rows), weight_bytes(m.policy, m.weight_dtype), calls)
+    return cost.forward_seconds(p, m.policy, rows, w.scored_seq(rows), weight_bytes(m.policy, m.weight_dtype), calls,
+                                w.passes(rows))
 
 
 def _slowed(prob: Problem, factor: float) -> Problem:
@@ -461,8 +467,8 @@ def _score_seconds(prob: Problem, workers: int, calls: float | None = None, refe
         singles = min(w.score_singles, per_worker)
         calls = math.ceil((per_worker - singles) / w.score_micro_batch) + singles
     rows = per_worker / calls
-    forwards = sum(cost.forward_seconds(p, s, rows, w.scored_seq(rows), weight_bytes(s, m.weight_dtype), calls)
-                   for s in _scored_models(m, prob.roles, reference))
+    forwards = sum(cost.forward_seconds(p, s, rows, w.scored_seq(rows), weight_bytes(s, m.weight_dtype), calls,
+                                        w.passes(rows)) for s in _scored_models(m, prob.roles, reference))
     return forwards + calls * p.score_call_s
 
 
@@ -491,7 +497,7 @@ def _train_seconds(prob: Problem, workers: int, micro: int, ckpt: bool, ray: boo
     for shape, params, frozen in trained:
         wb = weight_bytes(shape, m.weight_dtype)
         seq = w.padded_seq(rows, workers, calls / steps)  # every optimiser step waits for the slowest rank
-        total += cost.train_seconds(p, shape, rows, seq, wb, calls, ckpt, frozen)
+        total += cost.train_seconds(p, shape, rows, seq, wb, calls, ckpt, frozen, w.passes(rows))
         total += calls * p.train_micro_s
         total += cost.optimizer_seconds(p, params / (workers if prob.shard or m.fsdp > 1 else 1), steps)
         in_backward = replace(p, allreduce_bytes_s=p.ddp_allreduce_bytes_s or p.allreduce_bytes_s)

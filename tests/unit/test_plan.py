@@ -32,6 +32,10 @@ def test_forward_seconds_by_hand():
     # 2 calls x (2 layers x 1 ms + flops / 1e9 + 100 bytes / 1e10)
     flops = TINY.forward_flops(4 * 6, 3)
     assert cost.forward_seconds(RATES, TINY, 4, 6, 100, calls=2) == pytest.approx(2 * (2e-3 + flops / 1e9 + 1e-8))
+    # shared prompts: the prompts' pass, then the continuations': each pass pays the layer calls and the weight reads,
+    # the FLOPs are paid once
+    assert cost.forward_seconds(RATES, TINY, 4, 6, 100, calls=2, passes=2) == pytest.approx(
+        2 * (2 * (2e-3 + 1e-8) + flops / 1e9))
 
 
 def test_train_seconds_lora_and_checkpointing():
@@ -42,6 +46,9 @@ def test_train_seconds_lora_and_checkpointing():
     assert cost.train_seconds(RATES, TINY, 2, 4, 0, 3, False, True) == pytest.approx(fixed + 2 * variable)  # no weight grads
     slow_autograd = replace(RATES, train_layer_call_s=5e-3)
     assert cost.train_seconds(slow_autograd, TINY, 2, 4, 0, 3, False, False) == pytest.approx(3 * (2 * 5e-3) + 3 * variable)
+    # two passes per micro-batch: 3 calls x one more pass's fixed cost (2 layers x 1 ms x 3) and weight reads x 3
+    one, two = (cost.train_seconds(RATES, TINY, 2, 4, 1e6, 3, False, False, passes=n) for n in (1, 2))
+    assert two - one == pytest.approx(3 * (2 * 1e-3 * 3 + 3 * 1e6 / 1e10))
 
 
 def test_sync_allreduce_optimizer_by_hand():
@@ -496,16 +503,22 @@ def test_shared_prompts_cost_their_share_per_sample(default_problem):
     assert w.scored_seq(32) == 7.5 and replace(w, shared_prompt=False).scored_seq(32) == 32.0
     assert w.memory_lengths(32) == {"seq": 36, "train_seq": 11.5, "score_seq": 11.5}
     assert replace(w, shared_prompt=False).prompt_per_sample(32) == 28.0
+    assert w.passes(32) == 2 and w.passes(1) == 1 and replace(w, shared_prompt=False).passes(32) == 1
     cfg = load_config(None, ["rl.algo=grpo", "rl.k=8", "rl.prompts_per_iter=4", "rl.mini_batch_size=32"])
     assert problem_from_config(cfg, CPU, workers=2).workload.shared_prompt
     assert not problem_from_config(load_config(None, ["rl.algo=grpo", "rl.k=8", "rl.prompts_per_iter=4",
                                                       "rl.mini_batch_size=32", "rl.share_prompt=false"]),
                                    CPU, workers=2).workload.shared_prompt
-    # the training forward + backward shrinks with the tokens: sharing never predicts a slower update
+    # sharing trades tokens for a second pass: where FLOPs dominate it predicts a faster update; where the per-call
+    # costs do (near-free FLOPs), a slower one, by the second pass's layer calls and weight reads
     shared = replace(problem_from_config(cfg, CPU, workers=2), strategies=("flattened",), micro_batches=(8,),
                      checkpointing=(False,), migrate_below=(0.0,))
     alone = replace(shared, workload=replace(shared.workload, shared_prompt=False))
-    assert plan(shared)[0].seconds["train"] < plan(alone)[0].seconds["train"]
+    flops_bound = replace(shared.profile, layer_call_s=1e-12, train_layer_call_s=1e-12, mem_bw=1e18)
+    calls_bound = replace(shared.profile, flops=1e18)
+    for profile, faster in ((flops_bound, True), (calls_bound, False)):
+        train = [plan(replace(pr, profile=profile))[0].seconds["train"] for pr in (shared, alone)]
+        assert (train[0] < train[1]) == faster
 
 
 def test_an_async_plan_takes_the_longer_side(default_problem):
