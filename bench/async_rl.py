@@ -306,7 +306,8 @@ def main() -> None:
                                    if (s, n) in runs and (s, 0) in runs) for n in args.staleness if n}
     fractions = {n: [reached_fraction(runs[(s, n)], runs[(s, 0)]) for s in args.seeds
                      if (s, n) in runs and (s, 0) in runs] for n in ratios}
-    finals = {n: statistics.mean(m["final"] for (s, k), m in runs.items() if k == n) for n in args.staleness}
+    finals = {n: statistics.mean(m["final"] for (s, k), m in runs.items() if k == n) for n in args.staleness
+              if any(k == n for _, k in runs)}
     write_headline("async_rl", "default task (GRPO, decoding about half an iteration): iterations/min against "
                    "max_staleness 0 (median of the seeds): " + ", ".join(
                        f"max_staleness {n} {r:.2f}x" for n, r in ratios.items())
@@ -319,6 +320,7 @@ def main() -> None:
                    "the synchronous loop (max_staleness 0) on the same 2 Ray workers", command,
                    machine_short(os.getloadavg()[0]), what="Asynchronous RL (separated, 2 workers), default task",
                    page="async_rl")
+
 
 if __name__ == "__main__":
     main()
