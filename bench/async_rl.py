@@ -67,7 +67,8 @@ def run_dir(work: Path, seed: int, staleness: int) -> Path:
 
 
 def run_rl(work: Path, models: list[str], seed: int, staleness: int) -> Path:
-    return rl_separated(run_dir(work, seed, staleness), [*models, *DEFAULT_RL, f"rl.eval_every={EVAL_EVERY}"], seed, staleness)
+    return rl_separated(run_dir(work, seed, staleness), [*models, *DEFAULT_RL, f"rl.eval_every={EVAL_EVERY}"], seed,
+                        staleness)
 
 
 def rl_separated(d: Path, args: list[str], seed: int, staleness: int) -> Path:
@@ -219,12 +220,13 @@ def tables(work: Path, seeds: list[int], modes: list[int]) -> tuple[str, str]:
         # the synchronous final is one evaluation, as noisy as any other on the plateau: the time to 90% of the
         # synchronous run's gain (from the shared start) says how fast each mode learns, less hostage to it
         before = m["curve"][0][1]
-        gain90 = time_to_reach(m["curve"], before + 0.9 * (sync["final"] - before))
+        gain = sync["final"] - before
+        gain90 = time_to_reach(m["curve"], before + 0.9 * gain) if gain > 0 else None
         learn.append([s, n, f"{before:.3f}", f"{m['final']:.3f}", f"{m['loop_s']:.0f}", f"{m['wall_s']:.0f}",
                       f"{reached:.0f}" if reached is not None else "never",
                       f"{reached_fraction(m, sync):.2f}" if reached is not None else "-",
                       f"{reached_wall / sync['wall_s']:.2f}" if reached_wall is not None else "-",
-                      f"{gain90 / sync['loop_s']:.2f}" if gain90 is not None else "never"])
+                      "-" if gain <= 0 else f"{gain90 / sync['loop_s']:.2f}" if gain90 is not None else "never"])
     finals = {n: [m["final"] for (s, k), m in runs.items() if k == n] for n in modes}
     spread = {n: (max(v) - min(v)) if len(v) > 1 else float("nan") for n, v in finals.items() if v}
     summary = "; ".join(f"max_staleness {n}: final {statistics.mean(v):.3f} (spread {spread[n]:.3f})"

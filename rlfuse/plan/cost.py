@@ -370,7 +370,8 @@ def train_seconds(p: MachineProfile, shape: ModelShape, rows: float, seq: float,
     forward instead of two. Checkpointing recomputes each layer's forward once more. passes: model runs per
     micro-batch (2 with shared prompts, as forward_seconds): the fixed cost and the weight reads (and, in the backward,
     the weight gradients of each pass) are paid per pass, the FLOPs once. On SmolLM2-135M a prefix-shared
-    micro-batch of 8 four-token answers was 1.7 s measured against 1.0 s priced as one pass (2026-11-27)."""
+    micro-batch of 8 four-token answers took 0.45 s forward + 1.54 s backward in the learner, against about 1.1 s
+    priced as one pass (docs/benchmarks/plan.md, 2026-11-27)."""
     bwd = p.bwd_ratio / 2 if frozen_base else p.bwd_ratio
     fixed = shape.layers * (p.train_layer_call_s or p.layer_call_s * (1 + p.bwd_ratio))
     variable = shape.forward_flops(rows * seq, seq / 2) / p.flops + passes * weight_bytes / p.mem_bw

@@ -463,12 +463,16 @@ def _score_seconds(prob: Problem, workers: int, calls: float | None = None, refe
     the reference's pass among them (False: the generation workers take it, asynchronous RL)."""
     w, m, p = prob.workload, prob.memory, prob.profile
     per_worker = w.samples / workers
+    singles = 0.0
     if calls is None:
         singles = min(w.score_singles, per_worker)
         calls = math.ceil((per_worker - singles) / w.score_micro_batch) + singles
     rows = per_worker / calls
+    batched = calls - singles
+    # the fused tail's one-sample calls repeat no prompt: one pass each; the micro-batches' passes as they share
+    passes = (batched * w.passes(max(1.0, (per_worker - singles) / batched)) + singles) / calls if batched else 1.0
     forwards = sum(cost.forward_seconds(p, s, rows, w.scored_seq(rows), weight_bytes(s, m.weight_dtype), calls,
-                                        w.passes(rows)) for s in _scored_models(m, prob.roles, reference))
+                                        passes) for s in _scored_models(m, prob.roles, reference))
     return forwards + calls * p.score_call_s
 
 

@@ -554,3 +554,19 @@ def test_auto_placement_plans_async_only_where_the_config_asks():
     assert problem_from_config(load_config(None, []), CPU, workers=2, cores=2).staleness == (0,)
     asked = load_config(None, ["rl.max_staleness=2", "placement.strategy=separated", "placement.workers=2"])
     assert problem_from_config(asked, CPU, cores=2).staleness == (0, 2)
+
+
+def test_fused_tail_singles_score_in_one_pass():
+    # shared prompts make a scoring micro-batch two passes, but the fused tail's one-sample calls repeat no prompt:
+    # the per-call costs (what a profile with free FLOPs leaves) are 2 passes per micro-batch and 1 per single
+    from rlfuse.plan import planner as pl
+
+    cfg = load_config(None, ["rl.algo=grpo", "rl.k=8", "rl.prompts_per_iter=4", "rl.mini_batch_size=32"])
+    prob = problem_from_config(cfg, replace(CPU, flops=1e30), workers=1)
+    w = prob.workload
+    assert w.shared_prompt and w.samples == 32
+    mixed = replace(prob, workload=replace(w, score_singles=16))
+    batched = math.ceil(16 / w.score_micro_batch)
+    unshared = replace(mixed, workload=replace(mixed.workload, shared_prompt=False))
+    calls_cost = lambda pr: pl._score_seconds(pr, 1) - (batched + 16) * pr.profile.score_call_s
+    assert calls_cost(mixed) / calls_cost(unshared) == pytest.approx((2 * batched + 16) / (batched + 16))
