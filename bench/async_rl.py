@@ -224,7 +224,7 @@ def tables(work: Path, seeds: list[int], modes: list[int]) -> tuple[str, str]:
         gain90 = time_to_reach(m["curve"], before + 0.9 * gain) if gain > 0 else None
         learn.append([s, n, f"{before:.3f}", f"{m['final']:.3f}", f"{m['loop_s']:.0f}", f"{m['wall_s']:.0f}",
                       f"{reached:.0f}" if reached is not None else "never",
-                      f"{reached_fraction(m, sync):.2f}" if reached is not None else "-",
+                      f"{reached / sync['loop_s']:.2f}" if reached is not None else "-",
                       f"{reached_wall / sync['wall_s']:.2f}" if reached_wall is not None else "-",
                       "-" if gain <= 0 else f"{gain90 / sync['loop_s']:.2f}" if gain90 is not None else "never"])
     finals = {n: [m["final"] for (s, k), m in runs.items() if k == n] for n in modes}

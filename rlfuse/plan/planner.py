@@ -79,12 +79,17 @@ class Workload:
     def prompt_per_sample(self, rows: float) -> float:
         """Prompt tokens a sample costs in a pass of `rows` samples: the whole prompt, or with shared prompts its
         share among the samples of its group in the pass (micro-batches keep a prompt's samples together)."""
-        return self.prompt_tokens / (max(1.0, min(self.k, rows)) if self.shared_prompt else 1.0)
+        return self.prompt_tokens / (min(self.k, rows) if self.shares(rows) else 1.0)
+
+    def shares(self, rows: float) -> bool:
+        """Whether a pass of `rows` samples runs its prompts once for their group: rl.share_prompt and a prompt
+        repeats among them."""
+        return self.shared_prompt and min(self.k, rows) > 1
 
     def passes(self, rows: float) -> int:
-        """Model runs per forward of `rows` samples: 2 where their prompts are shared (a prompt repeats among them:
-        the prompts' pass, then the continuations'), 1 otherwise."""
-        return 2 if self.shared_prompt and min(self.k, rows) > 1 else 1
+        """Model runs per forward of `rows` samples: 2 where they share prompts (the prompts' pass, then the
+        continuations'), 1 otherwise."""
+        return 2 if self.shares(rows) else 1
 
     def scored_seq(self, rows: float) -> float:
         """Mean tokens a sample costs in a scoring pass of `rows` samples (prompt, shared where it is, + response;
@@ -470,7 +475,7 @@ def _score_seconds(prob: Problem, workers: int, calls: float | None = None, refe
     rows = per_worker / calls
     batched = calls - singles
     # the fused tail's one-sample calls repeat no prompt: one pass each; the micro-batches' passes as they share
-    passes = (batched * w.passes(max(1.0, (per_worker - singles) / batched)) + singles) / calls if batched else 1.0
+    passes = (batched * w.passes((per_worker - singles) / batched) + singles) / calls if batched else 1.0
     forwards = sum(cost.forward_seconds(p, s, rows, w.scored_seq(rows), weight_bytes(s, m.weight_dtype), calls,
                                         passes) for s in _scored_models(m, prob.roles, reference))
     return forwards + calls * p.score_call_s
