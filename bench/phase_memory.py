@@ -8,7 +8,11 @@ scoring pass and back (docs/systems.md, lean activations).
         --micro-batch 4 --reward reply --model-name smollm2-135m-instruct [--rlfuse-set model.lean_activations=false]
 
 (the arguments are bench.vs_trl's child arguments; the prompt file is the one `python -m bench.vs_trl --workloads d1`
-writes). Prints `PEAKS {phase: MiB}` on stderr at exit."""
+writes). Prints `PEAKS {phase: MiB}` on stderr at exit. With `--rlfuse` first, the rest is an `rlfuse` command run
+in this process instead (a single-process run: placement.strategy=single), the critic's loss charged too:
+
+    python -m bench.phase_memory --rlfuse rl configs/smollm2_hh.yaml rl.sft_path=... rl.rm_path=... \
+        placement.strategy=single rl.iterations=2 rl.micro_batch_size=4"""
 
 from __future__ import annotations
 
@@ -55,10 +59,12 @@ def main() -> None:
     charged(engine.DecodeEngine, "generate", "generate")
     charged(score.Scorer, "score", "score")
     charged(update, "micro_policy_loss", "policy_forward")
+    charged(update, "micro_value_loss", "value_forward")
     threading.Thread(target=sample, daemon=True).start()
     atexit.register(lambda: print("PEAKS", {k: round(v) for k, v in peaks.items()}, file=sys.stderr))
-    sys.argv = ["bench.vs_trl", *sys.argv[1:]]
-    runpy.run_module("bench.vs_trl", run_name="__main__")
+    module = "rlfuse" if sys.argv[1:2] == ["--rlfuse"] else "bench.vs_trl"
+    sys.argv = [module, *sys.argv[1 + (module == "rlfuse"):]]
+    runpy.run_module(module, run_name="__main__")
 
 
 if __name__ == "__main__":

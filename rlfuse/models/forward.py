@@ -14,6 +14,7 @@ from torch import Tensor
 from rlfuse.models import prefix
 from rlfuse.models.heads import backbone_and_head
 from rlfuse.models.shared import use_adapter
+from rlfuse.plan.cost import SHARE_BELOW  # the planner prices the same test (Workload.shares)
 from rlfuse.plan.memory import LOGIT_CHUNK_TOKENS  # 48 MiB of fp32 logits at SmolLM2's 49k vocabulary a chunk
 
 
@@ -39,10 +40,6 @@ PACK_BELOW = 0.8
 that cuts its token positions to this fraction of the padded ones or less: SmolLM2 on hh-rlhf's chat prompts (60
 to 160 tokens, answers up to 48) padded 4 sequences of 100-200 tokens to the longest."""
 
-SHARE_BELOW = 0.8
-"""A micro-batch runs prefix-shared only where that cuts its forward (forward_tokens, padding included) to this
-fraction of the full one or less: the shared forward is two passes with explicit masks, which costs more than it
-saves where prompts are short next to their responses (bench/prefix_sharing.py)."""
 
 
 def _token_counts(prompts: list[list[int]], responses: list[list[int]]) -> tuple[int, int]:

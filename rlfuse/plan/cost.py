@@ -186,6 +186,13 @@ def policy_shape(model_cfg) -> ModelShape:
 # --------------------------------------------------------------------------------------------- machines
 
 
+SHARE_BELOW = 0.8
+"""A micro-batch runs prefix-shared only where that cuts its forward (models/forward.py forward_tokens, padding
+included) to this fraction of the full one or less: the shared forward is two passes with explicit masks, which
+costs more than it saves where prompts are short next to their responses (bench/prefix_sharing.py). Here so that the
+planner (Workload.shares) and the models apply the same test."""
+
+
 @dataclass(frozen=True)
 class MachineProfile:
     """Rates of one worker (one process with its share of CPUs, or one GPU). Saved and loaded as JSON."""
@@ -219,6 +226,16 @@ class MachineProfile:
     tensors than the FLOPs); 0 means layer_call_s x (1 + bwd_ratio)."""
     bwd_ratio: float = 2.0
     """Backward seconds per forward second (2: gradients of inputs and of weights, each about one forward)."""
+    lora_layer_call_s: float = 0.0
+    """Fixed seconds per layer that LoRA adapters running unmerged on every linear add to a forward call or a decode
+    step (peft's LoraLayer: dropout, two small matmuls and the scaled sum per adapted linear): what the shared base
+    pays where it decodes as the actor and scores as the reward model and critic. 0: not measured (older profiles)."""
+    lora_train_layer_call_s: float = 0.0
+    """Fixed seconds per layer of a forward + backward through those adapters with the base frozen; 0: not
+    measured, train_layer_call_s."""
+    lora_bwd_ratio: float = 0.0
+    """Backward seconds per forward second with the base frozen (input gradients only, no weight gradients of the
+    base); 0: not measured, half of bwd_ratio."""
     optimizer_bytes_s: float = 2e9
     """AdamW step: bytes of parameter, gradient and moments touched per second."""
     sync_bytes_s: float = 1e9
@@ -303,6 +320,8 @@ class MachineProfile:
                        decode_sample_s=self.decode_sample_s * factor, score_call_s=self.score_call_s * factor,
                        prefill_call_s=self.prefill_call_s * factor,
                        train_layer_call_s=self.train_layer_call_s * factor, train_micro_s=self.train_micro_s * factor,
+                       lora_layer_call_s=self.lora_layer_call_s * factor,
+                       lora_train_layer_call_s=self.lora_train_layer_call_s * factor,
                        optimizer_bytes_s=self.optimizer_bytes_s / factor)
 
 
@@ -355,12 +374,14 @@ def device_profile(key: str) -> MachineProfile:
 
 
 def forward_seconds(p: MachineProfile, shape: ModelShape, rows: float, seq: float, weight_bytes: float,
-                    calls: float = 1.0, passes: float = 1.0) -> float:
+                    calls: float = 1.0, passes: float = 1.0, adapters: bool = False) -> float:
     """`calls` forwards, each over `rows` sequences of `seq` tokens (causal: each token attends to seq/2 on average);
     every call runs the model `passes` times (2 where prompts are shared: the prompts, then the continuations on
-    their keys and values, models/prefix.py), each pass reading the weights and paying the per-layer call cost."""
+    their keys and values, models/prefix.py), each pass reading the weights and paying the per-layer call cost.
+    adapters: LoRA adapters run unmerged on the linears (lora_layer_call_s more per layer)."""
     flops = shape.forward_flops(rows * seq, seq / 2)
-    return calls * (passes * (shape.layers * p.layer_call_s + weight_bytes / p.mem_bw) + flops / p.flops)
+    call = p.layer_call_s + (p.lora_layer_call_s if adapters else 0.0)
+    return calls * (passes * (shape.layers * call + weight_bytes / p.mem_bw) + flops / p.flops)
 
 
 def train_seconds(p: MachineProfile, shape: ModelShape, rows: float, seq: float, weight_bytes: float, calls: float,
@@ -371,11 +392,16 @@ def train_seconds(p: MachineProfile, shape: ModelShape, rows: float, seq: float,
     micro-batch (2 with shared prompts, as forward_seconds): the fixed cost and the weight reads (and, in the backward,
     the weight gradients of each pass) are paid per pass, the FLOPs once. On SmolLM2-135M a prefix-shared
     micro-batch of 8 four-token answers took 0.45 s forward + 1.54 s backward in the learner, against about 1.1 s
-    priced as one pass (docs/benchmarks/plan.md, 2026-11-27)."""
-    bwd = p.bwd_ratio / 2 if frozen_base else p.bwd_ratio
+    priced as one pass (docs/benchmarks/plan.md, 2026-11-27). A frozen base runs through LoRA adapters: their
+    measured fixed cost and backward ratio where the profile has them (lora_train_layer_call_s, lora_bwd_ratio)."""
     fixed = shape.layers * (p.train_layer_call_s or p.layer_call_s * (1 + p.bwd_ratio))
+    bwd = p.bwd_ratio
+    if frozen_base:
+        fixed = shape.layers * p.lora_train_layer_call_s or fixed
+        bwd = p.lora_bwd_ratio or p.bwd_ratio / 2
     variable = shape.forward_flops(rows * seq, seq / 2) / p.flops + passes * weight_bytes / p.mem_bw
-    recompute = forward_seconds(p, shape, rows, seq, weight_bytes, passes=passes) if checkpointing else 0.0
+    recompute = (forward_seconds(p, shape, rows, seq, weight_bytes, passes=passes, adapters=frozen_base)
+                 if checkpointing else 0.0)
     return calls * (passes * fixed + (1 + bwd) * variable + recompute)
 
 
@@ -515,18 +541,20 @@ def distinct_values(distinct: float, n: float, m: float) -> float:
 
 def decode_seconds(p: MachineProfile, shape: ModelShape, samples: float, prompt: float, lengths: Lengths,
                    mean: float, weight_bytes: float, kv_elem_bytes: float, max_rows: int,
-                   prefill_calls: float = 1.0, k: float = 1.0, waited_for: float = 0.0) -> float:
+                   prefill_calls: float = 1.0, k: float = 1.0, waited_for: float = 0.0,
+                   adapters: bool = False) -> float:
     """Prefill every prompt once for its `k` samples (DecodeEngine._prefill repeats the prompt's KV cache for them;
     one call per distinct prompt length, `prefill_calls`, at least one per max_rows samples), then decode step by step: each step is one call over the live rows
     (at most `max_rows`), reads the weights and the live rows' KV cache, and does 2 x matmul params FLOPs per row.
     More samples than `max_rows`: waiting prompts join as rows finish, so the engine first runs full steps until
     the queue is empty (the queued samples' tokens, max_rows at a time), then the last max_rows rows' tail.
     waited_for: the samples of every decoding worker, this one's included (Lengths.live_rows): the stage lasts
-    until the longest of them ends."""
+    until the longest of them ends. adapters: the decoded model runs LoRA adapters unmerged (the shared base)."""
     calls = max(math.ceil(samples / max_rows), prefill_calls)
-    total = forward_seconds(p, shape, samples / k / calls, prompt, weight_bytes, calls) + calls * p.prefill_call_s
+    total = (forward_seconds(p, shape, samples / k / calls, prompt, weight_bytes, calls, adapters=adapters)
+             + calls * p.prefill_call_s)
     total += samples * p.decode_sample_s
-    call = p.decode_layer_call_s or p.layer_call_s
+    call = (p.decode_layer_call_s or p.layer_call_s) + (p.lora_layer_call_s if adapters else 0.0)
 
     def step(rows: float, context: float) -> float:
         kv = rows * context * shape.kv_bytes_per_token(kv_elem_bytes)
@@ -541,6 +569,7 @@ def decode_seconds(p: MachineProfile, shape: ModelShape, samples: float, prompt:
     return total
 
 
-def migration_seconds(p: MachineProfile, shape: ModelShape, rows: float, context: float, weight_bytes: float) -> float:
+def migration_seconds(p: MachineProfile, shape: ModelShape, rows: float, context: float, weight_bytes: float,
+                      adapters: bool = False) -> float:
     """Tail migration: the keeper re-prefills each moved row's prompt and tokens so far (one call per row)."""
-    return forward_seconds(p, shape, 1, context, weight_bytes, rows) if rows > 0 else 0.0
+    return forward_seconds(p, shape, 1, context, weight_bytes, rows, adapters=adapters) if rows > 0 else 0.0

@@ -162,6 +162,20 @@ class MemoryInputs:
     and optimiser states in shards; the whole weights gathered for the rollout, one block (and the root's embeddings
     and heads) at a time in training. 1: DDP replicas."""
 
+    @property
+    def decodes_adapters(self) -> bool:
+        """The engine decodes the shared base with the actor's LoRA adapters unmerged (no generator copy)."""
+        return self.shared_base and self.lora_rank > 0 and not self.generator_copy
+
+    @property
+    def adapter_roles(self) -> frozenset[str]:
+        """The roles whose forwards run LoRA adapters unmerged: the actor (and a value head on its body) under LoRA;
+        the reward model and the critic too where they are adapters on the shared base."""
+        if not self.lora_rank:
+            return frozenset()
+        return frozenset({"actor", "reward", "critic"} if self.shared_base else
+                         {"actor"} | ({"critic"} if self.critic is None else set()))
+
 
 def worker_memory(roles: set[str] | tuple[str, ...], m: MemoryInputs, p: MachineProfile) -> dict[str, float]:
     """Bytes per component (COMPONENTS) of one worker holding `roles` (the policy roles: actor, generator,

@@ -82,9 +82,17 @@ class Workload:
         return self.prompt_tokens / (min(self.k, rows) if self.shares(rows) else 1.0)
 
     def shares(self, rows: float) -> bool:
-        """Whether a pass of `rows` samples runs its prompts once for their group: rl.share_prompt and a prompt
-        repeats among them."""
-        return self.shared_prompt and min(self.k, rows) > 1
+        """Whether a pass of `rows` samples runs its prompts once for their group: rl.share_prompt, a prompt repeats
+        among them, and that cuts the pass's token positions to cost.SHARE_BELOW of the full ones or less, the test
+        the models apply to each micro-batch (models/forward.py worth_sharing), here at the mean prompt and the
+        expected longest of `rows` responses."""
+        group = min(self.k, rows)
+        if not (self.shared_prompt and group > 1):
+            return False
+        longest = self.lengths.expected_max(rows)
+        full = rows * (self.prompt_tokens + longest)
+        shared = rows / group * self.prompt_tokens + rows * max(0.0, longest - 1)
+        return shared <= cost.SHARE_BELOW * full
 
     def passes(self, rows: float) -> int:
         """Model runs per forward of `rows` samples: 2 where they share prompts (the prompts' pass, then the
@@ -368,7 +376,7 @@ def _proximal_seconds(prob: Problem, workers: int) -> float:
     calls = math.ceil(per_worker / w.score_micro_batch)
     rows = per_worker / calls
     return cost.forward_seconds(p, m.policy, rows, w.scored_seq(rows), weight_bytes(m.policy, m.weight_dtype), calls,
-                                w.passes(rows))
+                                w.passes(rows), "actor" in m.adapter_roles)
 
 
 def _slowed(prob: Problem, factor: float) -> Problem:
@@ -448,17 +456,19 @@ def _generate_seconds(prob: Problem, workers: int, tp: int) -> float:
     prefills = cost.distinct_values(w.prompt_lengths, prompts, prompts / (workers // tp))  # this worker's share
     # the rollout ends with the longest sample of every decoder's: one decoder's own longest is shorter
     return cost.decode_seconds(p, m.policy, samples, w.prompt_tokens, w.lengths, w.response_mean,
-                               _policy_bytes(m), m.act_bytes, w.max_rows, prefills, w.k, waited_for=w.samples)
+                               _policy_bytes(m), m.act_bytes, w.max_rows, prefills, w.k, waited_for=w.samples,
+                               adapters=m.decodes_adapters)
 
 
-def _scored_models(m: MemoryInputs, roles: Roles, reference: bool = True) -> list[ModelShape]:
-    """The forwards scoring runs per sample: the reference's log-probs (unless taken elsewhere), the reward model,
-    the critic's values (the critic's own body, or the actor's when the value head sits on it)."""
-    out = [m.policy] if reference else []
+def _scored_models(m: MemoryInputs, roles: Roles, reference: bool = True) -> list[tuple[ModelShape, bool]]:
+    """The forwards scoring runs per sample, each with whether it runs LoRA adapters unmerged: the reference's
+    log-probs (unless taken elsewhere; under LoRA the actor with its adapters off), the reward model, the critic's
+    values (the critic's own body, or the actor's when the value head sits on it)."""
+    out = [(m.policy, False)] if reference else []
     if m.reward is not None:
-        out.append(m.reward)
+        out.append((m.reward, "reward" in m.adapter_roles))
     if "critic" in roles:
-        out.append(m.critic or m.policy)
+        out.append((m.critic or m.policy, "critic" in m.adapter_roles))
     return out
 
 
@@ -477,7 +487,7 @@ def _score_seconds(prob: Problem, workers: int, calls: float | None = None, refe
     # the fused tail's one-sample calls repeat no prompt: one pass each; the micro-batches' passes as they share
     passes = (batched * w.passes((per_worker - singles) / batched) + singles) / calls if batched else 1.0
     forwards = sum(cost.forward_seconds(p, s, rows, w.scored_seq(rows), weight_bytes(s, m.weight_dtype), calls,
-                                        passes) for s in _scored_models(m, prob.roles, reference))
+                                        passes, adapters) for s, adapters in _scored_models(m, prob.roles, reference))
     return forwards + calls * p.score_call_s
 
 
@@ -534,8 +544,9 @@ def _migration(prob: Problem, gen_w: int, migrate_below: float) -> tuple[float, 
         return 0.0, 0.0
     moved = rows[start] * (gen_w - 1)
     wb = _policy_bytes(m)
-    replay = cost.migration_seconds(p, m.policy, moved, w.prompt_tokens + start, wb)
-    tail = len(rows[start:]) * (m.policy.layers * (p.decode_layer_call_s or p.layer_call_s) + wb / p.mem_bw)
+    replay = cost.migration_seconds(p, m.policy, moved, w.prompt_tokens + start, wb, m.decodes_adapters)
+    call = (p.decode_layer_call_s or p.layer_call_s) + (p.lora_layer_call_s if m.decodes_adapters else 0.0)
+    tail = len(rows[start:]) * (m.policy.layers * call + wb / p.mem_bw)
     return replay, tail
 
 

@@ -5,7 +5,7 @@ The rates are fitted from a few timings of a GPT-2 of the policy's own shape wit
 when the policy is over 200 M parameters on CPU), run the way the RL loop runs it: the rollout engine's decode
 steps at 1, 8 and 32 rows (fixed cost per step and cost per row), its prefill of prompts of many lengths against one
 (cost per prefill call), transformers' forward at three batch sizes (fixed cost per call and FLOP/s), a backward (its
-ratio to the forward), an AdamW step, a tensor copy (bandwidth), a state-dict serialisation (what a weight sync
+ratio to the forward), the same through unmerged LoRA adapters (a frozen base), an AdamW step, a tensor copy (bandwidth), a state-dict serialisation (what a weight sync
 through Ray's object store costs per byte), the driver's advantages; then the overheads of a run on two Ray workers
 (profile_ray.py). Where the file goes and how the planner reads it back: rlfuse/plan/profiles.py.
 """
@@ -22,12 +22,12 @@ import psutil
 import torch
 from transformers import GPT2Config, GPT2ForSequenceClassification
 
-from rlfuse.config import RLConfig
+from rlfuse.config import ModelConfig, RLConfig
 from rlfuse.learn.advantages import compute_advantages
 from rlfuse.learn.batches import minibatches
 from rlfuse.metrics.flops import fastest_seconds, measure_matmul_rate
 from rlfuse.models.heads import ValueModel
-from rlfuse.models.load import model_of_shape
+from rlfuse.models.load import apply_lora, model_of_shape
 from rlfuse.models.rewards import reward_model_fn
 from rlfuse.plan.cost import GiB, MachineProfile, ModelShape, gpt2_shape
 from rlfuse.plan.profiles import BUILTIN_OVERHEADS, BUSY_CORES, GPU_OVERHEADS, RAY_WORKER_BYTES, SYNC_LATENCY_S
@@ -37,6 +37,9 @@ from rlfuse.runtime.probe import fake_experience, spread
 
 PASSES = 3
 """Times the profile takes every timing in its own process; the rates are fitted to each timing's fastest."""
+PROFILE_LORA_R = 16
+"""LoRA rank of the profile's adapted copy: its per-layer cost is the adapters' ops, which a rank of 8-64 barely
+changes at these widths (the shipped real-model configs train r = 16)."""
 
 
 def cpu_sample() -> tuple[float, float, float]:
@@ -89,6 +92,9 @@ def measure_profile(shape: ModelShape | None = None, threads: int = 1, device: s
     (x @ x).sum().backward()  # thread pools and allocator up before anything is timed
     runtime = _worker_runtime_bytes() if device == "cpu" else 0.5 * GiB
     model = model_of_shape(shape, device)
+    # LoRA on every linear of a second copy (get_peft_model wraps the model it is given, so not the plain one)
+    adapted = apply_lora(model_of_shape(shape, device), ModelConfig(lora=True, lora_r=PROFILE_LORA_R,
+                                                                    lora_alpha=2 * PROFILE_LORA_R)).train()
     n_params = sum(p.numel() for p in model.parameters())
     wbytes = 4.0 * n_params
     # PASSES passes, each rate fitted in the last from the fastest of every pass's timings of each point (one pass
@@ -170,13 +176,23 @@ def measure_profile(shape: ModelShape | None = None, threads: int = 1, device: s
                 times.append(time.perf_counter() - t)
         contention = max(1.0, sum(times) / len(times) / min(times))
 
-        def fwd_bwd(b: int):
-            model(input_ids=ids[b]).logits.float().log_softmax(-1)[..., 0].mean().backward()
+        def fwd_bwd(net, b: int):
+            net(input_ids=ids[b]).logits.float().log_softmax(-1)[..., 0].mean().backward()
 
-        fb = {b: timed(f"train{b}", lambda: fwd_bwd(b), 5) for b in ids}
+        fb = {b: timed(f"train{b}", lambda: fwd_bwd(model, b), 5) for b in ids}
         fixed_fb, per_row_fb = _fit(fb)
         bwd_ratio = max(0.5, per_row_fb / per_row - 1)  # marginal: per row of the forward + backward over the forward
         train_call = max(1e-7, (fixed_fb - (1 + bwd_ratio) * wbytes / mem_bw) / shape.layers)
+        # the same through unmerged LoRA adapters: their fixed cost per layer in a forward (the shared base decodes
+        # and scores through them), and forward + backward with the base frozen (no weight gradients of the base,
+        # the adapters' own ops in both directions)
+        with torch.no_grad():
+            t_one_lora = timed("forward_one_lora", lambda: adapted(input_ids=one_token).logits, 9)
+        lora_call = max(0.0, (t_one_lora - t_one) / shape.layers)
+        fb_lora = {b: timed(f"train_lora{b}", lambda: fwd_bwd(adapted, b), 5) for b in ids}
+        fixed_lora, per_row_lora = _fit(fb_lora)
+        lora_bwd = max(0.2, per_row_lora / per_row - 1)
+        lora_train_call = max(1e-7, (fixed_lora - (1 + lora_bwd) * wbytes / mem_bw) / shape.layers)
         opt = torch.optim.AdamW(model.parameters(), lr=1e-6)
         t_opt = timed("adamw", opt.step, 3)
         optimizer_bytes_s = 16 * n_params / t_opt
@@ -192,7 +208,8 @@ def measure_profile(shape: ModelShape | None = None, threads: int = 1, device: s
         return {"flops": flops, "decode_flops": decode_flops, "mem_bw": mem_bw, "layer_call_s": call,
                 "decode_layer_call_s": decode_layer_call, "decode_sample_s": decode_sample_s,
                 "score_call_s": score_call_s, "prefill_call_s": prefill_call_s, "train_layer_call_s": train_call,
-                "bwd_ratio": bwd_ratio, "optimizer_bytes_s": optimizer_bytes_s, "sync_bytes_s": sync_bytes_s,
+                "bwd_ratio": bwd_ratio, "lora_layer_call_s": lora_call, "lora_train_layer_call_s": lora_train_call,
+                "lora_bwd_ratio": lora_bwd, "optimizer_bytes_s": optimizer_bytes_s, "sync_bytes_s": sync_bytes_s,
                 "contention": contention}
 
     measured_on_ray = ray and device == "cpu"

@@ -51,6 +51,52 @@ def test_train_seconds_lora_and_checkpointing():
     assert two - one == pytest.approx(3 * (2 * 1e-3 * 3 + 3 * 1e6 / 1e10))
 
 
+def test_unmerged_lora_adapters_by_hand():
+    adapted = replace(RATES, lora_layer_call_s=2e-4, lora_train_layer_call_s=4e-3, lora_bwd_ratio=0.5)
+    flops = TINY.forward_flops(4 * 6, 3)
+    # a forward through adapters: 2 layers x (1 ms + 0.2 ms) per pass; without them the plain rate
+    assert cost.forward_seconds(adapted, TINY, 4, 6, 100, calls=2, adapters=True) == pytest.approx(
+        2 * (2 * 1.2e-3 + flops / 1e9 + 1e-8))
+    assert cost.forward_seconds(adapted, TINY, 4, 6, 100, calls=2) == cost.forward_seconds(RATES, TINY, 4, 6, 100, 2)
+    # a frozen base's training: the measured fixed cost (2 layers x 4 ms) and backward ratio (1 + 0.5), per call
+    variable = TINY.forward_flops(8, 2) / 1e9
+    assert cost.train_seconds(adapted, TINY, 2, 4, 0, 3, False, True) == pytest.approx(3 * (2 * 4e-3 + 1.5 * variable))
+    # full fine-tuning ignores the LoRA rates
+    assert cost.train_seconds(adapted, TINY, 2, 4, 0, 3, False, False) == cost.train_seconds(
+        RATES, TINY, 2, 4, 0, 3, False, False)
+    # decoding through adapters: every step's layer calls cost 0.2 ms more per layer (and the prefill's)
+    lengths = cost.Lengths.from_mean(5, 5)
+    steps = len(lengths.live_rows(4, 4))
+    extra = (cost.decode_seconds(adapted, TINY, 4, 3, lengths, 5, 100, 4, 8, adapters=True)
+             - cost.decode_seconds(adapted, TINY, 4, 3, lengths, 5, 100, 4, 8))
+    assert extra == pytest.approx((steps + 1) * 2 * 2e-4)
+    # slowed: the per-layer costs multiplied like every other per-call cost
+    assert adapted.slowed(2).lora_layer_call_s == pytest.approx(4e-4)
+    assert adapted.slowed(2).lora_train_layer_call_s == pytest.approx(8e-3)
+
+
+def test_the_shared_base_decodes_and_scores_through_its_adapters():
+    # configs/smollm2_hh.yaml's layout on the embedded model: one base, the actor decoding through its adapter, the
+    # reward model and critic adapters on it, the reference the base with the adapters off
+    from rlfuse.plan.planner import _generate_seconds, _score_seconds
+
+    cfg = load_config(None, ["model.lora=true", "model.shared_base=true", "rl.algo=ppo", "rl.critic_init=rm"])
+    prob = problem_from_config(cfg, RATES)
+    m = prob.memory
+    assert m.decodes_adapters and m.adapter_roles == {"actor", "reward", "critic"}
+    adapted = replace(prob, profile=replace(RATES, lora_layer_call_s=1e-3))
+    w = prob.workload
+    assert w.k == 1 and w.score_singles == 8  # one pass a call; the fused tail's 8 one-sample calls
+    calls = math.ceil((w.samples - 8) / w.score_micro_batch) + 8
+    more = _score_seconds(adapted, 1) - _score_seconds(prob, 1)
+    # two of the three scoring forwards (reward, critic) pay 1 ms more per layer and call; the reference does not
+    assert more == pytest.approx(2 * calls * m.policy.layers * 1e-3)
+    assert _generate_seconds(adapted, 1, 1) > _generate_seconds(prob, 1, 1)
+    # without the shared base the generator is a merged copy: decoding pays no adapters
+    plain = problem_from_config(load_config(None, ["model.lora=true", "model.shared_base=false"]), RATES)
+    assert not plain.memory.decodes_adapters and plain.memory.adapter_roles == {"actor"}
+
+
 def test_sync_allreduce_optimizer_by_hand():
     assert cost.sync_seconds(RATES, 1e8, receivers=2) == pytest.approx(2 * (0.01 + 1.0))
     assert cost.sync_seconds(RATES, 1e8, receivers=0) == 0
@@ -504,15 +550,26 @@ def test_shared_prompts_cost_their_share_per_sample(default_problem):
     assert w.memory_lengths(32) == {"seq": 36, "train_seq": 11.5, "score_seq": 11.5}
     assert replace(w, shared_prompt=False).prompt_per_sample(32) == 28.0
     assert w.passes(32) == 2 and w.passes(1) == 1 and replace(w, shared_prompt=False).passes(32) == 1
+    # the models' token test (models/forward.py worth_sharing): 8 rows of one prompt, answers of 4 (longest 8 at the
+    # cap, response_max): 28 + 8 x 7 = 84 token positions shared against 8 x 36 = 288 full; 200-token answers
+    # (longest 200) after 28-token prompts: 28 + 8 x 199 = 1620 against 8 x 228 = 1824, 0.89 > 0.8: not shared
+    assert w.lengths.expected_max(8) == 8 and w.shares(8)
+    long_answers = replace(w, response_mean=150.0, response_max=200)
+    assert long_answers.lengths.expected_max(8) == 200
+    assert not long_answers.shares(8) and long_answers.passes(8) == 1 and long_answers.prompt_per_sample(8) == 28.0
     cfg = load_config(None, ["rl.algo=grpo", "rl.k=8", "rl.prompts_per_iter=4", "rl.mini_batch_size=32"])
     assert problem_from_config(cfg, CPU, workers=2).workload.shared_prompt
     assert not problem_from_config(load_config(None, ["rl.algo=grpo", "rl.k=8", "rl.prompts_per_iter=4",
                                                       "rl.mini_batch_size=32", "rl.share_prompt=false"]),
                                    CPU, workers=2).workload.shared_prompt
     # sharing trades tokens for a second pass: where FLOPs dominate it predicts a faster update; where the per-call
-    # costs do (near-free FLOPs), a slower one, by the second pass's layer calls and weight reads
-    shared = replace(problem_from_config(cfg, CPU, workers=2), strategies=("flattened",), micro_batches=(8,),
-                     checkpointing=(False,), migrate_below=(0.0,))
+    # costs do (near-free FLOPs), a slower one, by the second pass's layer calls and weight reads (word problems'
+    # lengths: the default task's 4-token prompts before answers of up to 48 do not pass the token test)
+    default = problem_from_config(cfg, CPU, workers=2)
+    assert not default.workload.shares(8)
+    shared = replace(default, workload=replace(default.workload, prompt_tokens=28.0, response_mean=4.0, response_max=8),
+                     strategies=("flattened",), micro_batches=(8,), checkpointing=(False,), migrate_below=(0.0,))
+    assert shared.workload.shares(8)
     alone = replace(shared, workload=replace(shared.workload, shared_prompt=False))
     flops_bound = replace(shared.profile, layer_call_s=1e-12, train_layer_call_s=1e-12, mem_bw=1e18)
     calls_bound = replace(shared.profile, flops=1e18)
@@ -563,8 +620,8 @@ def test_fused_tail_singles_score_in_one_pass():
 
     cfg = load_config(None, ["rl.algo=grpo", "rl.k=8", "rl.prompts_per_iter=4", "rl.mini_batch_size=32"])
     prob = problem_from_config(cfg, replace(CPU, flops=1e30), workers=1)
-    w = prob.workload
-    assert w.shared_prompt and w.samples == 32
+    w = replace(prob.workload, prompt_tokens=28.0, response_mean=4.0, response_max=8)  # word problems' lengths
+    assert w.shared_prompt and w.samples == 32 and w.shares(w.score_micro_batch)
     mixed = replace(prob, workload=replace(w, score_singles=16))
     batched = math.ceil(16 / w.score_micro_batch)
     unshared = replace(mixed, workload=replace(mixed.workload, shared_prompt=False))

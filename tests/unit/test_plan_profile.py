@@ -19,9 +19,11 @@ def test_measure_profile_tiny_model(tmp_path):
     # plausible for any CPU this runs on, and far from the 1e-7 floors the fits clamp to (a failed fit lands there)
     plausible = {"flops": (1e8, 1e13), "decode_flops": (1e7, 1e13), "mem_bw": (1e7, 1e12),
                  "layer_call_s": (1e-6, 0.1), "decode_layer_call_s": (1e-6, 0.1), "optimizer_bytes_s": (1e6, 1e12),
-                 "sync_bytes_s": (1e6, 1e12), "memory_bytes": (1e9, 1e14), "runtime_bytes": (5e7, 8e9)}
+                 "sync_bytes_s": (1e6, 1e12), "memory_bytes": (1e9, 1e14), "runtime_bytes": (5e7, 8e9),
+                 "lora_train_layer_call_s": (1e-6, 0.1), "lora_bwd_ratio": (0.1, 10)}
     for name, (low, high) in plausible.items():
         assert low < getattr(p, name) < high, (name, getattr(p, name))
+    assert 0 <= p.lora_layer_call_s < 0.1  # adapters' extra cost per layer: a difference of timings, may be 0
     assert p.device == "cpu" and p.threads == 1 and "rlfuse plan --profile" in p.source
     assert "fastest of 3 passes' timings" in p.source  # the passes pooled, and which rate moved most over them
     assert 1e-6 < p.ray_call_s < 0.5  # the driver's own work per iteration, measured in this process
