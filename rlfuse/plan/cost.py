@@ -397,8 +397,12 @@ def train_seconds(p: MachineProfile, shape: ModelShape, rows: float, seq: float,
     fixed = shape.layers * (p.train_layer_call_s or p.layer_call_s * (1 + p.bwd_ratio))
     bwd = p.bwd_ratio
     if frozen_base:
-        fixed = shape.layers * p.lora_train_layer_call_s or fixed
         bwd = p.lora_bwd_ratio or p.bwd_ratio / 2
+        if p.lora_train_layer_call_s:
+            # at least the adapted forward's fixed cost, run forward and back: the fitted intercept of three
+            # FLOP-bound timings can land at its floor (SmolLM2-135M, 2026-11-27: 1.2e-7 s a layer against 0.64 ms
+            # a layer that the adapters add to a one-token forward)
+            fixed = shape.layers * max(p.lora_train_layer_call_s, (p.layer_call_s + p.lora_layer_call_s) * (1 + bwd))
     variable = shape.forward_flops(rows * seq, seq / 2) / p.flops + passes * weight_bytes / p.mem_bw
     recompute = (forward_seconds(p, shape, rows, seq, weight_bytes, passes=passes, adapters=frozen_base)
                  if checkpointing else 0.0)

@@ -61,6 +61,11 @@ def test_unmerged_lora_adapters_by_hand():
     # a frozen base's training: the measured fixed cost (2 layers x 4 ms) and backward ratio (1 + 0.5), per call
     variable = TINY.forward_flops(8, 2) / 1e9
     assert cost.train_seconds(adapted, TINY, 2, 4, 0, 3, False, True) == pytest.approx(3 * (2 * 4e-3 + 1.5 * variable))
+    # a fitted fixed cost under the adapted forward's, run forward and back, is raised to it: 2 layers x (1 ms + 0.2 ms)
+    # x (1 + 0.5) per call
+    floor_fit = replace(adapted, lora_train_layer_call_s=1e-7)
+    assert cost.train_seconds(floor_fit, TINY, 2, 4, 0, 3, False, True) == pytest.approx(
+        3 * (2 * 1.2e-3 * 1.5 + 1.5 * variable))
     # full fine-tuning ignores the LoRA rates
     assert cost.train_seconds(adapted, TINY, 2, 4, 0, 3, False, False) == cost.train_seconds(
         RATES, TINY, 2, 4, 0, 3, False, False)
