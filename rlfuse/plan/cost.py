@@ -230,6 +230,9 @@ class MachineProfile:
     """Fixed seconds per layer that LoRA adapters running unmerged on every linear add to a forward call or a decode
     step (peft's LoraLayer: dropout, two small matmuls and the scaled sum per adapted linear): what the shared base
     pays where it decodes as the actor and scores as the reward model and critic. 0: not measured (older profiles)."""
+    lora_fwd_ratio: float = 0.0
+    """A forward's seconds per token through those adapters over the plain model's (their two small matmuls and the
+    scaled sum on every linear, per token); 0: not measured, 1."""
     lora_train_layer_call_s: float = 0.0
     """Fixed seconds per layer of a forward + backward through those adapters with the base frozen; 0: not
     measured, train_layer_call_s."""
@@ -378,8 +381,9 @@ def forward_seconds(p: MachineProfile, shape: ModelShape, rows: float, seq: floa
     """`calls` forwards, each over `rows` sequences of `seq` tokens (causal: each token attends to seq/2 on average);
     every call runs the model `passes` times (2 where prompts are shared: the prompts, then the continuations on
     their keys and values, models/prefix.py), each pass reading the weights and paying the per-layer call cost.
-    adapters: LoRA adapters run unmerged on the linears (lora_layer_call_s more per layer)."""
-    flops = shape.forward_flops(rows * seq, seq / 2)
+    adapters: LoRA adapters run unmerged on the linears (lora_layer_call_s more per layer, and their work per token:
+    lora_fwd_ratio)."""
+    flops = shape.forward_flops(rows * seq, seq / 2) * ((p.lora_fwd_ratio or 1.0) if adapters else 1.0)
     call = p.layer_call_s + (p.lora_layer_call_s if adapters else 0.0)
     return calls * (passes * (shape.layers * call + weight_bytes / p.mem_bw) + flops / p.flops)
 
@@ -559,10 +563,12 @@ def decode_seconds(p: MachineProfile, shape: ModelShape, samples: float, prompt:
              + calls * p.prefill_call_s)
     total += samples * p.decode_sample_s
     call = (p.decode_layer_call_s or p.layer_call_s) + (p.lora_layer_call_s if adapters else 0.0)
+    per_row = (p.lora_fwd_ratio or 1.0) if adapters else 1.0  # the adapters' work per token
 
     def step(rows: float, context: float) -> float:
         kv = rows * context * shape.kv_bytes_per_token(kv_elem_bytes)
-        return shape.layers * call + shape.forward_flops(rows, context) / p.decode_flops + (weight_bytes + kv) / p.mem_bw
+        return (shape.layers * call + per_row * shape.forward_flops(rows, context) / p.decode_flops
+                + (weight_bytes + kv) / p.mem_bw)
 
     if samples > max_rows:
         full_steps = (samples - max_rows) * mean / max_rows

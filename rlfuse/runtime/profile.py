@@ -188,7 +188,9 @@ def measure_profile(shape: ModelShape | None = None, threads: int = 1, device: s
         # the adapters' own ops in both directions)
         with torch.no_grad():
             t_one_lora = timed("forward_one_lora", lambda: adapted(input_ids=one_token).logits, 9)
+            fwd_lora = {b: timed(f"forward_lora{b}", lambda: adapted(input_ids=ids[b]).logits, 5) for b in ids}
         lora_call = max(0.0, (t_one_lora - t_one) / shape.layers)
+        lora_fwd = max(1.0, _fit(fwd_lora)[1] / per_row)  # adapters add work per token, never take it away
         fb_lora = {b: timed(f"train_lora{b}", lambda: fwd_bwd(adapted, b), 5) for b in ids}
         fixed_lora, per_row_lora = _fit(fb_lora)
         lora_bwd = max(0.2, per_row_lora / per_row - 1)
@@ -208,7 +210,8 @@ def measure_profile(shape: ModelShape | None = None, threads: int = 1, device: s
         return {"flops": flops, "decode_flops": decode_flops, "mem_bw": mem_bw, "layer_call_s": call,
                 "decode_layer_call_s": decode_layer_call, "decode_sample_s": decode_sample_s,
                 "score_call_s": score_call_s, "prefill_call_s": prefill_call_s, "train_layer_call_s": train_call,
-                "bwd_ratio": bwd_ratio, "lora_layer_call_s": lora_call, "lora_train_layer_call_s": lora_train_call,
+                "bwd_ratio": bwd_ratio, "lora_layer_call_s": lora_call, "lora_fwd_ratio": lora_fwd,
+                "lora_train_layer_call_s": lora_train_call,
                 "lora_bwd_ratio": lora_bwd, "optimizer_bytes_s": optimizer_bytes_s, "sync_bytes_s": sync_bytes_s,
                 "contention": contention}
 

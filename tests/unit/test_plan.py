@@ -61,6 +61,11 @@ def test_unmerged_lora_adapters_by_hand():
     # a frozen base's training: the measured fixed cost (2 layers x 4 ms) and backward ratio (1 + 0.5), per call
     variable = TINY.forward_flops(8, 2) / 1e9
     assert cost.train_seconds(adapted, TINY, 2, 4, 0, 3, False, True) == pytest.approx(3 * (2 * 4e-3 + 1.5 * variable))
+    # the adapters' work per token: the FLOPs term of a forward (and of a decode step) times lora_fwd_ratio
+    per_token = replace(adapted, lora_fwd_ratio=1.25)
+    assert cost.forward_seconds(per_token, TINY, 4, 6, 100, calls=2, adapters=True) == pytest.approx(
+        2 * (2 * 1.2e-3 + 1.25 * flops / 1e9 + 1e-8))
+    assert cost.forward_seconds(per_token, TINY, 4, 6, 100, calls=2) == cost.forward_seconds(RATES, TINY, 4, 6, 100, 2)
     # a fitted fixed cost under the adapted forward's, run forward and back, is raised to it: 2 layers x (1 ms + 0.2 ms)
     # x (1 + 0.5) per call
     floor_fit = replace(adapted, lora_train_layer_call_s=1e-7)

@@ -20,7 +20,7 @@ def test_measure_profile_tiny_model(tmp_path):
     plausible = {"flops": (1e8, 1e13), "decode_flops": (1e7, 1e13), "mem_bw": (1e7, 1e12),
                  "layer_call_s": (1e-6, 0.1), "decode_layer_call_s": (1e-6, 0.1), "optimizer_bytes_s": (1e6, 1e12),
                  "sync_bytes_s": (1e6, 1e12), "memory_bytes": (1e9, 1e14), "runtime_bytes": (5e7, 8e9),
-                 "lora_train_layer_call_s": (1e-6, 0.1), "lora_bwd_ratio": (0.1, 10)}
+                 "lora_train_layer_call_s": (1e-6, 0.1), "lora_bwd_ratio": (0.1, 10), "lora_fwd_ratio": (0.99, 5)}
     for name, (low, high) in plausible.items():
         assert low < getattr(p, name) < high, (name, getattr(p, name))
     assert 0 <= p.lora_layer_call_s < 0.1  # adapters' extra cost per layer: a difference of timings, may be 0
