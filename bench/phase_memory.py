@@ -12,11 +12,16 @@ writes). Prints `PEAKS {phase: MiB}` on stderr at exit. With `--rlfuse` first, t
 in this process instead (a single-process run: placement.strategy=single), the critic's loss charged too:
 
     python -m bench.phase_memory --rlfuse rl configs/smollm2_hh.yaml rl.sft_path=... rl.rm_path=... \
-        placement.strategy=single rl.iterations=2 rl.micro_batch_size=4"""
+        placement.strategy=single rl.iterations=2 rl.micro_batch_size=4
+
+`--trim` (first, before `--rlfuse` or the child arguments) hands the C heap's free pages back to the OS (glibc's
+malloc_trim) before each policy micro-batch and prints `TRIMMED {MiB of RSS before: MiB after}` at each: how much
+of the RSS a micro-batch starts from is memory earlier ones freed and the heap kept."""
 
 from __future__ import annotations
 
 import atexit
+import ctypes
 import runpy
 import sys
 import threading
@@ -30,6 +35,19 @@ import rlfuse.rollout.score as score
 from bench.common import rss_mb
 
 phase, peaks = ["other"], {}
+
+
+def trimmed(owner, name: str) -> None:
+    """owner.name runs after glibc's malloc_trim(0), printing the RSS before and after the trim."""
+    inner, trim = getattr(owner, name), ctypes.CDLL("libc.so.6").malloc_trim
+
+    def run(*a, **k):
+        before = rss_mb()
+        trim(0)
+        print("TRIMMED", {round(before): round(rss_mb())}, file=sys.stderr)
+        return inner(*a, **k)
+
+    setattr(owner, name, run)
 
 
 def sample() -> None:
@@ -54,6 +72,9 @@ def charged(owner, name: str, label: str) -> None:
 
 
 def main() -> None:
+    if sys.argv[1:2] == ["--trim"]:
+        del sys.argv[1]
+        trimmed(update, "micro_policy_loss")
     charged(torch.Tensor, "backward", "backward")
     charged(torch.optim.AdamW, "step", "optimizer_step")
     charged(engine.DecodeEngine, "generate", "generate")

@@ -312,6 +312,14 @@ class MachineProfile:
             raise UserError(f"{path} is not a machine profile ({type(e).__name__}); rerun `rlfuse plan --profile`"
                             f"{' --profile-path ' + str(path)}") from None
 
+    def decode_call_s(self, adapters: bool = False) -> float:
+        """Fixed seconds per layer of a decode step (through unmerged LoRA adapters where `adapters`)."""
+        return (self.decode_layer_call_s or self.layer_call_s) + (self.lora_layer_call_s if adapters else 0.0)
+
+    def token_work(self, adapters: bool = False) -> float:
+        """A forward's work per token relative to the plain model's: lora_fwd_ratio through unmerged adapters."""
+        return (self.lora_fwd_ratio or 1.0) if adapters else 1.0
+
     def slowed(self, factor: float) -> "MachineProfile":
         """The rates of a worker that gets 1/factor of what was measured (factor <= 1: unchanged): compute and
         memory rates divided, per-call overheads multiplied; bandwidths between processes are not compute."""
@@ -383,7 +391,7 @@ def forward_seconds(p: MachineProfile, shape: ModelShape, rows: float, seq: floa
     their keys and values, models/prefix.py), each pass reading the weights and paying the per-layer call cost.
     adapters: LoRA adapters run unmerged on the linears (lora_layer_call_s more per layer, and their work per token:
     lora_fwd_ratio)."""
-    flops = shape.forward_flops(rows * seq, seq / 2) * ((p.lora_fwd_ratio or 1.0) if adapters else 1.0)
+    flops = shape.forward_flops(rows * seq, seq / 2) * p.token_work(adapters)
     call = p.layer_call_s + (p.lora_layer_call_s if adapters else 0.0)
     return calls * (passes * (shape.layers * call + weight_bytes / p.mem_bw) + flops / p.flops)
 
@@ -562,8 +570,7 @@ def decode_seconds(p: MachineProfile, shape: ModelShape, samples: float, prompt:
     total = (forward_seconds(p, shape, samples / k / calls, prompt, weight_bytes, calls, adapters=adapters)
              + calls * p.prefill_call_s)
     total += samples * p.decode_sample_s
-    call = (p.decode_layer_call_s or p.layer_call_s) + (p.lora_layer_call_s if adapters else 0.0)
-    per_row = (p.lora_fwd_ratio or 1.0) if adapters else 1.0  # the adapters' work per token
+    call, per_row = p.decode_call_s(adapters), p.token_work(adapters)
 
     def step(rows: float, context: float) -> float:
         kv = rows * context * shape.kv_bytes_per_token(kv_elem_bytes)

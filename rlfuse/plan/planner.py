@@ -545,8 +545,7 @@ def _migration(prob: Problem, gen_w: int, migrate_below: float) -> tuple[float, 
     moved = rows[start] * (gen_w - 1)
     wb = _policy_bytes(m)
     replay = cost.migration_seconds(p, m.policy, moved, w.prompt_tokens + start, wb, m.decodes_adapters)
-    call = (p.decode_layer_call_s or p.layer_call_s) + (p.lora_layer_call_s if m.decodes_adapters else 0.0)
-    tail = len(rows[start:]) * (m.policy.layers * call + wb / p.mem_bw)
+    tail = len(rows[start:]) * (m.policy.layers * p.decode_call_s(m.decodes_adapters) + wb / p.mem_bw)
     return replay, tail
 
 

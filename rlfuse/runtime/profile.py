@@ -5,9 +5,9 @@ The rates are fitted from a few timings of a GPT-2 of the policy's own shape wit
 when the policy is over 200 M parameters on CPU), run the way the RL loop runs it: the rollout engine's decode
 steps at 1, 8 and 32 rows (fixed cost per step and cost per row), its prefill of prompts of many lengths against one
 (cost per prefill call), transformers' forward at three batch sizes (fixed cost per call and FLOP/s), a backward (its
-ratio to the forward), the same through unmerged LoRA adapters (a frozen base), an AdamW step, a tensor copy (bandwidth), a state-dict serialisation (what a weight sync
-through Ray's object store costs per byte), the driver's advantages; then the overheads of a run on two Ray workers
-(profile_ray.py). Where the file goes and how the planner reads it back: rlfuse/plan/profiles.py.
+ratio to the forward), the same through unmerged LoRA adapters (a frozen base), an AdamW step, a tensor copy
+(bandwidth), a state-dict serialisation (what a weight sync through Ray's object store costs per byte), the driver's
+advantages; then the overheads of a run on two Ray workers (profile_ray.py). Where the file goes and how the planner reads it back: rlfuse/plan/profiles.py.
 """
 
 from __future__ import annotations
@@ -211,8 +211,8 @@ def measure_profile(shape: ModelShape | None = None, threads: int = 1, device: s
                 "decode_layer_call_s": decode_layer_call, "decode_sample_s": decode_sample_s,
                 "score_call_s": score_call_s, "prefill_call_s": prefill_call_s, "train_layer_call_s": train_call,
                 "bwd_ratio": bwd_ratio, "lora_layer_call_s": lora_call, "lora_fwd_ratio": lora_fwd,
-                "lora_train_layer_call_s": lora_train_call,
-                "lora_bwd_ratio": lora_bwd, "optimizer_bytes_s": optimizer_bytes_s, "sync_bytes_s": sync_bytes_s,
+                "lora_train_layer_call_s": lora_train_call, "lora_bwd_ratio": lora_bwd,
+                "optimizer_bytes_s": optimizer_bytes_s, "sync_bytes_s": sync_bytes_s,
                 "contention": contention}
 
     measured_on_ray = ray and device == "cpu"
