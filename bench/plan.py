@@ -219,6 +219,7 @@ def predict_all(task: str, models: Path, profile_path: Path, work: Path,
         shutil.rmtree(calib, ignore_errors=True)
         rlfuse("rl", *rl_args(models, task, iterations), "run.threads=1", f"run.dir={calib}",
                log=work / f"calibrate_{task}.log")
+        drop_weights(calib)
     cfg = load_config(task_config(task), common_overrides(models, task, 3))
     prompts = measure_prompts(cfg, lambda m: None)  # rl.sft_path's tokenizer, the run's first iterations' batches
     inputs = {"lengths": measured_lengths(calib), "prompt_tokens": prompts.tokens, "prompt_lengths": prompts.distinct,
@@ -246,6 +247,15 @@ def run_dir(task: str, pl, work: Path, repeat: int) -> Path:
     return work / f"{task}_{pl.strategy}{pl.split}_mb{pl.micro_batch_size}_{ckpt}_mig{pl.migrate_below:g}_r{repeat}"
 
 
+def drop_weights(run: Path) -> None:
+    """Remove a measured run's saved policy and checkpoints (~2 GB each with the real model: a bench of 24 runs kept
+    50 GB); its metrics, logs and report, all this bench reads, stay."""
+    for folder in ("model", "adapter"):
+        shutil.rmtree(run / "rl" / folder, ignore_errors=True)
+    for f in (run / "rl").glob("checkpoint.pt*"):
+        shutil.rmtree(f, ignore_errors=True) if f.is_dir() else f.unlink(missing_ok=True)
+
+
 def run_plan(task: str, pl, models: Path, work: Path, iterations: int, repeat: int,
              fresh: bool = False) -> tuple[Path, bool]:
     """Run `pl` for `iterations` iterations (its `repeat`-th run), reusing a finished earlier run unless fresh.
@@ -258,6 +268,7 @@ def run_plan(task: str, pl, models: Path, work: Path, iterations: int, repeat: i
                 for k, v in sec.items()]
         one = ["run.threads=1"] if pl.strategy == "single" else []  # 1 worker x 1 CPU, as planned (and profiled)
         rlfuse("rl", *rl_args(models, task, iterations), *flat, *one, f"run.dir={d}", log=d.parent / (d.name + ".log"))
+        drop_weights(d)
         return d, True
     return d, False
 

@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
-from bench.plan import plans_for, report, repredict  # noqa: E402
+from bench.plan import drop_weights, plans_for, report, repredict  # noqa: E402
 from rlfuse.plan.profiles import BUILTIN_CPU  # noqa: E402
 
 INPUTS = {"lengths": [11.5, 33], "prompt_tokens": 4.1, "prompt_lengths": 3.8}
@@ -58,3 +58,14 @@ def test_repredict_says_what_is_missing(stored):
     (work / "gone.json").write_text(json.dumps([results[0] | {"label": "flattened 9, micro 3"}]))
     with pytest.raises(SystemExit, match="no longer among the candidates"):
         repredict(work / "gone.json", None, work / "machine_profile.json")
+
+
+def test_a_measured_runs_weights_go_and_what_the_bench_reads_stays(tmp_path):
+    rl = tmp_path / "rl"
+    for folder in ("model", "adapter", "checkpoint.pt.shards-3"):
+        (rl / folder).mkdir(parents=True)
+        (rl / folder / "weights.safetensors").write_bytes(b"0" * 64)
+    for name in ("checkpoint.pt", "checkpoint.pt.prev", "metrics.jsonl", "summary.json"):
+        (rl / name).write_text("{}")
+    drop_weights(tmp_path)
+    assert sorted(p.name for p in rl.iterdir()) == ["metrics.jsonl", "summary.json"]
