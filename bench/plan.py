@@ -223,6 +223,7 @@ def predict_all(task: str, models: Path, profile_path: Path, work: Path,
     cfg = load_config(task_config(task), common_overrides(models, task, 3))
     prompts = measure_prompts(cfg, lambda m: None)  # rl.sft_path's tokenizer, the run's first iterations' batches
     inputs = {"lengths": measured_lengths(calib), "prompt_tokens": prompts.tokens, "prompt_lengths": prompts.distinct,
+              "prompt_longest": prompts.longest,
               "iteration_lengths": iteration_lengths(calib)[: iterations - 1]}
     plans, seconds = ranked_plans(task, models, profile_path, inputs)
     chosen = [plans[0]]  # the planner's own choice always runs
@@ -501,8 +502,8 @@ def main() -> None:
     for task in args.tasks:
         profiles[task] = fresh_profile(work, args.fresh, task)
         inputs, chosen, seconds[task] = predict_all(task, models, profiles[task], work, args.iterations)
-        print(f"[plan bench] {task}: prompt tokens {inputs['prompt_tokens']:.1f} ({inputs['prompt_lengths']:.1f} "
-              f"distinct lengths per iteration), response lengths {inputs['lengths']}",
+        print(f"[plan bench] {task}: prompt tokens {inputs['prompt_tokens']:.1f} (longest "
+              f"{inputs['prompt_longest']}, {inputs['prompt_lengths']:.1f} distinct lengths per iteration), response lengths {inputs['lengths']}",
               file=sys.stderr)
         todo += [(task, pl, rank, inputs) for pl, rank in chosen[: args.plans or None]]
     if args.dry:

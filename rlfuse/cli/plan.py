@@ -105,8 +105,9 @@ def run(ns) -> int:
         print(f"profile: {profile.name} ({profile.source})")
         print(prompts_line)
         w = prob.workload
+        longest = f", longest {w.prompt_longest:g}" if w.prompt_longest else ""
         print(f"workload: {w.samples} samples x {w.prompt_tokens:.1f} prompt ({w.prompt_lengths:.1f} distinct "
-              f"lengths) + {w.response_mean:.1f} response tokens (at most {w.response_max}), {w.epochs} epochs, "
+              f"lengths{longest}) + {w.response_mean:.1f} response tokens (at most {w.response_max}), {w.epochs} epochs, "
               f"mini-batch {w.mini_batch}; {prob.workers} workers; "
               f"budget {'none' if prob.memory_budget is None else f'{prob.memory_budget / GiB:.2f} GiB'} per worker\n")
         print(plan_table(plans, ns.top))

@@ -96,6 +96,35 @@ def process_level(device) -> int:
         return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
 
 
+def peak_rise(fn, device="cpu") -> int:
+    """Bytes the process's peak rose above its level before `fn()` ran (freed heap handed back first): on the CPU
+    the kernel's own high-water mark, reset through /proc/self/clear_refs (Linux; a PeakSampler where that cannot be
+    written), on a GPU the allocator's peak. What one training micro-batch costs, measured as a run pays it."""
+    if getattr(device, "type", str(device)) == "cuda":
+        torch.cuda.synchronize(device)
+        start = torch.cuda.memory_allocated(device)
+        torch.cuda.reset_peak_memory_stats(device)
+        fn()
+        torch.cuda.synchronize(device)
+        return torch.cuda.max_memory_allocated(device) - start
+    release_freed_memory()
+    try:
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")  # resets VmHWM to the RSS now
+    except OSError:
+        sampler = PeakSampler(device, interval_s=0.002)
+        start = process_level(device)
+        fn()
+        peak = sampler.take()
+        sampler.close()
+        return peak - start
+    start = process_level(device)
+    fn()
+    with open("/proc/self/status") as f:
+        hwm = next(int(line.split()[1]) * 1024 for line in f if line.startswith("VmHWM:"))
+    return max(hwm, process_level(device)) - start
+
+
 class PeakSampler:
     """A daemon thread that keeps the highest process_level seen since the last take(). The thread holds the sampler
     weakly and ends once the sampler is gone (or close() is called): a run that forgets close() leaks no thread."""

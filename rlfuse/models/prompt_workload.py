@@ -47,14 +47,16 @@ class PromptWorkload:
     budget: int
     data: str
     """Which data: data.kind and its file."""
+    longest: int = 0
+    """The longest of them (cut to the budget): a micro-batch holding it sets the memory peak."""
 
     def planner_inputs(self) -> dict:
         """problem_from_config's keyword arguments."""
-        return {"prompt_tokens": self.tokens, "prompt_lengths": self.distinct}
+        return {"prompt_tokens": self.tokens, "prompt_lengths": self.distinct, "prompt_longest": self.longest}
 
     def describe(self) -> str:
         cut = f", {self.cut} cut to the {self.budget}-token budget" if self.cut else ""
-        return (f"{self.tokens:.1f} tokens on average over {self.prompts} prompts of {self.data} (the batches of "
+        return (f"{self.tokens:.1f} tokens on average (longest {self.longest}) over {self.prompts} prompts of {self.data} (the batches of "
                 f"{self.iterations} iteration(s)){cut}, {self.distinct:.1f} distinct lengths per iteration of "
                 f"{self.per_iteration}, measured with the model's tokenizer")
 
@@ -100,7 +102,7 @@ def measure_prompts(cfg: Config, log=print) -> PromptWorkload:
     tokens, distinct = mean_tokens_and_distinct([[length[i] for i in b] for b in batches])
     data = cfg.data.kind + (f" ({Path(cfg.data.path).name})" if cfg.data.path else "")
     return PromptWorkload(tokens, distinct, sum(map(len, batches)), len(batches), cfg.rl.prompts_per_iter, cut,
-                          budget, data)
+                          budget, data, max(length.values()))
 
 
 def planner_prompt_inputs(cfg: Config, log=print) -> tuple[dict, str]:

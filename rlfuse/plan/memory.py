@@ -188,7 +188,8 @@ def worker_memory(roles: set[str] | tuple[str, ...], m: MemoryInputs, p: Machine
     policy_frozen = weight_bytes(m.policy, m.weight_dtype)
     train_b = 4.0 if m.train_dtype == "fp32" else 2.0
     out = dict.fromkeys(COMPONENTS, 0.0)
-    trainable, acts = 0.0, [0.0]
+    # (activations the model counts, bytes resident for them): the two differ where the profile measured the line
+    trainable, acts = 0.0, [(0.0, 0.0)]
     train_seq, score_seq = m.train_seq or m.seq, m.score_seq or m.seq
     policy_roles = roles & {"actor", "generator", "reference"}
     # full fine-tuning: a worker holding the actor decodes it in place (runtime/local.decode_engine), no copy
@@ -211,18 +212,22 @@ def worker_memory(roles: set[str] | tuple[str, ...], m: MemoryInputs, p: Machine
         else:
             out["base"] += m.policy.params * train_b
             trainable += m.policy.params
-        acts.append(train_activation_bytes(m.policy, m.train_rows * train_seq, m.act_bytes, m.checkpointing, True,
-                                           m.lean_activations, lora and quantised))
+        counted = train_activation_bytes(m.policy, m.train_rows * train_seq, m.act_bytes, m.checkpointing, True,
+                                         m.lean_activations, lora and quantised)
+        # under LoRA the profile's measured line: what such a micro-batch holds resident, the heap's share included
+        acts.append((counted, p.lora_train_resident(counted) if lora else counted))
     if "generator" in roles:
         out["kv_cache"] += m.kv_rows * m.seq * m.policy.kv_bytes_per_token(m.act_bytes)
         if "actor" not in roles and not m.shared_base and lora and m.sync_adapters:  # the base the adapters merge on
             out["base"] += policy_frozen
             out["adapters"] += m.policy.lora_params(m.lora_rank) * train_b
         elif "actor" not in roles and not m.shared_base:  # the weight sync's received copy beside the engine's own
-            acts.append(policy_frozen)  # (measured on SmolLM2: a decoding-only worker peaked ~one copy above)
+            # (measured on SmolLM2: a decoding-only worker peaked ~one copy above)
+            acts.append((policy_frozen, policy_frozen))
     if roles & {"actor", "reference"}:  # log-prob passes over scored samples (the generator keeps only the last logits)
-        acts.append(inference_activation_bytes(m.policy, m.score_rows * score_seq, m.act_bytes, True)
-                    + released * policy_frozen)
+        scoring = (inference_activation_bytes(m.policy, m.score_rows * score_seq, m.act_bytes, True)
+                   + released * policy_frozen)
+        acts.append((scoring, scoring))
     on_base = m.shared_base and lora  # critic and reward as adapters on the shared base (same shape as the policy)
     if m.critic is not None and "critic" in roles:
         if on_base:
@@ -231,8 +236,9 @@ def worker_memory(roles: set[str] | tuple[str, ...], m: MemoryInputs, p: Machine
         else:
             out["base"] += m.critic.params * train_b
             trainable += m.critic.params
-        acts.append(train_activation_bytes(m.critic, m.train_rows * train_seq, m.act_bytes, m.checkpointing, False,
-                                           m.lean_activations, on_base and quantised))
+        counted = train_activation_bytes(m.critic, m.train_rows * train_seq, m.act_bytes, m.checkpointing, False,
+                                         m.lean_activations, on_base and quantised)
+        acts.append((counted, p.lora_train_resident(counted) if on_base else counted))
     elif m.critic is not None and roles & {"reference", "reward"}:  # values for scoring: a frozen copy
         out["base"] += weight_bytes(m.critic, m.weight_dtype)
     if m.reward is not None and "reward" in roles:
@@ -240,7 +246,8 @@ def worker_memory(roles: set[str] | tuple[str, ...], m: MemoryInputs, p: Machine
             out["adapters"] += m.reward.lora_params(m.lora_rank) * train_b
         else:
             out["base"] += weight_bytes(m.reward, m.weight_dtype)
-        acts.append(inference_activation_bytes(m.reward, m.score_rows * score_seq, m.act_bytes, False))
+        scoring = inference_activation_bytes(m.reward, m.score_rows * score_seq, m.act_bytes, False)
+        acts.append((scoring, scoring))
     out["gradients"] = trainable * train_b
     out["optimizer"] = trainable * (optimizer_bytes_per_param(m.optimizer) + (4.0 if m.master_weights else 0.0))
     if "generator" in roles and m.shard > 1:  # the generator's copy and cache shard by its own (tensor-parallel) degree
@@ -250,8 +257,9 @@ def worker_memory(roles: set[str] | tuple[str, ...], m: MemoryInputs, p: Machine
         out["kv_cache"] *= m.shard / gen_shard
     for k in ("base", "adapters", "gradients", "optimizer", "kv_cache"):
         out[k] /= m.shard
-    out["activations"] = max(acts)
-    tensors = sum(out[k] for k in COMPONENTS[:6])
+    counted, out["activations"] = max(acts, key=lambda a: a[1])
+    # the measured line has the heap's slack on those activations in it already: the fraction applies to the count
+    tensors = sum(out[k] for k in COMPONENTS[:6]) - out["activations"] + counted
     out["slack"] = p.runtime_bytes + p.slack_fraction * tensors
     out["total"] = tensors + out["slack"]
     return out
@@ -283,6 +291,7 @@ def fsdp_worker_memory(roles: set[str], m: MemoryInputs, p: MachineProfile) -> d
     train_seq, score_seq = m.train_seq or m.seq, m.score_seq or m.seq
     train_acts = [train_activation_bytes(s, m.train_rows * train_seq, m.act_bytes, m.checkpointing, s is m.policy,
                                          m.lean_activations, lora and m.weight_dtype in QUANTISED) for s in sharded]
+    train_acts[0] = p.lora_train_resident(train_acts[0]) if lora else train_acts[0]  # as worker_memory's
     score_acts = [inference_activation_bytes(m.policy, m.score_rows * score_seq, m.act_bytes, True)]
     if m.reward is not None and "reward" in roles:
         score_acts.append(inference_activation_bytes(m.reward, m.score_rows * score_seq, m.act_bytes, False))

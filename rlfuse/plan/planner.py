@@ -71,6 +71,10 @@ class Workload:
     """Samples per prompt (rl.k): they share their prompt's prefill."""
     rows_per_worker: int = 16
     """rollout.rows_per_worker: how many workers keep a migrated tail (rollout/migration.py plan_migration)."""
+    prompt_longest: float = 0.0
+    """The longest prompt tokens among the run's prompts, measured (0: unknown, prompt_tokens): the memory model's
+    micro-batches hold it (a peak is the largest micro-batch's, not the mean one's: on smollm2_hh prompts of 115
+    tokens on average and up to 160 made the training activations 28% larger than at the mean)."""
     shared_prompt: bool = False
     """rl.share_prompt: the k samples of a prompt in one micro-batch run their prompt's forward (and backward) once
     in scoring and training (models/prefix.py). Without it a short-answer task (word problems: 28 prompt tokens, 4
@@ -105,11 +109,13 @@ class Workload:
         return self.prompt_per_sample(rows) + self.response_mean
 
     def memory_lengths(self, train_rows: int) -> dict:
-        """The memory model's sequence lengths (MemoryInputs seq, train_seq, score_seq) at the longest response:
-        the KV cache holds whole sequences, training and scoring passes the tokens their shared prompts leave."""
-        return {"seq": int(math.ceil(self.prompt_tokens + self.response_max)),
-                "train_seq": self.prompt_per_sample(train_rows) + self.response_max,
-                "score_seq": self.prompt_per_sample(self.score_micro_batch) + self.response_max}
+        """The memory model's sequence lengths (MemoryInputs seq, train_seq, score_seq) at the longest prompt and
+        response: the KV cache holds whole sequences, training and scoring passes the tokens their shared prompts
+        leave."""
+        longest = replace(self, prompt_tokens=max(self.prompt_tokens, self.prompt_longest))
+        return {"seq": int(math.ceil(longest.prompt_tokens + self.response_max)),
+                "train_seq": longest.prompt_per_sample(train_rows) + self.response_max,
+                "score_seq": longest.prompt_per_sample(self.score_micro_batch) + self.response_max}
 
     @property
     def lengths(self) -> cost.Lengths:
@@ -630,13 +636,13 @@ def problem_from_config(cfg, profile: MachineProfile, workers: int | None = None
                         gpus_per_worker: float | None = None, memory_budget: float | None = None,
                         lengths: tuple[float, int] | None = None, prompt_tokens: float | None = None,
                         cores: float | None = None, prompt_lengths: float | None = None,
-                        staleness: tuple[int, ...] | None = None) -> Problem:
+                        prompt_longest: float | None = None, staleness: tuple[int, ...] | None = None) -> Problem:
     """The planning problem of an RL run on `cfg` (rlfuse.config.Config): roles, shapes and batch sizes from the
     config, placement resources from the arguments or cfg.placement, rates from `profile`. Budget: the argument,
     else a GPU's memory, else the machine's RAM shared by the workers (0 in the profile: no check). lengths:
     (mean, longest) response tokens measured by a run; prompt_tokens: the prompts' measured mean (default
     table_prompt_tokens); prompt_lengths: distinct prompt lengths in an iteration's prompts, measured (default 1:
-    one prefill call);
+    one prefill call); prompt_longest: the longest prompt, measured (default: the mean);
     cores: CPU cores the workers share (default this machine's; CPU workers beyond them are slowed); staleness: the
     rl.max_staleness values to rank on the separated placement (default 0, and the config's own where it sets one:
     placement.strategy=auto never turns asynchronous RL on by itself)."""
@@ -663,7 +669,7 @@ def problem_from_config(cfg, profile: MachineProfile, workers: int | None = None
                         score_singles=cfg.rollout.live_below if cfg.rollout.fusion is not False else 0,
                         response_longest=min(longest, rl.max_new_tokens), score_every=cfg.rollout.score_every,
                         rows_per_worker=cfg.rollout.rows_per_worker, k=rl.k, prompt_lengths=prompt_lengths or 1.0,
-                        shared_prompt=rl.share_prompt and rl.k > 1)
+                        prompt_longest=prompt_longest or 0.0, shared_prompt=rl.share_prompt and rl.k > 1)
     mem = memory_inputs(cfg, roles, shape, profile)
     migrate = tuple(sorted({0.0, cfg.rollout.migrate_below}))
     if staleness is None:

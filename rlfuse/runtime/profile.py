@@ -26,10 +26,15 @@ from rlfuse.config import ModelConfig, RLConfig
 from rlfuse.learn.advantages import compute_advantages
 from rlfuse.learn.batches import minibatches
 from rlfuse.metrics.flops import fastest_seconds, measure_matmul_rate
+from rlfuse.metrics.memory import peak_rise
+from rlfuse.models.forward import collate, response_logprobs
 from rlfuse.models.heads import ValueModel
+from rlfuse.models.lean import enable_lean_activations
 from rlfuse.models.load import apply_lora, model_of_shape
+from rlfuse.models.quantize import fix_cpu_heap
 from rlfuse.models.rewards import reward_model_fn
 from rlfuse.plan.cost import GiB, MachineProfile, ModelShape, gpt2_shape
+from rlfuse.plan.memory import train_activation_bytes
 from rlfuse.plan.profiles import BUILTIN_OVERHEADS, BUSY_CORES, GPU_OVERHEADS, RAY_WORKER_BYTES, SYNC_LATENCY_S
 from rlfuse.rollout.engine import DecodeEngine, Sample, SamplingParams
 from rlfuse.rollout.score import Scorer
@@ -81,6 +86,7 @@ def measure_profile(shape: ModelShape | None = None, threads: int = 1, device: s
     it (or without Ray installed) those fields keep the built-in profile's values."""
     device = device or ("cuda" if torch.cuda.is_available() else "cpu")
     torch.set_num_threads(max(1, threads))
+    fix_cpu_heap(device)  # the C heap as a run's first model load sets it: the timings and the memory line see it
     sync = torch.cuda.synchronize if device == "cuda" else (lambda: None)
     shape = shape or gpt2_shape("embedded", 4, 128, 4, 1024, 512)
     if device == "cpu" and shape.params > 200e6:
@@ -226,6 +232,9 @@ def measure_profile(shape: ModelShape | None = None, threads: int = 1, device: s
         passes.append(one_pass())
         log(f"[profile] pass {i + 1}/{PASSES} in {time.perf_counter() - t_pass:.0f} s")
     others = other_cores(before, cpu_sample())
+    lora_resident, lora_ratio = _lora_train_line(adapted, shape, device)
+    log(f"[profile] a LoRA training micro-batch holds {lora_resident / 2**20:.0f} MiB + {lora_ratio:.2f} x the "
+        f"activations the memory model counts")
     rates = dict(passes[-1])
     contention = statistics.median(r["contention"] for r in passes)
     del rates["contention"]
@@ -247,11 +256,44 @@ def measure_profile(shape: ModelShape | None = None, threads: int = 1, device: s
         name=name, device=device, threads=threads, **rates, sync_latency_s=SYNC_LATENCY_S, ray_call_s=driver_s,
         **((BUILTIN_OVERHEADS if device == "cpu" else GPU_OVERHEADS) | overheads),
         memory_bytes=float(memory), runtime_bytes=float(runtime), slack_fraction=0.1, other_cores=others, shape=shape.key,
+        lora_train_resident_bytes=lora_resident, lora_train_ratio=lora_ratio,
         source=f"rlfuse plan --profile, {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}, {shape.name}, "
                f"load average {os.getloadavg()[0]:.1f}, contention {contention:.2f} (rates divided by it), each "
                f"rate fitted to the fastest of {PASSES} passes' timings (moved most over the passes: {widest}, "
                f"{widest_spread * 100:.0f}%)"
     ).slowed(contention)
+
+
+LINE_PROMPT, LINE_ANSWER = 144, 48
+"""Tokens of the longest sequence of the micro-batches _lora_train_line measures: an RLHF chat prompt and its
+answer."""
+
+
+def _lora_train_line(adapted, shape: ModelShape, device: str) -> tuple[float, float]:
+    """(bytes, ratio): what one training micro-batch through LoRA adapters (the policy loss's own path:
+    response_logprobs and its backward, lean activations as a run's default) raises the process's peak by, at 2 and
+    4 rows, as a line over the activations the memory model counts for it (train_activation_bytes), the adapters'
+    gradients left out (the model counts them apart). Two sizes RLHF micro-batches take, which on SmolLM2 fall either
+    side of glibc's fixed mmap threshold (models/quantize.py: 2 rows' hidden states come from the heap, whose
+    fragments cost 1.75x what is counted, 4 rows' are mapped apart, 1.4x): a line through 2, 4 and 8 rows fitted
+    8 rows and under-predicted the 2-row micro-batch of smollm2_hh's runs by a quarter. Memory does not jitter as
+    timings do: measured once, after the passes (the lean layers it installs are the last thing `adapted` runs)."""
+    enable_lean_activations(adapted)
+    gen = torch.Generator().manual_seed(0)
+    grads = sum(p.numel() * p.element_size() for p in adapted.parameters() if p.requires_grad)
+    rise = {}
+    for rows in (2, 4):
+        # prompts of different lengths padded to the longest, as a run's are (with padding the attention takes its
+        # masked path: equal lengths held a fifth less)
+        prompts = [torch.randint(1, shape.vocab, (LINE_PROMPT - 7 * i,), generator=gen).tolist() for i in range(rows)]
+        answers = torch.randint(1, shape.vocab, (rows, LINE_ANSWER), generator=gen).tolist()
+        mb = collate(prompts, answers, 0, device)
+        adapted.zero_grad(set_to_none=True)
+        counted = train_activation_bytes(shape, rows * (LINE_PROMPT + LINE_ANSWER), 4.0, False, True, lean=True)
+        rise[counted] = peak_rise(lambda: response_logprobs(adapted, mb).sum().backward(), device) - grads
+    adapted.zero_grad(set_to_none=True)
+    resident, ratio = _fit(rise)
+    return (resident, ratio) if resident > 1.0 else (0.0, ratio)
 
 
 def _score_call_seconds(model, shape: ModelShape, device: str, timed, forward_fixed_s: float,
