@@ -259,8 +259,8 @@ def worker_memory(roles: set[str] | tuple[str, ...], m: MemoryInputs, p: Machine
         out[k] /= m.shard
     counted, out["activations"] = max(acts, key=lambda a: a[1])
     # the measured line has the heap's slack on those activations in it already: the fraction applies to the count
-    tensors = sum(out[k] for k in COMPONENTS[:6]) - out["activations"] + counted
-    out["slack"] = p.runtime_bytes + p.slack_fraction * tensors
+    tensors = sum(out[k] for k in COMPONENTS[:6])
+    out["slack"] = p.runtime_bytes + p.slack_fraction * (tensors - out["activations"] + counted)
     out["total"] = tensors + out["slack"]
     return out
 

@@ -275,21 +275,25 @@ def _lora_train_line(adapted, shape: ModelShape, device: str) -> tuple[float, fl
     4 rows, as a line over the activations the memory model counts for it (train_activation_bytes), the adapters'
     gradients left out (the model counts them apart). Two sizes RLHF micro-batches take, which on SmolLM2 fall either
     side of glibc's fixed mmap threshold (models/quantize.py: 2 rows' hidden states come from the heap, whose
-    fragments cost 1.75x what is counted, 4 rows' are mapped apart, 1.4x): a line through 2, 4 and 8 rows fitted
-    8 rows and under-predicted the 2-row micro-batch of smollm2_hh's runs by a quarter. Memory does not jitter as
-    timings do: measured once, after the passes (the lean layers it installs are the last thing `adapted` runs)."""
+    fragments cost more over what is counted than 4 rows' mapped apart: python -m bench.heap): a line through 8
+    rows as well follows the large micro-batches and falls under the small ones smollm2_hh trains. Memory does not
+    jitter as timings do: measured once, after the passes (the lean layers it installs are the last thing `adapted`
+    runs)."""
     enable_lean_activations(adapted)
     gen = torch.Generator().manual_seed(0)
     grads = sum(p.numel() * p.element_size() for p in adapted.parameters() if p.requires_grad)
+    seq = min(LINE_PROMPT + LINE_ANSWER, shape.context)  # a small test model's context is shorter
+    answer = seq * LINE_ANSWER // (LINE_PROMPT + LINE_ANSWER)
+    prompt = seq - answer
     rise = {}
     for rows in (2, 4):
         # prompts of different lengths padded to the longest, as a run's are (with padding the attention takes its
-        # masked path: equal lengths held a fifth less)
-        prompts = [torch.randint(1, shape.vocab, (LINE_PROMPT - 7 * i,), generator=gen).tolist() for i in range(rows)]
-        answers = torch.randint(1, shape.vocab, (rows, LINE_ANSWER), generator=gen).tolist()
+        # masked path: equal lengths held less)
+        prompts = [torch.randint(1, shape.vocab, (prompt - 7 * i,), generator=gen).tolist() for i in range(rows)]
+        answers = torch.randint(1, shape.vocab, (rows, answer), generator=gen).tolist()
         mb = collate(prompts, answers, 0, device)
         adapted.zero_grad(set_to_none=True)
-        counted = train_activation_bytes(shape, rows * (LINE_PROMPT + LINE_ANSWER), 4.0, False, True, lean=True)
+        counted = train_activation_bytes(shape, rows * seq, 4.0, False, True, lean=True)
         rise[counted] = peak_rise(lambda: response_logprobs(adapted, mb).sum().backward(), device) - grads
     adapted.zero_grad(set_to_none=True)
     resident, ratio = _fit(rise)

@@ -1,5 +1,7 @@
 """The memory model (rlfuse/plan/memory.py) on cases computed by hand, and its hook into the placement checker."""
 
+from dataclasses import replace
+
 import pytest
 
 from rlfuse.plan.check import check_placement
@@ -52,6 +54,23 @@ def test_actor_worker_fp32_adamw_by_hand():
     tensors = 2272 + 2272 + 4544 + 3552
     assert mem["slack"] == pytest.approx(1000 + 0.1 * tensors)
     assert mem["total"] == pytest.approx(tensors + mem["slack"])
+
+
+def test_a_lora_micro_batch_is_charged_the_profiles_measured_line():
+    # a profile measures what a LoRA training micro-batch holds resident (the C heap's fragments in it) as a line over
+    # the activations counted: the actor's become that line, the allocator slack stays on the count
+    counted = 64 * 6 * 4 * 2 + 6 * 10 * 8  # as in test_actor_worker_fp32_adamw_by_hand
+    lora = MemoryInputs(TINY, lora_rank=2, train_rows=2, seq=3, score_rows=1)
+    lined = replace(NO_RUNTIME, lora_train_resident_bytes=500, lora_train_ratio=1.5)
+    plain, charged = worker_memory({"actor"}, lora, NO_RUNTIME), worker_memory({"actor"}, lora, lined)
+    assert plain["activations"] == counted and charged["activations"] == 500 + 1.5 * counted
+    assert charged["slack"] == plain["slack"]
+    assert charged["total"] == pytest.approx(plain["total"] + 500 + 0.5 * counted)
+    # full fine-tuning keeps the count (the line is measured through adapters), and a line under the count never
+    # lowers it
+    assert worker_memory({"actor"}, replace(lora, lora_rank=0), lined)["activations"] == counted
+    below = replace(NO_RUNTIME, lora_train_ratio=0.5)
+    assert worker_memory({"actor"}, lora, below)["activations"] == counted
 
 
 def test_a_released_reference_counts_in_the_scoring_phase_alone():

@@ -558,6 +558,9 @@ def test_shared_prompts_cost_their_share_per_sample(default_problem):
     assert w.prompt_per_sample(32) == 3.5 and w.prompt_per_sample(2) == 14.0 and w.prompt_per_sample(1) == 28.0
     assert w.scored_seq(32) == 7.5 and replace(w, shared_prompt=False).scored_seq(32) == 32.0
     assert w.memory_lengths(32) == {"seq": 36, "train_seq": 11.5, "score_seq": 11.5}
+    # a measured longest prompt of 44 tokens: the peak's micro-batch holds it (44 / 8 = 5.5 a sample shared)
+    assert replace(w, prompt_longest=44.0).memory_lengths(32) == {"seq": 52, "train_seq": 13.5, "score_seq": 13.5}
+    assert replace(w, prompt_longest=44.0, shared_prompt=False).memory_lengths(32)["train_seq"] == 52.0
     assert replace(w, shared_prompt=False).prompt_per_sample(32) == 28.0
     assert w.passes(32) == 2 and w.passes(1) == 1 and replace(w, shared_prompt=False).passes(32) == 1
     # the models' token test (models/forward.py worth_sharing): 8 rows of one prompt, answers of 4 (longest 8 at the

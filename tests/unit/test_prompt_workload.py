@@ -60,11 +60,13 @@ def test_measured_mean_is_a_hand_count(word_model, prompt_file):
     assert m.tokens == pytest.approx(sum(counts) / 8)
     assert m.distinct == len(set(counts))
     assert (m.prompts, m.iterations, m.cut, m.budget) == (16, 2, 0, 32 - 8)  # budget: the context less the response
-    assert m.planner_inputs() == {"prompt_tokens": m.tokens, "prompt_lengths": m.distinct}
+    assert m.longest == max(counts)
+    assert m.planner_inputs() == {"prompt_tokens": m.tokens, "prompt_lengths": m.distinct, "prompt_longest": m.longest}
     # cut to the budget as the run cuts them (their last tokens, BOS kept in front)
     cut = measure_prompts(word_config(word_model, prompt_file, "rl.max_prompt_tokens=3"), lambda m: None)
     assert cut.tokens == pytest.approx(sum(min(c, 3) for c in counts) / 8)
     assert cut.cut == sum(c > 3 for c in counts) and cut.distinct == len({min(c, 3) for c in counts})
+    assert cut.longest == 3
 
 
 def test_mean_and_distinct_lengths_by_hand():
@@ -110,9 +112,11 @@ def word_args(word_model, prompt_file, *extra):
 def test_rlfuse_plan_plans_on_the_measured_prompts(word_model, prompt_file, tmp_path, capsys):
     expected = measure_prompts(word_config(word_model, prompt_file), lambda m: None)
     out = plan_cli(capsys, tmp_path, *word_args(word_model, prompt_file)).out
-    assert f"prompts: {expected.tokens:.1f} tokens on average over 16 prompts of jsonl (prompts.jsonl)" in out
+    assert (f"prompts: {expected.tokens:.1f} tokens on average (longest {expected.longest}) over 16 prompts of jsonl "
+            f"(prompts.jsonl)") in out
     assert "measured with the model's tokenizer" in out
-    assert f"workload: 8 samples x {expected.tokens:.1f} prompt ({expected.distinct:.1f} distinct lengths)" in out
+    assert (f"workload: 8 samples x {expected.tokens:.1f} prompt ({expected.distinct:.1f} distinct lengths, longest "
+            f"{expected.longest})") in out
 
 
 def test_rlfuse_plan_without_a_tokenizer_takes_the_table_in_one_line(word_model, prompt_file, tmp_path, capsys):
