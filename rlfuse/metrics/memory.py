@@ -100,7 +100,7 @@ def peak_rise(fn, device="cpu") -> int:
     """Bytes the process's peak rose above its level before `fn()` ran (freed heap handed back first): on the CPU
     the kernel's own high-water mark, reset through /proc/self/clear_refs (Linux; a PeakSampler where that cannot be
     written), on a GPU the allocator's peak. What one training micro-batch costs, measured as a run pays it."""
-    if getattr(device, "type", str(device)) == "cuda":
+    if torch.device(device).type == "cuda":
         torch.cuda.synchronize(device)
         start = torch.cuda.memory_allocated(device)
         torch.cuda.reset_peak_memory_stats(device)

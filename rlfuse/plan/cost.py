@@ -287,7 +287,7 @@ class MachineProfile:
     lora_train_resident_bytes: float = 0.0
     """What one training micro-batch through LoRA adapters (base frozen) holds resident beyond `lora_train_ratio` x
     the activations the memory model counts (memory.train_activation_bytes), measured on the profiled shape:
-    the intercept of the peak's rise over three micro-batch sizes. On a CPU it is mostly the C heap: activations
+    the intercept of the peak's rise over two micro-batch sizes (memory.lora_train_resident says where it applies). On a CPU it is mostly the C heap: activations
     under glibc's mmap threshold come from a heap that freed temporaries fragment (SmolLM2, 2 x 208 tokens: 777 MiB
     resident for 462 counted, python -m bench.heap). 0 with lora_train_ratio 0: not measured (older profiles), the count alone."""
     lora_train_ratio: float = 0.0

@@ -177,6 +177,16 @@ class MemoryInputs:
                          {"actor"} | ({"critic"} if self.critic is None else set()))
 
 
+def lora_train_resident(m: MemoryInputs, p: MachineProfile, counted: float) -> float:
+    """What a LoRA training micro-batch whose activations are counted as `counted` holds resident: the profile's
+    measured line (MachineProfile.lora_train_resident) where the micro-batch is like the ones it was measured on (the
+    profiled model's shape, full-precision weights and activations, lean activations, no checkpointing), else the
+    count (a line from a small model's fixed bytes, or from a 4-bit base's other temporaries, says nothing there)."""
+    like = (p.shape == m.policy.key and m.weight_dtype == "fp32" and m.act_bytes == 4.0 and m.lean_activations
+            and not m.checkpointing)
+    return p.lora_train_resident(counted) if like else counted
+
+
 def worker_memory(roles: set[str] | tuple[str, ...], m: MemoryInputs, p: MachineProfile) -> dict[str, float]:
     """Bytes per component (COMPONENTS) of one worker holding `roles` (the policy roles: actor, generator,
     reference; critic; reward)."""
@@ -215,7 +225,7 @@ def worker_memory(roles: set[str] | tuple[str, ...], m: MemoryInputs, p: Machine
         counted = train_activation_bytes(m.policy, m.train_rows * train_seq, m.act_bytes, m.checkpointing, True,
                                          m.lean_activations, lora and quantised)
         # under LoRA the profile's measured line: what such a micro-batch holds resident, the heap's share included
-        acts.append((counted, p.lora_train_resident(counted) if lora else counted))
+        acts.append((counted, lora_train_resident(m, p, counted) if lora else counted))
     if "generator" in roles:
         out["kv_cache"] += m.kv_rows * m.seq * m.policy.kv_bytes_per_token(m.act_bytes)
         if "actor" not in roles and not m.shared_base and lora and m.sync_adapters:  # the base the adapters merge on
@@ -238,7 +248,7 @@ def worker_memory(roles: set[str] | tuple[str, ...], m: MemoryInputs, p: Machine
             trainable += m.critic.params
         counted = train_activation_bytes(m.critic, m.train_rows * train_seq, m.act_bytes, m.checkpointing, False,
                                          m.lean_activations, on_base and quantised)
-        acts.append((counted, p.lora_train_resident(counted) if on_base else counted))
+        acts.append((counted, lora_train_resident(m, p, counted) if on_base else counted))
     elif m.critic is not None and roles & {"reference", "reward"}:  # values for scoring: a frozen copy
         out["base"] += weight_bytes(m.critic, m.weight_dtype)
     if m.reward is not None and "reward" in roles:
@@ -291,7 +301,8 @@ def fsdp_worker_memory(roles: set[str], m: MemoryInputs, p: MachineProfile) -> d
     train_seq, score_seq = m.train_seq or m.seq, m.score_seq or m.seq
     train_acts = [train_activation_bytes(s, m.train_rows * train_seq, m.act_bytes, m.checkpointing, s is m.policy,
                                          m.lean_activations, lora and m.weight_dtype in QUANTISED) for s in sharded]
-    train_acts[0] = p.lora_train_resident(train_acts[0]) if lora else train_acts[0]  # as worker_memory's
+    counted_train = max(train_acts)
+    train_acts[0] = lora_train_resident(m, p, train_acts[0]) if lora else train_acts[0]  # as worker_memory's
     score_acts = [inference_activation_bytes(m.policy, m.score_rows * score_seq, m.act_bytes, True)]
     if m.reward is not None and "reward" in roles:
         score_acts.append(inference_activation_bytes(m.reward, m.score_rows * score_seq, m.act_bytes, False))
@@ -320,7 +331,8 @@ def fsdp_worker_memory(roles: set[str], m: MemoryInputs, p: MachineProfile) -> d
                        "optimizer": whole["optimizer"] / W, "activations": inference_activation_bytes(
                            spec, rows * score_seq, m.act_bytes, lm)})
     out = max(phases, key=lambda c: sum(c.values()))
-    out["slack"] = p.runtime_bytes + p.slack_fraction * sum(out.values())
+    counted = counted_train if out is update else out["activations"]  # the slack on the count, as worker_memory's
+    out["slack"] = p.runtime_bytes + p.slack_fraction * (sum(out.values()) - out["activations"] + counted)
     out["total"] = sum(out[k] for k in COMPONENTS[:6]) + out["slack"]
     return out
 

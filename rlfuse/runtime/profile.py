@@ -285,11 +285,12 @@ def _lora_train_line(adapted, shape: ModelShape, device: str) -> tuple[float, fl
     seq = min(LINE_PROMPT + LINE_ANSWER, shape.context)  # a small test model's context is shorter
     answer = seq * LINE_ANSWER // (LINE_PROMPT + LINE_ANSWER)
     prompt = seq - answer
+    step = max(0, min(7, (prompt - 1) // 3))  # 4 rows' prompts keep at least a token on a short context
     rise = {}
-    for rows in (2, 4):
+    for rows in (2, 2, 4):  # the first once unmeasured: the lean layers' first pass allocates what later ones reuse
         # prompts of different lengths padded to the longest, as a run's are (with padding the attention takes its
         # masked path: equal lengths held less)
-        prompts = [torch.randint(1, shape.vocab, (prompt - 7 * i,), generator=gen).tolist() for i in range(rows)]
+        prompts = [torch.randint(1, shape.vocab, (prompt - step * i,), generator=gen).tolist() for i in range(rows)]
         answers = torch.randint(1, shape.vocab, (rows, answer), generator=gen).tolist()
         mb = collate(prompts, answers, 0, device)
         adapted.zero_grad(set_to_none=True)

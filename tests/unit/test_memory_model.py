@@ -60,8 +60,8 @@ def test_a_lora_micro_batch_is_charged_the_profiles_measured_line():
     # a profile measures what a LoRA training micro-batch holds resident (the C heap's fragments in it) as a line over
     # the activations counted: the actor's become that line, the allocator slack stays on the count
     counted = 64 * 6 * 4 * 2 + 6 * 10 * 8  # as in test_actor_worker_fp32_adamw_by_hand
-    lora = MemoryInputs(TINY, lora_rank=2, train_rows=2, seq=3, score_rows=1)
-    lined = replace(NO_RUNTIME, lora_train_resident_bytes=500, lora_train_ratio=1.5)
+    lora = MemoryInputs(TINY, lora_rank=2, train_rows=2, seq=3, score_rows=1, lean_activations=True)
+    lined = replace(NO_RUNTIME, lora_train_resident_bytes=500, lora_train_ratio=1.5, shape=TINY.key)
     plain, charged = worker_memory({"actor"}, lora, NO_RUNTIME), worker_memory({"actor"}, lora, lined)
     assert plain["activations"] == counted and charged["activations"] == 500 + 1.5 * counted
     assert charged["slack"] == plain["slack"]
@@ -69,8 +69,17 @@ def test_a_lora_micro_batch_is_charged_the_profiles_measured_line():
     # full fine-tuning keeps the count (the line is measured through adapters), and a line under the count never
     # lowers it
     assert worker_memory({"actor"}, replace(lora, lora_rank=0), lined)["activations"] == counted
-    below = replace(NO_RUNTIME, lora_train_ratio=0.5)
+    below = replace(NO_RUNTIME, lora_train_ratio=0.5, shape=TINY.key)
     assert worker_memory({"actor"}, lora, below)["activations"] == counted
+    # where the micro-batch is unlike the profiled ones, the count: another shape's profile, checkpointing, a 4-bit
+    # base, transformers' own activations
+    assert worker_memory({"actor"}, lora, replace(lined, shape="other"))["activations"] == counted
+    for unlike in (dict(checkpointing=True), dict(weight_dtype="nf4"), dict(lean_activations=False)):
+        inputs = replace(lora, **unlike)
+        assert worker_memory({"actor"}, inputs, lined) == worker_memory({"actor"}, inputs, NO_RUNTIME), unlike
+    # an FSDP rank's update charges the line too, its slack on the count as well
+    fsdp = worker_memory({"actor"}, replace(lora, fsdp=2), lined)
+    assert fsdp["activations"] == 500 + 1.5 * counted
 
 
 def test_a_released_reference_counts_in_the_scoring_phase_alone():
