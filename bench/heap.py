@@ -90,12 +90,13 @@ def main() -> None:
         out[threshold] = {int(k): v for k, v in json.loads(run.stdout.strip().splitlines()[-1]).items()}
     fixed = out[1 << 20]
     rows = [[THRESHOLDS[t], r, m["tokens"], f"{m['counted_mb']:.0f}", f"{m['rise_mb']:.0f}",
-             f"{m['rise_mb'] / m['counted_mb']:.2f}", f"{m['seconds']:.2f}", f"{m['seconds'] / fixed[r]['seconds']:.2f}"]
+             f"{m['rise_mb'] / m['counted_mb']:.2f}", f"{m['seconds']:.2f}",
+             f"{m['seconds'] / fixed[r]['seconds']:.2f}"]
             for t, sizes_of in out.items() for r, m in sizes_of.items()]
     text = (f"Command: `python -m bench.heap` (SmolLM2-135M-Instruct, LoRA r 16 on every linear, lean activations; "
-            f"the policy loss's forward + backward over rows of {PROMPT} - 7 i prompt + {ANSWER} answer tokens, padded; "
-            f"each threshold in its own process; the least of {a.repeats} repeats, seconds from {a.repeats} run back to back "
-            f"after a first). Machine: {machine()}.\n\n"
+            f"the policy loss's forward + backward over rows of {PROMPT} - 7 i prompt + {ANSWER} answer tokens, "
+            f"padded; each threshold in its own process; the least of {a.repeats} repeats, seconds from {a.repeats} "
+            f"run back to back after a first). Machine: {machine()}.\n\n"
             + md_table(["glibc mmap threshold", "rows", "padded tokens", "counted MiB", "resident MiB (peak rise)",
                         "resident / counted", "seconds", "vs 1 MiB"], rows))
     print(text)

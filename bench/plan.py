@@ -503,8 +503,8 @@ def main() -> None:
         profiles[task] = fresh_profile(work, args.fresh, task)
         inputs, chosen, seconds[task] = predict_all(task, models, profiles[task], work, args.iterations)
         print(f"[plan bench] {task}: prompt tokens {inputs['prompt_tokens']:.1f} (longest "
-              f"{inputs['prompt_longest']}, {inputs['prompt_lengths']:.1f} distinct lengths per iteration), response lengths {inputs['lengths']}",
-              file=sys.stderr)
+              f"{inputs['prompt_longest']}, {inputs['prompt_lengths']:.1f} distinct lengths per iteration), response "
+              f"lengths {inputs['lengths']}", file=sys.stderr)
         todo += [(task, pl, rank, inputs) for pl, rank in chosen[: args.plans or None]]
     if args.dry:
         for task, pl, rank, _ in todo:

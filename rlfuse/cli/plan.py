@@ -107,8 +107,8 @@ def run(ns) -> int:
         w = prob.workload
         longest = f", longest {w.prompt_longest:g}" if w.prompt_longest else ""
         print(f"workload: {w.samples} samples x {w.prompt_tokens:.1f} prompt ({w.prompt_lengths:.1f} distinct "
-              f"lengths{longest}) + {w.response_mean:.1f} response tokens (at most {w.response_max}), {w.epochs} epochs, "
-              f"mini-batch {w.mini_batch}; {prob.workers} workers; "
+              f"lengths{longest}) + {w.response_mean:.1f} response tokens (at most {w.response_max}), "
+              f"{w.epochs} epochs, mini-batch {w.mini_batch}; {prob.workers} workers; "
               f"budget {'none' if prob.memory_budget is None else f'{prob.memory_budget / GiB:.2f} GiB'} per worker\n")
         print(plan_table(plans, ns.top))
         best = first_fitting(plans, prob.workers)  # after the table: it shows what did not fit

@@ -27,6 +27,7 @@ from pathlib import Path
 import torch
 
 from rlfuse.files import write_text_atomic
+from rlfuse.metrics.tracker import peak_rss_mb, reset_peak_rss
 from rlfuse.plan.memory import COMPONENTS  # the planner's names: predicted beside measured
 
 
@@ -108,10 +109,7 @@ def peak_rise(fn, device="cpu") -> int:
         torch.cuda.synchronize(device)
         return torch.cuda.max_memory_allocated(device) - start
     release_freed_memory()
-    try:
-        with open("/proc/self/clear_refs", "w") as f:
-            f.write("5")  # resets VmHWM to the RSS now
-    except OSError:
+    if not reset_peak_rss():
         sampler = PeakSampler(device, interval_s=0.002)
         start = process_level(device)
         fn()
@@ -120,9 +118,7 @@ def peak_rise(fn, device="cpu") -> int:
         return peak - start
     start = process_level(device)
     fn()
-    with open("/proc/self/status") as f:
-        hwm = next(int(line.split()[1]) * 1024 for line in f if line.startswith("VmHWM:"))
-    return max(hwm, process_level(device)) - start
+    return max(int(peak_rss_mb() * 2**20), process_level(device)) - start
 
 
 class PeakSampler:

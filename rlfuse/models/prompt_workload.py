@@ -56,8 +56,8 @@ class PromptWorkload:
 
     def describe(self) -> str:
         cut = f", {self.cut} cut to the {self.budget}-token budget" if self.cut else ""
-        return (f"{self.tokens:.1f} tokens on average (longest {self.longest}) over {self.prompts} prompts of {self.data} (the batches of "
-                f"{self.iterations} iteration(s)){cut}, {self.distinct:.1f} distinct lengths per iteration of "
+        return (f"{self.tokens:.1f} tokens on average (longest {self.longest}) over {self.prompts} prompts of "
+                f"{self.data} (the batches of {self.iterations} iteration(s)){cut}, {self.distinct:.1f} distinct lengths per iteration of "
                 f"{self.per_iteration}, measured with the model's tokenizer")
 
 

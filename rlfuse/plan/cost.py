@@ -286,10 +286,11 @@ class MachineProfile:
     """Allocator slack on top of the tensors (fragmentation, caching allocator rounding)."""
     lora_train_resident_bytes: float = 0.0
     """What one training micro-batch through LoRA adapters (base frozen) holds resident beyond `lora_train_ratio` x
-    the activations the memory model counts (memory.train_activation_bytes), measured on the profiled shape:
-    the intercept of the peak's rise over two micro-batch sizes (memory.lora_train_resident says where it applies). On a CPU it is mostly the C heap: activations
-    under glibc's mmap threshold come from a heap that freed temporaries fragment (SmolLM2, 2 x 208 tokens: 777 MiB
-    resident for 462 counted, python -m bench.heap). 0 with lora_train_ratio 0: not measured (older profiles), the count alone."""
+    the activations the memory model counts (memory.train_activation_bytes), measured on the profiled shape: the
+    intercept of the peak's rise over two micro-batch sizes (memory.lora_train_resident applies it). On a CPU it is
+    mostly the C heap: activations under glibc's mmap threshold come from a heap that freed temporaries fragment
+    (SmolLM2, 2 x 208 tokens: 777 MiB resident for 462 counted, python -m bench.heap). 0 with lora_train_ratio 0: not
+    measured (older profiles), the count alone."""
     lora_train_ratio: float = 0.0
     """The slope of that rise per byte counted; 0: not measured."""
     source: str = ""
@@ -323,13 +324,6 @@ class MachineProfile:
     def decode_call_s(self, adapters: bool = False) -> float:
         """Fixed seconds per layer of a decode step (through unmerged LoRA adapters where `adapters`)."""
         return (self.decode_layer_call_s or self.layer_call_s) + (self.lora_layer_call_s if adapters else 0.0)
-
-    def lora_train_resident(self, counted: float) -> float:
-        """Bytes a LoRA training micro-batch whose activations the memory model counts as `counted` holds at its
-        peak: the measured line (lora_train_resident_bytes + lora_train_ratio x counted), never under the count."""
-        if not self.lora_train_ratio:
-            return counted
-        return max(counted, self.lora_train_resident_bytes + self.lora_train_ratio * counted)
 
     def token_work(self, adapters: bool = False) -> float:
         """A forward's work per token relative to the plain model's: lora_fwd_ratio through unmerged adapters."""

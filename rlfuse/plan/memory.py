@@ -179,12 +179,13 @@ class MemoryInputs:
 
 def lora_train_resident(m: MemoryInputs, p: MachineProfile, counted: float) -> float:
     """What a LoRA training micro-batch whose activations are counted as `counted` holds resident: the profile's
-    measured line (MachineProfile.lora_train_resident) where the micro-batch is like the ones it was measured on (the
-    profiled model's shape, full-precision weights and activations, lean activations, no checkpointing), else the
-    count (a line from a small model's fixed bytes, or from a 4-bit base's other temporaries, says nothing there)."""
-    like = (p.shape == m.policy.key and m.weight_dtype == "fp32" and m.act_bytes == 4.0 and m.lean_activations
-            and not m.checkpointing)
-    return p.lora_train_resident(counted) if like else counted
+    measured line (lora_train_resident_bytes + lora_train_ratio x counted, never under the count) where the
+    micro-batch is like the ones it was measured on (the profiled model's shape, full-precision weights and
+    activations, lean activations, no checkpointing), else the count (a line from a small model's fixed bytes, or
+    from a 4-bit base's other temporaries, says nothing there)."""
+    like = (p.lora_train_ratio and p.shape == m.policy.key and m.weight_dtype == "fp32" and m.act_bytes == 4.0
+            and m.lean_activations and not m.checkpointing)
+    return max(counted, p.lora_train_resident_bytes + p.lora_train_ratio * counted) if like else counted
 
 
 def worker_memory(roles: set[str] | tuple[str, ...], m: MemoryInputs, p: MachineProfile) -> dict[str, float]:

@@ -7,7 +7,8 @@ steps at 1, 8 and 32 rows (fixed cost per step and cost per row), its prefill of
 (cost per prefill call), transformers' forward at three batch sizes (fixed cost per call and FLOP/s), a backward (its
 ratio to the forward), the same through unmerged LoRA adapters (a frozen base), an AdamW step, a tensor copy
 (bandwidth), a state-dict serialisation (what a weight sync through Ray's object store costs per byte), the driver's
-advantages; then the overheads of a run on two Ray workers (profile_ray.py). Where the file goes and how the planner reads it back: rlfuse/plan/profiles.py.
+advantages, what a LoRA training micro-batch holds resident; then the overheads of a run on two Ray workers
+(profile_ray.py). Where the file goes and how the planner reads it back: rlfuse/plan/profiles.py.
 """
 
 from __future__ import annotations
