@@ -73,7 +73,8 @@ def predicted_mb(mode: str, variant: str = "plain") -> float:
     from rlfuse.plan.strategies import spec_from_config
 
     cfg = load_config(str(ROOT / RUN[0]), [*RUN[1:], *VARIANTS[variant], f"rl.train_parallel={mode}"])
-    return memory_of_config(cfg)(spec_from_config(cfg).groups[0]) / 2**20
+    spec = spec_from_config(cfg)
+    return memory_of_config(cfg)(spec.groups[0], spec) / 2**20
 
 
 def measured(d: Path) -> dict:

@@ -18,8 +18,9 @@ from rlfuse.errors import UserError
 from rlfuse.plan.roles import ROLE_NAMES, Roles
 from rlfuse.plan.spec import ClusterResources, PlacementSpec, WorkerGroup
 
-MemoryModel = Callable[[WorkerGroup], "int | None"]
-"""Predicted peak bytes of one worker of a group, or None where the model cannot tell (the check is then skipped)."""
+MemoryModel = Callable[[WorkerGroup, PlacementSpec], "int | None"]
+"""Predicted peak bytes of one worker of a group of a spec, or None where the model cannot tell (the check is then
+skipped)."""
 
 
 class PlacementError(UserError):
@@ -178,7 +179,7 @@ def check_resources(spec: PlacementSpec, cluster: ClusterResources) -> list[str]
 def _check_memory(spec: PlacementSpec, memory_of: MemoryModel, budget: int) -> list[str]:
     out = []
     for g in spec.groups:
-        need = memory_of(g)
+        need = memory_of(g, spec)
         if need is not None and need > budget:
             out.append(f"group {g.name!r}: predicted {_gib(need)} per worker ({', '.join(g.roles)}) exceeds the "
                        f"{_gib(budget)} budget; move roles to another group, shard it over more workers, or turn on model.lora or "

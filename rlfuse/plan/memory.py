@@ -12,7 +12,8 @@ a copy unless LoRA makes it the actor with adapters off; a critic from the rewar
 full model (trained whole even under LoRA); the reward model is a frozen copy. With `shared_base` (the one-GPU QLoRA
 pipeline) every policy role uses one frozen base and its own adapters.
 A group that scores (reference or reward) but has no critic holds a frozen copy of the critic for the values, as
-the Ray rollout syncs it there.
+the Ray rollout syncs it there. On a CPU the weights a sync passes through Ray's object store stay in the RSS of the
+worker that sent them and of the one that loaded them (object_store_bytes), counted under base.
 """
 
 from __future__ import annotations
@@ -161,6 +162,9 @@ class MemoryInputs:
     """rl.train_parallel=fsdp over this many training ranks (runtime/fsdp.py): the trained roles' weights, gradients
     and optimiser states in shards; the whole weights gathered for the rollout, one block (and the root's embeddings
     and heads) at a time in training. 1: DDP replicas."""
+    store_bytes: float = 0.0
+    """Bytes of Ray's object store the worker's process maps at each weight sync and keeps counting in its RSS
+    (object_store_bytes); charged to the weights (base)."""
 
     @property
     def decodes_adapters(self) -> bool:
@@ -186,6 +190,39 @@ def lora_train_resident(m: MemoryInputs, p: MachineProfile, counted: float) -> f
     like = (p.lora_train_ratio and p.shape == m.policy.key and m.weight_dtype == "fp32" and m.act_bytes == 4.0
             and m.lean_activations and not m.checkpointing)
     return max(counted, p.lora_train_resident_bytes + p.lora_train_ratio * counted) if like else counted
+
+
+def sent_bytes(m: MemoryInputs, role: str) -> float:
+    """What one weight sync puts into the object store for `role` (runtime/ray_train.actor_weights): the actor's
+    merged weights in the trained dtype, or its adapters alone (rollout.weight_sync=adapters); the critic's whole."""
+    train_b = 4.0 if m.train_dtype == "fp32" else 2.0
+    if role == "critic":
+        return m.critic.params * train_b if m.critic is not None else 0.0
+    if m.lora_rank and m.sync_adapters:
+        return m.policy.lora_params(m.lora_rank) * train_b
+    return m.policy.params * train_b
+
+
+def object_store_bytes(roles, groups, m: MemoryInputs, device: str) -> float:
+    """Bytes of Ray's object store a worker holding `roles` maps at each weight sync, its RSS counting them for the
+    rest of the run (the store's shared pages stay mapped once touched: on SmolLM2 on the separated placement the
+    sending and the decoding worker each held 513 MiB of RssShmem, one copy of the policy, from the first sync to
+    the end). `groups`: every group's roles. The actor's group puts the actor's weights (sent_bytes) when a
+    generator sits in a group without the actor, and a separate critic's when a scoring group lacks the critic
+    (runtime/ray_driver.sync_weights; rank 0 puts them, and each rank of the group is charged: the group's peak);
+    the receivers load views of the same pages. 0 on a GPU (the store is host memory, the budget device memory)."""
+    if device != "cpu":
+        return 0.0
+    roles, groups = set(roles), [set(g) for g in groups]
+    decoders_apart = any("generator" in g and "actor" not in g for g in groups)
+    critic_apart = m.critic is not None and any("critic" in g for g in groups) and any(
+        "critic" not in g and g & {"reference", "reward"} for g in groups)
+    if "actor" in roles:
+        return decoders_apart * sent_bytes(m, "actor") + (critic_apart and "critic" in roles) * sent_bytes(m, "critic")
+    received = sent_bytes(m, "actor") if "generator" in roles else 0.0
+    if critic_apart and "critic" not in roles and roles & {"reference", "reward"}:
+        received += sent_bytes(m, "critic")
+    return received
 
 
 def worker_memory(roles: set[str] | tuple[str, ...], m: MemoryInputs, p: MachineProfile) -> dict[str, float]:
@@ -232,9 +269,6 @@ def worker_memory(roles: set[str] | tuple[str, ...], m: MemoryInputs, p: Machine
         if "actor" not in roles and not m.shared_base and lora and m.sync_adapters:  # the base the adapters merge on
             out["base"] += policy_frozen
             out["adapters"] += m.policy.lora_params(m.lora_rank) * train_b
-        elif "actor" not in roles and not m.shared_base:  # the weight sync's received copy beside the engine's own
-            # (measured on SmolLM2: a decoding-only worker peaked ~one copy above)
-            acts.append((policy_frozen, policy_frozen))
     if roles & {"actor", "reference"}:  # log-prob passes over scored samples (the generator keeps only the last logits)
         scoring = (inference_activation_bytes(m.policy, m.score_rows * score_seq, m.act_bytes, True)
                    + released * policy_frozen)
@@ -259,6 +293,7 @@ def worker_memory(roles: set[str] | tuple[str, ...], m: MemoryInputs, p: Machine
             out["base"] += weight_bytes(m.reward, m.weight_dtype)
         scoring = inference_activation_bytes(m.reward, m.score_rows * score_seq, m.act_bytes, False)
         acts.append((scoring, scoring))
+    out["base"] += m.store_bytes  # the weight sync's pages of the object store (sent or received)
     out["gradients"] = trainable * train_b
     out["optimizer"] = trainable * (optimizer_bytes_per_param(m.optimizer) + (4.0 if m.master_weights else 0.0))
     if "generator" in roles and m.shard > 1:  # the generator's copy and cache shard by its own (tensor-parallel) degree
@@ -350,13 +385,14 @@ def memory_table(rows: dict[str, dict[str, float]], unit: float = GiB, unit_name
 
 def memory_model(m: MemoryInputs, p: MachineProfile, samples: int, max_rows: int,
                  shard_groups: bool = False, fsdp: bool = False) -> Callable:
-    """A `memory_of` for rlfuse.plan.check: predicted peak bytes of one worker of a WorkerGroup. A group that
-    decodes splits the iteration's `samples` over its workers (at most `max_rows` at once each). fsdp: the training
-    group shards its roles over its workers (rl.train_parallel=fsdp)."""
-    def memory_of(group) -> int:
+    """A `memory_of` for rlfuse.plan.check: predicted peak bytes of one worker of a WorkerGroup of a
+    PlacementSpec. A group that decodes splits the iteration's `samples` over its workers (at most `max_rows` at
+    once each). fsdp: the training group shards its roles over its workers (rl.train_parallel=fsdp)."""
+    def memory_of(group, spec) -> int:
         kv_rows = min(max_rows, math.ceil(samples / group.workers))
         shard = group.workers if shard_groups else 1
-        mi = replace(m, kv_rows=kv_rows, shard=shard, fsdp=group.workers if fsdp else 1)
+        store = object_store_bytes(group.roles, [g.roles for g in spec.groups], m, p.device) if spec.uses_ray else 0.0
+        mi = replace(m, kv_rows=kv_rows, shard=shard, fsdp=group.workers if fsdp else 1, store_bytes=store)
         return int(worker_memory(group.roles, mi, p)["total"])
 
     return memory_of

@@ -29,7 +29,8 @@ from rlfuse.config import checkpointing_on
 from rlfuse.errors import UserError
 from rlfuse.plan import cost
 from rlfuse.plan.cost import MachineProfile, ModelShape, policy_shape
-from rlfuse.plan.memory import GiB, MemoryInputs, memory_model, memory_table, weight_bytes, worker_memory
+from rlfuse.plan.memory import (GiB, MemoryInputs, memory_model, memory_table, object_store_bytes, weight_bytes,
+                                worker_memory)
 from rlfuse.plan.profiles import load_profile
 from rlfuse.plan.roles import Roles, derive_roles
 from rlfuse.plan.spec import PlacementSpec, WorkerResources, dp_micro_size
@@ -333,7 +334,8 @@ def predict(prob: Problem, spec: PlacementSpec, micro: int, ckpt: bool, migrate:
         # asynchronous: a generation worker holds a copy of the reference too (it takes the log-probs)
         roles = set(g.roles) | ({"reference"} if staleness and "generator" in g.roles and "actor" not in g.roles
                                 else set())
-        memory[g.name] = worker_memory(roles, mi, p)
+        store = object_store_bytes(g.roles, [x.roles for x in spec.groups], m, p.device) if spec.uses_ray else 0.0
+        memory[g.name] = worker_memory(roles, replace(mi, store_bytes=store), p)
     fits, why = True, ""
     if prob.memory_budget is not None:
         over = [f"{n} needs {mem['total'] / GiB:.2f} GiB" for n, mem in memory.items() if mem["total"] > prob.memory_budget]

@@ -7,7 +7,8 @@ import pytest
 from rlfuse.plan.check import check_placement
 from rlfuse.plan.cost import KNOWN_SHAPES, MachineProfile, ModelShape, gpt2_shape
 from rlfuse.plan.memory import (COMPONENTS, MemoryInputs, bytes_per_param, inference_activation_bytes, memory_model,
-                                memory_table, optimizer_bytes_per_param, weight_bytes, worker_memory)
+                                memory_table, object_store_bytes, optimizer_bytes_per_param, weight_bytes,
+                                worker_memory)
 from rlfuse.plan.spec import PlacementSpec, WorkerGroup
 
 # a 2-layer GPT-2 small enough to count by hand: hidden 4, ffn 16, vocab 10, 8 positions
@@ -128,15 +129,42 @@ def test_kv_cache_rows_by_length():
     assert worker_memory({"generator"}, m, NO_RUNTIME)["kv_cache"] == 5 * 3 * 64
 
 
-def test_a_decoding_only_worker_holds_the_received_weights_once_more():
-    # its generator gets the actor's weights from the object store: for a moment the received copy sits beside the
-    # engine's own (SmolLM2 on separated 1+1 peaked about one copy above the model without it); with the actor it
-    # is copied in place
+def test_a_weight_sync_through_the_object_store_stays_in_the_sender_and_the_receiver():
+    # the object store's pages stay mapped once touched (SmolLM2 on separated 1+1: 513 MiB of RssShmem in the
+    # training and the decoding worker from the first sync on): the actor's fp32 weights, 568 x 4 bytes, in both
     m = MemoryInputs(TINY, seq=3, kv_rows=5, score_rows=1)
-    assert worker_memory({"generator"}, m, NO_RUNTIME)["activations"] == 568 * 4
-    tiny_batch = MemoryInputs(TINY, train_rows=1, seq=1, kv_rows=5, score_rows=1)
-    assert worker_memory({"generator", "actor"}, tiny_batch, NO_RUNTIME)["activations"] == \
-        worker_memory({"actor"}, tiny_batch, NO_RUNTIME)["activations"] < 568 * 4
+    separated = [("actor", "reference", "reward"), ("generator",)]
+    assert object_store_bytes(separated[0], separated, m, "cpu") == 568 * 4
+    assert object_store_bytes(separated[1], separated, m, "cpu") == 568 * 4
+    flattened = [("actor", "generator", "reference", "reward")]  # the generator copies the actor in place
+    assert object_store_bytes(flattened[0], flattened, m, "cpu") == 0
+    assert object_store_bytes(separated[0], separated, m, "cuda") == 0  # host memory, not the device's
+    # rollout.weight_sync=adapters: only the adapters go (LoRA r2 on the 4 matrices of 2 layers, fp32)
+    lora = MemoryInputs(TINY, seq=3, kv_rows=5, score_rows=1, lora_rank=2, sync_adapters=True)
+    lora_params = 2 * ((4 + 12) + (4 + 4) + (4 + 16) + (16 + 4)) * 2
+    assert object_store_bytes(separated[1], separated, lora, "cpu") == lora_params * 4
+    # PPO with the critic trained beside the actor and scored elsewhere: its weights go too
+    ppo = MemoryInputs(TINY, critic=TINY, seq=3, kv_rows=5, score_rows=1)
+    apart = [("actor", "critic"), ("generator", "reference", "reward")]
+    assert object_store_bytes(apart[0], apart, ppo, "cpu") == 2 * 568 * 4
+    assert object_store_bytes(apart[1], apart, ppo, "cpu") == 2 * 568 * 4
+    # charged to the weights, its slack with them
+    plain, synced = worker_memory({"generator"}, m, NO_RUNTIME), worker_memory({"generator"}, replace(m, store_bytes=8), NO_RUNTIME)
+    assert synced["base"] == plain["base"] + 8 and synced["total"] == pytest.approx(plain["total"] + 8 * 1.1)
+
+
+def test_the_memory_hook_charges_the_weight_sync_where_the_generator_sits_apart():
+    from rlfuse.config import load_config
+    from rlfuse.plan.roles import derive_roles
+
+    roles = derive_roles(load_config(None, []))
+    m = MemoryInputs(TINY, critic=TINY, reward=TINY, train_rows=2, seq=3, score_rows=1)
+    memory_of = memory_model(m, NO_RUNTIME, samples=8, max_rows=4)
+    rest = tuple(r for r in roles.names if r != "generator")
+    separated = PlacementSpec("separated", (WorkerGroup("train", 1, rest), WorkerGroup("generate", 1, ("generator",))))
+    alone = PlacementSpec("separated", (WorkerGroup("train", 1, rest),))  # the same group with no one to send to
+    assert memory_of(separated.groups[0], separated) == pytest.approx(
+        memory_of(alone.groups[0], alone) + 568 * 4 * 1.1, abs=1)
 
 
 def test_a_decoding_worker_merging_the_adapters_holds_the_base_they_merge_on():
@@ -147,7 +175,9 @@ def test_a_decoding_worker_merging_the_adapters_holds_the_base_they_merge_on():
     lora_params = 2 * ((4 + 12) + (4 + 4) + (4 + 16) + (16 + 4)) * 2
     a, b = worker_memory({"generator"}, merged, NO_RUNTIME), worker_memory({"generator"}, adapters, NO_RUNTIME)
     assert b["base"] == a["base"] + 568 * 4 and b["adapters"] == a["adapters"] + lora_params * 4
-    assert a["activations"] == 568 * 4 and b["activations"] < 568 * 4
+    separated = [("actor",), ("generator",)]  # what passes through the object store: the adapters alone
+    assert object_store_bytes({"generator"}, separated, merged, "cpu") == 568 * 4
+    assert object_store_bytes({"generator"}, separated, adapters, "cpu") == lora_params * 4
 
 
 def test_shared_prompts_shrink_training_activations():
@@ -235,7 +265,7 @@ def test_memory_hook_rejects_a_group_over_budget():
     m = MemoryInputs(TINY, critic=TINY, reward=TINY, train_rows=2, seq=3, score_rows=1)
     memory_of = memory_model(m, NO_RUNTIME, samples=8, max_rows=4)
     spec = PlacementSpec("flattened", (WorkerGroup("all", 2, roles.names),))
-    need = memory_of(spec.groups[0])
+    need = memory_of(spec.groups[0], spec)
     assert need == int(worker_memory(roles.names, MemoryInputs(TINY, critic=TINY, reward=TINY, train_rows=2, seq=3,
                                                                 score_rows=1, kv_rows=4), NO_RUNTIME)["total"])
     assert check_placement(spec, roles, memory_of=memory_of, memory_budget=need) == []

@@ -123,7 +123,7 @@ def g(name, workers, roles, cpus=1.0, gpus=0.0):
 
 def test_a_good_custom_spec_passes_every_rule():
     roles = roles_of(PPO)
-    assert check_placement(GOOD, roles, ClusterResources.one_node(3), lambda grp: 2**30, 2**30) == []
+    assert check_placement(GOOD, roles, ClusterResources.one_node(3), lambda grp, spec: 2**30, 2**30) == []
     assert validate_placement(GOOD, roles, ClusterResources.one_node(3)) is GOOD
 
 
@@ -198,12 +198,12 @@ def test_cluster_totals_count_every_worker():
 def test_memory_rule_uses_the_hook_and_skips_unknowns():
     roles = roles_of(PPO)
     per_group = {"train": 3 * 2**30, "gen": None}
-    (problem,) = check_placement(GOOD, roles, None, lambda grp: per_group[grp.name], 2 * 2**30)
+    (problem,) = check_placement(GOOD, roles, None, lambda grp, spec: per_group[grp.name], 2 * 2**30)
     assert "group 'train': predicted 3.00 GiB per worker" in problem and "2.00 GiB budget" in problem
     assert "model.lora" in problem
-    assert check_placement(GOOD, roles, None, lambda grp: 2 * 2**30, 2 * 2**30) == []  # at the budget fits
+    assert check_placement(GOOD, roles, None, lambda grp, spec: 2 * 2**30, 2 * 2**30) == []  # at the budget fits
     assert check_placement(GOOD, roles, None, None, 1) == []  # no memory model yet
-    assert check_placement(GOOD, roles, None, lambda grp: 2**40, None) == []  # no budget
+    assert check_placement(GOOD, roles, None, lambda grp, spec: 2**40, None) == []  # no budget
 
 
 def test_every_problem_is_collected_into_one_error():
