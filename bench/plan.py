@@ -235,8 +235,10 @@ def predict_all(task: str, models: Path, profile_path: Path, work: Path,
         if not same:
             print(f"[plan bench] {task}: no plan {strategy} micro {micro} ckpt {ckpt} among the candidates", file=sys.stderr)
             continue
-        # migration as configured where it applies (several decoders)
-        pick = next((p for p in same if p.migrate_below == cfg.rollout.migrate_below), same[0])
+        # migration and the training's parallelism (DDP or FSDP) as configured where they apply
+        configured = lambda p: (p.migrate_below == cfg.rollout.migrate_below,
+                                (p.train_parallel or cfg.rl.train_parallel) == cfg.rl.train_parallel)
+        pick = max(same, key=configured)  # the first plan with the most of them, the best ranked among equals
         if pick not in chosen:
             chosen.append(pick)
     return inputs, [(p, plans.index(p) + 1) for p in chosen], seconds
@@ -245,7 +247,8 @@ def predict_all(task: str, models: Path, profile_path: Path, work: Path,
 def run_dir(task: str, pl, work: Path, repeat: int) -> Path:
     """The folder of `pl`'s `repeat`-th run."""
     ckpt = "ckpt" if pl.gradient_checkpointing else "nockpt"
-    return work / f"{task}_{pl.strategy}{pl.split}_mb{pl.micro_batch_size}_{ckpt}_mig{pl.migrate_below:g}_r{repeat}"
+    fsdp = "_fsdp" if pl.train_parallel == "fsdp" else ""  # a DDP run's folder must not stand in for an FSDP plan's
+    return work / f"{task}_{pl.strategy}{pl.split}_mb{pl.micro_batch_size}_{ckpt}_mig{pl.migrate_below:g}{fsdp}_r{repeat}"
 
 
 def drop_weights(run: Path) -> None:

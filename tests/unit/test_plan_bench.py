@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
-from bench.plan import drop_weights, plans_for, report, repredict  # noqa: E402
+from bench.plan import drop_weights, plans_for, report, repredict, run_dir  # noqa: E402
 from rlfuse.plan.profiles import BUILTIN_CPU  # noqa: E402
 
 INPUTS = {"lengths": [11.5, 33], "prompt_tokens": 4.1, "prompt_lengths": 3.8}
@@ -69,3 +69,12 @@ def test_a_measured_runs_weights_go_and_what_the_bench_reads_stays(tmp_path):
         (rl / name).write_text("{}")
     drop_weights(tmp_path)
     assert sorted(p.name for p in rl.iterdir()) == ["metrics.jsonl", "summary.json"]
+
+
+def test_an_fsdp_plan_never_reuses_the_same_layouts_ddp_run(stored):
+    # the bench reuses a finished run from its folder: an FSDP plan in a DDP run's folder took its measurements
+    tmp_path, plans = stored
+    ddp = next(p for p in plans if p.strategy == "flattened" and p.train_parallel != "fsdp")
+    fsdp = replace(ddp, train_parallel="fsdp")
+    assert run_dir("default", fsdp, tmp_path, 0) != run_dir("default", ddp, tmp_path, 0)
+    assert run_dir("default", replace(ddp, train_parallel="data"), tmp_path, 0) == run_dir("default", ddp, tmp_path, 0)
