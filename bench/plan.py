@@ -62,9 +62,11 @@ RUNS = {
     # micro-32 runs showed; they check the fixes on runs the fixes were not read from
     # micro 16: first run after the cost model's second pass for prefix-shared micro-batches (2026-11-27), which
     # the micro-8 runs showed
+    # fsdp: the planner's choice of 2026-11-27 22:02, its collectives then priced at DDP's rate (run: 49 s an
+    # iteration against 32.6 predicted), kept to check them at FSDP's own (MachineProfile.fsdp_bytes_s)
     "smollm2_math": [("flattened", 32, False), ("separated", 32, False), ("interleaved", 32, False),
                      ("flattened", 8, False), ("separated", 8, False), ("flattened", 16, False),
-                     ("separated", 16, False)],
+                     ("separated", 16, False), ("flattened", 32, False, "fsdp")],
     # the shared base now runs flattened on 2 Ray workers (each holding the base and the roles' adapters): micro 8
     # and 2 (4 and 1 rows per rank), and the single process at micro 4 (the plans of the 2026-11-24 rows)
     "smollm2_hh": [("flattened", 8, False), ("flattened", 2, False), ("single", 4, False)],
@@ -227,17 +229,20 @@ def predict_all(task: str, models: Path, profile_path: Path, work: Path,
               "iteration_lengths": iteration_lengths(calib)[: iterations - 1]}
     plans, seconds = ranked_plans(task, models, profile_path, inputs)
     chosen = [plans[0]]  # the planner's own choice always runs
-    for strategy, micro, ckpt in RUNS[task]:
+    for strategy, micro, ckpt, *parallel in RUNS[task]:
         ranks = lambda p: sum(g.workers for g in p.spec.groups if "actor" in g.roles)
+        wanted = parallel[0] if parallel else cfg.rl.train_parallel  # DDP (data) or FSDP: as configured unless named
         same = [p for p in plans if p.strategy == strategy and p.gradient_checkpointing == ckpt
                 and dp_micro_size(cfg.rl.mini_batch_size, p.micro_batch_size, ranks(p))
-                == dp_micro_size(cfg.rl.mini_batch_size, micro, ranks(p))]
+                == dp_micro_size(cfg.rl.mini_batch_size, micro, ranks(p))
+                and (not parallel or p.train_parallel == wanted)]
         if not same:
-            print(f"[plan bench] {task}: no plan {strategy} micro {micro} ckpt {ckpt} among the candidates", file=sys.stderr)
+            print(f"[plan bench] {task}: no plan {strategy} micro {micro} ckpt {ckpt} {wanted} among the candidates",
+                  file=sys.stderr)
             continue
-        # migration and the training's parallelism (DDP or FSDP) as configured where they apply
+        # migration and the training's parallelism as configured (or named) where they apply
         configured = lambda p: (p.migrate_below == cfg.rollout.migrate_below,
-                                (p.train_parallel or cfg.rl.train_parallel) == cfg.rl.train_parallel)
+                                (p.train_parallel or cfg.rl.train_parallel) == wanted)
         pick = max(same, key=configured)  # the first plan with the most of them, the best ranked among equals
         if pick not in chosen:
             chosen.append(pick)

@@ -320,7 +320,8 @@ def fsdp_worker_memory(roles: set[str], m: MemoryInputs, p: MachineProfile) -> d
     activations. The frozen reference is sharded too, a frozen reward model whole throughout. A rank that scores
     gathers the actor alone for the rollout, then the reference and a separate critic, one at a time, each in a
     phase of its own."""
-    whole = worker_memory(roles, replace(m, fsdp=1), p)
+    # rl.release_reference maps a replicated reference (models/mapped.py); FSDP shards it instead, as counted below
+    whole = worker_memory(roles, replace(m, fsdp=1, release_reference=False), p)
     W, train_b = m.fsdp, (4.0 if m.train_dtype == "fp32" else 2.0)
     lora = m.lora_rank > 0
     sharded = [m.policy] + ([m.critic] if m.critic is not None and "critic" in roles else [])

@@ -530,8 +530,9 @@ def _train_seconds(prob: Problem, workers: int, micro: int, ckpt: bool, ray: boo
         in_backward = replace(p, allreduce_bytes_s=p.ddp_allreduce_bytes_s or p.allreduce_bytes_s)
         if m.fsdp > 1:  # 2 all-gathers of the weights, 1 reduce-scatter of the trained gradients, per group
             groups = shape.layers + 1
-            total += cost.allgather_seconds(in_backward, 2 * wb / groups, workers, calls * groups)
-            total += cost.allgather_seconds(in_backward, params * train_b / groups, workers, calls * groups)
+            sharded = replace(in_backward, allreduce_bytes_s=p.fsdp_bytes_s or in_backward.allreduce_bytes_s)
+            total += cost.allgather_seconds(sharded, 2 * wb / groups, workers, calls * groups)
+            total += cost.allgather_seconds(sharded, params * train_b / groups, workers, calls * groups)
         else:
             buckets = cost.ddp_buckets(params * train_b, cost.DDP_BUCKET_BYTES)
             total += cost.allreduce_seconds(in_backward, params * train_b / buckets, workers, steps * buckets)

@@ -23,6 +23,10 @@ What is timed, and which MachineProfile field it gives:
   the difference is `train_micro_s`. Then the same micro-batch with the gradient sync against without, on both
   workers at once as a data-parallel step runs it: the gradients' bytes over that difference (less a latency per
   DDP bucket) are `ddp_allreduce_bytes_s`, the all-reduce's bandwidth while the ranks compute.
+- FSDP's collectives: the same micro-batch on a copy of the model in FSDP2 shards (runtime/fsdp.py ShardedGroup, as
+  rl.train_parallel=fsdp runs it: every block's weights all-gathered for the forward and again for the backward, its
+  gradients reduce-scattered) against it on the replicated model without the sync, both workers at once: the bytes
+  a rank sends over the difference (less a latency per collective) are `fsdp_bytes_s`.
 
 Imports Ray: profile.py imports it only to measure these overheads, and goes on without them where Ray is missing.
 """
@@ -56,6 +60,7 @@ from rlfuse.runtime.probe import (
 from rlfuse.runtime.process import free_port, pin_threads
 from rlfuse.runtime.ray_common import node_address, start_actors
 from rlfuse.runtime.data_parallel import DataParallelGroup
+from rlfuse.runtime.fsdp import ShardedGroup
 
 CHUNKS = 10
 """Calls per worker in each chunk pattern."""
@@ -170,6 +175,27 @@ class ProbeWorker:
         run = self._micro_batch(rows)
         return extra_seconds(lambda: run(True), lambda: run(False), repeats)
 
+    def fsdp_sync_seconds(self, rows: int = 4, repeats: int = 5) -> float:
+        """Seconds a micro-batch on the model in FSDP2 shards takes beyond the same micro-batch on the replicated
+        model without a gradient sync (call it on every rank at once: each block's all-gathers and reduce-scatter
+        are collectives). The median over `repeats` pairs."""
+        exp = fake_experience(rows, self.shape.vocab)
+        adv, rl, idx, share = torch.randn(exp.mask.shape), RLConfig(), list(range(rows)), {"token": 1.0, "sequence": 1.0}
+        sharded_model = model_of_shape(self.shape, "cpu").train()
+        group = ShardedGroup(self.rank, self.world, torch.device("cpu"))
+        group.shard([[sharded_model]])
+
+        def sharded():
+            with group.micro_batch([sharded_model], sync=True) as step:
+                loss, _ = step(lambda i, sh: (micro_policy_loss(sharded_model, exp, i, adv, rl, 0.1, 0, 1.0)[0]
+                                              * sh[rl.loss_level], {}), idx, share)
+                loss.backward()
+
+        replicated = self._micro_batch(rows)
+        out = extra_seconds(sharded, lambda: replicated(False), repeats)
+        del group, sharded_model
+        return out
+
     def shutdown(self) -> None:
         if dist.is_initialized():
             dist.destroy_process_group()
@@ -237,6 +263,7 @@ def measure_ray_overheads(shape, threads: int = 1, log=print, steps: int = 16) -
         latency, t_big = ray.get([w.collectives.remote(nbytes) for w in workers])[0]
         micro = statistics.mean(ray.get([w.micro_batch_overhead.remote() for w in workers]))
         in_backward = statistics.median(ray.get([w.ddp_sync_seconds.remote() for w in workers]))
+        in_fsdp = statistics.median(ray.get([w.fsdp_sync_seconds.remote() for w in workers]))
         cores = ray.get([w.cores.remote() for w in workers])
         ray.get([w.shutdown.remote() for w in workers])
     finally:
@@ -249,11 +276,15 @@ def measure_ray_overheads(shape, threads: int = 1, log=print, steps: int = 16) -
     grads = 4.0 * shape.params  # fp32 gradients of the probe's model, in DDP's buckets
     buckets = ddp_buckets(grads, DDP_BUCKET_BYTES)
     idle_rate = nbytes / max(t_big - latency, 1e-6)  # 2 ranks: each sends 2 (w-1)/w = 1 buffer
+    # FSDP over 2 ranks: each sends half of the weights twice (forward, backward) and half of the gradients, one
+    # all-gather pair and one reduce-scatter per block and per root, each paying the latency (as the planner prices it)
+    fsdp_bytes, fsdp_calls = 0.5 * (2 * 4.0 * shape.params + grads), 2 * (shape.layers + 1)
     out = {"ray_round_trip_s": max(1e-5, empty), "ray_sample_s": max(0.0, (full - empty) / CHUNK_SAMPLES),
            "allreduce_latency_s": latency,
            "allreduce_bytes_s": idle_rate,
            # the gradients moved by DDP inside a backward, each bucket paying the latency; never faster than idle
            "ddp_allreduce_bytes_s": min(idle_rate, grads / max(in_backward - buckets * latency, 1e-9)),
+           "fsdp_bytes_s": min(idle_rate, fsdp_bytes / max(in_fsdp - fsdp_calls * latency, 1e-9)),
            # measured with both ranks busy: stored as one worker alone pays it (the planner slows it again)
            "train_micro_s": micro / pair_train,
            "pair_decode_slowdown": pair_decode, "pair_train_slowdown": pair_train,
@@ -261,6 +292,7 @@ def measure_ray_overheads(shape, threads: int = 1, log=print, steps: int = 16) -
     log(f"[profile] Ray, 2 workers: {time.perf_counter() - t_start:.1f} s; round trip {empty * 1e3:.2f} ms, "
         f"{out['ray_sample_s'] * 1e6:.0f} us per sample, all-reduce {latency * 1e3:.2f} ms + "
         f"{out['allreduce_bytes_s'] / 1e9:.2f} GB/s (in a backward {in_backward * 1e3:.2f} ms, "
-        f"{out['ddp_allreduce_bytes_s'] / 1e9:.2f} GB/s), training micro-batch +{micro * 1e3:.2f} ms; "
+        f"{out['ddp_allreduce_bytes_s'] / 1e9:.2f} GB/s; FSDP's {in_fsdp * 1e3:.2f} ms, "
+        f"{out['fsdp_bytes_s'] / 1e9:.2f} GB/s), training micro-batch +{micro * 1e3:.2f} ms; "
         f"{pinned_note(cores)}; {pair_note(out, PAIR_ROUNDS)}")
     return out

@@ -246,6 +246,9 @@ def test_fsdp_rank_by_hand_at_its_larger_phase():
     # the frozen reference is sharded too: its half (1136 B) beside the update's shards
     with_ref = worker_memory({"actor", "reference"}, m, NO_RUNTIME)
     assert with_ref["base"] == mem["base"] + 568 * 4 // 2
+    # rl.release_reference maps a replicated reference; sharded, it changes nothing (it once took the reference
+    # out of the whole worker's weights and the shards out again: SmolLM2 math predicted 1839 MiB, ran 2890)
+    assert worker_memory({"actor", "reference"}, replace(m, release_reference=True), NO_RUNTIME) == with_ref
     # a rank that decodes and scores with a separate critic gathers the actor alone for the rollout (reference and
     # critic later, one at a time): whole actor 2272 beside the shards of actor, critic and reference (3 x 1136)
     flattened = MemoryInputs(TINY, critic=TINY, train_rows=2, seq=8, score_rows=1, kv_rows=64, fsdp=2)

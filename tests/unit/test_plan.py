@@ -640,3 +640,18 @@ def test_fused_tail_singles_score_in_one_pass():
     unshared = replace(mixed, workload=replace(mixed.workload, shared_prompt=False))
     calls_cost = lambda pr: pl._score_seconds(pr, 1) - (batched + 16) * pr.profile.score_call_s
     assert calls_cost(mixed) / calls_cost(unshared) == pytest.approx((2 * batched + 16) / (batched + 16))
+
+
+def test_fsdp_collectives_are_priced_at_their_own_measured_rate(default_problem):
+    # FSDP's per-block all-gathers and reduce-scatters ran ~5x slower than DDP's bucketed all-reduce on 2 CPU
+    # workers; the profile measures their rate (fsdp_bytes_s) and a sharded update is priced at it
+    prob = _fixed(default_problem, train_parallel=("data", "fsdp"))
+    fsdp_of = lambda pr: next(p for p in plan(pr) if p.strategy == "flattened" and p.train_parallel == "fsdp")
+    unmeasured = fsdp_of(prob)  # 0: DDP's rate
+    p = prob.profile
+    same = fsdp_of(replace(prob, profile=replace(p, fsdp_bytes_s=p.ddp_allreduce_bytes_s or p.allreduce_bytes_s)))
+    slow = fsdp_of(replace(prob, profile=replace(p, fsdp_bytes_s=(p.ddp_allreduce_bytes_s or p.allreduce_bytes_s) / 5)))
+    assert same.seconds["train"] == pytest.approx(unmeasured.seconds["train"])
+    assert slow.seconds["train"] > unmeasured.seconds["train"]
+    data = next(x for x in plan(prob) if x.label() == unmeasured.label().replace(", fsdp", ""))
+    assert slow.seconds["train"] - data.seconds["train"] > unmeasured.seconds["train"] - data.seconds["train"]
