@@ -438,9 +438,10 @@ def profile_line(prof) -> str:
 
 
 def task_profile(task: str, work: Path) -> Path:
-    """Where the profile a task predicts from lives: the embedded model's tasks share one, the real-model tasks share
-    SmolLM2's (its shape's rates per FLOP and per call; measuring it takes about 9 minutes on 2 cores)."""
-    return work / ("machine_profile-smollm2.json" if task in REAL_MODEL else "machine_profile.json")
+    """Where the profile a task predicts from lives: the embedded model's tasks share one; each real-model task has
+    its own, of SmolLM2's shape (about 20 minutes on 2 cores), so each is taken with its own runs (this VM's rates
+    drift over hours, and the two configs' runs are hours apart)."""
+    return work / (f"machine_profile-{task}.json" if task in REAL_MODEL else "machine_profile.json")
 
 
 def fresh_profile(work: Path, fresh: bool, task: str = "default") -> Path:
