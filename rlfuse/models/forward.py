@@ -155,7 +155,8 @@ def response_logprobs(model, mb: MicroBatch, temperature: float = 1.0, chunk_tok
 def chunked_logprobs(h: Tensor, weight: Tensor, targets: Tensor, temperature: float, chunk_tokens: int,
                      with_entropy: bool) -> tuple[Tensor, Tensor, Tensor]:
     """(log-prob of each target, entropy or zeros, log-sum-exp), flat over h's tokens: the LM head over chunk_tokens
-    tokens at a time, each chunk's logits turned into log-probs in place (one (chunk, V) buffer and logsumexp's)."""
+    tokens at a time, each chunk's logits turned into log-probs in place (one (chunk, V) buffer and logsumexp's, or
+    the probabilities' for the entropy)."""
     flat, tgt, w = h.reshape(-1, h.shape[-1]), targets.reshape(-1), weight.to(h.dtype)  # as autocast would
     acc = torch.promote_types(h.dtype, torch.float32)  # fp32 logits under bf16, as the loop's .float()
     lse, picked, ent = (torch.empty(len(tgt), device=h.device, dtype=acc) for _ in range(3))
@@ -164,8 +165,8 @@ def chunked_logprobs(h: Tensor, weight: Tensor, targets: Tensor, temperature: fl
         lse[s: s + chunk_tokens] = torch.logsumexp(z, dim=-1)
         logp = z.sub_(lse[s: s + chunk_tokens, None])
         picked[s: s + chunk_tokens] = logp.gather(1, tgt[s: s + chunk_tokens, None]).squeeze(1)
-        if with_entropy:
-            ent[s: s + chunk_tokens] = -(logp.exp() * logp).sum(-1)
+        if with_entropy:  # sum_v p log p as one dot product per row: no (chunk, V) product beside p
+            ent[s: s + chunk_tokens] = -torch.bmm(logp.exp().unsqueeze(1), logp.unsqueeze(2)).view(-1)
     return picked, (ent if with_entropy else ent.zero_()), lse
 
 
