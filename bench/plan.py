@@ -62,8 +62,8 @@ RUNS = {
     # micro-32 runs showed; they check the fixes on runs the fixes were not read from
     # micro 16: first run after the cost model's second pass for prefix-shared micro-batches (2026-11-27), which
     # the micro-8 runs showed
-    # fsdp: the planner's choice of 2026-11-27 22:02, its collectives then priced at DDP's rate (run: 49 s an
-    # iteration against 32.6 predicted), kept to check them at FSDP's own (MachineProfile.fsdp_bytes_s)
+    # fsdp: the planner's choice of 2026-11-27 22:02, its collectives then priced at DDP's rate (run: 53 s an
+    # iteration, the median of 2, against 32.6 predicted), kept to check them at FSDP's own (fsdp_bytes_s)
     "smollm2_math": [("flattened", 32, False), ("separated", 32, False), ("interleaved", 32, False),
                      ("flattened", 8, False), ("separated", 8, False), ("flattened", 16, False),
                      ("separated", 16, False), ("flattened", 32, False, "fsdp")],
@@ -475,8 +475,8 @@ def main() -> None:
                     help="run nothing: predict the runs stored in a results.json again with the current model (and "
                          "sum up their folders' metrics again) and print the report (nothing is written)")
     ap.add_argument("--profile", type=Path, nargs="+",
-                    help="with --repredict: the machine profile to predict from (default: machine_profile.json beside "
-                         "the results); several: a table of the target figures from each, one row per profile")
+                    help="with --repredict: the machine profile to predict from (default: the task's, beside the "
+                         "results: task_profile); several: a table of the target figures from each, one row per profile")
     ap.add_argument("--paper", action="store_true",
                     help="run nothing: write `rlfuse plan --paper`'s at-scale predictions into the plan_paper section")
     args = ap.parse_args()

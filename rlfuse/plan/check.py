@@ -37,7 +37,8 @@ def check_placement(spec: PlacementSpec, roles: Roles, cluster: ClusterResources
 
     Args:
         cluster: what the cluster offers; None skips the resource checks (config validation, before Ray is up).
-        memory_of: the planner's memory model, bytes per worker of a group; None skips the memory check.
+        memory_of: the planner's memory model, bytes per worker of a group of `spec` (called with both: a worker's
+            memory depends on where the other roles sit); None skips the memory check.
         memory_budget: bytes one worker may use (device memory on GPU, the worker's RAM share on CPU).
     """
     problems = _check_groups(spec)

@@ -257,9 +257,9 @@ class MachineProfile:
     """The same for FSDP2's collectives in a training micro-batch (rl.train_parallel=fsdp): each block's weights
     all-gathered for the forward and again for the backward and its gradients reduce-scattered, over gloo, one
     block at a time while the ranks compute: the bytes a rank sends over the seconds a sharded micro-batch takes
-    beyond the same micro-batch replicated (profile_ray.py). On 2 CPU workers they ran ~5x slower than DDP's
-    bucketed all-reduce (SmolLM2 math: FSDP's update 43 s an iteration against DDP's 24). 0: not measured,
-    ddp_allreduce_bytes_s."""
+    beyond the same micro-batch replicated (profile_ray.py). On 2 CPU workers they ran ~2.7x slower than DDP's
+    bucketed all-reduce (0.25 against 0.68 GB/s; SmolLM2 math: FSDP's update 40-45 s an iteration against DDP's 24).
+    0: not measured, ddp_allreduce_bytes_s."""
     ray_call_s: float = 0.0
     """The driver's own work per iteration on Ray besides its calls to the workers (advantages, building the
     experience, the loop's Python): seconds, counted once per iteration."""

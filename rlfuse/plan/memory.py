@@ -194,28 +194,30 @@ def lora_train_resident(m: MemoryInputs, p: MachineProfile, counted: float) -> f
 
 def sent_bytes(m: MemoryInputs, role: str) -> float:
     """What one weight sync puts into the object store for `role` (runtime/ray_train.actor_weights): the actor's
-    merged weights in the trained dtype, or its adapters alone (rollout.weight_sync=adapters); the critic's whole."""
+    merged weights in the trained dtype, or its adapters alone (rollout.weight_sync=adapters); the critic's whole
+    (its own body, or the actor's with a value head: rl.critic_init=actor)."""
     train_b = 4.0 if m.train_dtype == "fp32" else 2.0
     if role == "critic":
-        return m.critic.params * train_b if m.critic is not None else 0.0
+        return (m.critic or m.policy).params * train_b
     if m.lora_rank and m.sync_adapters:
         return m.policy.lora_params(m.lora_rank) * train_b
     return m.policy.params * train_b
 
 
-def object_store_bytes(roles, groups, m: MemoryInputs, device: str) -> float:
+def object_store_bytes(roles: set[str] | tuple[str, ...], groups: list, m: MemoryInputs, device: str) -> float:
     """Bytes of Ray's object store a worker holding `roles` maps at each weight sync, its RSS counting them for the
     rest of the run (the store's shared pages stay mapped once touched: on SmolLM2 on the separated placement the
     sending and the decoding worker each held 513 MiB of RssShmem, one copy of the policy, from the first sync to
     the end). `groups`: every group's roles. The actor's group puts the actor's weights (sent_bytes) when a
     generator sits in a group without the actor, and a separate critic's when a scoring group lacks the critic
     (runtime/ray_driver.sync_weights; rank 0 puts them, and each rank of the group is charged: the group's peak);
-    the receivers load views of the same pages. 0 on a GPU (the store is host memory, the budget device memory)."""
+    the receivers load views of the same pages: one copy in the machine's memory, counted in each RSS. `device`: the
+    worker's (cuda: 0, the store is host memory and the budget device memory)."""
     if device != "cpu":
         return 0.0
     roles, groups = set(roles), [set(g) for g in groups]
     decoders_apart = any("generator" in g and "actor" not in g for g in groups)
-    critic_apart = m.critic is not None and any("critic" in g for g in groups) and any(
+    critic_apart = any("critic" in g for g in groups) and any(
         "critic" not in g and g & {"reference", "reward"} for g in groups)
     if "actor" in roles:
         return decoders_apart * sent_bytes(m, "actor") + (critic_apart and "critic" in roles) * sent_bytes(m, "critic")
@@ -293,7 +295,6 @@ def worker_memory(roles: set[str] | tuple[str, ...], m: MemoryInputs, p: Machine
             out["base"] += weight_bytes(m.reward, m.weight_dtype)
         scoring = inference_activation_bytes(m.reward, m.score_rows * score_seq, m.act_bytes, False)
         acts.append((scoring, scoring))
-    out["base"] += m.store_bytes  # the weight sync's pages of the object store (sent or received)
     out["gradients"] = trainable * train_b
     out["optimizer"] = trainable * (optimizer_bytes_per_param(m.optimizer) + (4.0 if m.master_weights else 0.0))
     if "generator" in roles and m.shard > 1:  # the generator's copy and cache shard by its own (tensor-parallel) degree
@@ -304,9 +305,12 @@ def worker_memory(roles: set[str] | tuple[str, ...], m: MemoryInputs, p: Machine
     for k in ("base", "adapters", "gradients", "optimizer", "kv_cache"):
         out[k] /= m.shard
     counted, out["activations"] = max(acts, key=lambda a: a[1])
-    # the measured line has the heap's slack on those activations in it already: the fraction applies to the count
+    # the measured line has the heap's slack on those activations in it already: the fraction applies to the count;
+    # the object store's pages (the weight sync's, sent or received) are whole pages, no allocator's
     tensors = sum(out[k] for k in COMPONENTS[:6])
+    out["base"] += m.store_bytes
     out["slack"] = p.runtime_bytes + p.slack_fraction * (tensors - out["activations"] + counted)
+    tensors += m.store_bytes
     out["total"] = tensors + out["slack"]
     return out
 
@@ -384,6 +388,15 @@ def memory_table(rows: dict[str, dict[str, float]], unit: float = GiB, unit_name
     return f"({unit_name})\n" + "\n".join(lines)
 
 
+def group_store_bytes(group, spec, m: MemoryInputs) -> float:
+    """object_store_bytes of one worker of `group` in `spec` (on Ray; its own device: a GPU worker's budget is
+    device memory)."""
+    if not spec.uses_ray:
+        return 0.0
+    return object_store_bytes(group.roles, [g.roles for g in spec.groups], m,
+                              "cuda" if group.gpus_per_worker else "cpu")
+
+
 def memory_model(m: MemoryInputs, p: MachineProfile, samples: int, max_rows: int,
                  shard_groups: bool = False, fsdp: bool = False) -> Callable:
     """A `memory_of` for rlfuse.plan.check: predicted peak bytes of one worker of a WorkerGroup of a
@@ -392,8 +405,17 @@ def memory_model(m: MemoryInputs, p: MachineProfile, samples: int, max_rows: int
     def memory_of(group, spec) -> int:
         kv_rows = min(max_rows, math.ceil(samples / group.workers))
         shard = group.workers if shard_groups else 1
-        store = object_store_bytes(group.roles, [g.roles for g in spec.groups], m, p.device) if spec.uses_ray else 0.0
-        mi = replace(m, kv_rows=kv_rows, shard=shard, fsdp=group.workers if fsdp else 1, store_bytes=store)
+        mi = replace(m, kv_rows=kv_rows, shard=shard, fsdp=group.workers if fsdp else 1,
+                     store_bytes=group_store_bytes(group, spec, m))
         return int(worker_memory(group.roles, mi, p)["total"])
 
     return memory_of
+
+
+def machine_bytes(spec, memory_of: Callable, m: MemoryInputs) -> float:
+    """Predicted bytes of every worker of `spec` on one machine: each worker's peak (memory_of), the object store's
+    pages once (every worker that touches them counts them in its RSS; the machine holds them once: the actor
+    group's, which hold everything a sync sends)."""
+    per_worker = sum(g.workers * (memory_of(g, spec) - group_store_bytes(g, spec, m)) for g in spec.groups)
+    senders = [g for g in spec.groups if "actor" in g.roles]
+    return per_worker + (group_store_bytes(senders[0], spec, m) if senders else 0.0)

@@ -29,8 +29,8 @@ from rlfuse.config import checkpointing_on
 from rlfuse.errors import UserError
 from rlfuse.plan import cost
 from rlfuse.plan.cost import MachineProfile, ModelShape, policy_shape
-from rlfuse.plan.memory import (GiB, MemoryInputs, memory_model, memory_table, object_store_bytes, weight_bytes,
-                                worker_memory)
+from rlfuse.plan.memory import (GiB, MemoryInputs, group_store_bytes, machine_bytes, memory_model, memory_table,
+                                weight_bytes, worker_memory)
 from rlfuse.plan.profiles import load_profile
 from rlfuse.plan.roles import Roles, derive_roles
 from rlfuse.plan.spec import PlacementSpec, WorkerResources, dp_micro_size
@@ -334,8 +334,7 @@ def predict(prob: Problem, spec: PlacementSpec, micro: int, ckpt: bool, migrate:
         # asynchronous: a generation worker holds a copy of the reference too (it takes the log-probs)
         roles = set(g.roles) | ({"reference"} if staleness and "generator" in g.roles and "actor" not in g.roles
                                 else set())
-        store = object_store_bytes(g.roles, [x.roles for x in spec.groups], m, p.device) if spec.uses_ray else 0.0
-        memory[g.name] = worker_memory(roles, replace(mi, store_bytes=store), p)
+        memory[g.name] = worker_memory(roles, replace(mi, store_bytes=group_store_bytes(g, spec, m)), p)
     fits, why = True, ""
     if prob.memory_budget is not None:
         over = [f"{n} needs {mem['total'] / GiB:.2f} GiB" for n, mem in memory.items() if mem["total"] > prob.memory_budget]
@@ -755,6 +754,14 @@ def memory_of_config(cfg, **measured):
     resolve_auto's)."""
     m, w, prob = _configured_memory(cfg, **measured)
     return memory_model(m, prob.profile, w.samples, w.max_rows, fsdp=cfg.rl.train_parallel == "fsdp")
+
+
+def machine_memory(cfg, spec, **measured) -> tuple[dict, float]:
+    """An RL run on `cfg` laid out as `spec` on one machine (a local Ray): ({group: (workers, predicted peak bytes of
+    one)}, bytes of them all, the object store's pages once: memory.machine_bytes). measured: as resolve_auto's."""
+    m, w, prob = _configured_memory(cfg, **measured)
+    memory_of = memory_model(m, prob.profile, w.samples, w.max_rows, fsdp=cfg.rl.train_parallel == "fsdp")
+    return {g.name: (g.workers, memory_of(g, spec)) for g in spec.groups}, machine_bytes(spec, memory_of, m)
 
 
 def predicted_memory(cfg) -> dict[str, float]:

@@ -21,7 +21,7 @@ from pathlib import Path
 from rlfuse.config import Config, validate
 from rlfuse.errors import ConfigError, UserError
 from rlfuse.plan.check import check_placement, check_resources
-from rlfuse.plan.planner import memory_of_config, resolve_auto
+from rlfuse.plan.planner import machine_memory, memory_of_config, resolve_auto
 from rlfuse.plan.roles import derive_roles
 from rlfuse.plan.spec import ClusterResources, available_memory
 from rlfuse.plan.strategies import spec_from_config
@@ -84,11 +84,9 @@ def check_this_machine(cfg: Config, **measured) -> None:
     if spec.gpus or available is None:
         return
     try:
-        per_worker = memory_of_config(cfg, **measured)
-        need = {g.name: (g.workers, per_worker(g)) for g in spec.groups}
-    except Exception:  # a model whose shape cannot be read before it loads: the run finds out for itself
-        return
-    total = sum(n * (b or 0) for n, b in need.values())
+        need, total = machine_memory(cfg, spec, **measured)
+    except (UserError, OSError, ValueError, KeyError):  # a model whose shape cannot be read before it loads: the
+        return  # run finds out for itself
     if total > available:
         parts = ", ".join(f"{name} {n} x {b / 2**30:.2f} GiB" for name, (n, b) in need.items() if b)
         raise ConfigError("placement.workers", f"the {spec.workers} workers are predicted to need "

@@ -26,7 +26,7 @@ What is timed, and which MachineProfile field it gives:
 - FSDP's collectives: the same micro-batch on a copy of the model in FSDP2 shards (runtime/fsdp.py ShardedGroup, as
   rl.train_parallel=fsdp runs it: every block's weights all-gathered for the forward and again for the backward, its
   gradients reduce-scattered) against it on the replicated model without the sync, both workers at once: the bytes
-  a rank sends over the difference (less a latency per collective) are `fsdp_bytes_s`.
+  a rank sends over the difference (less two latencies per block, as the planner prices them) are `fsdp_bytes_s`.
 
 Imports Ray: profile.py imports it only to measure these overheads, and goes on without them where Ray is missing.
 """
@@ -192,9 +192,7 @@ class ProbeWorker:
                 loss.backward()
 
         replicated = self._micro_batch(rows)
-        out = extra_seconds(sharded, lambda: replicated(False), repeats)
-        del group, sharded_model
-        return out
+        return extra_seconds(sharded, lambda: replicated(False), repeats)
 
     def shutdown(self) -> None:
         if dist.is_initialized():
@@ -276,15 +274,17 @@ def measure_ray_overheads(shape, threads: int = 1, log=print, steps: int = 16) -
     grads = 4.0 * shape.params  # fp32 gradients of the probe's model, in DDP's buckets
     buckets = ddp_buckets(grads, DDP_BUCKET_BYTES)
     idle_rate = nbytes / max(t_big - latency, 1e-6)  # 2 ranks: each sends 2 (w-1)/w = 1 buffer
-    # FSDP over 2 ranks: each sends half of the weights twice (forward, backward) and half of the gradients, one
-    # all-gather pair and one reduce-scatter per block and per root, each paying the latency (as the planner prices it)
+    # FSDP over 2 ranks: each sends half of the weights twice (forward, backward) and half of the gradients, less
+    # two latencies per block and per root (the weights' pair and the gradients: as the planner prices them)
     fsdp_bytes, fsdp_calls = 0.5 * (2 * 4.0 * shape.params + grads), 2 * (shape.layers + 1)
+    fsdp_s = in_fsdp - fsdp_calls * latency
     out = {"ray_round_trip_s": max(1e-5, empty), "ray_sample_s": max(0.0, (full - empty) / CHUNK_SAMPLES),
            "allreduce_latency_s": latency,
            "allreduce_bytes_s": idle_rate,
            # the gradients moved by DDP inside a backward, each bucket paying the latency; never faster than idle
            "ddp_allreduce_bytes_s": min(idle_rate, grads / max(in_backward - buckets * latency, 1e-9)),
-           "fsdp_bytes_s": min(idle_rate, fsdp_bytes / max(in_fsdp - fsdp_calls * latency, 1e-9)),
+           # 0 (not measured: the planner takes DDP's) where the difference drowned in the noise
+           "fsdp_bytes_s": min(idle_rate, fsdp_bytes / fsdp_s) if fsdp_s > 0 else 0.0,
            # measured with both ranks busy: stored as one worker alone pays it (the planner slows it again)
            "train_micro_s": micro / pair_train,
            "pair_decode_slowdown": pair_decode, "pair_train_slowdown": pair_train,

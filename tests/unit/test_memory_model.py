@@ -7,8 +7,8 @@ import pytest
 from rlfuse.plan.check import check_placement
 from rlfuse.plan.cost import KNOWN_SHAPES, MachineProfile, ModelShape, gpt2_shape
 from rlfuse.plan.memory import (COMPONENTS, MemoryInputs, bytes_per_param, inference_activation_bytes, memory_model,
-                                memory_table, object_store_bytes, optimizer_bytes_per_param, weight_bytes,
-                                worker_memory)
+                                machine_bytes, memory_table, object_store_bytes, optimizer_bytes_per_param,
+                                weight_bytes, worker_memory)
 from rlfuse.plan.spec import PlacementSpec, WorkerGroup
 
 # a 2-layer GPT-2 small enough to count by hand: hidden 4, ffn 16, vocab 10, 8 positions
@@ -143,14 +143,15 @@ def test_a_weight_sync_through_the_object_store_stays_in_the_sender_and_the_rece
     lora = MemoryInputs(TINY, seq=3, kv_rows=5, score_rows=1, lora_rank=2, sync_adapters=True)
     lora_params = 2 * ((4 + 12) + (4 + 4) + (4 + 16) + (16 + 4)) * 2
     assert object_store_bytes(separated[1], separated, lora, "cpu") == lora_params * 4
-    # PPO with the critic trained beside the actor and scored elsewhere: its weights go too
-    ppo = MemoryInputs(TINY, critic=TINY, seq=3, kv_rows=5, score_rows=1)
+    # PPO with the critic trained beside the actor and scored elsewhere: its weights go too, whether it has its own
+    # body or is the actor's with a value head (rl.critic_init=actor: no critic shape of its own)
     apart = [("actor", "critic"), ("generator", "reference", "reward")]
-    assert object_store_bytes(apart[0], apart, ppo, "cpu") == 2 * 568 * 4
-    assert object_store_bytes(apart[1], apart, ppo, "cpu") == 2 * 568 * 4
-    # charged to the weights, its slack with them
-    plain, synced = worker_memory({"generator"}, m, NO_RUNTIME), worker_memory({"generator"}, replace(m, store_bytes=8), NO_RUNTIME)
-    assert synced["base"] == plain["base"] + 8 and synced["total"] == pytest.approx(plain["total"] + 8 * 1.1)
+    for ppo in (MemoryInputs(TINY, critic=TINY, seq=3, kv_rows=5, score_rows=1), m):
+        assert object_store_bytes(apart[0], apart, ppo, "cpu") == 2 * 568 * 4
+        assert object_store_bytes(apart[1], apart, ppo, "cpu") == 2 * 568 * 4
+    # charged to the weights, whole pages: no allocator slack on them, no sharding
+    plain, synced = (worker_memory({"generator"}, replace(m, store_bytes=b, shard=2), NO_RUNTIME) for b in (0, 8))
+    assert synced["base"] == plain["base"] + 8 and synced["total"] == pytest.approx(plain["total"] + 8)
 
 
 def test_the_memory_hook_charges_the_weight_sync_where_the_generator_sits_apart():
@@ -163,8 +164,14 @@ def test_the_memory_hook_charges_the_weight_sync_where_the_generator_sits_apart(
     rest = tuple(r for r in roles.names if r != "generator")
     separated = PlacementSpec("separated", (WorkerGroup("train", 1, rest), WorkerGroup("generate", 1, ("generator",))))
     alone = PlacementSpec("separated", (WorkerGroup("train", 1, rest),))  # the same group with no one to send to
-    assert memory_of(separated.groups[0], separated) == pytest.approx(
-        memory_of(alone.groups[0], alone) + 568 * 4 * 1.1, abs=1)
+    assert memory_of(separated.groups[0], separated) == pytest.approx(memory_of(alone.groups[0], alone) + 568 * 4, abs=1)
+    # on a GPU worker the store's pages are host memory, not the device's its budget is
+    on_gpu = PlacementSpec("separated", (WorkerGroup("train", 1, rest, gpus_per_worker=1),
+                                         WorkerGroup("generate", 1, ("generator",), gpus_per_worker=1)))
+    assert memory_of(on_gpu.groups[0], on_gpu) == memory_of(alone.groups[0], alone)
+    # the machine holds the pages once, however many workers count them in their RSS
+    per_worker = memory_of(separated.groups[0], separated) + memory_of(separated.groups[1], separated)
+    assert machine_bytes(separated, memory_of, m) == pytest.approx(per_worker - 568 * 4, abs=2)
 
 
 def test_a_decoding_worker_merging_the_adapters_holds_the_base_they_merge_on():

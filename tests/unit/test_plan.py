@@ -10,8 +10,10 @@ import yaml
 from rlfuse.config import load_config
 from rlfuse.plan import cost
 from rlfuse.plan.cost import MachineProfile, ModelShape, gpt2_shape
+from rlfuse.plan.memory import sent_bytes
 from rlfuse.plan.planner import best_plan, plan, problem_from_config
 from rlfuse.plan.profiles import BUILTIN_CPU
+from rlfuse.plan.spec import WorkerResources
 
 TINY = ModelShape("tiny", layers=2, hidden=4, heads=2, ffn=16, vocab=10, context=8)
 RATES = MachineProfile("test", "cpu", 1, flops=1e9, decode_flops=5e8, mem_bw=1e10, layer_call_s=1e-3,
@@ -653,5 +655,14 @@ def test_fsdp_collectives_are_priced_at_their_own_measured_rate(default_problem)
     slow = fsdp_of(replace(prob, profile=replace(p, fsdp_bytes_s=(p.ddp_allreduce_bytes_s or p.allreduce_bytes_s) / 5)))
     assert same.seconds["train"] == pytest.approx(unmeasured.seconds["train"])
     assert slow.seconds["train"] > unmeasured.seconds["train"]
-    data = next(x for x in plan(prob) if x.label() == unmeasured.label().replace(", fsdp", ""))
-    assert slow.seconds["train"] - data.seconds["train"] > unmeasured.seconds["train"] - data.seconds["train"]
+
+
+def test_a_separated_plan_charges_the_weight_syncs_pages_to_both_sides(default_problem):
+    # on CPU workers the actor's weights pass through Ray's object store to the decoding group and stay in both
+    # groups' RSS; GPU workers' budgets are device memory, which the store is not
+    sep_of = lambda pr: next(p for p in plan(_fixed(pr, train_parallel=("data",))) if p.strategy == "separated")
+    cpu, gpu = sep_of(default_problem), sep_of(replace(default_problem, resources=WorkerResources(1.0, 1.0)))
+    assert cpu.label() == gpu.label()
+    sent = sent_bytes(default_problem.memory, "actor")
+    for g in cpu.spec.groups:
+        assert cpu.memory[g.name]["base"] - gpu.memory[g.name]["base"] == pytest.approx(sent), g.roles
