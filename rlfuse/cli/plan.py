@@ -63,10 +63,10 @@ def workload_prompts(cfg, lengths_from: str | None, log) -> tuple[dict, str]:
     prompts measured with the model's tokenizer, else ({}: the planner's table) and a line saying why."""
     recorded = measured_prompts(lengths_from) if lengths_from else None
     if recorded is not None:
-        tokens, distinct = recorded
-        return ({"prompt_tokens": tokens, "prompt_lengths": distinct},
-                f"prompts: {tokens:.1f} tokens on average, {distinct:.1f} distinct lengths per iteration, as the RL "
-                f"iterations of {lengths_from} recorded them")
+        tokens, distinct, longest = recorded  # the longest sizes memory (0: a run that did not record it, the mean)
+        return ({"prompt_tokens": tokens, "prompt_lengths": distinct, "prompt_longest": longest},
+                f"prompts: {tokens:.1f} tokens on average{f' (longest {longest})' if longest else ''}, "
+                f"{distinct:.1f} distinct lengths per iteration, as the RL iterations of {lengths_from} recorded them")
     from rlfuse.models.prompt_workload import planner_prompt_inputs  # torch and transformers: only when measuring
 
     return planner_prompt_inputs(cfg, log)

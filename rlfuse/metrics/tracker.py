@@ -243,16 +243,18 @@ def stage_tracker(cfg, stage_dir: str | Path, from_step: int = 0) -> JsonlTracke
                                                                        config=config_to_dict(cfg)))
 
 
-def measured_prompts(run_dir) -> tuple[float, float] | None:
-    """(mean prompt tokens, mean distinct prompt lengths per iteration) over the iterations of a run folder's
-    rl/metrics.jsonl (the planner's prompt_tokens and prompt_lengths), or None where it records neither (a run from
-    before rollout/prompt_length_mean)."""
+def measured_prompts(run_dir) -> tuple[float, float, int] | None:
+    """(mean prompt tokens, mean distinct prompt lengths per iteration, the longest prompt of any iteration) over the
+    iterations of a run folder's rl/metrics.jsonl (the planner's prompt_tokens, prompt_lengths and prompt_longest;
+    the longest 0 where the run did not record it, before rollout/prompt_length_max), or None where it records
+    neither of the first two (a run from before rollout/prompt_length_mean)."""
     f = Path(run_dir) / "rl" / "metrics.jsonl"
     rows = [r for r in read_metrics(f) if "rollout/prompt_length_mean" in r] if f.is_file() else []
     if not rows:
         return None
     return (statistics.mean(r["rollout/prompt_length_mean"] for r in rows),
-            statistics.mean(r["rollout/prompt_lengths_distinct"] for r in rows))
+            statistics.mean(r["rollout/prompt_lengths_distinct"] for r in rows),
+            int(max(r.get("rollout/prompt_length_max", 0) for r in rows)))
 
 
 def measured_lengths(run_dir) -> tuple[float, int] | None:

@@ -72,6 +72,7 @@ def rollout_metrics(exp: Experience, kl, returns, kl_coef: float, max_new: int) 
         "rollout/hit_limit": float((lengths >= max_new).float().mean()), "rollout/samples": len(exp),
         "rollout/prompt_length_mean": sum(prompt_lengths) / len(prompt_lengths),
         "rollout/prompt_lengths_distinct": len(set(prompt_lengths)),
+        "rollout/prompt_length_max": max(prompt_lengths),
     }
     if returns is not None and not m["reward/nonfinite"]:
         m["train/explained_variance"] = float(explained_variance(exp.values, returns, exp.mask))

@@ -138,11 +138,21 @@ def test_rlfuse_plan_prefers_the_prompts_a_run_recorded(word_model, prompt_file,
     run = tmp_path / "run"
     (run / "rl").mkdir(parents=True)
     rows = [{"step": i, "rollout/length_mean": 6.0, "rollout/length_max": 8, "rollout/prompt_length_mean": p,
-             "rollout/prompt_lengths_distinct": d} for i, (p, d) in enumerate([(10.0, 3), (14.0, 5)], 1)]
+             "rollout/prompt_lengths_distinct": d, "rollout/prompt_length_max": m}
+            for i, (p, d, m) in enumerate([(10.0, 3, 21), (14.0, 5, 18)], 1)]
     (run / "rl" / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
-    assert measured_prompts(run) == (12.0, 4.0)
+    assert measured_prompts(run) == (12.0, 4.0, 21)
     out = plan_cli(capsys, tmp_path, *word_args(word_model, prompt_file), "--lengths-from", str(run)).out
-    assert f"prompts: 12.0 tokens on average, 4.0 distinct lengths per iteration, as the RL iterations of {run}" in out
+    assert (f"prompts: 12.0 tokens on average (longest 21), 4.0 distinct lengths per iteration, as the RL iterations "
+            f"of {run}") in out
+    # the longest sizes the memory model's sequences: the workload line says it
+    assert "workload: 8 samples x 12.0 prompt (4.0 distinct lengths, longest 21) + 6.0 response tokens" in out
+    # a run from before the longest prompt was recorded: the mean sizes memory, as before
+    for r in rows:
+        del r["rollout/prompt_length_max"]
+    (run / "rl" / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    assert measured_prompts(run) == (12.0, 4.0, 0)
+    out = plan_cli(capsys, tmp_path, *word_args(word_model, prompt_file), "--lengths-from", str(run)).out
     assert "workload: 8 samples x 12.0 prompt (4.0 distinct lengths) + 6.0 response tokens" in out
     # a run from before the prompt metrics: its response lengths only, the prompts measured here
     (run / "rl" / "metrics.jsonl").write_text(json.dumps({"step": 1, "rollout/length_mean": 6.0}) + "\n")
@@ -166,3 +176,16 @@ def test_auto_placement_is_planned_on_the_measured_prompts(word_model, prompt_fi
     measured, table = (first_fitting(plan_config(cfg, **kw), 2).iteration_s for kw in (inputs, {}))
     assert measured != table  # ~3 tokens a prompt against the table's 32: the numbers reached the planner
     assert f"predicted {measured:.2f} s per iteration" in lines[-1]
+
+
+def test_a_run_records_its_prompts_lengths_for_the_planner():
+    # what `rlfuse plan --lengths-from` reads back: the mean, the distinct lengths and the longest (memory's size)
+    from rlfuse.rollout.fusion import Experience
+    from rlfuse.trainers.observe import rollout_metrics
+
+    prompts, T = [[1] * 3, [1] * 3, [1] * 7, [1] * 7], 2
+    exp = Experience(prompts, [[2] * T] * 4, torch.tensor([0, 0, 1, 1]), torch.zeros(4), torch.zeros(4, T),
+                     torch.zeros(4, T), None, torch.ones(4, T), ["eos"] * 4)
+    m = rollout_metrics(exp, torch.zeros(4, T), None, 0.1, 8)
+    assert (m["rollout/prompt_length_mean"], m["rollout/prompt_lengths_distinct"], m["rollout/prompt_length_max"]) \
+        == (5.0, 2, 7)
