@@ -47,7 +47,7 @@ def add_arguments(p) -> None:
                         "machine's RAM divided among the workers)")
     p.add_argument("--profile", action="store_true",
                    help="measure this machine on the config's model shape first and save it (under a minute for the "
-                        "embedded model, about 19 on 2 cores for SmolLM2-135M)")
+                        "embedded model, about 20 on 2 cores for SmolLM2-135M)")
     p.add_argument("--profile-path", metavar="FILE", help="profile file to write/read (default "
                    "$RLFUSE_CACHE/machine_profile.json, i.e. ~/.cache/rlfuse/machine_profile.json)")
     p.add_argument("--lengths-from", metavar="RUN_DIR", help="response (and prompt) lengths measured by an RL run "
