@@ -30,7 +30,7 @@ from rlfuse.errors import UserError
 from rlfuse.plan import cost
 from rlfuse.plan.cost import MachineProfile, ModelShape, policy_shape
 from rlfuse.plan.memory import (GiB, MemoryInputs, group_store_bytes, machine_bytes, memory_model, memory_table,
-                                weight_bytes, worker_memory)
+                                sent_bytes, weight_bytes, worker_memory)
 from rlfuse.plan.profiles import load_profile
 from rlfuse.plan.roles import Roles, derive_roles
 from rlfuse.plan.spec import PlacementSpec, WorkerResources, dp_micro_size
@@ -575,16 +575,15 @@ def _sync_seconds(prob: Problem, spec: PlacementSpec) -> float:
         total += cost.round_trip_seconds(p, 1)  # the driver asks each such worker to copy its own replica
     for g in spec.groups:
         if "generator" in g.roles:
-            if "actor" not in g.roles and m.sync_adapters and m.lora_rank:  # the adapters, merged there
-                total += _send(prob, m.policy.lora_params(m.lora_rank) * train_b, g.workers, trainers)
-                total += 2 * m.policy.params * train_b / p.mem_bw  # the base read, the merged weights written
-            elif "actor" not in g.roles:
-                total += _send(prob, m.policy.params * train_b, g.workers, trainers)
+            if "actor" not in g.roles:  # the merged weights, or the adapters merged there
+                total += _send(prob, sent_bytes(m, "actor"), g.workers, trainers)
+                if m.sync_adapters and m.lora_rank:
+                    total += 2 * m.policy.params * train_b / p.mem_bw  # the base read, the merged weights written
             elif not (m.shared_base and not m.generator_copy):  # decoding the shared base itself: nothing to copy
                 total += m.policy.params * train_b / p.mem_bw
         if m.critic is not None and "critic" in prob.roles and "critic" not in g.roles \
                 and set(g.roles) & {"reference", "reward"}:
-            total += _send(prob, m.critic.params * train_b, g.workers, trainers)
+            total += _send(prob, sent_bytes(m, "critic"), g.workers, trainers)
     return total
 
 

@@ -131,30 +131,13 @@ class ProbeWorker:
         return timed(small, repeats), timed(big, 5)
 
     def _micro_batch(self, rows: int):
-        """A real training micro-batch as a data-parallel rank runs it (learn/losses.py's policy loss inside DDP's
-        forward, then the backward): a function of `sync` (False: gradients accumulate locally; True: the backward
-        all-reduces them, DDP's buckets, so every rank must call it at the same time). Built once per `rows`."""
-        if rows in self._runs:
-            return self._runs[rows]
-
-        exp = fake_experience(rows, self.shape.vocab)
-        adv, rl, idx = torch.randn(exp.mask.shape), RLConfig(), list(range(rows))
-        if self._group is None:  # one DDP wrapper of the model for every micro-batch kind
-            self._group = DataParallelGroup(self.rank, self.world, torch.device("cpu"))
-        group = self._group
-        share = {"token": 1.0, "sequence": 1.0}
-
-        def loss_of(i, sh):
-            loss, stats = micro_policy_loss(self.model, exp, i, adv, rl, 0.1, 0, 1.0)
-            return loss * sh[rl.loss_level], stats
-
-        def run(sync: bool):
-            with group.micro_batch([self.model], sync=sync) as step:
-                loss, _ = step(loss_of, idx, share)
-                loss.backward()
-
-        self._runs[rows] = run
-        return run
+        """The probe model's training micro-batch as a DDP rank runs it (_policy_micro_batch), built once per
+        `rows`."""
+        if rows not in self._runs:
+            if self._group is None:  # one DDP wrapper of the model for every micro-batch kind
+                self._group = DataParallelGroup(self.rank, self.world, torch.device("cpu"))
+            self._runs[rows] = _policy_micro_batch(self.model, self._group, rows, self.shape.vocab)
+        return self._runs[rows]
 
     def micro_batch_overhead(self, rows: int = 4, repeats: int = 15) -> float:
         """Seconds a real training micro-batch (policy loss inside DDP's forward, no gradient sync) takes beyond the
@@ -179,24 +162,35 @@ class ProbeWorker:
         """Seconds a micro-batch on the model in FSDP2 shards takes beyond the same micro-batch on the replicated
         model without a gradient sync (call it on every rank at once: each block's all-gathers and reduce-scatter
         are collectives). The median over `repeats` pairs."""
-        exp = fake_experience(rows, self.shape.vocab)
-        adv, rl, idx, share = torch.randn(exp.mask.shape), RLConfig(), list(range(rows)), {"token": 1.0, "sequence": 1.0}
         sharded_model = model_of_shape(self.shape, "cpu").train()
         group = ShardedGroup(self.rank, self.world, torch.device("cpu"))
         group.shard([[sharded_model]])
-
-        def sharded():
-            with group.micro_batch([sharded_model], sync=True) as step:
-                loss, _ = step(lambda i, sh: (micro_policy_loss(sharded_model, exp, i, adv, rl, 0.1, 0, 1.0)[0]
-                                              * sh[rl.loss_level], {}), idx, share)
-                loss.backward()
-
-        replicated = self._micro_batch(rows)
-        return extra_seconds(sharded, lambda: replicated(False), repeats)
+        sharded, replicated = _policy_micro_batch(sharded_model, group, rows, self.shape.vocab), self._micro_batch(rows)
+        return extra_seconds(lambda: sharded(True), lambda: replicated(False), repeats)
 
     def shutdown(self) -> None:
         if dist.is_initialized():
             dist.destroy_process_group()
+
+
+def _policy_micro_batch(model, group, rows: int, vocab: int):
+    """A real training micro-batch of `model` as a rank of `group` runs it (learn/losses.py's policy loss inside the
+    group's forward, then the backward), as a function of `sync`: False, gradients accumulate locally (DDP); True,
+    the backward syncs them (DDP's all-reduce; FSDP's reduce-scatter, every micro-batch), so every rank must call it
+    at the same time."""
+    exp = fake_experience(rows, vocab)
+    adv, rl, idx, share = torch.randn(exp.mask.shape), RLConfig(), list(range(rows)), {"token": 1.0, "sequence": 1.0}
+
+    def loss_of(i, sh):
+        loss, stats = micro_policy_loss(model, exp, i, adv, rl, 0.1, 0, 1.0)
+        return loss * sh[rl.loss_level], stats
+
+    def run(sync: bool):
+        with group.micro_batch([model], sync=sync) as step:
+            loss, _ = step(loss_of, idx, share)
+            loss.backward()
+
+    return run
 
 
 def _chunk_pattern(workers: list, steps: int, samples: int) -> tuple[float, float]:
