@@ -412,6 +412,27 @@ def memory_model(m: MemoryInputs, p: MachineProfile, samples: int, max_rows: int
     return memory_of
 
 
+def driver_memory(m: MemoryInputs, eval_rows: int) -> float:
+    """What the driver of a Ray run (trainers/rl.py: it holds the models its evaluations and the saved model use)
+    adds to the machine after the plan is checked, in pages nothing else holds: what it writes over its file-mapped
+    weights (the trained actor pulled back at the end; under LoRA the generator's merged copy, written at the first
+    evaluation, and the adapters; on a shared base the adapters alone) and an evaluation's KV cache for `eval_rows`
+    rows with its log-prob pass. Its frozen weights stay mapped from the model files (page cache, which the
+    machine's available memory counts as free to reclaim), the object store's pages are the machine's once
+    (machine_bytes), and its imports are loaded when the check runs. Measured on SmolLM2's math config on the
+    separated placement (bench.rss_trace): 566 MiB of anonymous memory from the check to its peak, 513 of them the
+    pulled actor."""
+    train_b = 4.0 if m.train_dtype == "fp32" else 2.0
+    if m.lora_rank:
+        written = m.policy.lora_params(m.lora_rank) * train_b
+        written += 0.0 if m.shared_base else weight_bytes(m.policy, m.weight_dtype)
+    else:
+        written = m.policy.params * train_b
+    decoding = eval_rows * m.seq * m.policy.kv_bytes_per_token(m.act_bytes)
+    scoring = inference_activation_bytes(m.policy, m.score_rows * (m.score_seq or m.seq), m.act_bytes, True)
+    return written + (decoding + scoring if eval_rows else 0.0)
+
+
 def machine_bytes(spec, memory_of: Callable, m: MemoryInputs) -> float:
     """Predicted bytes of every worker of `spec` on one machine: each worker's peak (memory_of), the object store's
     pages once (every worker that touches them counts them in its RSS; the machine holds them once: the actor

@@ -29,8 +29,8 @@ from rlfuse.config import checkpointing_on
 from rlfuse.errors import UserError
 from rlfuse.plan import cost
 from rlfuse.plan.cost import MachineProfile, ModelShape, policy_shape
-from rlfuse.plan.memory import (GiB, MemoryInputs, group_store_bytes, machine_bytes, memory_model, memory_table,
-                                sent_bytes, weight_bytes, worker_memory)
+from rlfuse.plan.memory import (GiB, MemoryInputs, driver_memory, group_store_bytes, machine_bytes, memory_model,
+                                memory_table, sent_bytes, weight_bytes, worker_memory)
 from rlfuse.plan.profiles import load_profile
 from rlfuse.plan.roles import Roles, derive_roles
 from rlfuse.plan.spec import PlacementSpec, WorkerResources, dp_micro_size
@@ -756,11 +756,14 @@ def memory_of_config(cfg, **measured):
 
 
 def machine_memory(cfg, spec, **measured) -> tuple[dict, float]:
-    """An RL run on `cfg` laid out as `spec` on one machine (a local Ray): ({group: (workers, predicted peak bytes of
-    one)}, bytes of them all, the object store's pages once: memory.machine_bytes). measured: as resolve_auto's."""
+    """An RL run on `cfg` laid out as `spec` on one machine (a local Ray): ({group or "driver": (processes,
+    predicted peak bytes of one)}, bytes of them all: the workers, the object store's pages once
+    (memory.machine_bytes) and what the driver adds (memory.driver_memory)). measured: as resolve_auto's."""
     m, w, prob = _configured_memory(cfg, **measured)
     memory_of = memory_model(m, prob.profile, w.samples, w.max_rows, fsdp=cfg.rl.train_parallel == "fsdp")
-    return {g.name: (g.workers, memory_of(g, spec)) for g in spec.groups}, machine_bytes(spec, memory_of, m)
+    driver = driver_memory(m, min(cfg.rl.eval_prompts, w.max_rows))
+    need = {g.name: (g.workers, memory_of(g, spec)) for g in spec.groups} | {"driver": (1, int(driver))}
+    return need, machine_bytes(spec, memory_of, m) + driver
 
 
 def predicted_memory(cfg) -> dict[str, float]:

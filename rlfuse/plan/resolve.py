@@ -71,7 +71,7 @@ def _ray_running() -> bool:
 def check_this_machine(cfg: Config, **measured) -> None:
     """The workers of a local Ray against this machine: their CPUs and GPUs (Ray would otherwise be told the
     machine has what the placement asks for, and start them all), and on CPU the planner's memory for all of them
-    against the RAM available now."""
+    and for what the driver adds (plan/memory.driver_memory) against the RAM available now."""
     spec = spec_from_config(cfg)
     machine = ClusterResources.this_machine()
     if machine is None:  # its GPUs unknown here: Ray checks what it finds when it starts
@@ -89,7 +89,7 @@ def check_this_machine(cfg: Config, **measured) -> None:
         return  # run finds out for itself
     if total > available:
         parts = ", ".join(f"{name} {n} x {b / 2**30:.2f} GiB" for name, (n, b) in need.items() if b)
-        raise ConfigError("placement.workers", f"the {spec.workers} workers are predicted to need "
+        raise ConfigError("placement.workers", f"the {spec.workers} workers and the driver are predicted to need "
                           f"{total / 2**30:.1f} GiB together ({parts}) and this machine has "
                           f"{available / 2**30:.1f} GiB available", "lower placement.workers, turn on model.lora, or "
                           "run on a cluster (placement.address)")

@@ -5,10 +5,14 @@ ray_driver.start_ray). Imported only where a run uses Ray (runtime/backend.py)."
 from __future__ import annotations
 
 import os
+import warnings
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
 
+import numpy as np
 import ray
+import torch
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from rlfuse.runtime.process import CORE_OFFSET_ENV, core_offsets
@@ -56,3 +60,35 @@ def wait_ready(actors: list) -> list:
 def node_address() -> str:
     """This process's node IP as Ray sees it (reachable from the other nodes of the cluster)."""
     return ray.util.get_node_ip_address()
+
+
+@dataclass(frozen=True)
+class StoredTensor:
+    """A tensor the way Ray's object store hands it back without a copy: its bytes as a NumPy array (a reader maps
+    NumPy arrays in place, where a pickled torch tensor is unpickled into a fresh copy: on SmolLM2 the driver's pull
+    of the trained weights held 540 MiB more for it), with the dtype and shape to view them as."""
+    data: np.ndarray
+    dtype: torch.dtype
+    shape: tuple[int, ...]
+
+
+def put_tensors(named: dict[str, torch.Tensor]):
+    """ray.put of named tensors as StoredTensors (host memory, any dtype: bf16 goes as its bytes): the object's
+    readers view its pages instead of copying them (tensors_of)."""
+    stored = {}
+    for name, t in named.items():
+        t = t.detach().cpu().contiguous()
+        stored[name] = StoredTensor(t.reshape(-1).view(torch.uint8).numpy(), t.dtype, tuple(t.shape))
+    return ray.put(stored)
+
+
+def tensors_of(stored: dict) -> dict[str, torch.Tensor]:
+    """The named tensors of a put_tensors object (read-only views on the object store's pages: copy from them,
+    never into them); plain tensors pass through."""
+    out = {}
+    with warnings.catch_warnings():  # the store's arrays are read-only, and only ever read
+        warnings.simplefilter("ignore", UserWarning)
+        for name, s in stored.items():
+            out[name] = (torch.from_numpy(s.data).view(s.dtype).view(s.shape) if isinstance(s, StoredTensor)
+                         else s)
+    return out

@@ -46,7 +46,7 @@ from rlfuse.rollout.state import EngineState, RolloutRequest
 from rlfuse.rollout.weights import copy_weights, weight_buckets
 from rlfuse.runtime import process
 from rlfuse.runtime.process import pin_threads
-from rlfuse.runtime.ray_common import start_actors
+from rlfuse.runtime.ray_common import put_tensors, start_actors, tensors_of
 
 # ------------------------------------------------------------------------------------------- what a worker holds
 
@@ -247,7 +247,7 @@ class GenerationWorker:
 
     def load_weights(self, role: str, tensors) -> tuple[int, float]:
         """Copy named tensors into the generator ("generator") or the critic ("critic"). -> (bytes, seconds)."""
-        t = time.perf_counter()
+        t, tensors = time.perf_counter(), tensors_of(tensors)  # read-only views on the store's pages: copied below
         if role == "generator" and self.engine is not None:
             n = self.engine.load_weights(tensors)
         elif role == "adapter" and getattr(self, "adapted", None) is not None:
@@ -472,7 +472,7 @@ class MultiWorkerRollout:
         holders = [self.workers[w] for w in (self.decoders if role == "generator" else self.scorers)]
         t, nbytes = time.perf_counter(), 0
         for bucket in weight_buckets(named_tensors, self.bucket_bytes):
-            ref = ray.put(bucket)
+            ref = put_tensors(bucket)
             nbytes = nbytes + ray.get([w.load_weights.remote(role, ref) for w in holders])[0][0]
         return {"time/weight_sync": time.perf_counter() - t, "sync/bytes": nbytes}
 

@@ -42,7 +42,7 @@ from rlfuse.runtime.fsdp import (ShardedGroup, full_tensor, load_shards, remove_
                                  unique_state, whole_trainable_state)
 from rlfuse.runtime.pipeline import build_pipeline, schedule_record
 from rlfuse.runtime.process import free_port, pin_threads
-from rlfuse.runtime.ray_common import node_address, start_actors
+from rlfuse.runtime.ray_common import node_address, put_tensors, start_actors, tensors_of
 
 # ------------------------------------------------------------------------------------------- weight sync
 
@@ -160,9 +160,8 @@ class TrainWorker:
         module = getattr(self.models, role)
         state = trainable_state(module, copy=False) if adapters else merged_state_dict(module)
         for bucket in weight_buckets(state, bucket_bytes):
-            bucket = {k: v.detach().cpu() for k, v in bucket.items()}  # the object store holds host memory
             nbytes += sum(v.numel() * v.element_size() for v in bucket.values())
-            refs.append(ray.put(bucket))  # serialised now: later steps cannot change what was sent
+            refs.append(put_tensors(bucket))  # serialised now: later steps cannot change what was sent
         return WeightRefs(refs, nbytes, time.perf_counter() - t)
 
     def streamed_weights(self, bucket_bytes: int = DEFAULT_BUCKET_BYTES, role: str = "actor",
@@ -186,7 +185,7 @@ class TrainWorker:
         for bucket in weight_buckets(whole, bucket_bytes):
             if self.rank == 0:
                 nbytes += sum(v.numel() * v.element_size() for v in bucket.values())
-                refs.append(ray.put(bucket))
+                refs.append(put_tensors(bucket))
         return refs, nbytes
 
     def save_stage_state(self, path: str, iteration: int) -> None:
@@ -264,17 +263,20 @@ class TrainWorker:
             return {r: whole_trainable_state(m) for r, m in roles.items() if m is not None}
         return {r: {n: t.cpu() for n, t in trainable_state(m).items()} for r, m in roles.items() if m is not None}
 
-    def trainable_buckets(self, bucket_bytes: int = DEFAULT_BUCKET_BYTES) -> dict | None:
-        """Sharded: what trains, gathered a bucket at a time (every rank together), rank 0 putting each bucket into
-        the object store: {role: [refs]} on rank 0, None elsewhere. No process holds the whole state dict at once
-        (the driver loads the buckets one by one into its own models)."""
-        self.group.shard_again()
+    def trainable_buckets(self, bucket_bytes: int = DEFAULT_BUCKET_BYTES, roles: tuple[str, ...] = ("actor",)
+                          ) -> dict | None:
+        """What trains of `roles`, rank 0 putting it into the object store a bucket at a time: {role: [refs]} on rank
+        0, None elsewhere. Sharded, gathered a bucket at a time (every rank together), so no process holds the whole
+        state dict at once; the driver loads the buckets one by one into its own models, viewing the store's pages."""
+        if self.sharded:
+            self.group.shard_again()
         out = {}
-        for role in ("actor", "critic"):
+        for role in roles:
             module = getattr(self.models, role)
             if module is not None:
                 named = ((n, p) for n, p in module.named_parameters() if p.requires_grad)
-                out[role] = self._put_gathered(named, bucket_bytes)[0]
+                out[role] = (self._put_gathered(named, bucket_bytes)[0] if self.sharded else
+                             [put_tensors(b) for b in weight_buckets(named, bucket_bytes)])
         return out if self.rank == 0 else None
 
     def shutdown(self) -> None:
@@ -325,17 +327,18 @@ class TrainGroup:
         return outs[0]["stats"], outs[0]["bad"], [o["seconds"] for o in outs]
 
     def pull_into(self, models) -> None:
-        """Rank 0's trainable weights into the driver's own models (its evaluation and the saved model); sharded,
-        a bucket at a time (TrainWorker.trainable_buckets)."""
-        if self.sharded:
-            parts = get_failing_fast([w.trainable_buckets.remote() for w in self.workers])[0]
-            states = ((role, ray.get(ref)) for role, refs in parts.items() for ref in refs)
-        else:
-            states = ray.get(self.workers[0].trainable_state.remote()).items()
-        for role, state in states:
-            unexpected = getattr(models, role).load_state_dict(state, strict=False).unexpected_keys
-            if unexpected:  # a naming mismatch would otherwise save the untrained model
-                raise RuntimeError(f"the trained {role} has parameters the driver's {role} lacks: {unexpected[:3]}")
+        """Rank 0's trained actor into the driver's own (its evaluations and the saved model; the critic stays with
+        the workers' checkpoints: nothing in the driver reads it), a bucket at a time (TrainWorker.trainable_buckets;
+        sharded, every rank takes part in the gathers)."""
+        workers = self.workers if self.sharded else self.workers[:1]
+        parts = get_failing_fast([w.trainable_buckets.remote() for w in workers])[0]
+        for role, refs in parts.items():
+            for ref in refs:
+                state = tensors_of(ray.get(ref))
+                unexpected = getattr(models, role).load_state_dict(state, strict=False).unexpected_keys
+                if unexpected:  # a naming mismatch would otherwise save the untrained model
+                    raise RuntimeError(f"the trained {role} has parameters the driver's {role} lacks: "
+                                       f"{unexpected[:3]}")
 
     def actor_weights(self, bucket_bytes: int = DEFAULT_BUCKET_BYTES, role: str = "actor",
                       adapters: bool = False) -> WeightRefs:

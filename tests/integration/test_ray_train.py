@@ -1,6 +1,7 @@
 """Training workers on Ray (rlfuse/runtime/ray_train.py), the trainer side of weight sync and checkpoints: rank 0's
 actor weights, sent in object-store buckets, load into a DecodeEngine and reproduce the actor's logits (LoRA merged
-in); rank 0's checkpoint is learn/checkpoint.py's file and restores the same actor in one process."""
+in), read in place from the store's pages; the driver's pull of the trained weights reproduces them too; rank 0's
+checkpoint is learn/checkpoint.py's file and restores the same actor in one process."""
 
 import sys
 
@@ -11,6 +12,7 @@ ray = pytest.importorskip("ray", reason="ray is not installed: pip install 'ray=
 
 from rlfuse.config import load_config  # noqa: E402
 from rlfuse.models.build import build_models, load_policy  # noqa: E402
+from rlfuse.runtime.ray_common import StoredTensor, put_tensors, tensors_of  # noqa: E402
 from rlfuse.runtime.ray_train import start_train_workers  # noqa: E402
 from rlfuse.rollout.engine import DecodeEngine  # noqa: E402
 from rlfuse.learn.checkpoint import load_checkpoint  # noqa: E402
@@ -57,12 +59,39 @@ def test_weight_buckets_load_into_an_engine(lora_workers, tiny_task):
     assert not torch.allclose(before, want, atol=1e-3)  # the adapters moved the actor away from the base
     sent = workers.actor_weights(bucket_bytes=64 << 10)
     assert len(sent.refs) > 1  # really bucketed
-    written = sum(engine.load_weights(ray.get(ref)) for ref in sent.refs)  # as a generation worker loads them
+    written = sum(engine.load_weights(tensors_of(ray.get(ref))) for ref in sent.refs)  # as a worker loads them
     with torch.no_grad():
         torch.testing.assert_close(engine.model(input_ids=IDS).logits, want)
     params = list(engine.model.parameters())  # a tied weight (GPT-2's lm_head is wte) moves once
     assert written == sent.bytes == sum(p.numel() * p.element_size() for p in params)
     assert sent.seconds > 0
+
+
+def test_stored_tensors_come_back_as_views_of_the_store(lora_workers):
+    """Every dtype and shape round-trips bit for bit, bf16 and 0-d included, and a reader gets read-only views on the
+    object's pages: no second copy of the weights in the reading process (a pickled torch tensor is unpickled into
+    one)."""
+    sent = {"w": torch.randn(3, 5), "bf": torch.randn(4, 2).to(torch.bfloat16), "ids": torch.arange(6).view(2, 3),
+            "flag": torch.tensor([True, False]), "scalar": torch.tensor(2.5), "strided": torch.randn(4, 6)[:, ::2]}
+    stored = ray.get(put_tensors(sent))
+    assert all(isinstance(s, StoredTensor) and not s.data.flags.writeable for s in stored.values())
+    back = tensors_of(stored)
+    for name, t in sent.items():
+        assert back[name].dtype == t.dtype and back[name].shape == t.shape
+        assert torch.equal(back[name], t), name
+    plain = {"x": torch.ones(2)}
+    assert tensors_of(plain)["x"] is plain["x"]  # tensors handed over in-process pass through
+
+
+def test_pull_into_gives_the_driver_the_trained_actor(lora_workers, tiny_task, tmp_path):
+    cfg, workers = lora_workers
+    want = ray.get(workers.workers[0].__ray_call__.remote(actor_logits, IDS))
+    models = build_models(cfg, tmp_path, torch.device("cpu"))
+    models.actor.eval()
+    with torch.no_grad():
+        assert not torch.allclose(models.actor(input_ids=IDS).logits, want, atol=1e-3)
+        workers.pull_into(models)
+        torch.testing.assert_close(models.actor(input_ids=IDS).logits, want)
 
 
 def test_rank0_checkpoint_restores_in_one_process(lora_workers, tmp_path):

@@ -6,7 +6,8 @@ import pytest
 
 from rlfuse.plan.check import check_placement
 from rlfuse.plan.cost import KNOWN_SHAPES, MachineProfile, ModelShape, gpt2_shape
-from rlfuse.plan.memory import (COMPONENTS, MemoryInputs, bytes_per_param, inference_activation_bytes, memory_model,
+from rlfuse.plan.memory import (COMPONENTS, MemoryInputs, bytes_per_param, driver_memory, inference_activation_bytes,
+                                memory_model,
                                 machine_bytes, memory_table, object_store_bytes, optimizer_bytes_per_param,
                                 weight_bytes, worker_memory)
 from rlfuse.plan.spec import PlacementSpec, WorkerGroup
@@ -172,6 +173,21 @@ def test_the_memory_hook_charges_the_weight_sync_where_the_generator_sits_apart(
     # the machine holds the pages once, however many workers count them in their RSS
     per_worker = memory_of(separated.groups[0], separated) + memory_of(separated.groups[1], separated)
     assert machine_bytes(separated, memory_of, m) == pytest.approx(per_worker - 568 * 4, abs=2)
+
+
+def test_the_driver_adds_the_pages_it_writes_and_an_evaluation():
+    # full fine-tuning: the trained actor pulled back over its file-mapped weights (568 fp32 parameters)
+    m = MemoryInputs(TINY, seq=3, score_rows=1)
+    assert driver_memory(m, eval_rows=0) == 568 * 4
+    # an evaluation of 5 rows: their KV cache (2 layers x keys and values x 4 wide x 4 bytes = 64 per token, 3
+    # tokens each) and the log-prob pass of one scored row
+    assert driver_memory(m, eval_rows=5) == 568 * 4 + 5 * 3 * 64 + inference_activation_bytes(TINY, 3, 4.0, True)
+    # LoRA: the adapters, and the generator's copy the first evaluation writes merged weights over; on a shared base
+    # the engine decodes the base with the adapters: the adapters alone
+    lora = replace(m, lora_rank=2)
+    adapters = TINY.lora_params(2) * 4
+    assert driver_memory(lora, eval_rows=0) == adapters + 568 * 4
+    assert driver_memory(replace(lora, shared_base=True, weight_dtype="nf4"), eval_rows=0) == adapters
 
 
 def test_a_decoding_worker_merging_the_adapters_holds_the_base_they_merge_on():
