@@ -20,6 +20,7 @@ from rlfuse.learn.optim import clip_and_step
 from rlfuse.models.build import Models
 from rlfuse.models.forward import can_share, worth_sharing
 from rlfuse.models.mapped import release_mapped
+from rlfuse.models.quantize import trim_cpu_heap
 from rlfuse.rollout.fusion import Experience
 
 
@@ -102,6 +103,7 @@ def optimise(learners: list[Learner], batches: list[list[int]], exp: Experience,
         # the finite flag stays a tensor: one host sync per mini-batch (at the step), none per micro-batch; a NaN
         # micro-batch's backward makes NaN gradients, which the skipped step drops
         for idx, share in micro_batches(exp, mini, micro_size, 0, 1, rl.micro_batch_tokens, rl.share_prompt):
+            trim_cpu_heap()  # the previous micro-batch's freed small tensors: pages back before the next forward
             loss, stats = loss_of(idx, share)
             finite = finite.to(loss.device) & torch.isfinite(loss.detach())
             loss.backward()
@@ -130,6 +132,7 @@ def _optimise_data_parallel(learners, batches, exp, micro_size, loss_of, rl, bad
                 share = share | {"prefix": all(worth_sharing([exp.prompt_ids[i] for i in slot],
                                                              [exp.response_ids[i] for i in slot])
                                                for slot in by_slot[j])}
+            trim_cpu_heap()  # as in optimise
             with group.micro_batch(modules, sync=j == slots - 1) as run:
                 loss, stats = run(loss_of, idx, share)
                 finite = finite.to(loss.device) & torch.isfinite(loss.detach())

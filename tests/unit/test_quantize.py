@@ -130,3 +130,33 @@ def test_fixed_heap_thresholds_return_a_dequantised_weights_pages():
     kept = {how: float(subprocess.run([sys.executable, "-c", HEAP_PROBE, how], cwd=root, capture_output=True, text=True,
                                       check=True).stdout.split()[-1]) for how in ("fix", "default")}
     assert kept["fix"] < 1 and kept["default"] > 8, kept
+
+
+TRIM_PROBE = """
+import sys, torch
+import rlfuse.models.quantize as q
+rss = lambda: int(open("/proc/self/statm").read().split()[1]) * 4096
+q.TRIM_CPU_HEAP = sys.argv[1] == "trim"
+assert q.fix_cpu_heap("cpu")
+pieces = [torch.ones(16 << 10) for _ in range(3200)]  # 64 KiB each, under the fixed mmap threshold: the heap's
+kept = pieces[::8]  # one in eight stays in use, as a micro-batch's saved tensors among its freed temporaries
+del pieces
+start = rss()
+ran = q.trim_cpu_heap()
+print(int(ran), (start - rss()) / 2**20)
+"""
+
+
+@pytest.mark.skipif(not __import__("sys").platform.startswith("linux"), reason="glibc's malloc_trim: Linux only")
+def test_trimming_hands_back_the_pages_of_freed_small_tensors():
+    """trim_cpu_heap (before each training micro-batch): the pages of 200 MiB of freed 64 KiB tensors, scattered
+    among ones still in use, leave the RSS; untrimmed (TRIM_CPU_HEAP off) they stay."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[2]
+    out = {how: subprocess.run([sys.executable, "-c", TRIM_PROBE, how], cwd=root, capture_output=True, text=True,
+                               check=True).stdout.split() for how in ("trim", "keep")}
+    assert out["trim"][0] == "1" and float(out["trim"][1]) > 100, out
+    assert out["keep"][0] == "0" and float(out["keep"][1]) < 5, out
