@@ -14,6 +14,7 @@ from rlfuse.algos.kl import sequence_kl
 from rlfuse.config import RLConfig
 from rlfuse.data.chat import end_of_turn_ids
 from rlfuse.data.gold import gold_summary
+from rlfuse.plan.memory import EVAL_SCORE_ROWS
 from rlfuse.files import write_text_atomic
 from rlfuse.rollout.engine import DecodeEngine, SamplingParams
 from rlfuse.rollout.fusion import Experience, FusionPolicy, generate_rollouts
@@ -48,7 +49,7 @@ def evaluate(models, engine: DecodeEngine, prompts: list[list[int]], rl: RLConfi
         return {}, []
     t = eval_temperature(rl)  # fixed whatever the training schedule: before and after compare
     scorer = Scorer(models.reward_fn, models.tokenizer.pad_token_id, ref=models.ref, actor=models.actor,
-                    temperature=t, micro_batch_size=32)
+                    temperature=t, micro_batch_size=EVAL_SCORE_ROWS)
     params = sampling_params(models, rl, t)
     exp = generate_rollouts(engine, scorer, prompts, 1, params, seed, FusionPolicy(True))
     texts = texts_of(exp, models.tokenizer)

@@ -412,24 +412,34 @@ def memory_model(m: MemoryInputs, p: MachineProfile, samples: int, max_rows: int
     return memory_of
 
 
+EVAL_SCORE_ROWS = 32
+"""Sequences per log-prob pass of the held-out evaluation's scorer (rlfuse/evaluation.py)."""
+
+
+def pulled_bytes(m: MemoryInputs) -> float:
+    """What the driver of a Ray run pulls through the object store at the end (runtime/ray_train.pull_into): the
+    actor's trained parameters (its adapters under LoRA)."""
+    train_b = 4.0 if m.train_dtype == "fp32" else 2.0
+    return (m.policy.lora_params(m.lora_rank) if m.lora_rank else m.policy.params) * train_b
+
+
 def driver_memory(m: MemoryInputs, eval_rows: int) -> float:
     """What the driver of a Ray run (trainers/rl.py: it holds the models its evaluations and the saved model use)
     adds to the machine after the plan is checked, in pages nothing else holds: what it writes over its file-mapped
-    weights (the trained actor pulled back at the end; under LoRA the generator's merged copy, written at the first
-    evaluation, and the adapters; on a shared base the adapters alone) and an evaluation's KV cache for `eval_rows`
-    rows with its log-prob pass. Its frozen weights stay mapped from the model files (page cache, which the
-    machine's available memory counts as free to reclaim), the object store's pages are the machine's once
-    (machine_bytes), and its imports are loaded when the check runs. Measured on SmolLM2's math config on the
-    separated placement (bench.rss_trace): 566 MiB of anonymous memory from the check to its peak, 513 of them the
-    pulled actor."""
-    train_b = 4.0 if m.train_dtype == "fp32" else 2.0
-    if m.lora_rank:
-        written = m.policy.lora_params(m.lora_rank) * train_b
-        written += 0.0 if m.shared_base else weight_bytes(m.policy, m.weight_dtype)
-    else:
-        written = m.policy.params * train_b
+    weights (the trained actor pulled back at the end, pulled_bytes; under LoRA without a shared base the
+    generator's full-precision copy, written at the first evaluation, and the merged weights models/weights.
+    merged_state_dict builds beside it for that copy: twice the policy at the sync; on a shared base the adapters
+    alone) and an evaluation's KV cache for `eval_rows` rows with its log-prob pass (EVAL_SCORE_ROWS at a time).
+    Its frozen weights stay mapped from the model files (page cache, which the machine's available memory counts as
+    free to reclaim), the object store's pages are the machine's once (machine_memory), and its imports are loaded
+    when the check runs. Measured on SmolLM2's math config on the separated placement (bench.rss_trace): 566 MiB
+    of anonymous memory from the check to its peak, 513 of them the pulled actor."""
+    written = pulled_bytes(m)
+    if m.lora_rank and not m.shared_base:
+        written += 2 * weight_bytes(m.policy, m.train_dtype)
     decoding = eval_rows * m.seq * m.policy.kv_bytes_per_token(m.act_bytes)
-    scoring = inference_activation_bytes(m.policy, m.score_rows * (m.score_seq or m.seq), m.act_bytes, True)
+    rows = min(eval_rows, EVAL_SCORE_ROWS)
+    scoring = inference_activation_bytes(m.policy, rows * (m.score_seq or m.seq), m.act_bytes, True)
     return written + (decoding + scoring if eval_rows else 0.0)
 
 

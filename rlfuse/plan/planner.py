@@ -30,7 +30,7 @@ from rlfuse.errors import UserError
 from rlfuse.plan import cost
 from rlfuse.plan.cost import MachineProfile, ModelShape, policy_shape
 from rlfuse.plan.memory import (GiB, MemoryInputs, driver_memory, group_store_bytes, machine_bytes, memory_model,
-                                memory_table, sent_bytes, weight_bytes, worker_memory)
+                                memory_table, pulled_bytes, sent_bytes, weight_bytes, worker_memory)
 from rlfuse.plan.profiles import load_profile
 from rlfuse.plan.roles import Roles, derive_roles
 from rlfuse.plan.spec import PlacementSpec, WorkerResources, dp_micro_size
@@ -763,7 +763,11 @@ def machine_memory(cfg, spec, **measured) -> tuple[dict, float]:
     memory_of = memory_model(m, prob.profile, w.samples, w.max_rows, fsdp=cfg.rl.train_parallel == "fsdp")
     driver = driver_memory(m, min(cfg.rl.eval_prompts, w.max_rows))
     need = {g.name: (g.workers, memory_of(g, spec)) for g in spec.groups} | {"driver": (1, int(driver))}
-    return need, machine_bytes(spec, memory_of, m) + driver
+    workers = machine_bytes(spec, memory_of, m)
+    # the final pull passes through the object store too: where no weight sync did (the generators beside the
+    # actor), its pages are new to the machine
+    synced = max((group_store_bytes(g, spec, m) for g in spec.groups), default=0.0)
+    return need, workers + driver + max(0.0, pulled_bytes(m) - synced)
 
 
 def predicted_memory(cfg) -> dict[str, float]:

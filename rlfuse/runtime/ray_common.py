@@ -82,13 +82,13 @@ def put_tensors(named: dict[str, torch.Tensor]):
     return ray.put(stored)
 
 
-def tensors_of(stored: dict) -> dict[str, torch.Tensor]:
+def tensors_of(stored) -> dict[str, torch.Tensor]:
     """The named tensors of a put_tensors object (read-only views on the object store's pages: copy from them,
-    never into them); plain tensors pass through."""
+    never into them); plain tensors (a dict or (name, tensor) pairs handed over in-process) pass through."""
     out = {}
     with warnings.catch_warnings():  # the store's arrays are read-only, and only ever read
         warnings.simplefilter("ignore", UserWarning)
-        for name, s in stored.items():
+        for name, s in (stored.items() if isinstance(stored, dict) else stored):
             out[name] = (torch.from_numpy(s.data).view(s.dtype).view(s.shape) if isinstance(s, StoredTensor)
                          else s)
     return out

@@ -49,7 +49,8 @@ from rlfuse.runtime.ray_common import node_address, put_tensors, start_actors, t
 
 @dataclass
 class WeightRefs:
-    """The actor's merged weights as object-store buckets (each a dict name -> CPU tensor), with what sending cost."""
+    """The actor's merged weights as object-store buckets (each put_tensors' dict name -> StoredTensor: tensors_of
+    reads it), with what sending cost."""
     refs: list
     bytes: int
     seconds: float

@@ -180,13 +180,15 @@ def test_the_driver_adds_the_pages_it_writes_and_an_evaluation():
     m = MemoryInputs(TINY, seq=3, score_rows=1)
     assert driver_memory(m, eval_rows=0) == 568 * 4
     # an evaluation of 5 rows: their KV cache (2 layers x keys and values x 4 wide x 4 bytes = 64 per token, 3
-    # tokens each) and the log-prob pass of one scored row
-    assert driver_memory(m, eval_rows=5) == 568 * 4 + 5 * 3 * 64 + inference_activation_bytes(TINY, 3, 4.0, True)
-    # LoRA: the adapters, and the generator's copy the first evaluation writes merged weights over; on a shared base
-    # the engine decodes the base with the adapters: the adapters alone
+    # tokens each) and a log-prob pass over all 5 (the evaluation scores 32 at a time, whatever the run's
+    # score_rows)
+    assert driver_memory(m, eval_rows=5) == 568 * 4 + 5 * 3 * 64 + inference_activation_bytes(TINY, 15, 4.0, True)
+    assert driver_memory(m, eval_rows=40) == 568 * 4 + 40 * 3 * 64 + inference_activation_bytes(TINY, 96, 4.0, True)
+    # LoRA: the adapters, and the generator's copy the first evaluation writes, with the merged weights built beside
+    # it for the copy; on a shared base the engine decodes the base with the adapters: the adapters alone
     lora = replace(m, lora_rank=2)
     adapters = TINY.lora_params(2) * 4
-    assert driver_memory(lora, eval_rows=0) == adapters + 568 * 4
+    assert driver_memory(lora, eval_rows=0) == adapters + 2 * 568 * 4
     assert driver_memory(replace(lora, shared_base=True, weight_dtype="nf4"), eval_rows=0) == adapters
 
 

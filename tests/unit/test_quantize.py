@@ -118,7 +118,7 @@ print((rss() - start) / 2**20)
 """
 
 
-@pytest.mark.skipif(not __import__("sys").platform.startswith("linux"), reason="glibc's mallopt: Linux only")
+@pytest.mark.skipif(__import__("platform").libc_ver()[0] != "glibc", reason="glibc's mallopt: glibc only")
 def test_fixed_heap_thresholds_return_a_dequantised_weights_pages():
     """fix_cpu_heap: a freed multi-MiB buffer leaves the process's RSS; with glibc's defaults it stays resident (the
     bench's 4-bit arm grew by GBs that way)."""
@@ -147,7 +147,7 @@ print(int(ran), (start - rss()) / 2**20)
 """
 
 
-@pytest.mark.skipif(not __import__("sys").platform.startswith("linux"), reason="glibc's malloc_trim: Linux only")
+@pytest.mark.skipif(__import__("platform").libc_ver()[0] != "glibc", reason="glibc's malloc_trim: glibc only")
 def test_trimming_hands_back_the_pages_of_freed_small_tensors():
     """trim_cpu_heap (before each training micro-batch): the pages of 200 MiB of freed 64 KiB tensors, scattered
     among ones still in use, leave the RSS; untrimmed (TRIM_CPU_HEAP off) they stay."""
