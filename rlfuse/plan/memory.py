@@ -443,10 +443,11 @@ def driver_memory(m: MemoryInputs, eval_rows: int) -> float:
     return written + (decoding + scoring if eval_rows else 0.0)
 
 
-def machine_bytes(spec, memory_of: Callable, m: MemoryInputs) -> float:
+def machine_bytes(spec, memory_of: Callable, m: MemoryInputs, pulled: float = 0.0) -> float:
     """Predicted bytes of every worker of `spec` on one machine: each worker's peak (memory_of), the object store's
     pages once (every worker that touches them counts them in its RSS; the machine holds them once: the actor
-    group's, which hold everything a sync sends)."""
+    group's, which hold everything a sync sends, or the `pulled` bytes of the driver's final pull where those are
+    more: the store reuses the syncs' pages for it)."""
     per_worker = sum(g.workers * (memory_of(g, spec) - group_store_bytes(g, spec, m)) for g in spec.groups)
     senders = [g for g in spec.groups if "actor" in g.roles]
-    return per_worker + (group_store_bytes(senders[0], spec, m) if senders else 0.0)
+    return per_worker + max(group_store_bytes(senders[0], spec, m) if senders else 0.0, pulled)

@@ -763,11 +763,9 @@ def machine_memory(cfg, spec, **measured) -> tuple[dict, float]:
     memory_of = memory_model(m, prob.profile, w.samples, w.max_rows, fsdp=cfg.rl.train_parallel == "fsdp")
     driver = driver_memory(m, min(cfg.rl.eval_prompts, w.max_rows))
     need = {g.name: (g.workers, memory_of(g, spec)) for g in spec.groups} | {"driver": (1, int(driver))}
-    workers = machine_bytes(spec, memory_of, m)
-    # the final pull passes through the object store too: where no weight sync did (the generators beside the
-    # actor), its pages are new to the machine
-    synced = max((group_store_bytes(g, spec, m) for g in spec.groups), default=0.0)
-    return need, workers + driver + max(0.0, pulled_bytes(m) - synced)
+    # the final pull passes through the object store too (with the generators beside the actor, nothing else does)
+    pulled = pulled_bytes(m) if spec.uses_ray else 0.0
+    return need, machine_bytes(spec, memory_of, m, pulled) + driver
 
 
 def predicted_memory(cfg) -> dict[str, float]:

@@ -173,6 +173,9 @@ def test_the_memory_hook_charges_the_weight_sync_where_the_generator_sits_apart(
     # the machine holds the pages once, however many workers count them in their RSS
     per_worker = memory_of(separated.groups[0], separated) + memory_of(separated.groups[1], separated)
     assert machine_bytes(separated, memory_of, m) == pytest.approx(per_worker - 568 * 4, abs=2)
+    # the driver's final pull reuses those pages; only where it pulls more (or no sync passed the store) it adds
+    assert machine_bytes(separated, memory_of, m, pulled=100) == machine_bytes(separated, memory_of, m)
+    assert machine_bytes(separated, memory_of, m, pulled=568 * 4 + 50) == pytest.approx(per_worker - 568 * 4 + 50, abs=2)
 
 
 def test_the_driver_adds_the_pages_it_writes_and_an_evaluation():
