@@ -145,7 +145,15 @@ def lora_targets(model, cfg: ModelConfig):
 def apply_lora(model, cfg: ModelConfig, task_type: str = "CAUSAL_LM", extra_trainable: list[str] | None = None):
     from peft import get_peft_model  # deferred: peft (and the bitsandbytes it imports) costs 2.5 s and 50 MiB in
     # every process, Ray worker and command, and only LoRA runs use it
-    return get_peft_model(model, lora_config(model, cfg, task_type, extra_trainable))
+    return fused_lora(get_peft_model(model, lora_config(model, cfg, task_type, extra_trainable)))
+
+
+def fused_lora(peft_model):
+    """peft_model with its plain LoRA linears computing the adapter's product in place (models/lora_linear.py)."""
+    from rlfuse.models.lora_linear import fuse_lora_linears  # deferred with peft, which it imports: see apply_lora
+
+    fuse_lora_linears(peft_model)
+    return peft_model
 
 
 def lora_config(model, cfg: ModelConfig, task_type: str | None = "CAUSAL_LM", extra_trainable: list[str] | None = None):
@@ -183,7 +191,7 @@ def load_causal_lm(name: str, cfg: ModelConfig | None = None, trainable_lora: bo
         if _is_adapter(name):
             from peft import AutoPeftModelForCausalLM  # deferred: see apply_lora
 
-            model = AutoPeftModelForCausalLM.from_pretrained(name, is_trainable=bool(trainable_lora))
+            model = fused_lora(AutoPeftModelForCausalLM.from_pretrained(name, is_trainable=bool(trainable_lora)))
         else:
             model = AutoModelForCausalLM.from_pretrained(name, dtype=torch.float32, **quant)
     except Exception as e:
@@ -213,7 +221,7 @@ def load_reward_model(name: str, cfg: ModelConfig | None = None, pad_token_id: i
         if adapter_task == "SEQ_CLS":  # a saved reward model with LoRA
             from peft import AutoPeftModelForSequenceClassification  # deferred: see apply_lora
 
-            model = AutoPeftModelForSequenceClassification.from_pretrained(name, num_labels=1)
+            model = fused_lora(AutoPeftModelForSequenceClassification.from_pretrained(name, num_labels=1))
         elif adapter_task is not None:  # an older adapter-only SFT folder as backbone
             lm = load_causal_lm(name).merge_and_unload()
             model = AutoModelForSequenceClassification.from_pretrained(_adapter_base(name), num_labels=1,

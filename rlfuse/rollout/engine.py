@@ -329,11 +329,11 @@ class DecodeEngine:
     def _sample_and_retire(self, live: _Live, logits: Tensor, run: _Run) -> None:
         """Draw each row's next token from its own stream; finished rows leave `live` for run.outbox."""
         params = run.params
-        scaled = logits / params.temperature
-        logp = torch.log_softmax(scaled, dim=-1)
+        scaled = logits / params.temperature if params.temperature != 1.0 else logits
         probs = torch.softmax(filter_logits(scaled, params.top_k, params.top_p), dim=-1)
         tokens = sample_tokens(probs, stream_uniforms(live.keys, live.drawn))
-        token_logp = logp.gather(1, tokens[:, None]).squeeze(1)
+        # the drawn token's log-prob, not all (rows, vocabulary) of log_softmax's: 0.5 against 1.1 ms at 16 x 49152
+        token_logp = scaled.gather(1, tokens[:, None]).squeeze(1) - torch.logsumexp(scaled, dim=-1)
         live.last, live.drawn = tokens, live.drawn + 1
         # note: one device-to-host sync per step, to decide which rows retire (token ids < 2**24 are exact in float32)
         tok_list, lp_list = torch.stack([tokens.to(token_logp.dtype), token_logp]).tolist()
