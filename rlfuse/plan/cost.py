@@ -228,11 +228,12 @@ class MachineProfile:
     """Backward seconds per forward second (2: gradients of inputs and of weights, each about one forward)."""
     lora_layer_call_s: float = 0.0
     """Fixed seconds per layer that LoRA adapters running unmerged on every linear add to a forward call or a decode
-    step (peft's LoraLayer: dropout, two small matmuls and the scaled sum per adapted linear): what the shared base
-    pays where it decodes as the actor and scores as the reward model and critic. 0: not measured (older profiles)."""
+    step (two small matmuls per adapted linear, the sum in place: models/lora_linear.py; peft's own layer where the
+    base is quantised): what the shared base pays where it decodes as the actor and scores as the reward model and
+    critic. 0: not measured (older profiles)."""
     lora_fwd_ratio: float = 0.0
     """A forward's seconds per token through those adapters over the plain model's (their two small matmuls and the
-    scaled sum on every linear, per token); 0: not measured, 1."""
+    sum on every linear, per token); 0: not measured, 1."""
     lora_train_layer_call_s: float = 0.0
     """Fixed seconds per layer of a forward + backward through those adapters with the base frozen; 0: not
     measured, train_layer_call_s."""
