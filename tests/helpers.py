@@ -109,7 +109,9 @@ def llama_sft_and_rm(root: Path, texts: list[str], stage_overrides: list[str]) -
 def hand_experience(actor, n: int, k: int, seed: int = 1, longest: int = 6, long_prompts: int = 0):
     """An Experience of n samples, n/k prompts of 2..5 tokens, responses of 1..`longest` tokens (unequal lengths);
     old log-probs near the actor's own so some ratios clip; random values and scores. long_prompts: that many more
-    tokens in every other prompt (their samples' forwards then pay to share the prompt)."""
+    tokens in every other prompt (their samples' forwards then pay to share the prompt), and the other prompts'
+    responses all `longest` tokens (packing their continuations would save nothing: sharing such a short prompt
+    pays for 5 tokens and not for 3)."""
     import torch
 
     from rlfuse.rollout.fusion import Experience
@@ -121,7 +123,8 @@ def hand_experience(actor, n: int, k: int, seed: int = 1, longest: int = 6, long
                for i in range(n // k)]
     prompt_ids = [prompts[i // k] for i in range(n)]
     step = 3 if longest == 6 else 5  # 3 keeps the lengths the data-parallel tests were written with
-    response_ids = [torch.randint(1, vocab, (1 + (step * i) % longest,), generator=g).tolist() for i in range(n)]
+    length = lambda i: longest if long_prompts and (i // k) % 2 else 1 + (step * i) % longest
+    response_ids = [torch.randint(1, vocab, (length(i),), generator=g).tolist() for i in range(n)]
     mb = collate(prompt_ids, response_ids, 0, "cpu")
     with torch.no_grad():
         lp = response_logprobs(actor, mb)

@@ -44,10 +44,13 @@ to 160 tokens, answers up to 48) padded 4 sequences of 100-200 tokens to the lon
 
 def _token_counts(prompts: list[list[int]], responses: list[list[int]]) -> tuple[int, int]:
     """(full, shared) token positions of a micro-batch's forward, padding included: rows x longest sequence, and
-    distinct prompts x longest prompt + rows x longest response less its last token."""
+    distinct prompts x longest prompt + the continuations (each response less its last token) as they run: packed
+    (pack_continuations) or rows x the longest."""
     distinct = {tuple(p) for p in prompts}
     full = len(prompts) * max(len(p) + len(r) for p, r in zip(prompts, responses))
-    return full, len(distinct) * max(map(len, distinct)) + len(responses) * (max(map(len, responses)) - 1)
+    conts = [r[:-1] for r in responses]
+    cont_tokens = _packed_tokens(conts) if pack_continuations(conts) else len(conts) * max(map(len, conts))
+    return full, len(distinct) * max(map(len, distinct)) + cont_tokens
 
 
 def worth_sharing(prompts: list[list[int]], responses: list[list[int]]) -> bool:
@@ -69,6 +72,13 @@ def worth_packing(seqs: list[list[int]]) -> bool:
     """Whether these sequences run packed (with rl.share_prompt, where no prompt repeats enough to share): packing
     cuts the forward to PACK_BELOW of the padded one or less (prompts and answers of mixed lengths)."""
     return _packed_tokens(seqs) <= PACK_BELOW * len(seqs) * max(map(len, seqs))
+
+
+def pack_continuations(continuations: list[list[int]]) -> bool:
+    """Whether a prefix-shared micro-batch runs its continuations packed (prefix.group_by_prompt's pack): the same
+    test as worth_packing. d2's micro-batches (4 of one prompt's 8 replies, by length) padded 4 x 127 tokens for
+    replies of 25-127; packed, its micro-batches put 14% fewer tokens through the model, prompts included."""
+    return max(map(len, continuations)) > 0 and worth_packing(continuations)
 
 
 def forward_tokens(prompts: list[list[int]], responses: list[list[int]], share_prompt: bool) -> int:
@@ -97,8 +107,9 @@ def collate(prompts: list[list[int]], responses: list[list[int]], pad_id: int, d
         mask[b, : len(r)] = 1
     pos, tgt, mask = pos.to(device), tgt.to(device), mask.to(device)
     if shared:
-        return MicroBatch(None, None, pos, tgt, mask, prefix.group_by_prompt(prompts, [r[:-1] for r in responses],
-                                                                             pad_id, device))
+        conts = [r[:-1] for r in responses]
+        return MicroBatch(None, None, pos, tgt, mask, prefix.group_by_prompt(prompts, conts, pad_id, device,
+                                                                             pack_continuations(conts)))
     seqs = [p + r for p, r in zip(prompts, responses)]
     L = max(map(len, seqs))
     if share_prompt and worth_packing(seqs):

@@ -37,10 +37,15 @@ class PrefixBatch:
     cont_lens: Tensor      # (B,)
     saved_tokens: int
     """Prompt token-forwards not computed: sum over distinct prompts of length x (samples - 1)."""
+    packed: "PackedBatch | None" = None
+    """Set when the continuations run packed (group_by_prompt's pack): laid end to end in a few rows, each attending
+    to its own prompt's keys and causally to itself, from its positions after its prompt (cont_ids then unused)."""
 
 
-def group_by_prompt(prompts: list[list[int]], continuations: list[list[int]], pad_id: int, device) -> PrefixBatch:
-    """PrefixBatch of B samples; prompts equal as token lists share one row, in order of first appearance."""
+def group_by_prompt(prompts: list[list[int]], continuations: list[list[int]], pad_id: int, device,
+                    pack: bool = False) -> PrefixBatch:
+    """PrefixBatch of B samples; prompts equal as token lists share one row, in order of first appearance. pack: the
+    continuations also laid end to end (pack_layout's rows) instead of one right-padded row each."""
     rows: dict[tuple, int] = {}
     group = [rows.setdefault(tuple(p), len(rows)) for p in prompts]
     distinct = list(rows)
@@ -53,8 +58,15 @@ def group_by_prompt(prompts: list[list[int]], continuations: list[list[int]], pa
         cont[b, : len(c)] = torch.tensor(c, dtype=torch.long)
     saved = sum(map(len, prompts)) - sum(map(len, distinct))
     lens, cont_lens = torch.tensor([len(p) for p in distinct]), torch.tensor([len(c) for c in continuations])
+    packed = None
+    if pack and C > 0:
+        packed = pack_sequences(continuations, pad_id, device)
+        # each continuation's positions follow its own prompt's; padding stays at 0
+        after = torch.tensor([len(p) for p in prompts])
+        seg = packed.segment.cpu()
+        packed.position_ids = torch.where(seg >= 0, packed.position_ids.cpu() + after[seg.clamp(min=0)], 0).to(device)
     return PrefixBatch(ids.to(device), lens.to(device), torch.tensor(group).to(device), cont.to(device),
-                       cont_lens.to(device), saved)
+                       cont_lens.to(device), saved, packed)
 
 
 def prompt_tokens_saved(prompts: list[list[int]]) -> int:
@@ -136,6 +148,8 @@ def prefix_shared_hidden(body, pb: PrefixBatch) -> tuple[Tensor, Tensor]:
                         position_ids=ar_p[None].expand(U, P), use_cache=False, **with_cache(cache)).last_hidden_state
         if C == 0:
             return h_prompt, h_prompt.new_zeros(B, 0, h_prompt.shape[-1])
+        if pb.packed is not None:
+            return h_prompt, _packed_continuations(body, pb, cache, prompt_keys)
         # indexing, not index_select: on CPU index_select of these strided (U, heads, P, D) views is 5-30x slower
         shared = Cache(layers=[_SharedPrefixLayer(layer.keys[pb.group], layer.values[pb.group]) for layer in cache.layers])
         lens = pb.prompt_lens[pb.group]                                                     # (B,)
@@ -149,17 +163,46 @@ def prefix_shared_hidden(body, pb: PrefixBatch) -> tuple[Tensor, Tensor]:
     return h_prompt, h_cont
 
 
+def _packed_continuations(body, pb: PrefixBatch, cache: Cache, prompt_keys: Tensor) -> Tensor:
+    """(R, W, H) the body's last hidden states of pb.packed's rows: every distinct prompt's keys and values once, in
+    front of each row (U x P columns), each continuation token attending to its own prompt's and, causally, its own
+    continuation's. Against one padded row per sample this forwards no padding inside a row, and no prompt's keys
+    repeated per sample; each token attends over U x P + W keys instead of P + C (more attention, fewer of the
+    matrix multiplies that cost more: collate packs where it cuts the token positions enough)."""
+    pk = pb.packed
+    R, W = pk.ids.shape
+    U, P = pb.prompt_ids.shape
+    dev = pk.ids.device
+    flat = lambda t: t.transpose(0, 1).reshape(t.shape[1], U * P, t.shape[3])[None].expand(R, -1, -1, -1)
+    shared = Cache(layers=[_SharedPrefixLayer(flat(layer.keys), flat(layer.values)) for layer in cache.layers])
+    real = pk.segment >= 0
+    token_prompt = torch.where(real, pb.group[pk.segment.clamp(min=0)], -1)                # (R, W)
+    key_prompt = torch.arange(U, device=dev).repeat_interleave(P)                          # (U * P,)
+    key_real = prompt_keys.reshape(-1)                                                     # (U * P,)
+    ar = torch.arange(W, device=dev)
+    allowed = torch.cat([(token_prompt[..., None] == key_prompt) & key_real,               # its own prompt
+                         (pk.segment[:, :, None] == pk.segment[:, None, :]) & (ar[:, None] >= ar[None, :])], -1)
+    return body(input_ids=pk.ids, attention_mask=_mask(allowed, body), position_ids=pk.position_ids,
+                use_cache=False, **with_cache(shared)).last_hidden_state
+
+
 def hidden_at(h_prompt: Tensor, h_cont: Tensor, pb: PrefixBatch, positions: Tensor) -> Tensor:
     """(B, T, H) hidden states at sequence positions (B, T) of prompt + continuation (positions past a sample's
-    sequence give some row's state: callers mask them)."""
+    sequence give some row's state: callers mask them). h_cont: (B, C, H), or pb.packed's rows (R, W, H)."""
     lens = pb.prompt_lens[pb.group][:, None]                                                # (B, 1)
     in_prompt = positions < lens
     H = h_prompt.shape[-1]
     from_prompt = h_prompt[pb.group[:, None], positions.clamp(max=h_prompt.shape[1] - 1)]   # (B, T, H)
     if h_cont.shape[1] == 0:
         return from_prompt
-    at = (positions - lens).clamp(0, h_cont.shape[1] - 1)
-    from_cont = h_cont.gather(1, at[..., None].expand(-1, -1, H))
+    if pb.packed is not None:
+        width = h_cont.shape[1]
+        start = torch.tensor([r * width + c for r, c in pb.packed.starts], device=positions.device)[:, None]
+        at = (start + positions - lens).clamp(0, h_cont.shape[0] * width - 1)
+        from_cont = h_cont.reshape(-1, H)[at]
+    else:
+        at = (positions - lens).clamp(0, h_cont.shape[1] - 1)
+        from_cont = h_cont.gather(1, at[..., None].expand(-1, -1, H))
     return torch.where(in_prompt[..., None], from_prompt, from_cont)
 
 

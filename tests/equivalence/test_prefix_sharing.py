@@ -16,6 +16,7 @@ from rlfuse.models.heads import ValueModel
 from rlfuse.rollout.engine import Sample
 from rlfuse.rollout.fusion import Experience
 from rlfuse.rollout.score import Scorer
+from rlfuse.models import forward
 from rlfuse.models.forward import collate, response_logprobs
 from rlfuse.models.rewards import reward_model_fn
 from rlfuse.learn.losses import micro_policy_loss, micro_value_loss
@@ -58,8 +59,17 @@ def saved_by_hand(micro: list[list[int]]) -> int:
     return sum(PROMPT_LENS[p] * (len(m) - 1) for p, m in enumerate(micro))
 
 
+@pytest.fixture(params=["packed", "padded"])
+def layout(request, monkeypatch):
+    """Each equivalence test twice: the continuations packed where that pays (collate's rule; these samples' lengths
+    always pay) and one right-padded row each (packing never pays)."""
+    if request.param == "padded":
+        monkeypatch.setattr(forward, "PACK_BELOW", 0.0)
+    return request.param
+
+
 @pytest.mark.parametrize("arch,attn", [("gpt2", "sdpa"), ("llama", "sdpa"), ("gpt2", "eager"), ("llama", "eager")])
-def test_scores_equal_unshared(arch, attn):
+def test_scores_equal_unshared(arch, attn, layout):
     actor, ref, rm = tiny(arch, 0, attn=attn).eval(), tiny(arch, 1, attn=attn).eval(), tiny(arch, 2, "rm", attn).eval()
     critic = ValueModel.from_causal_lm(tiny(arch, 3, attn=attn)).eval()
     torch.nn.init.normal_(critic.head.weight, std=0.5)
@@ -102,13 +112,14 @@ def test_deferred_passes_equal_the_fused_ones():
         torch.testing.assert_close(v, fused[(s.prompt_id, s.sample_index)].values)
 
 
-def test_wrong_prompt_fails():
+def test_wrong_prompt_fails(layout):
     """The comparison can fail: each sample continuing the next sample's prompt gives other log-probs."""
     model, ss = tiny("gpt2", 0).eval(), samples()
     prompts, responses = [s.prompt_ids for s in ss], [s.token_ids for s in ss]
     want = response_logprobs(model, collate(prompts, responses, PAD, "cpu"))
     mb = collate(prompts, responses, PAD, "cpu", share_prompt=True)
     assert mb.prefix is not None and mb.prefix.saved_tokens == saved_by_hand([[0] * K] * 3)
+    assert (mb.prefix.packed is not None) == (layout == "packed")
     torch.testing.assert_close(response_logprobs(model, mb), want)
     mb.prefix.group = (mb.prefix.group + 1) % 3
     assert not torch.allclose(response_logprobs(model, mb), want, atol=1e-3)
@@ -139,7 +150,7 @@ def loss_gradients(model, loss_fn) -> dict:
 @pytest.mark.parametrize("arch,lora,checkpointing,algo", [
     ("gpt2", False, False, "ppo"), ("llama", False, False, "ppo"), ("gpt2", True, False, "ppo"),
     ("llama", True, True, "grpo"), ("gpt2", False, True, "ppo")])
-def test_training_gradients_equal_unshared(arch, lora, checkpointing, algo):
+def test_training_gradients_equal_unshared(arch, lora, checkpointing, algo, layout):
     actor, critic = actor_and_critic(tiny, arch, lora, checkpointing)
     exp, idx = experience(actor), list(range(len(RESPONSE_LENS)))
     adv, returns = torch.randn(exp.mask.shape) * exp.mask, torch.randn(exp.mask.shape) * exp.mask
@@ -163,6 +174,18 @@ def test_ppo_keeps_a_prompts_samples_together_when_sharing():
         batches = minibatches(16, rl, 0, 0)
         together = all(len({i // 4 for i in b[s: s + 4]}) == 1 for b in batches for s in range(0, 8, 4))
         assert together == grouped
+
+
+def test_packed_continuations_by_hand():
+    """Continuations of 3, 1, 0 and 2 tokens after prompts of 2, 2, 3 and 3 tokens (two distinct prompts) pack into
+    one row of 6, longest first (pack_rows), each at its positions after its own prompt."""
+    pb = prefix.group_by_prompt([[5, 6], [5, 6], [7, 8, 9], [7, 8, 9]], [[1, 2, 3], [4], [], [10, 11]], PAD, "cpu",
+                                pack=True)
+    assert pb.group.tolist() == [0, 0, 1, 1] and pb.packed is not None
+    assert pb.packed.ids.tolist() == [[1, 2, 3, 10, 11, 4]]
+    assert pb.packed.position_ids.tolist() == [[2, 3, 4, 3, 4, 2]]
+    assert pb.packed.segment.tolist() == [[0, 0, 0, 3, 3, 1]]
+    assert pb.packed.starts == [(0, 0), (0, 5), (0, 6), (0, 3)]
 
 
 def test_prompt_tokens_shared_counts_by_hand():
