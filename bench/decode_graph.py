@@ -63,9 +63,10 @@ class FixedShapeStep:
             q, k, v = s.rotated_qkv(a, layer.input_layernorm(x), cos, sin)
             self.kv[i, 0].index_copy_(2, self.column, k)
             self.kv[i, 1].index_copy_(2, self.column, v)
-            o = F.scaled_dot_product_attention(q, self.kv[i, 0], self.kv[i, 1], attn_mask=mask, scale=a.scaling,
-                                               enable_gqa=H != s.KVH)
-            x = x + a.o_proj(o.transpose(1, 2).reshape(R, 1, H * D))
+            # a key head's query heads as query positions of one head, as rlfuse/rollout/kv.py's step
+            o = F.scaled_dot_product_attention(q.reshape(R, s.KVH, H // s.KVH, D), self.kv[i, 0], self.kv[i, 1],
+                                               attn_mask=mask, scale=a.scaling)
+            x = x + a.o_proj(o.reshape(R, 1, H * D))
             x = x + layer.mlp(layer.post_attention_layernorm(x))
         self.logits = s.lm_head(s.norm(x))[:, 0]
         return self.logits

@@ -1,7 +1,8 @@
 """A LoRA training micro-batch of the real model through peft's LoRA linear and through rlfuse's fused one
 (rlfuse/models/lora_linear.py), alternated in one process: SmolLM2-135M-Instruct with rlfuse's default adapters
 (model.lora: rank 8, alpha 16 on q/k/v/o/gate/up/down), one prompt of 98 tokens with 4 replies of 60-128 tokens
-(workload d2's micro-batch: 4 completions of one prompt, prefix-shared), log-probs forward and backward. Reports each
+(workload d2's micro-batch: 4 completions of one prompt, prefix-shared, laid out as collate lays it out: the two
+runs recorded on 2026-11-28 padded each reply's row, collate packs them since), log-probs forward and backward. Reports each
 way's fastest and median step, and the largest relative difference between the two ways' adapter gradients.
 
     python -m bench.lora_linear             # about 2 minutes; writes docs/benchmarks/vs_trl.md (lora_linear)

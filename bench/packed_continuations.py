@@ -65,7 +65,7 @@ def main() -> None:
     def batches(packed: bool) -> list:
         # collate's rule, or never (as before continuations packed: collate then also judged sharing against
         # one padded row per reply, and a short prompt before long replies could run unshared)
-        forward.pack_continuations = rule if packed else (lambda continuations: False)
+        forward.pack_continuations = rule if packed else (lambda prompts, continuations: False)
         try:
             return [forward.collate(p, r, pad, "cpu", True) for p, r in micro]
         finally:

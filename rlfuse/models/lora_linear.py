@@ -77,7 +77,8 @@ class FusedLoraLinear(PeftLoraLinear):
         base, a, b = self.base_layer, self.lora_A[name], self.lora_B[name]
         if base.weight.requires_grad or b.bias is not None:
             return None
-        if not (x.dtype == base.weight.dtype == a.weight.dtype == b.weight.dtype):
+        if not (x.dtype == base.weight.dtype == a.weight.dtype == b.weight.dtype) or (
+                base.bias is not None and base.bias.dtype != x.dtype):
             return None
         if torch.is_autocast_enabled(x.device.type):
             return None

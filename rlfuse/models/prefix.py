@@ -1,5 +1,6 @@
 """Prefix-shared forward: the k samples of one prompt run the prompt through the transformer body once; each sample's
-continuation then attends to that prompt's keys and values (repeated to its rows) through a transformers cache.
+continuation then attends to that prompt's keys and values (repeated to its row, or to each row of that prompt's
+continuations packed end to end) through a transformers cache.
 The prompt's activations get the summed gradient of the k continuations through autograd (indexing's backward
 sums the rows), so a training forward is shared as well as a scoring one.
 
@@ -58,15 +59,45 @@ def group_by_prompt(prompts: list[list[int]], continuations: list[list[int]], pa
         cont[b, : len(c)] = torch.tensor(c, dtype=torch.long)
     saved = sum(map(len, prompts)) - sum(map(len, distinct))
     lens, cont_lens = torch.tensor([len(p) for p in distinct]), torch.tensor([len(c) for c in continuations])
-    packed = None
-    if pack and C > 0:
-        packed = pack_sequences(continuations, pad_id, device)
-        # each continuation's positions follow its own prompt's; padding stays at 0
-        after = torch.tensor([len(p) for p in prompts])
-        seg = packed.segment.cpu()
-        packed.position_ids = torch.where(seg >= 0, packed.position_ids.cpu() + after[seg.clamp(min=0)], 0).to(device)
+    packed = _pack_by_prompt(continuations, group, [len(p) for p in prompts], pad_id, device) if pack and C > 0 else None
     return PrefixBatch(ids.to(device), lens.to(device), torch.tensor(group).to(device), cont.to(device),
                        cont_lens.to(device), saved, packed)
+
+
+def pack_by_prompt_layout(lengths: list[int], group: list[int]) -> tuple[list[list[int]], list[int], int]:
+    """(rows of sample indices, each row's prompt, the widest row's tokens): each prompt's continuations of these
+    lengths packed into rows of their own (pack_rows at max(PACK_ROW_TOKENS, longest) tokens a row)."""
+    capacity = max(PACK_ROW_TOKENS, max(lengths))
+    rows, row_prompt = [], []
+    for u in dict.fromkeys(group):
+        mine = [b for b in range(len(group)) if group[b] == u]
+        rows += [[mine[i] for i in row] for row in pack_rows([lengths[b] for b in mine], capacity)]
+        row_prompt += [u] * (len(rows) - len(row_prompt))
+    return rows, row_prompt, max(sum(lengths[b] for b in row) for row in rows)
+
+
+def _pack_by_prompt(continuations: list[list[int]], group: list[int], prompt_lens: list[int], pad_id: int,
+                    device) -> "PackedBatch":
+    """The continuations of each distinct prompt packed into rows of their own (pack_rows, at max(PACK_ROW_TOKENS,
+    longest) tokens a row), every row padded to the widest: a row attends to one prompt's keys, so rows of several
+    prompts never attend over all of them. Positions follow each sample's prompt; row_prompt is each row's prompt."""
+    lengths = [len(c) for c in continuations]
+    rows, row_prompt, W = pack_by_prompt_layout(lengths, group)
+    ids = torch.full((len(rows), W), pad_id, dtype=torch.long)
+    pos = torch.zeros(len(rows), W, dtype=torch.long)
+    seg = -1 - torch.arange(W).repeat(len(rows), 1)
+    starts = [(0, 0)] * len(continuations)
+    for r, row in enumerate(rows):
+        col = 0
+        for b in row:
+            n = lengths[b]
+            ids[r, col: col + n] = torch.tensor(continuations[b], dtype=torch.long)
+            pos[r, col: col + n], seg[r, col: col + n] = prompt_lens[b] + torch.arange(n), b
+            starts[b] = (r, col)
+            col += n
+    saved = len(continuations) * max(lengths) - len(rows) * W
+    return PackedBatch(ids.to(device), pos.to(device), seg.to(device), starts, saved,
+                       torch.tensor(row_prompt, device=device))
 
 
 def prompt_tokens_saved(prompts: list[list[int]]) -> int:
@@ -134,8 +165,9 @@ def _mask(allowed: Tensor, body) -> Tensor:
 
 
 def prefix_shared_hidden(body, pb: PrefixBatch) -> tuple[Tensor, Tensor]:
-    """-> (prompt hidden (U, P, H), continuation hidden (B, C, H)): the body's last hidden states of each distinct
-    prompt, and of each sample's continuation as if it followed its prompt in one sequence. Differentiable."""
+    """-> (prompt hidden (U, P, H), continuation hidden (B, C, H), or (R, W, H) over pb.packed's rows): the body's
+    last hidden states of each distinct prompt, and of each sample's continuation as if it followed its prompt in one
+    sequence (hidden_at reads either layout). Differentiable."""
     dev = pb.prompt_ids.device
     U, P = pb.prompt_ids.shape
     B, C = pb.cont_ids.shape
@@ -164,23 +196,18 @@ def prefix_shared_hidden(body, pb: PrefixBatch) -> tuple[Tensor, Tensor]:
 
 
 def _packed_continuations(body, pb: PrefixBatch, cache: Cache, prompt_keys: Tensor) -> Tensor:
-    """(R, W, H) the body's last hidden states of pb.packed's rows: every distinct prompt's keys and values once, in
-    front of each row (U x P columns), each continuation token attending to its own prompt's and, causally, its own
-    continuation's. Against one padded row per sample this forwards no padding inside a row, and no prompt's keys
-    repeated per sample; each token attends over U x P + W keys instead of P + C (more attention, fewer of the
-    matrix multiplies that cost more: collate packs where it cuts the token positions enough)."""
+    """(R, W, H) the body's last hidden states of pb.packed's rows: each row's prompt's keys and values in front of
+    it, each continuation token attending to them and, causally, to its own continuation. Against one padded row per
+    sample this forwards no padding inside a row, and a prompt's keys once per row instead of once per sample; each
+    token attends over P + W keys instead of P + C (more attention, fewer of the matrix multiplies that cost more:
+    collate packs where it cuts the token positions enough)."""
     pk = pb.packed
-    R, W = pk.ids.shape
-    U, P = pb.prompt_ids.shape
-    dev = pk.ids.device
-    flat = lambda t: t.transpose(0, 1).reshape(t.shape[1], U * P, t.shape[3])[None].expand(R, -1, -1, -1)
-    shared = Cache(layers=[_SharedPrefixLayer(flat(layer.keys), flat(layer.values)) for layer in cache.layers])
-    real = pk.segment >= 0
-    token_prompt = torch.where(real, pb.group[pk.segment.clamp(min=0)], -1)                # (R, W)
-    key_prompt = torch.arange(U, device=dev).repeat_interleave(P)                          # (U * P,)
-    key_real = prompt_keys.reshape(-1)                                                     # (U * P,)
-    ar = torch.arange(W, device=dev)
-    allowed = torch.cat([(token_prompt[..., None] == key_prompt) & key_real,               # its own prompt
+    W = pk.ids.shape[1]
+    # indexing, not index_select: see prefix_shared_hidden
+    shared = Cache(layers=[_SharedPrefixLayer(layer.keys[pk.row_prompt], layer.values[pk.row_prompt])
+                           for layer in cache.layers])
+    ar = torch.arange(W, device=pk.ids.device)
+    allowed = torch.cat([((pk.segment >= 0)[..., None] & prompt_keys[pk.row_prompt][:, None, :]),  # its prompt
                          (pk.segment[:, :, None] == pk.segment[:, None, :]) & (ar[:, None] >= ar[None, :])], -1)
     return body(input_ids=pk.ids, attention_mask=_mask(allowed, body), position_ids=pk.position_ids,
                 use_cache=False, **with_cache(shared)).last_hidden_state
@@ -224,6 +251,8 @@ class PackedBatch:
     """(row, column) where each sequence starts, in the micro-batch's order."""
     saved_tokens: int
     """Padding token-forwards not computed: rows x longest sequence of the padded batch less R x W."""
+    row_prompt: Tensor | None = None
+    """(R,) a prefix-shared batch's packed continuations (group_by_prompt's pack): the prompt each row follows."""
 
 
 def pack_rows(lengths: list[int], capacity: int) -> list[list[int]]:

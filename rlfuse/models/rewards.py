@@ -26,7 +26,7 @@ from torch import Tensor
 from rlfuse.data.prompts import model_context
 from rlfuse.errors import ConfigError, UserError, first_line
 from rlfuse.models import prefix
-from rlfuse.models.forward import adapter_of, can_share, worth_packing, worth_sharing
+from rlfuse.models.forward import adapter_of, can_share, pack_continuations, worth_packing, worth_sharing
 from rlfuse.models.shared import body
 
 
@@ -293,7 +293,7 @@ def _shared_reward(rm, prompts, ends, seqs, pad_id: int, dev) -> Tensor:
     """reward_model_fn's score, prefix-shared: the body's state at each sequence's rightmost non-pad token (its
     pooling) through the score head."""
     pooled = torch.tensor([_pooled_at(s, pad_id) for s in seqs])
-    pb = prefix.group_by_prompt(prompts, ends, pad_id, dev)
+    pb = prefix.group_by_prompt(prompts, ends, pad_id, dev, pack_continuations(prompts, ends))
     body, head = _reward_body_and_head(rm)
     with adapter_of(rm):
         h = prefix.hidden_at(*prefix.prefix_shared_hidden(body, pb), pb, pooled[:, None].to(dev))[:, 0]

@@ -18,7 +18,7 @@ from safetensors.torch import load_file
 from torch import nn
 
 from rlfuse.errors import UserError
-from rlfuse.models.load import lora_config
+from rlfuse.models.load import fused_lora, lora_config
 
 ACTOR, CRITIC, REWARD = "default", "critic", "reward"
 
@@ -179,6 +179,7 @@ def attach_reward_adapter(peft_model, folder: Path, cfg) -> nn.Linear:
     lcfg = lora_config(peft_model.get_base_model(), cfg, task_type=None)
     lcfg.r, lcfg.lora_alpha, lcfg.target_modules = saved["r"], saved["lora_alpha"], saved["target_modules"]
     peft_model.add_adapter(REWARD, lcfg)
+    fused_lora(peft_model)  # layers the adapter adds on new modules: models/lora_linear.py
     body_tensors = {k: v for k, v in tensors.items() if k not in score_keys}
     from peft import set_peft_model_state_dict  # deferred: see models/load.py apply_lora
 
@@ -198,6 +199,7 @@ def attach_reward_adapter(peft_model, folder: Path, cfg) -> nn.Linear:
 def copy_adapter(peft_model, source: str, target: str) -> None:
     """A new adapter `target` with the LoRA tensors of `source` (the critic starting from the reward model)."""
     peft_model.add_adapter(target, copy.deepcopy(peft_model.peft_config[source]))
+    fused_lora(peft_model)  # layers the adapter adds on new modules: models/lora_linear.py
     src = dict(zip_names(peft_model, source))
     with torch.no_grad():
         for name, p in zip_names(peft_model, target):
@@ -219,6 +221,7 @@ def add_critic(peft_model, init: str, cfg, reward_score: nn.Linear | None) -> Ad
         head.weight.data.copy_(reward_score.weight.data)
     else:
         peft_model.add_adapter(CRITIC, lora_config(peft_model.get_base_model(), cfg, task_type=None))
+        fused_lora(peft_model)  # layers the adapter adds on new modules: models/lora_linear.py
         head = nn.Linear(peft_model.get_base_model().config.hidden_size, 1, bias=False)
         nn.init.zeros_(head.weight)
     for p in role_parameters(peft_model, CRITIC):  # peft leaves a new, inactive adapter frozen

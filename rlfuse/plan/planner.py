@@ -90,7 +90,8 @@ class Workload:
         """Whether a pass of `rows` samples runs its prompts once for their group: rl.share_prompt, a prompt repeats
         among them, and that cuts the pass's token positions to cost.SHARE_BELOW of the full ones or less, the test
         the models apply to each micro-batch (models/forward.py worth_sharing), here at the mean prompt and the
-        expected longest of `rows` responses."""
+        expected longest of `rows` responses, continuations padded to it (the models pack them where their lengths
+        differ enough, so they share at least as often as this says)."""
         group = min(self.k, rows)
         if not (self.shared_prompt and group > 1):
             return False

@@ -177,15 +177,27 @@ def test_ppo_keeps_a_prompts_samples_together_when_sharing():
 
 
 def test_packed_continuations_by_hand():
-    """Continuations of 3, 1, 0 and 2 tokens after prompts of 2, 2, 3 and 3 tokens (two distinct prompts) pack into
-    one row of 6, longest first (pack_rows), each at its positions after its own prompt."""
+    """Continuations of 3, 1, 0 and 2 tokens after prompts of 2, 2, 3 and 3 tokens (two distinct prompts): each
+    prompt's pack into a row of their own (longest first, pack_rows), the rows padded to 4, each continuation at its
+    positions after its own prompt."""
     pb = prefix.group_by_prompt([[5, 6], [5, 6], [7, 8, 9], [7, 8, 9]], [[1, 2, 3], [4], [], [10, 11]], PAD, "cpu",
                                 pack=True)
     assert pb.group.tolist() == [0, 0, 1, 1] and pb.packed is not None
-    assert pb.packed.ids.tolist() == [[1, 2, 3, 10, 11, 4]]
-    assert pb.packed.position_ids.tolist() == [[2, 3, 4, 3, 4, 2]]
-    assert pb.packed.segment.tolist() == [[0, 0, 0, 3, 3, 1]]
-    assert pb.packed.starts == [(0, 0), (0, 5), (0, 6), (0, 3)]
+    assert pb.packed.ids.tolist() == [[1, 2, 3, 4], [10, 11, PAD, PAD]]
+    assert pb.packed.position_ids.tolist() == [[2, 3, 4, 2], [3, 4, 0, 0]]
+    assert pb.packed.segment.tolist() == [[0, 0, 0, 1], [3, 3, -3, -4]]
+    assert pb.packed.row_prompt.tolist() == [0, 1]
+    assert pb.packed.starts == [(0, 0), (0, 3), (1, 2), (1, 0)]
+
+
+def test_packed_layouts_run(monkeypatch):
+    """The packed case of the equivalence tests above really packs: these samples' continuations (0-5 tokens) pay."""
+    calls = []
+    run = prefix._packed_continuations
+    monkeypatch.setattr(prefix, "_packed_continuations", lambda *a: calls.append(1) or run(*a))
+    model, ss = tiny("llama", 0).eval(), samples()
+    response_logprobs(model, collate([s.prompt_ids for s in ss], [s.token_ids for s in ss], PAD, "cpu", True))
+    assert calls
 
 
 def test_prompt_tokens_shared_counts_by_hand():

@@ -30,9 +30,9 @@ def test_forward_tokens_by_hand():
     p, q = [1, 2, 3, 4], [5, 6]
     # unshared: 3 rows x longest sequence (4 + 3)
     assert forward_tokens([p, p, q], [[7], [7, 8, 9], [7, 8]], False) == 3 * 7
-    # shared: 2 distinct prompts x 4 + the continuations (responses less their last token: 0, 2, 1) packed in one
-    # row of 3 (3 rows x 2 padded)
-    assert forward_tokens([p, p, q], [[7], [7, 8, 9], [7, 8]], True) == 2 * 4 + 3
+    # shared: 2 distinct prompts x 4 + the continuations (responses less their last token: 0, 2, 1) packed by
+    # prompt, p's two in one row and q's in another, both 2 wide (3 rows x 2 padded)
+    assert forward_tokens([p, p, q], [[7], [7, 8, 9], [7, 8]], True) == 2 * 4 + 2 * 2
     # continuations of equal lengths gain nothing packed: 3 rows x 2
     assert forward_tokens([p, p, q], [[7, 8, 9]] * 3, True) == 2 * 4 + 3 * 2
     assert forward_tokens([p, q], [[7], [7, 8]], True) == 2 * 5  # nothing repeats: the full forward, 2 x (4 + 1)
