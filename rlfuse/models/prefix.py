@@ -78,26 +78,11 @@ def pack_by_prompt_layout(lengths: list[int], group: list[int]) -> tuple[list[li
 
 def _pack_by_prompt(continuations: list[list[int]], group: list[int], prompt_lens: list[int], pad_id: int,
                     device) -> "PackedBatch":
-    """The continuations of each distinct prompt packed into rows of their own (pack_rows, at max(PACK_ROW_TOKENS,
-    longest) tokens a row), every row padded to the widest: a row attends to one prompt's keys, so rows of several
-    prompts never attend over all of them. Positions follow each sample's prompt; row_prompt is each row's prompt."""
-    lengths = [len(c) for c in continuations]
-    rows, row_prompt, W = pack_by_prompt_layout(lengths, group)
-    ids = torch.full((len(rows), W), pad_id, dtype=torch.long)
-    pos = torch.zeros(len(rows), W, dtype=torch.long)
-    seg = -1 - torch.arange(W).repeat(len(rows), 1)
-    starts = [(0, 0)] * len(continuations)
-    for r, row in enumerate(rows):
-        col = 0
-        for b in row:
-            n = lengths[b]
-            ids[r, col: col + n] = torch.tensor(continuations[b], dtype=torch.long)
-            pos[r, col: col + n], seg[r, col: col + n] = prompt_lens[b] + torch.arange(n), b
-            starts[b] = (r, col)
-            col += n
-    saved = len(continuations) * max(lengths) - len(rows) * W
-    return PackedBatch(ids.to(device), pos.to(device), seg.to(device), starts, saved,
-                       torch.tensor(row_prompt, device=device))
+    """The continuations of each distinct prompt packed into rows of their own (pack_by_prompt_layout), every row
+    padded to the widest: a row attends to one prompt's keys, so rows of several prompts never attend over all of
+    them. Positions follow each sample's prompt; row_prompt is each row's prompt."""
+    rows, row_prompt, width = pack_by_prompt_layout([len(c) for c in continuations], group)
+    return pack_sequences(continuations, pad_id, device, (rows, width), prompt_lens, row_prompt)
 
 
 def prompt_tokens_saved(prompts: list[list[int]]) -> int:
@@ -278,10 +263,13 @@ def pack_layout(lengths: list[int]) -> tuple[list[list[int]], int]:
     return rows, max(sum(lengths[i] for i in row) for row in rows)
 
 
-def pack_sequences(seqs: list[list[int]], pad_id: int, device) -> PackedBatch:
-    """PackedBatch of these token sequences (pack_layout's rows)."""
+def pack_sequences(seqs: list[list[int]], pad_id: int, device, layout: tuple[list[list[int]], int] | None = None,
+                   first_positions: list[int] | None = None, row_prompt: list[int] | None = None) -> PackedBatch:
+    """PackedBatch of these token sequences: in pack_layout's rows, or `layout`'s (rows, width); each sequence's
+    positions from 0, or from its first_positions entry (a continuation after its prompt)."""
     lengths = [len(s) for s in seqs]
-    rows, W = pack_layout(lengths)
+    rows, W = layout or pack_layout(lengths)
+    first = first_positions or [0] * len(seqs)
     ids = torch.full((len(rows), W), pad_id, dtype=torch.long)
     pos = torch.zeros(len(rows), W, dtype=torch.long)
     seg = -1 - torch.arange(W).repeat(len(rows), 1)
@@ -290,11 +278,13 @@ def pack_sequences(seqs: list[list[int]], pad_id: int, device) -> PackedBatch:
         col = 0
         for i in row:
             n = lengths[i]
-            ids[r, col: col + n], pos[r, col: col + n], seg[r, col: col + n] = torch.tensor(seqs[i]), torch.arange(n), i
+            ids[r, col: col + n] = torch.tensor(seqs[i], dtype=torch.long)
+            pos[r, col: col + n], seg[r, col: col + n] = first[i] + torch.arange(n), i
             starts[i] = (r, col)
             col += n
     saved = len(seqs) * max(lengths) - len(rows) * W
-    return PackedBatch(ids.to(device), pos.to(device), seg.to(device), starts, saved)
+    return PackedBatch(ids.to(device), pos.to(device), seg.to(device), starts, saved,
+                       None if row_prompt is None else torch.tensor(row_prompt, device=device))
 
 
 def packed_hidden(body, pk: PackedBatch) -> Tensor:
