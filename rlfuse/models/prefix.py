@@ -46,7 +46,8 @@ class PrefixBatch:
 def group_by_prompt(prompts: list[list[int]], continuations: list[list[int]], pad_id: int, device,
                     pack: bool = False) -> PrefixBatch:
     """PrefixBatch of B samples; prompts equal as token lists share one row, in order of first appearance. pack: the
-    continuations also laid end to end (pack_layout's rows) instead of one right-padded row each."""
+    continuations also laid end to end, each prompt's in rows of their own (pack_by_prompt_layout), instead of one
+    right-padded row each."""
     rows: dict[tuple, int] = {}
     group = [rows.setdefault(tuple(p), len(rows)) for p in prompts]
     distinct = list(rows)
