@@ -59,7 +59,8 @@ def rollout(cfg, work: Path):
     models = build_models(cfg, work, torch.device("cpu"))
     rows, _ = rl_prompt_rows(cfg, task, lambda *_: None)
     prompts, _ = encode_prompts(models.tokenizer, [r.prompt for r in rows], 64)
-    local = LocalRollout(decode_engine(models, cfg.rollout.max_rows), local_scorer(models, cfg), FusionPolicy(False, 8, 0))
+    local = LocalRollout(decode_engine(models, cfg.rollout.max_rows), local_scorer(models, cfg), FusionPolicy(False, 8, 0),
+                         cfg.rl)
     local.sync_weights(models)
     exp = local.generate(prompt_batch(prompts, 0, rl.prompts_per_iter, seed), rl.k,
                          sampling_params(models, rl, rl.temperature), seed * 1_000_003)

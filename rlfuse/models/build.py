@@ -13,6 +13,7 @@ from torch.utils.checkpoint import checkpoint
 
 from rlfuse.config import Config, checkpointing_on
 from rlfuse.errors import ConfigError, UserError, first_line
+from rlfuse.models.device import generator_dtype
 from rlfuse.models.gguf import local_model
 from rlfuse.models.heads import ValueModel
 from rlfuse.models.lean import enable_lean_activations
@@ -104,7 +105,7 @@ def build_models(cfg: Config, run_dir: Path, device) -> Models:
     if cfg.model.shares_base:
         return build_shared_models(cfg, roles, sft_dir, rm_dir, tokenizer, device)
     actor = load_policy(sft_dir)
-    generator = frozen(load_policy(sft_dir), device) if cfg.model.lora else None
+    generator = frozen(load_policy(sft_dir), device).to(generator_dtype(cfg, device)) if cfg.model.lora else None
     ref = None if roles["reference"].shares_with == "actor" else frozen(load_policy(sft_dir), device)
     # resident only from its scoring pass to the next update; FSDP shards the reference instead (runtime/fsdp.py)
     if ref is not None and cfg.rl.release_reference and torch.device(device).type == "cpu" and \

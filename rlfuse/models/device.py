@@ -8,7 +8,7 @@ import random
 import numpy as np
 import torch
 
-from rlfuse.config import RunConfig
+from rlfuse.config import Config, RunConfig
 from rlfuse.errors import ConfigError
 
 
@@ -41,3 +41,22 @@ def autocast(device: torch.device, precision: str):
     if precision == "auto":
         precision = "bf16" if torch.cuda.is_bf16_supported() else "fp16"
     return torch.autocast("cuda", dtype=torch.bfloat16 if precision == "bf16" else torch.float16)
+
+
+def native_bf16(device: torch.device) -> bool:
+    """Whether the device multiplies bf16 matrices natively: a GPU with bf16, or a CPU with AVX512-BF16 or AMX (torch
+    converts bf16 to fp32 and back on any other CPU, 2-7x slower than fp32: docs/benchmarks/decode_step.md)."""
+    if device.type == "cuda":
+        return torch.cuda.is_bf16_supported()
+    cpu = torch.cpu
+    return any(getattr(cpu, probe, lambda: False)() for probe in ("_is_avx512_bf16_supported", "_is_amx_tile_supported"))
+
+
+def generator_dtype(cfg: Config, device: torch.device) -> torch.dtype:
+    """The dtype of the generator's own copy of the policy (rollout.generator_dtype, auto resolved on this device):
+    bf16 only for a copy of its own in this process (model.lora without a shared base, placement.strategy=single)."""
+    choice = cfg.rollout.generator_dtype
+    own_copy = cfg.model.lora and not cfg.model.shares_base and cfg.placement.strategy == "single"
+    if choice == "auto":
+        choice = "bf16" if own_copy and native_bf16(torch.device(device)) else "fp32"
+    return torch.bfloat16 if choice == "bf16" else torch.float32

@@ -155,6 +155,11 @@ class DecodeEngine:
         return next(self.model.parameters()).device
 
     @property
+    def dtype(self) -> torch.dtype:
+        """The dtype the engine's model decodes in (rollout.generator_dtype)."""
+        return next(self.model.parameters()).dtype
+
+    @property
     def shares_weights(self) -> bool:
         """Whether the engine decodes the trainer's own model (decode_context given): no weight sync is needed."""
         return self.decode_context is not None

@@ -99,10 +99,12 @@ def build_experience(scored: list[ScoredSample]) -> Experience:
 
 
 def generate_rollouts(engine: DecodeEngine, scorer: Scorer, prompts: list[list[int]], k: int, params: SamplingParams,
-                      seed: int, fusion: FusionPolicy, lengths=None, prompt_ids: list[int] | None = None) -> Experience:
+                      seed: int, fusion: FusionPolicy, lengths=None, prompt_ids: list[int] | None = None,
+                      proximal: bool = False) -> Experience:
     """Decode all prompts x k; score finished samples per the fusion policy (fused: while the tail decodes;
     unfused: everything after decoding). Same weights, same seed: the same samples either way (each sample's random
-    stream is keyed by seed, prompt id and sample index). prompt_ids: the prompts' global ids (DecodeEngine.generate)."""
+    stream is keyed by seed, prompt id and sample index). prompt_ids: the prompts' global ids (DecodeEngine.generate).
+    proximal: score with the actor's own log-probs too (Scorer.score), for a sampler that is not the trained policy."""
     scored, pending = [], []
     score_time_in_decode = 0.0
     t0 = time.perf_counter()
@@ -110,12 +112,12 @@ def generate_rollouts(engine: DecodeEngine, scorer: Scorer, prompts: list[list[i
         pending.append(sample)
         if fusion.should_score(len(pending), engine.live_rows) and engine.live_rows > 0:
             t = time.perf_counter()
-            scored += scorer.score(pending)
+            scored += scorer.score(pending, proximal)
             score_time_in_decode += time.perf_counter() - t
             pending = []
     t_decoded = time.perf_counter()
     if pending:
-        scored += scorer.score(pending)
+        scored += scorer.score(pending, proximal)
     t_end = time.perf_counter()
     exp = build_experience(scored)
     exp.timing = {

@@ -41,7 +41,7 @@ def build_placement(cfg: Config, run_dir: Path, engine: DecodeEngine, scorer: Sc
             "the same workers generate and train, so the loop stays synchronous (asynchronous RL runs with "
             "placement.strategy=separated)")
     if not spec.uses_ray:
-        yield LocalRollout(engine, scorer, fusion), local_trainer
+        yield LocalRollout(engine, scorer, fusion, cfg.rl), local_trainer
         return
     try:  # Ray (an optional install): imported only for a placement on Ray workers
         from rlfuse.runtime.ray_async import AsyncRollout

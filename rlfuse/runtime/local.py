@@ -41,14 +41,24 @@ class LocalRollout:
     engine: DecodeEngine
     scorer: Scorer
     fusion: FusionPolicy
+    rl: RLConfig
+
+    @property
+    def behaviour_differs(self) -> bool:
+        """The engine samples from a copy of the policy in another dtype (rollout.generator_dtype): its log-probs are
+        a behaviour policy's, and the update runs the decoupled objective around the trained policy's own (proximal)."""
+        return self.scorer.actor is not None and behaviour_differs(self.engine, self.scorer.actor)
 
     def sync_weights(self, models: Models) -> dict:
         return sync_weights(self.engine, models.actor)  # the critic is this process's own module: nothing to copy
 
     def generate(self, request: RolloutRequest) -> Experience:
         before, self.scorer.temperature = dict(self.scorer.times), request.params.temperature
+        # the proximal log-probs: the update's own forward where it is one optimiser step, else an actor pass here
+        one_step = self.rl.optimiser_steps(len(request.prompts) * request.k) == 1
         exp = generate_rollouts(self.engine, self.scorer, request.prompts, request.k, request.params, request.seed,
-                                self.fusion)
+                                self.fusion, proximal=self.behaviour_differs and not one_step)
+        exp.proximal_from_update = self.behaviour_differs and one_step
         exp.timing |= {f"score_{role}": t - before.get(role, 0.0) for role, t in self.scorer.times.items()}
         return exp
 
@@ -97,6 +107,12 @@ class LocalTrainer:
 
     def pull_into(self, models: Models) -> None:
         """The trained modules are `models`' own: nothing to copy."""
+
+
+def behaviour_differs(engine: DecodeEngine, actor: torch.nn.Module) -> bool:
+    """Whether the engine decodes a copy of the actor in another dtype (rollout.generator_dtype=bf16): its samples'
+    log-probs are then not the trained policy's."""
+    return not engine.shares_weights and engine.dtype != next(actor.parameters()).dtype
 
 
 def decode_engine(models: Models, max_rows: int, eos_token_id: int | None = None) -> DecodeEngine:

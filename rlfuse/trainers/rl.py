@@ -59,7 +59,7 @@ from rlfuse.plan.planner import predicted_memory
 from rlfuse.rollout.fusion import FusionPolicy
 from rlfuse.rollout.state import RolloutRequest, SamplingParams
 from rlfuse.runtime.backend import build_placement, uses_ray
-from rlfuse.runtime.local import LocalTrainer, decode_engine, local_scorer, sync_weights
+from rlfuse.runtime.local import LocalTrainer, behaviour_differs, decode_engine, local_scorer, sync_weights
 from rlfuse.trainers.observe import due, evaluate_during, group_metrics, rollout_metrics, sample_table
 
 
@@ -130,6 +130,10 @@ def train_rl(cfg: Config, run_dir: Path, log=print, resume: bool = False, on_rea
     log(f"[rl] {rl.algo}: {rl.iterations} iterations x {rl.prompts_per_iter} prompts x k={rl.k}, fusion "
         f"{'on' if fusion.enabled else 'off'}, KL {rl.kl_estimator_used}{'' if rl.kl_estimator else ' (default)'}, "
         f"{sampling_note(rl)}")
+    if behaviour_differs(engine, models.actor):
+        log(f"[rl] the generator decodes a {str(engine.dtype).removeprefix('torch.')} copy of the policy "
+            f"(rollout.generator_dtype={cfg.rollout.generator_dtype}): the update corrects for its samples with the "
+            f"decoupled objective (train/behaviour_weight_* in the metrics; rollout.generator_dtype=fp32 turns it off)")
     requests = IterationRequests(train_prompts, difficulty, rl, params, seed)
     with build_placement(cfg, run_dir, engine, scorer, fusion, trainer, requests, log) as (rollout, trainer), \
             Progress(rl.iterations, f"rl/{rl.algo}", cfg.run.quiet, unit="iter") as bar:

@@ -25,7 +25,7 @@ def llama_run(tiny_task, tmp_path_factory):
 
 def _models(run_dir, shared: bool, *extra):
     cfg = load_config(None, [f"model.shared_base={str(shared).lower()}", "rl.critic_init=rm", "rl.reward=rm",
-                             f"run.dir={run_dir}", *STAGES, *extra])
+                             f"run.dir={run_dir}", "rollout.generator_dtype=fp32", *STAGES, *extra])
     models = build_models(cfg, run_dir, torch.device("cpu"))
     torch.manual_seed(1)  # the actor's adapter moves away from zero (as after an update): roles must not see it
     with torch.no_grad():
@@ -131,7 +131,7 @@ def _decoded(models, prompts, scorer=None):
         return sync, {(s.prompt_id, s.sample_index): (s.token_ids, s.logprobs)
                       for s in engine.generate(prompts, 2, params, seed=7, lengths=lengths)}
     live_while_scoring, score = [], scorer.score
-    scorer.score = lambda samples: live_while_scoring.append(engine.live_rows) or score(samples)
+    scorer.score = lambda samples, *args: live_while_scoring.append(engine.live_rows) or score(samples, *args)
     exp = generate_rollouts(engine, scorer, prompts, 2, params, 7, FusionPolicy(True, score_every=1), lengths)
     assert max(live_while_scoring) > 0  # scored while rows were still decoding: really fused
     return sync, {(int(exp.prompt_index[i]), i % 2): (r, exp.logprobs[i, : len(r)])  # ordered by (prompt, index)

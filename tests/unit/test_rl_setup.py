@@ -68,7 +68,8 @@ def test_generator_gets_the_actors_weights_after_an_update(tiny_task, tmp_path, 
     from rlfuse.learn.learners import Learner
 
     cfg = load_config(None, [f"rl.sft_path={tiny_task.model_dir}", "rl.reward=rlfuse.data.gold:gold_reward",
-                             "rl.algo=grpo", "rl.k=2", f"model.lora={str(lora).lower()}"])
+                             "rl.algo=grpo", "rl.k=2", f"model.lora={str(lora).lower()}",
+                             "rollout.generator_dtype=fp32"])  # bf16 (auto on AMX CPUs): test_generator_dtype.py
     models = build_models(cfg, tmp_path, torch.device("cpu"))
     assert not hasattr(models.generator, "peft_config") and models.generator is not models.actor
     base_before = {n: p.clone() for n, p in models.actor.named_parameters() if not p.requires_grad}

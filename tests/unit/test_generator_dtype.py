@@ -1,0 +1,102 @@
+"""rollout.generator_dtype: the LoRA generator's own copy of the policy in bf16 where the hardware multiplies bf16
+natively, and the update's correction for sampling from it (the decoupled objective around the trained policy)."""
+
+import json
+
+import pytest
+import torch
+
+from conftest import TINY
+from rlfuse.config import load_config
+from rlfuse.errors import ConfigError
+from rlfuse.models import device as device_module
+from rlfuse.models.build import build_models
+from rlfuse.models.device import generator_dtype
+
+GRPO = ["rl.reward=rlfuse.data.gold:gold_reward", "rl.algo=grpo", "rl.k=2"]
+CPU = torch.device("cpu")
+
+
+def _cfg(tiny_task, *more):
+    return load_config(None, [f"rl.sft_path={tiny_task.model_dir}", *GRPO, *more])
+
+
+@pytest.mark.parametrize("native", [True, False])
+def test_auto_is_bf16_only_for_a_lora_copy_on_native_hardware(tiny_task, monkeypatch, native):
+    monkeypatch.setattr(device_module, "native_bf16", lambda device: native)
+    lora = _cfg(tiny_task, "model.lora=true")
+    assert generator_dtype(lora, CPU) == (torch.bfloat16 if native else torch.float32)
+    assert generator_dtype(_cfg(tiny_task), CPU) == torch.float32  # full fine-tuning decodes the actor itself
+    ray = _cfg(tiny_task, "model.lora=true", "placement.strategy=flattened", "placement.workers=1")
+    assert generator_dtype(ray, CPU) == torch.float32  # Ray workers' generators stay fp32
+    assert generator_dtype(_cfg(tiny_task, "model.lora=true", "rollout.generator_dtype=fp32"), CPU) == torch.float32
+    assert generator_dtype(_cfg(tiny_task, "model.lora=true", "rollout.generator_dtype=bf16"), CPU) == torch.bfloat16
+
+
+@pytest.mark.parametrize("more,why", [([], "full fine-tuning decodes the actor itself"),
+                                      (["model.lora=true", "placement.strategy=flattened"], "is not single"),
+                                      (["rollout.generator_dtype=fp16"], "is not one of auto, fp32, bf16")])
+def test_bf16_where_there_is_no_copy_of_its_own_is_a_config_error(tiny_task, more, why):
+    dtype = [] if any("generator_dtype" in m for m in more) else ["rollout.generator_dtype=bf16"]
+    with pytest.raises(ConfigError, match="rollout.generator_dtype") as e:
+        _cfg(tiny_task, *dtype, *more)
+    assert why in str(e.value)
+
+
+def _rollout(tiny_task, tmp_path, mini_batch: int):
+    from rlfuse.data.collate import encode
+    from rlfuse.rollout.engine import SamplingParams
+    from rlfuse.rollout.fusion import FusionPolicy
+    from rlfuse.rollout.state import RolloutRequest
+    from rlfuse.runtime.local import LocalRollout, behaviour_differs, decode_engine, local_scorer
+
+    cfg = _cfg(tiny_task, "model.lora=true", "rollout.generator_dtype=bf16", "rl.prompts_per_iter=2",
+               f"rl.mini_batch_size={mini_batch}", "rl.micro_batch_size=2", "rl.epochs=1")
+    models = build_models(cfg, tmp_path, CPU)
+    with torch.no_grad():  # adapters away from zero: the merged copy is not the SFT model
+        for n, p in models.actor.named_parameters():
+            if "lora_B" in n:
+                p.normal_(std=0.3)
+    engine = decode_engine(models, cfg.rollout.max_rows)
+    assert engine.dtype == torch.bfloat16 and behaviour_differs(engine, models.actor)
+    rollout = LocalRollout(engine, local_scorer(models, cfg), FusionPolicy(False, 8, 0), cfg.rl)
+    assert rollout.behaviour_differs
+    assert rollout.sync_weights(models)["sync/bytes"] > 0
+    tok = models.tokenizer
+    prompts = [encode(tok, "the acting"), encode(tok, "this film")]
+    return models, rollout.generate(RolloutRequest(0, prompts, 2, SamplingParams(8), 7))
+
+
+def test_one_step_update_takes_the_proximal_log_probs_from_its_own_forward(tiny_task, tmp_path):
+    """A one-step update (mini-batch = the batch): no extra scoring pass; the loss gets the proximal log-probs
+    from the update's forward (Experience.proximal_from_update), the engine's bf16 log-probs as the behaviour's."""
+    _, exp = _rollout(tiny_task, tmp_path, mini_batch=4)
+    assert exp.proximal_from_update and exp.proximal_logprobs is None
+
+
+def test_a_multi_step_update_scores_the_proximal_log_probs(tiny_task, tmp_path):
+    """Two mini-batches: the proximal policy would move after the first step, so the scoring pass runs the fp32
+    actor once more; its log-probs are the trained policy's, the engine's (bf16) near them but not equal."""
+    from rlfuse.models.forward import collate, response_logprobs
+
+    models, exp = _rollout(tiny_task, tmp_path, mini_batch=2)
+    assert not exp.proximal_from_update and exp.proximal_logprobs is not None
+    mb = collate(exp.prompt_ids, exp.response_ids, models.tokenizer.pad_token_id, "cpu")
+    with torch.no_grad():
+        want = response_logprobs(models.actor.eval(), mb) * mb.mask
+    T = mb.mask.shape[1]
+    torch.testing.assert_close(exp.proximal_logprobs[:, :T] * mb.mask, want, atol=1e-5, rtol=0)
+    gap = (exp.logprobs[:, :T] - exp.proximal_logprobs[:, :T]).abs()[mb.mask.bool()]
+    assert 0 < float(gap.max()) < 0.5  # bf16 rounding: close, not equal
+
+
+def test_a_run_with_a_bf16_generator_corrects_for_its_samples(tiny_task, tmp_path):
+    from rlfuse.cli import main
+
+    assert main(["rl", f"rl.sft_path={tiny_task.model_dir}", *GRPO, "model.lora=true", "rollout.generator_dtype=bf16",
+                 f"run.dir={tmp_path}", *TINY, "rl.iterations=2", "rl.prompts_per_iter=4", "rl.mini_batch_size=8", "rl.micro_batch_size=4", "rl.epochs=1", "rl.max_new_tokens=8",
+                 "rl.eval_prompts=0"]) == 0
+    rows = [json.loads(l) for l in (tmp_path / "rl" / "metrics.jsonl").read_text().splitlines()]
+    assert len(rows) == 2
+    for r in rows:  # the behaviour weights pi_fp32 / pi_bf16 are logged and near 1
+        assert 0.9 < r["train/behaviour_weight_mean"] < 1.1 and r["train/behaviour_weight_max"] >= 1.0
