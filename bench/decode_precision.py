@@ -8,14 +8,15 @@ the int8 result's error against fp32.
     python -m bench.decode_precision --real # the whole SmolLM2-135M (smollm2 extra) through the engine, ~3 minutes
 
 --real: the real model's decode step through rlfuse's engine (2 chat prompts x k = 8, 64 new tokens, all
-threads) in fp32 and with torch's dynamic int8 three ways (per-tensor weights, the default; per-channel weights;
-per-channel with the LM head kept fp32), and what an int8 sampler would do to RL: the sampled tokens' log-probs
-under the int8 model against the fp32 policy's (mean |difference| per token, and the importance weight
-pi_fp32 / pi_int8 the decoupled objective would apply), plus torch's weight-only int8 kernel
-(_weight_int8pack_mm: int8 weights, fp32 activations) at the decode shapes.
+threads) in fp32, as a bf16 copy (what rollout.generator_dtype=bf16 decodes), and with torch's dynamic int8 three
+ways (per-tensor weights, the default; per-channel weights; per-channel with the LM head kept fp32), and what each
+sampler would do to RL: the sampled tokens' log-probs under it against the fp32 policy's (mean |difference| per
+token, and the importance weight pi_fp32 / pi_sampler the decoupled objective applies), plus torch's weight-only
+int8 kernel (_weight_int8pack_mm: int8 weights, fp32 activations) at the decode shapes.
 
-Nothing in rlfuse decodes in bf16 or int8 yet: this is the measurement that decides whether it should, on which
-hardware. Written to docs/benchmarks/decode_step.md (section decode_precision).
+rlfuse decodes in bf16 where the generator is a copy of its own and the hardware multiplies bf16 natively
+(rollout.generator_dtype auto); never in int8. Written to docs/benchmarks/decode_step.md (sections decode_precision
+and decode_precision_real, with the suffix _native_bf16 on a CPU with AVX512-BF16 or AMX).
 """
 
 from __future__ import annotations
@@ -30,6 +31,7 @@ import torch
 import os
 
 from bench.common import machine, machine_short, md_table, write_headline, write_section
+from rlfuse.models.device import native_bf16
 
 # SmolLM2-135M: hidden 576, 9 heads of 64 (3 KV heads: 192), MLP 1536, vocabulary 49152, 30 blocks
 SHAPES = {"q/o projection 576x576": (576, 576), "k/v projection 576x192": (576, 192),
@@ -37,6 +39,10 @@ SHAPES = {"q/o projection 576x576": (576, 576), "k/v projection 576x192": (576, 
 PER_STEP = {"q/o projection 576x576": 2 * 30, "k/v projection 576x192": 2 * 30, "gate/up 576x1536": 2 * 30,
             "down 1536x576": 30, "LM head 576x49152": 1}
 """How many of each a decode step runs (30 blocks, one LM head)."""
+
+
+NATIVE = "_native_bf16" if native_bf16(torch.device("cpu")) else ""
+"""The sections' suffix on a CPU that multiplies bf16 natively (AVX512-BF16, AMX): its tables beside the AVX2 ones."""
 
 
 def seconds(fn, reps: int) -> float:
@@ -114,6 +120,15 @@ def real_model() -> tuple[str, list]:
         _, base_ms2 = decode(fp32)
         base_ms = min(base_ms, base_ms2)
         out.append(["fp32", f"{base_ms:.0f}", "1.00x", "0", "1", "1"])
+        # bf16: the engine's own log-probs of its samples are what the update sees as the behaviour policy's
+        model = copy.deepcopy(fp32).to(torch.bfloat16)
+        samples, ms = decode(model)
+        ms = min(ms, decode(model)[1])
+        d = torch.cat([sampled_logprobs(fp32, s) - torch.as_tensor(s.logprobs) for s in samples])
+        w = d.exp()
+        out.append(["bf16 copy (rollout.generator_dtype=bf16)", f"{ms:.0f}", f"{base_ms / ms:.2f}x",
+                    f"{float(d.abs().mean()):.3f}", f"{float(w.mean()):.2f}", f"{float(w.max()):.1f}"])
+        del model
         for name, head, per_channel in (("int8 dynamic, per-tensor weights (torch's default)", True, False),
                                         ("int8 dynamic, per-channel weights", True, True),
                                         ("int8 dynamic, per-channel, LM head fp32", False, True)):
@@ -139,10 +154,11 @@ def real_model() -> tuple[str, list]:
     text = "\n\n".join([
         f"Command: `python -m bench.decode_precision --real` (SmolLM2-135M-Instruct, {torch.get_num_threads()} threads; "
         f"{len(prompts)} chat prompts of {sum(map(len, prompts)) / len(prompts):.0f} tokens x k = 8, 64 new tokens "
-        "(end of text ignored: every row decodes 64 steps), temperature 1, the best of 2 runs; every sample decoded by the int8 model is "
-        f"scored by both models). Machine: {machine()}.",
-        md_table(["decoder", "ms per decode step (16 rows)", "speed-up", "mean |log pi_fp32 - log pi_int8| "
-                  "per sampled token", "importance weight pi_fp32 / pi_int8: mean", "max"], out),
+        "(end of text ignored: every row decodes 64 steps), temperature 1, the best of 2 runs; every sample a lower-precision "
+        "sampler draws is scored by the fp32 model too: the bf16 copy's against the engine's own log-probs, which the "
+        f"update sees as the behaviour policy's; the int8 models' against their full forward). Machine: {machine()}.",
+        md_table(["decoder", "ms per decode step (16 rows)", "speed-up", "mean |log pi_fp32 - log pi_sampler| "
+                  "per sampled token", "importance weight pi_fp32 / pi_sampler: mean", "max"], out),
         f"The fp32 model's residual stream on the first prompt, max |x| after layers 0, 5, ..., 30: {outliers} (dynamic "
         "int8 gives each matrix's input one scale per call).",
         "Weight-only int8 (torch._weight_int8pack_mm) at the decode shapes, one step's matrices one at a time:",
@@ -160,8 +176,19 @@ def main() -> None:
         text, rows = real_model()
         print(text)
         if not args.no_write:
-            write_section("decode_precision_real", text, "decode_step")
-            int8 = rows[1:]
+            write_section(f"decode_precision_real{NATIVE}", text, "decode_step")
+            int8, bf16 = rows[2:], rows[1]
+            if NATIVE:
+                write_headline("decode_precision_real_native_bf16",
+                               f"bf16 generator copy: decode step {bf16[2]} fp32's speed at 16 rows, its samples' "
+                               f"log-probs {bf16[3]} nats off the fp32 policy's per token (importance weights mean "
+                               f"{bf16[4]}, max {bf16[5]}); int8 dynamic {min(r[2] for r in int8)}-"
+                               f"{max(r[2] for r in int8)} but {min(r[3] for r in int8)}-{max(r[3] for r in int8)} nats off",
+                               "the fp32 model (decode speed, log-probs of the same samples)",
+                               "python -m bench.decode_precision --real", machine_short(os.getloadavg()[0]),
+                               page="decode_step", what="A bf16 or int8 generator for SmolLM2-135M on a CPU with "
+                                                        "native bf16 (AMX)")
+                return
             write_headline("decode_precision_real",
                            f"int8 dynamic decode step {min(r[2] for r in int8)}-{max(r[2] for r in int8)} fp32's speed "
                            f"at 16 rows, but the sampled tokens' log-probs {min(r[3] for r in int8)}-"
@@ -190,7 +217,7 @@ def main() -> None:
             f"left out): {sums}.")
     print(text)
     if not args.no_write:
-        write_section("decode_precision", text, "decode_step")
+        write_section(f"decode_precision{NATIVE}", text, "decode_step")
 
 
 if __name__ == "__main__":

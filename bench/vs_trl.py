@@ -63,7 +63,9 @@ What is set equal on both sides, and what is left at each library's default:
     rl.mini_batch_size = prompts x k; TRL per_device_train_batch_size x gradient_accumulation_steps = prompts x k),
     in micro-batches of --micro-batch completions (4) on both;
   - set the same on both although not the default of either: dropout off (TRL's disable_dropout; rlfuse's default)
-    and fp32 on the CPU (TRL's config turns bf16 on, which this CPU emulates; --trl-default-precision keeps it);
+    and fp32 on a CPU without native bf16 (TRL's config turns bf16 autocast on, which such a CPU emulates 2-7x
+    slower; where the GPU or CPU (AVX512-BF16, AMX) multiplies bf16 natively TRL keeps its default;
+    --trl-default-precision keeps it everywhere; the tables' precision column says which ran);
   - each library's default: the optimiser (both AdamW, with each one's own betas, weight decay, warm-up and
     schedule), gradient checkpointing (TRL on, rlfuse off), the loss (clipping, token or sequence averaging,
     advantage normalisation, the GRPO loss type), sampling besides temperature (top-k, top-p), rlfuse's rollout
@@ -337,6 +339,9 @@ def child_trl(a) -> dict:
     tok = AutoTokenizer.from_pretrained(a.model)
     model = AutoModelForCausalLM.from_pretrained(a.model)
     data = Dataset.from_list(prompt_rows(a.prompts_kind))
+    from rlfuse.models.device import native_bf16
+
+    trl_bf16 = a.trl_default_precision or native_bf16(torch.device("cuda" if torch.cuda.is_available() else "cpu"))
     peft_config = None
     if a.lora:  # rlfuse's own LoRA settings for this model (model.lora's defaults: rank, alpha, dropout, targets)
         from rlfuse.config import ModelConfig
@@ -354,10 +359,11 @@ def child_trl(a) -> dict:
                   max_completion_length=a.max_new, learning_rate=a.lr, gradient_checkpointing=a.gc, max_steps=steps,
                   logging_steps=1, report_to="none", save_strategy="no", temperature=1.0, beta=0.05, seed=a.seed,
                   disable_tqdm=True, use_cpu=not torch.cuda.is_available(),
-                  # TRL's config turns bf16 on by default, also on CPU; this CPU has no native bf16, so every matmul
-                  # would be emulated (~40x slower). Both systems run fp32 on CPU, as rlfuse does.
-                  **({} if a.trl_default_precision else
-                     {"bf16": torch.cuda.is_available() and torch.cuda.is_bf16_supported()}))
+                  # TRL's config turns bf16 autocast on by default, also on CPU. Where the hardware multiplies bf16
+                  # natively (a GPU, a CPU with AVX512-BF16 or AMX) that default stays: it is TRL's faster setting
+                  # there (d2 on an AMX Xeon: 77 s an iteration against 86 s in fp32). Elsewhere every matmul would
+                  # be emulated (2-7x slower): TRL runs fp32 there, as rlfuse does.
+                  **({} if trl_bf16 else {"bf16": False}))
     Config, Trainer = (RLOOConfig, RLOOTrainer) if a.algo == "rloo" else (GRPOConfig, GRPOTrainer)
     rec = {"step_s": [], "logs": [], "split": []}
     stage = {"generation": 0.0, "scoring": 0.0}  # seconds in this optimiser step so far
@@ -394,7 +400,8 @@ def child_trl(a) -> dict:
     mean_lengths = [l["completions/mean_length"] for l in rec["logs"] if "completions/mean_length" in l]
     rewards = [l["reward"] for l in rec["logs"] if "reward" in l]
     flops = work_flops(model, lengths, a.k, a.lora)
-    return {"step_s": rec["step_s"], "idle_rss_mb": rec["idle_rss_mb"], "mean_length": mean_lengths, "reward": rewards,
+    return {"precision": "bf16 autocast (its default)" if trl_bf16 else "fp32",
+            "step_s": rec["step_s"], "idle_rss_mb": rec["idle_rss_mb"], "mean_length": mean_lengths, "reward": rewards,
             "flops": [f["total"] for f in flops], "matmul_flops_s": rec["matmul_flops_s"],
             "stage_flops": {k: statistics.median(f[k] for f in flops[a.warmup:]) for k in STAGES},
             "split": {k: statistics.median(r[k] for r in rec["split"][a.warmup:]) for k in STAGES},
@@ -436,8 +443,11 @@ def time_stages(trainer, stage: dict, lengths: list) -> None:
 def child_rlfuse(a) -> dict:
     import shutil
 
+    import torch
+
     from rlfuse.config import load_config
     from rlfuse.metrics.tracker import read_metrics
+    from rlfuse.models.device import generator_dtype, pick_device
     from rlfuse.trainers.rl import train_rl
 
     run_dir = Path(tempfile.mkdtemp())
@@ -464,7 +474,9 @@ def child_rlfuse(a) -> dict:
     train_rl(cfg, run_dir, log=lambda *_: None, on_ready=ready)
     rows = read_metrics(run_dir / "rl" / "metrics.jsonl")
     shutil.rmtree(run_dir, ignore_errors=True)  # its checkpoint and saved policy (2 GB with the real model)
-    return {"step_s": [r["time/iteration"] for r in rows], "idle_rss_mb": rec["idle_rss_mb"],
+    generator = generator_dtype(cfg, pick_device(cfg.run))
+    return {"precision": "fp32" + (", generator bf16" if generator == torch.bfloat16 else ""),
+            "step_s": [r["time/iteration"] for r in rows], "idle_rss_mb": rec["idle_rss_mb"],
             "mean_length": [r["rollout/length_mean"] for r in rows], "reward": [r["reward/mean"] for r in rows],
             "completions_per_step": a.prompts * a.k, "train_peak_rss_mb": rows[-1]["mem/rss_peak_mb"],
             "flops": [r["perf/flops"] for r in rows], "matmul_flops_s": rows[0]["perf/matmul_flops_s"],
@@ -914,7 +926,7 @@ def measure_workload(a, w: str, cases: list[Case]) -> tuple[str, dict]:
         res = results[(w, case.k)] = {n: summarise(r, warmup) for n, r in runs.items()}
         prompt_tokens, trl = mean_prompt_tokens(case), res[case.names[0]]
         for n, r in res.items():
-            rows.append([n, case.k, f"{case.prompts} x {case.k}", case.max_new, prompt_tokens, r["mean_completion_length"],
+            rows.append([n, r.get("precision", ""), case.k, f"{case.prompts} x {case.k}", case.max_new, prompt_tokens, r["mean_completion_length"],
                          r["samples_per_s"], r["tokens_per_s"], r["median_step_s"], r["peak_rss_mb"],
                          r["peak_above_idle_mb"], r["compute_fraction"], r["matmul_flops_s"] / r["flops_per_sample"],
                          r["samples_per_s"] / trl["samples_per_s"], r["peak_rss_mb"] / trl["peak_rss_mb"],
@@ -935,7 +947,7 @@ def measure_workload(a, w: str, cases: list[Case]) -> tuple[str, dict]:
         f"{loads(load1)} after ({os.cpu_count()} cores; a load above {os.cpu_count()} means other work shared them). {warmup} warm-up + {iters} measured "
         f"iterations per run, {rounds} alternated round(s). Machine: "
         f"{json.dumps(machine() | {'trl': __import__('trl').__version__})}", "", *setup,
-        md_table(["system", "k", "prompts x k", "max new", "mean prompt tokens", "mean completion tokens", "samples/s",
+        md_table(["system", "precision", "k", "prompts x k", "max new", "mean prompt tokens", "mean completion tokens", "samples/s",
                   "tokens/s", "median iteration s", "peak RSS MiB", "peak above idle MiB", "fraction of compute limit",
                   "compute limit samples/s", "samples/s vs TRL", "peak RSS vs TRL", "memory above idle vs TRL"]
                  + (["CUDA peak allocated MiB", "CUDA peak allocated vs TRL"] if cuda else []), rows),
@@ -947,7 +959,8 @@ SETUP_NOTES = {
        "generate from the same prompts every iteration (the prompt file's rows less the one rlfuse holds out), k = 8, "
        "temperature 1.0, the same learning rate, KL coefficient 0.05 (both score a reference), one optimiser step per "
        "iteration in micro-batches of 4 completions; the rest at each library's defaults (TRL: gradient "
-       "checkpointing on, transformers' generate; rlfuse: rollout fusion auto, prefix sharing on). Reward: "
+       "checkpointing on, transformers' generate, bf16 autocast where the hardware has native bf16; rlfuse: rollout "
+       "fusion auto, prefix sharing on, rollout.generator_dtype auto: see the precision column). Reward: "
        + ("the gold scorer on the reply's text (`bench.vs_trl:reply_reward`) on both sides."
           if w != "d3" else "`rlfuse.data.arithmetic:exact_match` (the `answer` column) on both sides.")
     for w in REAL_WORKLOADS}
