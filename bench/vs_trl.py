@@ -895,7 +895,8 @@ def headline(w: str, results: dict) -> str | None:
         gpu = (f", CUDA peak allocated {r['cuda_peak_allocated_mb'] / t['cuda_peak_allocated_mb']:.2f}x "
                f"({r['cuda_peak_allocated_mb']:.0f} vs {t['cuda_peak_allocated_mb']:.0f} MiB)" if on_gpu(results[(w, k)]) else "")
         return (f"{speed:.2f}x TRL's samples/s (target 3x), peak RSS {rss:.2f}x ({r['peak_rss_mb']:.0f} vs "
-                f"{t['peak_rss_mb']:.0f} MiB; target 0.8x){gpu}, RLOO k={k}, full fine-tuning")
+                f"{t['peak_rss_mb']:.0f} MiB; target 0.8x){gpu}, RLOO k={k}, full fine-tuning, TRL in "
+                f"{t.get('precision', 'fp32')}")
     return f"{speed:.2f}x TRL's samples/s at k={k}, memory above idle {mem:.2f}x"
 
 
