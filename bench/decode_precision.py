@@ -86,6 +86,7 @@ def real_model() -> tuple[str, list]:
     from torch.ao.quantization import per_channel_dynamic_qconfig, quantize_dynamic
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
+    from rlfuse.models.build import with_dtype
     from rlfuse.models.gguf import local_model
     from rlfuse.rollout.engine import DecodeEngine, SamplingParams
 
@@ -121,7 +122,7 @@ def real_model() -> tuple[str, list]:
         base_ms = min(base_ms, base_ms2)
         out.append(["fp32", f"{base_ms:.0f}", "1.00x", "0", "1", "1"])
         # bf16: the engine's own log-probs of its samples are what the update sees as the behaviour policy's
-        model = copy.deepcopy(fp32).to(torch.bfloat16)
+        model = with_dtype(copy.deepcopy(fp32), torch.bfloat16)  # as rlfuse builds it: parameters only
         samples, ms = decode(model)
         ms = min(ms, decode(model)[1])
         d = torch.cat([sampled_logprobs(fp32, s) - torch.as_tensor(s.logprobs) for s in samples])

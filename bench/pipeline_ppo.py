@@ -49,6 +49,7 @@ def rollout(cfg, work: Path):
     from rlfuse.runtime.local import decode_engine
     from rlfuse.runtime.local import LocalRollout, local_scorer
     from rlfuse.rollout.fusion import FusionPolicy
+    from rlfuse.rollout.state import RolloutRequest
     from rlfuse.learn.advantages import compute_advantages
     from rlfuse.learn.batches import minibatches
     from rlfuse.data.curriculum import prompt_batch
@@ -62,8 +63,8 @@ def rollout(cfg, work: Path):
     local = LocalRollout(decode_engine(models, cfg.rollout.max_rows), local_scorer(models, cfg), FusionPolicy(False, 8, 0),
                          cfg.rl)
     local.sync_weights(models)
-    exp = local.generate(prompt_batch(prompts, 0, rl.prompts_per_iter, seed), rl.k,
-                         sampling_params(models, rl, rl.temperature), seed * 1_000_003)
+    exp = local.generate(RolloutRequest(0, prompt_batch(prompts, 0, rl.prompts_per_iter, seed), rl.k,
+                                        sampling_params(models, rl, rl.temperature), seed * 1_000_003))
     adv, returns, _ = compute_advantages(exp, rl, rl.kl_coef)
     return exp, adv, returns, minibatches(len(exp), rl, seed, 0)
 

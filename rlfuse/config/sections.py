@@ -28,7 +28,8 @@ class RunConfig:
     """auto | cpu | cuda."""
     precision: str = "auto"
     """SFT and reward model: auto (bf16 autocast on a GPU that supports it, fp32 on CPU) | fp32 | bf16 | fp16. The RL
-    stage runs fp32 for now. With model.quantization, also the dtype the quantised layers compute in."""
+    stage trains and scores in fp32 for now (its LoRA generator copy may decode in bf16: rollout.generator_dtype).
+    With model.quantization, also the dtype the quantised layers compute in."""
     quiet: bool = False
     """No live progress bars, only periodic log lines (also the default when stderr is not a terminal)."""
     threads: int = 0
@@ -404,7 +405,8 @@ class RolloutConfig:
     policy (log-probs ~0.03 nats a token apart on SmolLM2), so the update treats the engine's log-probs as the
     behaviour policy's and corrects for it with the decoupled objective (rl.behaviour_weight_cap and _mode; the
     proximal log-probs are the update's own forward when it is one optimiser step, else one more actor pass in
-    scoring). auto: bf16 where the generator is its own copy and the device computes bf16 natively (a GPU with bf16;
+    scoring). The KL-shaped reward and the logged KL still take the engine's log-probs against the fp32 reference
+    (off by the copy's rounding). auto: bf16 where the generator is its own copy and the device computes bf16 natively (a GPU with bf16;
     a CPU with AVX512-BF16 or AMX), fp32 otherwise (a CPU without them emulates bf16, 2-7x slower than fp32)."""
     weight_sync: str = "auto"
     """auto | merged | adapters: what the actor's weight sync sends to generation workers without an actor replica

@@ -264,7 +264,7 @@ def _validate_rl(cfg: Config) -> None:
     _choice(ro.weight_sync, "rollout.weight_sync", ("auto", "merged", "adapters"))
     _choice(ro.generator_dtype, "rollout.generator_dtype", ("auto", "fp32", "bf16"))
     if ro.generator_dtype == "bf16" and not (cfg.model.lora and not cfg.model.shares_base
-                                             and cfg.placement.strategy == "single"):
+                                             and cfg.placement.strategy in ("single", "auto")):
         where = ("full fine-tuning decodes the actor itself" if not cfg.model.lora else
                  "with model.shared_base the engine decodes the shared base" if cfg.model.shares_base else
                  f"placement.strategy={cfg.placement.strategy} is not single: Ray workers' generators stay fp32")

@@ -87,6 +87,14 @@ def frozen(model: torch.nn.Module, device) -> torch.nn.Module:
     return model.eval().requires_grad_(False).to(device)
 
 
+def with_dtype(model: torch.nn.Module, dtype: torch.dtype) -> torch.nn.Module:
+    """The model's parameters in dtype, its buffers as they are: module.to(dtype) would also round the rotary
+    frequency tables (Llama's inv_freq), whose bf16 angles drift by ~0.2 rad 200 positions apart."""
+    for p in model.parameters():  # tied weights are one parameter: they stay tied
+        p.data = p.data.to(dtype)
+    return model
+
+
 def stage_folders(cfg: Config, run_dir: Path, roles: Roles) -> tuple[str, str | None]:
     """(SFT folder, reward-model folder or None when no role loads from it): rl.sft_path / rl.rm_path, else this
     run folder's sft/model and rm/model; a missing one says which stage to run first."""
@@ -105,7 +113,7 @@ def build_models(cfg: Config, run_dir: Path, device) -> Models:
     if cfg.model.shares_base:
         return build_shared_models(cfg, roles, sft_dir, rm_dir, tokenizer, device)
     actor = load_policy(sft_dir)
-    generator = frozen(load_policy(sft_dir), device).to(generator_dtype(cfg, device)) if cfg.model.lora else None
+    generator = with_dtype(frozen(load_policy(sft_dir), device), generator_dtype(cfg, device)) if cfg.model.lora else None
     ref = None if roles["reference"].shares_with == "actor" else frozen(load_policy(sft_dir), device)
     # resident only from its scoring pass to the next update; FSDP shards the reference instead (runtime/fsdp.py)
     if ref is not None and cfg.rl.release_reference and torch.device(device).type == "cpu" and \

@@ -34,7 +34,8 @@ def test_auto_is_bf16_only_for_a_lora_copy_on_native_hardware(tiny_task, monkeyp
 
 
 @pytest.mark.parametrize("more,why", [([], "full fine-tuning decodes the actor itself"),
-                                      (["model.lora=true", "placement.strategy=flattened"], "is not single"),
+                                      (["model.lora=true", "placement.strategy=flattened", "placement.workers=1"],
+                                       "is not single"),
                                       (["rollout.generator_dtype=fp16"], "is not one of auto, fp32, bf16")])
 def test_bf16_where_there_is_no_copy_of_its_own_is_a_config_error(tiny_task, more, why):
     dtype = [] if any("generator_dtype" in m for m in more) else ["rollout.generator_dtype=bf16"]
@@ -43,14 +44,14 @@ def test_bf16_where_there_is_no_copy_of_its_own_is_a_config_error(tiny_task, mor
     assert why in str(e.value)
 
 
-def _rollout(tiny_task, tmp_path, mini_batch: int):
+def _rollout(tiny_task, tmp_path, mini_batch: int, dtype: str = "bf16"):
     from rlfuse.data.collate import encode
     from rlfuse.rollout.engine import SamplingParams
     from rlfuse.rollout.fusion import FusionPolicy
     from rlfuse.rollout.state import RolloutRequest
     from rlfuse.runtime.local import LocalRollout, behaviour_differs, decode_engine, local_scorer
 
-    cfg = _cfg(tiny_task, "model.lora=true", "rollout.generator_dtype=bf16", "rl.prompts_per_iter=2",
+    cfg = _cfg(tiny_task, "model.lora=true", f"rollout.generator_dtype={dtype}", "rl.prompts_per_iter=2",
                f"rl.mini_batch_size={mini_batch}", "rl.micro_batch_size=2", "rl.epochs=1")
     models = build_models(cfg, tmp_path, CPU)
     with torch.no_grad():  # adapters away from zero: the merged copy is not the SFT model
@@ -58,9 +59,10 @@ def _rollout(tiny_task, tmp_path, mini_batch: int):
             if "lora_B" in n:
                 p.normal_(std=0.3)
     engine = decode_engine(models, cfg.rollout.max_rows)
-    assert engine.dtype == torch.bfloat16 and behaviour_differs(engine, models.actor)
+    bf16 = dtype == "bf16"
+    assert engine.dtype == (torch.bfloat16 if bf16 else torch.float32) and behaviour_differs(engine, models.actor) == bf16
     rollout = LocalRollout(engine, local_scorer(models, cfg), FusionPolicy(False, 8, 0), cfg.rl)
-    assert rollout.behaviour_differs
+    assert rollout.behaviour_differs == bf16
     assert rollout.sync_weights(models)["sync/bytes"] > 0
     tok = models.tokenizer
     prompts = [encode(tok, "the acting"), encode(tok, "this film")]
@@ -72,6 +74,29 @@ def test_one_step_update_takes_the_proximal_log_probs_from_its_own_forward(tiny_
     from the update's forward (Experience.proximal_from_update), the engine's bf16 log-probs as the behaviour's."""
     _, exp = _rollout(tiny_task, tmp_path, mini_batch=4)
     assert exp.proximal_from_update and exp.proximal_logprobs is None
+
+
+@pytest.mark.parametrize("mini_batch", [2, 4])
+def test_an_fp32_generator_samples_the_trained_policy(tiny_task, tmp_path, mini_batch):
+    """fp32: the engine's log-probs are the policy's own; plain PPO, no proximal pass either way."""
+    _, exp = _rollout(tiny_task, tmp_path, mini_batch=mini_batch, dtype="fp32")
+    assert not exp.proximal_from_update and exp.proximal_logprobs is None
+
+
+def test_the_bf16_copy_keeps_its_buffers_and_ties():
+    """Only parameters go to bf16: Llama's rotary frequencies (a buffer) stay fp32, and a tied LM head stays tied."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from rlfuse.models.build import with_dtype
+
+    model = LlamaForCausalLM(LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                                         num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=True))
+    inv_freq = model.model.rotary_emb.inv_freq.clone()
+    with_dtype(model, torch.bfloat16)
+    assert all(p.dtype == torch.bfloat16 for p in model.parameters())
+    assert model.model.rotary_emb.inv_freq.dtype == torch.float32
+    assert torch.equal(model.model.rotary_emb.inv_freq, inv_freq)
+    assert model.lm_head.weight is model.model.embed_tokens.weight
 
 
 def test_a_multi_step_update_scores_the_proximal_log_probs(tiny_task, tmp_path):
@@ -99,4 +124,4 @@ def test_a_run_with_a_bf16_generator_corrects_for_its_samples(tiny_task, tmp_pat
     rows = [json.loads(l) for l in (tmp_path / "rl" / "metrics.jsonl").read_text().splitlines()]
     assert len(rows) == 2
     for r in rows:  # the behaviour weights pi_fp32 / pi_bf16 are logged and near 1
-        assert 0.9 < r["train/behaviour_weight_mean"] < 1.1 and r["train/behaviour_weight_max"] >= 1.0
+        assert 0.9 < r["train/behaviour_weight_mean"] < 1.1 and r["train/behaviour_weight_max"] > 1.0
