@@ -400,14 +400,16 @@ class RolloutConfig:
     """auto | fp32 | bf16: the weights and compute of the generator's own copy of the policy (model.lora in one
     process: the merged copy the engine decodes; full fine-tuning decodes the actor itself, a shared base its own
     base, Ray workers their fp32 copies: those keep their dtype). bf16 halves the bytes each decode step reads, where
-    the hardware multiplies bf16 natively: SmolLM2-135M decodes 1.3x faster on a CPU with AMX (docs/benchmarks/
-    decode_step.md), and the copy takes half the memory. The samples then come from a bf16 copy of the trained fp32
-    policy (log-probs ~0.03 nats a token apart on SmolLM2), so the update treats the engine's log-probs as the
-    behaviour policy's and corrects for it with the decoupled objective (rl.behaviour_weight_cap and _mode; the
-    proximal log-probs are the update's own forward when it is one optimiser step, else one more actor pass in
-    scoring). The KL-shaped reward and the logged KL still take the engine's log-probs against the fp32 reference
-    (off by the copy's rounding). auto: bf16 where the generator is its own copy and the device computes bf16 natively (a GPU with bf16;
-    a CPU with AVX512-BF16 or AMX), fp32 otherwise (a CPU without them emulates bf16, 2-7x slower than fp32)."""
+    the hardware multiplies bf16 natively: SmolLM2-135M decodes a step 1.83x faster on a CPU with AMX (`python -m
+    bench.decode_precision --real`, docs/benchmarks/decode_step.md), and the copy takes half the memory (parameters
+    only: rotary tables stay fp32). The samples then come from a bf16 copy of the trained fp32 policy (log-probs
+    0.034 nats a token apart on SmolLM2), so the update treats the engine's log-probs as the behaviour policy's and
+    corrects for it with the decoupled objective (rl.behaviour_weight_cap and _mode; the proximal log-probs are the
+    update's own forward when it is one optimiser step, else one more actor pass in scoring). The KL-shaped reward
+    and the logged KL still take the engine's log-probs against the fp32 reference, so they carry the copy's
+    rounding (smollm2_math_steps: KL 0.07 a sample at the first iteration, whose policy is the reference itself). auto: bf16 where
+    the generator is its own copy and the device computes bf16 natively (a GPU with bf16; a CPU with AVX512-BF16 or
+    AMX), fp32 otherwise (a CPU without them emulates bf16, 2-7x slower than fp32)."""
     weight_sync: str = "auto"
     """auto | merged | adapters: what the actor's weight sync sends to generation workers without an actor replica
     (separated, interleaved). merged: the whole policy with the LoRA adapters folded in. adapters (model.lora): only
