@@ -447,7 +447,7 @@ def child_rlfuse(a) -> dict:
 
     from rlfuse.config import load_config
     from rlfuse.metrics.tracker import read_metrics
-    from rlfuse.models.device import generator_dtype, pick_device
+    from rlfuse.models.device import generator_dtype, pick_device, rl_compute_dtype
     from rlfuse.trainers.rl import train_rl
 
     run_dir = Path(tempfile.mkdtemp())
@@ -474,8 +474,10 @@ def child_rlfuse(a) -> dict:
     train_rl(cfg, run_dir, log=lambda *_: None, on_ready=ready)
     rows = read_metrics(run_dir / "rl" / "metrics.jsonl")
     shutil.rmtree(run_dir, ignore_errors=True)  # its checkpoint and saved policy (2 GB with the real model)
-    generator = generator_dtype(cfg, pick_device(cfg.run))
-    return {"precision": "fp32" + (", generator bf16" if generator == torch.bfloat16 else ""),
+    device = pick_device(cfg.run)
+    generator, update = generator_dtype(cfg, device), rl_compute_dtype(cfg, device)
+    return {"precision": ("bf16 autocast" if update == torch.bfloat16 else "fp32")
+                         + (", generator bf16" if generator == torch.bfloat16 else ""),
             "step_s": [r["time/iteration"] for r in rows], "idle_rss_mb": rec["idle_rss_mb"],
             "mean_length": [r["rollout/length_mean"] for r in rows], "reward": [r["reward/mean"] for r in rows],
             "completions_per_step": a.prompts * a.k, "train_peak_rss_mb": rows[-1]["mem/rss_peak_mb"],
@@ -961,7 +963,8 @@ SETUP_NOTES = {
        "temperature 1.0, the same learning rate, KL coefficient 0.05 (both score a reference), one optimiser step per "
        "iteration in micro-batches of 4 completions; the rest at each library's defaults (TRL: gradient "
        "checkpointing on, transformers' generate, bf16 autocast where the hardware has native bf16; rlfuse: rollout "
-       "fusion auto, prefix sharing on, rollout.generator_dtype auto: see the precision column). Reward: "
+       "fusion auto, prefix sharing on, run.precision and rollout.generator_dtype auto (bf16 autocast and a bf16 "
+       "generator copy where the hardware has native bf16): see the precision column). Reward: "
        + ("the gold scorer on the reply's text (`bench.vs_trl:reply_reward`) on both sides."
           if w != "d3" else "`rlfuse.data.arithmetic:exact_match` (the `answer` column) on both sides.")
     for w in REAL_WORKLOADS}

@@ -3,6 +3,7 @@ task: the numbers that say whether the policy really improved or only fooled the
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import time
@@ -49,7 +50,7 @@ def evaluate(models, engine: DecodeEngine, prompts: list[list[int]], rl: RLConfi
         return {}, []
     t = eval_temperature(rl)  # fixed whatever the training schedule: before and after compare
     scorer = Scorer(models.reward_fn, models.tokenizer.pad_token_id, ref=models.ref, actor=models.actor,
-                    temperature=t, micro_batch_size=EVAL_SCORE_ROWS)
+                    temperature=t, micro_batch_size=EVAL_SCORE_ROWS, compute_dtype=models.compute_dtype)
     params = sampling_params(models, rl, t)
     exp = generate_rollouts(engine, scorer, prompts, 1, params, seed, FusionPolicy(True))
     texts = texts_of(exp, models.tokenizer)
@@ -73,7 +74,9 @@ def sample_rewards(models, engine: DecodeEngine, prompts: list[list[int]], rl: R
     rewards = [0.0] * len(prompts)
     for i in range(0, len(samples), micro_batch_size):  # similar lengths together: little padding
         chunk = samples[i: i + micro_batch_size]
-        for s, r in zip(chunk, models.reward_fn(chunk).tolist()):
+        with models.autocast() if hasattr(models.reward_fn, "prompt_tokens_shared") else contextlib.nullcontext():
+            scores = models.reward_fn(chunk).tolist()  # a reward model under the update's autocast, as in scoring
+        for s, r in zip(chunk, scores):
             rewards[s.prompt_id] = float(r)
     return rewards
 

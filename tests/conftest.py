@@ -12,6 +12,11 @@ if os.environ.get("PYTEST_XDIST_WORKER"):
     import torch
 
     torch.set_num_threads(1)
+# every CPU computes the suite alike: fp32, as on a CPU without native bf16 (an AMX Xeon would otherwise train under
+# bf16 autocast and decode a bf16 generator copy, run.precision's and rollout.generator_dtype's auto); the bf16 paths
+# have tests of their own that set it to 1 (CLI and Ray children inherit it). RLFUSE_NATIVE_BF16=1 python -m pytest
+# runs the suite as such hardware would (slowly where bf16 is emulated)
+os.environ.setdefault("RLFUSE_NATIVE_BF16", "0")
 ROOT = Path(__file__).resolve().parents[1]
 
 # Tiny settings of the default task: a 2-layer, 64-dim GPT-2 on 400 reviews trains in seconds.

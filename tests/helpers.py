@@ -3,6 +3,7 @@ Llama."""
 
 from __future__ import annotations
 
+import contextlib
 from pathlib import Path
 
 import torch
@@ -156,3 +157,19 @@ def actor_and_critic(build, arch: str, lora: bool, checkpointing: bool):
         enable_gradient_checkpointing(actor)
         enable_gradient_checkpointing(critic.backbone)
     return actor, critic
+
+
+@contextlib.contextmanager
+def saved_bytes(model):
+    """Counts the bytes autograd keeps for the backward of what runs inside, besides `model`'s parameters: yields a
+    list whose one element is the running total."""
+    params, kept, total = {p.data_ptr() for p in model.parameters()}, {}, [0]
+
+    def pack(t):
+        if t.data_ptr() not in params:
+            kept[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+            total[0] = sum(kept.values())
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        yield total

@@ -27,9 +27,14 @@ class RunConfig:
     device: str = "auto"
     """auto | cpu | cuda."""
     precision: str = "auto"
-    """SFT and reward model: auto (bf16 autocast on a GPU that supports it, fp32 on CPU) | fp32 | bf16 | fp16. The RL
-    stage trains and scores in fp32 for now (its LoRA generator copy may decode in bf16: rollout.generator_dtype).
-    With model.quantization, also the dtype the quantised layers compute in."""
+    """auto | fp32 | bf16 | fp16: the autocast every stage trains (and RL scores) under; weights, gradients and
+    optimiser states stay fp32. auto: bf16 where the hardware multiplies it natively (a GPU with bf16; a CPU with
+    AVX512-BF16 or AMX, e.g. Intel Sapphire Rapids: the environment variable RLFUSE_NATIVE_BF16=0 or 1 overrides the
+    CPU's answer), fp16 on an older GPU, else fp32 (bf16 on any other CPU is emulated, 2-7x slower). bf16 is taken
+    where asked for. The RL stage autocasts to bf16 only, in one process (placement.strategy=single; the Ray
+    placements train in fp32 for now), with its LM head's log-probs in fp32, and corrects for sampling in other
+    arithmetic with the decoupled objective (train/behaviour_weight_*); fp16 runs it in fp32 (no loss scaling). With
+    model.quantization: the dtype the quantised layers compute in instead (the RL stage does not autocast then)."""
     quiet: bool = False
     """No live progress bars, only periodic log lines (also the default when stderr is not a terminal)."""
     threads: int = 0
@@ -406,7 +411,7 @@ class RolloutConfig:
     0.034 nats a token apart on SmolLM2), so the update treats the engine's log-probs as the behaviour policy's and
     corrects for it with the decoupled objective (rl.behaviour_weight_cap and _mode; the proximal log-probs are the
     update's own forward when it is one optimiser step, else one more actor pass in scoring). The KL-shaped reward
-    and the logged KL still take the engine's log-probs against the fp32 reference, so they carry the copy's
+    and the logged KL still take the engine's log-probs against the reference's, so they carry the copy's
     rounding (smollm2_math_steps: KL 0.07 a sample at the first iteration, whose policy is the reference itself). auto: bf16 where
     the generator is its own copy and the device computes bf16 natively (a GPU with bf16; a CPU with AVX512-BF16 or
     AMX), fp32 otherwise (a CPU without them emulates bf16, 2-7x slower than fp32)."""

@@ -4,6 +4,7 @@ updates over one iteration's experience, and the count of updates skipped for no
 
 from __future__ import annotations
 
+import contextlib
 import math
 import time
 from dataclasses import dataclass
@@ -168,24 +169,27 @@ def _step_or_skip(learners, finite: bool, rl: RLConfig, bad: BadSteps, steps: in
 
 def update_actor(actor: Learner, exp: Experience, adv, batches: list[list[int]], rl: RLConfig, kl_coef: float,
                  pad_id: int, bad: BadSteps, value_head: tuple | None = None, temperature: float | None = None,
-                 group=None) -> dict:
+                 group=None, autocast=contextlib.nullcontext) -> dict:
     """The actor's update: the clipped objective over epochs x mini-batches x micro-batches.
 
     value_head=(critic, head learner, returns) when the critic is a head on the actor's body (critic_init=actor):
     the value loss joins the actor's graph (one forward of the body, one backward) and the head's optimiser steps
     after the actor's, each clipping its own norm. Two separate updates would run the body twice per micro-batch,
     and the second would differentiate through a body the first had already moved.
-    temperature: the iteration's sampling temperature (None: rl.temperature, a constant schedule)."""
+    temperature: the iteration's sampling temperature (None: rl.temperature, a constant schedule).
+    autocast: the forwards' mixed-precision context (Models.autocast); the backward runs outside it, as torch advises."""
     learners = [actor] + ([value_head[1]] if value_head else [])
     temperature = rl.temperature if temperature is None else temperature
 
     def loss_of(idx, share):
-        loss, stats = micro_policy_loss(actor.module, exp, idx, adv, rl, kl_coef, pad_id, temperature,
-                                        share.get("prefix"))
-        loss = loss * share[rl.loss_level]
-        if value_head:
-            vloss, vstats = micro_value_loss(value_head[0], exp, idx, value_head[2], rl, pad_id, share.get("prefix"))
-            loss, stats = loss + vloss * share["token"], stats | vstats
+        with autocast():
+            loss, stats = micro_policy_loss(actor.module, exp, idx, adv, rl, kl_coef, pad_id, temperature,
+                                            share.get("prefix"))
+            loss = loss * share[rl.loss_level]
+            if value_head:
+                vloss, vstats = micro_value_loss(value_head[0], exp, idx, value_head[2], rl, pad_id,
+                                                 share.get("prefix"))
+                loss, stats = loss + vloss * share["token"], stats | vstats
         return loss, stats
 
     stats, norms = optimise(learners, batches, exp, rl.micro_batch_size, loss_of, rl, bad, group)
@@ -193,10 +197,13 @@ def update_actor(actor: Learner, exp: Experience, adv, batches: list[list[int]],
 
 
 def update_critic(critic: Learner, exp: Experience, returns, batches: list[list[int]], rl: RLConfig, pad_id: int,
-                  bad: BadSteps, group=None) -> dict:
+                  bad: BadSteps, group=None, autocast=contextlib.nullcontext) -> dict:
     """The separate critic's update: the clipped value loss (a token mean) over the same mini-batches."""
-    loss_of = lambda idx, share: (lambda l, s: (l * share["token"], s))(
-        *micro_value_loss(critic.module, exp, idx, returns, rl, pad_id, share.get("prefix")))
+    def loss_of(idx, share):
+        with autocast():
+            loss, stats = micro_value_loss(critic.module, exp, idx, returns, rl, pad_id, share.get("prefix"))
+        return loss * share["token"], stats
+
     stats, norms = optimise([critic], batches, exp, rl.micro_batch_size, loss_of, rl, bad, group)
     return stats | {"train/critic_grad_norm": norms[0]}
 
@@ -210,10 +217,11 @@ def update(models: Models, learners: Learners, exp: Experience, adv, returns, rl
     pad, t0 = models.tokenizer.pad_token_id, time.perf_counter()
     release_mapped(models.ref)  # rl.release_reference: the update's peak without the reference's pages
     head = (models.critic, learners.critic, returns) if learners.shared_body else None
-    stats = update_actor(learners.actor, exp, adv, batches, rl, kl_coef, pad, bad, head, temperature, group)
+    stats = update_actor(learners.actor, exp, adv, batches, rl, kl_coef, pad, bad, head, temperature, group,
+                         models.autocast)
     t1 = time.perf_counter()
     if learners.critic is not None and not learners.shared_body:
-        stats |= update_critic(learners.critic, exp, returns, batches, rl, pad, bad, group)
+        stats |= update_critic(learners.critic, exp, returns, batches, rl, pad, bad, group, models.autocast)
     passes = rl.share_prompt * (can_share(models.actor) + can_share(models.critic))  # a value head runs the body again
     shared = passes * prompt_tokens_shared(exp, batches, rl, group.world if group else 1) if passes else 0
     return stats | {"time/train_actor": t1 - t0, "time/train_critic": time.perf_counter() - t1,

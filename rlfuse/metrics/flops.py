@@ -132,8 +132,9 @@ def compute_meter_for_run(cfg, models, device) -> ComputeMeter:
     passes = Passes(scoring=1 + (models.critic is not None) + (cfg.rl.reward == "rm"),
                     trained=1 + (models.critic is not None and not critic_on_actor), epochs=cfg.rl.epochs,
                     backward_ratio=1.0 if cfg.model.lora else 2.0)
-    # the trained policy's dtype: a bf16 generator copy (rollout.generator_dtype) decodes faster than the fp32 limit
-    dtype = next(models.actor.parameters()).dtype
+    # the dtype the update computes in (its autocast's, else the trained policy's): a bf16 generator copy
+    # (rollout.generator_dtype) decodes faster than the fp32 limit, which would read as above 1.0
+    dtype = models.compute_dtype or next(models.actor.parameters()).dtype
     rate = measure_matmul_rate(str(device), dtype if dtype.is_floating_point else None)
     spec = spec_from_config(cfg)
     if spec.uses_ray and getattr(device, "type", str(device)) == "cuda":

@@ -13,7 +13,7 @@ from torch.utils.checkpoint import checkpoint
 
 from rlfuse.config import Config, checkpointing_on
 from rlfuse.errors import ConfigError, UserError, first_line
-from rlfuse.models.device import generator_dtype
+from rlfuse.models.device import autocast_to, generator_dtype, rl_compute_dtype
 from rlfuse.models.gguf import local_model
 from rlfuse.models.heads import ValueModel
 from rlfuse.models.lean import enable_lean_activations
@@ -49,6 +49,13 @@ class Models:
     shared_base: torch.nn.Module | None = None
     """model.shared_base: the one peft model holding the base and every role's adapter (the actor itself); the
     critic (AdapterValueModel) and the reward model are views of it. None: separate models."""
+    compute_dtype: torch.dtype | None = None
+    """The dtype the update's forwards and the scoring passes autocast to (run.precision: models/device.py
+    rl_compute_dtype); None: fp32. The weights, gradients and optimiser states stay fp32 either way."""
+
+    def autocast(self):
+        """The update's and scoring's mixed-precision context (compute_dtype), a null one in fp32."""
+        return autocast_to(next(self.actor.parameters()).device, self.compute_dtype)
 
 
 def _folder(given: str | None, default: Path, field: str, stage: str) -> str:
@@ -127,7 +134,8 @@ def build_models(cfg: Config, run_dir: Path, device) -> Models:
     critic = (build_critic(roles, actor, sft_dir, rm_dir, tokenizer.pad_token_id, device, rl, checkpointing_on(cfg),
                            cfg.model.lean_activations)
               if "critic" in roles else None)
-    return Models(tokenizer, actor, generator, ref, critic, reward_fn, roles, sft_dir)
+    return Models(tokenizer, actor, generator, ref, critic, reward_fn, roles, sft_dir,
+                  compute_dtype=rl_compute_dtype(cfg, device))
 
 
 def build_shared_models(cfg: Config, roles: Roles, sft_dir: str, rm_dir: str | None, tokenizer, device) -> Models:
@@ -151,7 +159,8 @@ def build_shared_models(cfg: Config, roles: Roles, sft_dir: str, rm_dir: str | N
         source = roles["critic"].source
         critic = ValueModel.from_causal_lm(actor).to(device) if source == "actor" else add_critic(base, source, cfg.model, score)
         critic.train()
-    return Models(tokenizer, actor, None, None, critic, reward_fn, roles, sft_dir, shared_base=base)
+    return Models(tokenizer, actor, None, None, critic, reward_fn, roles, sft_dir, shared_base=base,
+                  compute_dtype=rl_compute_dtype(cfg, device))
 
 
 def build_critic(roles: Roles, actor, sft_dir: str, rm_dir: str | None, pad_id: int, device, rl,

@@ -1,8 +1,9 @@
-"""Where and how a process computes: the device (run.device), the seeds, CPU threads and GPU autocast."""
+"""Where and how a process computes: the device (run.device), the seeds, CPU threads and autocast (run.precision)."""
 
 from __future__ import annotations
 
 import contextlib
+import os
 import random
 
 import numpy as np
@@ -33,23 +34,59 @@ def seed_everything(seed: int) -> None:
     torch.manual_seed(seed)
 
 
-def autocast(device: torch.device, precision: str):
-    """Mixed precision where the device supports it: bf16 autocast on a capable GPU; fp32 on CPU (CPU autocast is
-    slower than fp32 for models this small)."""
-    if device.type != "cuda" or precision == "fp32":
+NATIVE_BF16_ENV = "RLFUSE_NATIVE_BF16"
+"""1 or 0 overrides native_bf16's answer for the CPU (the test suite sets 0, so that it computes alike on every CPU;
+a user can compare both rules on one machine). Unset: the CPU's flags decide."""
+
+
+def autocast_dtype(device: torch.device, precision: str, rl: bool = False) -> torch.dtype | None:
+    """The dtype run.precision computes in under autocast on `device`; None: fp32, no autocast. auto: bf16 where the
+    hardware multiplies it natively (native_bf16: a GPU with bf16, a CPU with AVX512-BF16 or AMX), fp16 on an older GPU,
+    else fp32. bf16 is taken where asked for even where it is emulated (slow). fp16 autocasts on a GPU only, and never
+    in the RL stage (rl=True: a policy gradient in fp16 needs loss scaling, which the RL loop does not do; it runs
+    fp32 there)."""
+    if precision == "fp32":
+        return None
+    if precision == "bf16" or (precision == "auto" and native_bf16(device)):
+        return torch.bfloat16
+    if device.type == "cuda" and not rl:  # fp16, or auto on a GPU without bf16
+        return torch.float16
+    return None
+
+
+def autocast(device: torch.device, precision: str, rl: bool = False):
+    """Mixed precision as autocast_dtype resolves run.precision here; a null context for fp32."""
+    return autocast_to(device, autocast_dtype(device, precision, rl))
+
+
+def autocast_to(device, dtype: torch.dtype | None):
+    """torch.autocast on the device's type to dtype; a null context for None (fp32)."""
+    if dtype is None:
         return contextlib.nullcontext()
-    if precision == "auto":
-        precision = "bf16" if torch.cuda.is_bf16_supported() else "fp16"
-    return torch.autocast("cuda", dtype=torch.bfloat16 if precision == "bf16" else torch.float16)
+    return torch.autocast(torch.device(device).type, dtype=dtype)
 
 
 def native_bf16(device: torch.device) -> bool:
     """Whether the device multiplies bf16 matrices natively: a GPU with bf16, or a CPU with AVX512-BF16 or AMX (torch
-    converts bf16 to fp32 and back on any other CPU, 2-7x slower than fp32: docs/benchmarks/decode_step.md)."""
+    converts bf16 to fp32 and back on any other CPU, 2-7x slower than fp32: docs/benchmarks/decode_step.md).
+    RLFUSE_NATIVE_BF16=1 or 0 overrides the CPU's answer (NATIVE_BF16_ENV)."""
     if device.type == "cuda":
         return torch.cuda.is_bf16_supported()
+    forced = os.environ.get(NATIVE_BF16_ENV, "").strip()
+    if forced in ("0", "1"):
+        return forced == "1"
     cpu = torch.cpu
     return any(getattr(cpu, probe, lambda: False)() for probe in ("_is_avx512_bf16_supported", "_is_amx_tile_supported"))
+
+
+def rl_compute_dtype(cfg: Config, device: torch.device) -> torch.dtype | None:
+    """The dtype the RL stage's update and scoring passes autocast to (run.precision, autocast_dtype with rl=True);
+    None: fp32. Only in one process (placement.strategy=single: the Ray placements train and score in fp32 for now)
+    and without model.quantization (its layers compute in their own dtype, bnb_4bit_compute_dtype from run.precision:
+    models/quantize.py)."""
+    if cfg.placement.strategy != "single" or cfg.model.quantization != "none":
+        return None
+    return autocast_dtype(torch.device(device), cfg.run.precision, rl=True)
 
 
 def generator_dtype(cfg: Config, device: torch.device) -> torch.dtype:
@@ -60,3 +97,8 @@ def generator_dtype(cfg: Config, device: torch.device) -> torch.dtype:
     if choice == "auto":
         choice = "bf16" if own_copy and native_bf16(torch.device(device)) else "fp32"
     return torch.bfloat16 if choice == "bf16" else torch.float32
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    """bfloat16, float32...: a dtype as a log line names it."""
+    return str(dtype).removeprefix("torch.")

@@ -12,7 +12,7 @@ import torch
 from torch import Tensor
 
 from rlfuse.models import prefix
-from rlfuse.models.heads import backbone_and_head
+from rlfuse.models.heads import backbone_and_head, scalar_head
 from rlfuse.models.shared import use_adapter
 from rlfuse.plan.cost import SHARE_BELOW  # the planner prices the same test (Workload.shares)
 from rlfuse.plan.memory import LOGIT_CHUNK_TOKENS  # 48 MiB of fp32 logits at SmolLM2's 49k vocabulary a chunk
@@ -164,8 +164,12 @@ def response_logprobs(model, mb: MicroBatch, temperature: float = 1.0, chunk_tok
         return (lp * mb.mask, ent * mb.mask) if with_entropy else lp * mb.mask
     out, ent = [], []
     chunk = max(1, chunk_tokens // max(1, h.shape[0]))
+    weight = getattr(head, "weight", None)
+    if torch.is_autocast_enabled(h.device.type) and weight is not None and weight.is_floating_point():
+        h = h.to(weight.dtype)  # the head outside autocast, in its weights' dtype (the loop below), as the fast path
     for s in range(0, h.shape[1], chunk):
-        logits = head(h[:, s: s + chunk]).float() / temperature
+        with torch.autocast(h.device.type, enabled=False):
+            logits = head(h[:, s: s + chunk]).float() / temperature
         logp = torch.log_softmax(logits, dim=-1)
         out.append(logp.gather(-1, mb.targets[:, s: s + chunk, None]).squeeze(-1))
         if with_entropy:  # a diagnostic: kept out of the autograd graph, which would save another (B, T, V)
@@ -180,9 +184,16 @@ def chunked_logprobs(h: Tensor, weight: Tensor, targets: Tensor, temperature: fl
     """(log-prob of each target, entropy or zeros, log-sum-exp), flat over h's tokens: the LM head over chunk_tokens
     tokens at a time, each chunk's logits turned into log-probs in place (one (chunk, V) buffer and logsumexp's, or
     the probabilities' for the entropy)."""
-    flat, tgt, w = h.reshape(-1, h.shape[-1]), targets.reshape(-1), weight.to(h.dtype)  # as autocast would
+    flat, tgt, w = h.reshape(-1, h.shape[-1]), targets.reshape(-1), weight.to(h.dtype)
     acc = torch.promote_types(h.dtype, torch.float32)  # fp32 logits under bf16, as the loop's .float()
     lse, picked, ent = (torch.empty(len(tgt), device=h.device, dtype=acc) for _ in range(3))
+    with torch.autocast(h.device.type, enabled=False):
+        _chunks(flat, w, tgt, temperature, chunk_tokens, with_entropy, acc, lse, picked, ent)
+    return picked, (ent if with_entropy else ent.zero_()), lse
+
+
+def _chunks(flat, w, tgt, temperature, chunk_tokens, with_entropy, acc, lse, picked, ent) -> None:
+    """chunked_logprobs' loop, filling lse, picked and ent."""
     for s in range(0, len(tgt), chunk_tokens):
         z = (flat[s: s + chunk_tokens] @ w.T).to(acc).div_(temperature)
         lse[s: s + chunk_tokens] = torch.logsumexp(z, dim=-1)
@@ -190,7 +201,6 @@ def chunked_logprobs(h: Tensor, weight: Tensor, targets: Tensor, temperature: fl
         picked[s: s + chunk_tokens] = logp.gather(1, tgt[s: s + chunk_tokens, None]).squeeze(1)
         if with_entropy:  # sum_v p log p as one dot product per row: no (chunk, V) product beside p
             ent[s: s + chunk_tokens] = -torch.bmm(logp.exp().unsqueeze(1), logp.unsqueeze(2)).view(-1)
-    return picked, (ent if with_entropy else ent.zero_()), lse
 
 
 class TokenLogprobs(torch.autograd.Function):
@@ -199,7 +209,11 @@ class TokenLogprobs(torch.autograd.Function):
     at once, 400 MB for 16 x 128 tokens of SmolLM2's 49k vocabulary, and the backward's own transients on top. Here
     the forward keeps h and each token's log-sum-exp, and the backward recomputes the logits one chunk of tokens at a
     time, turning them in place into the gradient g (onehot - softmax) / temperature: one more pass of the LM head,
-    for one (chunk, V) buffer at the peak. The same function as the loop in response_logprobs, to rounding."""
+    for one (chunk, V) buffer at the peak. The same function as the loop in response_logprobs, to rounding.
+
+    Under autocast the head still runs in h's dtype (fp32 after a Llama's or GPT-2's final norm): bf16 logits would be
+    rounded by up to 0.06 at a logit of 30, as much again as the bf16 body's own error in each log-prob, which the
+    ratio and the KL read."""
 
     @staticmethod
     def forward(ctx, h: Tensor, weight: Tensor, targets: Tensor, temperature: float, chunk_tokens: int,
@@ -213,6 +227,11 @@ class TokenLogprobs(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad_lp: Tensor, _grad_ent: Tensor):
+        with torch.autocast(grad_lp.device.type, enabled=False):
+            return TokenLogprobs._backward(ctx, grad_lp)
+
+    @staticmethod
+    def _backward(ctx, grad_lp: Tensor):
         h, weight, targets, lse = ctx.saved_tensors
         acc, w = lse.dtype, weight.to(h.dtype)
         flat, tgt, g = h.reshape(-1, h.shape[-1]), targets.reshape(-1), grad_lp.reshape(-1).to(acc)
@@ -242,7 +261,7 @@ def response_values(critic, mb: MicroBatch) -> Tensor:
         return v.gather(1, mb.positions) * mb.mask
     with adapter_of(critic):
         h = response_hidden(critic.backbone, mb)
-    return critic.head(h.to(critic.head.weight.dtype)).squeeze(-1).float() * mb.mask
+    return scalar_head(critic.head, h) * mb.mask
 
 
 def adapter_of(role):

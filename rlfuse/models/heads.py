@@ -13,6 +13,14 @@ def backbone_and_head(model):
     return getattr(base, base.base_model_prefix), base.get_output_embeddings()
 
 
+def scalar_head(head: nn.Module, h: torch.Tensor) -> torch.Tensor:
+    """A score or value head (hidden -> 1) on h, squeezed, as fp32: in the head's own dtype outside any autocast.
+    Under bf16 autocast a reward near 4 would come out in steps of 0.03, which GRPO's group differences and the
+    critic's values would read; the head is one row of weights, its cost nothing."""
+    with torch.autocast(h.device.type, enabled=False):
+        return head(h.to(head.weight.dtype)).squeeze(-1).float()
+
+
 class ValueModel(nn.Module):
     """values = head(backbone(x)): (B, L) per-position values. Initialised from a reward model (its backbone and
     scalar head: the critic starts out predicting the reward) or from a causal LM (fresh zero head)."""
@@ -37,4 +45,4 @@ class ValueModel(nn.Module):
 
     def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
         hidden = self.backbone(input_ids=input_ids, attention_mask=attention_mask).last_hidden_state
-        return self.head(hidden).squeeze(-1).float()
+        return scalar_head(self.head, hidden)

@@ -21,34 +21,43 @@ SILU_NAMES = ("silu", "swish")
 class _SwiGLUDown(torch.autograd.Function):
     """down(silu(gate) * up) with a plain down weight (full fine-tuning), plus, where lora_a is given, one LoRA
     adapter on it (peft's Linear: base + B(A(x)) * scaling, no dropout): keeps gate and up, recomputes the product
-    (which autograd, or peft's A, would keep)."""
+    (which autograd, or peft's A, would keep). Under autocast gate and up arrive in its dtype and the products run in
+    it, as autocast would run them; the weights are cast again in the backward, and their gradients come back in the
+    weights' own dtype."""
 
     @staticmethod
     def forward(ctx, gate, up, weight, bias, lora_a=None, lora_b=None, scaling=1.0):
-        product = F.silu(gate) * up
+        dtype = up.dtype
+        with torch.autocast(up.device.type, enabled=False):
+            product = F.silu(gate) * up
+            out = F.linear(product, weight.to(dtype), None if bias is None else bias.to(dtype))
+            if lora_a is not None:
+                out = out + F.linear(F.linear(product, lora_a.to(dtype)), lora_b.to(dtype)) * scaling
         ctx.save_for_backward(gate, up, weight, lora_a, lora_b)
         ctx.has_bias, ctx.scaling = bias is not None, scaling
-        out = F.linear(product, weight, bias)
-        return out if lora_a is None else out + F.linear(F.linear(product, lora_a), lora_b) * scaling
+        return out
 
     @staticmethod
     def backward(ctx, grad_out):
         gate, up, weight, lora_a, lora_b = ctx.saved_tensors
-        act = F.silu(gate)
-        product = (act * up).reshape(-1, up.shape[-1])
-        grad_2d = grad_out.reshape(-1, grad_out.shape[-1])
-        grad_weight = grad_2d.t().mm(product) if ctx.needs_input_grad[2] else None
-        grad_bias = grad_2d.sum(0) if ctx.has_bias and ctx.needs_input_grad[3] else None
-        grad_product = grad_2d.mm(weight)
-        grad_a = grad_b = None
-        if lora_a is not None:
-            grad_scaled = grad_2d * ctx.scaling
-            grad_b = grad_scaled.t().mm(product.mm(lora_a.t())) if ctx.needs_input_grad[5] else None
-            grad_low = grad_scaled.mm(lora_b)  # (tokens, rank)
-            grad_a = grad_low.t().mm(product) if ctx.needs_input_grad[4] else None
-            grad_product = grad_product + grad_low.mm(lora_a)
-        grad_product = grad_product.view_as(up)
-        grad_gate = torch.ops.aten.silu_backward(grad_product * up, gate)
+        dtype = up.dtype
+        with torch.autocast(up.device.type, enabled=False):
+            act = F.silu(gate)
+            product = (act * up).reshape(-1, up.shape[-1])
+            grad_2d = grad_out.reshape(-1, grad_out.shape[-1]).to(dtype)
+            grad_weight = grad_2d.t().mm(product).to(weight.dtype) if ctx.needs_input_grad[2] else None
+            grad_bias = grad_2d.sum(0).to(weight.dtype) if ctx.has_bias and ctx.needs_input_grad[3] else None
+            grad_product = grad_2d.mm(weight.to(dtype))
+            grad_a = grad_b = None
+            if lora_a is not None:
+                a, b = lora_a.to(dtype), lora_b.to(dtype)
+                grad_scaled = grad_2d * ctx.scaling
+                grad_b = grad_scaled.t().mm(product.mm(a.t())).to(lora_b.dtype) if ctx.needs_input_grad[5] else None
+                grad_low = grad_scaled.mm(b)  # (tokens, rank)
+                grad_a = grad_low.t().mm(product).to(lora_a.dtype) if ctx.needs_input_grad[4] else None
+                grad_product = grad_product + grad_low.mm(a)
+            grad_product = grad_product.view_as(up)
+            grad_gate = torch.ops.aten.silu_backward(grad_product * up, gate)
         return grad_gate, grad_product * act, grad_weight, grad_bias, grad_a, grad_b, None
 
 

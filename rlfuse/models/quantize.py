@@ -11,6 +11,7 @@ import torch
 from transformers import BitsAndBytesConfig
 
 from rlfuse.errors import UserError
+from rlfuse.models.device import native_bf16
 
 # Heads stay in full precision: the reward model's score head is trained (modules_to_save), and GPT-2's LM head is
 # the (tied) embedding. transformers' own default skips only the output embedding.
@@ -18,10 +19,11 @@ SKIP_MODULES = ["lm_head", "score"]
 
 
 def compute_dtype(precision: str, device) -> torch.dtype:
-    """The dtype quantised layers compute in: run.precision, where auto is bf16 on a GPU that has it, else fp32."""
+    """The dtype quantised layers compute in: run.precision, where auto is bf16 where the hardware multiplies it
+    natively (device.native_bf16: a GPU with bf16, a CPU with AVX512-BF16 or AMX, as SFT's and RM's autocast), else
+    fp32."""
     if precision == "auto":
-        cuda = getattr(device, "type", str(device)) == "cuda"
-        return torch.bfloat16 if cuda and torch.cuda.is_bf16_supported() else torch.float32
+        return torch.bfloat16 if native_bf16(torch.device(device)) else torch.float32
     return {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}[precision]
 
 

@@ -27,6 +27,7 @@ from rlfuse.data.prompts import model_context
 from rlfuse.errors import ConfigError, UserError, first_line
 from rlfuse.models import prefix
 from rlfuse.models.forward import adapter_of, can_share, pack_continuations, worth_packing, worth_sharing
+from rlfuse.models.heads import scalar_head
 from rlfuse.models.shared import body
 
 
@@ -264,7 +265,14 @@ def reward_model_fn(rm, eos_id: int, pad_id: int, share_prompt: bool = True) -> 
         attn = torch.zeros(len(seqs), L, dtype=torch.long)
         for i, s in enumerate(seqs):
             ids[i, : len(s)], attn[i, : len(s)] = torch.tensor(s), 1
-        return rm(input_ids=ids.to(dev), attention_mask=attn.to(dev)).logits.squeeze(-1).float().cpu()
+        if not torch.is_autocast_enabled(dev.type):
+            return rm(input_ids=ids.to(dev), attention_mask=attn.to(dev)).logits.squeeze(-1).float().cpu()
+        # under autocast the body in its dtype, the score head (transformers' pooling: the rightmost non-pad token) not
+        body, head = _reward_body_and_head(rm)
+        with adapter_of(rm):
+            h = body(input_ids=ids.to(dev), attention_mask=attn.to(dev)).last_hidden_state
+        pooled = torch.tensor([_pooled_at(s, pad_id) for s in seqs], device=dev)
+        return scalar_head(head, h[torch.arange(len(seqs), device=dev), pooled]).cpu()
 
     score.prompt_tokens_shared = 0
     return score
@@ -286,7 +294,7 @@ def _packed_reward(rm, seqs, pad_id: int, dev) -> Tensor:
     with adapter_of(rm):
         h = prefix.packed_hidden(body, pk)
     h = h.reshape(-1, h.shape[-1])[pooled]
-    return head(h.to(head.weight.dtype)).squeeze(-1).float().cpu()
+    return scalar_head(head, h).cpu()
 
 
 def _shared_reward(rm, prompts, ends, seqs, pad_id: int, dev) -> Tensor:
@@ -297,4 +305,4 @@ def _shared_reward(rm, prompts, ends, seqs, pad_id: int, dev) -> Tensor:
     body, head = _reward_body_and_head(rm)
     with adapter_of(rm):
         h = prefix.hidden_at(*prefix.prefix_shared_hidden(body, pb), pb, pooled[:, None].to(dev))[:, 0]
-    return head(h.to(head.weight.dtype)).squeeze(-1).float().cpu()
+    return scalar_head(head, h).cpu()

@@ -17,6 +17,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
+from rlfuse.models.device import autocast_to
 from rlfuse.models.forward import can_share, collate, forward_tokens, response_logprobs, response_values
 from rlfuse.models.shared import adapters_off
 from rlfuse.rollout.state import Sample
@@ -43,8 +44,11 @@ class Scorer:
 
     def __init__(self, reward_fn, pad_id: int, ref=None, actor=None, critic=None, temperature: float = 1.0,
                  micro_batch_size: int = 16, recompute_old_logprobs: bool = False, unfinished_penalty: float = 0.0,
-                 share_prompt: bool = True):
+                 share_prompt: bool = True, compute_dtype: torch.dtype | None = None):
         self.reward_fn, self.pad_id, self.ref, self.actor, self.critic = reward_fn, pad_id, ref, actor, critic
+        self.compute_dtype = compute_dtype
+        """The passes' autocast dtype (Models.compute_dtype: the update's, so that log-probs scored here and the
+        update's own are computed alike); None: fp32. A Python reward function runs outside it."""
         self.deferred: tuple[str, ...] = ()
         """Passes score() leaves out ("reference", "critic": their fields None) for deferred_pass to run later, over
         the whole iteration: FSDP training ranks (runtime/fsdp.py) gather each of those models whole only for its own
@@ -82,10 +86,17 @@ class Scorer:
 
         return by_prompt if tokens(by_prompt, True) < tokens(by_length, False) else by_length
 
+    def autocast(self):
+        """The passes' mixed-precision context (compute_dtype)."""
+        model = next((m for m in (self.ref, self.actor, self.critic) if m is not None), None)
+        device = next(model.parameters()).device if model is not None else "cpu"
+        return autocast_to(device, self.compute_dtype)
+
     @contextlib.contextmanager
-    def _timed(self, role: str):
+    def _timed(self, role: str, cast: bool = True):
         t = time.perf_counter()
-        yield
+        with self.autocast() if cast else contextlib.nullcontext():
+            yield
         self.times[role] += time.perf_counter() - t
 
     def _ref_context(self):
@@ -110,7 +121,7 @@ class Scorer:
             taken = all(s.ref_logprobs is not None for s in chunk)  # where the samples were decoded
             self._shared_here += (passes - (taken and with_ref)) * (mb.prefix.saved_tokens if mb.prefix is not None else 0)
             unfinished = torch.tensor([s.finish_reason == "length" for s in chunk], dtype=torch.float32)
-            with self._timed("reward"):
+            with self._timed("reward", cast=hasattr(self.reward_fn, "prompt_tokens_shared")):  # a reward model
                 scores = self._reward(chunk) - self.unfinished_penalty * unfinished
             if taken:
                 ref_lp = [s.ref_logprobs for s in chunk]
@@ -168,7 +179,8 @@ class Scorer:
             mb = collate([s.prompt_ids for s in chunk], [s.token_ids for s in chunk], self.pad_id,
                          next(self.ref.parameters()).device, self.share)
             self._shared_here += mb.prefix.saved_tokens if mb.prefix is not None else 0
-            lp = response_logprobs(self.ref, mb, temperature).cpu()
+            with self.autocast():
+                lp = response_logprobs(self.ref, mb, temperature).cpu()
             for b, s in enumerate(chunk):
                 s.ref_logprobs = lp[b, : len(s.token_ids)]
         self.times["reference"] += time.perf_counter() - t

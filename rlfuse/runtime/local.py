@@ -45,9 +45,11 @@ class LocalRollout:
 
     @property
     def behaviour_differs(self) -> bool:
-        """The engine samples from a copy of the policy in another dtype (rollout.generator_dtype): its log-probs are
-        a behaviour policy's, and the update runs the decoupled objective around the trained policy's own (proximal)."""
-        return self.scorer.actor is not None and behaviour_differs(self.engine, self.scorer.actor)
+        """The engine samples in other arithmetic than the update computes in (a bf16 generator copy, or an update
+        under bf16 autocast): its log-probs are a behaviour policy's, and the update runs the decoupled objective
+        around the trained policy's own (proximal)."""
+        return self.scorer.actor is not None and behaviour_differs(self.engine, self.scorer.actor,
+                                                                          self.scorer.compute_dtype)
 
     def sync_weights(self, models: Models) -> dict:
         return sync_weights(self.engine, models.actor)  # the critic is this process's own module: nothing to copy
@@ -78,7 +80,7 @@ def local_scorer(models: Models, cfg: Config) -> Scorer:
     rl = cfg.rl
     return Scorer(models.reward_fn, models.tokenizer.pad_token_id, ref=models.ref, actor=models.actor,
                   critic=models.critic, temperature=rl.temperature, micro_batch_size=cfg.rollout.micro_batch_size,
-                  unfinished_penalty=rl.unfinished_penalty, share_prompt=rl.share_prompt)
+                  unfinished_penalty=rl.unfinished_penalty, share_prompt=rl.share_prompt, compute_dtype=models.compute_dtype)
 
 
 @dataclass
@@ -109,10 +111,11 @@ class LocalTrainer:
         """The trained modules are `models`' own: nothing to copy."""
 
 
-def behaviour_differs(engine: DecodeEngine, actor: torch.nn.Module) -> bool:
-    """Whether the engine decodes a copy of the actor in another dtype (rollout.generator_dtype=bf16): its samples'
-    log-probs are then not the trained policy's."""
-    return not engine.shares_weights and engine.dtype != next(actor.parameters()).dtype
+def behaviour_differs(engine: DecodeEngine, actor: torch.nn.Module, compute_dtype: torch.dtype | None = None) -> bool:
+    """Whether the engine's samples' log-probs are not the trained policy's as the update computes them: the engine
+    decodes a copy of the actor in another dtype (rollout.generator_dtype=bf16), or the update autocasts
+    (compute_dtype, run.precision) where the engine decodes in its weights' own dtype."""
+    return compute_dtype is not None or (not engine.shares_weights and engine.dtype != next(actor.parameters()).dtype)
 
 
 def decode_engine(models: Models, max_rows: int, eos_token_id: int | None = None) -> DecodeEngine:

@@ -32,6 +32,8 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+import torch
+
 from rlfuse.algos.kl import AdaptiveKLController, FixedKLController
 from rlfuse.algos.schedules import scheduled_value
 from rlfuse.config import Config, RLConfig, fusion_on, save_config
@@ -51,7 +53,7 @@ from rlfuse.metrics.memory import MemoryMeter
 from rlfuse.metrics.progress import Progress
 from rlfuse.metrics.tracker import memory_metrics, stage_tracker
 from rlfuse.models.build import Models, build_models
-from rlfuse.models.device import setup_runtime
+from rlfuse.models.device import dtype_name, setup_runtime
 from rlfuse.models.load import resolve_base_model, save_trained_model
 from rlfuse.models.prompt_workload import resolve_measured
 from rlfuse.models.rewards import attach_rows, reset_reward_metrics, reward_metrics
@@ -130,10 +132,18 @@ def train_rl(cfg: Config, run_dir: Path, log=print, resume: bool = False, on_rea
     log(f"[rl] {rl.algo}: {rl.iterations} iterations x {rl.prompts_per_iter} prompts x k={rl.k}, fusion "
         f"{'on' if fusion.enabled else 'off'}, KL {rl.kl_estimator_used}{'' if rl.kl_estimator else ' (default)'}, "
         f"{sampling_note(rl)}")
-    if behaviour_differs(engine, models.actor):
-        log(f"[rl] the generator decodes a {str(engine.dtype).removeprefix('torch.')} copy of the policy "
-            f"(rollout.generator_dtype={cfg.rollout.generator_dtype}): the update corrects for its samples with the "
-            f"decoupled objective (train/behaviour_weight_* in the metrics; rollout.generator_dtype=fp32 turns it off)")
+    if cfg.run.precision == "bf16" and models.compute_dtype is None:
+        why = "model.quantization (its layers compute in bf16)" if cfg.model.quantization != "none" else \
+            f"placement.strategy={cfg.placement.strategy} (the Ray placements train in fp32 for now)"
+        log(f"[rl] run.precision=bf16: the RL stage's update and scoring run without autocast with {why}")
+    if models.compute_dtype is not None:
+        log(f"[rl] the update and scoring passes run under {dtype_name(models.compute_dtype)} autocast "
+            f"(run.precision={cfg.run.precision}; run.precision=fp32 turns it off), the LM head's log-probs in fp32")
+    if behaviour_differs(engine, models.actor, models.compute_dtype):
+        log(f"[rl] the generator decodes in {dtype_name(engine.dtype)}"
+            f"{' (rollout.generator_dtype=' + cfg.rollout.generator_dtype + ')' if engine.dtype != torch.float32 else ''}"
+            f" and the update computes in {dtype_name(models.compute_dtype or torch.float32)}: the update corrects for "
+            "the sampling policy with the decoupled objective (train/behaviour_weight_* in the metrics)")
     requests = IterationRequests(train_prompts, difficulty, rl, params, seed)
     with build_placement(cfg, run_dir, engine, scorer, fusion, trainer, requests, log) as (rollout, trainer), \
             Progress(rl.iterations, f"rl/{rl.algo}", cfg.run.quiet, unit="iter") as bar:

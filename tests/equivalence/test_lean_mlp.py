@@ -8,7 +8,7 @@ import pytest
 import torch
 from peft import LoraConfig, get_peft_model
 
-from helpers import actor_and_critic
+from helpers import actor_and_critic, saved_bytes
 from rlfuse.config import load_config
 from rlfuse.models.build import enable_gradient_checkpointing, prepare_trainable
 from rlfuse.models.forward import collate, response_logprobs
@@ -24,19 +24,12 @@ def batch():
 def gradients_and_saved_bytes(model) -> tuple[dict, int]:
     """Every trainable parameter's gradient of a weighted log-prob sum, and the bytes autograd kept for it besides
     the parameters themselves."""
-    mb, kept = batch(), {}
-    params = {p.data_ptr() for p in model.parameters()}
-
-    def pack(t):
-        if t.data_ptr() not in params:
-            kept[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
-        return t
-
+    mb = batch()
     model.zero_grad(set_to_none=True)
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+    with saved_bytes(model) as kept:
         out = response_logprobs(model, mb, 0.7) * torch.linspace(0.5, 1.5, mb.mask.shape[1])
     out.sum().backward()
-    return {n: p.grad.clone() for n, p in model.named_parameters() if p.requires_grad}, sum(kept.values())
+    return {n: p.grad.clone() for n, p in model.named_parameters() if p.requires_grad}, kept[0]
 
 
 @pytest.mark.parametrize("lora", [False, True])

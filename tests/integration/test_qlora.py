@@ -58,7 +58,9 @@ def assert_rl_model_is_the_trained_actor(run_dir):
     from rlfuse.config import load_config
     from rlfuse.models.build import build_models
 
-    cfg = load_config(str(run_dir / "config.yaml"), [])
+    # the 4-bit layers computing in fp32 whatever the hardware (run.precision auto is bf16 where native): the same
+    # arithmetic as the plain fp32 folder, so the two agree to fp32 rounding
+    cfg = load_config(str(run_dir / "config.yaml"), ["run.precision=fp32"])
     models = build_models(cfg, run_dir, torch.device("cpu"))
     state = torch.load(run_dir / "rl" / "checkpoint.pt", weights_only=False, map_location="cpu")
     assert not models.actor.load_state_dict(state["actor"], strict=False).unexpected_keys

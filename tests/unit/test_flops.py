@@ -85,7 +85,8 @@ def test_a_runs_passes_follow_its_roles(overrides, scoring, trained, ratio):
     critic = object() if "critic" in roles.names else None
     gen = __import__("torch").nn.Linear(2, 2)
     gen.config = GPT2Config(n_layer=1, n_embd=2, n_head=1, n_inner=8, vocab_size=3, n_positions=16)
-    meter = compute_meter_for_run(cfg, SimpleNamespace(generator=gen, actor=gen, critic=critic, roles=roles), "cpu")
+    models = SimpleNamespace(generator=gen, actor=gen, critic=critic, roles=roles, compute_dtype=None)
+    meter = compute_meter_for_run(cfg, models, "cpu")
     assert (meter.passes.scoring, meter.passes.trained, meter.passes.backward_ratio) == (scoring, trained, ratio)
     assert meter.passes.epochs == cfg.rl.epochs and meter.shape.matmul_params == SHAPE.matmul_params
     assert meter.matmul_flops_s > 1e7

@@ -1,0 +1,159 @@
+"""The RL stage under bf16 autocast (run.precision: bf16, or auto where the hardware multiplies bf16 natively): rlfuse's
+own autograd functions (the lean SwiGLU MLP, the in-place LoRA linear, the chunked log-prob head) compute as autocast
+would run the layers they replace, so their gradients are as near the fp32 ones as transformers' and peft's own
+forward under autocast; the LM head stays fp32; the gradients land in the parameters' fp32; and a run resolves and
+logs it. bf16 is emulated on a CPU without AVX512-BF16 or AMX: slow there, the same numbers."""
+
+import json
+
+import pytest
+import torch
+
+from conftest import TINY
+from helpers import lora_on, saved_bytes
+from rlfuse.config import load_config
+from rlfuse.models import device as device_module
+from rlfuse.models.device import NATIVE_BF16_ENV, autocast_dtype, native_bf16, rl_compute_dtype
+from rlfuse.models.forward import TokenLogprobs, collate, response_logprobs
+from rlfuse.models.lean import enable_lean_activations
+from rlfuse.models.lora_linear import fuse_lora_linears
+from test_prefix_sharing import PAD, samples, tiny
+
+CPU = torch.device("cpu")
+LLAMA_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+
+
+def _grads(model, bf16: bool) -> dict:
+    ss = samples()
+    mb = collate([s.prompt_ids for s in ss], [s.token_ids for s in ss], PAD, "cpu", False)
+    model.zero_grad(set_to_none=True)
+    with torch.autocast("cpu", dtype=torch.bfloat16, enabled=bf16):
+        out = response_logprobs(model, mb, 0.7) * torch.linspace(0.5, 1.5, mb.mask.shape[1])
+    out.sum().backward()
+    return {n: p.grad.clone() for n, p in model.named_parameters() if p.requires_grad}
+
+
+def _error(got: dict, want: dict) -> float:
+    """The gradients' relative distance from want's, over all parameters."""
+    num = sum(float((got[n].double() - want[n].double()).pow(2).sum()) for n in want)
+    return (num / sum(float(want[n].double().pow(2).sum()) for n in want)) ** 0.5
+
+
+@pytest.mark.parametrize("arch,lora", [("llama", False), ("llama", True), ("gpt2", True)])
+def test_rlfuse_layers_under_autocast_are_as_near_fp32_as_the_stock_forward(arch, lora):
+    """Stock (transformers, peft) and rlfuse's (lean MLP and norms, in-place LoRA) under bf16 autocast: both near the
+    fp32 gradients, rlfuse's no farther than the stock forward's."""
+    targets = LLAMA_TARGETS if arch == "llama" else None
+
+    def build():
+        model = tiny(arch, 0)
+        return (lora_on(model, arch, targets) if lora else model).train()
+
+    stock, ours = build(), build()
+    if arch == "llama":
+        assert enable_lean_activations(ours) > 0
+    if lora:
+        assert fuse_lora_linears(ours) > 0
+    want = _grads(stock, False)
+    assert _error(_grads(ours, False), want) < 1e-5  # fp32: the same function
+    stock_bf16, ours_bf16 = _grads(stock, True), _grads(ours, True)
+    stock_err, ours_err = _error(stock_bf16, want), _error(ours_bf16, want)
+    assert 0 < ours_err < 0.05 and 0 < stock_err < 0.05  # bf16 rounding: near, not equal
+    assert ours_err < 1.5 * stock_err + 1e-3, (ours_err, stock_err)
+
+
+def test_fused_lora_runs_under_autocast_and_keeps_its_input_in_bf16():
+    """Under autocast the in-place LoRA linear is taken (no fallback to peft's layer) and keeps its input once, in
+    bf16, where peft's layer under autocast keeps a bf16 cast for the base and another for the adapter."""
+    from rlfuse.models import lora_linear
+
+    def kept_under_autocast(model) -> int:
+        ss = samples()
+        mb = collate([s.prompt_ids for s in ss], [s.token_ids for s in ss], PAD, "cpu", False)
+        with torch.autocast("cpu", dtype=torch.bfloat16), saved_bytes(model) as kept:
+            response_logprobs(model, mb).sum()
+        return kept[0]
+
+    stock, ours = lora_on(tiny("llama", 0), "llama").train(), lora_on(tiny("llama", 0), "llama").train()
+    fuse_lora_linears(ours)
+    calls = []
+    apply = lora_linear.LoraLinearFunction.apply
+    lora_linear.LoraLinearFunction.apply = lambda *a: calls.append(a[-1]) or apply(*a)
+    try:
+        ours_bytes = kept_under_autocast(ours)
+    finally:
+        lora_linear.LoraLinearFunction.apply = apply
+    assert calls and set(calls) == {torch.bfloat16}
+    assert ours_bytes < kept_under_autocast(stock)
+
+
+def test_the_lm_head_stays_fp32_under_autocast():
+    """TokenLogprobs under autocast gives the fp32 head's log-probs and gradients exactly (bf16 logits would be
+    rounded by up to 0.06 at a logit of 30)."""
+    g = torch.Generator().manual_seed(0)
+    h = (torch.randn(3, 5, 16, generator=g) * 3).requires_grad_()
+    w = torch.randn(40, 16, generator=g).requires_grad_()
+    targets = torch.randint(0, 40, (3, 5), generator=g)
+    out = []
+    for on in (False, True):
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=on):  # the backward too, as a user's might
+            lp, _ = TokenLogprobs.apply(h, w, targets, 0.7, 4, False)
+            gh, gw = torch.autograd.grad(lp.sum(), (h, w))
+        assert lp.dtype == torch.float32
+        out.append((lp.detach(), gh, gw))
+    for a, b in zip(*out):
+        assert torch.equal(a, b)
+
+
+def test_run_precision_resolves_per_device_and_stage(monkeypatch, tiny_task):
+    monkeypatch.setenv(NATIVE_BF16_ENV, "1")
+    assert native_bf16(CPU)
+    assert autocast_dtype(CPU, "auto") == torch.bfloat16 and autocast_dtype(CPU, "auto", rl=True) == torch.bfloat16
+    monkeypatch.setenv(NATIVE_BF16_ENV, "0")
+    assert not native_bf16(CPU)
+    assert autocast_dtype(CPU, "auto") is None and autocast_dtype(CPU, "auto", rl=True) is None
+    assert autocast_dtype(CPU, "bf16", rl=True) == torch.bfloat16  # asked for: taken, emulated or not
+    assert autocast_dtype(CPU, "fp16") is None and autocast_dtype(CPU, "fp32") is None
+    gpu = torch.device("cuda")
+    monkeypatch.setattr(device_module, "native_bf16", lambda device: False)  # an older GPU
+    assert autocast_dtype(gpu, "auto") == torch.float16 and autocast_dtype(gpu, "auto", rl=True) is None
+    assert autocast_dtype(gpu, "fp16", rl=True) is None  # no loss scaling in RL: fp32 there
+    monkeypatch.setattr(device_module, "native_bf16", lambda device: True)
+    base = [f"rl.sft_path={tiny_task.model_dir}", "rl.reward=rlfuse.data.gold:gold_reward"]
+    assert rl_compute_dtype(load_config(None, base), CPU) == torch.bfloat16
+    assert rl_compute_dtype(load_config(None, [*base, "run.precision=fp32"]), CPU) is None
+    ray = load_config(None, [*base, "placement.strategy=flattened", "placement.workers=1"])
+    assert rl_compute_dtype(ray, CPU) is None  # the Ray placements train in fp32 for now
+
+
+@pytest.mark.parametrize("lora,mini_batch", [(False, 8), (True, 8), (False, 4)])
+def test_a_run_under_bf16_autocast_corrects_for_its_fp32_or_bf16_sampler(tiny_task, tmp_path, monkeypatch, capsys,
+                                                                         lora, mini_batch):
+    """auto on (what rlfuse takes for) native-bf16 hardware: the update's forwards and the scoring passes autocast
+    (a multi-step update's proximal pass included), the engine decodes the actor's fp32 weights (full fine-tuning) or
+    a bf16 merged copy (LoRA), and the decoupled objective's behaviour weights are logged near 1, not all 1."""
+    from rlfuse.cli import main
+    from rlfuse.learn import losses, update
+    from rlfuse.rollout import score
+
+    seen = {"update": set(), "scoring": set()}
+
+    def spy(where, fn):
+        return lambda *a, **k: seen[where].add(torch.is_autocast_enabled("cpu")) or fn(*a, **k)
+
+    monkeypatch.setattr(update, "micro_policy_loss", spy("update", losses.micro_policy_loss))
+    monkeypatch.setattr(score, "response_logprobs", spy("scoring", score.response_logprobs))
+    monkeypatch.setenv(NATIVE_BF16_ENV, "1")
+    assert main(["rl", f"rl.sft_path={tiny_task.model_dir}", "rl.reward=rlfuse.data.gold:gold_reward", "rl.algo=grpo",
+                 "rl.k=2", f"model.lora={str(lora).lower()}", f"run.dir={tmp_path}", *TINY, "rl.iterations=2",
+                 "rl.prompts_per_iter=4", f"rl.mini_batch_size={mini_batch}", "rl.micro_batch_size=4", "rl.epochs=1",
+                 "rl.max_new_tokens=8", "rl.eval_prompts=0"]) == 0
+    assert seen == {"update": {True}, "scoring": {True}}
+    rows = [json.loads(l) for l in (tmp_path / "rl" / "metrics.jsonl").read_text().splitlines()]
+    assert len(rows) == 2
+    for r in rows:  # bf16 rounding against an fp32 or bf16 sampler: more than an fp32 forward's ~1e-5 apart
+        assert 0.8 < r["train/behaviour_weight_mean"] < 1.2 and r["train/behaviour_weight_max"] > 1.0002
+    said = capsys.readouterr()
+    said = said.out + said.err
+    assert "under bfloat16 autocast" in said
+    assert f"the generator decodes in {'bfloat16' if lora else 'float32'}" in said
