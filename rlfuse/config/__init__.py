@@ -28,6 +28,7 @@ from rlfuse.config.sections import (
                                     SFTConfig,
                                     checkpointing_on,
                                     fusion_on,
+                                    own_generator_copy,
 )
 from rlfuse.config.validate import (
                                     TRACKER_PACKAGES,
@@ -40,6 +41,6 @@ from rlfuse.config.validate import (
 
 __all__ = ["Config", "RunConfig", "DataConfig", "ModelConfig", "SFTConfig", "RMConfig", "RLConfig", "RolloutConfig",
            "PlacementConfig", "DATA_KINDS", "QUANTIZATIONS", "OPTIMIZERS", "TRACKERS", "STRATEGIES", "MIN_WORKERS",
-           "fusion_on", "checkpointing_on", "load_config", "config_from_dict", "config_to_dict", "save_config",
+           "fusion_on", "checkpointing_on", "own_generator_copy", "load_config", "config_from_dict", "config_to_dict", "save_config",
            "split_args", "validate", "is_hub_id", "is_gpu_share", "package_installed", "tracker_missing",
            "TRACKER_PACKAGES", "field_docs", "field_summary", "section_class"]

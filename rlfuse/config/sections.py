@@ -415,6 +415,15 @@ class RolloutConfig:
     rounding (smollm2_math_steps: KL 0.07 a sample at the first iteration, whose policy is the reference itself). auto: bf16 where
     the generator is its own copy and the device computes bf16 natively (a GPU with bf16; a CPU with AVX512-BF16 or
     AMX), fp32 otherwise (a CPU without them emulates bf16, 2-7x slower than fp32)."""
+    weight_layout: str = "auto"
+    """auto | row | column: how the generator's own copy of the policy (the same copies as generator_dtype) stores
+    its weight matrices. A decode step multiplies the live rows by every matrix, and some CPUs' BLAS reads an (out,
+    in) row-major matrix (nn.Linear's own) far slower at a few rows than one stored column-major: on an AVX512 Xeon
+    VM SmolLM2 decoded 16 rows x 64 tokens in 7.8-8.6 s column-major against 13.0-14.2 s (`python -m bench.small_gemm
+    --real`, rlfuse/models/layout.py).
+    auto: on a CPU, for a model larger than a cache, measured once at the start on matrices of the model's shape at
+    the row counts the engine will decode (under a second; the faster by 5% or more, else row); row on a GPU and for
+    small models. Values, shapes and state dicts are the same either way."""
     weight_sync: str = "auto"
     """auto | merged | adapters: what the actor's weight sync sends to generation workers without an actor replica
     (separated, interleaved). merged: the whole policy with the LoRA adapters folded in. adapters (model.lora): only
@@ -471,6 +480,14 @@ class Config:
 def fusion_on(cfg: Config) -> bool:
     """rollout.fusion resolved for the single-process rollout: true/false as given; auto is off (see the field)."""
     return cfg.rollout.fusion is True
+
+
+def own_generator_copy(cfg: Config) -> bool:
+    """Whether the engine decodes a copy of the policy of its own in this process (model.lora, no shared base,
+    placement.strategy single, or auto before it is planned): the copy rollout.generator_dtype and
+    rollout.weight_layout shape. Full fine-tuning decodes the actor itself, a shared base its own base, and the Ray
+    workers' copies stay fp32 and row-major for now."""
+    return cfg.model.lora and not cfg.model.shares_base and cfg.placement.strategy in ("single", "auto")
 
 
 def checkpointing_on(cfg: Config) -> bool:

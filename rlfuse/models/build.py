@@ -16,6 +16,7 @@ from rlfuse.errors import ConfigError, UserError, first_line
 from rlfuse.models.device import autocast_to, generator_dtype, rl_compute_dtype
 from rlfuse.models.gguf import local_model
 from rlfuse.models.heads import ValueModel
+from rlfuse.models.layout import column_major, generator_layout
 from rlfuse.models.lean import enable_lean_activations
 from rlfuse.models.load import apply_lora, load_causal_lm, load_reward_model, load_tokenizer
 from rlfuse.models.mapped import map_frozen_weights
@@ -121,6 +122,8 @@ def build_models(cfg: Config, run_dir: Path, device) -> Models:
         return build_shared_models(cfg, roles, sft_dir, rm_dir, tokenizer, device)
     actor = load_policy(sft_dir)
     generator = with_dtype(frozen(load_policy(sft_dir), device), generator_dtype(cfg, device)) if cfg.model.lora else None
+    if generator is not None and generator_layout(cfg, device, generator) == "column":
+        column_major(generator)
     ref = None if roles["reference"].shares_with == "actor" else frozen(load_policy(sft_dir), device)
     # resident only from its scoring pass to the next update; FSDP shards the reference instead (runtime/fsdp.py)
     if ref is not None and cfg.rl.release_reference and torch.device(device).type == "cpu" and \

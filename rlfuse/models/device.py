@@ -9,7 +9,7 @@ import random
 import numpy as np
 import torch
 
-from rlfuse.config import Config, RunConfig
+from rlfuse.config import Config, RunConfig, own_generator_copy
 from rlfuse.errors import ConfigError
 
 
@@ -93,9 +93,8 @@ def generator_dtype(cfg: Config, device: torch.device) -> torch.dtype:
     """The dtype of the generator's own copy of the policy (rollout.generator_dtype, auto resolved on this device):
     bf16 only for a copy of its own in this process (model.lora without a shared base, placement.strategy=single)."""
     choice = cfg.rollout.generator_dtype
-    own_copy = cfg.model.lora and not cfg.model.shares_base and cfg.placement.strategy == "single"
     if choice == "auto":
-        choice = "bf16" if own_copy and native_bf16(torch.device(device)) else "fp32"
+        choice = "bf16" if own_generator_copy(cfg) and native_bf16(torch.device(device)) else "fp32"
     return torch.bfloat16 if choice == "bf16" else torch.float32
 
 

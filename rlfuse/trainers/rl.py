@@ -54,6 +54,7 @@ from rlfuse.metrics.progress import Progress
 from rlfuse.metrics.tracker import memory_metrics, stage_tracker
 from rlfuse.models.build import Models, build_models
 from rlfuse.models.device import dtype_name, setup_runtime
+from rlfuse.models.layout import layout_of
 from rlfuse.models.load import resolve_base_model, save_trained_model
 from rlfuse.models.prompt_workload import resolve_measured
 from rlfuse.models.rewards import attach_rows, reset_reward_metrics, reward_metrics
@@ -132,6 +133,9 @@ def train_rl(cfg: Config, run_dir: Path, log=print, resume: bool = False, on_rea
     log(f"[rl] {rl.algo}: {rl.iterations} iterations x {rl.prompts_per_iter} prompts x k={rl.k}, fusion "
         f"{'on' if fusion.enabled else 'off'}, KL {rl.kl_estimator_used}{'' if rl.kl_estimator else ' (default)'}, "
         f"{sampling_note(rl)}")
+    if models.generator is not None and layout_of(models.generator) == "column":
+        log(f"[rl] the generator copy stores its weights column-major (rollout.weight_layout="
+            f"{cfg.rollout.weight_layout}{': measured faster on this CPU' if cfg.rollout.weight_layout == 'auto' else ''})")
     if cfg.run.precision == "bf16" and models.compute_dtype is None:
         why = "model.quantization (its layers compute in bf16)" if cfg.model.quantization != "none" else \
             f"placement.strategy={cfg.placement.strategy} (the Ray placements train in fp32 for now)"

@@ -1,0 +1,95 @@
+"""rollout.weight_layout: the generator copy's weight matrices stored column-major where that decodes faster. The
+values, shapes, ties and state dict stay those of the model, a weight sync keeps the layout, the engine's log-probs
+match the row-major copy's to rounding, and auto measures only where it can matter (a CPU, a copy of its own, a
+model larger than a cache)."""
+
+import pytest
+import torch
+from transformers import LlamaConfig, LlamaForCausalLM
+
+from conftest import TINY
+from rlfuse.config import load_config
+from rlfuse.errors import ConfigError
+from rlfuse.models import layout
+from rlfuse.models.layout import column_major, decode_rows, faster_layout, generator_layout, layout_of
+
+GRPO = ["rl.reward=rlfuse.data.gold:gold_reward", "rl.algo=grpo", "rl.k=2"]
+
+
+def _llama(tied: bool = True):
+    torch.manual_seed(0)
+    return LlamaForCausalLM(LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                                        num_attention_heads=4, num_key_value_heads=2,
+                                        tie_word_embeddings=tied)).eval()
+
+
+def test_column_major_keeps_values_shapes_and_ties():
+    model = _llama()
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    assert layout_of(model) == "row"
+    assert column_major(model) == 2 * 7 + 1  # 7 projections a layer and the (tied) LM head
+    assert layout_of(model) == "column"
+    w = model.model.layers[0].mlp.gate_proj.weight
+    assert w.shape == (64, 32) and w.stride() == (1, 64) and w.t().is_contiguous()
+    assert model.lm_head.weight is model.model.embed_tokens.weight
+    after = model.state_dict()
+    assert before.keys() == after.keys() and all(torch.equal(before[k], after[k]) for k in before)
+
+
+def test_a_weight_sync_into_column_major_weights_keeps_the_layout():
+    from rlfuse.rollout.weights import copy_weights
+
+    model, source = _llama(), _llama()
+    with torch.no_grad():
+        for p in source.parameters():
+            p.add_(1.0)
+    column_major(model)
+    copy_weights(model, source.state_dict())
+    assert layout_of(model) == "column"
+    assert all(torch.equal(a, b) for a, b in zip(model.state_dict().values(), source.state_dict().values()))
+
+
+def test_column_major_logits_match_row_major_to_rounding():
+    row, col = _llama(False), _llama(False)
+    column_major(col)
+    ids = torch.randint(0, 64, (3, 9), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        torch.testing.assert_close(col(input_ids=ids).logits, row(input_ids=ids).logits, atol=1e-5, rtol=1e-5)
+
+
+def test_the_probe_answers_for_the_rows_an_engine_decodes():
+    assert decode_rows(16) == [16, 8, 4, 2] and decode_rows(3) == [3, 2, 1] and decode_rows(1) == [1]
+    assert faster_layout(64, 32, [4, 2], torch.float32) in ("row", "column")
+
+
+def test_auto_measures_only_a_cpu_copy_of_its_own_larger_than_a_cache(tiny_task, monkeypatch):
+    def cfg(*more):
+        return load_config(None, [f"rl.sft_path={tiny_task.model_dir}", *GRPO, *more])
+
+    model = _llama()
+    probed = []
+    monkeypatch.setattr(layout, "faster_layout", lambda *a: probed.append(a) or "column")
+    assert generator_layout(cfg("model.lora=true"), "cpu", model) == "row" and not probed  # fits in a cache
+    monkeypatch.setattr(layout, "PROBE_BYTES", 0)
+    assert generator_layout(cfg("model.lora=true"), "cuda", model) == "row" and not probed
+    assert generator_layout(cfg("model.lora=true", "rl.prompts_per_iter=4", "rl.mini_batch_size=8",
+                                 "rl.micro_batch_size=4"), "cpu", model) == "column"
+    assert probed[-1][:3] == (64, 32, [8, 4, 2, 1])  # the MLP's shape (the most bytes), 4 prompts x k=2 rows
+    assert generator_layout(cfg(), "cpu", model) == "row"  # full fine-tuning: the engine decodes the actor
+    assert generator_layout(cfg("model.lora=true", "rollout.weight_layout=row"), "cpu", model) == "row"
+
+
+def test_column_where_there_is_no_copy_of_its_own_is_a_config_error(tiny_task):
+    with pytest.raises(ConfigError, match="rollout.weight_layout"):
+        load_config(None, [f"rl.sft_path={tiny_task.model_dir}", *GRPO, "rollout.weight_layout=column"])
+
+
+def test_a_run_with_a_column_major_generator(tiny_task, tmp_path, capsys):
+    from rlfuse.cli import main
+
+    assert main(["rl", f"rl.sft_path={tiny_task.model_dir}", *GRPO, "model.lora=true", "rollout.weight_layout=column",
+                 f"run.dir={tmp_path}", *TINY, "rl.iterations=2", "rl.prompts_per_iter=2", "rl.mini_batch_size=4", "rl.micro_batch_size=4",
+                 "rl.max_new_tokens=8",
+                 "rl.eval_prompts=0"]) == 0
+    said = capsys.readouterr()
+    assert "stores its weights column-major" in said.out + said.err
