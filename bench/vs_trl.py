@@ -448,6 +448,7 @@ def child_rlfuse(a) -> dict:
     from rlfuse.config import load_config
     from rlfuse.metrics.tracker import read_metrics
     from rlfuse.models.device import generator_dtype, pick_device, rl_compute_dtype
+    from rlfuse.models.layout import layout_of
     from rlfuse.trainers.rl import train_rl
 
     run_dir = Path(tempfile.mkdtemp())
@@ -468,6 +469,7 @@ def child_rlfuse(a) -> dict:
     def ready(models):
         warm_up(models.actor)
         rec["idle_rss_mb"] = rss_mb()
+        rec["layout"] = layout_of(models.generator) if models.generator is not None else "row"
         reset_cuda_peak()
         reset_peak_rss()  # the models are loaded; what follows is the algorithm's
 
@@ -477,7 +479,8 @@ def child_rlfuse(a) -> dict:
     device = pick_device(cfg.run)
     generator, update = generator_dtype(cfg, device), rl_compute_dtype(cfg, device)
     return {"precision": ("bf16 autocast" if update == torch.bfloat16 else "fp32")
-                         + (", generator bf16" if generator == torch.bfloat16 else ""),
+                         + (", generator bf16" if generator == torch.bfloat16 else "")
+                         + (", generator column-major" if rec["layout"] == "column" else ""),
             "step_s": [r["time/iteration"] for r in rows], "idle_rss_mb": rec["idle_rss_mb"],
             "mean_length": [r["rollout/length_mean"] for r in rows], "reward": [r["reward/mean"] for r in rows],
             "completions_per_step": a.prompts * a.k, "train_peak_rss_mb": rows[-1]["mem/rss_peak_mb"],

@@ -20,8 +20,9 @@ from rlfuse.files import write_text_atomic
 CHANGEABLE = {
     "run": {"dir", "quiet", "threads", "memory_table", "report_to"},  # where and how it logs, not what it computes
     "rl": {"iterations", "lr", "critic_lr", "ckpt_every", "eval_every", "log_samples_every", "max_bad_steps"},
-    # rollout settings change where and when samples are decoded and scored, never the samples (tested equal)
-    "rollout": {f.name for f in dataclasses.fields(Config().rollout)},
+    # rollout settings change where and when samples are decoded and scored, never the samples (tested equal); the
+    # generator copy's dtype does change them (bf16 rounding: another behaviour policy)
+    "rollout": {f.name for f in dataclasses.fields(Config().rollout)} - {"generator_dtype"},
 }
 NOTE = "# resumed at iteration"
 

@@ -272,9 +272,11 @@ def _validate_rl(cfg: Config) -> None:
                           "set rollout.generator_dtype=auto (the default) or fp32")
     _choice(ro.weight_layout, "rollout.weight_layout", ("auto", "row", "column"))
     if ro.weight_layout == "column" and not own_generator_copy(cfg):
-        raise ConfigError("rollout.weight_layout", "column needs a generator copy of its own in this process (model.lora, "
-                          "no model.shared_base, placement.strategy=single): elsewhere the engine decodes the trained "
-                          "weights themselves", "set rollout.weight_layout=auto (the default) or row")
+        where = ("full fine-tuning decodes the actor itself" if not cfg.model.lora else
+                 "with model.shared_base the engine decodes the shared base" if cfg.model.shares_base else
+                 f"placement.strategy={cfg.placement.strategy} is not single: Ray workers' generators stay row-major")
+        raise ConfigError("rollout.weight_layout", f"column needs a generator copy of its own in this process; {where}",
+                          "set rollout.weight_layout=auto (the default) or row")
     if ro.weight_sync == "adapters" and (not cfg.model.lora or cfg.model.shares_base):
         why = ("with model.shared_base the workers decode the base itself: nothing is synced" if cfg.model.lora else
                "only LoRA adapters can be sent alone; full fine-tuning changes every weight")

@@ -113,8 +113,10 @@ def stage_folders(cfg: Config, run_dir: Path, roles: Roles) -> tuple[str, str | 
     return sft_dir, rm_dir
 
 
-def build_models(cfg: Config, run_dir: Path, device) -> Models:
-    """Load every role derive_roles(cfg) names, each from its source (model.shared_base: all on one base)."""
+def build_models(cfg: Config, run_dir: Path, device, weight_layout: str | None = None) -> Models:
+    """Load every role derive_roles(cfg) names, each from its source (model.shared_base: all on one base).
+    weight_layout: the generator copy's layout as decided before (a resumed run's), instead of resolving
+    rollout.weight_layout again (auto measures, and a close call could go the other way)."""
     rl, roles = cfg.rl, derive_roles(cfg)
     sft_dir, rm_dir = stage_folders(cfg, run_dir, roles)
     tokenizer = load_tokenizer(sft_dir)
@@ -122,7 +124,7 @@ def build_models(cfg: Config, run_dir: Path, device) -> Models:
         return build_shared_models(cfg, roles, sft_dir, rm_dir, tokenizer, device)
     actor = load_policy(sft_dir)
     generator = with_dtype(frozen(load_policy(sft_dir), device), generator_dtype(cfg, device)) if cfg.model.lora else None
-    if generator is not None and generator_layout(cfg, device, generator) == "column":
+    if generator is not None and (weight_layout or generator_layout(cfg, device, generator)) == "column":
         column_major(generator)
     ref = None if roles["reference"].shares_with == "actor" else frozen(load_policy(sft_dir), device)
     # resident only from its scoring pass to the next update; FSDP shards the reference instead (runtime/fsdp.py)

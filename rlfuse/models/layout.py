@@ -53,7 +53,9 @@ def fastest_seconds(fn, reps: int = 3) -> float:
 def faster_layout(out_features: int, in_features: int, rows: list[int], dtype: torch.dtype) -> str:
     """"row" or "column": the layout in which F.linear multiplies `rows` rows by (out, in) matrices of `dtype` in
     less time, summed over the row counts given, on this CPU with its torch threads (0.6-0.8 s for SmolLM2)."""
-    n = max(2, PROBE_BYTES // (out_features * in_features * torch.finfo(dtype).bits // 8))
+    row_bytes = in_features * torch.finfo(dtype).bits // 8
+    out_features = min(out_features, PROBE_BYTES // row_bytes)  # a matrix larger than the probe: a slab of it
+    n = max(1, PROBE_BYTES // (out_features * row_bytes))
     gen = torch.Generator().manual_seed(0)
     row = [torch.randn(out_features, in_features, generator=gen).to(dtype) for _ in range(n)]
     col = [w.t().contiguous().t() for w in row]

@@ -91,7 +91,15 @@ def train_rl(cfg: Config, run_dir: Path, log=print, resume: bool = False, on_rea
         save_config(cfg, run_dir)
     device = setup_runtime(cfg.run)
     _, task = resolve_base_model(cfg, log) if cfg.data.kind == "synthetic" else (None, None)
-    models = build_models(cfg, run_dir, device)
+    # auto's measured layout is kept with the run: a resumed run decodes as the first did (the layouts' matmuls
+    # differ in the last bits, and the samples with them)
+    layout_file = run_dir / "rl" / "weight_layout.txt"
+    auto = cfg.rollout.weight_layout == "auto"  # an explicit layout given on resume is taken as given
+    kept = layout_file.read_text().strip() if resume and auto and layout_file.exists() else None
+    models = build_models(cfg, run_dir, device, weight_layout=kept)
+    if models.generator is not None:
+        layout_file.parent.mkdir(parents=True, exist_ok=True)
+        layout_file.write_text(layout_of(models.generator) + "\n")
     tok, gold = models.tokenizer, cfg.data.kind == "synthetic"
     run_prompts = build_prompts(cfg, models, task, log)
     train_prompts, held_prompts = run_prompts.train, run_prompts.held_out
@@ -135,7 +143,7 @@ def train_rl(cfg: Config, run_dir: Path, log=print, resume: bool = False, on_rea
         f"{sampling_note(rl)}")
     if models.generator is not None and layout_of(models.generator) == "column":
         log(f"[rl] the generator copy stores its weights column-major (rollout.weight_layout="
-            f"{cfg.rollout.weight_layout}{': measured faster on this CPU' if cfg.rollout.weight_layout == 'auto' else ''})")
+            f"{cfg.rollout.weight_layout}{': measured faster on this CPU at the run start' if cfg.rollout.weight_layout == 'auto' else ''})")
     if cfg.run.precision == "bf16" and models.compute_dtype is None:
         why = "model.quantization (its layers compute in bf16)" if cfg.model.quantization != "none" else \
             f"placement.strategy={cfg.placement.strategy} (the Ray placements train in fp32 for now)"

@@ -125,3 +125,16 @@ def test_a_run_with_a_bf16_generator_corrects_for_its_samples(tiny_task, tmp_pat
     assert len(rows) == 2
     for r in rows:  # the behaviour weights pi_fp32 / pi_bf16 are logged and near 1
         assert 0.9 < r["train/behaviour_weight_mean"] < 1.1 and r["train/behaviour_weight_max"] > 1.0
+
+
+def test_a_resumed_run_may_not_change_the_generator_dtype(tiny_task):
+    """The copy's dtype changes the samples (another behaviour policy): refused on resume, unlike the rest of the
+    rollout settings."""
+    from rlfuse.config.resume import resume_changes
+    from rlfuse.errors import UserError
+
+    saved = _cfg(tiny_task, "model.lora=true", "rollout.generator_dtype=fp32")
+    with pytest.raises(UserError, match="rollout.generator_dtype"):
+        resume_changes(saved, _cfg(tiny_task, "model.lora=true", "rollout.generator_dtype=bf16"))
+    assert [c[0] for c in resume_changes(saved, _cfg(tiny_task, "model.lora=true", "rollout.generator_dtype=fp32",
+                                                           "rollout.weight_layout=row"))] == ["rollout.weight_layout"]

@@ -1,7 +1,7 @@
 """rollout.weight_layout: the generator copy's weight matrices stored column-major where that decodes faster. The
-values, shapes, ties and state dict stay those of the model, a weight sync keeps the layout, the engine's log-probs
-match the row-major copy's to rounding, and auto measures only where it can matter (a CPU, a copy of its own, a
-model larger than a cache)."""
+values, shapes, ties and state dict stay those of the model, a weight sync keeps the layout, the engine samples the
+row-major copy's tokens with its log-probs to rounding, auto measures only where it can matter (a CPU, a copy of its
+own, a model larger than a cache), and a resumed run keeps the first run's answer."""
 
 import pytest
 import torch
@@ -49,12 +49,21 @@ def test_a_weight_sync_into_column_major_weights_keeps_the_layout():
     assert all(torch.equal(a, b) for a, b in zip(model.state_dict().values(), source.state_dict().values()))
 
 
-def test_column_major_logits_match_row_major_to_rounding():
-    row, col = _llama(False), _llama(False)
+@pytest.mark.parametrize("tied", [True, False])
+def test_the_engine_decodes_a_column_major_copy_as_the_row_major_one(tied):
+    """The engine (its lean Llama decode step, the tied embedding looked up in a column-major matrix) samples the
+    same tokens with log-probs equal to rounding."""
+    from rlfuse.rollout.engine import DecodeEngine
+    from rlfuse.rollout.state import SamplingParams
+
+    row, col = _llama(tied), _llama(tied)
     column_major(col)
-    ids = torch.randint(0, 64, (3, 9), generator=torch.Generator().manual_seed(1))
-    with torch.no_grad():
-        torch.testing.assert_close(col(input_ids=ids).logits, row(input_ids=ids).logits, atol=1e-5, rtol=1e-5)
+    prompts = [[1, 5, 9, 11], [3, 7]]
+    runs = [sorted(DecodeEngine(m, eos_token_id=-1, max_rows=8).generate(prompts, 2, SamplingParams(6), 3),
+                   key=lambda s: (s.prompt_id, s.sample_index)) for m in (row, col)]
+    assert [s.token_ids for s in runs[0]] == [s.token_ids for s in runs[1]]
+    for a, b in zip(*runs):
+        torch.testing.assert_close(torch.as_tensor(b.logprobs), torch.as_tensor(a.logprobs), atol=1e-5, rtol=0)
 
 
 def test_the_probe_answers_for_the_rows_an_engine_decodes():
@@ -79,17 +88,28 @@ def test_auto_measures_only_a_cpu_copy_of_its_own_larger_than_a_cache(tiny_task,
     assert generator_layout(cfg("model.lora=true", "rollout.weight_layout=row"), "cpu", model) == "row"
 
 
-def test_column_where_there_is_no_copy_of_its_own_is_a_config_error(tiny_task):
-    with pytest.raises(ConfigError, match="rollout.weight_layout"):
-        load_config(None, [f"rl.sft_path={tiny_task.model_dir}", *GRPO, "rollout.weight_layout=column"])
+@pytest.mark.parametrize("more,why", [([], "full fine-tuning decodes the actor itself"),
+                                      (["model.lora=true", "placement.strategy=flattened", "placement.workers=1"],
+                                       "placement.strategy=flattened is not single")])
+def test_column_where_there_is_no_copy_of_its_own_is_a_config_error(tiny_task, more, why):
+    with pytest.raises(ConfigError, match="rollout.weight_layout") as e:
+        load_config(None, [f"rl.sft_path={tiny_task.model_dir}", *GRPO, "rollout.weight_layout=column", *more])
+    assert why in str(e.value)
 
 
-def test_a_run_with_a_column_major_generator(tiny_task, tmp_path, capsys):
+def test_a_run_keeps_its_layout_and_a_resumed_run_reuses_it(tiny_task, tmp_path, capsys):
+    """column: the run logs it and keeps it in rl/weight_layout.txt; resumed with auto (row for a model this small),
+    the kept answer decodes the rest of the run."""
     from rlfuse.cli import main
 
-    assert main(["rl", f"rl.sft_path={tiny_task.model_dir}", *GRPO, "model.lora=true", "rollout.weight_layout=column",
-                 f"run.dir={tmp_path}", *TINY, "rl.iterations=2", "rl.prompts_per_iter=2", "rl.mini_batch_size=4", "rl.micro_batch_size=4",
-                 "rl.max_new_tokens=8",
-                 "rl.eval_prompts=0"]) == 0
+    args = ["rl", f"rl.sft_path={tiny_task.model_dir}", *GRPO, "model.lora=true", f"run.dir={tmp_path}", *TINY,
+            "rl.prompts_per_iter=2", "rl.mini_batch_size=4", "rl.micro_batch_size=4", "rl.max_new_tokens=8",
+            "rl.eval_prompts=0", "rl.ckpt_every=1"]
+    assert main([*args, "rollout.weight_layout=column", "rl.iterations=1"]) == 0
     said = capsys.readouterr()
     assert "stores its weights column-major" in said.out + said.err
+    assert (tmp_path / "rl" / "weight_layout.txt").read_text().strip() == "column"
+    assert main(["rl", "--resume", str(tmp_path), "rollout.weight_layout=auto", "rl.iterations=2"]) == 0
+    said = capsys.readouterr()
+    assert "resumed from" in said.out + said.err and "stores its weights column-major" in said.out + said.err
+    assert (tmp_path / "rl" / "weight_layout.txt").read_text().strip() == "column"
