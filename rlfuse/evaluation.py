@@ -15,6 +15,7 @@ from rlfuse.algos.kl import sequence_kl
 from rlfuse.config import RLConfig
 from rlfuse.data.chat import end_of_turn_ids
 from rlfuse.data.gold import gold_summary
+from rlfuse.models.rewards import runs_a_model
 from rlfuse.plan.memory import EVAL_SCORE_ROWS
 from rlfuse.files import write_text_atomic
 from rlfuse.rollout.engine import DecodeEngine, SamplingParams
@@ -74,7 +75,7 @@ def sample_rewards(models, engine: DecodeEngine, prompts: list[list[int]], rl: R
     rewards = [0.0] * len(prompts)
     for i in range(0, len(samples), micro_batch_size):  # similar lengths together: little padding
         chunk = samples[i: i + micro_batch_size]
-        with models.autocast() if hasattr(models.reward_fn, "prompt_tokens_shared") else contextlib.nullcontext():
+        with models.autocast() if runs_a_model(models.reward_fn) else contextlib.nullcontext():
             scores = models.reward_fn(chunk).tolist()  # a reward model under the update's autocast, as in scoring
         for s, r in zip(chunk, scores):
             rewards[s.prompt_id] = float(r)

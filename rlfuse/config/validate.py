@@ -264,19 +264,14 @@ def _validate_rl(cfg: Config) -> None:
         raise ConfigError("rollout.max_rows", f"{ro.max_rows} < rl.k={rl.k}: a prompt's samples must fit", f"set it >= {rl.k}")
     _choice(ro.weight_sync, "rollout.weight_sync", ("auto", "merged", "adapters"))
     _choice(ro.generator_dtype, "rollout.generator_dtype", ("auto", "fp32", "bf16"))
-    if ro.generator_dtype == "bf16" and not own_generator_copy(cfg):
-        where = ("full fine-tuning decodes the actor itself" if not cfg.model.lora else
-                 "with model.shared_base the engine decodes the shared base" if cfg.model.shares_base else
-                 f"placement.strategy={cfg.placement.strategy} is not single: Ray workers' generators stay fp32")
-        raise ConfigError("rollout.generator_dtype", f"bf16 needs a generator copy of its own in this process; {where}",
-                          "set rollout.generator_dtype=auto (the default) or fp32")
     _choice(ro.weight_layout, "rollout.weight_layout", ("auto", "row", "column"))
-    if ro.weight_layout == "column" and not own_generator_copy(cfg):
-        where = ("full fine-tuning decodes the actor itself" if not cfg.model.lora else
-                 "with model.shared_base the engine decodes the shared base" if cfg.model.shares_base else
-                 f"placement.strategy={cfg.placement.strategy} is not single: Ray workers' generators stay row-major")
-        raise ConfigError("rollout.weight_layout", f"column needs a generator copy of its own in this process; {where}",
-                          "set rollout.weight_layout=auto (the default) or row")
+    for name, value, plain in (("generator_dtype", "bf16", "fp32"), ("weight_layout", "column", "row")):
+        if getattr(ro, name) == value and not own_generator_copy(cfg):
+            where = ("full fine-tuning decodes the actor itself" if not cfg.model.lora else
+                     "with model.shared_base the engine decodes the shared base" if cfg.model.shares_base else
+                     f"placement.strategy={cfg.placement.strategy} is not single: Ray workers' generators stay {plain}")
+            raise ConfigError(f"rollout.{name}", f"{value} needs a generator copy of its own in this process; {where}",
+                              f"set rollout.{name}=auto (the default) or {plain}")
     if ro.weight_sync == "adapters" and (not cfg.model.lora or cfg.model.shares_base):
         why = ("with model.shared_base the workers decode the base itself: nothing is synced" if cfg.model.lora else
                "only LoRA adapters can be sent alone; full fine-tuning changes every weight")

@@ -54,9 +54,9 @@ def autocast_dtype(device: torch.device, precision: str, rl: bool = False) -> to
     return None
 
 
-def autocast(device: torch.device, precision: str, rl: bool = False):
-    """Mixed precision as autocast_dtype resolves run.precision here; a null context for fp32."""
-    return autocast_to(device, autocast_dtype(device, precision, rl))
+def autocast(device: torch.device, precision: str):
+    """SFT's and RM's mixed precision as autocast_dtype resolves run.precision here; a null context for fp32."""
+    return autocast_to(device, autocast_dtype(device, precision))
 
 
 def autocast_to(device, dtype: torch.dtype | None):

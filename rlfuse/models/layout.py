@@ -12,6 +12,7 @@ weight syncs (copy_ into the parameter) see no difference.
 from __future__ import annotations
 
 import time
+from pathlib import Path
 
 import torch
 import torch.nn.functional as F
@@ -99,3 +100,19 @@ def generator_layout(cfg: Config, device, generator: torch.nn.Module) -> str:
         return "row"
     batch = min(cfg.rl.prompts_per_iter * cfg.rl.k, cfg.rollout.max_rows)
     return faster_layout(*mlp_shape(generator), decode_rows(batch), next(generator.parameters()).dtype)
+
+
+def kept_layout(path: Path, cfg: Config) -> str | None:
+    """A resumed run's layout as its start kept it (keep_layout) where rollout.weight_layout is auto: the layouts'
+    matmuls differ in the last bits, and the samples with them, so the run decodes on as it began. An explicit layout
+    given on resume is taken as given (None)."""
+    if cfg.rollout.weight_layout != "auto" or not path.exists():
+        return None
+    return path.read_text().strip()
+
+
+def keep_layout(path: Path, generator: torch.nn.Module | None) -> None:
+    """Write the generator copy's layout (layout_of) to `path`, for a resumed run (kept_layout)."""
+    if generator is not None:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(layout_of(generator) + "\n")

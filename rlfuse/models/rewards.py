@@ -235,6 +235,12 @@ def _reward_body_and_head(rm):
     return getattr(base, base.base_model_prefix), base.score
 
 
+def runs_a_model(reward_fn) -> bool:
+    """Whether a reward function is a reward model's (reward_model_fn: it counts the prompt tokens it shares, and runs
+    under the scoring passes' autocast) rather than Python functions of texts."""
+    return hasattr(reward_fn, "prompt_tokens_shared")
+
+
 def reward_model_fn(rm, eos_id: int, pad_id: int, share_prompt: bool = True) -> Callable[[list], Tensor]:
     """Reward from a scalar-head model on the same input as in training (collate.encode_reward_text: BOS + text +
     EOS). transformers' sequence-classification heads pool at the rightmost token that is not the pad id; rlfuse's

@@ -19,6 +19,7 @@ from torch import Tensor
 
 from rlfuse.models.device import autocast_to
 from rlfuse.models.forward import can_share, collate, forward_tokens, response_logprobs, response_values
+from rlfuse.models.rewards import runs_a_model
 from rlfuse.models.shared import adapters_off
 from rlfuse.rollout.state import Sample
 
@@ -68,7 +69,7 @@ class Scorer:
     def _reward(self, chunk: list[Sample]) -> Tensor:
         """The reward; a reward model's (reward_model_fn) follows this scorer's share_prompt, a Python function of
         texts has nothing to share."""
-        if hasattr(self.reward_fn, "prompt_tokens_shared"):
+        if runs_a_model(self.reward_fn):
             return self.reward_fn(chunk, share_prompt=self.share_prompt)
         return self.reward_fn(chunk)
 
@@ -121,7 +122,7 @@ class Scorer:
             taken = all(s.ref_logprobs is not None for s in chunk)  # where the samples were decoded
             self._shared_here += (passes - (taken and with_ref)) * (mb.prefix.saved_tokens if mb.prefix is not None else 0)
             unfinished = torch.tensor([s.finish_reason == "length" for s in chunk], dtype=torch.float32)
-            with self._timed("reward", cast=hasattr(self.reward_fn, "prompt_tokens_shared")):  # a reward model
+            with self._timed("reward", cast=runs_a_model(self.reward_fn)):
                 scores = self._reward(chunk) - self.unfinished_penalty * unfinished
             if taken:
                 ref_lp = [s.ref_logprobs for s in chunk]

@@ -54,7 +54,7 @@ from rlfuse.metrics.progress import Progress
 from rlfuse.metrics.tracker import memory_metrics, stage_tracker
 from rlfuse.models.build import Models, build_models
 from rlfuse.models.device import dtype_name, setup_runtime
-from rlfuse.models.layout import layout_of
+from rlfuse.models.layout import keep_layout, kept_layout, layout_of
 from rlfuse.models.load import resolve_base_model, save_trained_model
 from rlfuse.models.prompt_workload import resolve_measured
 from rlfuse.models.rewards import attach_rows, reset_reward_metrics, reward_metrics
@@ -91,15 +91,9 @@ def train_rl(cfg: Config, run_dir: Path, log=print, resume: bool = False, on_rea
         save_config(cfg, run_dir)
     device = setup_runtime(cfg.run)
     _, task = resolve_base_model(cfg, log) if cfg.data.kind == "synthetic" else (None, None)
-    # auto's measured layout is kept with the run: a resumed run decodes as the first did (the layouts' matmuls
-    # differ in the last bits, and the samples with them)
     layout_file = run_dir / "rl" / "weight_layout.txt"
-    auto = cfg.rollout.weight_layout == "auto"  # an explicit layout given on resume is taken as given
-    kept = layout_file.read_text().strip() if resume and auto and layout_file.exists() else None
-    models = build_models(cfg, run_dir, device, weight_layout=kept)
-    if models.generator is not None:
-        layout_file.parent.mkdir(parents=True, exist_ok=True)
-        layout_file.write_text(layout_of(models.generator) + "\n")
+    models = build_models(cfg, run_dir, device, weight_layout=kept_layout(layout_file, cfg) if resume else None)
+    keep_layout(layout_file, models.generator)
     tok, gold = models.tokenizer, cfg.data.kind == "synthetic"
     run_prompts = build_prompts(cfg, models, task, log)
     train_prompts, held_prompts = run_prompts.train, run_prompts.held_out
