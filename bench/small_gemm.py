@@ -2,12 +2,14 @@
 60 random (1536, 576) fp32 matrices (212 MB, SmolLM2's MLP shape, more than the caches hold) multiplied by an
 (M, 576) input, as a decode step at M live rows does, against a plain streaming read of the same bytes (`sum`),
 the same matrices stored column-major (the transposed view of a contiguous (576, 1536) tensor: what
-rollout.weight_layout=column does to the generator copy, rlfuse/models/layout.py), and MKL's packed GEMM
-(`torch.ops.mkl._mkl_linear`, the path inductor's CPU freezing takes) packed for 16 rows.
+rollout.weight_layout=column does to the generator copy, rlfuse/models/layout.py), the row-major matrices multiplied
+as W @ x^T (what the Llama decode step does with them, rlfuse/models/layout.py multiplies_transposed), and MKL's
+packed GEMM (`torch.ops.mkl._mkl_linear`, the path inductor's CPU freezing takes) packed for 16 rows.
 
     python -m bench.small_gemm          # under a minute; prints, writes nothing
     python -m bench.small_gemm --real   # also SmolLM2-135M-Instruct's engine decoding 2 prompts x 8 samples x 64
-                                        # tokens with its weights row- and column-major, alternated (~2 min)
+                                        # tokens: row-major weights through F.linear and as W @ x^T, and
+                                        # column-major ones, alternated (~3 min)
 """
 
 from __future__ import annotations
@@ -24,27 +26,32 @@ from rlfuse.models.layout import fastest_seconds as fastest
 def engine_layouts(rounds: int = 2, new_tokens: int = 64) -> None:
     """The real model's engine (rlfuse.rollout.engine.DecodeEngine, its lean Llama decode step) decoding 2 prompts
     of 98 tokens x k = 8 samples x new_tokens (no EOS: every row runs to the limit), its weights row-major (nn.Linear's
-    own) and column-major (rlfuse.models.layout.column_major), alternated."""
+    own) through F.linear and as W @ x^T (the step's default for them), and column-major
+    (rlfuse.models.layout.column_major) through F.linear, alternated."""
     from rlfuse.models.gguf import local_model
     from rlfuse.models.layout import column_major
     from rlfuse.models.load import load_causal_lm
+    from rlfuse.rollout import kv
     from rlfuse.rollout.engine import DecodeEngine
     from rlfuse.rollout.state import SamplingParams
 
     model = load_causal_lm(str(local_model("smollm2-135m-instruct"))).eval().requires_grad_(False)
     prompts = [torch.randint(100, 40000, (98,)).tolist() for _ in range(2)]
     engine = DecodeEngine(model, eos_token_id=-1, max_rows=64)
+    transposed = kv.multiplies_transposed
     for _ in range(rounds):
-        for column in (False, True):
+        for name in ("row-major through F.linear", "row-major as W @ x^T", "column-major through F.linear"):
             for module in model.modules():
                 if isinstance(module, torch.nn.Linear):
                     module.weight.data = module.weight.data.contiguous()
-            if column:
+            if name.startswith("column"):
                 column_major(model)
+            kv.multiplies_transposed = transposed if "W @ x^T" in name else (lambda module, rows: False)
             start = time.perf_counter()
             samples = list(engine.generate(prompts, 8, SamplingParams(new_tokens), 7))
-            print(f"engine, weights {'column' if column else 'row'}-major: {time.perf_counter() - start:.2f} s for "
-                  f"{len(samples)} rows x {new_tokens} tokens")
+            print(f"engine, weights {name}: {time.perf_counter() - start:.2f} s for {len(samples)} rows x "
+                  f"{new_tokens} tokens")
+    kv.multiplies_transposed = transposed
 
 
 def main() -> None:
@@ -62,9 +69,12 @@ def main() -> None:
         x = torch.randn(rows, 576)
         s = fastest(lambda: [F.linear(x, w) for w in weights])
         c = fastest(lambda: [F.linear(x, w) for w in columns])
+        xt = x.t().contiguous()
+        t = fastest(lambda: [torch.mm(w, xt) for w in weights])
         p = fastest(lambda: [torch.ops.mkl._mkl_linear(x, q, w, None, 16) for q, w in zip(packed, weights)])
         print(f"{rows:4d} rows: F.linear reads {gb / s:5.1f} GB/s ({2 * rows * gb / 4 / s:6.1f} GFLOP/s); "
-              f"column-major {gb / c:5.1f} GB/s ({s / c:.2f}x); MKL packed for 16 rows {gb / p:5.1f} GB/s")
+              f"column-major {gb / c:5.1f} GB/s ({s / c:.2f}x); W @ x^T {gb / t:5.1f} GB/s ({s / t:.2f}x); "
+              f"MKL packed for 16 rows {gb / p:5.1f} GB/s")
     if "--real" in sys.argv[1:]:
         engine_layouts()
 

@@ -16,6 +16,7 @@ from pathlib import Path
 
 import torch
 import torch.nn.functional as F
+from torch import Tensor
 
 from rlfuse.config import Config, own_generator_copy
 
@@ -41,6 +42,34 @@ def layout_of(model: torch.nn.Module) -> str:
     return "column" if w is not None and w.dim() == 2 and w.stride(0) == 1 and w.shape[1] > 1 else "row"
 
 
+TRANSPOSED_MAX_ROWS = 48
+"""The most rows a decode step multiplies as W @ h^T (multiplies_transposed): on the AVX512 Xeon VM, 16 rows by
+SmolLM2's MLP matrices read 11.6-11.8 GB/s that way against 4.0 through F.linear, 32 rows 8.5 against 3.6, 48 rows 6.8
+against 3.0, and from 64 rows on the two are even (3.3-3.5 GB/s, where the multiply is no longer bound by reading)."""
+
+
+def multiplies_transposed(module, rows: int) -> bool:
+    """Whether a decode step over `rows` rows multiplies `module` as W @ h^T (linear_transposed) rather than
+    h @ W^T (F.linear): a plain nn.Linear with its fp32 weight on the CPU, stored as nn.Linear keeps it ((out, in),
+    row-major), at up to TRANSPOSED_MAX_ROWS rows. At a decode step's few rows MKL reads such a weight 2-3x faster
+    in the first form than in the second, and faster than the same weight stored column-major
+    (rollout.weight_layout=column) in the second: on an AVX512 Xeon VM (2026-11-28), 16 rows by SmolLM2's matrices at
+    8-12 GB/s against 2.7-4.0 and 6.8-8.9; the engine decoded 16 rows x 64 tokens in 6.9-7.8 s against 11.9-12.8
+    through F.linear and 7.6-7.7 column-major (`python -m bench.small_gemm --real`). A column-major, bf16 (not
+    measured on hardware that multiplies it natively), quantised or LoRA-wrapped weight, or one on a GPU, keeps its
+    module's own forward."""
+    w = getattr(module, "weight", None)
+    return (rows <= TRANSPOSED_MAX_ROWS and type(module) is torch.nn.Linear and w.device.type == "cpu"
+            and w.dtype == torch.float32 and w.is_contiguous())
+
+
+def linear_transposed(module: torch.nn.Linear, ht: Tensor) -> Tensor:
+    """module(h)^T from h^T (in, R): (out, R)."""
+    if module.bias is None:
+        return torch.mm(module.weight, ht)
+    return torch.addmm(module.bias[:, None], module.weight, ht)
+
+
 def fastest_seconds(fn, reps: int = 3) -> float:
     """The fastest of `reps` calls of fn, in seconds."""
     best = float("inf")
@@ -52,20 +81,25 @@ def fastest_seconds(fn, reps: int = 3) -> float:
 
 
 def faster_layout(out_features: int, in_features: int, rows: list[int], dtype: torch.dtype) -> str:
-    """"row" or "column": the layout in which F.linear multiplies `rows` rows by (out, in) matrices of `dtype` in
-    less time, summed over the row counts given, on this CPU with its torch threads (0.6-0.8 s for SmolLM2)."""
+    """"row" or "column": the layout in which the decode step multiplies `rows` rows by (out, in) matrices of
+    `dtype` in less time (row-major as multiplies_transposed says, column-major through F.linear), summed over the row counts given, on this CPU with its torch threads (0.6-0.8 s for SmolLM2)."""
     row_bytes = in_features * torch.finfo(dtype).bits // 8
     out_features = min(out_features, PROBE_BYTES // row_bytes)  # a matrix larger than the probe: a slab of it
     n = max(1, PROBE_BYTES // (out_features * row_bytes))
     gen = torch.Generator().manual_seed(0)
     row = [torch.randn(out_features, in_features, generator=gen).to(dtype) for _ in range(n)]
     col = [w.t().contiguous().t() for w in row]
+    # row-major weights are multiplied as the decode step will: W @ h^T where multiplies_transposed says so
     total = {"row": 0.0, "column": 0.0}
     for r in rows:
         x = torch.randn(r, in_features, generator=gen).to(dtype)
+        xt = x.t().contiguous()
+        transposed = dtype == torch.float32 and r <= TRANSPOSED_MAX_ROWS
+        products = {"row": (lambda w: torch.mm(w, xt)) if transposed else (lambda w: F.linear(x, w)),
+                    "column": lambda w: F.linear(x, w)}
         for name, ws in (("row", row), ("column", col)):
-            F.linear(x, ws[0])  # warm-up
-            total[name] += fastest_seconds(lambda: [F.linear(x, w) for w in ws])
+            products[name](ws[0])  # warm-up
+            total[name] += fastest_seconds(lambda: [products[name](w) for w in ws])
     return "column" if total["column"] < 0.95 * total["row"] else "row"  # a clear win only
 
 

@@ -20,6 +20,8 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from rlfuse.models.hf_cache import cache_of, with_cache
+from rlfuse.models.layout import linear_transposed, multiplies_transposed
+from rlfuse.models.lean import is_swiglu_mlp
 
 
 class HFCacheKV:
@@ -219,7 +221,13 @@ class LlamaDecodeStep:
         mask = attn[:, None, None, :]
         for i, layer in enumerate(self.layers):
             a = layer.self_attn
-            q, k, v = self.rotated_qkv(a, layer.input_layernorm(x), cos, sin)
+            projections = (a.q_proj, a.k_proj, a.v_proj, a.o_proj)
+            transposed = all(multiplies_transposed(m, R) for m in projections)
+            h = layer.input_layernorm(x)
+            if transposed:
+                q, k, v = self.rotated_qkv_transposed(a, h, cos, sin)
+            else:
+                q, k, v = self.rotated_qkv(a, h, cos, sin)
             keys, values = kv[i, 0], kv[i, 1]
             keys[:, :, w], values[:, :, w] = k[:, :, 0], v[:, :, 0]
             # a key head's H / KVH query heads as that many query positions of one head: the same attention as
@@ -227,9 +235,35 @@ class LlamaDecodeStep:
             # 0.23-0.33 ms a layer at SmolLM2's 9 / 3 heads and 16 rows)
             o = F.scaled_dot_product_attention(q.reshape(R, KVH, H // KVH, D), keys[:, :, : w + 1],
                                                values[:, :, : w + 1], attn_mask=mask, scale=a.scaling)
-            x = x + a.o_proj(o.reshape(R, 1, H * D))
-            x = x + layer.mlp(layer.post_attention_layernorm(x))
-        return self.lm_head(self.norm(x))[:, 0]
+            if transposed:
+                x = x + linear_transposed(a.o_proj, o.reshape(R, H * D).t().contiguous()).t()[:, None]
+            else:
+                x = x + a.o_proj(o.reshape(R, 1, H * D))
+            x = x + self.mlp(layer.mlp, layer.post_attention_layernorm(x), R)
+        h = self.norm(x)[:, 0]
+        if multiplies_transposed(self.lm_head, R):
+            return linear_transposed(self.lm_head, h.t().contiguous()).t().contiguous()
+        return self.lm_head(h)
+
+    @staticmethod
+    def mlp(mlp, h: Tensor, rows: int) -> Tensor:
+        """The MLP of h (R, 1, E): a SwiGLU of plain row-major projections as W @ h^T throughout (the product stays
+        transposed from gate and up through down), any other through its own forward."""
+        projections = (mlp.gate_proj, mlp.up_proj, mlp.down_proj) if is_swiglu_mlp(mlp) else ()
+        if projections and all(multiplies_transposed(m, rows) for m in projections):
+            ht = h[:, 0].t().contiguous()
+            product = mlp.act_fn(linear_transposed(mlp.gate_proj, ht)).mul_(linear_transposed(mlp.up_proj, ht))
+            return linear_transposed(mlp.down_proj, product).t()[:, None]
+        return mlp(h)
+
+    def rotated_qkv_transposed(self, attn, h: Tensor, cos: Tensor, sin: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+        """rotated_qkv with each projection as W @ h^T (multiplies_transposed); the heads made contiguous again, so
+        that rotary and attention run on dense tensors (a strided query sends attention to its slow math path)."""
+        R, H, KVH, D = h.shape[0], self.H, self.KVH, self.D
+        ht = h[:, 0].t().contiguous()
+        heads = lambda proj, n: linear_transposed(proj, ht).t().contiguous().view(R, 1, n, D).transpose(1, 2)
+        q, k, v = heads(attn.q_proj, H), heads(attn.k_proj, KVH), heads(attn.v_proj, KVH)
+        return q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin, v
 
     def rotated_qkv(self, attn, h: Tensor, cos: Tensor, sin: Tensor) -> tuple[Tensor, Tensor, Tensor]:
         """One layer's query, key and value heads of h (R, 1, E), rotary applied: (R, H, 1, D), (R, KVH, 1, D) x 2."""

@@ -219,12 +219,20 @@ def test_kv_buffer_padding_and_spare_columns_are_zero(lm):
     assert short.kv.isfinite().all()
 
 
-@pytest.mark.parametrize("arch", ["llama", "qwen2"])
-def test_lean_llama_style_step_equals_transformers_forward(arch, monkeypatch):
+@pytest.mark.parametrize("arch,layout", [("llama", "row"), ("qwen2", "row"), ("llama", "column"), ("llama", "lora")])
+def test_lean_llama_style_step_equals_transformers_forward(arch, layout, monkeypatch):
     """Llama-style lean step (grouped-query attention, rotary positions, RMSNorm, gated MLP; Qwen2 adds q/k/v biases)
-    against transformers' forward on tiny random models, through retirement, merges and buffer growth."""
+    against transformers' forward on tiny random models, through retirement, merges and buffer growth. Row-major
+    fp32 weights are multiplied as W @ h^T (every projection and the head), column-major ones through F.linear, and
+    LoRA-wrapped ones (a shared base decoding as the actor) through peft's layers, adapters included."""
+    import copy
+
     from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
 
+    from rlfuse.config import load_config
+    from rlfuse.models import layout as layout_module
+    from rlfuse.models.load import apply_lora
+    from rlfuse.rollout import kv as kv_module
     from rlfuse.rollout.kv import BufferKV, LlamaDecodeStep
 
     monkeypatch.setattr(BufferKV, "GROW", 3)
@@ -232,6 +240,19 @@ def test_lean_llama_style_step_equals_transformers_forward(arch, monkeypatch):
     torch.manual_seed(0)
     model = Model(Config(vocab_size=96, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
                          num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64)).eval()
+    if layout == "column":
+        layout_module.column_major(model)
+    elif layout == "lora":
+        lora = load_config(None, ["model.lora=true", "model.lora_targets=[q_proj,v_proj,up_proj,down_proj]"]).model
+        model = apply_lora(copy.deepcopy(model), lora)
+        for name, p in model.named_parameters():
+            if "lora_B" in name:
+                torch.nn.init.normal_(p, std=0.5)  # adapters that change the logits
+        model = model.get_base_model().eval()
+    transposed_calls = []
+    linear_transposed = kv_module.linear_transposed
+    monkeypatch.setattr(kv_module, "linear_transposed",
+                        lambda module, ht: transposed_calls.append(module) or linear_transposed(module, ht))
     assert LlamaDecodeStep.supports(model)
     prompts = [[1, 5, 9], [1, 7], [1, 3, 4, 8, 2], [1, 6, 6, 6]]
     probe = DecodeEngine(model, eos_token_id=-1, max_rows=4, fast_decode=False)
@@ -250,6 +271,13 @@ def test_lean_llama_style_step_equals_transformers_forward(arch, monkeypatch):
     for a, b in zip(out[True], out[False]):
         assert a.token_ids == b.token_ids and a.finish_reason == b.finish_reason
         assert_close(a.logprobs, b.logprobs, atol=1e-5, rtol=0)
+    projected = {type(m).__name__ for m in transposed_calls}
+    if layout == "row":
+        assert projected == {"Linear"} and len(transposed_calls) >= 2 * 7 + 1  # 7 projections a layer, the head
+    elif layout == "column":
+        assert not transposed_calls
+    else:  # a layer's attention or MLP with an adapted projection runs through its modules; the head goes transposed
+        assert set(transposed_calls) == {model.lm_head}
 
 
 def test_lean_gpt2_step_refuses_lora_wrapped_projections(lm):

@@ -66,6 +66,24 @@ def test_the_engine_decodes_a_column_major_copy_as_the_row_major_one(tied):
         torch.testing.assert_close(torch.as_tensor(b.logprobs), torch.as_tensor(a.logprobs), atol=1e-5, rtol=0)
 
 
+def test_which_weights_a_decode_step_multiplies_transposed():
+    """W @ h^T only for a plain fp32 nn.Linear stored row-major on the CPU, at up to TRANSPOSED_MAX_ROWS rows; its
+    product is F.linear's, transposed."""
+    linear = torch.nn.Linear(32, 24)
+    rows = layout.TRANSPOSED_MAX_ROWS
+    assert layout.multiplies_transposed(linear, rows) and not layout.multiplies_transposed(linear, rows + 1)
+    h = torch.randn(5, 32)
+    torch.testing.assert_close(layout.linear_transposed(linear, h.t().contiguous()).t(), linear(h))
+    column = torch.nn.Linear(32, 24)
+    column_major(column)
+    bf16 = torch.nn.Linear(32, 24).to(torch.bfloat16)
+
+    class Wrapped(torch.nn.Linear):  # a subclass (bitsandbytes' 4-bit layer is one) runs its own forward
+        pass
+
+    assert not any(layout.multiplies_transposed(m, 4) for m in (column, bf16, Wrapped(32, 24), torch.nn.Identity()))
+
+
 def test_the_probe_answers_for_the_rows_an_engine_decodes():
     assert decode_rows(16) == [16, 8, 4, 2] and decode_rows(3) == [3, 2, 1] and decode_rows(1) == [1]
     assert faster_layout(64, 32, [4, 2], torch.float32) in ("row", "column")
