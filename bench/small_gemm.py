@@ -65,7 +65,7 @@ def main() -> None:
     columns = [w.t().contiguous().t() for w in weights]
     packed = [torch.ops.mkl._mkl_reorder_linear_weight(w, 16) for w in weights]
     print(f"MKL packed weight: {packed[0].numel() / weights[0].numel():.1f}x the bytes of the weight")
-    for rows in (1, 4, 13, 16, 64, 256):
+    for rows in (1, 4, 13, 16, 32, 48, 64, 256):
         x = torch.randn(rows, 576)
         s = fastest(lambda: [F.linear(x, w) for w in weights])
         c = fastest(lambda: [F.linear(x, w) for w in columns])

@@ -418,12 +418,14 @@ class RolloutConfig:
     weight_layout: str = "auto"
     """auto | row | column: how the generator's own copy of the policy (the same copies as generator_dtype) stores
     its weight matrices. A decode step multiplies the live rows by every matrix, and some CPUs' BLAS reads an (out,
-    in) row-major matrix (nn.Linear's own) far slower at a few rows than one stored column-major: on an AVX512 Xeon
-    VM SmolLM2 decoded 16 rows x 64 tokens in 7.8-8.6 s column-major against 13.0-14.2 s (`python -m bench.small_gemm
-    --real`, rlfuse/models/layout.py).
+    in) row-major matrix (nn.Linear's own) far slower at a few rows through F.linear than one stored column-major.
+    The Llama decode step multiplies row-major fp32 matrices on the CPU the other way round, W @ h^T, which on an
+    AVX512 Xeon VM was as fast as column-major or faster: SmolLM2 decoded 16 rows x 64 tokens in 6.9-7.8 s that way,
+    7.6-7.7 s column-major, 11.9-12.8 s through F.linear (`python -m bench.small_gemm --real`,
+    rlfuse/models/layout.py).
     auto: on a CPU, for a model larger than a cache, measured once at the start on matrices of the model's shape at
-    the row counts the engine will decode (under a second; the faster by 5% or more, else row); row on a GPU and for
-    small models. Values, shapes and state dicts are the same either way; the matmuls differ in the last bits, so
+    the row counts the engine will decode, row-major in the form the step will use against column-major (under a
+    second; column where it is faster by 5% or more, else row); row on a GPU and for small models. Values, shapes and state dicts are the same either way; the matmuls differ in the last bits, so
     auto's answer is kept with the run (rl/weight_layout.txt) and a resumed run decodes as the first did. A weight
     sync then copies into the transposed layout (slower than a plain copy; auto times only the matmuls)."""
     weight_sync: str = "auto"
