@@ -10,6 +10,9 @@ packed GEMM (`torch.ops.mkl._mkl_linear`, the path inductor's CPU freezing takes
     python -m bench.small_gemm --real   # also SmolLM2-135M-Instruct's engine decoding 2 prompts x 8 samples x 64
                                         # tokens: row-major weights through F.linear and as W @ x^T, and
                                         # column-major ones, alternated (~3 min)
+    python -m bench.small_gemm --lora   # also the same engine decoding through peft's LoRA layers (rank 16 on
+                                        # every projection, unmerged: a shared base as the actor), F.linear
+                                        # against W @ x^T (~2 min)
 """
 
 from __future__ import annotations
@@ -23,7 +26,7 @@ from bench.common import machine
 from rlfuse.models.layout import fastest_seconds as fastest
 
 
-def engine_layouts(rounds: int = 2, new_tokens: int = 64) -> None:
+def engine_layouts(rounds: int = 2, new_tokens: int = 64, lora: bool = False) -> None:
     """The real model's engine (rlfuse.rollout.engine.DecodeEngine, its lean Llama decode step) decoding 2 prompts
     of 98 tokens x k = 8 samples x new_tokens (no EOS: every row runs to the limit), its weights row-major (nn.Linear's
     own) through F.linear and as W @ x^T (the step's default for them), and column-major
@@ -36,11 +39,21 @@ def engine_layouts(rounds: int = 2, new_tokens: int = 64) -> None:
     from rlfuse.rollout.state import SamplingParams
 
     model = load_causal_lm(str(local_model("smollm2-135m-instruct"))).eval().requires_grad_(False)
+    if lora:  # a shared base decoding as the actor: peft's LoRA layers (rank 16 on every projection), unmerged
+        from rlfuse.config import load_config
+        from rlfuse.models.load import apply_lora
+
+        peft_model = apply_lora(model, load_config(None, ["model.lora=true", "model.lora_r=16"]).model)
+        for name, p in peft_model.named_parameters():
+            if "lora_B" in name:
+                torch.nn.init.normal_(p, std=0.01)
+        model = peft_model.get_base_model().eval().requires_grad_(False)
     prompts = [torch.randint(100, 40000, (98,)).tolist() for _ in range(2)]
     engine = DecodeEngine(model, eos_token_id=-1, max_rows=64)
     transposed = kv.multiplies_transposed
     for _ in range(rounds):
-        for name in ("row-major through F.linear", "row-major as W @ x^T", "column-major through F.linear"):
+        names = ("row-major through F.linear", "row-major as W @ x^T", "column-major through F.linear")
+        for name in names[:2] if lora else names:
             for module in model.modules():
                 if isinstance(module, torch.nn.Linear):
                     module.weight.data = module.weight.data.contiguous()
@@ -49,7 +62,8 @@ def engine_layouts(rounds: int = 2, new_tokens: int = 64) -> None:
             kv.multiplies_transposed = transposed if "W @ x^T" in name else (lambda module, rows: False)
             start = time.perf_counter()
             samples = list(engine.generate(prompts, 8, SamplingParams(new_tokens), 7))
-            print(f"engine, weights {name}: {time.perf_counter() - start:.2f} s for {len(samples)} rows x "
+            print(f"engine, {'LoRA adapters on ' if lora else ''}weights {name}: {time.perf_counter() - start:.2f} s "
+                  f"for {len(samples)} rows x "
                   f"{new_tokens} tokens")
     kv.multiplies_transposed = transposed
 
@@ -77,6 +91,8 @@ def main() -> None:
               f"MKL packed for 16 rows {gb / p:5.1f} GB/s")
     if "--real" in sys.argv[1:]:
         engine_layouts()
+    if "--lora" in sys.argv[1:]:
+        engine_layouts(lora=True)
 
 
 if __name__ == "__main__":

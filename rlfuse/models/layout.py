@@ -19,6 +19,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from rlfuse.config import Config, own_generator_copy
+from rlfuse.models.lean import single_lora_adapter
 
 PROBE_BYTES = 96 * 2**20
 """Bytes of matrices the probe multiplies per pass: more than a CPU's last-level cache holds, as the model's do."""
@@ -51,23 +52,45 @@ against 3.0, and from 64 rows on the two are even (3.3-3.5 GB/s, where the multi
 def multiplies_transposed(module, rows: int) -> bool:
     """Whether a decode step over `rows` rows multiplies `module` as W @ h^T (linear_transposed) rather than
     h @ W^T (F.linear): a plain nn.Linear with its fp32 weight on the CPU, stored as nn.Linear keeps it ((out, in),
-    row-major), at up to TRANSPOSED_MAX_ROWS rows. At a decode step's few rows MKL reads such a weight 2-3x faster
-    in the first form than in the second, and faster than the same weight stored column-major
-    (rollout.weight_layout=column) in the second: on an AVX512 Xeon VM (2026-11-28), 16 rows by SmolLM2's matrices at
-    8-12 GB/s against 2.7-4.0 and 6.8-8.9; the engine decoded 16 rows x 64 tokens in 6.9-7.8 s against 11.9-12.8
-    through F.linear and 7.6-7.7 column-major (`python -m bench.small_gemm --real`). A column-major, bf16 (not
-    measured on hardware that multiplies it natively), quantised or LoRA-wrapped weight, or one on a GPU, keeps its
-    module's own forward."""
-    w = getattr(module, "weight", None)
-    return (rows <= TRANSPOSED_MAX_ROWS and type(module) is torch.nn.Linear and w.device.type == "cpu"
-            and w.dtype == torch.float32 and w.is_contiguous())
+    row-major), at up to TRANSPOSED_MAX_ROWS rows; or peft's LoRA layer over one, unmerged, with one active adapter
+    without dropout or with the adapters switched off (a shared base decoding as the actor, or as the reference).
+    At a decode step's few rows MKL reads such a weight 2-3x faster in the first form than in the second, and faster
+    than the same weight stored column-major (rollout.weight_layout=column) in the second: on an AVX512 Xeon VM
+    (2026-11-28), 16 rows by SmolLM2's matrices at 8-12 GB/s against 2.7-4.0 and 6.8-8.9; the engine decoded 16 rows
+    x 64 tokens in 6.6-7.8 s against 11.6-12.8 through F.linear and 7.1-7.7 column-major (`python -m
+    bench.small_gemm --real`). A column-major, bf16 (not measured on hardware that multiplies it natively) or
+    quantised weight, or one on a GPU, keeps its module's own forward."""
+    return rows <= TRANSPOSED_MAX_ROWS and _transposed_parts(module) is not None
 
 
-def linear_transposed(module: torch.nn.Linear, ht: Tensor) -> Tensor:
-    """module(h)^T from h^T (in, R): (out, R)."""
-    if module.bias is None:
-        return torch.mm(module.weight, ht)
-    return torch.addmm(module.bias[:, None], module.weight, ht)
+def _transposed_parts(module):
+    """(base nn.Linear, LoRA adapter as single_lora_adapter gives it, or None) where multiplies_transposed allows
+    the module, else None."""
+    base, adapter = module, None
+    if hasattr(module, "lora_A"):
+        base = getattr(module, "base_layer", None)
+        if getattr(module, "merged", True):
+            return None
+        if not getattr(module, "disable_adapters", True):
+            adapter = single_lora_adapter(module)
+            if adapter is None:
+                return None
+    w = getattr(base, "weight", None)
+    if not (type(base) is torch.nn.Linear and w.device.type == "cpu" and w.dtype == torch.float32
+            and w.is_contiguous()):
+        return None
+    return base, adapter
+
+
+def linear_transposed(module: torch.nn.Module, ht: Tensor) -> Tensor:
+    """module(h)^T from h^T (in, R): (out, R), for a module multiplies_transposed allows; a LoRA adapter's term as
+    (B @ (A @ h^T)) x scaling, added as peft adds it."""
+    base, adapter = _transposed_parts(module)
+    out = torch.mm(base.weight, ht) if base.bias is None else torch.addmm(base.bias[:, None], base.weight, ht)
+    if adapter is not None:
+        a, b, scaling = adapter
+        out = out + torch.mm(b, torch.mm(a, ht)) * scaling
+    return out
 
 
 def fastest_seconds(fn, reps: int = 3) -> float:
