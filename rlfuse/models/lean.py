@@ -74,6 +74,7 @@ def single_lora_adapter(layer: torch.nn.Module):
     name = active[0]
     a, b = layer.lora_A[name], layer.lora_B[name]
     if (type(layer.lora_dropout[name]) is not torch.nn.Identity or layer.use_dora.get(name, False)
+            or name in getattr(layer, "lora_variant", {})
             or type(a) is not torch.nn.Linear or type(b) is not torch.nn.Linear or a.bias is not None
             or b.bias is not None):
         return None
