@@ -3,7 +3,7 @@
 (M, 576) input, as a decode step at M live rows does, against a plain streaming read of the same bytes (`sum`),
 the same matrices stored column-major (the transposed view of a contiguous (576, 1536) tensor: what
 rollout.weight_layout=column does to the generator copy, rlfuse/models/layout.py), the row-major matrices multiplied
-as W @ x^T (what the Llama decode step does with them, rlfuse/models/layout.py multiplies_transposed), and MKL's
+as W @ x^T (what the Llama decode step does with them, rlfuse/models/layout.py transposed_product), and MKL's
 packed GEMM (`torch.ops.mkl._mkl_linear`, the path inductor's CPU freezing takes) packed for 16 rows.
 
     python -m bench.small_gemm          # under a minute; prints, writes nothing
@@ -50,22 +50,23 @@ def engine_layouts(rounds: int = 2, new_tokens: int = 64, lora: bool = False) ->
         model = peft_model.get_base_model().eval().requires_grad_(False)
     prompts = [torch.randint(100, 40000, (98,)).tolist() for _ in range(2)]
     engine = DecodeEngine(model, eos_token_id=-1, max_rows=64)
-    transposed = kv.multiplies_transposed
-    for _ in range(rounds):
-        names = ("row-major through F.linear", "row-major as W @ x^T", "column-major through F.linear")
-        for name in names[:2] if lora else names:
-            for module in model.modules():
-                if isinstance(module, torch.nn.Linear):
-                    module.weight.data = module.weight.data.contiguous()
-            if name.startswith("column"):
-                column_major(model)
-            kv.multiplies_transposed = transposed if "W @ x^T" in name else (lambda module, rows: False)
-            start = time.perf_counter()
-            samples = list(engine.generate(prompts, 8, SamplingParams(new_tokens), 7))
-            print(f"engine, {'LoRA adapters on ' if lora else ''}weights {name}: {time.perf_counter() - start:.2f} s "
-                  f"for {len(samples)} rows x "
-                  f"{new_tokens} tokens")
-    kv.multiplies_transposed = transposed
+    transposed = kv.transposed_product
+    try:
+        for _ in range(rounds):
+            names = ("row-major through F.linear", "row-major as W @ x^T", "column-major through F.linear")
+            for name in names[:2] if lora else names:
+                for module in model.modules():
+                    if isinstance(module, torch.nn.Linear):
+                        module.weight.data = module.weight.data.contiguous()
+                if name.startswith("column"):
+                    column_major(model)
+                kv.transposed_product = transposed if "W @ x^T" in name else (lambda module, rows: None)
+                start = time.perf_counter()
+                samples = list(engine.generate(prompts, 8, SamplingParams(new_tokens), 7))
+                print(f"engine, {'LoRA adapters on ' if lora else ''}weights {name}: "
+                      f"{time.perf_counter() - start:.2f} s for {len(samples)} rows x {new_tokens} tokens")
+    finally:
+        kv.transposed_product = transposed
 
 
 def main() -> None:

@@ -2,11 +2,11 @@
 rows (the live samples) by every weight matrix; on some CPUs the BLAS reads a matrix stored as nn.Linear keeps it,
 (out, in) row-major, far slower at such row counts than the same matrix stored (in, out): on an AVX512 Xeon VM
 (2026-11-28), 16 rows by SmolLM2's MLP matrices read 3.7 GB/s row-major and 7.1 GB/s column-major, and the engine
-decoded 16 rows x 64 tokens in 7.8-8.6 against 13.0-14.2 s; at 4 rows and at 64 and more the row-major layout was as
-fast or faster (`python -m bench.small_gemm --real`). Which layout wins is the BLAS's and the CPU's, so `auto` measures it
-once, on matrices of the model's own shapes, at the row counts the engine will decode. The weights keep their shape
-and values (a column-major matrix is the transposed view of a contiguous (in, out) tensor): modules, state dicts and
-weight syncs (copy_ into the parameter) see no difference.
+decoded 16 rows x 64 tokens in 7.8-8.6 against 13.0-14.2 s; at 4 rows and at 64 and more the row-major layout was
+as fast or faster (`python -m bench.small_gemm --real`). Which layout wins is the BLAS's and the CPU's, so `auto`
+measures it once, on matrices of the model's own shapes, at the row counts the engine will decode. The weights keep
+their shape and values (a column-major matrix is the transposed view of a contiguous (in, out) tensor): modules, state
+dicts and weight syncs (copy_ into the parameter) see no difference.
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from rlfuse.config import Config, own_generator_copy
-from rlfuse.models.lean import single_lora_adapter
+from rlfuse.models.lean import runs_stock, single_lora_adapter
 
 PROBE_BYTES = 96 * 2**20
 """Bytes of matrices the probe multiplies per pass: more than a CPU's last-level cache holds, as the model's do."""
@@ -50,47 +50,81 @@ against 3.0, and from 64 rows on the two are even (3.3-3.5 GB/s, where the multi
 
 
 def multiplies_transposed(module, rows: int) -> bool:
-    """Whether a decode step over `rows` rows multiplies `module` as W @ h^T (linear_transposed) rather than
+    """Whether a decode step over `rows` rows multiplies `module` as W @ h^T (transposed_product) rather than
     h @ W^T (F.linear): a plain nn.Linear with its fp32 weight on the CPU, stored as nn.Linear keeps it ((out, in),
     row-major), at up to TRANSPOSED_MAX_ROWS rows; or peft's LoRA layer over one, unmerged, with one active adapter
-    without dropout or with the adapters switched off (a shared base decoding as the actor, or as the reference).
-    At a decode step's few rows MKL reads such a weight 2-3x faster in the first form than in the second, and faster
-    than the same weight stored column-major (rollout.weight_layout=column) in the second: on an AVX512 Xeon VM
-    (2026-11-28), 16 rows by SmolLM2's matrices at 8-12 GB/s against 2.7-4.0 and 6.8-8.9; the engine decoded 16 rows
-    x 64 tokens in 6.6-7.8 s against 11.6-12.8 through F.linear and 7.1-7.7 column-major (`python -m
-    bench.small_gemm --real`). A column-major, bf16 (not measured on hardware that multiplies it natively) or
-    quantised weight, or one on a GPU, keeps its module's own forward."""
-    return rows <= TRANSPOSED_MAX_ROWS and _transposed_parts(module) is not None
+    of the base's dtype and device whose dropout is off (eval mode, or p = 0), or with the adapters switched off (a
+    shared base decoding as the actor, or as the reference); no forward hooks and no forward of its own on any of
+    them (what they would do is not ours to skip). At a decode step's few rows MKL reads such a weight 2-3x faster
+    in the first form than in the second, and faster than the same weight stored column-major
+    (rollout.weight_layout=column) in the second: on an AVX512 Xeon VM (2026-11-28), 16 rows by SmolLM2's matrices
+    at 8-12 GB/s against 2.7-4.0 and 6.8-8.9; the engine decoded 16 rows x 64 tokens in 6.6-7.8 s against 11.6-12.8
+    through F.linear and 7.1-7.7 column-major (`python -m bench.small_gemm --real`). A column-major, bf16 (not
+    measured on hardware that multiplies it natively) or quantised weight, or one on a GPU, keeps its module's own
+    forward."""
+    return transposed_product(module, rows) is not None
 
 
-def _transposed_parts(module):
-    """(base nn.Linear, LoRA adapter as single_lora_adapter gives it, or None) where multiplies_transposed allows
-    the module, else None."""
+LORA_LAYERS = ("peft.tuners.lora.layer.Linear", "rlfuse.models.lora_linear.FusedLoraLinear")
+"""peft's LoRA linear and ours (the same layer with a fused training forward), by name: importing peft here would
+cost every process that decodes 2.5 s (models/load.py apply_lora)."""
+
+
+class TransposedProduct:
+    """module(h)^T from h^T (in, R), as (out, R): W @ h^T plus the bias, and a LoRA adapter's term as
+    (B @ (A @ h^T)) x scaling, added as peft adds it. The tensors are read once, when the step builds it."""
+
+    __slots__ = ("module", "weight", "bias", "adapter")
+
+    def __init__(self, module, weight: Tensor, bias: Tensor | None, adapter):
+        self.module, self.weight, self.bias, self.adapter = module, weight, bias, adapter
+
+    def __call__(self, ht: Tensor) -> Tensor:
+        w = self.weight
+        out = torch.mm(w, ht) if self.bias is None else torch.addmm(self.bias[:, None], w, ht)
+        if self.adapter is not None:
+            a, b, scaling = self.adapter
+            out = out + torch.mm(b, torch.mm(a, ht)) * scaling
+        return out
+
+
+def transposed_product(module, rows: int) -> TransposedProduct | None:
+    """The product a decode step over `rows` rows computes for `module` as W @ h^T, where multiplies_transposed
+    allows it; None where the module runs its own forward."""
+    if rows > TRANSPOSED_MAX_ROWS or not runs_stock(module):
+        return None
     base, adapter = module, None
     if hasattr(module, "lora_A"):
         base = getattr(module, "base_layer", None)
-        if getattr(module, "merged", True):
+        if _class_name(module) not in LORA_LAYERS or module.merged or not runs_stock(base):
             return None
-        if not getattr(module, "disable_adapters", True):
+        if not module.disable_adapters:
             adapter = single_lora_adapter(module)
-            if adapter is None:
+            if adapter is None or any(t.dtype != torch.float32 or t.device.type != "cpu" for t in adapter[:2]):
                 return None
     w = getattr(base, "weight", None)
     if not (type(base) is torch.nn.Linear and w.device.type == "cpu" and w.dtype == torch.float32
             and w.is_contiguous()):
         return None
-    return base, adapter
+    return TransposedProduct(module, w, base.bias, adapter)
 
 
-def linear_transposed(module: torch.nn.Module, ht: Tensor) -> Tensor:
-    """module(h)^T from h^T (in, R): (out, R), for a module multiplies_transposed allows; a LoRA adapter's term as
-    (B @ (A @ h^T)) x scaling, added as peft adds it."""
-    base, adapter = _transposed_parts(module)
-    out = torch.mm(base.weight, ht) if base.bias is None else torch.addmm(base.bias[:, None], base.weight, ht)
-    if adapter is not None:
-        a, b, scaling = adapter
-        out = out + torch.mm(b, torch.mm(a, ht)) * scaling
-    return out
+def _class_name(module) -> str:
+    return f"{type(module).__module__}.{type(module).__qualname__}"
+
+
+LLAMA_STYLE_ARCHITECTURES = ("LlamaForCausalLM", "Qwen2ForCausalLM", "MistralForCausalLM")
+
+
+def has_llama_decode_step(model) -> bool:
+    """Whether the engine decodes `model` with its Llama-family step (rollout/kv.py LlamaDecodeStep), the one that
+    multiplies as multiplies_transposed says: Llama, Qwen2 or Mistral without a sliding window. Any other
+    architecture decodes through F.linear (GPT-2's step, transformers' forward)."""
+    cfg = getattr(model, "config", None)
+    if type(model).__name__ not in LLAMA_STYLE_ARCHITECTURES or cfg is None:
+        return False
+    sliding = getattr(cfg, "sliding_window", None) is not None and getattr(cfg, "use_sliding_window", True)
+    return not sliding and getattr(cfg, "pretraining_tp", 1) == 1
 
 
 def fastest_seconds(fn, reps: int = 3) -> float:
@@ -103,21 +137,23 @@ def fastest_seconds(fn, reps: int = 3) -> float:
     return best
 
 
-def faster_layout(out_features: int, in_features: int, rows: list[int], dtype: torch.dtype) -> str:
+def faster_layout(out_features: int, in_features: int, rows: list[int], dtype: torch.dtype,
+                  transposed_step: bool) -> str:
     """"row" or "column": the layout in which the decode step multiplies `rows` rows by (out, in) matrices of
-    `dtype` in less time (row-major as multiplies_transposed says, column-major through F.linear), summed over the row counts given, on this CPU with its torch threads (0.6-0.8 s for SmolLM2)."""
+    `dtype` in less time, summed over the row counts given, on this CPU with its torch threads (0.6-0.8 s for
+    SmolLM2). Column-major goes through F.linear; row-major as W @ h^T where a `transposed_step` (the Llama-family
+    step, has_llama_decode_step) would take it (multiplies_transposed), else through F.linear too."""
     row_bytes = in_features * torch.finfo(dtype).bits // 8
     out_features = min(out_features, PROBE_BYTES // row_bytes)  # a matrix larger than the probe: a slab of it
     n = max(1, PROBE_BYTES // (out_features * row_bytes))
     gen = torch.Generator().manual_seed(0)
     row = [torch.randn(out_features, in_features, generator=gen).to(dtype) for _ in range(n)]
     col = [w.t().contiguous().t() for w in row]
-    # row-major weights are multiplied as the decode step will: W @ h^T where multiplies_transposed says so
     total = {"row": 0.0, "column": 0.0}
     for r in rows:
         x = torch.randn(r, in_features, generator=gen).to(dtype)
         xt = x.t().contiguous()
-        transposed = dtype == torch.float32 and r <= TRANSPOSED_MAX_ROWS
+        transposed = transposed_step and multiplies_transposed(torch.nn.Linear(1, 1, bias=False, dtype=dtype), r)
         products = {"row": (lambda w: torch.mm(w, xt)) if transposed else (lambda w: F.linear(x, w)),
                     "column": lambda w: F.linear(x, w)}
         for name, ws in (("row", row), ("column", col)):
@@ -156,7 +192,8 @@ def generator_layout(cfg: Config, device, generator: torch.nn.Module) -> str:
     if torch.device(device).type != "cpu" or not own_generator_copy(cfg) or weights < PROBE_BYTES:
         return "row"
     batch = min(cfg.rl.prompts_per_iter * cfg.rl.k, cfg.rollout.max_rows)
-    return faster_layout(*mlp_shape(generator), decode_rows(batch), next(generator.parameters()).dtype)
+    dtype = next(generator.parameters()).dtype
+    return faster_layout(*mlp_shape(generator), decode_rows(batch), dtype, has_llama_decode_step(generator))
 
 
 def kept_layout(path: Path, cfg: Config) -> str | None:

@@ -63,8 +63,10 @@ class _SwiGLUDown(torch.autograd.Function):
 
 def single_lora_adapter(layer: torch.nn.Module):
     """(A weight, B weight, scaling) of a peft LoRA Linear over a plain nn.Linear with exactly one active adapter,
-    unmerged, no dropout, no DoRA, bias-free adapter layers; None otherwise (the layer then runs as itself)."""
-    if not hasattr(layer, "lora_A") or type(getattr(layer, "base_layer", None)) is not torch.nn.Linear:
+    unmerged, its dropout off (none, p = 0, or eval mode), no DoRA or other variant, bias-free adapter layers, and
+    nothing hooked on the layers a fused product skips (runs_stock); None otherwise (the layer then runs as itself)."""
+    base = getattr(layer, "base_layer", None)
+    if not hasattr(layer, "lora_A") or type(base) is not torch.nn.Linear:
         return None
     if getattr(layer, "disable_adapters", True) or getattr(layer, "merged", True):
         return None
@@ -72,13 +74,27 @@ def single_lora_adapter(layer: torch.nn.Module):
     if len(active) != 1:
         return None
     name = active[0]
-    a, b = layer.lora_A[name], layer.lora_B[name]
-    if (type(layer.lora_dropout[name]) is not torch.nn.Identity or layer.use_dora.get(name, False)
+    a, b, dropout = layer.lora_A[name], layer.lora_B[name], layer.lora_dropout[name]
+    if (not _dropout_off(dropout) or layer.use_dora.get(name, False)
             or name in getattr(layer, "lora_variant", {})
             or type(a) is not torch.nn.Linear or type(b) is not torch.nn.Linear or a.bias is not None
-            or b.bias is not None):
+            or b.bias is not None or not all(map(runs_stock, (layer, base, a, b, dropout)))):
         return None
     return a.weight, b.weight, layer.scaling[name]
+
+
+def _dropout_off(dropout: torch.nn.Module) -> bool:
+    return type(dropout) is torch.nn.Identity or (type(dropout) is torch.nn.Dropout
+                                                  and (not dropout.training or dropout.p == 0))
+
+
+def runs_stock(module) -> bool:
+    """Whether calling `module` would run only its class's forward: no forward hooks (its own or global) and no
+    forward set on the instance. A fused or transposed product that reads a module's weights instead of calling it
+    takes only such a module, so a user's hook is never skipped."""
+    return isinstance(module, torch.nn.Module) and not (
+        module._forward_hooks or module._forward_pre_hooks or "forward" in module.__dict__
+        or torch.nn.modules.module._global_forward_hooks or torch.nn.modules.module._global_forward_pre_hooks)
 
 
 class _SwiGLU(torch.autograd.Function):
@@ -162,7 +178,7 @@ def lean_swiglu_forward(module: torch.nn.Module):
         if not (module.training and torch.is_grad_enabled()):
             return stock(x)
         gate, up = module.gate_proj(x), module.up_proj(x)
-        if plain_down:
+        if plain_down and runs_stock(down):
             return _SwiGLUDown.apply(gate, up, down.weight, down.bias)
         adapter = single_lora_adapter(down)  # read at each call: the active adapter can change (shared base)
         if adapter is not None:

@@ -20,7 +20,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from rlfuse.models.hf_cache import cache_of, with_cache
-from rlfuse.models.layout import linear_transposed, multiplies_transposed
+from rlfuse.models.layout import has_llama_decode_step, transposed_product
 from rlfuse.models.lean import is_swiglu_mlp
 
 
@@ -190,8 +190,6 @@ class LlamaDecodeStep:
     sliding window) in eval mode over a BufferKV tensor (L, 2, R, kv_heads, C, D). The norms, projections, MLP and
     rotary tables are the model's own modules; only the cache write and attention over the buffer are ours."""
 
-    ARCHITECTURES = ("LlamaForCausalLM", "Qwen2ForCausalLM", "MistralForCausalLM")
-
     def __init__(self, model):
         self.model = model
         cfg = model.config
@@ -204,13 +202,9 @@ class LlamaDecodeStep:
         self.embed, self.rotary, self.norm, self.layers = body.embed_tokens, body.rotary_emb, body.norm, list(body.layers)
         self.lm_head = self.model.lm_head
 
-    @classmethod
-    def supports(cls, model) -> bool:
-        cfg = getattr(model, "config", None)
-        if type(model).__name__ not in cls.ARCHITECTURES or cfg is None:
-            return False
-        sliding = getattr(cfg, "sliding_window", None) is not None and getattr(cfg, "use_sliding_window", True)
-        return not sliding and getattr(cfg, "pretraining_tp", 1) == 1
+    @staticmethod
+    def supports(model) -> bool:
+        return has_llama_decode_step(model)  # beside the layout rule: the probe asks it too (models/layout.py)
 
     def __call__(self, kv: Tensor, w: int, last: Tensor, pos: Tensor, attn: Tensor) -> Tensor:
         """Same contract as Gpt2DecodeStep.__call__."""
@@ -221,11 +215,11 @@ class LlamaDecodeStep:
         mask = attn[:, None, None, :]
         for i, layer in enumerate(self.layers):
             a = layer.self_attn
-            projections = (a.q_proj, a.k_proj, a.v_proj, a.o_proj)
-            transposed = all(multiplies_transposed(m, R) for m in projections)
+            products = [transposed_product(m, R) for m in (a.q_proj, a.k_proj, a.v_proj, a.o_proj)]
+            transposed = all(p is not None for p in products)
             h = layer.input_layernorm(x)
             if transposed:
-                q, k, v = self.rotated_qkv_transposed(a, h, cos, sin)
+                q, k, v = self.rotated_qkv_transposed(products[:3], h, cos, sin)
             else:
                 q, k, v = self.rotated_qkv(a, h, cos, sin)
             keys, values = kv[i, 0], kv[i, 1]
@@ -236,33 +230,36 @@ class LlamaDecodeStep:
             o = F.scaled_dot_product_attention(q.reshape(R, KVH, H // KVH, D), keys[:, :, : w + 1],
                                                values[:, :, : w + 1], attn_mask=mask, scale=a.scaling)
             if transposed:
-                x = x + linear_transposed(a.o_proj, o.reshape(R, H * D).t().contiguous()).t()[:, None]
+                x = x + products[3](o.reshape(R, H * D).t().contiguous()).t()[:, None]
             else:
                 x = x + a.o_proj(o.reshape(R, 1, H * D))
             x = x + self.mlp(layer.mlp, layer.post_attention_layernorm(x), R)
         h = self.norm(x)[:, 0]
-        if multiplies_transposed(self.lm_head, R):
-            return linear_transposed(self.lm_head, h.t().contiguous()).t().contiguous()
-        return self.lm_head(h)
+        head = transposed_product(self.lm_head, R)
+        return head(h.t().contiguous()).t().contiguous() if head is not None else self.lm_head(h)
 
     @staticmethod
     def mlp(mlp, h: Tensor, rows: int) -> Tensor:
         """The MLP of h (R, 1, E): a SwiGLU of plain row-major projections as W @ h^T throughout (the product stays
-        transposed from gate and up through down), any other through its own forward."""
-        projections = (mlp.gate_proj, mlp.up_proj, mlp.down_proj) if is_swiglu_mlp(mlp) else ()
-        if projections and all(multiplies_transposed(m, rows) for m in projections):
+        transposed from gate and up through down), any other, or one with a forward hook, through its own forward
+        (a forward set on the instance is lean activations' or checkpointing's, which act only in training)."""
+        hooked = mlp._forward_hooks or mlp._forward_pre_hooks
+        products = [transposed_product(m, rows) for m in (mlp.gate_proj, mlp.up_proj, mlp.down_proj)] \
+            if is_swiglu_mlp(mlp) and not hooked else [None]
+        if all(p is not None for p in products):
+            gate, up, down = products
             ht = h[:, 0].t().contiguous()
-            product = mlp.act_fn(linear_transposed(mlp.gate_proj, ht)).mul_(linear_transposed(mlp.up_proj, ht))
-            return linear_transposed(mlp.down_proj, product).t()[:, None]
+            return down(mlp.act_fn(gate(ht)).mul_(up(ht))).t()[:, None]
         return mlp(h)
 
-    def rotated_qkv_transposed(self, attn, h: Tensor, cos: Tensor, sin: Tensor) -> tuple[Tensor, Tensor, Tensor]:
-        """rotated_qkv with each projection as W @ h^T (multiplies_transposed); the heads made contiguous again, so
-        that rotary and attention run on dense tensors (a strided query sends attention to its slow math path)."""
+    def rotated_qkv_transposed(self, products, h: Tensor, cos: Tensor, sin: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+        """rotated_qkv with the query, key and value projections as W @ h^T (their transposed_product); the heads made
+        contiguous again, so that rotary and attention run on dense tensors (a strided query sends attention to its
+        slow math path)."""
         R, H, KVH, D = h.shape[0], self.H, self.KVH, self.D
         ht = h[:, 0].t().contiguous()
-        heads = lambda proj, n: linear_transposed(proj, ht).t().contiguous().view(R, 1, n, D).transpose(1, 2)
-        q, k, v = heads(attn.q_proj, H), heads(attn.k_proj, KVH), heads(attn.v_proj, KVH)
+        heads = lambda product, n: product(ht).t().contiguous().view(R, 1, n, D).transpose(1, 2)
+        q, k, v = heads(products[0], H), heads(products[1], KVH), heads(products[2], KVH)
         return q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin, v
 
     def rotated_qkv(self, attn, h: Tensor, cos: Tensor, sin: Tensor) -> tuple[Tensor, Tensor, Tensor]:

@@ -234,7 +234,6 @@ def test_lean_llama_style_step_equals_transformers_forward(arch, layout, monkeyp
     from rlfuse.config import load_config
     from rlfuse.models import layout as layout_module
     from rlfuse.models.load import apply_lora
-    from rlfuse.rollout import kv as kv_module
     from rlfuse.rollout.kv import BufferKV, LlamaDecodeStep
 
     monkeypatch.setattr(BufferKV, "GROW", 3)
@@ -254,9 +253,9 @@ def test_lean_llama_style_step_equals_transformers_forward(arch, layout, monkeyp
             peft_model.base_model.disable_adapter_layers()
         model = peft_model.get_base_model().eval()
     transposed_calls = []
-    linear_transposed = kv_module.linear_transposed
-    monkeypatch.setattr(kv_module, "linear_transposed",
-                        lambda module, ht: transposed_calls.append(module) or linear_transposed(module, ht))
+    product = layout_module.TransposedProduct.__call__
+    monkeypatch.setattr(layout_module.TransposedProduct, "__call__",
+                        lambda self, ht: transposed_calls.append(self.module) or product(self, ht))
     assert LlamaDecodeStep.supports(model)
     prompts = [[1, 5, 9], [1, 7], [1, 3, 4, 8, 2], [1, 6, 6, 6]]
     probe = DecodeEngine(model, eos_token_id=-1, max_rows=4, fast_decode=False)

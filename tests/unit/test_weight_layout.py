@@ -5,7 +5,7 @@ own, a model larger than a cache), and a resumed run keeps the first run's answe
 
 import pytest
 import torch
-from transformers import LlamaConfig, LlamaForCausalLM
+from transformers import GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausalLM
 
 from conftest import TINY
 from rlfuse.config import load_config
@@ -73,7 +73,7 @@ def test_which_weights_a_decode_step_multiplies_transposed():
     rows = layout.TRANSPOSED_MAX_ROWS
     assert layout.multiplies_transposed(linear, rows) and not layout.multiplies_transposed(linear, rows + 1)
     h = torch.randn(5, 32)
-    torch.testing.assert_close(layout.linear_transposed(linear, h.t().contiguous()).t(), linear(h))
+    torch.testing.assert_close(layout.transposed_product(linear, 5)(h.t().contiguous()).t(), linear(h))
     column = torch.nn.Linear(32, 24)
     column_major(column)
     bf16 = torch.nn.Linear(32, 24).to(torch.bfloat16)
@@ -84,9 +84,86 @@ def test_which_weights_a_decode_step_multiplies_transposed():
     assert not any(layout.multiplies_transposed(m, 4) for m in (column, bf16, Wrapped(32, 24), torch.nn.Identity()))
 
 
+def test_which_lora_layers_a_decode_step_multiplies_transposed():
+    """peft's LoRA layer (ours, fused) goes W @ h^T only in the states whose product is B @ (A @ h^T) x scaling on a
+    plain base: unmerged, one active adapter of the base's dtype, dropout off, no DoRA, nothing hooked; with adapters
+    off the base alone. Where taken, the product is the layer's own forward's."""
+    from peft import LoraConfig
+
+    from rlfuse.models.lean import single_lora_adapter
+    from rlfuse.models.load import apply_lora
+
+    lora = load_config(None, ["model.lora=true", "model.lora_targets=[q_proj]"]).model
+    peft_model = apply_lora(_llama(), lora)
+    peft_model.add_adapter("second", LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj"]))
+    layer = peft_model.get_base_model().eval().model.layers[0].self_attn.q_proj
+    layer.lora_dropout["default"] = torch.nn.Dropout(0.1).eval()  # as peft builds it for a loaded adapter's dropout
+    torch.nn.init.normal_(layer.lora_B["default"].weight)
+    h = torch.randn(3, 32)
+
+    def taken() -> bool:
+        product = layout.transposed_product(layer, 3)
+        if product is not None:
+            torch.testing.assert_close(product(h.t().contiguous()).t(), layer(h))
+        return product is not None
+
+    assert type(layer).__name__ == "FusedLoraLinear" and taken()
+    assert single_lora_adapter(layer)[2] == layer.scaling["default"]
+    layer.train()  # dropout with p > 0 in training is not a no-op
+    assert not taken() and single_lora_adapter(layer) is None
+    layer.eval()
+    layer.merge()
+    assert not taken()
+    layer.unmerge()
+    layer.enable_adapters(False)
+    assert taken() and layout.transposed_product(layer, 3).adapter is None
+    layer.enable_adapters(True)
+    layer.use_dora["default"] = True
+    assert not taken()
+    layer.use_dora["default"] = False
+    layer.set_adapter(["default", "second"])
+    assert not taken()
+    layer.set_adapter("default")
+    assert taken()
+    layer.lora_A["default"].to(torch.bfloat16)
+    assert not taken()
+    layer.lora_A["default"].to(torch.float32)
+    for module in (layer, layer.base_layer, layer.lora_A["default"], layer.lora_B["default"]):
+        for hook in (module.register_forward_hook(lambda *a: None), module.register_forward_pre_hook(lambda *a: None)):
+            assert not taken()
+            hook.remove()
+    layer.forward = lambda x: x
+    assert not taken()
+    del layer.forward
+    with torch.nn.modules.module.register_module_forward_hook(lambda *a: None):
+        assert not taken()
+
+    class Quantised(torch.nn.Linear):  # bitsandbytes' layers are nn.Linear subclasses
+        pass
+
+    base = layer.base_layer
+    layer.base_layer = Quantised(32, 32, bias=False)
+    assert not taken()
+    layer.base_layer = base
+    assert taken()
+
+
+def test_lean_training_runs_a_hooked_down_projection_as_itself():
+    """The lean SwiGLU reads the down projection's weights into its fused product; with a hook on it, it calls it."""
+    from rlfuse.models.lean import enable_lean_activations
+
+    model = _llama().train()
+    enable_lean_activations(model)
+    seen = []
+    model.model.layers[0].mlp.down_proj.register_forward_hook(lambda module, args, out: seen.append(out.shape))
+    model(torch.tensor([[1, 2, 3]])).logits.sum().backward()
+    assert seen == [(1, 3, 32)]
+
+
 def test_the_probe_answers_for_the_rows_an_engine_decodes():
     assert decode_rows(16) == [16, 8, 4, 2] and decode_rows(3) == [3, 2, 1] and decode_rows(1) == [1]
-    assert faster_layout(64, 32, [4, 2], torch.float32) in ("row", "column")
+    for transposed_step in (True, False):
+        assert faster_layout(64, 32, [4, 2], torch.float32, transposed_step) in ("row", "column")
 
 
 def test_auto_measures_only_a_cpu_copy_of_its_own_larger_than_a_cache(tiny_task, monkeypatch):
@@ -101,7 +178,12 @@ def test_auto_measures_only_a_cpu_copy_of_its_own_larger_than_a_cache(tiny_task,
     assert generator_layout(cfg("model.lora=true"), "cuda", model) == "row" and not probed
     assert generator_layout(cfg("model.lora=true", "rl.prompts_per_iter=4", "rl.mini_batch_size=8",
                                  "rl.micro_batch_size=4"), "cpu", model) == "column"
-    assert probed[-1][:3] == (64, 32, [8, 4, 2, 1])  # the MLP's shape (the most bytes), 4 prompts x k=2 rows
+    assert probed[-1] == (64, 32, [8, 4, 2, 1], torch.float32, True)  # the MLP's shape (the most bytes), 4 x k=2 rows
+    # a GPT-2 copy decodes through F.linear: its row-major matrices are timed that way, not as W @ h^T
+    gpt2 = GPT2LMHeadModel(GPT2Config(vocab_size=64, n_embd=32, n_layer=1, n_head=4, n_positions=32))
+    generator_layout(cfg("model.lora=true", "rl.prompts_per_iter=4", "rl.mini_batch_size=8", "rl.micro_batch_size=4"),
+                     "cpu", gpt2)
+    assert probed[-1][3:] == (torch.float32, False)
     assert generator_layout(cfg(), "cpu", model) == "row"  # full fine-tuning: the engine decodes the actor
     assert generator_layout(cfg("model.lora=true", "rollout.weight_layout=row"), "cpu", model) == "row"
 
