@@ -17,7 +17,7 @@ from rlfuse.models.device import autocast_to, generator_dtype, rl_compute_dtype
 from rlfuse.models.gguf import local_model
 from rlfuse.models.heads import ValueModel
 from rlfuse.models.layout import column_major, generator_layout
-from rlfuse.models.lean import enable_lean_activations
+from rlfuse.models.lean import enable_lean_activations, training_only
 from rlfuse.models.load import apply_lora, load_causal_lm, load_reward_model, load_tokenizer
 from rlfuse.models.mapped import map_frozen_weights
 from rlfuse.models.quantize import place
@@ -244,4 +244,4 @@ def _recomputed_in_training(module: torch.nn.Module, forward, kwargs: dict):
         if module.training and torch.is_grad_enabled():
             return checkpoint(forward, *args, **kwargs, **kw)
         return forward(*args, **kw)
-    return run
+    return training_only(run)

@@ -19,7 +19,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from rlfuse.config import Config, own_generator_copy
-from rlfuse.models.lean import runs_stock, single_lora_adapter
+from rlfuse.models.lean import is_swiglu_mlp, runs_stock, single_lora_adapter
 
 PROBE_BYTES = 96 * 2**20
 """Bytes of matrices the probe multiplies per pass: more than a CPU's last-level cache holds, as the model's do."""
@@ -100,13 +100,18 @@ def transposed_product(module, rows: int) -> TransposedProduct | None:
             return None
         if not module.disable_adapters:
             adapter = single_lora_adapter(module)
-            if adapter is None or any(t.dtype != torch.float32 or t.device.type != "cpu" for t in adapter[:2]):
+            if adapter is None or not all(map(_plain_fp32_cpu, adapter[:2])):
                 return None
     w = getattr(base, "weight", None)
-    if not (type(base) is torch.nn.Linear and w.device.type == "cpu" and w.dtype == torch.float32
-            and w.is_contiguous()):
+    if not (type(base) is torch.nn.Linear and _plain_fp32_cpu(w) and w.is_contiguous()):
         return None
     return TransposedProduct(module, w, base.bias, adapter)
+
+
+def _plain_fp32_cpu(t) -> bool:
+    """An fp32 CPU tensor or parameter, not a tensor subclass (a DTensor, a quantised weight dressed as fp32), whose
+    own mm would differ from its module's forward."""
+    return type(t) in (torch.nn.Parameter, Tensor) and t.device.type == "cpu" and t.dtype == torch.float32
 
 
 def _class_name(module) -> str:
@@ -127,6 +132,13 @@ def has_llama_decode_step(model) -> bool:
     return not sliding and getattr(cfg, "pretraining_tp", 1) == 1
 
 
+def multiplies_mlp_transposed(model) -> bool:
+    """Whether the engine's decode step multiplies `model`'s MLP matrices (the shape the probe times, mlp_shape) as
+    W @ h^T: the Llama-family step over a SwiGLU MLP (the step runs any other MLP through its own forward)."""
+    layers = getattr(getattr(model, "model", None), "layers", None)
+    return has_llama_decode_step(model) and bool(layers) and is_swiglu_mlp(layers[0].mlp)
+
+
 def fastest_seconds(fn, reps: int = 3) -> float:
     """The fastest of `reps` calls of fn, in seconds."""
     best = float("inf")
@@ -142,7 +154,8 @@ def faster_layout(out_features: int, in_features: int, rows: list[int], dtype: t
     """"row" or "column": the layout in which the decode step multiplies `rows` rows by (out, in) matrices of
     `dtype` in less time, summed over the row counts given, on this CPU with its torch threads (0.6-0.8 s for
     SmolLM2). Column-major goes through F.linear; row-major as W @ h^T where a `transposed_step` (the Llama-family
-    step, has_llama_decode_step) would take it (multiplies_transposed), else through F.linear too."""
+    step over a SwiGLU MLP, multiplies_mlp_transposed) would take it (multiplies_transposed), else through F.linear
+    too."""
     row_bytes = in_features * torch.finfo(dtype).bits // 8
     out_features = min(out_features, PROBE_BYTES // row_bytes)  # a matrix larger than the probe: a slab of it
     n = max(1, PROBE_BYTES // (out_features * row_bytes))
@@ -193,7 +206,7 @@ def generator_layout(cfg: Config, device, generator: torch.nn.Module) -> str:
         return "row"
     batch = min(cfg.rl.prompts_per_iter * cfg.rl.k, cfg.rollout.max_rows)
     dtype = next(generator.parameters()).dtype
-    return faster_layout(*mlp_shape(generator), decode_rows(batch), dtype, has_llama_decode_step(generator))
+    return faster_layout(*mlp_shape(generator), decode_rows(batch), dtype, multiplies_mlp_transposed(generator))
 
 
 def kept_layout(path: Path, cfg: Config) -> str | None:

@@ -88,13 +88,26 @@ def _dropout_off(dropout: torch.nn.Module) -> bool:
                                                   and (not dropout.training or dropout.p == 0))
 
 
-def runs_stock(module) -> bool:
-    """Whether calling `module` would run only its class's forward: no forward hooks (its own or global) and no
-    forward set on the instance. A fused or transposed product that reads a module's weights instead of calling it
-    takes only such a module, so a user's hook is never skipped."""
+def runs_stock(module, decoding: bool = False) -> bool:
+    """Whether calling `module` would run only its class's forward and autograd's backward: no forward or backward
+    hooks (its own or global: what torch's Module.__call__ checks before its fast path) and no forward set on the
+    instance (`decoding`: except one marked training_only, which then runs the stock forward). A fused or transposed
+    product that reads a module's weights instead of calling it takes only such a module, so a hook on that module
+    is never skipped."""
+    hooks = torch.nn.modules.module
+    own = module.__dict__.get("forward") if isinstance(module, torch.nn.Module) else None
     return isinstance(module, torch.nn.Module) and not (
-        module._forward_hooks or module._forward_pre_hooks or "forward" in module.__dict__
-        or torch.nn.modules.module._global_forward_hooks or torch.nn.modules.module._global_forward_pre_hooks)
+        module._forward_hooks or module._forward_pre_hooks or module._backward_hooks or module._backward_pre_hooks
+        or (own is not None and not (decoding and getattr(own, "training_only", False)))
+        or hooks._global_forward_hooks or hooks._global_forward_pre_hooks
+        or hooks._global_backward_hooks or hooks._global_backward_pre_hooks)
+
+
+def training_only(forward):
+    """Mark a forward set on a module instance that acts only while the module trains with gradients on and calls
+    the stock forward otherwise: a decode step that does the module's work itself may pass over it (runs_stock)."""
+    forward.training_only = True
+    return forward
 
 
 class _SwiGLU(torch.autograd.Function):
@@ -153,7 +166,7 @@ def lean_rms_norm_forward(module: torch.nn.Module):
             return stock(x)
         return _RMSNorm.apply(x, module.weight, module.variance_epsilon)
 
-    return forward
+    return training_only(forward)
 
 
 def is_swiglu_mlp(module: torch.nn.Module) -> bool:
@@ -186,7 +199,7 @@ def lean_swiglu_forward(module: torch.nn.Module):
             return _SwiGLUDown.apply(gate, up, base.weight, base.bias, *adapter)
         return down(_SwiGLU.apply(gate, up))
 
-    return forward
+    return training_only(forward)
 
 
 def enable_lean_activations(model: torch.nn.Module, norms: bool = True) -> int:

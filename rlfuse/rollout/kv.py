@@ -21,7 +21,7 @@ from torch import Tensor
 
 from rlfuse.models.hf_cache import cache_of, with_cache
 from rlfuse.models.layout import has_llama_decode_step, transposed_product
-from rlfuse.models.lean import is_swiglu_mlp
+from rlfuse.models.lean import is_swiglu_mlp, runs_stock
 
 
 class HFCacheKV:
@@ -241,11 +241,11 @@ class LlamaDecodeStep:
     @staticmethod
     def mlp(mlp, h: Tensor, rows: int) -> Tensor:
         """The MLP of h (R, 1, E): a SwiGLU of plain row-major projections as W @ h^T throughout (the product stays
-        transposed from gate and up through down), any other, or one with a forward hook, through its own forward
-        (a forward set on the instance is lean activations' or checkpointing's, which act only in training)."""
-        hooked = mlp._forward_hooks or mlp._forward_pre_hooks
+        transposed from gate and up through down), any other, or one hooked (runs_stock: a forward set on the
+        instance counts unless it acts only in training, as lean activations' and checkpointing's do), through its
+        own forward."""
         products = [transposed_product(m, rows) for m in (mlp.gate_proj, mlp.up_proj, mlp.down_proj)] \
-            if is_swiglu_mlp(mlp) and not hooked else [None]
+            if is_swiglu_mlp(mlp) and runs_stock(mlp, decoding=True) else [None]
         if all(p is not None for p in products):
             gate, up, down = products
             ht = h[:, 0].t().contiguous()

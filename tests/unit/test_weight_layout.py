@@ -128,15 +128,26 @@ def test_which_lora_layers_a_decode_step_multiplies_transposed():
     layer.lora_A["default"].to(torch.bfloat16)
     assert not taken()
     layer.lora_A["default"].to(torch.float32)
-    for module in (layer, layer.base_layer, layer.lora_A["default"], layer.lora_B["default"]):
-        for hook in (module.register_forward_hook(lambda *a: None), module.register_forward_pre_hook(lambda *a: None)):
+    for module in (layer, layer.base_layer, layer.lora_A["default"], layer.lora_B["default"],
+                   layer.lora_dropout["default"]):
+        for hook in (module.register_forward_hook(lambda *a: None), module.register_forward_pre_hook(lambda *a: None),
+                     module.register_full_backward_hook(lambda *a: None)):
             assert not taken()
             hook.remove()
-    layer.forward = lambda x: x
-    assert not taken()
-    del layer.forward
-    with torch.nn.modules.module.register_module_forward_hook(lambda *a: None):
+        module.forward = type(module).forward.__get__(module)  # a forward set on the instance (accelerate's hooks)
         assert not taken()
+        del module.forward
+    assert taken()
+    for register in (torch.nn.modules.module.register_module_forward_hook,
+                     torch.nn.modules.module.register_module_forward_pre_hook):
+        with register(lambda *a: None):
+            assert not taken()
+    layer.lora_dropout["default"] = torch.nn.Dropout(0.0).train()  # p = 0 in training: a no-op too
+    assert taken()
+    plain = layer.lora_B["default"].weight
+    layer.lora_B["default"].weight = torch.nn.Parameter(SubclassTensor(plain.data))
+    assert not taken()
+    layer.lora_B["default"].weight = plain
 
     class Quantised(torch.nn.Linear):  # bitsandbytes' layers are nn.Linear subclasses
         pass
@@ -148,22 +159,71 @@ def test_which_lora_layers_a_decode_step_multiplies_transposed():
     assert taken()
 
 
+class SubclassTensor(torch.Tensor):  # a tensor subclass (a DTensor, a quantised weight) with its own operations
+    pass
+
+
 def test_lean_training_runs_a_hooked_down_projection_as_itself():
-    """The lean SwiGLU reads the down projection's weights into its fused product; with a hook on it, it calls it."""
+    """The lean SwiGLU reads the down projection's weights into its fused product; with a forward or a backward hook
+    on it, it calls it."""
     from rlfuse.models.lean import enable_lean_activations
 
     model = _llama().train()
     enable_lean_activations(model)
+    down = model.model.layers[0].mlp.down_proj
     seen = []
-    model.model.layers[0].mlp.down_proj.register_forward_hook(lambda module, args, out: seen.append(out.shape))
+    hooks = [down.register_forward_hook(lambda module, args, out: seen.append(("forward", tuple(out.shape)))),
+             down.register_full_backward_hook(lambda module, gin, gout: seen.append(("backward", gout[0].shape[1])))]
     model(torch.tensor([[1, 2, 3]])).logits.sum().backward()
-    assert seen == [(1, 3, 32)]
+    assert seen == [("forward", (1, 3, 32)), ("backward", 3)]
+    for hook in hooks:
+        hook.remove()
+    seen.clear()
+    model(torch.tensor([[1, 2, 3]])).logits.sum().backward()
+    assert not seen
+
+
+def test_the_decode_step_runs_a_hooked_mlp_as_itself():
+    """An MLP with a forward hook, or with a forward of the user's set on it, runs its own forward in the lean decode
+    step; lean activations' forward (training only) does not stop the transposed MLP."""
+    from rlfuse.models.lean import enable_lean_activations
+    from rlfuse.rollout.engine import DecodeEngine
+    from rlfuse.rollout.state import SamplingParams
+
+    model = _llama()
+    enable_lean_activations(model)
+    mlp = model.model.layers[1].mlp
+    decode = lambda: list(DecodeEngine(model, eos_token_id=-1, max_rows=4).generate([[1, 5, 9]], 2,
+                                                                                   SamplingParams(3), 0))
+    calls = []
+    products = []
+    product = layout.TransposedProduct.__call__
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(layout.TransposedProduct, "__call__",
+                      lambda self, ht: products.append(self.module) or product(self, ht))
+        decode()
+        assert mlp.down_proj in products
+        hook = mlp.register_forward_hook(lambda *a: calls.append("hook"))
+        products.clear()
+        decode()
+        assert calls and mlp.down_proj not in products and model.model.layers[0].mlp.down_proj in products
+        hook.remove()
+        lean = mlp.forward
+        mlp.forward = lambda x: calls.append("forward") or lean(x)
+        calls.clear()
+        decode()
+        assert calls == ["forward"] * 3  # the prefill and two decode steps
 
 
 def test_the_probe_answers_for_the_rows_an_engine_decodes():
     assert decode_rows(16) == [16, 8, 4, 2] and decode_rows(3) == [3, 2, 1] and decode_rows(1) == [1]
     for transposed_step in (True, False):
-        assert faster_layout(64, 32, [4, 2], torch.float32, transposed_step) in ("row", "column")
+        assert faster_layout(64, 32, [4, 2], torch.float32, transposed_step) in ("row", "column")  # runs both forms
+    # the probe times the MLP's shape: as W @ h^T only where the step multiplies the MLP so (a SwiGLU)
+    assert layout.multiplies_mlp_transposed(_llama())
+    gelu = LlamaForCausalLM(LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                                        num_attention_heads=4, num_key_value_heads=2, hidden_act="gelu"))
+    assert not layout.multiplies_mlp_transposed(gelu)
 
 
 def test_auto_measures_only_a_cpu_copy_of_its_own_larger_than_a_cache(tiny_task, monkeypatch):
