@@ -43,6 +43,8 @@ from rlfuse.runtime.probe import fake_experience, spread
 
 PASSES = 3
 """Times the profile takes every timing in its own process; the rates are fitted to each timing's fastest."""
+CONTENTION_WARMUP, CONTENTION_CALLS = 6, 15
+"""The contention probe's untimed calls, then its timed ones (one_pass)."""
 PROFILE_LORA_R = 16
 """LoRA rank of the profile's adapted copy: its per-layer cost is the adapters' ops, which a rank of 8-64 barely
 changes at these widths (the shipped real-model configs train r = 16)."""
@@ -173,10 +175,16 @@ def measure_profile(shape: ModelShape | None = None, threads: int = 1, device: s
                                            flops)
 
         # contention: the same call's mean over its fastest, repeated; on a shared machine the rates above (fitted
-        # from fastest timings) are what a process gets alone, and the run will get about 1 / contention of them
+        # from fastest timings) are what a process gets alone, and the run will get about 1 / contention of them.
+        # After a few calls untimed: on a 2-core Xeon VM (2026-11-28) a 16 x 32-token forward of SmolLM2's shape took
+        # 1.8-2.0 s for its first 6 calls after other work, then 1.43-1.51 s steadily (mean over fastest 1.17 with
+        # them, 1.01-1.04 without), a warm-up that repeated calls of one shape in a run do not pay
         times = []
         with torch.no_grad():
-            for _ in range(15):
+            for _ in range(CONTENTION_WARMUP):
+                model(input_ids=ids[16])
+            sync()
+            for _ in range(CONTENTION_CALLS):
                 t = time.perf_counter()
                 model(input_ids=ids[16])
                 sync()
@@ -237,7 +245,13 @@ def measure_profile(shape: ModelShape | None = None, threads: int = 1, device: s
     log(f"[profile] a LoRA training micro-batch holds {lora_resident / 2**20:.0f} MiB + {lora_ratio:.2f} x the "
         f"activations the memory model counts")
     rates = dict(passes[-1])
-    contention = statistics.median(r["contention"] for r in passes)
+    # the least of the passes': other work that shares the cores for the whole profile slows every pass alike, and
+    # one pass caught in a slow spell (2026-11-28: a profile's median 1.23 put its full fine-tuning training 38%
+    # over the runs it predicted) is not what a run gets for minutes on end
+    contention = min(r["contention"] for r in passes)
+    per_pass = ", ".join(f"{r['contention']:.2f}" for r in passes)
+    log(f"[profile] contention per pass (mean over fastest of {CONTENTION_CALLS} forwards): {per_pass}; the least "
+        f"taken")
     del rates["contention"]
     # how far the fits moved from pass to pass: the rate that moved most (a zero, a term that measured nothing, aside)
     widest, widest_spread = max(((k, spread([r[k] for r in passes])) for k in rates

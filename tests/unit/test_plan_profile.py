@@ -30,6 +30,11 @@ def test_measure_profile_tiny_model(tmp_path):
     assert any(line.startswith("[profile] a LoRA training micro-batch holds") for line in lines)
     assert p.device == "cpu" and p.threads == 1 and "rlfuse plan --profile" in p.source
     assert "fastest of 3 passes' timings" in p.source  # the passes pooled, and which rate moved most over them
+    # each pass's contention logged, the least of them taken (a slow spell of one pass is not what a run gets)
+    per_pass = next(line for line in lines if line.startswith("[profile] contention per pass"))
+    contentions = [float(c) for c in per_pass.split(": ")[1].split(";")[0].split(", ")]
+    assert len(contentions) == 3 and all(c >= 1.0 for c in contentions)
+    assert f"contention {min(contentions):.2f} (rates divided by it)" in p.source
     assert 1e-6 < p.ray_call_s < 0.5  # the driver's own work per iteration, measured in this process
     # without the Ray probe the Ray overheads are the built-in ones (scaled like every per-call cost)
     assert p.ray_round_trip_s == BUILTIN_OVERHEADS["ray_round_trip_s"] and p.train_micro_s > 0
