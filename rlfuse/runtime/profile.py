@@ -72,6 +72,15 @@ def _worker_runtime_bytes() -> float:
     return psutil.Process().memory_info().rss + RAY_WORKER_BYTES
 
 
+def profile_contention(per_pass: list[float], others: float) -> float:
+    """The contention the rates are divided by, from each pass's: their median where other work kept more than
+    BUSY_CORES busy over the profile (a shared machine: what a run will share too), else the least of them. On an
+    idle machine a pass's figure is the machine's own jitter: an idle VM's passes measured 1.15, 1.21 and 1.04
+    (2026-11-28, other work 0.00 cores), and the median of another profile's (1.23, other work 0.02) put the math
+    config's full fine-tuning training 38% over its runs (11-15% without it)."""
+    return statistics.median(per_pass) if others > BUSY_CORES else min(per_pass)
+
+
 def _fit(times: dict) -> tuple[float, float]:
     """Least-squares line through {rows: seconds}: (seconds at 0 rows, seconds per row), both kept positive."""
     xs, ys = list(times), list(times.values())
@@ -177,8 +186,8 @@ def measure_profile(shape: ModelShape | None = None, threads: int = 1, device: s
         # contention: the same call's mean over its fastest, repeated; on a shared machine the rates above (fitted
         # from fastest timings) are what a process gets alone, and the run will get about 1 / contention of them.
         # After a few calls untimed: on a 2-core Xeon VM (2026-11-28) a 16 x 32-token forward of SmolLM2's shape took
-        # 1.8-2.0 s for its first 6 calls after other work, then 1.43-1.51 s steadily (mean over fastest 1.17 with
-        # them, 1.01-1.04 without), a warm-up that repeated calls of one shape in a run do not pay
+        # 1.8-2.0 s for its first 6 calls in a fresh process, then 1.43-1.51 s steadily (mean over fastest 1.17 with
+        # them, 1.01-1.04 without): the probe is for sharing, not a process's first calls
         times = []
         with torch.no_grad():
             for _ in range(CONTENTION_WARMUP):
@@ -245,13 +254,10 @@ def measure_profile(shape: ModelShape | None = None, threads: int = 1, device: s
     log(f"[profile] a LoRA training micro-batch holds {lora_resident / 2**20:.0f} MiB + {lora_ratio:.2f} x the "
         f"activations the memory model counts")
     rates = dict(passes[-1])
-    # the least of the passes': other work that shares the cores for the whole profile slows every pass alike, and
-    # one pass caught in a slow spell (2026-11-28: a profile's median 1.23 put its full fine-tuning training 38%
-    # over the runs it predicted) is not what a run gets for minutes on end
-    contention = min(r["contention"] for r in passes)
+    contention = profile_contention([r["contention"] for r in passes], others)
     per_pass = ", ".join(f"{r['contention']:.2f}" for r in passes)
-    log(f"[profile] contention per pass (mean over fastest of {CONTENTION_CALLS} forwards): {per_pass}; the least "
-        f"taken")
+    log(f"[profile] contention per pass (mean over fastest of {CONTENTION_CALLS} forwards): {per_pass}; "
+        f"{contention:.2f} taken (other work on the cores: {others:.2f})")
     del rates["contention"]
     # how far the fits moved from pass to pass: the rate that moved most (a zero, a term that measured nothing, aside)
     widest, widest_spread = max(((k, spread([r[k] for r in passes])) for k in rates
@@ -273,7 +279,8 @@ def measure_profile(shape: ModelShape | None = None, threads: int = 1, device: s
         memory_bytes=float(memory), runtime_bytes=float(runtime), slack_fraction=0.1, other_cores=others, shape=shape.key,
         lora_train_resident_bytes=lora_resident, lora_train_ratio=lora_ratio,
         source=f"rlfuse plan --profile, {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}, {shape.name}, "
-               f"load average {os.getloadavg()[0]:.1f}, contention {contention:.2f} (rates divided by it), each "
+               f"load average {os.getloadavg()[0]:.1f}, other work {others:.2f} cores, contention {contention:.2f} "
+               f"(rates divided by it), each "
                f"rate fitted to the fastest of {PASSES} passes' timings (moved most over the passes: {widest}, "
                f"{widest_spread * 100:.0f}%)"
     ).slowed(contention)
