@@ -428,7 +428,8 @@ class RolloutConfig:
     Llama family, F.linear for others) against column-major (under a second; column where it is faster by 5% or
     more, else row); row on a GPU and for small models. Values, shapes and state dicts are the same either way; the
     matmuls differ in the last bits, so auto's answer is kept with the run (rl/weight_layout.txt) and a resumed run
-    decodes as the first did. A weight sync then copies into the transposed layout (slower than a plain copy; auto times only the matmuls)."""
+    decodes as the first did. A weight sync then copies into the transposed layout (slower than a plain copy; auto
+    times only the matmuls)."""
     weight_sync: str = "auto"
     """auto | merged | adapters: what the actor's weight sync sends to generation workers without an actor replica
     (separated, interleaved). merged: the whole policy with the LoRA adapters folded in. adapters (model.lora): only
