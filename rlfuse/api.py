@@ -30,7 +30,8 @@ from rlfuse.errors import ConfigError, UserError
 from rlfuse.live_rewards import is_live, reward_spec
 from rlfuse.plan.resolve import resolve
 from rlfuse.plan.roles import derive_roles
-from rlfuse.runs import claim_run_folder, clear_previous, stage_summary, with_local_stage_paths, write_rl_results
+from rlfuse.runs import (claim_run_folder, clear_previous, stage_started, stage_summary, with_local_stage_paths,
+                         write_rl_results)
 
 ConfigLike = Union[Config, str, os.PathLike, dict, None]
 Overrides = Union[dict, list, tuple, None]
@@ -156,31 +157,41 @@ def _refuse_live_reward_on_workers(cfg: Config) -> None:
 
 
 def train_sft(config: ConfigLike = None, run_dir: str | os.PathLike | None = None, *, overrides: Overrides = None,
-              model=None, tokenizer=None, dataset=None, overwrite: bool = False, log: Callable = log_stderr):
+              model=None, tokenizer=None, dataset=None, resume: bool = False, overwrite: bool = False,
+              log: Callable = log_stderr):
     """Supervised fine-tuning into RUN_DIR/sft. model: a hub id or folder (model.name), or a transformers model
     object with its `tokenizer`. dataset: a `datasets.Dataset` (or list of row dicts) in any of TRL's formats,
-    saved as RUN_DIR/data.jsonl. A RUN_DIR that already holds an SFT stage is refused unless overwrite=True.
-    Returns the SFTResult (model_dir, val_loss, perplexity, seconds, ...)."""
+    saved as RUN_DIR/data.jsonl. A RUN_DIR that already holds an SFT stage is refused unless resume=True continues
+    it from its last checkpoint (sft.ckpt_every; with its saved config.yaml unless config is given) or overwrite=True
+    replaces it. Returns the SFTResult (model_dir, val_loss, perplexity, seconds, ...)."""
     from rlfuse.trainers.sft import train_sft as run_sft  # torch and transformers load with a trainer, not the API
 
-    with claim_run_folder(_run_folder(config, overrides, run_dir), "sft", overwrite=overwrite, log=log) as folder:
+    config = _resume_config(config, run_dir) if resume else config
+    with claim_run_folder(_run_folder(config, overrides, run_dir), "sft", resume=resume, overwrite=overwrite,
+                          log=log) as folder:
         cfg = _stage_config(config, overrides, folder, log, **{"model.name": _model_override(model, tokenizer, folder)},
-                            **_dataset_override(dataset, folder))
-        _start_new(cfg, folder, "sft", overwrite, log)
-        return run_sft(cfg, folder, log)
+                            **(_resumed_dataset(dataset, folder) if resume else _dataset_override(dataset, folder)))
+        on_resumed = _resume_rules(cfg, folder, log, "sft step") if resume else _start_new(cfg, folder, "sft",
+                                                                                             overwrite, log)
+        return run_sft(cfg, folder, log, resume=resume, on_resumed=on_resumed)
 
 
 def train_rm(config: ConfigLike = None, run_dir: str | os.PathLike | None = None, *, overrides: Overrides = None,
-             dataset=None, overwrite: bool = False, log: Callable = log_stderr):
+             dataset=None, resume: bool = False, overwrite: bool = False, log: Callable = log_stderr):
     """Reward-model training into RUN_DIR/rm, from rm.sft_path (a folder or hub id) or RUN_DIR/sft/model (rm.init=sft),
-    or model.name (rm.init=base). A RUN_DIR that already holds a reward-model stage is refused unless overwrite=True.
-    Returns the RMResult (model_dir, accuracy, margin, seconds)."""
+    or model.name (rm.init=base). A RUN_DIR that already holds a reward-model stage is refused unless resume=True
+    continues it (rm.ckpt_every) or overwrite=True replaces it. Returns the RMResult (model_dir, accuracy, margin,
+    seconds)."""
     from rlfuse.trainers.rm import train_rm as run_rm  # torch and transformers load with a trainer, not the API
 
-    with claim_run_folder(_run_folder(config, overrides, run_dir), "rm", overwrite=overwrite, log=log) as folder:
-        cfg = _stage_config(config, overrides, folder, log, **_dataset_override(dataset, folder))
-        _start_new(cfg, folder, "rm", overwrite, log)
-        return run_rm(with_local_stage_paths(cfg), folder, log)
+    config = _resume_config(config, run_dir) if resume else config
+    with claim_run_folder(_run_folder(config, overrides, run_dir), "rm", resume=resume, overwrite=overwrite,
+                          log=log) as folder:
+        cfg = _stage_config(config, overrides, folder, log,
+                            **(_resumed_dataset(dataset, folder) if resume else _dataset_override(dataset, folder)))
+        on_resumed = _resume_rules(cfg, folder, log, "rm step") if resume else _start_new(cfg, folder, "rm",
+                                                                                            overwrite, log)
+        return run_rm(with_local_stage_paths(cfg), folder, log, resume=resume, on_resumed=on_resumed)
 
 
 @dataclass
@@ -261,10 +272,11 @@ def run_pipeline(config: ConfigLike = None, run_dir: str | os.PathLike | None = 
         _refuse_live_reward_on_workers(cfg)
         on_resumed = _resume_rules(cfg, folder, log) if resume else _start_new(cfg, folder, "run", overwrite, log)
         log(f"[run] run folder: {folder}")
-        sft = stage_summary(folder, "sft") or _as_dict(run_sft(cfg, folder, log))
+        # a stage killed part-way continues from its checkpoint; one that finished is kept
+        sft = stage_summary(folder, "sft") or _as_dict(run_sft(cfg, folder, log, resume=resume))
         local = with_local_stage_paths(cfg)  # hub ids fetched once the config is saved with them
         if needs_reward_model(cfg):
-            rm = stage_summary(folder, "rm") or _as_dict(run_rm(local, folder, log))
+            rm = stage_summary(folder, "rm") or _as_dict(run_rm(local, folder, log, resume=resume))
         else:
             rm = None
             log(f"[run] no RL role loads a reward model (rl.reward={cfg.rl.reward}): the reward-model stage is skipped")
@@ -315,21 +327,21 @@ def _resumed_dataset(dataset, folder: Path) -> dict:
     return {"data.kind": "jsonl", "data.path": str(saved)} if dataset is not None and saved.is_file() else {}
 
 
-def _resume_rules(cfg: Config, folder: Path, log: Callable) -> Callable[[int], None]:
+def _resume_rules(cfg: Config, folder: Path, log: Callable, unit: str = "iteration") -> Callable[[int], None]:
     """A resumed run's settings against its saved config.yaml: a change that may not be made is refused now, before
-    any model loads (config/resume.py); the others are logged, and the returned callback (called by the RL trainer
-    with the checkpoint's iteration) writes them into config.yaml."""
+    any model loads (config/resume.py); the others are logged, and the returned callback (called by the trainer with
+    the checkpoint's iteration, or step: `unit`) writes them into config.yaml."""
     free = set()  # sections whose stage has not produced what a change would contradict
-    if not (folder / "rl" / "checkpoint.pt").exists():
+    if not (folder / "rl" / "checkpoint.pt").exists():  # a finished RL run keeps its last checkpoint
         free |= {"rl", "rollout", "placement"}
-    if stage_summary(folder, "rm") is None:
+    if not stage_started(folder, "rm"):
         free |= {"rm"}
-    if stage_summary(folder, "sft") is None:
+    if not stage_started(folder, "sft"):
         free |= {"sft", "data", "model"}
     changes = resume_changes(_load_yaml(folder / "config.yaml"), cfg, free)
     if changes:
         log("[run] resume: applying " + ", ".join(f"{field} {a!r} -> {b!r}" for field, a, b in changes))
-    return lambda iteration: record_resume_changes(cfg, folder, changes, iteration) if changes else None
+    return lambda n: record_resume_changes(cfg, folder, changes, f"{unit} {n}") if changes else None
 
 
 def _resume_config(config: ConfigLike, run_dir) -> ConfigLike:

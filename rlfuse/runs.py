@@ -79,8 +79,8 @@ def _refuse_previous(path: Path, command: str) -> None:
     stages = [s for s in ("sft", "rm", "rl") if s in present] or ["rl"]  # eval.json etc. alone: an RL stage's
     done = {s: (path / s / "summary.json").is_file() for s in stages}
     what = ", ".join(f"{s} {'finished' if done[s] else 'unfinished'}" for s in stages)
-    fixes = ([f"continue it with `rlfuse {command} --resume {path}`"]
-             if command in ("run", "rl") and not done.get("rl", False) else [])
+    last = "rl" if command in ("run", "rl") else command  # the stage whose finish ends the command
+    fixes = [f"continue it with `rlfuse {command} --resume {path}`"] if not done.get(last, False) else []
     fixes += ["choose a new run.dir", "pass --overwrite (API: overwrite=True) to replace it"]
     raise UserError(f"run.dir {path} already holds an earlier run ({what}) that this {command} would overwrite; "
                     f"{', or '.join(fixes)}")
@@ -169,6 +169,11 @@ def stage_summary(run_dir: Path, stage: str) -> dict | None:
     """A finished stage's summary.json (None when the stage has not finished)."""
     path = Path(run_dir) / stage / "summary.json"
     return json.loads(path.read_text()) if path.exists() else None
+
+
+def stage_started(run_dir: Path, stage: str) -> bool:
+    """Whether `stage` has made something a resumed run continues from: a checkpoint, or its finished summary."""
+    return any((Path(run_dir) / stage / name).exists() for name in ("checkpoint.pt", "summary.json"))
 
 
 def write_rl_results(run_dir: Path, result: dict) -> Path:

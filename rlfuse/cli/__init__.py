@@ -28,14 +28,14 @@ from rlfuse.errors import UserError, os_error_line
 log = log_stderr
 
 
-def cmd_sft(cfg: Config, overwrite: bool = False) -> int:
-    result = api.train_sft(cfg, overwrite=overwrite, log=log)
+def cmd_sft(cfg: Config, resume: str | None = None, overwrite: bool = False) -> int:
+    result = api.train_sft(cfg, resume, resume=bool(resume), overwrite=overwrite, log=log)
     print(f"run folder: {result.model_dir.parent.parent}")
     return 0
 
 
-def cmd_rm(cfg: Config, overwrite: bool = False) -> int:
-    result = api.train_rm(cfg, overwrite=overwrite, log=log)
+def cmd_rm(cfg: Config, resume: str | None = None, overwrite: bool = False) -> int:
+    result = api.train_rm(cfg, resume, resume=bool(resume), overwrite=overwrite, log=log)
     print(f"run folder: {result.model_dir.parent.parent}")
     return 0
 
@@ -52,7 +52,7 @@ def cmd_rl(cfg: Config, resume: str | None = None, overwrite: bool = False) -> i
 
 def cmd_run(cfg: Config, resume: str | None = None, overwrite: bool = False) -> int:
     """The whole pipeline on one config: SFT, reward model on the SFT backbone, then RL. With --resume, finished
-    stages are kept and RL continues from its last checkpoint."""
+    stages are kept and the one that was killed continues from its last checkpoint."""
     from rlfuse.evaluation import eval_table  # torch: only once a run has finished
 
     r = api.run_pipeline(cfg, resume, resume=bool(resume), overwrite=overwrite, log=log)
@@ -171,7 +171,9 @@ COMMANDS = {
 COMMAND_SECTIONS = {"sft": ("run", "data", "model", "sft"), "rm": ("run", "data", "model", "rm"),
                     "rl": ("run", "data", "model", "rl", "rollout", "placement")}
 
-RESUMABLE = ("run", "rl")
+# what each command may change on --resume (config/resume.py CHANGEABLE), for its --help
+RL_RESUME, STAGE_RESUME = "rl.iterations, rl.lr, logging and evaluation", "logging, evaluation and checkpoint intervals"
+RESUMABLE = {"run": RL_RESUME, "rl": RL_RESUME, "sft": STAGE_RESUME, "rm": STAGE_RESUME}
 WRITES_RUN = ("run", "sft", "rm", "rl")
 
 
@@ -213,8 +215,8 @@ def build_parser() -> argparse.ArgumentParser:
                            "for this command (without it such a folder is refused)")
         if name in RESUMABLE:
             p.add_argument("--resume", metavar="RUN_DIR", help="continue a killed run from its last checkpoint "
-                           "(its saved config.yaml, or a CONFIG given; overrides apply: rl.iterations, rl.lr, logging "
-                           "and evaluation may change, settings the checkpoint depends on may not)")
+                           f"(its saved config.yaml, or a CONFIG given; overrides apply: {RESUMABLE[name]} may change, "
+                           "settings the checkpoint depends on may not)")
     rp = sub.add_parser("report", help="redraw a run's figures and report.html (also on a running or killed run)")
     rp.add_argument("run_dir", metavar="RUN_DIR")
     rp.add_argument("--baseline", metavar="RUN_DIR", help="a measured baseline run (e.g. rollout.fusion=true) for "

@@ -20,11 +20,13 @@ from rlfuse.files import write_text_atomic
 CHANGEABLE = {
     "run": {"dir", "quiet", "threads", "memory_table", "report_to"},  # where and how it logs, not what it computes
     "rl": {"iterations", "lr", "critic_lr", "ckpt_every", "eval_every", "log_samples_every", "max_bad_steps"},
+    "sft": {"ckpt_every", "eval_every", "eval_samples", "max_bad_steps"},
+    "rm": {"ckpt_every", "eval_every", "max_bad_steps"},
     # rollout settings change where and when samples are decoded and scored, never the samples (tested equal); the
     # generator copy's dtype does change them (bf16 rounding: another behaviour policy)
     "rollout": {f.name for f in dataclasses.fields(Config().rollout)} - {"generator_dtype"},
 }
-NOTE = "# resumed at iteration"
+NOTE = "# resumed at"
 
 
 def resume_changes(saved: Config, new: Config, free: set[str] = frozenset()) -> list[tuple[str, object, object]]:
@@ -44,14 +46,15 @@ def resume_changes(saved: Config, new: Config, free: set[str] = frozenset()) -> 
         raise UserError(f"resume: {listed}: cannot change in a resumed run (its checkpoint was trained with the "
                         f"saved values); drop the change, or start a new run (a new run.dir, or --overwrite). Changeable "
                         f"on resume: rl.iterations, rl.lr, rl.critic_lr, logging, evaluation and checkpoint intervals, "
-                        f"rollout.*")
+                        f"rollout.*; and any setting of a stage that has made nothing yet (no checkpoint)")
     return changed
 
 
-def record_resume_changes(cfg: Config, run_dir: str | os.PathLike, changes: list, iteration: int) -> None:
-    """config.yaml becomes `cfg`, with the notes of earlier resumes kept and one line for this one's changes."""
+def record_resume_changes(cfg: Config, run_dir: str | os.PathLike, changes: list, at: str) -> None:
+    """config.yaml becomes `cfg`, with the notes of earlier resumes kept and one line for this one's changes, made
+    `at` ("iteration 3", "sft step 40")."""
     path = Path(run_dir) / "config.yaml"
     notes = [line for line in path.read_text().splitlines() if line.startswith(NOTE)] if path.exists() else []
-    notes.append(f"{NOTE} {iteration}: " + ", ".join(f"{field} {a!r} -> {b!r}" for field, a, b in changes))
+    notes.append(f"{NOTE} {at}: " + ", ".join(f"{field} {a!r} -> {b!r}" for field, a, b in changes))
     text = yaml.safe_dump(config_to_dict(cfg), sort_keys=False)
     write_text_atomic(path, text + "\n".join(notes) + "\n")

@@ -172,6 +172,8 @@ class SFTConfig:
     """Validation loss every this many steps (and at the end)."""
     eval_samples: int = 64
     """Synthetic task: generations sampled at the end to measure the grammatical rate."""
+    ckpt_every: int = 50
+    """Checkpoint every this many steps, for `rlfuse sft --resume`; removed once the model is saved."""
     max_bad_steps: int = 3
     """Steps with a NaN/inf loss or gradient are skipped and counted; this many in a row stop the stage (no model is
     saved)."""
@@ -201,6 +203,8 @@ class RMConfig:
     """Synthetic/IMDb tasks: preference pairs to build."""
     eval_every: int = 100
     """Held-out accuracy every this many steps (and at the end)."""
+    ckpt_every: int = 50
+    """Checkpoint every this many steps, for `rlfuse rm --resume`; removed once the model is saved."""
     max_bad_steps: int = 3
     """Steps with a NaN/inf loss or gradient are skipped and counted; this many in a row stop the stage (no model is
     saved)."""

@@ -111,7 +111,7 @@ def validate(cfg: Config) -> Config:
     if m.n_embd % m.n_head:
         raise ConfigError("model.n_head", f"{m.n_head} does not divide model.n_embd={m.n_embd}", "pick a divisor, e.g. 4")
     for name, s in (("sft", cfg.sft), ("rm", cfg.rm)):
-        _positive(s, name, "lr", "steps", "batch_size", "micro_batch_size", "eval_every", "max_bad_steps")
+        _positive(s, name, "lr", "steps", "batch_size", "micro_batch_size", "eval_every", "ckpt_every", "max_bad_steps")
         _positive(s, name, "warmup_steps", "weight_decay", "grad_clip", allow_zero=True)
         _divides(s, name)
     _choice(cfg.rm.init, "rm.init", ("sft", "base"))

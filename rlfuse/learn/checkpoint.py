@@ -1,8 +1,10 @@
-"""RL checkpoints: one file written then renamed, so a kill at any moment leaves the previous checkpoint intact."""
+"""Checkpoints of RL and of the supervised stages (SFT, reward model): one file written then renamed, so a kill at any
+moment leaves the previous checkpoint intact."""
 
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import os
 import random
 import shutil
@@ -14,6 +16,7 @@ import torch
 from rlfuse.errors import UserError, first_line
 from rlfuse.files import atomic_path
 from rlfuse.learn.learners import Learners
+from rlfuse.learn.update import BadSteps
 from rlfuse.models.build import Models
 
 
@@ -41,7 +44,7 @@ def save_checkpoint(path: Path, *, iteration: int, actor, critic, opt_actor, opt
         "sched_critic": sched_critic.state_dict() if sched_critic is not None else None,
         "kl_coef": kl_coef,
         "counters": counters,
-        "rng": {"torch": torch.get_rng_state(), "numpy": np.random.get_state(), "python": random.getstate()},
+        "rng": rng_states(),
         "shards": shards,
     }
     keep_previous(path)
@@ -136,17 +139,29 @@ def load_checkpoint(path: Path, actor, critic, opt_actor, opt_critic, sched_acto
     for (opt, sched), key in (((opt_actor, sched_actor), "actor"), ((opt_critic, sched_critic), "critic")):
         if opt is not None:
             keep_learning_rates(opt, sched, configured[key])
-    torch.set_rng_state(state["rng"]["torch"])
-    np.random.set_state(state["rng"]["numpy"])
-    random.setstate(state["rng"]["python"])
+    set_rng_states(state["rng"])
     return state
 
 
-def read_checkpoint(path: Path) -> dict:
-    """The checkpoint's contents; a damaged or foreign file is one line saying how to step back to the previous."""
+def rng_states() -> dict:
+    return {"torch": torch.get_rng_state(), "numpy": np.random.get_state(), "python": random.getstate()}
+
+
+def set_rng_states(rng: dict) -> None:
+    torch.set_rng_state(rng["torch"])
+    np.random.set_state(rng["numpy"])
+    random.setstate(rng["python"])
+
+
+RL_KEYS = frozenset({"iteration", "kl_coef", "counters", "actor", "opt_actor", "rng"})
+
+
+def read_checkpoint(path: Path, required: frozenset = RL_KEYS) -> dict:
+    """The checkpoint's contents; a damaged or foreign file (one without the `required` keys) is one line saying how
+    to step back to the previous."""
     try:
         state = torch.load(path, weights_only=False, map_location="cpu")  # load_state_dict moves to each device
-        missing = {"iteration", "kl_coef", "counters", "actor", "opt_actor", "rng"} - set(state)
+        missing = required - set(state)
     except Exception as e:  # torch.load's failures on a damaged file are many (zip, pickle, EOF, unicode)
         state, missing = None, f"{type(e).__name__}: {first_line(e)}"
     if missing:
@@ -177,3 +192,55 @@ def checkpoint_parts(models: Models, learners: Learners) -> tuple:
     c = learners.critic
     return (models.actor, models.critic, learners.actor.opt, c.opt if c else None, learners.actor.sched,
             c.sched if c else None)
+
+
+# ------------------------------------------------------------------------------------ SFT and reward-model stages
+
+STAGE_KEYS = frozenset({"step", "model", "opt", "sched", "counters", "rng"})
+
+
+class StageCheckpoint:
+    """STAGE_DIR/checkpoint.pt of a supervised stage (SFT, reward model): the trained weights (with LoRA the adapters
+    and the head), optimiser, LR-schedule and RNG states and the bad-step counters after every `every`-th step (not
+    after the last as such: the model saved next is the result, and a full model's checkpoint is three times its
+    size). The optimiser batches are a function of (seed, step), so a stage resumed from it repeats an
+    uninterrupted one bit for bit. Removed once the stage has saved its model and summary: the model is the result."""
+
+    def __init__(self, stage_dir: Path, every: int, steps: int, model: torch.nn.Module, opt, sched):
+        self.path, self.every, self.steps = Path(stage_dir) / "checkpoint.pt", every, steps
+        self.model, self.opt, self.sched = model, opt, sched
+
+    def restore(self, stage: str, log) -> tuple[int, BadSteps]:
+        """(the step to continue after, the bad-step counters) from the checkpoint, its states loaded in place;
+        (0, fresh counters) where the stage stopped before its first checkpoint, said in the log."""
+        if not self.path.exists():
+            log(f"[{stage}] --resume: no checkpoint in {self.path.parent} yet (the stage stopped before its first, "
+                f"which comes every {stage}.ckpt_every={self.every} steps): starting at step 0")
+            return 0, BadSteps()
+        state = read_checkpoint(self.path, STAGE_KEYS)
+        try:
+            missing = set(state["model"]) - {n for n, _ in self.model.named_parameters()}
+            if missing:
+                raise ValueError(f"it has parameters the model lacks: {sorted(missing)[:3]}")
+            self.model.load_state_dict(state["model"], strict=False)
+            self.opt.load_state_dict(state["opt"])
+            self.sched.load_state_dict(state["sched"])
+        except (KeyError, ValueError, RuntimeError) as e:
+            raise UserError(f"{self.path} does not fit this run's model ({first_line(e)}); it belongs to another run "
+                            f"or model: resume the run it came from, or start a new run") from None
+        set_rng_states(state["rng"])
+        log(f"[{stage}] resumed from {self.path} at step {state['step']} of {self.steps}")
+        return state["step"], BadSteps(**state["counters"])
+
+    def save_if_due(self, step: int, bad: BadSteps) -> None:
+        if step % self.every:
+            return
+        state = {"step": step, "model": trainable_state(self.model, copy=False), "opt": self.opt.state_dict(),
+                 "sched": self.sched.state_dict(), "counters": dataclasses.asdict(bad), "rng": rng_states()}
+        keep_previous(self.path)
+        with atomic_path(self.path) as tmp:
+            save_torch(state, tmp)
+
+    def remove(self) -> None:
+        for path in (self.path, previous_of(self.path)):
+            path.unlink(missing_ok=True)

@@ -19,6 +19,7 @@ from rlfuse.data.stages import preference_pairs
 from rlfuse.errors import UserError
 from rlfuse.files import write_text_atomic
 from rlfuse.learn.batches import batch_indices
+from rlfuse.learn.checkpoint import StageCheckpoint
 from rlfuse.learn.optim import build_optimizer
 from rlfuse.learn.update import BadSteps, require_finite_weights, stage_step
 from rlfuse.metrics.progress import Progress
@@ -72,9 +73,13 @@ def rm_backbone(cfg: Config, run_dir: Path, log=print) -> str:
     return name
 
 
-def train_rm(cfg: Config, run_dir: Path, log=print, on_trained=None) -> RMResult:
+def train_rm(cfg: Config, run_dir: Path, log=print, on_trained=None, resume: bool = False,
+             on_resumed=None) -> RMResult:
     """The reward-model stage into run_dir/rm: model/ (merged scalar-head model), adapter/ (with LoRA, based on the
-    backbone folder), metrics, summary. on_trained(model) as in train_sft."""
+    backbone folder), metrics, summary. on_trained(model), resume and on_resumed(step) as in train_sft."""
+    if resume and (done := run_dir / "rm" / "summary.json").exists():
+        log(f"[rm] already finished ({done}): nothing to resume")
+        return RMResult(**{k: Path(v) if k == "model_dir" else v for k, v in json.loads(done.read_text()).items()})
     t0 = time.perf_counter()
     device = setup_runtime(cfg.run)
     _, task = resolve_base_model(cfg, log)
@@ -94,13 +99,19 @@ def train_rm(cfg: Config, run_dir: Path, log=print, on_trained=None) -> RMResult
     s = cfg.rm
     opt, sched = build_optimizer(model, s.lr, s.weight_decay, s.warmup_steps, s.steps)
     out = run_dir / "rm"
-    tracker = stage_tracker(cfg, out)
     log(f"[rm] {len(train_items)} train / {len(eval_items)} held-out pairs, backbone {name}")
+    ckpt = StageCheckpoint(out, s.ckpt_every, s.steps, model, opt, sched)
+    start, bad = ckpt.restore("rm", log) if resume else (0, BadSteps())  # bad: steps skipped for a NaN/inf
+    if resume and on_resumed is not None:
+        on_resumed(start)
+    tracker = stage_tracker(cfg, out, from_step=start)
     acc = None
     lengths = [max(len(c), len(r)) for c, r in train_items]
-    bad = BadSteps()  # steps skipped for a NaN/inf loss or gradient
     with Progress(s.steps, "rm", cfg.run.quiet) as bar:
+        bar.update(start)
         for step, idx in enumerate(batch_indices(lengths, s.batch_size, s.steps, cfg.run.seed), 1):
+            if step <= start:  # the batches are a function of (seed, step): a resumed stage skips those it trained
+                continue
             batch = [train_items[i] for i in idx]
             loss_sum, correct = 0.0, 0
             for m in range(0, len(batch), s.micro_batch_size):
@@ -118,6 +129,7 @@ def train_rm(cfg: Config, run_dir: Path, log=print, on_trained=None) -> RMResult
                 row.update(evaluate_pairs(model, eval_items, tokenizer.pad_token_id, s.micro_batch_size, device, cfg.run.precision))
                 acc = row["eval/accuracy"]
             tracker.log(step, **row)
+            ckpt.save_if_due(step, bad)
             bar.update(loss=loss_sum, acc=acc)
     final = evaluate_pairs(model, eval_items, tokenizer.pad_token_id, s.micro_batch_size, device, cfg.run.precision)
     require_finite_weights(model, "rm")
@@ -127,6 +139,7 @@ def train_rm(cfg: Config, run_dir: Path, log=print, on_trained=None) -> RMResult
     result = RMResult(model_dir, final["eval/accuracy"], final["eval/margin"], time.perf_counter() - t0)
     write_text_atomic(out / "summary.json", json.dumps({"accuracy": result.accuracy, "margin": result.margin,  # resume
                                                         "seconds": result.seconds, "model_dir": str(model_dir)}, indent=2))
+    ckpt.remove()
     tracker.close()
     log(f"[rm] done in {result.seconds:.0f}s: held-out accuracy {result.accuracy:.3f}, margin {result.margin:.2f}")
     return result

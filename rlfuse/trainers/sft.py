@@ -23,6 +23,7 @@ from rlfuse.data.prompts import check_max_length, model_context
 from rlfuse.data.stages import rl_prompts, sft_examples
 from rlfuse.files import write_text_atomic
 from rlfuse.learn.batches import batch_indices
+from rlfuse.learn.checkpoint import StageCheckpoint
 from rlfuse.learn.optim import build_optimizer
 from rlfuse.learn.update import BadSteps, require_finite_weights, stage_step
 from rlfuse.metrics.progress import Progress
@@ -59,10 +60,15 @@ def validation_loss(model, items, pad_id: int, micro: int, device, precision: st
     return total / max(1, count)
 
 
-def train_sft(cfg: Config, run_dir: Path, log=print, on_trained=None) -> SFTResult:
+def train_sft(cfg: Config, run_dir: Path, log=print, on_trained=None, resume: bool = False,
+              on_resumed=None) -> SFTResult:
     """The SFT stage into run_dir/sft: model/ (merged, plain transformers), adapter/ (with LoRA), metrics, summary.
     on_trained(model), if given, gets the in-memory model once it is saved (tests compare it with the reloaded one);
-    the result does not hold it, so the pipeline does not keep it alive through later stages."""
+    the result does not hold it, so the pipeline does not keep it alive through later stages. resume: continue
+    from sft/checkpoint.pt (StageCheckpoint), then on_resumed(step); a finished stage is returned as it was saved."""
+    if resume and (done := run_dir / "sft" / "summary.json").exists():
+        log(f"[sft] already finished ({done}): nothing to resume")
+        return SFTResult(**{k: Path(v) if k == "model_dir" else v for k, v in json.loads(done.read_text()).items()})
     t0 = time.perf_counter()
     device = setup_runtime(cfg.run)
     name, task = resolve_base_model(cfg, log)
@@ -79,12 +85,18 @@ def train_sft(cfg: Config, run_dir: Path, log=print, on_trained=None) -> SFTResu
     s = cfg.sft
     opt, sched = build_optimizer(model, s.lr, s.weight_decay, s.warmup_steps, s.steps)
     out = run_dir / "sft"
-    tracker = stage_tracker(cfg, out)
     log(f"[sft] {len(train_items)} train / {len(eval_items)} held-out sequences, model {name}, device {device}")
+    ckpt = StageCheckpoint(out, s.ckpt_every, s.steps, model, opt, sched)
+    start, bad = ckpt.restore("sft", log) if resume else (0, BadSteps())  # bad: steps skipped for a NaN/inf
+    if resume and on_resumed is not None:
+        on_resumed(start)
+    tracker = stage_tracker(cfg, out, from_step=start)
     val = None
-    bad = BadSteps()  # steps skipped for a NaN/inf loss or gradient
     with Progress(s.steps, "sft", cfg.run.quiet) as bar:
+        bar.update(start)
         for step, idx in enumerate(batch_indices([len(i) for i, _ in train_items], s.batch_size, s.steps, cfg.run.seed), 1):
+            if step <= start:  # the batches are a function of (seed, step): a resumed stage skips those it trained
+                continue
             batch = [train_items[i] for i in idx]
             n_tokens = sum(sum(1 for l in labels[1:] if l != -100) for _, labels in batch)
             loss_sum = 0.0
@@ -102,7 +114,10 @@ def train_sft(cfg: Config, run_dir: Path, log=print, on_trained=None) -> SFTResu
                 val = validation_loss(model, eval_items, tokenizer.pad_token_id, s.micro_batch_size, device, cfg.run.precision)
                 row["eval/loss"] = val
             tracker.log(step, **row)
+            ckpt.save_if_due(step, bad)
             bar.update(loss=loss_sum, val=val)
+    if val is None:  # resumed from the last step's checkpoint: its evaluation was not kept
+        val = validation_loss(model, eval_items, tokenizer.pad_token_id, s.micro_batch_size, device, cfg.run.precision)
     require_finite_weights(model, "sft")
     model_dir = save_trained_model(model, tokenizer, out, base=name)
     if on_trained is not None:
@@ -123,6 +138,7 @@ def train_sft(cfg: Config, run_dir: Path, log=print, on_trained=None) -> SFTResu
                "grammatical_rate": result.grammatical_rate, "gold_positive_rate": result.gold_positive_rate,
                "model_dir": str(model_dir)}
     write_text_atomic(out / "summary.json", json.dumps(summary, indent=2))  # `rlfuse run --resume` reads it
+    ckpt.remove()
     tracker.close()
     log(f"[sft] done in {result.seconds:.0f}s: val loss {val:.3f}, perplexity {result.perplexity:.2f}"
         + (f", grammatical rate {result.grammatical_rate:.3f}" if result.grammatical_rate is not None else ""))

@@ -1,0 +1,114 @@
+"""A supervised stage (SFT, reward model) killed part-way continues from its checkpoint with `--resume` and ends as
+the uninterrupted stage does: the same weights bit for bit, each step's metrics once."""
+
+import importlib
+import json
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from conftest import TINY
+from rlfuse import api
+from rlfuse.cli import main
+
+STAGE_TINY = [*TINY, "sft.eval_samples=0", "sft.ckpt_every=2", "rm.steps=6", "rm.eval_every=3", "rm.ckpt_every=2"]
+
+
+class Killed(Exception):
+    pass
+
+
+def quiet(*_):
+    pass
+
+
+@pytest.mark.parametrize("stage,lora", [("sft", False), ("rm", True)], ids=["sft-full", "rm-lora"])
+def test_stage_killed_mid_step_resumes_to_the_uninterrupted_model(stage, lora, tiny_task, tmp_path, monkeypatch, capsys):
+    train = getattr(api, f"train_{stage}")
+    overrides = [*STAGE_TINY, f"model.lora={str(lora).lower()}", f"rm.sft_path={tiny_task.model_dir}"]
+    full, killed = tmp_path / "full", tmp_path / "killed"
+    train(None, full, overrides=overrides, log=quiet)
+    assert not (full / stage / "checkpoint.pt").exists()  # the saved model is the result; the checkpoint goes
+
+    trainer = importlib.import_module(f"rlfuse.trainers.{stage}")
+    original, steps = trainer.stage_step, []
+
+    def killed_in_step_five(*args, **kwargs):  # after step 5's backward, before its optimiser step
+        steps.append(1)
+        if len(steps) == 5:
+            raise Killed
+        return original(*args, **kwargs)
+
+    monkeypatch.setattr(trainer, "stage_step", killed_in_step_five)
+    with pytest.raises(Killed):
+        train(None, killed, overrides=overrides, log=quiet)
+    monkeypatch.undo()
+    ckpt = killed / stage / "checkpoint.pt"
+    assert torch.load(ckpt, weights_only=False)["step"] == 4
+    assert not (killed / stage / "model").exists()
+
+    # starting again there is refused with the way to continue; a change the checkpoint depends on is refused
+    assert main([stage, f"run.dir={killed}"]) != 0
+    assert f"rlfuse {stage} --resume {killed}" in capsys.readouterr().err
+    assert main([stage, "--resume", str(killed), f"{stage}.lr=0.5"]) != 0
+    assert "cannot change in a resumed run" in capsys.readouterr().err
+
+    assert main([stage, "--resume", str(killed), f"{stage}.ckpt_every=3"]) == 0
+    err = capsys.readouterr().err
+    assert f"[{stage}] resumed from {ckpt} at step 4 of 6" in err
+    assert f"# resumed at {stage} step 4: {stage}.ckpt_every 2 -> 3" in (killed / "config.yaml").read_text()
+    assert not ckpt.exists()
+    rows = [json.loads(line) for line in (killed / stage / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows] == [1, 2, 3, 4, 5, 6]  # nothing lost, nothing logged twice
+    uninterrupted = [json.loads(line) for line in (full / stage / "metrics.jsonl").read_text().splitlines()]
+    assert [r["train/loss"] for r in rows] == [r["train/loss"] for r in uninterrupted]
+    a, b = (load_file(str(d / stage / "model" / "model.safetensors")) for d in (full, killed))
+    assert a.keys() == b.keys()
+    for name in a:
+        assert torch.equal(a[name], b[name]), name
+
+    # a finished stage resumed is returned as it was saved
+    assert main([stage, "--resume", str(killed)]) == 0
+    assert "already finished" in capsys.readouterr().err
+
+
+def test_resume_before_the_first_checkpoint_starts_at_step_zero(tiny_task, tmp_path, monkeypatch, capsys):
+    trainer = importlib.import_module("rlfuse.trainers.sft")
+    original = trainer.stage_step
+
+    def killed_at_once(*args, **kwargs):
+        raise Killed
+
+    monkeypatch.setattr(trainer, "stage_step", killed_at_once)
+    with pytest.raises(Killed):
+        api.train_sft(None, tmp_path, overrides=[*STAGE_TINY, "sft.steps=2"], log=quiet)
+    monkeypatch.setattr(trainer, "stage_step", original)
+    # nothing trained yet: every sft setting may still change
+    assert main(["sft", "--resume", str(tmp_path), "sft.lr=1e-3"]) == 0
+    err = capsys.readouterr().err
+    assert "no checkpoint" in err and "starting at step 0" in err
+    assert (tmp_path / "sft" / "model").is_dir()
+
+
+def test_run_resume_continues_a_killed_sft_stage(tiny_task, tmp_path, monkeypatch, capsys):
+    trainer = importlib.import_module("rlfuse.trainers.sft")
+    original, steps = trainer.stage_step, []
+
+    def killed_in_step_five(*args, **kwargs):
+        steps.append(1)
+        if len(steps) == 5:
+            raise Killed
+        return original(*args, **kwargs)
+
+    monkeypatch.setattr(trainer, "stage_step", killed_in_step_five)
+    rl = ["rl.algo=grpo", "rl.k=2", "rl.reward=rlfuse.data.gold:gold_reward", "rl.iterations=1", "rl.prompts_per_iter=2",
+          "rl.mini_batch_size=4", "rl.micro_batch_size=4", "rl.max_new_tokens=8", "rl.eval_prompts=2"]
+    with pytest.raises(Killed):
+        api.run_pipeline(None, tmp_path, overrides=[*STAGE_TINY, *rl], log=quiet)
+    monkeypatch.setattr(trainer, "stage_step", original)
+    assert main(["run", "--resume", str(tmp_path)]) == 0
+    assert f"[sft] resumed from {tmp_path / 'sft' / 'checkpoint.pt'} at step 4 of 6" in capsys.readouterr().err
+    rows = [json.loads(line) for line in (tmp_path / "sft" / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows] == [1, 2, 3, 4, 5, 6]
+    assert (tmp_path / "rl" / "model").is_dir() and not (tmp_path / "rm").exists()
