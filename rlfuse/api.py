@@ -103,9 +103,10 @@ def resolved(cfg: Config, log: Callable = log_stderr) -> Config:
     return resolve_measured(cfg, log)
 
 
-def _model_override(model, tokenizer, run_dir) -> str | None:
+def _model_override(model, tokenizer, run_dir, resume: bool = False, log: Callable = log_stderr) -> str | None:
     """model.name for `model`: a hub id or folder as given (str or Path), or a transformers model object saved with
-    its tokenizer into RUN_DIR/base_model, the folder the stages then load (and the saved adapters name as base)."""
+    its tokenizer into RUN_DIR/base_model, the folder the stages then load (and the saved adapters name as base). A
+    resumed run goes on from the base_model it saved: the checkpoints and adapters were trained on it."""
     if model is None or isinstance(model, (str, os.PathLike)):
         if tokenizer is not None:
             raise UserError("config error: tokenizer: only used with a model object (a model folder or hub id brings "
@@ -118,6 +119,9 @@ def _model_override(model, tokenizer, run_dir) -> str | None:
         raise UserError("config error: run_dir: a model object is saved into the run folder before training; pass "
                         "run_dir=... too")
     folder = Path(run_dir) / "base_model"
+    if resume and (folder / "config.json").is_file():
+        log(f"[run] resume: the run goes on from the model it saved ({folder}); the model object given is not saved")
+        return str(folder)
     model.save_pretrained(folder)
     tokenizer.save_pretrained(folder)
     return str(folder)
@@ -169,10 +173,10 @@ def train_sft(config: ConfigLike = None, run_dir: str | os.PathLike | None = Non
     config = _resume_config(config, run_dir) if resume else config
     with claim_run_folder(_run_folder(config, overrides, run_dir), "sft", resume=resume, overwrite=overwrite,
                           log=log) as folder:
-        cfg = _stage_config(config, overrides, folder, log, **{"model.name": _model_override(model, tokenizer, folder)},
+        cfg = _stage_config(config, overrides, folder, log,
+                            **{"model.name": _model_override(model, tokenizer, folder, resume, log)},
                             **(_resumed_dataset(dataset, folder) if resume else _dataset_override(dataset, folder)))
-        on_resumed = _resume_rules(cfg, folder, log, "sft step") if resume else _start_new(cfg, folder, "sft",
-                                                                                             overwrite, log)
+        on_resumed = _resume_rules(cfg, folder, log) if resume else _start_new(cfg, folder, "sft", overwrite, log)
         return run_sft(cfg, folder, log, resume=resume, on_resumed=on_resumed)
 
 
@@ -189,8 +193,7 @@ def train_rm(config: ConfigLike = None, run_dir: str | os.PathLike | None = None
                           log=log) as folder:
         cfg = _stage_config(config, overrides, folder, log,
                             **(_resumed_dataset(dataset, folder) if resume else _dataset_override(dataset, folder)))
-        on_resumed = _resume_rules(cfg, folder, log, "rm step") if resume else _start_new(cfg, folder, "rm",
-                                                                                            overwrite, log)
+        on_resumed = _resume_rules(cfg, folder, log) if resume else _start_new(cfg, folder, "rm", overwrite, log)
         return run_rm(with_local_stage_paths(cfg), folder, log, resume=resume, on_resumed=on_resumed)
 
 
@@ -254,9 +257,10 @@ def run_pipeline(config: ConfigLike = None, run_dir: str | os.PathLike | None = 
                  resume: bool = False, overwrite: bool = False, log: Callable = log_stderr) -> PipelineResult:
     """SFT, the reward model on the SFT backbone, then RL, into one run folder (what `rlfuse run` does). The reward
     model is trained only when a role loads from it (rl.reward=rm, or a critic from it); with reward functions and
-    no such critic (GRPO or RLOO on a verifiable reward) its stage is skipped, and rm is None. resume=True keeps the finished
-    stages of RUN_DIR and continues RL from its last checkpoint; without it a RUN_DIR holding a run is refused unless
-    overwrite=True (which removes it first). model/tokenizer/dataset as in train_sft, reward as in train_rl."""
+    no such critic (GRPO or RLOO on a verifiable reward) its stage is skipped, and rm is None. resume=True keeps the
+    finished stages of RUN_DIR and continues the one that was stopped from its last checkpoint; without it a RUN_DIR
+    holding a run is refused unless overwrite=True (which removes it first). model/tokenizer/dataset as in train_sft,
+    reward as in train_rl."""
     # torch and transformers load with the trainers, not with the API (`rlfuse --help` stays quick)
     from rlfuse.trainers.rl import train_rl as run_rl
     from rlfuse.trainers.rm import train_rm as run_rm
@@ -267,16 +271,19 @@ def run_pipeline(config: ConfigLike = None, run_dir: str | os.PathLike | None = 
     with claim_run_folder(_run_folder(config, overrides, run_dir), "run", resume=resume, overwrite=overwrite,
                           log=log) as folder:
         cfg = _stage_config(config, overrides, folder, log, **{"rl.reward": reward,
-                                                             "model.name": _model_override(model, tokenizer, folder)},
+                                                             "model.name": _model_override(model, tokenizer, folder,
+                                                                                           resume, log)},
                             **(_resumed_dataset(dataset, folder) if resume else _dataset_override(dataset, folder)))
         _refuse_live_reward_on_workers(cfg)
         on_resumed = _resume_rules(cfg, folder, log) if resume else _start_new(cfg, folder, "run", overwrite, log)
+        on_resumed = _first_call_only(on_resumed)  # the first stage that runs notes the changes in config.yaml
         log(f"[run] run folder: {folder}")
         # a stage killed part-way continues from its checkpoint; one that finished is kept
-        sft = stage_summary(folder, "sft") or _as_dict(run_sft(cfg, folder, log, resume=resume))
+        sft = stage_summary(folder, "sft") or _as_dict(run_sft(cfg, folder, log, resume=resume, on_resumed=on_resumed))
         local = with_local_stage_paths(cfg)  # hub ids fetched once the config is saved with them
         if needs_reward_model(cfg):
-            rm = stage_summary(folder, "rm") or _as_dict(run_rm(local, folder, log, resume=resume))
+            rm = stage_summary(folder, "rm") or _as_dict(run_rm(local, folder, log, resume=resume,
+                                                                on_resumed=on_resumed))
         else:
             rm = None
             log(f"[run] no RL role loads a reward model (rl.reward={cfg.rl.reward}): the reward-model stage is skipped")
@@ -327,21 +334,36 @@ def _resumed_dataset(dataset, folder: Path) -> dict:
     return {"data.kind": "jsonl", "data.path": str(saved)} if dataset is not None and saved.is_file() else {}
 
 
-def _resume_rules(cfg: Config, folder: Path, log: Callable, unit: str = "iteration") -> Callable[[int], None]:
+def _resume_rules(cfg: Config, folder: Path, log: Callable) -> Callable[[str], None]:
     """A resumed run's settings against its saved config.yaml: a change that may not be made is refused now, before
     any model loads (config/resume.py); the others are logged, and the returned callback (called by the trainer with
-    the checkpoint's iteration, or step: `unit`) writes them into config.yaml."""
+    where it resumed: "iteration 3", "sft step 40") writes them into config.yaml."""
     free = set()  # sections whose stage has not produced what a change would contradict
-    if not (folder / "rl" / "checkpoint.pt").exists():  # a finished RL run keeps its last checkpoint
+    rl_started = (folder / "rl" / "checkpoint.pt").exists()  # a finished RL run keeps its last checkpoint
+    if not rl_started:
         free |= {"rl", "rollout", "placement"}
     if not stage_started(folder, "rm"):
         free |= {"rm"}
     if not stage_started(folder, "sft"):
-        free |= {"sft", "data", "model"}
+        free |= {"sft"}
+        if not stage_started(folder, "rm") and not rl_started:  # every stage reads the data and the model
+            free |= {"data", "model"}
     changes = resume_changes(_load_yaml(folder / "config.yaml"), cfg, free)
     if changes:
         log("[run] resume: applying " + ", ".join(f"{field} {a!r} -> {b!r}" for field, a, b in changes))
-    return lambda n: record_resume_changes(cfg, folder, changes, f"{unit} {n}") if changes else None
+    return lambda at: record_resume_changes(cfg, folder, changes, at) if changes else None
+
+
+def _first_call_only(fn: Callable | None) -> Callable | None:
+    if fn is None:
+        return None
+    calls = []
+
+    def once(*args):
+        if not calls:
+            calls.append(args)
+            fn(*args)
+    return once
 
 
 def _resume_config(config: ConfigLike, run_dir) -> ConfigLike:

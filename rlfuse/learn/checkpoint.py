@@ -144,13 +144,19 @@ def load_checkpoint(path: Path, actor, critic, opt_actor, opt_critic, sched_acto
 
 
 def rng_states() -> dict:
-    return {"torch": torch.get_rng_state(), "numpy": np.random.get_state(), "python": random.getstate()}
+    """Every generator a step may draw from: dropout on a GPU draws from CUDA's."""
+    states = {"torch": torch.get_rng_state(), "numpy": np.random.get_state(), "python": random.getstate()}
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        states["cuda"] = torch.cuda.get_rng_state_all()
+    return states
 
 
 def set_rng_states(rng: dict) -> None:
     torch.set_rng_state(rng["torch"])
     np.random.set_state(rng["numpy"])
     random.setstate(rng["python"])
+    if rng.get("cuda") is not None and torch.cuda.is_available() and len(rng["cuda"]) == torch.cuda.device_count():
+        torch.cuda.set_rng_state_all(rng["cuda"])
 
 
 RL_KEYS = frozenset({"iteration", "kl_coef", "counters", "actor", "opt_actor", "rng"})
@@ -201,10 +207,10 @@ STAGE_KEYS = frozenset({"step", "model", "opt", "sched", "counters", "rng"})
 
 class StageCheckpoint:
     """STAGE_DIR/checkpoint.pt of a supervised stage (SFT, reward model): the trained weights (with LoRA the adapters
-    and the head), optimiser, LR-schedule and RNG states and the bad-step counters after every `every`-th step (not
-    after the last as such: the model saved next is the result, and a full model's checkpoint is three times its
-    size). The optimiser batches are a function of (seed, step), so a stage resumed from it repeats an
-    uninterrupted one bit for bit. Removed once the stage has saved its model and summary: the model is the result."""
+    and the head), optimiser, LR-schedule and RNG states and the bad-step counters after every `every`-th step but
+    the last (the model saved next is the result; a full model's checkpoint is three times its size). The optimiser
+    batches are a function of (seed, step), so a stage resumed from it repeats an uninterrupted one bit for bit.
+    Removed once the stage has saved its model and summary."""
 
     def __init__(self, stage_dir: Path, every: int, steps: int, model: torch.nn.Module, opt, sched):
         self.path, self.every, self.steps = Path(stage_dir) / "checkpoint.pt", every, steps
@@ -219,9 +225,11 @@ class StageCheckpoint:
             return 0, BadSteps()
         state = read_checkpoint(self.path, STAGE_KEYS)
         try:
-            missing = set(state["model"]) - {n for n, _ in self.model.named_parameters()}
-            if missing:
-                raise ValueError(f"it has parameters the model lacks: {sorted(missing)[:3]}")
+            trained = {n for n, p in self.model.named_parameters() if p.requires_grad}
+            extra, missing = set(state["model"]) - trained, trained - set(state["model"])
+            if extra or missing:
+                raise ValueError(f"it has trained parameters the model lacks: {sorted(extra)[:3]}" if extra else
+                                 f"it lacks trained parameters of the model: {sorted(missing)[:3]}")
             self.model.load_state_dict(state["model"], strict=False)
             self.opt.load_state_dict(state["opt"])
             self.sched.load_state_dict(state["sched"])
@@ -233,7 +241,7 @@ class StageCheckpoint:
         return state["step"], BadSteps(**state["counters"])
 
     def save_if_due(self, step: int, bad: BadSteps) -> None:
-        if step % self.every:
+        if step % self.every or step == self.steps:
             return
         state = {"step": step, "model": trainable_state(self.model, copy=False), "opt": self.opt.state_dict(),
                  "sched": self.sched.state_dict(), "counters": dataclasses.asdict(bad), "rng": rng_states()}
@@ -242,5 +250,11 @@ class StageCheckpoint:
             save_torch(state, tmp)
 
     def remove(self) -> None:
-        for path in (self.path, previous_of(self.path)):
-            path.unlink(missing_ok=True)
+        remove_stage_checkpoint(self.path.parent)
+
+
+def remove_stage_checkpoint(stage_dir: Path) -> None:
+    """A finished stage's checkpoint and the one before it (a kill between its summary and this leaves them)."""
+    path = Path(stage_dir) / "checkpoint.pt"
+    for p in (path, previous_of(path)):
+        p.unlink(missing_ok=True)

@@ -16,13 +16,14 @@ def interactive(quiet: bool = False) -> bool:
 class Progress:
     """`with Progress(total, "sft", quiet) as bar: bar.update(loss=..)`: one interface, two renderings."""
 
-    def __init__(self, total: int, desc: str, quiet: bool = False, unit: str = "step"):
-        self.total, self.desc, self.n, self.unit = total, desc, 0, unit
+    def __init__(self, total: int, desc: str, quiet: bool = False, unit: str = "step", initial: int = 0):
+        """initial: steps done before (a resumed run): counted, not timed."""
+        self.total, self.desc, self.n, self.unit = total, desc, initial, unit
         self.start = time.perf_counter()
-        self._next_log = max(1, total // 10)
+        self._next_log = initial + max(1, total // 10)
         self._bar = None
         if interactive(quiet):
-            self._bar = tqdm(total=total, desc=desc, unit=unit, dynamic_ncols=True, leave=True)
+            self._bar = tqdm(total=total, desc=desc, unit=unit, dynamic_ncols=True, leave=True, initial=initial)
 
     def update(self, n: int = 1, **stats) -> None:
         self.n += n

@@ -83,8 +83,8 @@ def sampling_note(rl: RLConfig) -> str:
 def train_rl(cfg: Config, run_dir: Path, log=print, resume: bool = False, on_ready=None, on_resumed=None) -> dict:
     """The RL stage: build -> loop -> save the policy. Returns {"before", "after", "samples_after", "seconds"}; the
     CLI writes eval.json and the report. on_ready(models), if given, is called once the models are loaded, before
-    the first iteration (benchmarks read the idle memory footprint there); on_resumed(iteration), once a resumed
-    run's checkpoint is read (the API records the settings changed on resume with it)."""
+    the first iteration (benchmarks read the idle memory footprint there); on_resumed("iteration N"), once a
+    resumed run's checkpoint is read (the API records the settings changed on resume with it)."""
     cfg = resolve_measured(cfg, log)  # a Config used directly (the API and the CLI resolved theirs: no change)
     rl, t_start, seed = cfg.rl, time.perf_counter(), cfg.run.seed
     if not (run_dir / "config.yaml").exists():  # called as a library rather than through the CLI
@@ -122,7 +122,7 @@ def train_rl(cfg: Config, run_dir: Path, log=print, resume: bool = False, on_rea
         log(f"[rl] --resume: no RL checkpoint in {out} yet (the run stopped before its first, which comes every "
             f"rl.ckpt_every={rl.ckpt_every} iterations): RL starts at iteration 0")
     if resume and on_resumed is not None:
-        on_resumed(start)
+        on_resumed(f"iteration {start}")
     sync_weights(engine, models.actor)
     with said_where("the held-out evaluation before RL"):
         before = evaluate_before(out / "eval_before.json", models, engine, held_prompts, rl, seed + 12345, gold)
@@ -152,11 +152,10 @@ def train_rl(cfg: Config, run_dir: Path, log=print, resume: bool = False, on_rea
             "the sampling policy with the decoupled objective (train/behaviour_weight_* in the metrics)")
     requests = IterationRequests(train_prompts, difficulty, rl, params, seed)
     with build_placement(cfg, run_dir, engine, scorer, fusion, trainer, requests, log) as (rollout, trainer), \
-            Progress(rl.iterations, f"rl/{rl.algo}", cfg.run.quiet, unit="iter") as bar:
+            Progress(rl.iterations, f"rl/{rl.algo}", cfg.run.quiet, unit="iter", initial=start) as bar:
         if start and not isinstance(trainer, LocalTrainer):
             trainer.load_checkpoint(ckpt)
         rollout.begin_at(ckpt, start)  # asynchronous: a resumed run takes back the batches generated ahead
-        bar.update(start)
         rollout = meter.watch(rollout) if meter is not None else rollout
         for it in range(start, rl.iterations):
             t0 = time.perf_counter()

@@ -19,7 +19,7 @@ from rlfuse.data.stages import preference_pairs
 from rlfuse.errors import UserError
 from rlfuse.files import write_text_atomic
 from rlfuse.learn.batches import batch_indices
-from rlfuse.learn.checkpoint import StageCheckpoint
+from rlfuse.learn.checkpoint import StageCheckpoint, remove_stage_checkpoint
 from rlfuse.learn.optim import build_optimizer
 from rlfuse.learn.update import BadSteps, require_finite_weights, stage_step
 from rlfuse.metrics.progress import Progress
@@ -76,9 +76,10 @@ def rm_backbone(cfg: Config, run_dir: Path, log=print) -> str:
 def train_rm(cfg: Config, run_dir: Path, log=print, on_trained=None, resume: bool = False,
              on_resumed=None) -> RMResult:
     """The reward-model stage into run_dir/rm: model/ (merged scalar-head model), adapter/ (with LoRA, based on the
-    backbone folder), metrics, summary. on_trained(model), resume and on_resumed(step) as in train_sft."""
+    backbone folder), metrics, summary. on_trained(model), resume and on_resumed as in train_sft."""
     if resume and (done := run_dir / "rm" / "summary.json").exists():
         log(f"[rm] already finished ({done}): nothing to resume")
+        remove_stage_checkpoint(done.parent)
         return RMResult(**{k: Path(v) if k == "model_dir" else v for k, v in json.loads(done.read_text()).items()})
     t0 = time.perf_counter()
     device = setup_runtime(cfg.run)
@@ -103,12 +104,11 @@ def train_rm(cfg: Config, run_dir: Path, log=print, on_trained=None, resume: boo
     ckpt = StageCheckpoint(out, s.ckpt_every, s.steps, model, opt, sched)
     start, bad = ckpt.restore("rm", log) if resume else (0, BadSteps())  # bad: steps skipped for a NaN/inf
     if resume and on_resumed is not None:
-        on_resumed(start)
+        on_resumed(f"rm step {start}")
     tracker = stage_tracker(cfg, out, from_step=start)
     acc = None
     lengths = [max(len(c), len(r)) for c, r in train_items]
-    with Progress(s.steps, "rm", cfg.run.quiet) as bar:
-        bar.update(start)
+    with Progress(s.steps, "rm", cfg.run.quiet, initial=start) as bar:
         for step, idx in enumerate(batch_indices(lengths, s.batch_size, s.steps, cfg.run.seed), 1):
             if step <= start:  # the batches are a function of (seed, step): a resumed stage skips those it trained
                 continue

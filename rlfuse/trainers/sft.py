@@ -23,7 +23,7 @@ from rlfuse.data.prompts import check_max_length, model_context
 from rlfuse.data.stages import rl_prompts, sft_examples
 from rlfuse.files import write_text_atomic
 from rlfuse.learn.batches import batch_indices
-from rlfuse.learn.checkpoint import StageCheckpoint
+from rlfuse.learn.checkpoint import StageCheckpoint, remove_stage_checkpoint
 from rlfuse.learn.optim import build_optimizer
 from rlfuse.learn.update import BadSteps, require_finite_weights, stage_step
 from rlfuse.metrics.progress import Progress
@@ -65,9 +65,11 @@ def train_sft(cfg: Config, run_dir: Path, log=print, on_trained=None, resume: bo
     """The SFT stage into run_dir/sft: model/ (merged, plain transformers), adapter/ (with LoRA), metrics, summary.
     on_trained(model), if given, gets the in-memory model once it is saved (tests compare it with the reloaded one);
     the result does not hold it, so the pipeline does not keep it alive through later stages. resume: continue
-    from sft/checkpoint.pt (StageCheckpoint), then on_resumed(step); a finished stage is returned as it was saved."""
+    from sft/checkpoint.pt (StageCheckpoint), then on_resumed("sft step N"); a finished stage is returned as it was
+    saved."""
     if resume and (done := run_dir / "sft" / "summary.json").exists():
         log(f"[sft] already finished ({done}): nothing to resume")
+        remove_stage_checkpoint(done.parent)
         return SFTResult(**{k: Path(v) if k == "model_dir" else v for k, v in json.loads(done.read_text()).items()})
     t0 = time.perf_counter()
     device = setup_runtime(cfg.run)
@@ -89,11 +91,10 @@ def train_sft(cfg: Config, run_dir: Path, log=print, on_trained=None, resume: bo
     ckpt = StageCheckpoint(out, s.ckpt_every, s.steps, model, opt, sched)
     start, bad = ckpt.restore("sft", log) if resume else (0, BadSteps())  # bad: steps skipped for a NaN/inf
     if resume and on_resumed is not None:
-        on_resumed(start)
+        on_resumed(f"sft step {start}")
     tracker = stage_tracker(cfg, out, from_step=start)
     val = None
-    with Progress(s.steps, "sft", cfg.run.quiet) as bar:
-        bar.update(start)
+    with Progress(s.steps, "sft", cfg.run.quiet, initial=start) as bar:
         for step, idx in enumerate(batch_indices([len(i) for i, _ in train_items], s.batch_size, s.steps, cfg.run.seed), 1):
             if step <= start:  # the batches are a function of (seed, step): a resumed stage skips those it trained
                 continue
@@ -116,8 +117,6 @@ def train_sft(cfg: Config, run_dir: Path, log=print, on_trained=None, resume: bo
             tracker.log(step, **row)
             ckpt.save_if_due(step, bad)
             bar.update(loss=loss_sum, val=val)
-    if val is None:  # resumed from the last step's checkpoint: its evaluation was not kept
-        val = validation_loss(model, eval_items, tokenizer.pad_token_id, s.micro_batch_size, device, cfg.run.precision)
     require_finite_weights(model, "sft")
     model_dir = save_trained_model(model, tokenizer, out, base=name)
     if on_trained is not None:

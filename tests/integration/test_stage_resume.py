@@ -3,6 +3,7 @@ the uninterrupted stage does: the same weights bit for bit, each step's metrics 
 
 import importlib
 import json
+import shutil
 
 import pytest
 import torch
@@ -23,10 +24,20 @@ def quiet(*_):
     pass
 
 
-@pytest.mark.parametrize("stage,lora", [("sft", False), ("rm", True)], ids=["sft-full", "rm-lora"])
+def with_dropout(model_dir, folder, p: float = 0.1):
+    """A copy of a GPT-2 folder whose dropout draws from the RNG: a resumed stage must restore its state."""
+    shutil.copytree(model_dir, folder)
+    config = json.loads((folder / "config.json").read_text())
+    config.update(resid_pdrop=p, embd_pdrop=p, attn_pdrop=p)
+    (folder / "config.json").write_text(json.dumps(config))
+    return folder
+
+
+@pytest.mark.parametrize("stage,lora", [("sft", False), ("rm", True)], ids=["sft-full", "rm-lora-dropout"])
 def test_stage_killed_mid_step_resumes_to_the_uninterrupted_model(stage, lora, tiny_task, tmp_path, monkeypatch, capsys):
     train = getattr(api, f"train_{stage}")
-    overrides = [*STAGE_TINY, f"model.lora={str(lora).lower()}", f"rm.sft_path={tiny_task.model_dir}"]
+    backbone = with_dropout(tiny_task.model_dir, tmp_path / "backbone")  # the reward model's
+    overrides = [*STAGE_TINY, f"model.lora={str(lora).lower()}", f"rm.sft_path={backbone}"]
     full, killed = tmp_path / "full", tmp_path / "killed"
     train(None, full, overrides=overrides, log=quiet)
     assert not (full / stage / "checkpoint.pt").exists()  # the saved model is the result; the checkpoint goes
@@ -51,8 +62,9 @@ def test_stage_killed_mid_step_resumes_to_the_uninterrupted_model(stage, lora, t
     # starting again there is refused with the way to continue; a change the checkpoint depends on is refused
     assert main([stage, f"run.dir={killed}"]) != 0
     assert f"rlfuse {stage} --resume {killed}" in capsys.readouterr().err
-    assert main([stage, "--resume", str(killed), f"{stage}.lr=0.5"]) != 0
-    assert "cannot change in a resumed run" in capsys.readouterr().err
+    for change in (f"{stage}.lr=0.5", "data.max_length=80"):  # the data: every stage reads it
+        assert main([stage, "--resume", str(killed), change]) != 0
+        assert "cannot change in a resumed run" in capsys.readouterr().err
 
     assert main([stage, "--resume", str(killed), f"{stage}.ckpt_every=3"]) == 0
     err = capsys.readouterr().err
@@ -107,8 +119,11 @@ def test_run_resume_continues_a_killed_sft_stage(tiny_task, tmp_path, monkeypatc
     with pytest.raises(Killed):
         api.run_pipeline(None, tmp_path, overrides=[*STAGE_TINY, *rl], log=quiet)
     monkeypatch.setattr(trainer, "stage_step", original)
-    assert main(["run", "--resume", str(tmp_path)]) == 0
+    assert main(["run", "--resume", str(tmp_path), "sft.ckpt_every=3"]) == 0
     assert f"[sft] resumed from {tmp_path / 'sft' / 'checkpoint.pt'} at step 4 of 6" in capsys.readouterr().err
+    # the change is noted where it took effect, once, by the first stage that ran
+    notes = [line for line in (tmp_path / "config.yaml").read_text().splitlines() if line.startswith("# resumed")]
+    assert notes == ["# resumed at sft step 4: sft.ckpt_every 2 -> 3"]
     rows = [json.loads(line) for line in (tmp_path / "sft" / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in rows] == [1, 2, 3, 4, 5, 6]
     assert (tmp_path / "rl" / "model").is_dir() and not (tmp_path / "rm").exists()
