@@ -265,36 +265,13 @@ def drop_weights(run: Path) -> None:
         shutil.rmtree(f, ignore_errors=True) if f.is_dir() else f.unlink(missing_ok=True)
 
 
-def rechecked_path(run: Path) -> Path:
-    """Where the profile rechecked right before a run is kept (beside its folder, which a rerun replaces)."""
-    return run.parent / f"{run.name}.profile.json"
-
-
-def recheck_before(task: str, profile_path: Path, run: Path) -> None:
-    """`rlfuse plan --recheck`'s probe, right before `run` starts, with nothing else running: the task's profile
-    scaled to the machine's speed now, kept beside the run (rechecked_path)."""
-    from rlfuse.config import load_config
-    from rlfuse.plan.cost import policy_shape
-    from rlfuse.plan.profiles import load_profile
-    from rlfuse.runtime.profile import recheck_profile
-
-    shape = policy_shape(load_config(task_config(task), []).model)
-    log = lambda msg: print(f"[plan bench] {run.name}: {msg}", file=sys.stderr, flush=True)
-    recheck_profile(load_profile(profile_path), shape, log=log).save(rechecked_path(run))
-
-
 def run_plan(task: str, pl, models: Path, work: Path, iterations: int, repeat: int,
-             fresh: bool = False, before=None) -> tuple[Path, bool]:
-    """Run `pl` for `iterations` iterations (its `repeat`-th run), reusing a finished earlier run unless fresh (or,
-    with `before`, a run made without a rechecked profile beside it). before(folder): called right before a run
-    starts. -> (its folder, whether it ran now)."""
+             fresh: bool = False) -> tuple[Path, bool]:
+    """Run `pl` for `iterations` iterations (its `repeat`-th run), reusing a finished earlier run unless fresh.
+    -> (its folder, whether it ran now)."""
     d = run_dir(task, pl, work, repeat)
-    if (fresh or not (d / "rl" / "metrics.jsonl").exists() or len(metrics(d)) < iterations
-            or (before and not rechecked_path(d).exists())):
+    if fresh or not (d / "rl" / "metrics.jsonl").exists() or len(metrics(d)) < iterations:
         shutil.rmtree(d, ignore_errors=True)
-        rechecked_path(d).unlink(missing_ok=True)
-        if before:
-            before(d)
         block = pl.config_block()
         flat = [f"{s}.{k}={str(v).lower() if isinstance(v, bool) else v}" for s, sec in block.items()
                 for k, v in sec.items()]
@@ -336,7 +313,7 @@ def scores(results: list[dict]) -> dict:
            "told_apart": told_apart(results)}
     for task in dict.fromkeys(r["task"] for r in results):
         rs = [r for r in results if r["task"] == task]
-        pick = min(rs, key=lambda r: r["rank"])  # the planner's choice (from the profile: what it would run)
+        pick = min(rs, key=lambda r: r["predicted"]["iteration"])
         best = min(rs, key=lambda r: r["measured"]["iteration"])
         out["tasks"][task] = {"tau": kendall_tau([r["predicted"]["iteration"] for r in rs],
                                                  [r["measured"]["iteration"] for r in rs]),
@@ -354,41 +331,24 @@ def headline(results: list[dict]) -> str:
     """The figures of the targets, for BENCHMARKS.md's row."""
     sc = scores(results)
     worst = max(t["slower"] for t in sc["tasks"].values())
-    alone = ""
-    if all("predicted_profile" in r for r in results):
-        a = scores([r | {"predicted": r["predicted_profile"]} for r in results])
-        alone = (f" (profile rechecked before each run; from the profile alone: mean {a['mean_error'] * 100:.1f}%, max "
-                 f"{a['max_error'] * 100:.1f}%)")
-    return (f"iteration time: mean error {sc['mean_error'] * 100:.1f}%, max {sc['max_error'] * 100:.1f}%{alone}, "
-            f"Kendall tau {sc['tau']:.2f} over {len(results)} plans; choice within {worst * 100:.1f}% of the best "
-            f"measured; memory per worker within {max(memory_errors(results)) * 100:.1f}%")
+    return (f"iteration time: mean error {sc['mean_error'] * 100:.1f}%, max {sc['max_error'] * 100:.1f}%, Kendall tau "
+            f"{sc['tau']:.2f} over {len(results)} plans; choice within {worst * 100:.1f}% of the best measured; "
+            f"memory per worker within {max(memory_errors(results)) * 100:.1f}%")
 
 
 def report(results: list[dict], profile_desc: str, header: str) -> str:
     rows, lines = [], []
-    rechecked = all("predicted_profile" in r for r in results)
     for r in results:
         p, m = r["predicted"], r["measured"]
         mem = "; ".join(f"w{w}: {r['mem_pred'][w]:.0f} / {m['rss_mb'][w]:.0f}" for w in sorted(m["rss_mb"]))
-        alone = ([r["predicted_profile"]["iteration"],
-                  f"{(r['predicted_profile']['iteration'] / m['iteration'] - 1) * 100:+.0f}%",
-                  " / ".join(f"{f:.2f}" for f in r["factors"])] if rechecked else [])
         rows.append([r["task"], r["label"], r["rank"], p["rollout"], m["rollout"], p["train"], m["train"], p["sync"],
                      m["sync"], p["iteration"], m["iteration"], f"{(p['iteration'] / m['iteration'] - 1) * 100:+.0f}%",
-                     *alone, f"{m['spread'] * 100:.0f}% ({len(m['iterations'])})", mem])
+                     f"{m['spread'] * 100:.0f}% ({len(m['iterations'])})", mem])
     mem_errs = memory_errors(results)
-    extra = (["iteration s pred, profile alone", "its error", "recheck factor per run"] if rechecked else [])
     lines += [header, "", md_table(["task", "plan", "planner rank", "rollout s pred", "rollout s meas", "train s pred",
                                     "train s meas", "sync s pred", "sync s meas", "iteration s pred",
-                                    "iteration s meas", "iteration error", *extra, "run spread (runs)",
+                                    "iteration s meas", "iteration error", "run spread (runs)",
                                     "worker MiB pred / meas"], rows), ""]
-    if rechecked:
-        factors = [f for r in results for f in r["factors"]]
-        alone = scores([r | {"predicted": r["predicted_profile"]} for r in results])
-        lines += [f"- predictions from the profile rechecked right before each run (`rlfuse plan --recheck`'s probe: "
-                  f"the machine ran it {min(factors):.2f}-{max(factors):.2f}x as slow as profiled), the median over "
-                  f"a plan's runs; from the profile alone: iteration time mean error {alone['mean_error'] * 100:.1f}%, "
-                  f"max {alone['max_error'] * 100:.1f}%, Kendall tau {alone['tau']:+.2f}"]
     sc = scores(results)
     for task, t in sc["tasks"].items():
         lines.append(f"- {task}: the planner's choice among these, {t['pick']['label']}, measured "
@@ -430,23 +390,6 @@ def across_profiles(stored: Path, models: Path | None, profiles: list[Path]) -> 
                      "tau (all)", f"tau ({' / '.join(tasks)})", "choice vs best (worst task)"], rows)
 
 
-def with_rechecks(result: dict, task: str, models: Path, profile_path: Path, dirs: list[Path]) -> dict:
-    """A plan's result with the predictions from the profiles rechecked before its runs, where every run has one:
-    "predicted" becomes the median over its runs of each run's prediction (as "measured" is a median over the runs),
-    the profile's own kept as "predicted_profile", and each run's recheck factor (how many times as slow as
-    profiled the machine ran its probe) as "factors"."""
-    from rlfuse.plan.profiles import load_profile
-
-    paths = [rechecked_path(d) for d in dirs]
-    if not paths or not all(p.exists() for p in paths):
-        return result
-    per_run = [predicted_seconds(task, models, p, result["inputs"])[result["label"]] for p in paths]
-    base = load_profile(profile_path)
-    return result | {"predicted_profile": result.get("predicted_profile", result["predicted"]),
-                     "predicted": {k: statistics.median(r[k] for r in per_run) for k in per_run[0]},
-                     "factors": [base.flops / load_profile(p).flops for p in paths]}
-
-
 def planned(task: str, pl, rank: int, inputs: dict, seconds: dict) -> dict:
     """A plan's prediction as results.json keeps it (the measurement is added beside it); seconds: its
     predicted_seconds."""
@@ -481,8 +424,7 @@ def repredict(stored: Path, models: Path | None, profile_path: Path) -> list[dic
                                for m in map(measured, dirs)]
                 new["measured"] = median_of_runs(new["runs"])
             new["mem_pred"] = {str(w): v for w, v in new["mem_pred"].items()}  # as the stored measurement's keys
-            merged = {k: v for k, v in r.items() if k not in ("predicted_profile", "factors")} | new
-            out.append(with_rechecks(merged, task, models, profile_path, dirs))
+            out.append(r | new)
     return out
 
 
@@ -526,10 +468,6 @@ def main() -> None:
     ap.add_argument("--tasks", nargs="+", choices=list(RUNS), default=DEFAULT_TASKS,
                     help="a subset of the tasks (default: the embedded model's; smollm2_math smollm2_hh: the real "
                          "model's shipped configs, from their bench.real_model runs)")
-    ap.add_argument("--recheck", action="store_true",
-                    help="before each run, time the profile's speed probe again (`rlfuse plan --recheck`) and predict "
-                         "that run from the profile scaled to it (reported beside the profile's own predictions); "
-                         "runs made without one are made again")
     ap.add_argument("--plans", type=int, default=0, help="only the first N plans of each task (a quick check)")
     ap.add_argument("--no-write", action="store_true", help="print only; write neither the page nor BENCHMARKS.md")
     ap.add_argument("--dry", action="store_true", help="profile, calibrate and print the plans; run none")
@@ -585,28 +523,20 @@ def main() -> None:
     runs: dict[int, list] = {i: [] for i in range(len(todo))}
     for repeat in range(args.repeats):  # every plan once, then every plan again: load changes hit all plans alike
         for i, (task, pl, rank, inputs) in enumerate(todo):
-            before = (lambda d, task=task: recheck_before(task, profiles[task], d)) if args.recheck else None
-            d, ran = run_plan(task, pl, models, work, args.iterations, repeat, args.fresh, before)
+            d, ran = run_plan(task, pl, models, work, args.iterations, repeat, args.fresh)
             runs[i].append(measured(d))
             if ran:
                 loads.append(os.getloadavg()[0])
-            again = (f" ({predicted_seconds(task, models, rechecked_path(d), inputs)[pl.label()]['iteration']:.3f} s "
-                     f"rechecked)" if args.recheck else "")
             print(f"[plan bench] {task} {pl.label()} run {repeat + 1}/{args.repeats}: predicted "
-                  f"{seconds[task][pl.label()]['iteration']:.3f} s{again}, "
+                  f"{seconds[task][pl.label()]['iteration']:.3f} s, "
                   f"measured {runs[i][-1]['iteration']:.3f} s" + (f" (load average {loads[-1]:.1f})" if ran else
                                                                    " (an earlier run, reused)"), file=sys.stderr)
     results = [planned(task, pl, rank, inputs, seconds[task][pl.label()])
                | {"measured": median_of_runs(runs[i]), "runs": runs[i], "models": str(models)}
                for i, (task, pl, rank, inputs) in enumerate(todo)]
-    if args.recheck:
-        results = [with_rechecks(r, task, models, profiles[task],
-                                 [run_dir(task, pl, work, k) for k in range(args.repeats)])
-                   for r, (task, pl, _, _) in zip(results, todo)]
     profile_desc = "; ".join(f"{task}: {profile_line(load_profile(path))}" for task, path in profiles.items())
     cmd = " ".join(["python -m bench.plan", *(["--models", str(args.models)] if args.models else []),
-                    *(["--fresh"] if args.fresh else []), *(["--recheck"] if args.recheck else []),
-                    f"--iterations {args.iterations}",
+                    *(["--fresh"] if args.fresh else []), f"--iterations {args.iterations}",
                     f"--repeats {args.repeats}", *(["--tasks", *args.tasks] if args.tasks != DEFAULT_TASKS else []),
                     *([f"--plans {args.plans}"] if args.plans else [])])
     load_note = (f"load average {min(loads):.1f}-{max(loads):.1f} after the runs made now" if loads else

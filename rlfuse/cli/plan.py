@@ -1,19 +1,17 @@
 """`rlfuse plan [CONFIG] [section.field=value ...] [--workers N] [--cpus-per-worker C] [--gpus-per-worker G]
-[--memory-per-worker GB] [--profile] [--recheck] [--lengths-from RUN_DIR] [--out plan.yaml] [--paper]`.
+[--memory-per-worker GB] [--profile] [--lengths-from RUN_DIR] [--out plan.yaml] [--paper]`.
 
 Prints the ranked plans, the memory table of the best one and the overrides that run it, and writes the best as
 config sections (`placement:`, with its rl micro-batch and checkpointing and rollout migration) to --out.
 The workload's prompts are the run's own, measured with the model's tokenizer (rlfuse/models/prompt_workload.py),
 or as --lengths-from's run recorded them; where neither can be had, the planner's table, with a line saying so.
-`--profile` first measures this machine (rlfuse/runtime/profile.py) and saves the profile file; `--recheck` times
-its speed probe again and scales the rates to the machine's speed now (the file is left as measured).
+`--profile` first measures this machine (rlfuse/runtime/profile.py) and saves the profile file.
 `--paper` prints the at-scale predictions from published device figures instead (rlfuse/plan/paper.py).
 """
 
 from __future__ import annotations
 
 import sys
-import time
 from pathlib import Path
 
 import yaml
@@ -26,9 +24,6 @@ from rlfuse.plan.memory import GiB
 from rlfuse.plan.paper import paper_report
 from rlfuse.plan.planner import first_fitting, plan, plan_memory_table, plan_table, problem_from_config
 from rlfuse.plan.profiles import default_profile_path, load_profile
-
-STALE_PROFILE_S = 3600
-"""Age of a profile past which `rlfuse plan` suggests --recheck."""
 
 
 def _positive(kind):
@@ -55,9 +50,6 @@ def add_arguments(p) -> None:
                         "embedded model, about 20 on 2 cores for SmolLM2-135M)")
     p.add_argument("--profile-path", metavar="FILE", help="profile file to write/read (default "
                    "$RLFUSE_CACHE/machine_profile.json, i.e. ~/.cache/rlfuse/machine_profile.json)")
-    p.add_argument("--recheck", action="store_true",
-                   help="time one forward of the model's shape again (about half a minute on 2 cores for a 135 M "
-                        "model) and scale the profile's rates by how much slower or faster the machine runs now")
     p.add_argument("--lengths-from", metavar="RUN_DIR", help="response (and prompt) lengths measured by an RL run "
                    "(its rl/metrics.jsonl) instead of the config's defaults (and of the prompts measured here)")
     p.add_argument("--out", default="plan.yaml", metavar="FILE", help="where the best plan's YAML goes (plan.yaml)")
@@ -98,13 +90,6 @@ def run(ns) -> int:
             measure_profile(policy_shape(cfg.model), threads=max(1, threads), log=log).save(path)
             log(f"[plan] machine profile written to {path}")
         profile = load_profile(ns.profile_path, log=log, shape=policy_shape(cfg.model))
-        if ns.recheck:
-            from rlfuse.runtime.profile import recheck_profile  # torch: only when measuring
-
-            profile = recheck_profile(profile, policy_shape(cfg.model), log=log)
-        elif profile.measured_at and time.time() - profile.measured_at > STALE_PROFILE_S:
-            log(f"[plan] the profile was measured {(time.time() - profile.measured_at) / 3600:.1f} h ago; a VM's "
-                f"speed drifts by a third within hours: --recheck times one forward now and scales its rates")
         lengths = None
         if ns.lengths_from:
             lengths = measured_lengths(ns.lengths_from)

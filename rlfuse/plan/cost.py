@@ -306,14 +306,6 @@ class MachineProfile:
     shape: str = ""
     """The model shape the rates were measured on (ModelShape.key; "" for a datasheet or an older profile): rates
     per FLOP and per layer call depend on the matrices' sizes, so a profile serves the model it was measured on."""
-    probe_s: float = 0.0
-    """Seconds of the speed probe when the rates were measured: a forward of PROBE_ROWS x PROBE_TOKENS tokens of
-    the profiled shape, the mean of repeated calls after a few untimed ones (rlfuse/runtime/profile.py), taken as
-    the contention is. `rlfuse plan --recheck` times it again and scales the rates by the ratio: on a VM whose speed
-    drifts, what the machine does now. 0: not measured (older profiles; the recheck compares with the profile's own
-    forward_seconds for it)."""
-    measured_at: float = 0.0
-    """When the rates were measured (Unix seconds; 0: not recorded)."""
 
     def to_json(self) -> str:
         return json.dumps(asdict(self), indent=2)
@@ -346,13 +338,10 @@ class MachineProfile:
         return (self.lora_fwd_ratio or 1.0) if adapters else 1.0
 
     def slowed(self, factor: float) -> "MachineProfile":
-        """The rates of a worker that gets 1/factor of what was measured (factor <= 1: unchanged)."""
-        return self if factor <= 1 else self.scaled(factor)
-
-    def scaled(self, factor: float) -> "MachineProfile":
-        """The rates of a machine `factor` times as slow as the one measured (under 1: faster): compute and memory
-        rates divided, per-call overheads multiplied; bandwidths between processes are not compute (probe_s, a
-        measurement, stays as it was)."""
+        """The rates of a worker that gets 1/factor of what was measured (factor <= 1: unchanged): compute and
+        memory rates divided, per-call overheads multiplied; bandwidths between processes are not compute."""
+        if factor <= 1:
+            return self
         return replace(self, flops=self.flops / factor, decode_flops=self.decode_flops / factor,
                        mem_bw=self.mem_bw / factor, layer_call_s=self.layer_call_s * factor,
                        decode_layer_call_s=self.decode_layer_call_s * factor,
@@ -410,17 +399,6 @@ def device_profile(key: str) -> MachineProfile:
 
 
 # ------------------------------------------------------------------------------------------ stage costs
-
-PROBE_ROWS, PROBE_TOKENS = 16, 32
-"""The speed probe's forward (MachineProfile.probe_s): RL-like sequences, matmul-bound on a 135 M model (1.4-1.5 s
-on one Xeon core for SmolLM2's shape), a few ms on the embedded one."""
-
-
-def probe_seconds(p: MachineProfile, shape: ModelShape) -> float:
-    """The speed probe's seconds at the profile's rates: what it measured (probe_s), else its forward priced by
-    forward_seconds (fp32 weights, as the profile's model holds them)."""
-    return p.probe_s or forward_seconds(p, shape, PROBE_ROWS, PROBE_TOKENS, 4.0 * shape.params)
-
 
 
 def forward_seconds(p: MachineProfile, shape: ModelShape, rows: float, seq: float, weight_bytes: float,

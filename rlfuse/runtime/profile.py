@@ -17,7 +17,6 @@ import io
 import os
 import statistics
 import time
-from dataclasses import replace
 from pathlib import Path
 
 import psutil
@@ -35,8 +34,7 @@ from rlfuse.models.lean import enable_lean_activations
 from rlfuse.models.load import apply_lora, model_of_shape
 from rlfuse.models.quantize import fix_cpu_heap
 from rlfuse.models.rewards import reward_model_fn
-from rlfuse.errors import UserError
-from rlfuse.plan.cost import PROBE_ROWS, PROBE_TOKENS, GiB, MachineProfile, ModelShape, gpt2_shape, probe_seconds
+from rlfuse.plan.cost import GiB, MachineProfile, ModelShape, gpt2_shape
 from rlfuse.plan.memory import train_activation_bytes
 from rlfuse.plan.profiles import BUILTIN_OVERHEADS, BUSY_CORES, GPU_OVERHEADS, RAY_WORKER_BYTES, SYNC_LATENCY_S
 from rlfuse.rollout.engine import DecodeEngine, Sample, SamplingParams
@@ -47,8 +45,6 @@ PASSES = 3
 """Times the profile takes every timing in its own process; the rates are fitted to each timing's fastest."""
 CONTENTION_WARMUP, CONTENTION_CALLS = 6, 15
 """The contention probe's untimed calls, then its timed ones (one_pass)."""
-RECHECK_SECONDS = 5.0
-"""Timed seconds of forwards `rlfuse plan --recheck` takes at least (a 135 M model's 15 calls take 20 s anyway)."""
 PROFILE_LORA_R = 16
 """LoRA rank of the profile's adapted copy: its per-layer cost is the adapters' ops, which a rank of 8-64 barely
 changes at these widths (the shipped real-model configs train r = 16)."""
@@ -85,73 +81,6 @@ def profile_contention(per_pass: list[float], others: float) -> float:
     return statistics.median(per_pass) if others > BUSY_CORES else min(per_pass)
 
 
-def profiled_shape(shape: ModelShape | None, device: str, log=None) -> ModelShape:
-    """The shape a profile times for a policy of `shape`: its own, or the embedded model's where none is given or,
-    on CPU, where it is over 200 M parameters (a pass of its timings would take hours on a few cores)."""
-    embedded = gpt2_shape("embedded", 4, 128, 4, 1024, 512)
-    if shape is None:
-        return embedded
-    if device == "cpu" and shape.params > 200e6:
-        if log:
-            log(f"[profile] {shape.name} has {shape.params / 1e6:.0f} M parameters: profiling the default shape instead")
-        return embedded
-    return shape
-
-
-def probe_times(model, ids, sync, min_seconds: float = 0.0) -> list[float]:
-    """The speed probe (MachineProfile.probe_s and the contention): seconds of each of CONTENTION_CALLS forwards of
-    `ids` after CONTENTION_WARMUP untimed ones, and more until they add up to min_seconds."""
-    times = []
-    with torch.no_grad():
-        for _ in range(CONTENTION_WARMUP):
-            model(input_ids=ids)
-        sync()
-        while len(times) < CONTENTION_CALLS or sum(times) < min_seconds:
-            t = time.perf_counter()
-            model(input_ids=ids)
-            sync()
-            times.append(time.perf_counter() - t)
-    return times
-
-
-def recheck_profile(profile: MachineProfile, shape: ModelShape | None, log=print) -> MachineProfile:
-    """`rlfuse plan --recheck`: the speed probe timed again now, in this process (a minute or less: on 2 cores
-    about 35 s for SmolLM2's shape), and the profile's rates scaled by how much slower (or faster) it ran than when
-    the profile was measured. A VM's speed drifts: on this project's 2-core Xeon VM every plan's run was 29-36%
-    slower an hour after the profile, with nothing else running (docs/benchmarks/plan.md, 2026-11-28), which a
-    profile taken once cannot know. One factor for every compute rate: the slowdowns seen were alike across stages."""
-    device = profile.device
-    if device == "cuda" and not torch.cuda.is_available():
-        raise UserError(f"--recheck: the profile was measured on a GPU ({profile.name}) and none is visible here")
-    shape = profiled_shape(shape, device)
-    if profile.shape and profile.shape != shape.key:
-        raise UserError(f"--recheck: the profile was measured on a {profile.shape} model, not this {shape.key}; "
-                        f"measure this one's with `rlfuse plan CONFIG --profile`")
-    torch.set_num_threads(max(1, profile.threads))
-    fix_cpu_heap(device)
-    sync = torch.cuda.synchronize if device == "cuda" else (lambda: None)
-    model = model_of_shape(shape, device).train()  # as the profile timed it (no dropout in either architecture)
-    ids = torch.randint(0, shape.vocab, (PROBE_ROWS, PROBE_TOKENS), device=device)
-    before = cpu_sample()
-    # a few seconds of calls at least: the embedded model's 40 ms forwards moved 5-16% between rechecks of 15
-    times = probe_times(model, ids, sync, min_seconds=RECHECK_SECONDS)
-    now = statistics.mean(times)
-    others = other_cores(before, cpu_sample())
-    then = probe_seconds(profile, shape)
-    basis = "measured then" if profile.probe_s else "as its rates price it (an older profile without the probe)"
-    factor = now / then
-    age = f" {(time.time() - profile.measured_at) / 3600:.1f} h ago" if profile.measured_at else ""
-    busy = (f"; other work kept {others:.1f} cores busy meanwhile, which a run now would share too" if
-            others > BUSY_CORES else "")
-    log(f"[plan] recheck: the probe ({PROBE_ROWS} x {PROBE_TOKENS}-token forwards of {shape.name}, mean of "
-        f"{len(times)}) took {now:.3f} s against {then:.3f} s when profiled{age} ({basis}): the machine runs "
-        f"{factor:.2f}x as slow; rates scaled{busy}")
-    when = time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())
-    return replace(profile.scaled(factor), probe_s=now,
-                   source=f"{profile.source}; rechecked {when}: probe {now:.3f} s against {then:.3f} s, rates "
-                          f"divided by {factor:.2f}")
-
-
 def _fit(times: dict) -> tuple[float, float]:
     """Least-squares line through {rows: seconds}: (seconds at 0 rows, seconds per row), both kept positive."""
     xs, ys = list(times), list(times.values())
@@ -171,7 +100,10 @@ def measure_profile(shape: ModelShape | None = None, threads: int = 1, device: s
     torch.set_num_threads(max(1, threads))
     fix_cpu_heap(device)  # the C heap as a run's first model load sets it: the timings and the memory line see it
     sync = torch.cuda.synchronize if device == "cuda" else (lambda: None)
-    shape = profiled_shape(shape, device, log)
+    shape = shape or gpt2_shape("embedded", 4, 128, 4, 1024, 512)
+    if device == "cpu" and shape.params > 200e6:
+        log(f"[profile] {shape.name} has {shape.params / 1e6:.0f} M parameters: profiling the default shape instead")
+        shape = gpt2_shape("embedded", 4, 128, 4, 1024, 512)
     t_start = time.perf_counter()
     torch.set_grad_enabled(True)
     x = torch.randn(256, 256, device=device, requires_grad=True)
@@ -225,8 +157,8 @@ def measure_profile(shape: ModelShape | None = None, threads: int = 1, device: s
         decode_sample_s = max(0.0, (staggered - steps_only) / 32)
         # forward at three batch sizes of RL-like sequences (32 tokens) -> fixed cost per call and FLOP/s; then the
         # backward's ratio to the forward, with a log-softmax loss as the policy loss has
-        seq = PROBE_TOKENS
-        ids = {b: torch.randint(0, shape.vocab, (b, seq), device=device) for b in (2, 8, PROBE_ROWS)}
+        seq = 32
+        ids = {b: torch.randint(0, shape.vocab, (b, seq), device=device) for b in (2, 8, 16)}
         model.train()
         fwd = {}
         one_token = torch.ones(1, 1, dtype=torch.long, device=device)
@@ -256,8 +188,17 @@ def measure_profile(shape: ModelShape | None = None, threads: int = 1, device: s
         # After a few calls untimed: on a 2-core Xeon VM (2026-11-28) a 16 x 32-token forward of SmolLM2's shape took
         # 1.8-2.0 s for its first 6 calls in a fresh process, then 1.43-1.51 s steadily (mean over fastest 1.17 with
         # them, 1.01-1.04 without): the probe is for sharing, not a process's first calls
-        times = probe_times(model, ids[PROBE_ROWS], sync)
-        contention = max(1.0, statistics.mean(times) / min(times))
+        times = []
+        with torch.no_grad():
+            for _ in range(CONTENTION_WARMUP):
+                model(input_ids=ids[16])
+            sync()
+            for _ in range(CONTENTION_CALLS):
+                t = time.perf_counter()
+                model(input_ids=ids[16])
+                sync()
+                times.append(time.perf_counter() - t)
+        contention = max(1.0, sum(times) / len(times) / min(times))
 
         def fwd_bwd(net, b: int):
             net(input_ids=ids[b]).logits.float().log_softmax(-1)[..., 0].mean().backward()
@@ -296,7 +237,7 @@ def measure_profile(shape: ModelShape | None = None, threads: int = 1, device: s
                 "bwd_ratio": bwd_ratio, "lora_layer_call_s": lora_call, "lora_fwd_ratio": lora_fwd,
                 "lora_train_layer_call_s": lora_train_call, "lora_bwd_ratio": lora_bwd,
                 "optimizer_bytes_s": optimizer_bytes_s, "sync_bytes_s": sync_bytes_s,
-                "contention": contention, "probe_s": statistics.mean(times)}
+                "contention": contention}
 
     measured_on_ray = ray and device == "cpu"
     # a line per pass: on 2 cores SmolLM2-135M's passes take minutes each (19 minutes in all with the Ray part)
@@ -317,9 +258,7 @@ def measure_profile(shape: ModelShape | None = None, threads: int = 1, device: s
     per_pass = ", ".join(f"{r['contention']:.2f}" for r in passes)
     log(f"[profile] contention per pass (mean over fastest of {CONTENTION_CALLS} forwards): {per_pass}; "
         f"{contention:.2f} taken (other work on the cores: {others:.2f})")
-    # the probe's time as the rates are taken (idle: the least of the passes'), for `rlfuse plan --recheck`
-    probe_s = profile_contention([r["probe_s"] for r in passes], others)
-    del rates["contention"], rates["probe_s"]
+    del rates["contention"]
     # how far the fits moved from pass to pass: the rate that moved most (a zero, a term that measured nothing, aside)
     widest, widest_spread = max(((k, spread([r[k] for r in passes])) for k in rates
                                  if statistics.median(r[k] for r in passes) > 0), key=lambda kv: kv[1])
@@ -338,7 +277,7 @@ def measure_profile(shape: ModelShape | None = None, threads: int = 1, device: s
         name=name, device=device, threads=threads, **rates, sync_latency_s=SYNC_LATENCY_S, ray_call_s=driver_s,
         **((BUILTIN_OVERHEADS if device == "cpu" else GPU_OVERHEADS) | overheads),
         memory_bytes=float(memory), runtime_bytes=float(runtime), slack_fraction=0.1, other_cores=others, shape=shape.key,
-        lora_train_resident_bytes=lora_resident, lora_train_ratio=lora_ratio, probe_s=probe_s, measured_at=time.time(),
+        lora_train_resident_bytes=lora_resident, lora_train_ratio=lora_ratio,
         source=f"rlfuse plan --profile, {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}, {shape.name}, "
                f"load average {os.getloadavg()[0]:.1f}, other work {others:.2f} cores, contention {contention:.2f} "
                f"(rates divided by it), each "

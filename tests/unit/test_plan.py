@@ -465,31 +465,6 @@ def test_rlfuse_plan_default_config(tmp_path, capsys, tiny_task):
     assert cfg.placement.strategy == block["placement"]["strategy"]
 
 
-def test_rlfuse_plan_recheck_and_the_hint_on_an_old_profile(tmp_path, capsys, tiny_task, monkeypatch):
-    """A profile two hours old: `rlfuse plan` suggests --recheck; with it the plan comes from the rates scaled to
-    the probe timed now, and the file stays as measured."""
-    import time
-    from dataclasses import replace
-
-    from conftest import TINY as TINY_RUN
-
-    import rlfuse.runtime.profile as prof
-    from rlfuse.cli import main
-    from rlfuse.plan.cost import MachineProfile, policy_shape
-
-    monkeypatch.setattr(prof, "RECHECK_SECONDS", 0.0)
-    shape = policy_shape(load_config(None, [a for a in TINY_RUN if "=" in a]).model)
-    old = replace(BUILTIN_CPU, shape=shape.key, probe_s=1e-4, measured_at=time.time() - 7200)
-    path = old.save(tmp_path / "profile.json")
-    args = ["plan", *TINY_RUN, "--profile-path", str(path), "--out", str(tmp_path / "p.yaml"), "--top", "2"]
-    assert main(args) == 0
-    assert "measured 2.0 h ago" in capsys.readouterr().err
-    assert main([*args, "--recheck"]) == 0
-    out, err = capsys.readouterr()
-    assert "[plan] recheck: the probe" in err and "2.0 h ago" in err and "rechecked" in out
-    assert MachineProfile.load(path) == old
-
-
 def test_rlfuse_plan_bad_budget_is_one_line(tmp_path, capsys):
     from rlfuse.cli import main
 
