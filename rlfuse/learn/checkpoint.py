@@ -14,7 +14,7 @@ import numpy as np
 import torch
 
 from rlfuse.errors import UserError, first_line
-from rlfuse.files import atomic_path
+from rlfuse.files import atomic_path, weights_digest
 from rlfuse.learn.learners import Learners
 from rlfuse.learn.update import BadSteps
 from rlfuse.models.build import Models
@@ -210,11 +210,16 @@ class StageCheckpoint:
     and the head), optimiser, LR-schedule and RNG states and the bad-step counters after every `every`-th step but
     the last (the model saved next is the result; a full model's checkpoint is three times its size). The optimiser
     batches are a function of (seed, step), so a stage resumed from it repeats an uninterrupted one bit for bit.
-    Removed once the stage has saved its model and summary."""
+    Removed once the stage has saved its model and summary. start_from: the model folder (or hub name) the stage
+    started from; the checkpoint keeps its weights_digest and a resume from another (`rlfuse sft --overwrite` between
+    a reward model's kill and its resume, say) is refused."""
 
-    def __init__(self, stage_dir: Path, every: int, steps: int, model: torch.nn.Module, opt, sched):
+    def __init__(self, stage_dir: Path, every: int, steps: int, model: torch.nn.Module, opt, sched,
+                 start_from: str = ""):
         self.path, self.every, self.steps = Path(stage_dir) / "checkpoint.pt", every, steps
         self.model, self.opt, self.sched = model, opt, sched
+        self.start_from = start_from
+        self.start_digest = weights_digest(start_from) if start_from else ""
 
     def restore(self, stage: str, log) -> tuple[int, BadSteps]:
         """(the step to continue after, the bad-step counters) from the checkpoint, its states loaded in place;
@@ -224,6 +229,10 @@ class StageCheckpoint:
                 f"which comes every {stage}.ckpt_every={self.every} steps): starting at step 0")
             return 0, BadSteps()
         state = read_checkpoint(self.path, STAGE_KEYS)
+        if state.get("start_digest", self.start_digest) != self.start_digest:  # older checkpoints have none
+            raise UserError(f"{self.path} was trained from another model than {self.start_from} holds now (it was "
+                            f"saved again since the checkpoint: `rlfuse sft --overwrite`?); its weights would not fit "
+                            f"it: start this stage again with --overwrite")
         try:
             trained = {n for n, p in self.model.named_parameters() if p.requires_grad}
             extra, missing = set(state["model"]) - trained, trained - set(state["model"])
@@ -244,7 +253,8 @@ class StageCheckpoint:
         if step % self.every or step == self.steps:
             return
         state = {"step": step, "model": trainable_state(self.model, copy=False), "opt": self.opt.state_dict(),
-                 "sched": self.sched.state_dict(), "counters": dataclasses.asdict(bad), "rng": rng_states()}
+                 "sched": self.sched.state_dict(), "counters": dataclasses.asdict(bad), "rng": rng_states(),
+                 "start_digest": self.start_digest}
         keep_previous(self.path)
         with atomic_path(self.path) as tmp:
             save_torch(state, tmp)

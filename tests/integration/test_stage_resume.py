@@ -7,7 +7,7 @@ import shutil
 
 import pytest
 import torch
-from safetensors.torch import load_file
+from safetensors.torch import load_file, save_file
 
 from conftest import TINY
 from rlfuse import api
@@ -66,6 +66,13 @@ def test_stage_killed_mid_step_resumes_to_the_uninterrupted_model(stage, lora, t
         assert main([stage, "--resume", str(killed), change]) != 0
         assert "cannot change in a resumed run" in capsys.readouterr().err
 
+    if stage == "rm":  # its backbone saved again since the checkpoint (`rlfuse sft --overwrite`): refused
+        weights = backbone / "model.safetensors"
+        shutil.copy(weights, tmp_path / "kept.safetensors")
+        save_file({k: v + 1e-3 for k, v in load_file(str(weights)).items()}, str(weights))
+        assert main([stage, "--resume", str(killed)]) != 0
+        assert "was trained from another model than" in capsys.readouterr().err
+        shutil.copy(tmp_path / "kept.safetensors", weights)
     assert main([stage, "--resume", str(killed), f"{stage}.ckpt_every=3"]) == 0
     err = capsys.readouterr().err
     assert f"[{stage}] resumed from {ckpt} at step 4 of 6" in err

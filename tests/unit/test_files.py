@@ -38,3 +38,22 @@ def test_keep_existing_lets_the_first_finished_copy_stand(tmp_path):
             theirs.mkdir()
             (theirs / "stats.json").write_text("theirs")
     assert (out / "stats.json").read_text() == "theirs" and sorted(p.name for p in tmp_path.iterdir()) == ["cache"]
+
+
+def test_weights_digest_follows_the_weights_not_the_copy(tmp_path):
+    import shutil
+
+    import torch
+    from safetensors.torch import save_file
+
+    from rlfuse.files import weights_digest
+
+    a = tmp_path / "a"
+    a.mkdir()
+    save_file({"w": torch.arange(300_000, dtype=torch.float32)}, str(a / "model.safetensors"))
+    (a / "config.json").write_text("{}")
+    shutil.copytree(a, tmp_path / "copy")  # new file times, the same bytes
+    assert weights_digest(a) == weights_digest(tmp_path / "copy") and len(weights_digest(a)) == 16
+    save_file({"w": torch.arange(300_000, dtype=torch.float32) + 1}, str(a / "model.safetensors"))  # trained again
+    assert weights_digest(a) != weights_digest(tmp_path / "copy")
+    assert weights_digest("HuggingFaceTB/SmolLM2-135M-Instruct") == "HuggingFaceTB/SmolLM2-135M-Instruct"
