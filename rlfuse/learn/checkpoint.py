@@ -8,6 +8,7 @@ import dataclasses
 import os
 import random
 import shutil
+import time
 from pathlib import Path
 
 import numpy as np
@@ -215,9 +216,13 @@ class StageCheckpoint:
     a reward model's kill and its resume, say) is refused."""
 
     def __init__(self, stage_dir: Path, every: int, steps: int, model: torch.nn.Module, opt, sched,
-                 start_from: str = ""):
+                 start_from: str = "", started: float | None = None):
         self.path, self.every, self.steps = Path(stage_dir) / "checkpoint.pt", every, steps
         self.model, self.opt, self.sched = model, opt, sched
+        # the stage's seconds: this process's since `started` (time.perf_counter) plus those the processes before it
+        # spent up to the checkpoint it resumed from (steps trained after that checkpoint and lost are not counted)
+        self.started = time.perf_counter() if started is None else started
+        self.earlier_s = 0.0
         self.start_from = start_from
         self.start_digest = weights_digest(start_from) if start_from else ""
 
@@ -246,6 +251,7 @@ class StageCheckpoint:
             raise UserError(f"{self.path} does not fit this run's model ({first_line(e)}); it belongs to another run "
                             f"or model: resume the run it came from, or start a new run") from None
         set_rng_states(state["rng"])
+        self.earlier_s = state.get("seconds", 0.0)  # older checkpoints have none
         log(f"[{stage}] resumed from {self.path} at step {state['step']} of {self.steps}")
         return state["step"], BadSteps(**state["counters"])
 
@@ -254,10 +260,14 @@ class StageCheckpoint:
             return
         state = {"step": step, "model": trainable_state(self.model, copy=False), "opt": self.opt.state_dict(),
                  "sched": self.sched.state_dict(), "counters": dataclasses.asdict(bad), "rng": rng_states(),
-                 "start_digest": self.start_digest}
+                 "start_digest": self.start_digest, "seconds": self.seconds()}
         keep_previous(self.path)
         with atomic_path(self.path) as tmp:
             save_torch(state, tmp)
+
+    def seconds(self) -> float:
+        """The stage's seconds so far, across the processes that trained it."""
+        return self.earlier_s + time.perf_counter() - self.started
 
     def remove(self) -> None:
         remove_stage_checkpoint(self.path.parent)

@@ -101,7 +101,7 @@ def train_rm(cfg: Config, run_dir: Path, log=print, on_trained=None, resume: boo
     opt, sched = build_optimizer(model, s.lr, s.weight_decay, s.warmup_steps, s.steps)
     out = run_dir / "rm"
     log(f"[rm] {len(train_items)} train / {len(eval_items)} held-out pairs, backbone {name}")
-    ckpt = StageCheckpoint(out, s.ckpt_every, s.steps, model, opt, sched, start_from=name)
+    ckpt = StageCheckpoint(out, s.ckpt_every, s.steps, model, opt, sched, start_from=name, started=t0)
     start, bad = ckpt.restore("rm", log) if resume else (0, BadSteps())  # bad: steps skipped for a NaN/inf
     if resume and on_resumed is not None:
         on_resumed(f"rm step {start}")
@@ -136,7 +136,7 @@ def train_rm(cfg: Config, run_dir: Path, log=print, on_trained=None, resume: boo
     model_dir = save_trained_model(model, tokenizer, out, base=name)
     if on_trained is not None:
         on_trained(model)
-    result = RMResult(model_dir, final["eval/accuracy"], final["eval/margin"], time.perf_counter() - t0)
+    result = RMResult(model_dir, final["eval/accuracy"], final["eval/margin"], ckpt.seconds())
     write_text_atomic(out / "summary.json", json.dumps({"accuracy": result.accuracy, "margin": result.margin,  # resume
                                                         "seconds": result.seconds, "model_dir": str(model_dir)}, indent=2))
     ckpt.remove()

@@ -88,7 +88,7 @@ def train_sft(cfg: Config, run_dir: Path, log=print, on_trained=None, resume: bo
     opt, sched = build_optimizer(model, s.lr, s.weight_decay, s.warmup_steps, s.steps)
     out = run_dir / "sft"
     log(f"[sft] {len(train_items)} train / {len(eval_items)} held-out sequences, model {name}, device {device}")
-    ckpt = StageCheckpoint(out, s.ckpt_every, s.steps, model, opt, sched, start_from=name)
+    ckpt = StageCheckpoint(out, s.ckpt_every, s.steps, model, opt, sched, start_from=name, started=t0)
     start, bad = ckpt.restore("sft", log) if resume else (0, BadSteps())  # bad: steps skipped for a NaN/inf
     if resume and on_resumed is not None:
         on_resumed(f"sft step {start}")
@@ -132,7 +132,7 @@ def train_sft(cfg: Config, run_dir: Path, log=print, on_trained=None, resume: bo
         gold = gold_summary(texts, [x.finish_reason != "length" for x in samples])
         result.grammatical_rate, result.gold_positive_rate = gold["grammatical_rate"], gold["gold_positive_rate"]
         (out / "samples.json").write_text(json.dumps(texts[:16], indent=1))
-    result.seconds = time.perf_counter() - t0
+    result.seconds = ckpt.seconds()
     summary = {"val_loss": result.val_loss, "perplexity": result.perplexity, "seconds": result.seconds,
                "grammatical_rate": result.grammatical_rate, "gold_positive_rate": result.gold_positive_rate,
                "model_dir": str(model_dir)}
