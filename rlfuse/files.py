@@ -59,15 +59,18 @@ DIGEST_SAMPLES, DIGEST_CHUNK = 16, 1 << 16
 
 
 def weights_digest(name_or_path: str | os.PathLike) -> str:
-    """What a model folder holds, in 16 hex digits, read in a few milliseconds whatever its size: each weights file's
-    name and size and DIGEST_SAMPLES chunks spread through it (a model trained again differs in every tensor, so in
-    every chunk; a copy of the folder digests the same, which a file time would not). Not a folder (a hub id): the
-    name itself."""
+    """What a model folder holds, in 16 hex digits, read in a few milliseconds whatever its size: the name and size of
+    each weights file transformers loads (the safetensors where there are any, else the .bin files, else a .gguf)
+    and DIGEST_SAMPLES chunks spread through each (a model trained again differs in most tensors, so in some chunk;
+    a copy of the folder digests the same, which a file time would not; another format written beside the loaded
+    one, a llama.cpp export say, does not change it). Not a folder (a hub id): the name itself."""
     folder = Path(name_or_path)
     if not folder.is_dir():
         return str(name_or_path)
     h = hashlib.sha256()
-    for f in sorted(p for p in folder.iterdir() if p.suffix in (".safetensors", ".bin", ".gguf")):
+    weights = next((found for suffix in (".safetensors", ".bin", ".gguf")
+                    if (found := sorted(p for p in folder.iterdir() if p.suffix == suffix and p.is_file()))), [])
+    for f in weights:
         size = f.stat().st_size
         h.update(f"{f.name}:{size}".encode())
         with f.open("rb") as fh:

@@ -54,6 +54,8 @@ def test_weights_digest_follows_the_weights_not_the_copy(tmp_path):
     (a / "config.json").write_text("{}")
     shutil.copytree(a, tmp_path / "copy")  # new file times, the same bytes
     assert weights_digest(a) == weights_digest(tmp_path / "copy") and len(weights_digest(a)) == 16
+    (a / "model.gguf").write_bytes(b"GGUF" * 10)  # another format beside the loaded one: not what loads
+    assert weights_digest(a) == weights_digest(tmp_path / "copy")
     save_file({"w": torch.arange(300_000, dtype=torch.float32) + 1}, str(a / "model.safetensors"))  # trained again
     assert weights_digest(a) != weights_digest(tmp_path / "copy")
     assert weights_digest("HuggingFaceTB/SmolLM2-135M-Instruct") == "HuggingFaceTB/SmolLM2-135M-Instruct"
