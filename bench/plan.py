@@ -11,10 +11,10 @@ Inputs of the predictions, all taken before any plan runs: the machine profile (
 the start, Ray overheads included), the config, the mean prompt tokens of the task and the distinct prompt lengths
 in an iteration's prompts (the first iterations' prompts tokenised as `rlfuse plan` does,
 rlfuse/models/prompt_workload.py: one prefill call per length), and the response lengths (mean,
-longest) of each iteration of a single-process calibration run per task, as many iterations as the plans run:
-samples do not depend on the placement, so every plan decodes the same lengths, and they drift as the policy trains.
-A plan's prediction per stage is the median over iterations 2..N of each iteration's prediction from its own
-lengths, as its measurement is the median of each iteration's time; plans are ranked by it. Each plan runs --repeats
+longest) and the prompts (mean tokens, distinct lengths) of each iteration of a single-process calibration run per
+task, as many iterations as the plans run: samples do not depend on the placement, so every plan decodes the same
+prompts and lengths, and the lengths drift as the policy trains. A plan's prediction per stage is the median over
+iterations 2..N of each iteration's prediction from its own prompts and lengths, as its measurement is the median of each iteration's time; plans are ranked by it. Each plan runs --repeats
 times (2 by default), the repeats interleaved (every plan once, then every plan again) so that a change of load
 falls on all plans alike. Measured, per run and iteration 2..N (the first warms up): time/rollout, time/training,
 time/weight_sync, time/iteration, and each worker's peak RSS (worker/<i>/rss_peak_mb); per plan and stage: the
@@ -178,7 +178,7 @@ def plans_for(task: str, models: Path, profile_path: Path, inputs: dict) -> list
     from rlfuse.plan.profiles import load_profile
 
     cfg = load_config(task_config(task), common_overrides(models, task, 3))
-    inputs = {k: v for k, v in inputs.items() if k != "iteration_lengths"}
+    inputs = {k: v for k, v in inputs.items() if k not in ("iteration_lengths", "iteration_prompts")}
     inputs["lengths"] = tuple(inputs["lengths"]) if inputs.get("lengths") else None
     return plan(problem_from_config(cfg, load_profile(profile_path), workers=2, **inputs))
 
@@ -188,14 +188,27 @@ def iteration_lengths(run: Path) -> list[tuple[float, int]]:
     return [(r["rollout/length_mean"], int(r["rollout/length_max"])) for r in metrics(run)[1:]]
 
 
+def iteration_prompts(run: Path) -> list[tuple[float, float]]:
+    """(mean tokens, distinct lengths) of the prompts of each iteration after the first, as the run recorded them:
+    the iterations `measured` takes. Every run of a task draws the same prompts at iteration i (samples depend on the
+    seed and the prompt, not the placement). On smollm2_hh their mean went 85, 123, 137, 151 tokens over iterations
+    1-4, so the prompts of iterations 1-3 (115 on average) priced iterations 2-4 (137) 6-8% low."""
+    return [(r["rollout/prompt_length_mean"], r["rollout/prompt_lengths_distinct"]) for r in metrics(run)[1:]
+            if "rollout/prompt_length_mean" in r]
+
+
 def predicted_seconds(task: str, models: Path, profile_path: Path, inputs: dict) -> dict:
     """label -> predicted seconds per stage, the median over the measured iterations of each one's prediction
     from its own response lengths (as `measured` takes the median of each one's time): the policy's lengths drift
     as it trains, the same in every plan (samples do not depend on the placement). Without per-iteration lengths
     (a results.json from before them): the prediction at the calibration's median lengths."""
     per = inputs.get("iteration_lengths") or [inputs["lengths"]]
-    runs = [{pl.label(): pl.seconds for pl in reversed(plans_for(task, models, profile_path, dict(inputs, lengths=L)))}
-            for L in per]
+    prompts = inputs.get("iteration_prompts") or []
+    at = lambda i: ({"prompt_tokens": prompts[i][0], "prompt_lengths": prompts[i][1]} if len(prompts) == len(per)
+                    else {})  # each iteration's own prompts where they were recorded, else the measured mean's
+    runs = [{pl.label(): pl.seconds
+             for pl in reversed(plans_for(task, models, profile_path, dict(inputs, lengths=L, **at(i))))}
+            for i, L in enumerate(per)]
     return {label: {k: statistics.median(r[label][k] for r in runs) for k in runs[0][label]} for label in runs[0]}
 
 
@@ -226,7 +239,8 @@ def predict_all(task: str, models: Path, profile_path: Path, work: Path,
     prompts = measure_prompts(cfg, lambda m: None)  # rl.sft_path's tokenizer, the run's first iterations' batches
     inputs = {"lengths": measured_lengths(calib), "prompt_tokens": prompts.tokens, "prompt_lengths": prompts.distinct,
               "prompt_longest": prompts.longest,
-              "iteration_lengths": iteration_lengths(calib)[: iterations - 1]}
+              "iteration_lengths": iteration_lengths(calib)[: iterations - 1],
+              "iteration_prompts": iteration_prompts(calib)[: iterations - 1]}
     plans, seconds = ranked_plans(task, models, profile_path, inputs)
     chosen = [plans[0]]  # the planner's own choice always runs
     for strategy, micro, ckpt, *parallel in RUNS[task]:
@@ -411,13 +425,22 @@ def repredict(stored: Path, models: Path | None, profile_path: Path) -> list[dic
     out = []
     for task in dict.fromkeys(r["task"] for r in results):
         rs = [r for r in results if r["task"] == task]
-        plans, seconds = ranked_plans(task, models, profile_path, rs[0]["inputs"])
+        inputs = rs[0]["inputs"]
+        calib = stored.parent / f"calibrate_{task}"
+        if "iteration_prompts" not in inputs and (calib / "rl" / "metrics.jsonl").exists():
+            # stored before the bench took each iteration's prompts: the calibration run beside it recorded them
+            # (every run of the task draws the same prompts)
+            window = len(inputs.get("iteration_lengths") or [])
+            inputs = dict(inputs, iteration_prompts=iteration_prompts(calib)[:window])
+            print(f"[plan bench] {task}: each iteration's prompts from {calib} (not stored in {stored})",
+                  file=sys.stderr)
+        plans, seconds = ranked_plans(task, models, profile_path, inputs)
         by_label = {pl.label(): (pl, i + 1) for i, pl in reversed(list(enumerate(plans)))}
         for r in rs:
             if r["label"] not in by_label:
                 raise SystemExit(f"--repredict: {task} plan {r['label']!r} is no longer among the candidates")
             pl, rank = by_label[r["label"]]
-            new = planned(task, pl, rank, r["inputs"], seconds[r["label"]])
+            new = planned(task, pl, rank, inputs, seconds[r["label"]])
             dirs = [run_dir(task, pl, stored.parent, i) for i in range(len(r["runs"]))]
             if dirs and all((d / "rl" / "metrics.jsonl").exists() for d in dirs):  # measured again from their logs
                 new["runs"] = [m | {"rss_mb": {str(w): v for w, v in m["rss_mb"].items()}}  # as stored: JSON keys

@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
-from bench.plan import drop_weights, plans_for, report, repredict, run_dir  # noqa: E402
+from bench.plan import drop_weights, plans_for, predicted_seconds, report, repredict, run_dir  # noqa: E402
 from rlfuse.plan.profiles import BUILTIN_CPU  # noqa: E402
 
 INPUTS = {"lengths": [11.5, 33], "prompt_tokens": 4.1, "prompt_lengths": 3.8}
@@ -47,6 +47,21 @@ def test_repredict_follows_the_profile_it_is_given(stored):
     base = repredict(work / "results.json", None, work / "machine_profile.json")
     again = repredict(work / "results.json", None, slow)
     assert again[0]["predicted"]["train"] > base[0]["predicted"]["train"]  # flattened trains on both at once
+
+
+def test_each_iteration_is_predicted_from_its_own_prompts(stored):
+    """Two iterations whose prompts were recorded at 4 and 40 tokens: the prediction is the median of each one's, so
+    it lies above the one priced from the 4-token mean; the same recorded at the mean gives the mean's prediction."""
+    work, plans = stored
+    per = dict(INPUTS, iteration_lengths=[[11.5, 33], [11.5, 33]])
+    label, profile = plans[0].label(), work / "machine_profile.json"
+    at_mean = predicted_seconds("default", work / "models", profile, per)[label]
+    longer = predicted_seconds("default", work / "models", profile,
+                               dict(per, iteration_prompts=[[4.1, 3.8], [40.0, 3.8]]))[label]
+    same = predicted_seconds("default", work / "models", profile,
+                             dict(per, iteration_prompts=[[4.1, 3.8], [4.1, 3.8]]))[label]
+    assert longer["train"] > at_mean["train"] and longer["score"] > at_mean["score"]
+    assert same == at_mean
 
 
 def test_repredict_says_what_is_missing(stored):
