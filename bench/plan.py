@@ -193,15 +193,18 @@ def iteration_prompts(run: Path) -> list[tuple[float, float]]:
     the iterations `measured` takes. Every run of a task draws the same prompts at iteration i (samples depend on the
     seed and the prompt, not the placement). On smollm2_hh their mean went 85, 123, 137, 151 tokens over iterations
     1-4, so the prompts of iterations 1-3 (115 on average) priced iterations 2-4 (137) 6-8% low."""
-    return [(r["rollout/prompt_length_mean"], r["rollout/prompt_lengths_distinct"]) for r in metrics(run)[1:]
-            if "rollout/prompt_length_mean" in r]
+    rows = metrics(run)[1:]
+    if not all("rollout/prompt_length_mean" in r for r in rows):  # a run from before rlfuse logged them: none, not
+        return []                                                  # some (the i-th would price another iteration)
+    return [(r["rollout/prompt_length_mean"], r["rollout/prompt_lengths_distinct"]) for r in rows]
 
 
 def predicted_seconds(task: str, models: Path, profile_path: Path, inputs: dict) -> dict:
     """label -> predicted seconds per stage, the median over the measured iterations of each one's prediction
     from its own response lengths (as `measured` takes the median of each one's time): the policy's lengths drift
     as it trains, the same in every plan (samples do not depend on the placement). Without per-iteration lengths
-    (a results.json from before them): the prediction at the calibration's median lengths."""
+    (a results.json from before them): the prediction at the calibration's median lengths. Each iteration is priced
+    at its own prompts (mean tokens, distinct lengths) where all of them were recorded, else at the measured mean."""
     per = inputs.get("iteration_lengths") or [inputs["lengths"]]
     prompts = inputs.get("iteration_prompts") or []
     at = lambda i: ({"prompt_tokens": prompts[i][0], "prompt_lengths": prompts[i][1]} if len(prompts) == len(per)
@@ -430,10 +433,11 @@ def repredict(stored: Path, models: Path | None, profile_path: Path) -> list[dic
         if "iteration_prompts" not in inputs and (calib / "rl" / "metrics.jsonl").exists():
             # stored before the bench took each iteration's prompts: the calibration run beside it recorded them
             # (every run of the task draws the same prompts)
-            window = len(inputs.get("iteration_lengths") or [])
-            inputs = dict(inputs, iteration_prompts=iteration_prompts(calib)[:window])
-            print(f"[plan bench] {task}: each iteration's prompts from {calib} (not stored in {stored})",
-                  file=sys.stderr)
+            window, prompts = len(inputs.get("iteration_lengths") or []), iteration_prompts(calib)
+            if window and len(prompts) >= window:
+                inputs = dict(inputs, iteration_prompts=prompts[:window])
+                print(f"[plan bench] {task}: each iteration's prompts from {calib} (not stored in {stored}): mean "
+                      + ", ".join(f"{t:.0f}" for t, _ in prompts[:window]) + " tokens", file=sys.stderr)
         plans, seconds = ranked_plans(task, models, profile_path, inputs)
         by_label = {pl.label(): (pl, i + 1) for i, pl in reversed(list(enumerate(plans)))}
         for r in rs:
@@ -536,7 +540,9 @@ def main() -> None:
         inputs, chosen, seconds[task] = predict_all(task, models, profiles[task], work, args.iterations)
         print(f"[plan bench] {task}: prompt tokens {inputs['prompt_tokens']:.1f} (longest "
               f"{inputs['prompt_longest']}, {inputs['prompt_lengths']:.1f} distinct lengths per iteration), response "
-              f"lengths {inputs['lengths']}", file=sys.stderr)
+              f"lengths {inputs['lengths']}; the measured iterations' prompts: mean "
+              + (", ".join(f"{t:.0f}" for t, _ in inputs["iteration_prompts"]) or "not recorded") + " tokens",
+              file=sys.stderr)
         todo += [(task, pl, rank, inputs) for pl, rank in chosen[: args.plans or None]]
     if args.dry:
         for task, pl, rank, _ in todo:

@@ -279,16 +279,34 @@ def run_pipeline(config: ConfigLike = None, run_dir: str | os.PathLike | None = 
         on_resumed = _first_call_only(on_resumed)  # the first stage that runs notes the changes in config.yaml
         log(f"[run] run folder: {folder}")
         # a stage killed part-way continues from its checkpoint; one that finished is kept
-        sft = stage_summary(folder, "sft") or _as_dict(run_sft(cfg, folder, log, resume=resume, on_resumed=on_resumed))
+        earlier: list[float] = []
+        sft = _kept_or_run(folder, "sft", lambda: _as_dict(run_sft(cfg, folder, log, resume=resume,
+                                                                   on_resumed=on_resumed)), earlier)
         local = with_local_stage_paths(cfg)  # hub ids fetched once the config is saved with them
         if needs_reward_model(cfg):
-            rm = stage_summary(folder, "rm") or _as_dict(run_rm(local, folder, log, resume=resume,
-                                                                on_resumed=on_resumed))
+            rm = _kept_or_run(folder, "rm", lambda: _as_dict(run_rm(local, folder, log, resume=resume,
+                                                                    on_resumed=on_resumed)), earlier)
         else:
             rm = None
             log(f"[run] no RL role loads a reward model (rl.reward={cfg.rl.reward}): the reward-model stage is skipped")
-        rl = _rl_result(folder, run_rl(local, folder, log, resume=resume, on_resumed=on_resumed))
-    return PipelineResult(folder, rl.report, sft, rm, rl, time.perf_counter() - t0)
+        # RL always runs (a finished one evaluates and writes its results again from its last checkpoint)
+        rl = _rl_result(folder, _kept_or_run(folder, "rl", lambda: run_rl(local, folder, log, resume=resume,
+                                                                          on_resumed=on_resumed), earlier, kept=False))
+    return PipelineResult(folder, rl.report, sft, rm, rl, time.perf_counter() - t0 + sum(earlier))
+
+
+def _kept_or_run(folder: Path, stage: str, run: Callable[[], dict], earlier: list[float], kept: bool = True) -> dict:
+    """A stage's summary: a finished stage's kept (when `kept`), else the stage run now. Appends to `earlier` the
+    seconds it counts from processes before this one (all of a kept stage's; a resumed stage's up to its checkpoint),
+    so that a resumed pipeline's seconds are the whole run's, as each stage's are."""
+    summary = stage_summary(folder, stage) if kept else None
+    if summary:
+        earlier.append(float(summary.get("seconds", 0.0)))
+        return summary
+    t0 = time.perf_counter()
+    result = run()
+    earlier.append(max(0.0, result["seconds"] - (time.perf_counter() - t0)))
+    return result
 
 
 def needs_reward_model(cfg: Config) -> bool:

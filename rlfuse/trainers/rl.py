@@ -112,10 +112,13 @@ def train_rl(cfg: Config, run_dir: Path, log=print, resume: bool = False, on_rea
              if cfg.run.measures_memory(cfg.model) and not uses_ray(cfg) else None)
     if meter is not None:  # the planner's prediction, shown beside the measurement (rlfuse/plan/memory.py)
         (out / "memory_predicted.json").write_text(json.dumps({"bytes": predicted_memory(cfg)}))
-    ckpt, start, bad = out / "checkpoint.pt", 0, BadSteps()
+    ckpt, start, bad, earlier_s = out / "checkpoint.pt", 0, BadSteps(), 0.0
     if resume and ckpt.exists():  # on Ray the trainers restore it (below); this process needs only the counters
         state = read_checkpoint(ckpt) if uses_ray(cfg) else trainer.load_checkpoint(ckpt)
-        start, kl_ctl.coef, bad = state["iteration"], state["kl_coef"], BadSteps(**state["counters"])
+        counters = dict(state["counters"])
+        # the processes before this one, up to the checkpoint: the stage's seconds count them (as SFT's and RM's do)
+        earlier_s = float(counters.pop("seconds", 0.0))
+        start, kl_ctl.coef, bad = state["iteration"], state["kl_coef"], BadSteps(**counters)
         log(f"[rl] resumed from {ckpt} at iteration {start}" + ("" if start < rl.iterations else
             f": rl.iterations={rl.iterations} are done, nothing left to train (raise rl.iterations to go on)"))
     elif resume:
@@ -200,7 +203,8 @@ def train_rl(cfg: Config, run_dir: Path, log=print, resume: bool = False, on_rea
             count_abstained(row.get("reward/all_abstained"), bad, rl.max_bad_steps, log)
             if (it + 1) % rl.ckpt_every == 0 or it + 1 == rl.iterations:
                 rollout.save_in_flight(ckpt, it + 1)  # first: the trainer's checkpoint says which one it goes with
-                trainer.save_checkpoint(ckpt, iteration=it + 1, kl_coef=kl_ctl.coef, counters=dataclasses.asdict(bad))
+                trainer.save_checkpoint(ckpt, iteration=it + 1, kl_coef=kl_ctl.coef, counters={
+                    **dataclasses.asdict(bad), "seconds": earlier_s + time.perf_counter() - t_start})
             (out / "last_rewards.json").write_text(json.dumps(exp.scores.tolist()))
             bar.update(reward=row["reward/mean"], kl=row["reward/kl"], sps=row["rollout/samples_per_s"])
         trainer.pull_into(models)
@@ -210,7 +214,7 @@ def train_rl(cfg: Config, run_dir: Path, log=print, resume: bool = False, on_rea
         after, after_texts = evaluate(models, engine, held_prompts, rl, seed + 12345, gold)
     save_trained_model(models.actor, tok, out, base=models.policy_source)
     return {"before": before, "after": after, "samples_after": after_texts, "prompts": run_prompts.info(),
-            "seconds": time.perf_counter() - t_start}
+            "seconds": earlier_s + time.perf_counter() - t_start}
 
 
 @dataclass

@@ -98,10 +98,15 @@ def test_sigkill_mid_iteration_then_resume_matches_uninterrupted(tiny_task, tmp_
     # metrics of iteration 2 are logged just before its checkpoint is written, so the kill may find checkpoint 1 or 2
     # (or land during the write of 2: the rename keeps the previous one whole)
     ckpt = torch.load(killed / "rl" / "checkpoint.pt", weights_only=False)
-    assert 1 <= ckpt["iteration"] < 5
+    assert 1 <= ckpt["iteration"] < 5 and ckpt["counters"]["seconds"] > 0
+    # the killed process's seconds up to its checkpoint, made unmistakable: the stage's time counts them
+    torch.save(ckpt | {"counters": ckpt["counters"] | {"seconds": 1e6}}, killed / "rl" / "checkpoint.pt")
+    t0 = time.perf_counter()
     resumed = subprocess.run([sys.executable, "-m", "rlfuse", "rl", "--resume", str(killed)], env=env, cwd=ROOT,
                              capture_output=True, text=True)
+    wall = time.perf_counter() - t0
     assert resumed.returncode == 0, resumed.stderr[-2000:]
+    assert 1e6 < json.loads((killed / "rl" / "summary.json").read_text())["seconds"] < 1e6 + wall
     assert "resumed from" in resumed.stderr
     rows = [json.loads(l) for l in metrics.read_text().splitlines()]
     assert [r["step"] for r in rows] == [1, 2, 3, 4, 5]  # nothing lost, nothing logged twice

@@ -4,6 +4,7 @@ the uninterrupted stage does: the same weights bit for bit, each step's metrics 
 import importlib
 import json
 import shutil
+import time
 
 import pytest
 import torch
@@ -130,8 +131,18 @@ def test_run_resume_continues_a_killed_sft_stage(tiny_task, tmp_path, monkeypatc
     with pytest.raises(Killed):
         api.run_pipeline(None, tmp_path, overrides=[*STAGE_TINY, *rl], log=quiet)
     monkeypatch.setattr(trainer, "stage_step", original)
+    ckpt = tmp_path / "sft" / "checkpoint.pt"
+    torch.save(torch.load(ckpt, weights_only=False) | {"seconds": 1e6}, ckpt)  # the killed process's, unmistakable
+    t0 = time.perf_counter()
     assert main(["run", "--resume", str(tmp_path), "sft.ckpt_every=3"]) == 0
-    assert f"[sft] resumed from {tmp_path / 'sft' / 'checkpoint.pt'} at step 4 of 6" in capsys.readouterr().err
+    wall = time.perf_counter() - t0
+    out, err = capsys.readouterr()
+    assert f"[sft] resumed from {tmp_path / 'sft' / 'checkpoint.pt'} at step 4 of 6" in err
+    # the pipeline's time is the whole run's: the killed process's SFT seconds, then this one's
+    sft_s = json.loads((tmp_path / "sft" / "summary.json").read_text())["seconds"]
+    rl_s = json.loads((tmp_path / "rl" / "summary.json").read_text())["seconds"]
+    total = float(next(line for line in (out + err).splitlines() if line.strip().startswith("total")).split()[1])
+    assert 1e6 < sft_s < 1e6 + wall and sft_s + rl_s - 1 <= total <= 1e6 + wall + 1
     # the change is noted where it took effect, once, by the first stage that ran
     notes = [line for line in (tmp_path / "config.yaml").read_text().splitlines() if line.startswith("# resumed")]
     assert notes == ["# resumed at sft step 4: sft.ckpt_every 2 -> 3"]
