@@ -1,12 +1,14 @@
 """The planner's per-call cost model against the calls themselves, on the real model: one forward, one LoRA
 forward+backward (and one over 4 sequences of mixed lengths, padded and packed; and one prompt's 8 replies in
-micro-batches of 4, in sample order and by length, as workload d1's update runs them) and rlfuse's decode engine over
+micro-batches of 4, in sample order and by length, as workload d1's update runs them; one worker's mini-batch of 8
+hh sequences in micro-batches of 4, 2 and 1) and rlfuse's decode engine over
 one Ray worker's share of `configs/smollm2_hh.yaml` (4 rows of 115-token prompts, 48 new tokens), timed on one thread as a placement worker runs them, beside what
 rlfuse/plan/cost.py predicts for the same call with this machine's profile for SmolLM2's shape (`rlfuse plan
 configs/smollm2_hh.yaml --profile` writes it; the built-in profile otherwise). The figures in docs/usage.md's planner
 paragraph come from here.
 
-    python -m bench.stage_rates        # ~3 min on 2 cores; prints its table and writes nothing
+    python -m bench.stage_rates        # ~5 min on 2 cores; prints its table and writes nothing
+    python -m bench.stage_rates & python -m bench.stage_rates   # two at once, as 2 placement workers run
 """
 
 from __future__ import annotations
@@ -37,6 +39,9 @@ MIXED_PROMPTS, MIXED_ANSWERS = (83, 119, 158, 81), (20, 30, 40, 25)
 D1_PROMPT, D1_REPLIES = 98, (128, 41, 128, 95, 57, 128, 33, 66)
 """One prompt's k = 8 replies as workload d1 (bench/vs_trl.py) draws them: a 98-token chat prompt, replies of mean
 84.5 tokens, three stopped at the 128-token limit."""
+MINI_PROMPTS, MINI_ANSWERS = (131, 62, 155, 149, 118, 160, 95, 140), (25, 20, 15, 40, 31, 30, 48, 48)
+"""One worker's mini-batch of 8 of smollm2_hh's sequences (82 to 190 tokens), in a fixed shuffled order: the
+update's micro-batches of 4, 2 and 1 (the plans bench.plan runs) take them in turn."""
 LORA_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 
 
@@ -93,6 +98,25 @@ def main() -> None:
 
         rows.append([f"LoRA forward + backward, {'packed' if packed else 'padded'} ({tokens} positions)", mixed,
                      fastest(mixed_step, 2), None])
+    # one worker's mini-batch of 8 in micro-batches of 4, 2 and 1, packed as the update runs them: the runs of
+    # smollm2_hh train 22% faster at micro 2 than at micro 4, which the cost model (priced per micro-batch at its
+    # longest sequence) puts the other way
+    prompts = [[1 + (i * 7 + j) % 400 for j in range(n)] for i, n in enumerate(MINI_PROMPTS)]
+    answers = [[5 + j % 300 for j in range(n)] for n in MINI_ANSWERS]
+    lengths = [a + b for a, b in zip(MINI_PROMPTS, MINI_ANSWERS)]
+    for micro in (4, 2, 1):
+        mbs = [collate(prompts[s: s + micro], answers[s: s + micro], 0, "cpu", share_prompt=True)
+               for s in range(0, len(prompts), micro)]
+
+        def mini_step(mbs=mbs):
+            lora.zero_grad(set_to_none=True)
+            for mb in mbs:
+                response_logprobs(lora, mb).sum().backward()
+
+        rows.append([f"LoRA forward + backward, 8 sequences in micro-batches of {micro}, packed",
+                     f"{len(mbs)} x {micro} of {min(lengths)}-{max(lengths)}", fastest(mini_step, 2),
+                     sum(train_seconds(profile, shape, micro, max(lengths[s: s + micro]), wb, 1, False, True)
+                         for s in range(0, len(lengths), micro))])
     # one prompt's 8 replies in 2 micro-batches of 4, prefix-shared: in sample order each pads to 128; by length
     # (learn/batches.py by_length_within_prompts) the short four pad to 66
     prompt = [1 + j % 400 for j in range(D1_PROMPT)]
