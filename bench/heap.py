@@ -10,6 +10,13 @@ run's micro-batches follow each other untrimmed: the heap reuses its pages, wher
 afresh each time).
 
     python -m bench.heap        # about 8 minutes on 2 cores; writes docs/benchmarks/plan.md (heap)
+    python -m bench.heap --faults   # ~6 minutes: the page faults the planner prices (section heap_faults)
+
+`--faults`: the same forward + backward as a run's update takes it (the heap trimmed before each micro-batch, LoRA or
+full fine-tuning, lean activations), at 208 to 832 tokens, timed, its minor page faults counted (ru_minflt), beside
+the bytes of fresh mappings the cost model prices for it (plan/cost.py mapped_train_bytes): the step where the
+hidden width's tensors reach the 1 MiB threshold (456 tokens on SmolLM2) is what made micro-batches of 4 train
+slower per token than micro-batches of 2 in smollm2_hh's runs.
 """
 
 from __future__ import annotations
@@ -71,6 +78,81 @@ def child(threshold: int, rows_list: list[int], repeats: int) -> dict:
     return out
 
 
+FAULT_SIZES = ((1, 208), (2, 208), (4, 100), (4, 208), (8, 100), (2, 400))
+"""(rows, tokens a row) of the --faults micro-batches: 208 to 832 tokens, either side of the hidden width's threshold;
+each row's last FAULT_ANSWER tokens scored."""
+FAULT_ANSWER = 40
+
+
+def fault_child(kind: str, repeats: int) -> dict:
+    import resource
+
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    import rlfuse.models.quantize as quantize
+    from rlfuse.config import ModelConfig
+    from rlfuse.models.forward import collate, response_logprobs
+    from rlfuse.models.gguf import local_model
+    from rlfuse.models.lean import enable_lean_activations
+    from rlfuse.models.load import apply_lora
+    from rlfuse.plan.cost import KNOWN_SHAPES, mapped_train_bytes
+
+    torch.set_num_threads(1)
+    quantize.fix_cpu_heap("cpu")
+    shape = KNOWN_SHAPES["smollm2-135m-instruct"]
+    model = AutoModelForCausalLM.from_pretrained(local_model("smollm2-135m-instruct"), dtype=torch.float32)
+    if kind == "lora":
+        model = apply_lora(model, ModelConfig(lora=True, lora_r=16, lora_alpha=32))
+    model.train()
+    enable_lean_activations(model)
+    out = {}
+    for rows, length in FAULT_SIZES:
+        prompts = [[1 + (i * 7 + j) % 400 for j in range(length - FAULT_ANSWER)] for i in range(rows)]
+        answers = [[5 + j % 300 for j in range(FAULT_ANSWER)] for _ in range(rows)]
+        mb = collate(prompts, answers, 0, "cpu")
+
+        def step():  # as learn/update.py runs a micro-batch
+            model.zero_grad(set_to_none=True)
+            quantize.trim_cpu_heap()
+            response_logprobs(model, mb, 0.7, with_entropy=True)[0].sum().backward()
+
+        step()
+        seconds, faults = [], []
+        for _ in range(repeats):
+            before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+            t = time.perf_counter()
+            step()
+            seconds.append(time.perf_counter() - t)
+            faults.append(resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before)
+        tokens = rows * length
+        out[f"{rows} x {length}"] = {
+            "tokens": tokens, "seconds": min(seconds), "faulted_gib": min(faults) * 4096 / 2**30,
+            "priced_gib": mapped_train_bytes(shape, tokens, rows * FAULT_ANSWER, kind == "lora") / 2**30}
+    return out
+
+
+def faults_report(repeats: int, write: bool) -> None:
+    rows = []
+    for kind in ("lora", "full"):
+        run = subprocess.run([sys.executable, "-m", "bench.heap", "--fault-child", kind, "--repeats", str(repeats)],
+                             cwd=ROOT, capture_output=True, text=True, check=True)
+        for size, m in json.loads(run.stdout.strip().splitlines()[-1]).items():
+            rows.append([kind, size, m["tokens"], f"{m['seconds']:.2f}", f"{m['faulted_gib']:.2f}",
+                         f"{m['priced_gib']:.2f}", f"{m['faulted_gib'] / max(m['priced_gib'], 1e-9):.2f}"])
+    text = (f"Command: `python -m bench.heap --faults` (SmolLM2-135M-Instruct fp32, LoRA r 16 on every linear or full "
+            f"fine-tuning, lean activations, glibc's threshold fixed at 1 MiB and the heap trimmed before each "
+            f"micro-batch, as a run's update; the policy loss's forward + backward with entropy, the last "
+            f"{FAULT_ANSWER} tokens of each row scored; the least of {repeats} repeats). Faulted: minor page faults "
+            f"x 4 KiB; priced: plan/cost.py mapped_train_bytes (a fully trained model's weight gradients, about 0.5 "
+            f"GiB fresh each step, not in it). Machine: {machine()}.\n\n"
+            + md_table(["training", "micro-batch", "tokens", "seconds", "faulted GiB", "priced GiB",
+                        "faulted / priced"], rows))
+    print(text)
+    if write:
+        write_section("heap_faults", text, page="plan")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(prog="python -m bench.heap", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -78,7 +160,15 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=2)
     ap.add_argument("--child", type=int, metavar="THRESHOLD")
     ap.add_argument("--no-write", action="store_true")
+    ap.add_argument("--faults", action="store_true", help="the page faults of training micro-batches (heap_faults)")
+    ap.add_argument("--fault-child", choices=["lora", "full"])
     a = ap.parse_args()
+    if a.fault_child:
+        print(json.dumps(fault_child(a.fault_child, a.repeats)))
+        return
+    if a.faults:
+        faults_report(max(a.repeats, 3), not a.no_write)
+        return
     sizes = [str(r) for r in a.rows]
     if a.child:
         print(json.dumps(child(a.child, a.rows, a.repeats)))

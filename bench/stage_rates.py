@@ -1,11 +1,12 @@
 """The planner's per-call cost model against the calls themselves, on the real model: one forward, one LoRA
 forward+backward (and one over 4 sequences of mixed lengths, padded and packed; and one prompt's 8 replies in
 micro-batches of 4, in sample order and by length, as workload d1's update runs them; one worker's mini-batch of 8
-hh sequences in micro-batches of 4, 2 and 1) and rlfuse's decode engine over
-one Ray worker's share of `configs/smollm2_hh.yaml` (4 rows of 115-token prompts, 48 new tokens), timed on one thread as a placement worker runs them, beside what
+hh sequences in micro-batches of 4, 2 and 1) and rlfuse's decode engine over one Ray worker's share of
+`configs/smollm2_hh.yaml` (4 rows of 115-token prompts, 48 new tokens), timed on one thread as a placement worker
+runs them (glibc's threshold fixed and the heap trimmed before each training micro-batch, as in a run), beside what
 rlfuse/plan/cost.py predicts for the same call with this machine's profile for SmolLM2's shape (`rlfuse plan
-configs/smollm2_hh.yaml --profile` writes it; the built-in profile otherwise). The figures in docs/usage.md's planner
-paragraph come from here.
+configs/smollm2_hh.yaml --profile` writes it; the built-in profile otherwise). The figures in docs/usage.md's
+planner paragraph come from here.
 
     python -m bench.stage_rates        # ~5 min on 2 cores; prints its table and writes nothing
     python -m bench.stage_rates & python -m bench.stage_rates   # two at once, as 2 placement workers run
@@ -25,6 +26,7 @@ from rlfuse.learn.batches import by_length_within_prompts
 from rlfuse.metrics.flops import fastest_seconds
 from rlfuse.models.forward import collate, response_logprobs
 from rlfuse.models.gguf import local_model
+from rlfuse.models.quantize import fix_cpu_heap, trim_cpu_heap
 from rlfuse.plan.cost import forward_seconds, policy_shape, train_seconds
 from rlfuse.plan.memory import weight_bytes
 from rlfuse.plan.profiles import load_profile
@@ -52,6 +54,7 @@ def fastest(fn, repeats: int) -> float:
 
 def main() -> None:
     torch.set_num_threads(1)  # a placement worker's share: placement.cpus_per_worker=1
+    fix_cpu_heap("cpu")  # glibc's threshold as a run's first model load fixes it: its page faults are the run's
     torch.manual_seed(0)
     cfg = load_config("configs/smollm2_hh.yaml", [])
     shape = policy_shape(cfg.model)
@@ -111,11 +114,13 @@ def main() -> None:
         def mini_step(mbs=mbs):
             lora.zero_grad(set_to_none=True)
             for mb in mbs:
+                trim_cpu_heap()  # as learn/update.py before each micro-batch
                 response_logprobs(lora, mb).sum().backward()
 
         rows.append([f"LoRA forward + backward, 8 sequences in micro-batches of {micro}, packed",
                      f"{len(mbs)} x {micro} of {min(lengths)}-{max(lengths)}", fastest(mini_step, 2),
-                     sum(train_seconds(profile, shape, micro, max(lengths[s: s + micro]), wb, 1, False, True)
+                     sum(train_seconds(profile, shape, micro, max(lengths[s: s + micro]), wb, 1, False, True,
+                                       scored=max(MINI_ANSWERS[s: s + micro]))
                          for s in range(0, len(lengths), micro))])
     # one prompt's 8 replies in 2 micro-batches of 4, prefix-shared: in sample order each pads to 128; by length
     # (learn/batches.py by_length_within_prompts) the short four pad to 66

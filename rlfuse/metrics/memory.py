@@ -30,6 +30,11 @@ from rlfuse.files import write_text_atomic
 from rlfuse.metrics.tracker import peak_rss_mb, reset_peak_rss
 from rlfuse.plan.memory import COMPONENTS  # the planner's names: predicted beside measured
 
+try:
+    import resource  # Unix: the process's page-fault counts
+except ImportError:  # Windows
+    resource = None
+
 
 def tensor_bytes(t: torch.Tensor) -> int:
     """Bytes a tensor holds; a bitsandbytes 4-bit weight adds its quantisation state (absmax, code, nested absmax)."""
@@ -87,6 +92,18 @@ def release_freed_memory() -> bool:
         return bool(ctypes.CDLL("libc.so.6").malloc_trim(0))
     except (OSError, AttributeError):
         return False
+
+
+def minor_faults(fn) -> int:
+    """Minor page faults (a page first touched or reclaimed, no disk) this process takes while fn() runs: on a CPU a
+    fresh mapping's pages (models/quantize.fix_cpu_heap), which the planner prices apart (plan/cost.py fault_s).
+    0 where the platform does not count them."""
+    if resource is None:
+        fn()
+        return 0
+    before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+    fn()
+    return resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before
 
 
 def process_level(device) -> int:

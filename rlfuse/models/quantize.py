@@ -12,6 +12,7 @@ from transformers import BitsAndBytesConfig
 
 from rlfuse.errors import UserError
 from rlfuse.models.device import native_bf16
+from rlfuse.plan.cost import MMAP_THRESHOLD  # the planner prices the faults this threshold makes
 
 # Heads stay in full precision: the reward model's score head is trained (modules_to_save), and GPT-2's LM head is
 # the (tied) embedding. transformers' own default skips only the output embedding.
@@ -63,8 +64,6 @@ def quantized_load_kwargs(quantization: str, precision: str = "auto", device="cp
     return {"quantization_config": q, "device_map": {"": where}, "disable_mmap": True}
 
 
-MMAP_THRESHOLD = 1 << 20
-"""Bytes from which glibc serves an allocation by its own mmap (returned to the OS when freed); see fix_cpu_heap."""
 FIX_CPU_HEAP = True
 """Whether a model load on the CPU fixes glibc's thresholds (python -m bench.memory --glibc-arm turns it off)."""
 TRIM_CPU_HEAP = True

@@ -272,6 +272,12 @@ class MachineProfile:
     train_micro_s: float = 0.0
     """Seconds per training micro-batch beyond the model's forward + backward: collating it, the log-probs and loss
     and their stats, DDP's hooks on a data-parallel rank."""
+    fault_s: float = 0.0
+    """Seconds per 4 KiB page that a fresh mapping costs when first written (the kernel's page fault, zeroing the
+    page, the unmap when it is freed): on a CPU every tensor of MMAP_THRESHOLD or more is such a mapping (glibc's
+    fixed threshold, models/quantize.fix_cpu_heap), so a training micro-batch pays it on each of its large
+    activations (mapped_train_bytes). 2.4 us a page on a 2-core AMD EPYC VM; 0: not measured (a GPU, another libc,
+    an older profile), no such term."""
     pair_decode_slowdown: float = 1.0
     """How much slower decoding runs while another worker computes at the same moment than on one worker alone
     (the cores' shared cache, memory bandwidth and Ray's threads): measured on two Ray workers, the slower one's
@@ -348,6 +354,7 @@ class MachineProfile:
                        decode_sample_s=self.decode_sample_s * factor, score_call_s=self.score_call_s * factor,
                        prefill_call_s=self.prefill_call_s * factor,
                        train_layer_call_s=self.train_layer_call_s * factor, train_micro_s=self.train_micro_s * factor,
+                       fault_s=self.fault_s * factor,
                        lora_layer_call_s=self.lora_layer_call_s * factor,
                        lora_train_layer_call_s=self.lora_train_layer_call_s * factor,
                        optimizer_bytes_s=self.optimizer_bytes_s / factor)
@@ -413,8 +420,52 @@ def forward_seconds(p: MachineProfile, shape: ModelShape, rows: float, seq: floa
     return calls * (passes * (shape.layers * call + weight_bytes / p.mem_bw) + flops / p.flops)
 
 
+MMAP_THRESHOLD = 1 << 20
+"""Bytes from which glibc serves an allocation by a mapping of its own, unmapped when freed: rlfuse fixes glibc's
+threshold there at a CPU model load (models/quantize.fix_cpu_heap), so every tensor of this size or more is fresh
+pages to fault in (MachineProfile.fault_s), and a smaller one comes from the heap, whose pages are reused."""
+PAGE_BYTES = 4096
+MAPPED_PER_LAYER = {
+    True: {"hidden": 34.0, "kv": 11.0, "ffn": 9.0},
+    False: {"hidden": 30.0, "kv": 11.0, "ffn": 9.0},
+}
+"""Per layer and token of a training forward + backward (the policy loss's path, response_logprobs, lean activations,
+the heap trimmed before it as the update does), the tensors of each width it allocates, counted by the pages they
+fault in, where a width's tensor reaches MMAP_THRESHOLD; keyed by whether the base is frozen (LoRA adapters on every
+linear) or fully trained. Fitted to the minor faults counted over SmolLM2-135M micro-batches of 208 to 832 tokens
+(`python -m bench.heap --faults`, docs/benchmarks/plan.md "heap_faults": LoRA 0.70-0.76 of a first fit on peft's
+unfused layers, which these figures are scaled to). A dispatch-mode census of the ops' outputs finds more tensors
+(79 of the hidden width a layer, 26 of the key/value width, 18 of the MLP's with peft's LoRA; 57.5, 18 and 8 fully
+trained): some are written in part, some large requests are served from free heap chunks; the key/value width never
+reached the threshold there, so its figure is the census's share. A fully trained model's weight gradients (about
+0.5 GiB fresh each step on SmolLM2) are not counted. At 416 tokens a hidden-width tensor (0.96 MiB) comes from the
+heap, at 832 (1.9 MiB) it is mapped: LoRA forward + backward took 3.9-4.7 s at 400-416 tokens and 8.9-10.0 s at
+800-832, with 0.7 and 3.0 GiB of faults."""
+HEAD_MAPPED = 3.0
+"""Vocabulary-wide tensors a training micro-batch allocates per scored position (the logits, their log-softmax
+and entropy, and their gradients: written whole)."""
+
+
+def mapped_train_bytes(shape: ModelShape, tokens: float, scored: float, frozen_base: bool, passes: float = 1.0) -> float:
+    """Bytes of fresh mappings a training forward + backward over `tokens` token positions, `scored` of them
+    scored (the response positions the loss reads), faults in: each width's tensors where one reaches
+    MMAP_THRESHOLD (MAPPED_PER_LAYER), each of `passes` model runs over its share of the tokens (prefix-shared:
+    the prompts', then the continuations'); the output head's per scored position (HEAD_MAPPED)."""
+    widths = {"hidden": shape.hidden, "kv": shape.kv_dim, "ffn": shape.ffn}
+    per_pass = tokens / passes
+    body = sum(n * per_pass * widths[k] * 4.0 for k, n in MAPPED_PER_LAYER[frozen_base].items()
+               if per_pass * widths[k] * 4.0 >= MMAP_THRESHOLD)
+    head = scored * shape.vocab * 4.0
+    return passes * shape.layers * body + (HEAD_MAPPED * head if head >= MMAP_THRESHOLD else 0.0)
+
+
+def fault_seconds(p: MachineProfile, nbytes: float) -> float:
+    """What faulting in `nbytes` of fresh mappings costs (0 where the profile has no fault_s)."""
+    return math.ceil(nbytes / PAGE_BYTES) * p.fault_s
+
+
 def train_seconds(p: MachineProfile, shape: ModelShape, rows: float, seq: float, weight_bytes: float, calls: float,
-                  checkpointing: bool, frozen_base: bool, passes: float = 1.0) -> float:
+                  checkpointing: bool, frozen_base: bool, passes: float = 1.0, scored: float | None = None) -> float:
     """Forward + backward of `calls` micro-batches: a fixed cost per layer and call, then the forward's FLOPs and
     weight reads times (1 + bwd_ratio). A frozen base (LoRA) skips the weight gradients: its backward is about one
     forward instead of two. Checkpointing recomputes each layer's forward once more. passes: model runs per
@@ -422,7 +473,11 @@ def train_seconds(p: MachineProfile, shape: ModelShape, rows: float, seq: float,
     the weight gradients of each pass) are paid per pass, the FLOPs once. On SmolLM2-135M a prefix-shared
     micro-batch of 8 four-token answers took 0.45 s forward + 1.54 s backward in the learner, against about 1.1 s
     priced as one pass (docs/benchmarks/plan.md, 2026-11-27). A frozen base runs through LoRA adapters: their
-    measured fixed cost and backward ratio where the profile has them (lora_train_layer_call_s, lora_bwd_ratio)."""
+    measured fixed cost and backward ratio where the profile has them (lora_train_layer_call_s, lora_bwd_ratio).
+    On a CPU each micro-batch then faults in its large activations (fault_s, mapped_train_bytes; `scored`: the
+    response positions per sequence the loss reads, all `seq` where None), each pass over its share of the tokens:
+    the step up where a width's tensors reach glibc's threshold made LoRA training on SmolLM2 2.4x slower at 832
+    tokens a micro-batch than at 416, where the FLOPs double (the recompute of checkpointing not counted)."""
     fixed = shape.layers * (p.train_layer_call_s or p.layer_call_s * (1 + p.bwd_ratio))
     bwd = p.bwd_ratio
     if frozen_base:
@@ -435,7 +490,9 @@ def train_seconds(p: MachineProfile, shape: ModelShape, rows: float, seq: float,
     variable = shape.forward_flops(rows * seq, seq / 2) / p.flops + passes * weight_bytes / p.mem_bw
     recompute = (forward_seconds(p, shape, rows, seq, weight_bytes, passes=passes, adapters=frozen_base)
                  if checkpointing else 0.0)
-    return calls * (passes * fixed + (1 + bwd) * variable + recompute)
+    faults = fault_seconds(p, mapped_train_bytes(shape, rows * seq, rows * (seq if scored is None else scored),
+                                                 frozen_base, passes))
+    return calls * (passes * fixed + (1 + bwd) * variable + recompute + faults)
 
 
 def optimizer_seconds(p: MachineProfile, trainable_params: float, steps: float, bytes_per_param: float = 16.0) -> float:

@@ -524,7 +524,8 @@ def _train_seconds(prob: Problem, workers: int, micro: int, ckpt: bool, ray: boo
     for shape, params, frozen in trained:
         wb = weight_bytes(shape, m.weight_dtype)
         seq = w.padded_seq(rows, workers, calls / steps)  # every optimiser step waits for the slowest rank
-        total += cost.train_seconds(p, shape, rows, seq, wb, calls, ckpt, frozen, w.passes(rows))
+        total += cost.train_seconds(p, shape, rows, seq, wb, calls, ckpt, frozen, w.passes(rows),
+                                    scored=seq - w.prompt_per_sample(rows))
         total += calls * p.train_micro_s
         total += cost.optimizer_seconds(p, params / (workers if prob.shard or m.fsdp > 1 else 1), steps)
         in_backward = replace(p, allreduce_bytes_s=p.ddp_allreduce_bytes_s or p.allreduce_bytes_s)

@@ -2,13 +2,14 @@
 profile file later.
 
 The rates are fitted from a few timings of a GPT-2 of the policy's own shape with random weights (the default shape
-when the policy is over 200 M parameters on CPU), run the way the RL loop runs it: the rollout engine's decode
-steps at 1, 8 and 32 rows (fixed cost per step and cost per row), its prefill of prompts of many lengths against one
-(cost per prefill call), transformers' forward at three batch sizes (fixed cost per call and FLOP/s), a backward (its
-ratio to the forward), the same through unmerged LoRA adapters (a frozen base), an AdamW step, a tensor copy
-(bandwidth), a state-dict serialisation (what a weight sync through Ray's object store costs per byte), the driver's
-advantages, what a LoRA training micro-batch holds resident; then the overheads of a run on two Ray workers
-(profile_ray.py). Where the file goes and how the planner reads it back: rlfuse/plan/profiles.py.
+when the policy is over 200 M parameters on CPU), run the way the RL loop runs it: the rollout engine's decode steps
+at 1, 8 and 32 rows (fixed cost per step and cost per row), its prefill of prompts of many lengths against one (cost
+per prefill call), transformers' forward at three batch sizes (fixed cost per call and FLOP/s), a backward (its
+ratio to the forward; its page faults timed apart), the same through unmerged LoRA adapters (a frozen base), an
+AdamW step, a tensor copy (bandwidth), a fresh mapping's page faults, a state-dict serialisation (what a weight sync
+through Ray's object store costs per byte), the driver's advantages, what a LoRA training micro-batch holds
+resident; then the overheads of a run on two Ray workers (profile_ray.py). Where the file goes and how the planner
+reads it back: rlfuse/plan/profiles.py.
 """
 
 from __future__ import annotations
@@ -27,14 +28,14 @@ from rlfuse.config import ModelConfig, RLConfig
 from rlfuse.learn.advantages import compute_advantages
 from rlfuse.learn.batches import minibatches
 from rlfuse.metrics.flops import fastest_seconds, measure_matmul_rate
-from rlfuse.metrics.memory import peak_rise
+from rlfuse.metrics.memory import minor_faults, peak_rise
 from rlfuse.models.forward import collate, response_logprobs
 from rlfuse.models.heads import ValueModel
 from rlfuse.models.lean import enable_lean_activations
 from rlfuse.models.load import apply_lora, model_of_shape
 from rlfuse.models.quantize import fix_cpu_heap
 from rlfuse.models.rewards import reward_model_fn
-from rlfuse.plan.cost import GiB, MachineProfile, ModelShape, gpt2_shape
+from rlfuse.plan.cost import PAGE_BYTES, GiB, MachineProfile, ModelShape, gpt2_shape
 from rlfuse.plan.memory import train_activation_bytes
 from rlfuse.plan.profiles import BUILTIN_OVERHEADS, BUSY_CORES, GPU_OVERHEADS, RAY_WORKER_BYTES, SYNC_LATENCY_S
 from rlfuse.rollout.engine import DecodeEngine, Sample, SamplingParams
@@ -45,6 +46,8 @@ PASSES = 3
 """Times the profile takes every timing in its own process; the rates are fitted to each timing's fastest."""
 CONTENTION_WARMUP, CONTENTION_CALLS = 6, 15
 """The contention probe's untimed calls, then its timed ones (one_pass)."""
+FAULT_PROBE_BYTES = 16 << 20
+"""A fresh mapping the profile writes to time the page faults (fault_s): 4096 pages."""
 PROFILE_LORA_R = 16
 """LoRA rank of the profile's adapted copy: its per-layer cost is the adapters' ops, which a rank of 8-64 barely
 changes at these widths (the shipped real-model configs train r = 16)."""
@@ -90,6 +93,26 @@ def _fit(times: dict) -> tuple[float, float]:
     return max(my - slope * mx, 1e-7), slope
 
 
+def _fault_seconds(repeats: int = 9) -> float:
+    """Seconds per page fault: a fresh 16 MiB tensor written once against the same bytes written into a kept one, per
+    fault counted in the fresh call (ru_minflt), the fastest of the calls that faulted in every page. With glibc's
+    threshold fixed every tensor of 1 MiB or more is a mapping of its own, unless a free chunk of the heap fits it,
+    which faults fewer pages: such a call says nothing of a fault's cost (in the first profile with this probe a
+    fastest-of-9 landed on one and put a fault at 0.23 us against 2.2-2.4 us). 0 where no call faulted its pages."""
+    n = FAULT_PROBE_BYTES // 4
+    pages = FAULT_PROBE_BYTES / PAGE_BYTES
+    kept = torch.ones(n)
+    written = fastest_seconds(lambda: kept.fill_(1.0), repeats, lambda: None)
+    best = float("inf")
+    for _ in range(repeats):
+        t = time.perf_counter()
+        faults = minor_faults(lambda: torch.empty(n).fill_(1.0))
+        seconds = time.perf_counter() - t
+        if faults >= 0.9 * pages:
+            best = min(best, (seconds - written) / faults)
+    return max(0.0, best) if best < float("inf") else 0.0
+
+
 def measure_profile(shape: ModelShape | None = None, threads: int = 1, device: str | None = None,
                     log=print, ray: bool = True) -> MachineProfile:
     """Time the pieces and fit the rates (see the module docstring). `threads`: torch threads, a worker's
@@ -98,7 +121,7 @@ def measure_profile(shape: ModelShape | None = None, threads: int = 1, device: s
     it (or without Ray installed) those fields keep the built-in profile's values."""
     device = device or ("cuda" if torch.cuda.is_available() else "cpu")
     torch.set_num_threads(max(1, threads))
-    fix_cpu_heap(device)  # the C heap as a run's first model load sets it: the timings and the memory line see it
+    heap_fixed = fix_cpu_heap(device)  # the C heap as a run's first model load sets it: timings and memory see it
     sync = torch.cuda.synchronize if device == "cuda" else (lambda: None)
     shape = shape or gpt2_shape("embedded", 4, 128, 4, 1024, 512)
     if device == "cpu" and shape.params > 200e6:
@@ -130,6 +153,7 @@ def measure_profile(shape: ModelShape | None = None, threads: int = 1, device: s
         big = torch.empty(max(int(wbytes // 4), 2**18), device=device)
         t_copy = timed("copy", lambda: big.clone(), 9)
         mem_bw = 2 * big.numel() * 4 / t_copy  # read + write
+        fault_s = _fault_seconds() if heap_fixed else 0.0
         # decode: per-step cost at 1, 8 and 32 rows (random weights, EOS off: every row runs to the limit); then a
         # rollout whose 32 samples end one per step, to find what each finished sample costs besides its steps
         # (prefill share, retiring its row, handing it out)
@@ -203,7 +227,13 @@ def measure_profile(shape: ModelShape | None = None, threads: int = 1, device: s
         def fwd_bwd(net, b: int):
             net(input_ids=ids[b]).logits.float().log_softmax(-1)[..., 0].mean().backward()
 
-        fb = {b: timed(f"train{b}", lambda: fwd_bwd(model, b), 5) for b in ids}
+        # the training timings less their page faults' time (counted, at fault_s each): the rates are the compute's,
+        # and the planner adds the faults of each micro-batch's own size (cost.mapped_train_bytes), which step up
+        # where a width's tensors reach glibc's threshold (on SmolLM2's shape between these timings' 256 and 512
+        # tokens: fitted through them, the step would raise the rate per token of every size)
+        faulted = lambda fn: fault_s * minor_faults(fn)
+        fb = {b: max(1e-6, timed(f"train{b}", lambda: fwd_bwd(model, b), 5) - faulted(lambda: fwd_bwd(model, b)))
+              for b in ids}
         fixed_fb, per_row_fb = _fit(fb)
         bwd_ratio = max(0.5, per_row_fb / per_row - 1)  # marginal: per row of the forward + backward over the forward
         train_call = max(1e-7, (fixed_fb - (1 + bwd_ratio) * wbytes / mem_bw) / shape.layers)
@@ -215,7 +245,8 @@ def measure_profile(shape: ModelShape | None = None, threads: int = 1, device: s
             fwd_lora = {b: timed(f"forward_lora{b}", lambda: adapted(input_ids=ids[b]).logits, 5) for b in ids}
         lora_call = max(0.0, (t_one_lora - t_one) / shape.layers)
         lora_fwd = max(1.0, _fit(fwd_lora)[1] / per_row)  # adapters add work per token, never take it away
-        fb_lora = {b: timed(f"train_lora{b}", lambda: fwd_bwd(adapted, b), 5) for b in ids}
+        fb_lora = {b: max(1e-6, timed(f"train_lora{b}", lambda: fwd_bwd(adapted, b), 5)
+                          - faulted(lambda: fwd_bwd(adapted, b))) for b in ids}
         fixed_lora, per_row_lora = _fit(fb_lora)
         lora_bwd = max(0.2, per_row_lora / per_row - 1)
         lora_train_call = max(1e-7, (fixed_lora - (1 + lora_bwd) * wbytes / mem_bw) / shape.layers)
@@ -236,7 +267,7 @@ def measure_profile(shape: ModelShape | None = None, threads: int = 1, device: s
                 "score_call_s": score_call_s, "prefill_call_s": prefill_call_s, "train_layer_call_s": train_call,
                 "bwd_ratio": bwd_ratio, "lora_layer_call_s": lora_call, "lora_fwd_ratio": lora_fwd,
                 "lora_train_layer_call_s": lora_train_call, "lora_bwd_ratio": lora_bwd,
-                "optimizer_bytes_s": optimizer_bytes_s, "sync_bytes_s": sync_bytes_s,
+                "optimizer_bytes_s": optimizer_bytes_s, "sync_bytes_s": sync_bytes_s, "fault_s": fault_s,
                 "contention": contention}
 
     measured_on_ray = ray and device == "cpu"

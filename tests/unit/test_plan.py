@@ -53,6 +53,32 @@ def test_train_seconds_lora_and_checkpointing():
     assert two - one == pytest.approx(3 * (2 * 1e-3 * 3 + 3 * 1e6 / 1e10))
 
 
+SMOLLM2 = cost.llama_shape("smollm2", 30, 576, 9, 1536, 2048, kv_heads=3, vocab=49152)
+
+
+def test_page_faults_of_a_training_micro_batch_by_hand():
+    # SmolLM2's widths: a hidden-width tensor (576 x 4 bytes a token) reaches glibc's 1 MiB at 456 tokens, the MLP's
+    # (1536) at 171, the key/value width (192) at 1366; the head's 3 vocabulary-wide tensors at any scored count
+    mapped = lambda tokens, scored=0, passes=1: cost.mapped_train_bytes(SMOLLM2, tokens, scored, True, passes)
+    assert mapped(170) == 0
+    assert mapped(416) == 30 * 9 * 416 * 1536 * 4  # the MLP's only: 0.96 MiB hidden-width tensors from the heap
+    assert mapped(832) == 30 * 832 * 4 * (34 * 576 + 9 * 1536)  # the hidden width's as well
+    assert mapped(832, passes=2) == 2 * mapped(416)  # two passes, each over its share of the tokens
+    assert mapped(0, scored=10) == 3 * 10 * 49152 * 4
+    assert cost.mapped_train_bytes(SMOLLM2, 832, 0, False) == 30 * 832 * 4 * (30 * 576 + 9 * 1536)  # full training
+    # priced at fault_s a page, per call; nothing without a measured fault_s (a GPU, an older profile)
+    faulting = replace(RATES, fault_s=2e-6)
+    pages = math.ceil(mapped(832, 4 * 48) / 4096)
+    assert cost.train_seconds(faulting, SMOLLM2, 4, 208, 0, 3, False, True, scored=48) - cost.train_seconds(
+        RATES, SMOLLM2, 4, 208, 0, 3, False, True, scored=48) == pytest.approx(3 * pages * 2e-6)
+    # the step at the threshold: 4 sequences of 208 tokens in one call cost more than in two calls of 2 by the
+    # hidden-width tensors' pages, less the second call's fixed cost (30 layers x 1 ms x (1 + 2))
+    one_call, two_calls = (cost.train_seconds(faulting, SMOLLM2, rows, 208, 0, 4 // rows, False, True, scored=48)
+                           for rows in (4, 2))
+    assert one_call - two_calls == pytest.approx(34 * 30 * 832 * 576 * 4 / 4096 * 2e-6 - 30 * 1e-3 * 3, rel=1e-3)
+    assert replace(faulting, fault_s=1e-6).slowed(2).fault_s == 2e-6
+
+
 def test_unmerged_lora_adapters_by_hand():
     adapted = replace(RATES, lora_layer_call_s=2e-4, lora_train_layer_call_s=4e-3, lora_bwd_ratio=0.5)
     flops = TINY.forward_flops(4 * 6, 3)
