@@ -85,13 +85,12 @@ FAULT_ANSWER = 40
 
 
 def fault_child(kind: str, repeats: int) -> dict:
-    import resource
-
     import torch
     from transformers import AutoModelForCausalLM
 
     import rlfuse.models.quantize as quantize
     from rlfuse.config import ModelConfig
+    from rlfuse.metrics.memory import minor_faults
     from rlfuse.models.forward import collate, response_logprobs
     from rlfuse.models.gguf import local_model
     from rlfuse.models.lean import enable_lean_activations
@@ -120,11 +119,9 @@ def fault_child(kind: str, repeats: int) -> dict:
         step()
         seconds, faults = [], []
         for _ in range(repeats):
-            before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
             t = time.perf_counter()
-            step()
+            faults.append(minor_faults(step))
             seconds.append(time.perf_counter() - t)
-            faults.append(resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before)
         tokens = rows * length
         out[f"{rows} x {length}"] = {
             "tokens": tokens, "seconds": min(seconds), "faulted_gib": min(faults) * 4096 / 2**30,

@@ -276,7 +276,7 @@ class MachineProfile:
     """Seconds per 4 KiB page that a fresh mapping costs when first written (the kernel's page fault, zeroing the
     page, the unmap when it is freed): on a CPU every tensor of MMAP_THRESHOLD or more is such a mapping (glibc's
     fixed threshold, models/quantize.fix_cpu_heap), so a training micro-batch pays it on each of its large
-    activations (mapped_train_bytes). 2.4 us a page on a 2-core AMD EPYC VM; 0: not measured (a GPU, another libc,
+    activations (mapped_train_bytes). 2.2-2.8 us a fault on a 2-core AMD EPYC VM; 0: not measured (a GPU, another libc,
     an older profile), no such term."""
     pair_decode_slowdown: float = 1.0
     """How much slower decoding runs while another worker computes at the same moment than on one worker alone
