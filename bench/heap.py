@@ -2,14 +2,14 @@
 changes in it (issue 28: smollm2_hh's memory): SmolLM2-135M-Instruct with LoRA (rank 16, every linear) and lean
 activations, the policy loss's own path (`response_logprobs` and its backward) over micro-batches of 1, 2, 4 and 8
 chat-length sequences (prompts of 160 tokens and 7 fewer for each next row, answers of 48, padded to the longest as
-a run pads them), under rlfuse's fixed threshold (1 MiB, models/quantize.fix_cpu_heap) and a lower one (128 KiB). Each
-threshold in a process of its own; per size the peak's rise above its start (freed heap handed back first, the
-kernel's high-water mark reset: metrics.memory.peak_rise) against the activations the memory model counts
-(plan/memory.train_activation_bytes), and the seconds of the fastest of the repeats run back to back before (a
-run's micro-batches follow each other untrimmed: the heap reuses its pages, where a mapping faults its pages in
-afresh each time).
+a run pads them), under rlfuse's fixed threshold (1 MiB, models/quantize.fix_cpu_heap), a lower one (128 KiB) and
+glibc's own ceiling (32 MiB). Each threshold in a process of its own; per size the peak's rise above its start
+(freed heap handed back first, the kernel's high-water mark reset: metrics.memory.peak_rise) against the activations
+the memory model counts (plan/memory.train_activation_bytes), and the seconds of the fastest of the repeats run back
+to back before (a run's micro-batches follow each other untrimmed: the heap reuses its pages, where a mapping faults
+its pages in afresh each time).
 
-    python -m bench.heap        # about 8 minutes on 2 cores; writes docs/benchmarks/plan.md (heap)
+    python -m bench.heap        # about 12 minutes on 2 cores; writes docs/benchmarks/plan.md (heap)
     python -m bench.heap --faults   # ~6 minutes: the page faults the planner prices (section heap_faults)
 
 `--faults`: the same forward + backward as a run's update takes it (the heap trimmed before each micro-batch, LoRA or
@@ -29,7 +29,11 @@ import time
 
 from bench.common import ROOT, machine, md_table, write_section
 
-THRESHOLDS = {1 << 20: "1 MiB (rlfuse's, fix_cpu_heap)", 128 << 10: "128 KiB"}
+THRESHOLDS = {1 << 20: "1 MiB (rlfuse's, fix_cpu_heap)", 128 << 10: "128 KiB",
+              32 << 20: "32 MiB (where glibc's own threshold ends up)"}
+"""Each threshold's trade at a micro-batch: below rlfuse's, more of the heap is handed back (less resident, more page
+faults); above it (glibc's default moves its threshold up to the largest freed mapping, at most 32 MiB: TRL's
+process, whose heap is never fixed), the activations come from the heap, reused without faulting but fragmented."""
 PROMPT, ANSWER = 160, 48
 
 
