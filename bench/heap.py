@@ -99,7 +99,7 @@ def fault_child(kind: str, repeats: int) -> dict:
     from rlfuse.models.gguf import local_model
     from rlfuse.models.lean import enable_lean_activations
     from rlfuse.models.load import apply_lora
-    from rlfuse.plan.cost import KNOWN_SHAPES, mapped_train_bytes
+    from rlfuse.plan.cost import KNOWN_SHAPES, PAGE_BYTES, mapped_train_bytes
 
     torch.set_num_threads(1)
     quantize.fix_cpu_heap("cpu")
@@ -128,7 +128,7 @@ def fault_child(kind: str, repeats: int) -> dict:
             seconds.append(time.perf_counter() - t)
         tokens = rows * length
         out[f"{rows} x {length}"] = {
-            "tokens": tokens, "seconds": min(seconds), "faulted_gib": min(faults) * 4096 / 2**30,
+            "tokens": tokens, "seconds": min(seconds), "faulted_gib": min(faults) * PAGE_BYTES / 2**30,
             "priced_gib": mapped_train_bytes(shape, tokens, rows * FAULT_ANSWER, kind == "lora") / 2**30}
     return out
 

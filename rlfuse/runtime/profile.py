@@ -15,6 +15,7 @@ reads it back: rlfuse/plan/profiles.py.
 from __future__ import annotations
 
 import io
+import mmap
 import os
 import statistics
 import time
@@ -47,7 +48,7 @@ PASSES = 3
 CONTENTION_WARMUP, CONTENTION_CALLS = 6, 15
 """The contention probe's untimed calls, then its timed ones (one_pass)."""
 FAULT_PROBE_BYTES = 16 << 20
-"""A fresh mapping the profile writes to time the page faults (fault_s): 4096 pages."""
+"""The fresh anonymous mapping the profile writes to time a page fault (fault_s): 4096 pages."""
 PROFILE_LORA_R = 16
 """LoRA rank of the profile's adapted copy: its per-layer cost is the adapters' ops, which a rank of 8-64 barely
 changes at these widths (the shipped real-model configs train r = 16)."""
@@ -93,21 +94,25 @@ def _fit(times: dict) -> tuple[float, float]:
     return max(my - slope * mx, 1e-7), slope
 
 
-def _fault_seconds(repeats: int = 9) -> float:
-    """Seconds per page fault: a fresh 16 MiB tensor written once against the same bytes written into a kept one, per
-    fault counted in the fresh call (ru_minflt), the fastest of the calls that faulted in every page. With glibc's
-    threshold fixed every tensor of 1 MiB or more is a mapping of its own, unless a free chunk of the heap fits it,
-    which faults fewer pages: such a call says nothing of a fault's cost (in the first profile with this probe a
-    fastest-of-9 landed on one and put a fault at 0.23 us against 2.2-2.4 us). 0 where no call faulted its pages."""
-    n = FAULT_PROBE_BYTES // 4
-    pages = FAULT_PROBE_BYTES / PAGE_BYTES
-    kept = torch.ones(n)
-    written = fastest_seconds(lambda: kept.fill_(1.0), repeats, lambda: None)
+def _fault_seconds(repeats: int = 27) -> float:
+    """Seconds per page fault: a fresh 16 MiB anonymous mapping written once against the same bytes written into it
+    again, per fault counted (ru_minflt), the fastest of `repeats`. The mapping is made here (mmap), not by the
+    allocator: with glibc's threshold fixed a 16 MiB tensor is a mapping of its own too, unless a free chunk of the
+    heap fits it and faults fewer pages, and such calls said nothing of a fault's cost (a profile's fastest-of-9 landed
+    on one and put a fault at 0.23 us against 2.2-2.4; in another no call faulted its pages and fault_s came out 0,
+    pricing no faults). 0 where faults are not counted per 4 KiB page (no getrusage, transparent huge pages)."""
+    pages = FAULT_PROBE_BYTES // PAGE_BYTES
     best = float("inf")
     for _ in range(repeats):
-        t = time.perf_counter()
-        faults = minor_faults(lambda: torch.empty(n).fill_(1.0))
-        seconds = time.perf_counter() - t
+        with mmap.mmap(-1, FAULT_PROBE_BYTES, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS) as mapping:
+            fresh = torch.frombuffer(mapping, dtype=torch.float32)
+            t = time.perf_counter()
+            faults = minor_faults(lambda: fresh.fill_(1.0))
+            seconds = time.perf_counter() - t
+            t = time.perf_counter()
+            fresh.fill_(2.0)
+            written = time.perf_counter() - t
+            del fresh  # the buffer's export must end before the mapping closes
         if faults >= 0.9 * pages:
             best = min(best, (seconds - written) / faults)
     return max(0.0, best) if best < float("inf") else 0.0
@@ -147,13 +152,27 @@ def measure_profile(shape: ModelShape | None = None, threads: int = 1, device: s
         fastest[key] = min(fastest.get(key, float("inf")), fastest_seconds(fn, repeats, sync))
         return fastest[key]
 
+    def timed_less_faults(key: str, fn, repeats: int) -> float:
+        """As timed, each call less its own page faults' time: calls of one size fault different counts (free heap
+        chunks serve some of their large tensors; SmolLM2's LoRA forward + backward over 16 x 32 tokens faulted
+        409k-580k pages a call), so a count taken on another call than the fastest moved the fitted rates."""
+        def once() -> float:
+            t = time.perf_counter()
+            faults = minor_faults(fn)
+            sync()
+            return time.perf_counter() - t - fault_s * faults
+
+        fn()
+        sync()
+        fastest[key] = min(fastest.get(key, float("inf")), min(once() for _ in range(repeats)))
+        return max(1e-6, fastest[key])
+
     def one_pass() -> dict:
         """Every rate measured in this process, once, by its MachineProfile field (and the contention)."""
         # bandwidth at the model's own size: on CPU a small model's weights stream from cache, not DRAM
         big = torch.empty(max(int(wbytes // 4), 2**18), device=device)
         t_copy = timed("copy", lambda: big.clone(), 9)
         mem_bw = 2 * big.numel() * 4 / t_copy  # read + write
-        fault_s = _fault_seconds() if heap_fixed else 0.0
         # decode: per-step cost at 1, 8 and 32 rows (random weights, EOS off: every row runs to the limit); then a
         # rollout whose 32 samples end one per step, to find what each finished sample costs besides its steps
         # (prefill share, retiring its row, handing it out)
@@ -231,9 +250,7 @@ def measure_profile(shape: ModelShape | None = None, threads: int = 1, device: s
         # and the planner adds the faults of each micro-batch's own size (cost.mapped_train_bytes), which step up
         # where a width's tensors reach glibc's threshold (on SmolLM2's shape between these timings' 256 and 512
         # tokens: fitted through them, the step would raise the rate per token of every size)
-        faulted = lambda fn: fault_s * minor_faults(fn)
-        fb = {b: max(1e-6, timed(f"train{b}", lambda: fwd_bwd(model, b), 5) - faulted(lambda: fwd_bwd(model, b)))
-              for b in ids}
+        fb = {b: timed_less_faults(f"train{b}", lambda: fwd_bwd(model, b), 5) for b in ids}
         fixed_fb, per_row_fb = _fit(fb)
         bwd_ratio = max(0.5, per_row_fb / per_row - 1)  # marginal: per row of the forward + backward over the forward
         train_call = max(1e-7, (fixed_fb - (1 + bwd_ratio) * wbytes / mem_bw) / shape.layers)
@@ -245,8 +262,7 @@ def measure_profile(shape: ModelShape | None = None, threads: int = 1, device: s
             fwd_lora = {b: timed(f"forward_lora{b}", lambda: adapted(input_ids=ids[b]).logits, 5) for b in ids}
         lora_call = max(0.0, (t_one_lora - t_one) / shape.layers)
         lora_fwd = max(1.0, _fit(fwd_lora)[1] / per_row)  # adapters add work per token, never take it away
-        fb_lora = {b: max(1e-6, timed(f"train_lora{b}", lambda: fwd_bwd(adapted, b), 5)
-                          - faulted(lambda: fwd_bwd(adapted, b))) for b in ids}
+        fb_lora = {b: timed_less_faults(f"train_lora{b}", lambda: fwd_bwd(adapted, b), 5) for b in ids}
         fixed_lora, per_row_lora = _fit(fb_lora)
         lora_bwd = max(0.2, per_row_lora / per_row - 1)
         lora_train_call = max(1e-7, (fixed_lora - (1 + lora_bwd) * wbytes / mem_bw) / shape.layers)
@@ -274,6 +290,11 @@ def measure_profile(shape: ModelShape | None = None, threads: int = 1, device: s
     # a line per pass: on 2 cores SmolLM2-135M's passes take minutes each (19 minutes in all with the Ray part)
     log(f"[profile] timing {shape.name} ({n_params / 1e6:.0f} M parameters) on {device}, {threads} thread(s): "
         f"{PASSES} passes{', then the overheads of 2 Ray workers' if measured_on_ray else ''}")
+    # once for the whole profile, so that every pass takes the same price off its training timings
+    fault_s = _fault_seconds() if heap_fixed else 0.0
+    if heap_fixed and fault_s == 0.0:
+        log("[profile] WARNING: page faults could not be timed (a fresh mapping's faults were not counted one per "
+            "4 KiB page: transparent huge pages set to always?): fault_s 0, so plans price no page faults")
     before = cpu_sample()
     passes = []
     for i in range(PASSES):
@@ -303,7 +324,8 @@ def measure_profile(shape: ModelShape | None = None, threads: int = 1, device: s
     elapsed = time.perf_counter() - t_start
     busy = (f"; BUSY: other work kept {others:.1f} cores busy while the rates were timed: profile again on a quieter "
             f"machine" if others > BUSY_CORES else f"; other work on the cores: {others:.2f} of them")
-    log(f"[profile] {name}: {elapsed:.1f} s on {shape.name} ({n_params / 1e6:.2f} M parameters){busy}")
+    faults = f"; a page fault {fault_s * 1e6:.2f} us" if fault_s else ""
+    log(f"[profile] {name}: {elapsed:.1f} s on {shape.name} ({n_params / 1e6:.2f} M parameters){busy}{faults}")
     return MachineProfile(
         name=name, device=device, threads=threads, **rates, sync_latency_s=SYNC_LATENCY_S, ray_call_s=driver_s,
         **((BUILTIN_OVERHEADS if device == "cpu" else GPU_OVERHEADS) | overheads),

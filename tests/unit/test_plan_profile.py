@@ -6,6 +6,7 @@ import pytest
 
 from rlfuse.plan.cost import MachineProfile, gpt2_shape
 from rlfuse.plan.profiles import BUILTIN_CPU, BUILTIN_OVERHEADS, load_profile
+import rlfuse.runtime.profile as profile_module
 from rlfuse.runtime.profile import measure_profile
 
 
@@ -44,6 +45,17 @@ def test_measure_profile_tiny_model(tmp_path):
     assert p.ray_round_trip_s == BUILTIN_OVERHEADS["ray_round_trip_s"] and p.train_micro_s > 0
     path = p.save(tmp_path / "machine_profile.json")
     assert load_profile(path) == p == MachineProfile.load(path)
+
+
+@pytest.mark.skipif(__import__("platform").system() != "Linux", reason="counts faults with Linux's ru_minflt")
+def test_the_fault_probe_times_a_fresh_mapping_page_by_page(monkeypatch):
+    """Its own anonymous mapping: every page faults, whatever the allocator's heap holds (a tensor from the allocator
+    can land in a free heap chunk and fault none), so the price is never a silent 0 on Linux."""
+    assert 5e-8 < profile_module._fault_seconds(repeats=3) < 5e-5
+    # faults counted per 2 MiB page (transparent huge pages set to always): no price per 4 KiB page, 0 (and
+    # measure_profile warns)
+    monkeypatch.setattr(profile_module, "minor_faults", lambda fn: (fn(), 8)[1])
+    assert profile_module._fault_seconds(repeats=3) == 0.0
 
 
 def test_no_profile_file_falls_back_to_builtin(tmp_path, monkeypatch):
