@@ -52,7 +52,7 @@ def child(threshold: int, rows_list: list[int], repeats: int) -> dict:
     from rlfuse.plan.memory import train_activation_bytes
 
     torch.set_num_threads(1)
-    quantize.MMAP_THRESHOLD = threshold
+    quantize.CPU_HEAP_THRESHOLDS = {**quantize.CPU_HEAP_THRESHOLDS, "lean": threshold}  # this arm's, as run.cpu_heap
     quantize.fix_cpu_heap("cpu")  # as every rlfuse model load on a CPU, at this threshold
     shape = KNOWN_SHAPES["smollm2-135m-instruct"]
     model = AutoModelForCausalLM.from_pretrained(local_model("smollm2-135m-instruct"), dtype=torch.float32)

@@ -18,7 +18,8 @@ from rlfuse.errors import UserError
 from rlfuse.files import write_text_atomic
 
 CHANGEABLE = {
-    "run": {"dir", "quiet", "threads", "memory_table", "report_to"},  # where and how it logs, not what it computes
+    # where and how it runs and logs, not what it computes
+    "run": {"dir", "quiet", "threads", "cpu_heap", "memory_table", "report_to"},
     "rl": {"iterations", "lr", "critic_lr", "ckpt_every", "eval_every", "log_samples_every", "max_bad_steps"},
     "sft": {"ckpt_every", "eval_every", "eval_samples", "max_bad_steps"},
     "rm": {"ckpt_every", "eval_every", "max_bad_steps"},

@@ -39,6 +39,13 @@ class RunConfig:
     """No live progress bars, only periodic log lines (also the default when stderr is not a terminal)."""
     threads: int = 0
     """torch CPU threads; 0 leaves torch's default."""
+    cpu_heap: str = "lean"
+    """lean | reuse: how glibc's malloc serves a run's tensors on a CPU (Linux; a GPU's are CUDA's). lean: every
+    tensor of 1 MiB or more is a mapping of its own, handed back to the OS when freed, and the heap is trimmed
+    before each training micro-batch: the lowest resident memory, but a step faults its large tensors' pages in
+    afresh, which is slow where page faults are dear (a VM: docs/benchmarks/real_model.md "cpu_heap"). reuse:
+    tensors under 32 MiB come from the heap and the next micro-batch reuses their pages: faster there, a higher
+    peak RSS. The planner prices the faults of the one chosen."""
     memory_table: Optional[bool] = None
     """The RL stage measures memory per component (rl/memory.json and the report's table; one process only, Ray
     workers log their RSS). null: on where memory is the point (model.quantization or a shared base). On a CPU

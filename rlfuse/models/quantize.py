@@ -12,7 +12,7 @@ from transformers import BitsAndBytesConfig
 
 from rlfuse.errors import UserError
 from rlfuse.models.device import native_bf16
-from rlfuse.plan.cost import MMAP_THRESHOLD  # the planner prices the faults this threshold makes
+from rlfuse.plan.cost import CPU_HEAP_THRESHOLDS  # the planner prices the faults these thresholds make
 
 # Heads stay in full precision: the reward model's score head is trained (modules_to_save), and GPT-2's LM head is
 # the (tied) embedding. transformers' own default skips only the output embedding.
@@ -68,46 +68,61 @@ FIX_CPU_HEAP = True
 """Whether a model load on the CPU fixes glibc's thresholds (python -m bench.memory --glibc-arm turns it off)."""
 TRIM_CPU_HEAP = True
 """Whether trim_cpu_heap trims (a benchmark's arm without it sets it False)."""
-_heap_fixed = False
+_heap_policy = "lean"
+_heap_threshold = None  # the mmap threshold fixed in this process; None: glibc's own
 _libc = None
 
 
-def fix_cpu_heap(device="cpu") -> bool:
-    """Make glibc give back the pages of large freed tensors. glibc's mmap threshold grows to the size of the largest
-    freed mapping (up to 32 MiB), after which such buffers come from the heap, whose freed pages stay resident and
-    fragment: on the CPU every 4-bit matmul dequantises its layer's weight to fp32 (MBs) and frees it (RSS grew by
-    GBs on a 0.5B model), and a full-precision update's activations and logit chunks are the same churn (SmolLM2
-    RLOO, workload d1 of bench/vs_trl.py: peak RSS 4600 MiB with the thresholds fixed against 5130 without, the same
-    iteration time). Fixed thresholds (set once per process, at the first model load; this also stops that growth)
-    keep every allocation of MMAP_THRESHOLD or more an mmap of its own, unmapped when freed, and trim the heap top
-    above twice that. Linux/glibc on the CPU only (a GPU's tensors are CUDA allocations). Returns whether the
-    thresholds are fixed in this process (by this call or an earlier one)."""
-    global _heap_fixed, _libc
-    if _heap_fixed or not FIX_CPU_HEAP or torch.device(device).type != "cpu":
-        return _heap_fixed
+def choose_cpu_heap(policy: str) -> None:
+    """run.cpu_heap for this process (lean | reuse, config/sections.py): the thresholds fix_cpu_heap sets at the
+    next CPU model load, or now where an earlier load fixed another policy's. Trainers and training workers call it
+    before they load a model."""
+    global _heap_policy
+    _heap_policy = policy
+    if _heap_threshold is not None:
+        fix_cpu_heap("cpu")
 
+
+def fix_cpu_heap(device="cpu") -> bool:
+    """Fix glibc's mmap and trim thresholds where run.cpu_heap (choose_cpu_heap) puts them, so that freed tensors'
+    pages go back to the OS or stay for reuse as chosen rather than as glibc's moving threshold falls. glibc's mmap
+    threshold grows to the size of the largest freed mapping (up to 32 MiB), after which such buffers come from the
+    heap, whose freed pages stay resident and fragment: on the CPU every 4-bit matmul dequantises its layer's weight
+    to fp32 (MBs) and frees it (RSS grew by GBs on a 0.5B model), and a full-precision update's activations and logit
+    chunks are the same churn (SmolLM2 RLOO, workload d1 of bench/vs_trl.py: peak RSS 4600 MiB with the thresholds
+    fixed against 5130 without, the same iteration time). lean (1 MiB, the default) keeps every allocation of 1 MiB
+    or more an mmap of its own, unmapped when freed, and trims the heap top above twice that; reuse (32 MiB) serves
+    a micro-batch's activations from the heap, whose pages the next one reuses instead of faulting them in afresh
+    (plan/cost.py CPU_HEAP_THRESHOLDS). Linux/glibc on the CPU only (a GPU's tensors are CUDA allocations). Returns
+    whether the thresholds are fixed in this process (by this call or an earlier one)."""
+    global _heap_threshold, _libc
+    threshold = CPU_HEAP_THRESHOLDS[_heap_policy]
+    if _heap_threshold == threshold or not FIX_CPU_HEAP or torch.device(device).type != "cpu":
+        return _heap_threshold is not None
+    libc = None
     try:
         libc = ctypes.CDLL("libc.so.6")
         M_TRIM_THRESHOLD, M_MMAP_THRESHOLD = -1, -3  # glibc's malloc.h
-        _heap_fixed = bool(libc.mallopt(M_MMAP_THRESHOLD, MMAP_THRESHOLD)) and bool(
-            libc.mallopt(M_TRIM_THRESHOLD, 2 * MMAP_THRESHOLD))
-        _libc = libc if _heap_fixed and hasattr(libc, "malloc_trim") else None
+        fixed = bool(libc.mallopt(M_MMAP_THRESHOLD, threshold)) and bool(
+            libc.mallopt(M_TRIM_THRESHOLD, 2 * threshold))
     except (OSError, AttributeError):  # not glibc (macOS, Windows, musl without mallopt)
-        _heap_fixed = False
-    return _heap_fixed
+        fixed = False
+    _heap_threshold = threshold if fixed else None
+    _libc = libc if fixed and hasattr(libc, "malloc_trim") else None
+    return fixed
 
 
 def trim_cpu_heap() -> bool:
     """Hand the pages of the C heap's free chunks back to the OS (glibc malloc_trim), where fix_cpu_heap fixed the
-    thresholds (glibc, a model on the CPU). The fixed thresholds send only buffers of MMAP_THRESHOLD or more to
+    thresholds (glibc, a model on the CPU). The fixed thresholds send only buffers of the mmap threshold or more to
     mmap; an update's many smaller tensors (per-head and per-row pieces, the LoRA paths' rank-wide ones) come from
     the heap's arenas, whose freed pages stay resident around the chunks still in use: on SmolLM2 LoRA RLOO (bench
     vs_trl d2) the floor between micro-batches rose from 1.6 to 2.4 GB after the first update, and the run's peak
     with it. Trimmed before each training micro-batch (learn/update.py), a micro-batch starts from the idle
     footprint (python -m bench.phase_memory --trim measured it: 2300-2400 -> 1590 MiB at each micro-batch). Not
     before the generation: its decode steps' small tensors would fault the pages back in, one step at a time.
-    Returns whether it ran."""
-    if _libc is None or not TRIM_CPU_HEAP:
+    Only under run.cpu_heap=lean: reuse keeps those pages for the next micro-batch. Returns whether it ran."""
+    if _libc is None or not TRIM_CPU_HEAP or _heap_policy != "lean":
         return False
     _libc.malloc_trim(0)
     return True

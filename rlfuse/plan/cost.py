@@ -422,8 +422,13 @@ def forward_seconds(p: MachineProfile, shape: ModelShape, rows: float, seq: floa
 
 MMAP_THRESHOLD = 1 << 20
 """Bytes from which glibc serves an allocation by a mapping of its own, unmapped when freed: rlfuse fixes glibc's
-threshold there at a CPU model load (models/quantize.fix_cpu_heap), so every tensor of this size or more is fresh
-pages to fault in (MachineProfile.fault_s), and a smaller one comes from the heap, whose pages are reused."""
+threshold there at a CPU model load (models/quantize.fix_cpu_heap, run.cpu_heap=lean), so every tensor of this size
+or more is fresh pages to fault in (MachineProfile.fault_s), and a smaller one comes from the heap, whose pages are
+reused."""
+CPU_HEAP_THRESHOLDS = {"lean": MMAP_THRESHOLD, "reuse": 32 << 20}
+"""run.cpu_heap -> the mmap threshold fix_cpu_heap sets. reuse: glibc's largest (32 MiB on 64-bit), so a training
+micro-batch's activations come from the heap and reuse its pages; only larger tensors (a micro-batch's logits) are
+fresh mappings."""
 PAGE_BYTES = 4096
 MAPPED_PER_LAYER = {
     True: {"hidden": 34.0, "kv": 11.0, "ffn": 9.0},
@@ -446,17 +451,19 @@ HEAD_MAPPED = 3.0
 and entropy, and their gradients: written whole)."""
 
 
-def mapped_train_bytes(shape: ModelShape, tokens: float, scored: float, frozen_base: bool, passes: float = 1.0) -> float:
+def mapped_train_bytes(shape: ModelShape, tokens: float, scored: float, frozen_base: bool, passes: float = 1.0,
+                       threshold: float = MMAP_THRESHOLD) -> float:
     """Bytes of fresh mappings a training forward + backward over `tokens` token positions, `scored` of them
     scored (the response positions the loss reads), faults in: each width's tensors where one reaches
-    MMAP_THRESHOLD (MAPPED_PER_LAYER), each of `passes` model runs over its share of the tokens (prefix-shared:
-    the prompts', then the continuations'); the output head's per scored position (HEAD_MAPPED)."""
+    glibc's mmap threshold (`threshold`: CPU_HEAP_THRESHOLDS[run.cpu_heap]; MAPPED_PER_LAYER), each of `passes`
+    model runs over its share of the tokens (prefix-shared: the prompts', then the continuations'); the output
+    head's per scored position (HEAD_MAPPED)."""
     widths = {"hidden": shape.hidden, "kv": shape.kv_dim, "ffn": shape.ffn}
     per_pass = tokens / passes
     body = sum(n * per_pass * widths[k] * 4.0 for k, n in MAPPED_PER_LAYER[frozen_base].items()
-               if per_pass * widths[k] * 4.0 >= MMAP_THRESHOLD)
+               if per_pass * widths[k] * 4.0 >= threshold)
     head = scored * shape.vocab * 4.0
-    return passes * shape.layers * body + (HEAD_MAPPED * head if head >= MMAP_THRESHOLD else 0.0)
+    return passes * shape.layers * body + (HEAD_MAPPED * head if head >= threshold else 0.0)
 
 
 def fault_seconds(p: MachineProfile, nbytes: float) -> float:
@@ -465,7 +472,8 @@ def fault_seconds(p: MachineProfile, nbytes: float) -> float:
 
 
 def train_seconds(p: MachineProfile, shape: ModelShape, rows: float, seq: float, weight_bytes: float, calls: float,
-                  checkpointing: bool, frozen_base: bool, passes: float = 1.0, scored: float | None = None) -> float:
+                  checkpointing: bool, frozen_base: bool, passes: float = 1.0, scored: float | None = None,
+                  mmap_threshold: float = MMAP_THRESHOLD) -> float:
     """Forward + backward of `calls` micro-batches: a fixed cost per layer and call, then the forward's FLOPs and
     weight reads times (1 + bwd_ratio). A frozen base (LoRA) skips the weight gradients: its backward is about one
     forward instead of two. Checkpointing recomputes each layer's forward once more. passes: model runs per
@@ -477,7 +485,8 @@ def train_seconds(p: MachineProfile, shape: ModelShape, rows: float, seq: float,
     On a CPU each micro-batch then faults in its large activations (fault_s, mapped_train_bytes; `scored`: the
     response positions per sequence the loss reads, all `seq` where None), each pass over its share of the tokens:
     the step up where a width's tensors reach glibc's threshold made LoRA training on SmolLM2 2.4x slower at 832
-    tokens a micro-batch than at 416, where the FLOPs double (the recompute of checkpointing not counted)."""
+    tokens a micro-batch than at 416, where the FLOPs double (the recompute of checkpointing not counted).
+    mmap_threshold: glibc's, as run.cpu_heap sets it (CPU_HEAP_THRESHOLDS)."""
     fixed = shape.layers * (p.train_layer_call_s or p.layer_call_s * (1 + p.bwd_ratio))
     bwd = p.bwd_ratio
     if frozen_base:
@@ -491,7 +500,7 @@ def train_seconds(p: MachineProfile, shape: ModelShape, rows: float, seq: float,
     recompute = (forward_seconds(p, shape, rows, seq, weight_bytes, passes=passes, adapters=frozen_base)
                  if checkpointing else 0.0)
     faults = fault_seconds(p, mapped_train_bytes(shape, rows * seq, rows * (seq if scored is None else scored),
-                                                 frozen_base, passes))
+                                                 frozen_base, passes, mmap_threshold))
     return calls * (passes * fixed + (1 + bwd) * variable + recompute + faults)
 
 

@@ -156,6 +156,9 @@ class Problem:
     train_parallel: tuple[str, ...] = ()
     """rl.train_parallel values to rank where two or more workers train (data: DDP replicas; fsdp: FSDP2 shards,
     runtime/fsdp.py); (): replicas, unlabelled (a pipeline mode the planner prices as data parallelism)."""
+    mmap_threshold: float = cost.MMAP_THRESHOLD
+    """glibc's mmap threshold on a CPU (run.cpu_heap: cost.CPU_HEAP_THRESHOLDS): the tensors whose pages a training
+    micro-batch faults in afresh."""
 
 
 @dataclass(frozen=True)
@@ -525,7 +528,7 @@ def _train_seconds(prob: Problem, workers: int, micro: int, ckpt: bool, ray: boo
         wb = weight_bytes(shape, m.weight_dtype)
         seq = w.padded_seq(rows, workers, calls / steps)  # every optimiser step waits for the slowest rank
         total += cost.train_seconds(p, shape, rows, seq, wb, calls, ckpt, frozen, w.passes(rows),
-                                    scored=seq - w.prompt_per_sample(rows))
+                                    scored=seq - w.prompt_per_sample(rows), mmap_threshold=prob.mmap_threshold)
         total += calls * p.train_micro_s
         total += cost.optimizer_seconds(p, params / (workers if prob.shard or m.fsdp > 1 else 1), steps)
         in_backward = replace(p, allreduce_bytes_s=p.ddp_allreduce_bytes_s or p.allreduce_bytes_s)
@@ -682,7 +685,8 @@ def problem_from_config(cfg, profile: MachineProfile, workers: int | None = None
     train_parallel = () if rl.train_parallel not in ("data", "fsdp") else ("data",) if cfg.model.shares_base else (
         "data", "fsdp")
     return Problem(roles, workload, mem, profile, workers, resources, memory_budget, migrate_below=migrate,
-                   staleness=staleness, address=pc.address, train_parallel=train_parallel)
+                   staleness=staleness, address=pc.address, train_parallel=train_parallel,
+                   mmap_threshold=cost.CPU_HEAP_THRESHOLDS[cfg.run.cpu_heap])
 
 
 QUANTISED_DTYPE = {"none": "fp32", "4bit": "nf4-dq", "8bit": "int8"}

@@ -34,6 +34,7 @@ from rlfuse.learn.learners import build_learners, learner_sets
 from rlfuse.learn.update import BadSteps, update
 from rlfuse.models.build import build_models
 from rlfuse.models.device import pick_device, seed_everything
+from rlfuse.models.quantize import choose_cpu_heap
 from rlfuse.models.weights import merged_state_dict
 from rlfuse.rollout.fusion import Experience
 from rlfuse.rollout.weights import weight_buckets
@@ -66,6 +67,7 @@ class TrainWorker:
                  keep: tuple[str, ...] = ()):
         pin_threads(threads)
         seed_everything(cfg.run.seed)
+        choose_cpu_heap(cfg.run.cpu_heap)
         self.cfg, self.rank, self.world, self.run_dir = cfg, rank, world, Path(run_dir)
         self.device = pick_device(cfg.run)
         # build_models loads every role; a trainer keeps the trainable ones (actor, critic) and those in `keep`

@@ -57,6 +57,7 @@ from rlfuse.models.device import dtype_name, setup_runtime
 from rlfuse.models.layout import keep_layout, kept_layout, layout_of
 from rlfuse.models.load import resolve_base_model, save_trained_model
 from rlfuse.models.prompt_workload import resolve_measured
+from rlfuse.models.quantize import choose_cpu_heap
 from rlfuse.models.rewards import attach_rows, reset_reward_metrics, reward_metrics
 from rlfuse.plan.planner import predicted_memory
 from rlfuse.rollout.fusion import FusionPolicy
@@ -90,6 +91,7 @@ def train_rl(cfg: Config, run_dir: Path, log=print, resume: bool = False, on_rea
     if not (run_dir / "config.yaml").exists():  # called as a library rather than through the CLI
         save_config(cfg, run_dir)
     device = setup_runtime(cfg.run)
+    choose_cpu_heap(cfg.run.cpu_heap)
     _, task = resolve_base_model(cfg, log) if cfg.data.kind == "synthetic" else (None, None)
     layout_file = run_dir / "rl" / "weight_layout.txt"
     models = build_models(cfg, run_dir, device, weight_layout=kept_layout(layout_file, cfg) if resume else None)

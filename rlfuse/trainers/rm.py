@@ -27,7 +27,7 @@ from rlfuse.metrics.tracker import stage_tracker
 from rlfuse.models.device import autocast, setup_runtime
 from rlfuse.models.lean import enable_lean_activations
 from rlfuse.models.load import load_reward_model, load_tokenizer, resolve_base_model, save_trained_model
-from rlfuse.models.quantize import place
+from rlfuse.models.quantize import choose_cpu_heap, place
 
 
 @dataclass
@@ -83,6 +83,7 @@ def train_rm(cfg: Config, run_dir: Path, log=print, on_trained=None, resume: boo
         return RMResult(**{k: Path(v) if k == "model_dir" else v for k, v in json.loads(done.read_text()).items()})
     t0 = time.perf_counter()
     device = setup_runtime(cfg.run)
+    choose_cpu_heap(cfg.run.cpu_heap)
     _, task = resolve_base_model(cfg, log)
     name = rm_backbone(cfg, run_dir, log)
     tokenizer = load_tokenizer(name)

@@ -31,7 +31,7 @@ from rlfuse.metrics.tracker import stage_tracker
 from rlfuse.models.device import autocast, setup_runtime
 from rlfuse.models.lean import enable_lean_activations
 from rlfuse.models.load import load_causal_lm, load_tokenizer, resolve_base_model, save_trained_model
-from rlfuse.models.quantize import place
+from rlfuse.models.quantize import choose_cpu_heap, place
 from rlfuse.rollout.engine import DecodeEngine, SamplingParams
 
 
@@ -73,6 +73,7 @@ def train_sft(cfg: Config, run_dir: Path, log=print, on_trained=None, resume: bo
         return SFTResult(**{k: Path(v) if k == "model_dir" else v for k, v in json.loads(done.read_text()).items()})
     t0 = time.perf_counter()
     device = setup_runtime(cfg.run)
+    choose_cpu_heap(cfg.run.cpu_heap)
     name, task = resolve_base_model(cfg, log)
     tokenizer = load_tokenizer(name)
     set_chat_template(tokenizer, cfg.data.chat_template)  # saved with the model: RL renders prompts with it

@@ -50,6 +50,7 @@ BAD = [
     (["sft.steps=abc"], "sft.steps", "whole number"),
     (["sft.lr=fast"], "sft.lr", "expected a number"),
     (["model.lora=maybe"], "model.lora", "true or false"),
+    (["run.cpu_heap=fast"], "run.cpu_heap", "lean"),
     (["sft.lr=-1e-4"], "sft.lr", "must be > 0"),
     (["rm.lr=0"], "rm.lr", "must be > 0"),
     (["sft.lr=nan"], "sft.lr", "must be a finite number"),

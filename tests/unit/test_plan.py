@@ -77,6 +77,15 @@ def test_page_faults_of_a_training_micro_batch_by_hand():
                            for rows in (4, 2))
     assert one_call - two_calls == pytest.approx(34 * 30 * 832 * 576 * 4 / 4096 * 2e-6 - 30 * 1e-3 * 3, rel=1e-3)
     assert replace(faulting, fault_s=1e-6).slowed(2).fault_s == 2e-6
+    # run.cpu_heap=reuse: glibc's threshold at 32 MiB, so 832 tokens' activations (under 5 MiB) come from the heap
+    # and only the head's vocabulary-wide tensors (48 x 4 positions: 37.5 MiB each) are fresh mappings
+    reuse = cost.CPU_HEAP_THRESHOLDS["reuse"]
+    assert reuse == 32 << 20
+    assert cost.mapped_train_bytes(SMOLLM2, 832, 4 * 48, True, threshold=reuse) == 3 * 4 * 48 * 49152 * 4
+    assert cost.mapped_train_bytes(SMOLLM2, 832, 4 * 8, True, threshold=reuse) == 0  # 6.25 MiB logits: the heap's
+    assert cost.train_seconds(faulting, SMOLLM2, 4, 208, 0, 3, False, True, scored=48, mmap_threshold=reuse) == \
+        pytest.approx(cost.train_seconds(RATES, SMOLLM2, 4, 208, 0, 3, False, True, scored=48)
+                      + 3 * math.ceil(3 * 4 * 48 * 49152 * 4 / 4096) * 2e-6)
 
 
 def test_unmerged_lora_adapters_by_hand():

@@ -132,6 +132,39 @@ def test_fixed_heap_thresholds_return_a_dequantised_weights_pages():
     assert kept["fix"] < 1 and kept["default"] > 8, kept
 
 
+REUSE_PROBE = """
+import resource, sys, torch
+import rlfuse.models.quantize as q
+first, then = sys.argv[1].split(",")
+q.choose_cpu_heap(first)
+assert q.fix_cpu_heap("cpu")
+q.choose_cpu_heap(then)  # after the first model load: the thresholds follow
+faults = lambda: resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+for step in range(12):  # 12 MiB, as one of each micro-batch's activations
+    if step == 8:  # glibc's heap settles after a few (it grows past a chunk of the aligned size before reusing one)
+        start = faults()
+    w = torch.ones(3 << 20); del w
+print(faults() - start, int(q.trim_cpu_heap()))
+"""
+
+
+@pytest.mark.skipif(__import__("platform").libc_ver()[0] != "glibc", reason="glibc's mallopt: glibc only")
+def test_the_reuse_heap_serves_the_next_micro_batch_from_pages_already_in():
+    """run.cpu_heap: under lean a freed 12 MiB tensor's pages go back to the OS, so the next one faults all 3072 in
+    afresh (4 x 3072 over the last 4 of 12); under reuse (32 MiB threshold) it comes from the heap's pages, already
+    in, and trim_cpu_heap leaves them. The policy chosen after the first model load's fix still takes effect."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[2]
+    out = {how: subprocess.run([sys.executable, "-c", REUSE_PROBE, how], cwd=root, capture_output=True, text=True,
+                               check=True).stdout.split() for how in ("lean,lean", "lean,reuse", "reuse,lean")}
+    assert int(out["lean,lean"][0]) >= 4 * 3072 and out["lean,lean"][1] == "1", out
+    assert int(out["lean,reuse"][0]) < 100 and out["lean,reuse"][1] == "0", out
+    assert int(out["reuse,lean"][0]) >= 4 * 3072 and out["reuse,lean"][1] == "1", out
+
+
 TRIM_PROBE = """
 import sys, torch
 import rlfuse.models.quantize as q
