@@ -50,8 +50,12 @@ def evaluate(models, engine: DecodeEngine, prompts: list[list[int]], rl: RLConfi
     if not prompts:
         return {}, []
     t = eval_temperature(rl)  # fixed whatever the training schedule: before and after compare
+    # under autocast the reference is scored in bf16 while the engine sampled in fp32 (or from a bf16 copy): the
+    # actor's own log-probs are scored beside it, in the same arithmetic, or the KL reads the rounding (0.073 before
+    # any update on SmolLM2's hh replies, docs/benchmarks/real_model.md)
     scorer = Scorer(models.reward_fn, models.tokenizer.pad_token_id, ref=models.ref, actor=models.actor,
-                    temperature=t, micro_batch_size=EVAL_SCORE_ROWS, compute_dtype=models.compute_dtype)
+                    temperature=t, micro_batch_size=EVAL_SCORE_ROWS, compute_dtype=models.compute_dtype,
+                    recompute_old_logprobs=models.compute_dtype is not None)
     params = sampling_params(models, rl, t)
     exp = generate_rollouts(engine, scorer, prompts, 1, params, seed, FusionPolicy(True))
     texts = texts_of(exp, models.tokenizer)

@@ -157,3 +157,17 @@ def test_a_run_under_bf16_autocast_corrects_for_its_fp32_or_bf16_sampler(tiny_ta
     said = said.out + said.err
     assert "under bfloat16 autocast" in said
     assert f"the generator decodes in {'bfloat16' if lora else 'float32'}" in said
+
+
+def test_the_held_out_kl_compares_policy_and_reference_in_one_arithmetic(tiny_task, tmp_path, monkeypatch):
+    """Before any update the policy is the reference, so the held-out KL is 0 under bf16 autocast too: the
+    evaluation scores the actor's own log-probs beside the reference's, in the same autocast, rather than set the
+    fp32 sampler's against a bf16 reference (0.073 over SmolLM2's hh replies, docs/benchmarks/real_model.md)."""
+    from rlfuse.cli import main
+
+    monkeypatch.setenv(NATIVE_BF16_ENV, "1")
+    assert main(["rl", f"rl.sft_path={tiny_task.model_dir}", "rl.reward=rlfuse.data.gold:gold_reward", "rl.algo=grpo",
+                 "rl.k=2", f"run.dir={tmp_path}", *TINY, "rl.iterations=1", "rl.prompts_per_iter=2", "rl.mini_batch_size=4", "rl.micro_batch_size=4",
+                 "rl.max_new_tokens=16", "rl.eval_prompts=8", "rl.temperature=1.0"]) == 0
+    before = json.loads((tmp_path / "rl" / "eval_before.json").read_text())
+    assert before["kl"] == 0.0 and before["mean_length"] > 1, before
