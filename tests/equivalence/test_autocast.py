@@ -167,7 +167,8 @@ def test_the_held_out_kl_compares_policy_and_reference_in_one_arithmetic(tiny_ta
 
     monkeypatch.setenv(NATIVE_BF16_ENV, "1")
     assert main(["rl", f"rl.sft_path={tiny_task.model_dir}", "rl.reward=rlfuse.data.gold:gold_reward", "rl.algo=grpo",
-                 "rl.k=2", f"run.dir={tmp_path}", *TINY, "rl.iterations=1", "rl.prompts_per_iter=2", "rl.mini_batch_size=4", "rl.micro_batch_size=4",
-                 "rl.max_new_tokens=16", "rl.eval_prompts=8", "rl.temperature=1.0"]) == 0
+                 "rl.k=2", f"run.dir={tmp_path}", *TINY, "rl.iterations=1", "rl.prompts_per_iter=2",
+                 "rl.mini_batch_size=4", "rl.micro_batch_size=4", "rl.max_new_tokens=16", "rl.eval_prompts=8",
+                 "rl.temperature=1.0"]) == 0
     before = json.loads((tmp_path / "rl" / "eval_before.json").read_text())
     assert before["kl"] == 0.0 and before["mean_length"] > 1, before
