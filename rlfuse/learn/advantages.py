@@ -17,7 +17,11 @@ def compute_advantages(exp: Experience, rl: RLConfig, kl_coef: float):
     """-> (advantages (N, T) for a per-token estimator or (N,), returns (N, T) or None, per-token KL (N, T)); calls
     only pure functions. rl.whiten_advantages whitens over response tokens (gae) or over samples (rloo, grpo)."""
     algo = ALGORITHMS[rl.algo]
-    kl = kl_penalty(exp.logprobs, exp.ref_logprobs, rl.kl_estimator_used) * exp.mask
+    # the trained policy's log-probs in the reference's arithmetic where the sampler computed in another (a bf16
+    # update against an fp32 or bf16-copy sampler): the sampler's would put the rounding into the KL (0.073 nats
+    # over SmolLM2's hh replies before any update)
+    policy = exp.logprobs if exp.proximal_logprobs is None else exp.proximal_logprobs
+    kl = kl_penalty(policy, exp.ref_logprobs, rl.kl_estimator_used) * exp.mask
     if algo.kl_in == "token_reward":  # the KL in each token's reward (Ziegler et al.), advantages by GAE
         rewards = kl_shaped_rewards(exp.scores, kl, exp.mask, kl_coef)
         adv, returns = gae_advantages(rewards, exp.values, exp.mask, rl.gamma, rl.lam)

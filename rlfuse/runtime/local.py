@@ -56,11 +56,13 @@ class LocalRollout:
 
     def generate(self, request: RolloutRequest) -> Experience:
         before, self.scorer.temperature = dict(self.scorer.times), request.params.temperature
-        # the proximal log-probs: the update's own forward where it is one optimiser step, else an actor pass here
+        # the proximal log-probs: an actor pass here, or the update's own forward where it is one optimiser step and
+        # no KL penalty needs them before it (learn/advantages.py)
         one_step = self.rl.optimiser_steps(len(request.prompts) * request.k) == 1
+        proximal = self.behaviour_differs and (not one_step or self.rl.kl_coef > 0)
         exp = generate_rollouts(self.engine, self.scorer, request.prompts, request.k, request.params, request.seed,
-                                self.fusion, proximal=self.behaviour_differs and not one_step)
-        exp.proximal_from_update = self.behaviour_differs and one_step
+                                self.fusion, proximal=proximal)
+        exp.proximal_from_update = self.behaviour_differs and not proximal
         exp.timing |= {f"score_{role}": t - before.get(role, 0.0) for role, t in self.scorer.times.items()}
         return exp
 

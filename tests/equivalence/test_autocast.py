@@ -172,3 +172,19 @@ def test_the_held_out_kl_compares_policy_and_reference_in_one_arithmetic(tiny_ta
                  "rl.temperature=1.0"]) == 0
     before = json.loads((tmp_path / "rl" / "eval_before.json").read_text())
     assert before["kl"] == 0.0 and before["mean_length"] > 1, before
+
+
+@pytest.mark.parametrize("algo,lora", [("rloo", False), ("grpo", True)])
+def test_the_training_kl_compares_policy_and_reference_in_one_arithmetic(tiny_task, tmp_path, monkeypatch, algo, lora):
+    """The KL penalty of the first iteration, before any update, is 0 under bf16 autocast too: the scoring pass
+    computes the actor's own log-probs beside the reference's, in the same autocast, and the penalty takes those
+    rather than the fp32 (or bf16-copy) sampler's, even where the update is one optimiser step."""
+    from rlfuse.cli import main
+
+    monkeypatch.setenv(NATIVE_BF16_ENV, "1")
+    assert main(["rl", f"rl.sft_path={tiny_task.model_dir}", "rl.reward=rlfuse.data.gold:gold_reward", f"rl.algo={algo}",
+                 "rl.k=2", f"model.lora={str(lora).lower()}", f"run.dir={tmp_path}", *TINY, "rl.iterations=1",
+                 "rl.prompts_per_iter=4", "rl.mini_batch_size=8", "rl.micro_batch_size=4", "rl.max_new_tokens=16",
+                 "rl.eval_prompts=0", "rl.temperature=1.0", "rl.kl_coef=0.1"]) == 0
+    row = json.loads((tmp_path / "rl" / "metrics.jsonl").read_text().splitlines()[0])
+    assert row["reward/kl"] == 0.0 and row["train/behaviour_weight_max"] > 1.0002, row

@@ -44,7 +44,7 @@ def test_bf16_where_there_is_no_copy_of_its_own_is_a_config_error(tiny_task, mor
     assert why in str(e.value)
 
 
-def _rollout(tiny_task, tmp_path, mini_batch: int, dtype: str = "bf16"):
+def _rollout(tiny_task, tmp_path, mini_batch: int, dtype: str = "bf16", *more: str):
     from rlfuse.data.collate import encode
     from rlfuse.rollout.engine import SamplingParams
     from rlfuse.rollout.fusion import FusionPolicy
@@ -52,7 +52,7 @@ def _rollout(tiny_task, tmp_path, mini_batch: int, dtype: str = "bf16"):
     from rlfuse.runtime.local import LocalRollout, behaviour_differs, decode_engine, local_scorer
 
     cfg = _cfg(tiny_task, "model.lora=true", f"rollout.generator_dtype={dtype}", "rl.prompts_per_iter=2",
-               f"rl.mini_batch_size={mini_batch}", "rl.micro_batch_size=2", "rl.epochs=1")
+               f"rl.mini_batch_size={mini_batch}", "rl.micro_batch_size=2", "rl.epochs=1", *more)
     models = build_models(cfg, tmp_path, CPU)
     with torch.no_grad():  # adapters away from zero: the merged copy is not the SFT model
         for n, p in models.actor.named_parameters():
@@ -70,10 +70,19 @@ def _rollout(tiny_task, tmp_path, mini_batch: int, dtype: str = "bf16"):
 
 
 def test_one_step_update_takes_the_proximal_log_probs_from_its_own_forward(tiny_task, tmp_path):
-    """A one-step update (mini-batch = the batch): no extra scoring pass; the loss gets the proximal log-probs
-    from the update's forward (Experience.proximal_from_update), the engine's bf16 log-probs as the behaviour's."""
-    _, exp = _rollout(tiny_task, tmp_path, mini_batch=4)
+    """A one-step update (mini-batch = the batch) without a KL penalty: no extra scoring pass; the loss gets the
+    proximal log-probs from the update's forward (Experience.proximal_from_update), the engine's bf16 log-probs as
+    the behaviour's."""
+    _, exp = _rollout(tiny_task, tmp_path, 4, "bf16", "rl.kl_coef=0")
     assert exp.proximal_from_update and exp.proximal_logprobs is None
+
+
+def test_a_kl_penalty_scores_the_proximal_log_probs_even_for_one_step(tiny_task, tmp_path):
+    """With a KL penalty the advantages need the trained policy's log-probs before the update (learn/advantages.py),
+    so the scoring pass computes them even where the update is one optimiser step."""
+    _, exp = _rollout(tiny_task, tmp_path, 4, "bf16", "rl.kl_coef=0.1")
+    assert not exp.proximal_from_update and exp.proximal_logprobs is not None
+    assert exp.proximal_logprobs.shape == exp.logprobs.shape
 
 
 @pytest.mark.parametrize("mini_batch", [2, 4])
