@@ -107,7 +107,7 @@ def train_rm(cfg: Config, run_dir: Path, log=print, on_trained=None, resume: boo
     if resume and on_resumed is not None:
         on_resumed(f"rm step {start}")
     tracker = stage_tracker(cfg, out, from_step=start)
-    acc = None
+    acc = final = None
     lengths = [max(len(c), len(r)) for c, r in train_items]
     with Progress(s.steps, "rm", cfg.run.quiet, initial=start) as bar:
         for step, idx in enumerate(batch_indices(lengths, s.batch_size, s.steps, cfg.run.seed), 1):
@@ -127,12 +127,16 @@ def train_rm(cfg: Config, run_dir: Path, log=print, on_trained=None, resume: boo
             row = {"train/loss": loss_sum, "train/accuracy": correct / len(batch), "train/grad_norm": grad_norm,
                    "train/lr": sched.get_last_lr()[0], "train/skipped_steps": bad.skipped}
             if step % s.eval_every == 0 or step == s.steps:
-                row.update(evaluate_pairs(model, eval_items, tokenizer.pad_token_id, s.micro_batch_size, device, cfg.run.precision))
-                acc = row["eval/accuracy"]
+                evaluated = evaluate_pairs(model, eval_items, tokenizer.pad_token_id, s.micro_batch_size, device,
+                                           cfg.run.precision)
+                row.update(evaluated)
+                acc = evaluated["eval/accuracy"]
+                final = evaluated if step == s.steps else None  # the trained model's: not evaluated twice
             tracker.log(step, **row)
             ckpt.save_if_due(step, bad)
             bar.update(loss=loss_sum, acc=acc)
-    final = evaluate_pairs(model, eval_items, tokenizer.pad_token_id, s.micro_batch_size, device, cfg.run.precision)
+    if final is None:  # a resumed stage whose last step had been trained
+        final = evaluate_pairs(model, eval_items, tokenizer.pad_token_id, s.micro_batch_size, device, cfg.run.precision)
     require_finite_weights(model, "rm")
     model_dir = save_trained_model(model, tokenizer, out, base=name)
     if on_trained is not None:
