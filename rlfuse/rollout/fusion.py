@@ -73,6 +73,15 @@ class Experience:
         return len(self.prompt_ids)
 
 
+def scores_proximal(off_policy: bool, one_step: bool, kl_coef: float) -> bool:
+    """Whether a batch's scoring runs the trained policy's own forward (Scorer.score(proximal=True)), for a batch the
+    trained policy as it is now did not sample (off_policy: a stale batch, or a sampler in other arithmetic). An
+    update of several optimiser steps needs them for its trust region, and a KL penalty needs them before any update
+    (learn/advantages.py: the KL of policy and reference in one arithmetic and at one version, whatever the runtime);
+    otherwise a one-step update takes them from its own forward (Experience.proximal_from_update)."""
+    return off_policy and (not one_step or kl_coef > 0)
+
+
 def _pad(rows: list[Tensor], width: int) -> Tensor:
     out = torch.zeros(len(rows), width)
     for i, r in enumerate(rows):

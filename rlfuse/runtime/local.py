@@ -19,7 +19,7 @@ from rlfuse.models.build import Models
 from rlfuse.models.shared import actor_decoding, eval_for_decoding
 from rlfuse.models.weights import merged_state_dict
 from rlfuse.rollout.engine import DecodeEngine
-from rlfuse.rollout.fusion import Experience, FusionPolicy, generate_rollouts
+from rlfuse.rollout.fusion import Experience, FusionPolicy, generate_rollouts, scores_proximal
 from rlfuse.rollout.score import Scorer
 from rlfuse.rollout.state import RolloutRequest
 
@@ -56,10 +56,8 @@ class LocalRollout:
 
     def generate(self, request: RolloutRequest) -> Experience:
         before, self.scorer.temperature = dict(self.scorer.times), request.params.temperature
-        # the proximal log-probs: an actor pass here, or the update's own forward where it is one optimiser step and
-        # no KL penalty needs them before it (learn/advantages.py)
         one_step = self.rl.optimiser_steps(len(request.prompts) * request.k) == 1
-        proximal = self.behaviour_differs and (not one_step or self.rl.kl_coef > 0)
+        proximal = scores_proximal(self.behaviour_differs, one_step, self.rl.kl_coef)
         exp = generate_rollouts(self.engine, self.scorer, request.prompts, request.k, request.params, request.seed,
                                 self.fusion, proximal=proximal)
         exp.proximal_from_update = self.behaviour_differs and not proximal

@@ -44,7 +44,7 @@ import torch
 from rlfuse.config import RLConfig
 from rlfuse.files import atomic_path
 from rlfuse.learn.checkpoint import save_torch
-from rlfuse.rollout.fusion import build_experience
+from rlfuse.rollout.fusion import build_experience, scores_proximal
 from rlfuse.rollout.state import RolloutRequest, Sample
 
 IN_FLIGHT_SUFFIX = ".inflight"
@@ -151,14 +151,14 @@ class AsyncRollout:
             # a sample's staleness is its oldest token's: a partial rollout's sample drew from the next version only
             # when it had not started before the switch (switch_at 0)
             ages = [self.version - batch.version - (x.switch_at == 0) for x in samples]
-            # a stale batch is scored with the proximal log-probs (the training workers' actor as it is now), unless
-            # its update is one optimiser step, whose own forward gives them (Experience.proximal_from_update)
+            # a stale batch is scored with the proximal log-probs (the training workers' actor as it is now), as the
+            # synchronous loop scores a batch sampled in other arithmetic
             one_step = self.rl.optimiser_steps(len(samples)) == 1
-            scored, chunks = self.driver.score_in_order(samples, request.params.temperature,
-                                                        proximal=any(ages) and not one_step)
+            proximal = scores_proximal(any(ages), one_step, self.rl.kl_coef)
+            scored, chunks = self.driver.score_in_order(samples, request.params.temperature, proximal=proximal)
         del self.in_flight[i]
         exp = build_experience(scored)
-        exp.proximal_from_update = any(ages) and one_step
+        exp.proximal_from_update = any(ages) and not proximal
         if len(exp) != len(request.prompts) * request.k:
             raise RuntimeError(f"asynchronous rollout returned {len(exp)} samples for iteration {i}, expected "
                                f"{len(request.prompts) * request.k}")

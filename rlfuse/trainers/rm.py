@@ -131,7 +131,8 @@ def train_rm(cfg: Config, run_dir: Path, log=print, on_trained=None, resume: boo
                                            cfg.run.precision)
                 row.update(evaluated)
                 acc = evaluated["eval/accuracy"]
-                final = evaluated if step == s.steps else None  # the trained model's: not evaluated twice
+                if step == s.steps:  # the trained model's: not evaluated twice
+                    final = evaluated
             tracker.log(step, **row)
             ckpt.save_if_due(step, bad)
             bar.update(loss=loss_sum, acc=acc)

@@ -101,6 +101,24 @@ def test_a_batch_without_proximal_log_probs_is_refused_in_several_steps():
         update(None, None, exp, None, None, rl, 0.0, [[0, 1], [2, 3]], BadSteps())
 
 
+def test_a_stale_batchs_kl_penalty_is_the_trained_policys_whatever_its_update_steps():
+    # the synchronous loop's KL compares the policy as it is now with the reference; a stale batch (Ray async) or one
+    # sampled in other arithmetic (bf16 autocast) is scored with those log-probs whenever a penalty needs them before
+    # the update, one optimiser step or several, so one batch's KL does not depend on the mini-batch size
+    from rlfuse.learn.advantages import compute_advantages
+    from rlfuse.rollout.fusion import scores_proximal
+
+    assert [scores_proximal(True, one_step, kl) for one_step, kl in ((False, 0.0), (True, 0.0), (True, 0.1))] == \
+        [True, False, True]
+    assert not scores_proximal(False, False, 0.1)  # on-policy: the sampler's log-probs are the policy's
+    _, exp, rl = setup()
+    rl = load_config(None, ["rl.algo=rloo", "rl.k=2", "rl.kl_coef=0.1"]).rl
+    exp.proximal_logprobs = exp.ref_logprobs + 0.25 * exp.mask  # the trained policy: 0.25 nats a token off the ref
+    exp.logprobs = exp.ref_logprobs - 0.5 * exp.mask  # the sampler, one update older
+    _, _, kl = compute_advantages(exp, rl, 0.1)
+    torch.testing.assert_close(kl, 0.25 * exp.mask)
+
+
 def test_optimiser_steps_count_epochs_and_mini_batches():
     rl = load_config(None, ["rl.epochs=1", "rl.mini_batch_size=16"]).rl
     assert [rl.optimiser_steps(n) for n in (1, 16, 17, 32)] == [1, 1, 2, 2]
