@@ -120,6 +120,8 @@ def validate(cfg: Config) -> Config:
         raise ConfigError("rm.sft_path", f"folder {cfg.rm.sft_path!r} not found", "point it at an SFT run's sft/model "
                           "folder or a hub id")
     _positive(cfg.rm, "rm", "num_pairs")
+    if cfg.rm.max_length is not None:
+        _positive(cfg.rm, "rm", "max_length")
     _positive(cfg.sft, "sft", "eval_samples", allow_zero=True)
     _validate_rl(cfg)
     _validate_placement(cfg)

@@ -73,9 +73,9 @@ def encode_prompts(tokenizer, texts: list, max_tokens: int) -> tuple[list[list[i
     return out, cut
 
 
-def check_max_length(max_length: int, context: int | None) -> None:
+def check_max_length(max_length: int, context: int | None, field: str = "data.max_length") -> None:
     """SFT and reward model: sequences of data.max_length must fit the model's position embeddings. An error rather
     than a silent clamp, so the config says what was trained."""
     if context is not None and max_length > context:
-        raise ConfigError("data.max_length", f"{max_length} exceeds the model's context of {context} tokens",
-                          f"set data.max_length={context} or less")
+        raise ConfigError(field, f"{max_length} exceeds the model's context of {context} tokens",
+                          f"set {field}={context} or less")

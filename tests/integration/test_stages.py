@@ -79,10 +79,13 @@ def test_sft_then_rm_on_real_imdb_with_lora(tiny_real_model, tmp_path):
     assert json.loads((tmp_path / "rm" / "summary.json").read_text())["accuracy"] >= 0
 
 
-def test_rm_on_real_hh_rlhf(tiny_real_model, tmp_path):
+def test_rm_on_real_hh_rlhf(tiny_real_model, tmp_path, capsys):
     if not HH_JSONL.exists():
         pytest.skip(f"shared data file {HH_JSONL} not present")
     args = ["configs/hh_rlhf.yaml", f"model.name={tiny_real_model}", f"data.path={HH_JSONL}", f"run.dir={tmp_path}",
             "rm.init=base", "model.lora=false", *REAL]
-    assert main(["rm", *args]) == 0
+    assert main(["rm", *args, "rm.max_length=100000"]) == 2  # beyond the model's context: the field and the fix
+    assert "rm.max_length" in capsys.readouterr().err
+    assert main(["rm", *args, "rm.max_length=48"]) == 0  # the RM's own length, shorter than SFT's data.max_length
+    assert "held-out pairs of at most 48 tokens a side" in capsys.readouterr().err
     assert main(["sft", *args]) == 0  # completion-only on the assistant turns

@@ -67,6 +67,7 @@ BAD = [
     (["model.n_head=3"], "model.n_head", "does not divide"),
     (["sft"], "sft", "section.field=value"),
     (["rl.max_prompt_tokens=0"], "rl.max_prompt_tokens", "must be > 0"),
+    (["rm.max_length=0"], "rm.max_length", "must be > 0"),
     (["placement.strategy=seperated"], "placement.strategy", "did you mean separated"),
     (["placement.strategy=interleaved", "placement.workers=1"], "placement.workers", "placement.workers=2 or more"),
     (["placement.strategy=flattened", "placement.workers=0"], "placement.workers", "must be > 0"),
