@@ -115,6 +115,10 @@ SYSTEMS = {
     # without it put its CUDA peak above TRL's (d1, H100: 1.28x)
     "rlfuse-rloo-gc": ("rlfuse", "rloo", {"fusion": "auto", "gc": True}),
     "rlfuse-grpo-gc": ("rlfuse", "grpo", {"fusion": "auto", "gc": True}),
+    # rlfuse with run.cpu_heap=reuse (--rlfuse-reuse): a micro-batch's tensors reuse the heap's pages rather than
+    # faulting fresh ones in, for a higher peak RSS
+    "rlfuse-rloo-reuse": ("rlfuse", "rloo", {"fusion": "auto", "set": ["run.cpu_heap=reuse"]}),
+    "rlfuse-grpo-reuse": ("rlfuse", "grpo", {"fusion": "auto", "set": ["run.cpu_heap=reuse"]}),
 }
 
 
@@ -538,6 +542,7 @@ def run(name: str, model: Path, k: int, prompts: int, max_new: int, warmup: int,
     args += ["--profile"] if profile else []
     args += ["--lr", str(lr)] if lr is not None else []
     args += ["--trl-default-precision"] if TRL_DEFAULT_PRECISION else []
+    args += ["--rlfuse-set", *opts["set"]] if "set" in opts else []  # last: it takes every value after it
     return summarise([run_child("bench.vs_trl", args, timeout=1800)], warmup)
 
 
@@ -621,6 +626,9 @@ def main() -> None:
     ap.add_argument("--rlfuse-gc", action="store_true",
                     help="every workload also runs rlfuse with gradient checkpointing on (rlfuse-<algo>-gc), a row of "
                          "its own beside rlfuse's default; the targets stay judged on the default")
+    ap.add_argument("--rlfuse-reuse", action="store_true",
+                    help="every workload also runs rlfuse with run.cpu_heap=reuse (rlfuse-<algo>-reuse), a row of its "
+                         "own beside rlfuse's default (the lean heap); the targets stay judged on the default")
     ap.add_argument("--write", action="store_true",
                     help="--small: write the sections of docs/benchmarks/vs_trl.md and BENCHMARKS.md's rows anyway")
     ap.add_argument("--trl-default-precision", action="store_true",
@@ -869,7 +877,8 @@ def headline_title(w: str, gpu: str) -> str | None:
 
 def workload_command(a, w: str) -> str:
     return f"python -m bench.vs_trl --workloads {w}" + (" --small" if a.small and not a.smoke else "") + \
-        (" --smoke" if a.smoke else "") + (" --rlfuse-gc" if a.rlfuse_gc else "")
+        (" --smoke" if a.smoke else "") + (" --rlfuse-gc" if a.rlfuse_gc else "") + \
+        (" --rlfuse-reuse" if a.rlfuse_reuse else "")
 
 
 def pair(res: dict) -> tuple[dict, dict]:
@@ -920,7 +929,7 @@ def measure_workload(a, w: str, cases: list[Case]) -> tuple[str, dict]:
         # (b): also rlfuse with token-budget micro-batches (most of its samples are short: 4 completions a
         # micro-batch leaves the update overhead-bound)
         names = case.names + (("rlfuse-rloo-tokens",) if w == "b" else ()) + (
-            (f"rlfuse-{case.algo}-gc",) if a.rlfuse_gc else ())
+            (f"rlfuse-{case.algo}-gc",) if a.rlfuse_gc else ()) + ((f"rlfuse-{case.algo}-reuse",) if a.rlfuse_reuse else ())
         runs = {n: [] for n in names}
         for _ in range(rounds):  # alternate A B A B
             for n in names:
