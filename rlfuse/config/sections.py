@@ -425,9 +425,10 @@ class RolloutConfig:
     only: rotary tables stay fp32). The samples then come from a bf16 copy of the trained fp32 policy (log-probs
     0.034 nats a token apart on SmolLM2), so the update treats the engine's log-probs as the behaviour policy's and
     corrects for it with the decoupled objective (rl.behaviour_weight_cap and _mode; the proximal log-probs are the
-    update's own forward when it is one optimiser step, else one more actor pass in scoring). The KL-shaped reward
-    and the logged KL still take the engine's log-probs against the reference's, so they carry the copy's
-    rounding (smollm2_math_steps: KL 0.07 a sample at the first iteration, whose policy is the reference itself). auto: bf16 where
+    update's own forward when it is one optimiser step and no KL penalty needs them first, else one more actor pass
+    in scoring). The KL penalty takes the trained policy's log-probs, not the engine's (scored before the update
+    whenever rl.kl_coef > 0: rollout/fusion.py scores_proximal), so it does not carry the copy's rounding (0 at the
+    first iteration); with rl.kl_coef 0 the logged KL is the engine's. auto: bf16 where
     the generator is its own copy and the device computes bf16 natively (a GPU with bf16; a CPU with AVX512-BF16 or
     AMX), fp32 otherwise (a CPU without them emulates bf16, 2-7x slower than fp32)."""
     weight_layout: str = "auto"
