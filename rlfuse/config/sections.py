@@ -418,8 +418,10 @@ class RolloutConfig:
     1-row step); a migrated tail moves onto ceil(unfinished / this) workers (at most all but one of the busy ones)."""
     generator_dtype: str = "auto"
     """auto | fp32 | bf16: the weights and compute of the generator's own copy of the policy (model.lora in one
-    process: the merged copy the engine decodes; full fine-tuning decodes the actor itself, a shared base its own
-    base, Ray workers their fp32 copies: those keep their dtype). bf16 halves the bytes each decode step reads, where
+    process: the merged copy the engine decodes; a shared base decodes its own base and Ray workers their fp32
+    copies: those keep their dtype). Full fine-tuning decodes the actor itself under auto and fp32; bf16 gives it a
+    bf16 copy of its own in one process, for half the weights' bytes more (SmolLM2-135M, workload d1 of
+    bench/vs_trl.py on an AVX512-BF16 VM: generation 6.9 s against 18.9, the iteration 0.68x, peak RSS +290 MiB). bf16 halves the bytes each decode step reads, where
     the hardware multiplies bf16 natively: SmolLM2-135M decodes a step 1.83x faster on a CPU with AMX (`python -m
     bench.decode_precision --real`, docs/benchmarks/decode_step.md), and the copy takes half the memory (parameters
     only: rotary tables stay fp32). The samples then come from a bf16 copy of the trained fp32 policy (log-probs
@@ -505,11 +507,13 @@ def fusion_on(cfg: Config) -> bool:
 
 
 def own_generator_copy(cfg: Config) -> bool:
-    """Whether the engine decodes a copy of the policy of its own in this process (model.lora, no shared base,
-    placement.strategy single, or auto before it is planned): the copy rollout.generator_dtype and
-    rollout.weight_layout shape. Full fine-tuning decodes the actor itself, a shared base its own base, and the Ray
-    workers' copies stay fp32 and row-major for now."""
-    return cfg.model.lora and not cfg.model.shares_base and cfg.placement.strategy in ("single", "auto")
+    """Whether the engine decodes a copy of the policy of its own in this process (model.lora, no shared base, or full
+    fine-tuning with rollout.generator_dtype=bf16; placement.strategy single, or auto before it is planned): the copy
+    rollout.generator_dtype and rollout.weight_layout shape. Otherwise full fine-tuning decodes the actor itself, a
+    shared base its own base, and the Ray workers' copies stay fp32 and row-major for now."""
+    one_process = cfg.placement.strategy in ("single", "auto")
+    full_ft_copy = not cfg.model.lora and cfg.rollout.generator_dtype == "bf16"  # asked for: a half-size copy
+    return one_process and (full_ft_copy or (cfg.model.lora and not cfg.model.shares_base))
 
 
 def checkpointing_on(cfg: Config) -> bool:

@@ -270,9 +270,10 @@ def _validate_rl(cfg: Config) -> None:
     _choice(ro.weight_layout, "rollout.weight_layout", ("auto", "row", "column"))
     for name, value, plain in (("generator_dtype", "bf16", "fp32"), ("weight_layout", "column", "row")):
         if getattr(ro, name) == value and not own_generator_copy(cfg):
-            where = ("full fine-tuning decodes the actor itself" if not cfg.model.lora else
+            where = (f"placement.strategy={cfg.placement.strategy} is not single: Ray workers' generators stay {plain}"
+                     if cfg.placement.strategy not in ("single", "auto") else
                      "with model.shared_base the engine decodes the shared base" if cfg.model.shares_base else
-                     f"placement.strategy={cfg.placement.strategy} is not single: Ray workers' generators stay {plain}")
+                     "full fine-tuning decodes the actor itself (rollout.generator_dtype=bf16 gives it a copy of its own)")
             raise ConfigError(f"rollout.{name}", f"{value} needs a generator copy of its own in this process; {where}",
                               f"set rollout.{name}=auto (the default) or {plain}")
     if ro.weight_sync == "adapters" and (not cfg.model.lora or cfg.model.shares_base):

@@ -11,7 +11,7 @@ from pathlib import Path
 import torch
 from torch.utils.checkpoint import checkpoint
 
-from rlfuse.config import Config, checkpointing_on
+from rlfuse.config import Config, checkpointing_on, own_generator_copy
 from rlfuse.errors import ConfigError, UserError, first_line
 from rlfuse.models.device import autocast_to, generator_dtype, rl_compute_dtype
 from rlfuse.models.gguf import local_model
@@ -123,7 +123,8 @@ def build_models(cfg: Config, run_dir: Path, device, weight_layout: str | None =
     if cfg.model.shares_base:
         return build_shared_models(cfg, roles, sft_dir, rm_dir, tokenizer, device)
     actor = load_policy(sft_dir)
-    generator = with_dtype(frozen(load_policy(sft_dir), device), generator_dtype(cfg, device)) if cfg.model.lora else None
+    generator = with_dtype(frozen(load_policy(sft_dir), device), generator_dtype(cfg, device)) \
+        if own_generator_copy(cfg) else None
     if generator is not None and (weight_layout or generator_layout(cfg, device, generator)) == "column":
         column_major(generator)
     ref = None if roles["reference"].shares_with == "actor" else frozen(load_policy(sft_dir), device)

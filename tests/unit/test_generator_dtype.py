@@ -27,21 +27,44 @@ def test_auto_is_bf16_only_for_a_lora_copy_on_native_hardware(tiny_task, monkeyp
     lora = _cfg(tiny_task, "model.lora=true")
     assert generator_dtype(lora, CPU) == (torch.bfloat16 if native else torch.float32)
     assert generator_dtype(_cfg(tiny_task), CPU) == torch.float32  # full fine-tuning decodes the actor itself
+    assert generator_dtype(_cfg(tiny_task, "rollout.generator_dtype=bf16"), CPU) == torch.bfloat16  # unless asked
     ray = _cfg(tiny_task, "model.lora=true", "placement.strategy=flattened", "placement.workers=1")
     assert generator_dtype(ray, CPU) == torch.float32  # Ray workers' generators stay fp32
     assert generator_dtype(_cfg(tiny_task, "model.lora=true", "rollout.generator_dtype=fp32"), CPU) == torch.float32
     assert generator_dtype(_cfg(tiny_task, "model.lora=true", "rollout.generator_dtype=bf16"), CPU) == torch.bfloat16
 
 
-@pytest.mark.parametrize("more,why", [([], "full fine-tuning decodes the actor itself"),
+@pytest.mark.parametrize("more,why", [(["rollout.weight_layout=column"], "full fine-tuning decodes the actor itself"),
                                       (["model.lora=true", "placement.strategy=flattened", "placement.workers=1"],
                                        "is not single"),
+                                      (["placement.strategy=flattened", "placement.workers=1"], "is not single"),
                                       (["rollout.generator_dtype=fp16"], "is not one of auto, fp32, bf16")])
 def test_bf16_where_there_is_no_copy_of_its_own_is_a_config_error(tiny_task, more, why):
-    dtype = [] if any("generator_dtype" in m for m in more) else ["rollout.generator_dtype=bf16"]
-    with pytest.raises(ConfigError, match="rollout.generator_dtype") as e:
+    dtype = [] if any(m.startswith("rollout.") for m in more) else ["rollout.generator_dtype=bf16"]
+    field = more[0].split("=")[0] if dtype == [] else "rollout.generator_dtype"
+    with pytest.raises(ConfigError, match=field) as e:
         _cfg(tiny_task, *dtype, *more)
     assert why in str(e.value)
+
+
+def test_full_fine_tuning_asked_for_bf16_decodes_a_copy_it_syncs(tiny_task, tmp_path):
+    """rollout.generator_dtype=bf16 with full fine-tuning: the engine decodes a bf16 copy of its own (half the bytes a
+    decode step reads, for half the weights' memory more), which every sync overwrites with the actor's weights."""
+    from rlfuse.runtime.local import LocalRollout, behaviour_differs, decode_engine, local_scorer
+    from rlfuse.rollout.fusion import FusionPolicy
+
+    cfg = _cfg(tiny_task, "rollout.generator_dtype=bf16")
+    models = build_models(cfg, tmp_path, CPU)
+    engine = decode_engine(models, cfg.rollout.max_rows)
+    assert not engine.shares_weights and engine.dtype == torch.bfloat16 and behaviour_differs(engine, models.actor)
+    with torch.no_grad():  # an update moved the actor: the copy must follow
+        for p in models.actor.parameters():
+            p.add_(0.01)
+    rollout = LocalRollout(engine, local_scorer(models, cfg), FusionPolicy(False, 8, 0), cfg.rl)
+    assert rollout.sync_weights(models)["sync/bytes"] > 0
+    copy = dict(models.generator.named_parameters())
+    for n, p in models.actor.named_parameters():
+        torch.testing.assert_close(copy[n], p.detach().to(torch.bfloat16), atol=0, rtol=0)
 
 
 def _rollout(tiny_task, tmp_path, mini_batch: int, dtype: str = "bf16", *more: str):
@@ -124,10 +147,11 @@ def test_a_multi_step_update_scores_the_proximal_log_probs(tiny_task, tmp_path):
     assert 0 < float(gap.max()) < 0.5  # bf16 rounding: close, not equal
 
 
-def test_a_run_with_a_bf16_generator_corrects_for_its_samples(tiny_task, tmp_path):
+@pytest.mark.parametrize("lora", [True, False])
+def test_a_run_with_a_bf16_generator_corrects_for_its_samples(tiny_task, tmp_path, lora):
     from rlfuse.cli import main
 
-    assert main(["rl", f"rl.sft_path={tiny_task.model_dir}", *GRPO, "model.lora=true", "rollout.generator_dtype=bf16",
+    assert main(["rl", f"rl.sft_path={tiny_task.model_dir}", *GRPO, f"model.lora={str(lora).lower()}", "rollout.generator_dtype=bf16",
                  f"run.dir={tmp_path}", *TINY, "rl.iterations=2", "rl.prompts_per_iter=4", "rl.mini_batch_size=8", "rl.micro_batch_size=4", "rl.epochs=1", "rl.max_new_tokens=8",
                  "rl.eval_prompts=0"]) == 0
     rows = [json.loads(l) for l in (tmp_path / "rl" / "metrics.jsonl").read_text().splitlines()]
