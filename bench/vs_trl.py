@@ -928,8 +928,9 @@ def measure_workload(a, w: str, cases: list[Case]) -> tuple[str, dict]:
     for case in cases:
         # (b): also rlfuse with token-budget micro-batches (most of its samples are short: 4 completions a
         # micro-batch leaves the update overhead-bound)
-        names = case.names + (("rlfuse-rloo-tokens",) if w == "b" else ()) + (
-            (f"rlfuse-{case.algo}-gc",) if a.rlfuse_gc else ()) + ((f"rlfuse-{case.algo}-reuse",) if a.rlfuse_reuse else ())
+        names = case.names + (("rlfuse-rloo-tokens",) if w == "b" else ()) + \
+            ((f"rlfuse-{case.algo}-gc",) if a.rlfuse_gc else ()) + \
+            ((f"rlfuse-{case.algo}-reuse",) if a.rlfuse_reuse else ())
         runs = {n: [] for n in names}
         for _ in range(rounds):  # alternate A B A B
             for n in names:

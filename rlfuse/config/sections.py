@@ -421,8 +421,9 @@ class RolloutConfig:
     process: the merged copy the engine decodes; a shared base decodes its own base and Ray workers their fp32
     copies: those keep their dtype). Full fine-tuning decodes the actor itself under auto and fp32; bf16 gives it a
     bf16 copy of its own in one process, for half the weights' bytes more (SmolLM2-135M, workload d1 of
-    bench/vs_trl.py on an AVX512-BF16 VM: generation 6.9 s against 18.9, the iteration 0.68x, peak RSS +290 MiB). bf16 halves the bytes each decode step reads, where
-    the hardware multiplies bf16 natively: SmolLM2-135M decodes a step 1.83x faster on a CPU with AMX (`python -m
+    bench/vs_trl.py on an AVX512-BF16 VM: generation 6.9 s against 18.9, the iteration 0.68x, peak RSS +290 MiB,
+    docs/benchmarks/vs_trl.md). bf16 halves the bytes each decode step reads, where the hardware multiplies bf16
+    natively: SmolLM2-135M decodes a step 1.83x faster on a CPU with AMX (`python -m
     bench.decode_precision --real`, docs/benchmarks/decode_step.md), and the copy takes half the memory (parameters
     only: rotary tables stay fp32). The samples then come from a bf16 copy of the trained fp32 policy (log-probs
     0.034 nats a token apart on SmolLM2), so the update treats the engine's log-probs as the behaviour policy's and

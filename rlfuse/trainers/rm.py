@@ -90,9 +90,8 @@ def train_rm(cfg: Config, run_dir: Path, log=print, on_trained=None, resume: boo
     set_chat_template(tokenizer, cfg.data.chat_template)  # conversational pairs are rendered with it
     model = place(load_reward_model(name, cfg.model, pad_token_id=tokenizer.pad_token_id, precision=cfg.run.precision,
                                     device=device), device)
-    L, field = (cfg.data.max_length, "data.max_length") if cfg.rm.max_length is None else (cfg.rm.max_length,
-                                                                                              "rm.max_length")
-    check_max_length(L, model_context(model.config), field)
+    L = cfg.rm.max_length or cfg.data.max_length
+    check_max_length(L, model_context(model.config), "rm.max_length" if cfg.rm.max_length else "data.max_length")
     model.train()
     if cfg.model.lean_activations:
         enable_lean_activations(model)
@@ -102,7 +101,8 @@ def train_rm(cfg: Config, run_dir: Path, log=print, on_trained=None, resume: boo
     s = cfg.rm
     opt, sched = build_optimizer(model, s.lr, s.weight_decay, s.warmup_steps, s.steps)
     out = run_dir / "rm"
-    log(f"[rm] {len(train_items)} train / {len(eval_items)} held-out pairs of at most {L} tokens a side, backbone {name}")
+    log(f"[rm] {len(train_items)} train / {len(eval_items)} held-out pairs of at most {L} tokens a side, "
+        f"backbone {name}")
     ckpt = StageCheckpoint(out, s.ckpt_every, s.steps, model, opt, sched, start_from=name, started=t0)
     start, bad = ckpt.restore("rm", log) if resume else (0, BadSteps())  # bad: steps skipped for a NaN/inf
     if resume and on_resumed is not None:

@@ -81,6 +81,19 @@ def test_async_run_trains_partial_rollouts_whole_with_importance_weights(async_r
     assert (run_dir / "rl" / "checkpoint.pt.inflight").exists()
 
 
+def test_a_one_step_stale_batch_with_a_kl_penalty_is_scored_with_the_proximal_log_probs(tiny_task, ray_session,
+                                                                                         tmp_path):
+    # RLOO puts the KL into the sequence reward before the update: a stale batch trained in one optimiser step (8
+    # samples, mini-batch 8) still gets the trained policy's log-probs from the scoring pass, as a multi-step one and
+    # the synchronous loop's bf16 batches do (rollout/fusion.py scores_proximal), not the sampler's
+    run_dir = tmp_path / "one-step"
+    assert main(rl_cmd(tiny_task, run_dir, "rl.algo=rloo", "rl.kl_coef=0.05", "rl.mini_batch_size=8",
+                       "rl.iterations=2")[3:]) == 0
+    rows = rows_of(run_dir)
+    assert "time/proximal_logprobs" not in rows[0]  # the first batch is on-policy
+    assert rows[1]["async/staleness_mean"] > 0 and rows[1]["time/proximal_logprobs"] > 0
+
+
 def test_the_first_async_iteration_is_the_synchronous_single_processs(tiny_task, async_run, tmp_path):
     # the first batch is drawn by the initial weights and trained by them (not stale, decoded whole): the same
     # samples, rewards and on-policy update as one process running the synchronous loop
