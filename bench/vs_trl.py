@@ -119,6 +119,10 @@ SYSTEMS = {
     # faulting fresh ones in, for a higher peak RSS
     "rlfuse-rloo-reuse": ("rlfuse", "rloo", {"fusion": "auto", "set": ["run.cpu_heap=reuse"]}),
     "rlfuse-grpo-reuse": ("rlfuse", "grpo", {"fusion": "auto", "set": ["run.cpu_heap=reuse"]}),
+    # rlfuse's full fine-tuning decoding its fp32 actor itself (--rlfuse-fp32-decode), as auto did before it took a
+    # bf16 copy per rollout where the hardware multiplies bf16 natively and the update computes in bf16
+    "rlfuse-rloo-fp32-decode": ("rlfuse", "rloo", {"fusion": "auto", "set": ["rollout.generator_dtype=fp32"]}),
+    "rlfuse-grpo-fp32-decode": ("rlfuse", "grpo", {"fusion": "auto", "set": ["rollout.generator_dtype=fp32"]}),
 }
 
 
@@ -629,6 +633,9 @@ def main() -> None:
     ap.add_argument("--rlfuse-reuse", action="store_true",
                     help="every workload also runs rlfuse with run.cpu_heap=reuse (rlfuse-<algo>-reuse), a row of its "
                          "own beside rlfuse's default (the lean heap); the targets stay judged on the default")
+    ap.add_argument("--rlfuse-fp32-decode", action="store_true",
+                    help="every workload also runs rlfuse with rollout.generator_dtype=fp32 (rlfuse-<algo>-fp32-decode: "
+                         "full fine-tuning decodes its fp32 actor), a row of its own beside rlfuse's default")
     ap.add_argument("--write", action="store_true",
                     help="--small: write the sections of docs/benchmarks/vs_trl.md and BENCHMARKS.md's rows anyway")
     ap.add_argument("--trl-default-precision", action="store_true",
@@ -878,7 +885,7 @@ def headline_title(w: str, gpu: str) -> str | None:
 def workload_command(a, w: str) -> str:
     return f"python -m bench.vs_trl --workloads {w}" + (" --small" if a.small and not a.smoke else "") + \
         (" --smoke" if a.smoke else "") + (" --rlfuse-gc" if a.rlfuse_gc else "") + \
-        (" --rlfuse-reuse" if a.rlfuse_reuse else "")
+        (" --rlfuse-reuse" if a.rlfuse_reuse else "") + (" --rlfuse-fp32-decode" if a.rlfuse_fp32_decode else "")
 
 
 def pair(res: dict) -> tuple[dict, dict]:
@@ -930,7 +937,8 @@ def measure_workload(a, w: str, cases: list[Case]) -> tuple[str, dict]:
         # micro-batch leaves the update overhead-bound)
         names = case.names + (("rlfuse-rloo-tokens",) if w == "b" else ()) + \
             ((f"rlfuse-{case.algo}-gc",) if a.rlfuse_gc else ()) + \
-            ((f"rlfuse-{case.algo}-reuse",) if a.rlfuse_reuse else ())
+            ((f"rlfuse-{case.algo}-reuse",) if a.rlfuse_reuse else ()) + \
+            ((f"rlfuse-{case.algo}-fp32-decode",) if a.rlfuse_fp32_decode else ())
         runs = {n: [] for n in names}
         for _ in range(rounds):  # alternate A B A B
             for n in names:

@@ -54,3 +54,10 @@ def zero_spread_fraction(rewards: Tensor, k: int) -> Tensor:
     nothing (TRL's frac_reward_zero_std). rewards: (n_prompts * k,), grouped by prompt; returns a scalar."""
     r = rewards.view(-1, k)
     return (r.max(1).values == r.min(1).values).float().mean()
+
+
+def in_spread_groups(rewards: Tensor, k: int) -> Tensor:
+    """(n_prompts * k,) bool: the samples of the prompts whose k rewards are not all equal (rloo and grpo give the
+    others an advantage of 0: rl.skip_zero_advantage keeps these). rewards grouped by prompt, as zero_spread_fraction."""
+    r = rewards.view(-1, k)
+    return (r.max(1).values != r.min(1).values).repeat_interleave(k)

@@ -345,6 +345,13 @@ class RLConfig:
     many of its samples (per generation worker) have finished; its unfinished samples continue under them
     (re-prefilled), each recording from which token the new weights sampled it, and the generator waits for those
     weights if they are late (fresher samples, less overlap). 0: a batch is decoded whole by one policy version."""
+    skip_zero_advantage: bool = False
+    """rloo, grpo: leave out of the update the samples whose advantage is 0 at every token (a prompt whose k samples
+    all scored the same, with no KL penalty in the reward), as DAPO's dynamic sampling discards such groups, without
+    resampling. Their policy-gradient term is 0 anyway; what they would add is their part of a KL penalty in the loss
+    (grpo's). The update's time shrinks with them (configs/smollm2_math.yaml: 60-80% of the groups early on). The
+    loss keeps its mean over the whole mini-batch's tokens, so a sample's gradient weight does not grow when others
+    are left out. train/trained_fraction logs the share kept. One process only for now (placement.strategy=single)."""
     behaviour_weight_cap: float = 5.0
     """rl.max_staleness >= 1: the bound on the behaviour importance weight pi_prox / pi_behav of a token."""
     behaviour_weight_mode: str = "truncate"
@@ -417,23 +424,24 @@ class RolloutConfig:
     """Several generation workers: rows one worker decodes at about full speed (a step costs little more than a
     1-row step); a migrated tail moves onto ceil(unfinished / this) workers (at most all but one of the busy ones)."""
     generator_dtype: str = "auto"
-    """auto | fp32 | bf16: the weights and compute of the generator's own copy of the policy (model.lora in one
-    process: the merged copy the engine decodes; a shared base decodes its own base and Ray workers their fp32
-    copies: those keep their dtype). Full fine-tuning decodes the actor itself under auto and fp32; bf16 gives it a
-    bf16 copy of its own in one process, for half the weights' bytes more (SmolLM2-135M, workload d1 of
-    bench/vs_trl.py on an AVX512-BF16 VM: generation 6.9 s against 18.9, the iteration 0.68x, peak RSS +290 MiB,
-    docs/benchmarks/vs_trl.md). bf16 halves the bytes each decode step reads, where the hardware multiplies bf16
-    natively: SmolLM2-135M decodes a step 1.83x faster on a CPU with AMX (`python -m
-    bench.decode_precision --real`, docs/benchmarks/decode_step.md), and the copy takes half the memory (parameters
-    only: rotary tables stay fp32). The samples then come from a bf16 copy of the trained fp32 policy (log-probs
-    0.034 nats a token apart on SmolLM2), so the update treats the engine's log-probs as the behaviour policy's and
-    corrects for it with the decoupled objective (rl.behaviour_weight_cap and _mode; the proximal log-probs are the
-    update's own forward when it is one optimiser step and no KL penalty needs them first, else one more actor pass
-    in scoring). The KL penalty takes the trained policy's log-probs, not the engine's (scored before the update
-    whenever rl.kl_coef > 0: rollout/fusion.py scores_proximal), so it does not carry the copy's rounding (0 at the
-    first iteration); with rl.kl_coef 0 the logged KL is the engine's. auto: bf16 where
-    the generator is its own copy and the device computes bf16 natively (a GPU with bf16; a CPU with AVX512-BF16 or
-    AMX), fp32 otherwise (a CPU without them emulates bf16, 2-7x slower than fp32)."""
+    """auto | fp32 | bf16: the weights and compute of the generator's own copy of the policy in one process
+    (model.lora: the merged copy the engine decodes; a shared base decodes its own base and Ray workers their fp32
+    copies: those keep their dtype). Full fine-tuning decodes the fp32 actor itself under fp32; under bf16 it decodes
+    a bf16 copy made at each weight sync and freed when the rollout ends, so the update's peak does not hold it
+    (half the weights' bytes, during generation only). bf16 halves the bytes each decode step reads, where the
+    hardware multiplies bf16 natively: SmolLM2-135M decodes a step 1.83x faster on a CPU with AMX (`python -m
+    bench.decode_precision --real`, docs/benchmarks/decode_step.md); workload d1 of bench/vs_trl.py (full
+    fine-tuning) on an AVX512-BF16 VM generated in 6.9 s against the fp32 actor's 18.9 (docs/benchmarks/vs_trl.md).
+    The copy's parameters only: rotary tables stay fp32. The samples then come from a bf16 copy of the trained fp32
+    policy (log-probs 0.034 nats a token apart on SmolLM2), so the update treats the engine's log-probs as the
+    behaviour policy's and corrects for it with the decoupled objective (rl.behaviour_weight_cap and _mode; the
+    proximal log-probs are the update's own forward when it is one optimiser step and no KL penalty needs them first,
+    else one more actor pass in scoring). The KL penalty takes the trained policy's log-probs, not the engine's
+    (scored before the update whenever rl.kl_coef > 0: rollout/fusion.py scores_proximal), so it does not carry the
+    copy's rounding (0 at the first iteration); with rl.kl_coef 0 the logged KL is the engine's. auto: bf16 where
+    the device computes bf16 natively (a GPU with bf16; a CPU with AVX512-BF16 or AMX) and, in full fine-tuning, the
+    update computes in bf16 too (run.precision resolving to bf16 autocast, in one process); fp32 otherwise (a CPU
+    without them emulates bf16, 2-7x slower than fp32). models/device.py generator_copy_dtype resolves it."""
     weight_layout: str = "auto"
     """auto | row | column: how the generator's own copy of the policy (the same copies as generator_dtype) stores
     its weight matrices. A decode step multiplies the live rows by every matrix, and some CPUs' BLAS reads an (out,
@@ -510,7 +518,8 @@ def fusion_on(cfg: Config) -> bool:
 def own_generator_copy(cfg: Config) -> bool:
     """Whether the engine decodes a copy of the policy of its own in this process (model.lora, no shared base, or full
     fine-tuning with rollout.generator_dtype=bf16; placement.strategy single, or auto before it is planned): the copy
-    rollout.generator_dtype and rollout.weight_layout shape. Otherwise full fine-tuning decodes the actor itself, a
+    rollout.generator_dtype and rollout.weight_layout shape. (Full fine-tuning under auto gets one too where the
+    device and run.precision call for bf16: models/device.py generator_copy_dtype.) Otherwise full fine-tuning decodes the actor itself, a
     shared base its own base, and the Ray workers' copies stay fp32 and row-major for now."""
     one_process = cfg.placement.strategy in ("single", "auto")
     full_ft_copy = not cfg.model.lora and cfg.rollout.generator_dtype == "bf16"  # asked for: a half-size copy

@@ -236,6 +236,16 @@ def _validate_rl(cfg: Config) -> None:
     if algo.groups_prompts and rl.mini_batch_size % rl.k:
         raise ConfigError("rl.mini_batch_size", f"must be a multiple of rl.k={rl.k} so a prompt's samples stay together",
                           f"set it to a multiple of {rl.k}")
+    if rl.skip_zero_advantage and algo.advantage not in ("rloo", "grpo"):
+        raise ConfigError("rl.skip_zero_advantage", f"{rl.algo}'s advantages (GAE on a critic's values) are not 0 "
+                          f"for a group of equal rewards", "use it with rl.algo=grpo or rloo, or set it false")
+    if rl.skip_zero_advantage and cfg.placement.strategy not in ("single", "auto"):
+        raise ConfigError("rl.skip_zero_advantage", f"runs in one process for now (placement.strategy="
+                          f"{cfg.placement.strategy}: its data-parallel update is not yet tested against it)",
+                          "set placement.strategy=single or the option false")
+    if rl.skip_zero_advantage and rl.train_parallel.startswith("pipeline"):
+        raise ConfigError("rl.skip_zero_advantage", f"the pipeline schedule (rl.train_parallel={rl.train_parallel}) "
+                          f"runs a fixed number of micro-batches", "set rl.train_parallel=data or the option false")
     specs = [] if rl.reward == "rm" else [x.strip() for x in rl.reward.split(",")]
     bad = [x for x in specs if x.count(":") != 1 or not all(x.split(":"))]
     if bad:

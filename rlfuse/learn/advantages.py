@@ -27,7 +27,12 @@ def compute_advantages(exp: Experience, rl: RLConfig, kl_coef: float):
         adv, returns = gae_advantages(rewards, exp.values, exp.mask, rl.gamma, rl.lam)
         mask = exp.mask
     else:  # the KL in the sequence reward (rloo) or in the loss (grpo: learn/losses.py micro_policy_loss)
-        seq_reward = exp.scores - (kl_coef * kl.sum(1) if algo.kl_in == "sequence_reward" else 0.0)
-        adv, returns = ADVANTAGE_FNS[algo.advantage](seq_reward, rl.k), None
+        adv, returns = ADVANTAGE_FNS[algo.advantage](sequence_rewards(exp, rl, kl, kl_coef), rl.k), None
         mask = torch.ones_like(adv)
     return (whiten(adv, mask) if rl.whiten_advantages else adv), returns, kl
+
+
+def sequence_rewards(exp: Experience, rl: RLConfig, kl, kl_coef: float):
+    """rloo, grpo: each sample's reward, less its summed KL where the algorithm puts the KL in the sequence reward
+    (rloo; grpo's is in the loss). kl: compute_advantages' per-token KL (N, T)."""
+    return exp.scores - (kl_coef * kl.sum(1) if ALGORITHMS[rl.algo].kl_in == "sequence_reward" else 0.0)

@@ -9,9 +9,11 @@ from typing import Iterator
 import numpy as np
 import torch
 
+from rlfuse.algos.stats import in_spread_groups
 from rlfuse.config import RLConfig
 from rlfuse.config.algorithms import ALGORITHMS
 from rlfuse.data.collate import pack_by_tokens, prompt_runs
+from rlfuse.learn.advantages import sequence_rewards
 from rlfuse.models.forward import forward_tokens, worth_sharing
 from rlfuse.models.prefix import prompt_tokens_saved
 from rlfuse.plan.spec import dp_micro_size
@@ -58,7 +60,11 @@ def micro_batch_indices(exp: Experience, mini: list[int], size: int, world: int 
     budget (`tokens`, rl.micro_batch_tokens) packed by collate.pack_by_tokens, a prompt's samples kept together,
     similar lengths together, each micro-batch's forward (models/forward.py forward_tokens; prompts once when
     `shared`) within the budget. A mini-batch too small to give each of `world` ranks a micro-batch is cut into
-    `world` smaller ones (plan/spec.py dp_micro_size), so no rank only pads."""
+    `world` smaller ones (plan/spec.py dp_micro_size), so no rank only pads. Only the samples the update trains on
+    (trained_only) are cut; a mini-batch without any has no micro-batch."""
+    mini = trained_only(exp, mini)
+    if not mini:
+        return []
     units = prompt_runs(mini, exp.prompt_index.tolist())
     if tokens is not None:
         prompts, responses = exp.prompt_ids, exp.response_ids
@@ -72,6 +78,26 @@ def micro_batch_indices(exp: Experience, mini: list[int], size: int, world: int 
     # and the others would wait for it at each collective
     order = by_length_within_prompts(units, exp.response_ids) if world == 1 else mini
     return [order[s: s + size] for s in range(0, len(order), size)]
+
+
+def trained_only(exp: Experience, mini: list[int]) -> list[int]:
+    """The mini-batch's samples the update runs on (Experience.trained; all of them when it is None)."""
+    if exp.trained is None:
+        return mini
+    keep = exp.trained.tolist()
+    return [i for i in mini if keep[i]]
+
+
+def update_batches(exp: Experience, rl: RLConfig, kl: torch.Tensor, kl_coef: float,
+                   batches: list[list[int]]) -> list[list[int]]:
+    """The mini-batches the update walks: `batches`; with rl.skip_zero_advantage the samples of prompts whose k
+    sequence rewards are all equal (advantage 0 before whitening, which shifts it by nothing and scales it alike)
+    are marked left out (Experience.trained), and a mini-batch left without samples takes no step. kl, kl_coef:
+    compute_advantages' per-token KL and the coefficient it used (rloo's sequence reward subtracts it)."""
+    if not rl.skip_zero_advantage:
+        return batches
+    exp.trained = in_spread_groups(sequence_rewards(exp, rl, kl, kl_coef), rl.k)
+    return [mini for mini in batches if trained_only(exp, mini)]
 
 
 def by_length_within_prompts(units: list[list[int]], responses: list[list[int]]) -> list[int]:
@@ -96,7 +122,9 @@ def micro_batches(exp: Experience, mini: list[int], size: int, rank: int = 0, wo
     ("token") or samples ("sequence"), so that micro-batch means scaled by it sum to the mini-batch mean
     (accumulation = one big batch). Data parallel (world > 1): rank r gets micro-batches r, r + world, ... of the same
     list (the single process's micro-batches, so the per-micro-batch stats agree too), shares still of the whole
-    mini-batch, so the ranks' share-scaled gradients sum to the single-process one."""
+    mini-batch, so the ranks' share-scaled gradients sum to the single-process one. Samples left out of the update
+    (Experience.trained) still count in the mini-batch's total: the gradient is the whole mini-batch's without
+    their terms (with rl.skip_zero_advantage, the KL penalty's alone), not a mean over fewer samples."""
     lengths = exp.mask.sum(1).tolist()  # one host read per mini-batch (exp lives on the host anyway)
     total = sum(lengths[i] for i in mini)
     for idx in micro_batch_indices(exp, mini, size, world, tokens, shared)[rank::world]:

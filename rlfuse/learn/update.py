@@ -212,7 +212,7 @@ def update(models: Models, learners: Learners, exp: Experience, adv, returns, rl
            batches: list[list[int]], bad: BadSteps, temperature: float | None = None, group=None) -> dict:
     """Actor then critic over the same experience (sampled at `temperature`); returns their stats and times. group:
     see optimise."""
-    if exp.proximal_from_update and len(batches) != 1:  # the proximal policy would move after the first step
+    if exp.proximal_from_update and len(batches) > 1:  # the proximal policy would move after the first step
         raise RuntimeError(f"a batch scored without proximal log-probs is trained in {len(batches)} optimiser steps")
     pad, t0 = models.tokenizer.pad_token_id, time.perf_counter()
     release_mapped(models.ref)  # rl.release_reference: the update's peak without the reference's pages

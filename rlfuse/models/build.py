@@ -11,9 +11,9 @@ from pathlib import Path
 import torch
 from torch.utils.checkpoint import checkpoint
 
-from rlfuse.config import Config, checkpointing_on, own_generator_copy
+from rlfuse.config import Config, checkpointing_on
 from rlfuse.errors import ConfigError, UserError, first_line
-from rlfuse.models.device import autocast_to, generator_dtype, rl_compute_dtype
+from rlfuse.models.device import autocast_to, generator_copy_dtype, rl_compute_dtype
 from rlfuse.models.gguf import local_model
 from rlfuse.models.heads import ValueModel
 from rlfuse.models.layout import column_major, generator_layout
@@ -37,9 +37,10 @@ class Models:
     tokenizer: object
     actor: torch.nn.Module
     generator: torch.nn.Module | None
-    """With LoRA: the engine's own plain causal LM, the actor's merged weights copied in through
-    DecodeEngine.load_weights (decoding merged weights is faster than through the adapters). None in full fine-tuning
-    (the engine decodes the actor itself) and with model.shared_base (it decodes the shared base): no copy exists."""
+    """The engine's own plain causal LM in generator_copy_dtype, the actor's weights copied in through
+    DecodeEngine.load_weights: with LoRA the merged weights (decoding them is faster than through the adapters); in
+    full fine-tuning a bf16 copy, whose storage lives only from a sync to the end of the rollout. None where the
+    engine decodes the actor itself (full fine-tuning in fp32) or the shared base (model.shared_base)."""
     ref: torch.nn.Module | None
     """None: the actor with its LoRA adapters disabled."""
     critic: ValueModel | None
@@ -53,6 +54,9 @@ class Models:
     compute_dtype: torch.dtype | None = None
     """The dtype the update's forwards and the scoring passes autocast to (run.precision: models/device.py
     rl_compute_dtype); None: fp32. The weights, gradients and optimiser states stay fp32 either way."""
+    generator_transient: bool = False
+    """The generator copy is needed only from a sync to the end of the rollout (full fine-tuning's bf16 copy): the
+    engine frees it in between (DecodeEngine transient_weights), so the update's peak does not hold it."""
 
     def autocast(self):
         """The update's and scoring's mixed-precision context (compute_dtype), a null one in fp32."""
@@ -123,8 +127,8 @@ def build_models(cfg: Config, run_dir: Path, device, weight_layout: str | None =
     if cfg.model.shares_base:
         return build_shared_models(cfg, roles, sft_dir, rm_dir, tokenizer, device)
     actor = load_policy(sft_dir)
-    generator = with_dtype(frozen(load_policy(sft_dir), device), generator_dtype(cfg, device)) \
-        if own_generator_copy(cfg) else None
+    copy_dtype = generator_copy_dtype(cfg, device)
+    generator = with_dtype(frozen(load_policy(sft_dir), device), copy_dtype) if copy_dtype is not None else None
     if generator is not None and (weight_layout or generator_layout(cfg, device, generator)) == "column":
         column_major(generator)
     ref = None if roles["reference"].shares_with == "actor" else frozen(load_policy(sft_dir), device)
@@ -141,7 +145,7 @@ def build_models(cfg: Config, run_dir: Path, device, weight_layout: str | None =
                            cfg.model.lean_activations)
               if "critic" in roles else None)
     return Models(tokenizer, actor, generator, ref, critic, reward_fn, roles, sft_dir,
-                  compute_dtype=rl_compute_dtype(cfg, device))
+                  compute_dtype=rl_compute_dtype(cfg, device), generator_transient=not cfg.model.lora)
 
 
 def build_shared_models(cfg: Config, roles: Roles, sft_dir: str, rm_dir: str | None, tokenizer, device) -> Models:

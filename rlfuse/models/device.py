@@ -90,12 +90,30 @@ def rl_compute_dtype(cfg: Config, device: torch.device) -> torch.dtype | None:
 
 
 def generator_dtype(cfg: Config, device: torch.device) -> torch.dtype:
-    """The dtype of the generator's own copy of the policy (rollout.generator_dtype, auto resolved on this device):
-    bf16 only for a copy of its own in this process (model.lora without a shared base, placement.strategy=single)."""
-    choice = cfg.rollout.generator_dtype
-    if choice == "auto":
-        choice = "bf16" if own_generator_copy(cfg) and native_bf16(torch.device(device)) else "fp32"
-    return torch.bfloat16 if choice == "bf16" else torch.float32
+    """The dtype the rollout engine of this process decodes in: its own copy's (generator_copy_dtype), or fp32 where
+    it decodes the actor itself, a shared base, or on Ray workers."""
+    return generator_copy_dtype(cfg, device) or torch.float32
+
+
+def generator_copy_dtype(cfg: Config, device: torch.device) -> torch.dtype | None:
+    """The dtype of the generator's own copy of the policy in this process (rollout.generator_dtype, auto resolved on
+    this device), or None where the engine has no copy (full fine-tuning decoding the actor itself; a shared base;
+    placement on Ray). model.lora: a merged copy, bf16 under auto where the device multiplies bf16 natively. Full
+    fine-tuning: a bf16 copy made at each weight sync and freed when the rollout ends (DecodeEngine's
+    transient_weights), under auto where the device multiplies bf16 natively and the update computes in bf16 anyway
+    (run.precision: rl_compute_dtype), so that the samples' arithmetic is the update's own; fp32 asks for none."""
+    device, choice = torch.device(device), cfg.rollout.generator_dtype
+    if cfg.model.lora:
+        if not own_generator_copy(cfg):
+            return None
+        if choice == "auto":
+            choice = "bf16" if native_bf16(device) else "fp32"
+        return torch.bfloat16 if choice == "bf16" else torch.float32
+    if cfg.model.shares_base or cfg.placement.strategy not in ("single", "auto") or choice == "fp32":
+        return None
+    if choice == "auto" and not (native_bf16(device) and rl_compute_dtype(cfg, device) == torch.bfloat16):
+        return None
+    return torch.bfloat16
 
 
 def dtype_name(dtype: torch.dtype) -> str:

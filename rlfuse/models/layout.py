@@ -18,7 +18,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from rlfuse.config import Config, own_generator_copy
+from rlfuse.config import Config
 from rlfuse.models.lean import is_swiglu_mlp, runs_stock, single_lora_adapter
 
 PROBE_BYTES = 96 * 2**20
@@ -196,13 +196,13 @@ def mlp_shape(model: torch.nn.Module) -> tuple[int, int]:
 
 def generator_layout(cfg: Config, device, generator: torch.nn.Module) -> str:
     """rollout.weight_layout resolved for this generator copy: "row" or "column". auto measures (faster_layout) on a
-    CPU, for a copy of its own (own_generator_copy) whose weights outgrow a cache (PROBE_BYTES), at the rows the
+    CPU, for a copy whose weights outgrow a cache (PROBE_BYTES), at the rows the
     engine starts an iteration with (rl.prompts_per_iter x rl.k, at most rollout.max_rows) and as they halve."""
     choice = cfg.rollout.weight_layout
     if choice != "auto":
         return choice
     weights = sum(p.numel() * p.element_size() for p in generator.parameters())
-    if torch.device(device).type != "cpu" or not own_generator_copy(cfg) or weights < PROBE_BYTES:
+    if torch.device(device).type != "cpu" or weights < PROBE_BYTES:
         return "row"
     batch = min(cfg.rl.prompts_per_iter * cfg.rl.k, cfg.rollout.max_rows)
     dtype = next(generator.parameters()).dtype

@@ -13,6 +13,8 @@ Over any transformers causal LM with a KV cache (our own loop; see docs/benchmar
   data (rollout/state.py) and ends it; resume(state) on any engine with the same weights continues them to the same
   samples. Weights arrive by an explicit copy, load_weights (rollout/weights.py), unless the engine decodes the
   trainer's own model (decode_context given: a shared base, see runtime/local.py decode_engine), which needs none.
+  An engine whose copy lives only from one load to the end of its rollout (release_weights: full fine-tuning's bf16
+  copy, rollout.generator_dtype) frees the copy's storage until the next load_weights allocates it again.
 The log-probs recorded are those of the sampled tokens under softmax(logits / temperature), the distribution the
 RL losses optimise; they equal a full forward pass over the finished sequence (tested to 1e-4 in fp32).
 """
@@ -21,6 +23,7 @@ from __future__ import annotations
 
 import contextlib
 from collections import defaultdict, deque
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Iterator
 
@@ -137,12 +140,19 @@ class DecodeEngine:
     """decode_context: None for the engine's own model (put in eval mode for the whole generate() call); or a
     function giving the context every forward of `model` runs in, when the model is also trained and scored between
     the iterator's yields (a shared base: the actor's adapter active, eval mode for that forward only, see
-    models/shared.py actor_decoding). Such an engine shares the trainer's weights: there is nothing to load."""
+    models/shared.py actor_decoding). Such an engine shares the trainer's weights: there is nothing to load.
+    transient_weights: the model is a copy made at every load_weights and needed only until the rollout ends, whose
+    caller then calls release_weights (full fine-tuning's bf16 copy: its bytes are not held through the update)."""
 
     def __init__(self, model, eos_token_id: int, max_rows: int = 256, tokenizer=None, fast_decode: bool = True,
-                 decode_context=None):
+                 decode_context=None, transient_weights: bool = False):
         self.model, self.eos, self.max_rows, self.tokenizer = model, eos_token_id, max_rows, tokenizer
         self.decode_context = decode_context
+        if transient_weights and decode_context is not None:
+            raise ValueError("transient_weights: the engine decodes the trainer's own model, whose weights it may "
+                             "not release")
+        self.transient_weights = transient_weights
+        self._released: list[tuple[torch.nn.Parameter, torch.Size, tuple[int, ...]]] | None = None
         self._forward = decode_context or contextlib.nullcontext
         self.stats = EngineStats()
         self.live_rows = 0
@@ -171,10 +181,43 @@ class DecodeEngine:
         if self.shares_weights:  # copying merged weights into the trainer's own base would corrupt what it trains
             raise RuntimeError("load_weights: this engine decodes the trainer's own model (the actor, or a shared "
                                "base): it has no weights of its own to load")
+        if self._released is not None:  # storage again, in the layout it had (rollout.weight_layout)
+            tensors = list(tensors.items() if isinstance(tensors, Mapping) else tensors)
+            own = self.model.state_dict(keep_vars=True)
+            loaded = {id(own[name]) for name, _ in tensors if name in own}
+            missing = [name for name, t in own.items() if isinstance(t, torch.nn.Parameter) and id(t) not in loaded]
+            if missing:
+                raise ValueError(f"load_weights: the engine's weights were released, so every one must be loaded; "
+                                 f"missing {missing[:3]}{' ...' if len(missing) > 3 else ''}")
+            with torch.no_grad():
+                for p, shape, stride in self._released:
+                    p.data = torch.empty_strided(shape, stride, dtype=p.dtype, device=p.device)
+            self._released = None
         written = copy_weights(self.model, tensors)
         if self.fast_step is not None:
             self.fast_step.refresh()
         return written
+
+    def release_weights(self) -> int:
+        """Free the model's parameter storage until the next load_weights (which must load every tensor: the freed
+        ones hold nothing); generating before it is an error. Only for transient_weights. Returns bytes freed."""
+        if not self.transient_weights:
+            raise RuntimeError("release_weights: this engine's weights are not transient (its model is no copy made "
+                               "at every load)")
+        if self._released is not None:
+            return 0
+        freed, self._released = 0, []
+        with torch.no_grad():
+            for p in self.model.parameters():  # tied weights are one parameter, listed once
+                freed += p.numel() * p.element_size()
+                self._released.append((p, p.shape, p.stride()))
+                p.data = torch.empty(0, dtype=p.dtype, device=p.device)
+        return freed
+
+    @property
+    def released(self) -> bool:
+        """Whether release_weights freed the weights and no load_weights has brought them back."""
+        return self._released is not None
 
     def generate(self, prompts: list[list[int]], k: int, params: SamplingParams, seed: int, lengths=None,
                  prompt_ids: list[int] | None = None) -> Iterator[Sample]:
@@ -230,6 +273,9 @@ class DecodeEngine:
         return state
 
     def _start(self, queue: list[_Entry], params: SamplingParams, seed: int, finished=()) -> Iterator[Sample]:
+        if self._released is not None:
+            raise RuntimeError("the engine's weights were released after its last rollout (transient_weights): "
+                               "load_weights (sync_weights) before generating")
         if params.stop_strings and self.tokenizer is None:
             raise ValueError("stop strings need the engine's tokenizer")
         self.stats = EngineStats()

@@ -68,6 +68,9 @@ class Experience:
     """A stale batch whose update is one optimiser step (one epoch, one mini-batch): every forward of the update runs
     on the weights it starts from, which are the proximal policy, so the proximal log-probs are the update's own
     forward, detached, and the scoring pass leaves them out (proximal_logprobs None)."""
+    trained: Tensor | None = None
+    """(N,) bool: the samples the update runs on (rl.skip_zero_advantage leaves out those whose advantage is 0 at
+    every token); None: all of them."""
 
     def __len__(self) -> int:
         return len(self.prompt_ids)

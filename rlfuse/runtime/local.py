@@ -61,6 +61,7 @@ class LocalRollout:
         exp = generate_rollouts(self.engine, self.scorer, request.prompts, request.k, request.params, request.seed,
                                 self.fusion, proximal=proximal)
         exp.proximal_from_update = self.behaviour_differs and not proximal
+        release_decode_copy(self.engine)  # not needed until the next sync: the update's peak is without it
         exp.timing |= {f"score_{role}": t - before.get(role, 0.0) for role, t in self.scorer.times.items()}
         return exp
 
@@ -111,23 +112,33 @@ class LocalTrainer:
         """The trained modules are `models`' own: nothing to copy."""
 
 
+def release_decode_copy(engine: DecodeEngine) -> None:
+    """Free the engine's copy where it lives only while decoding (transient_weights: full fine-tuning's bf16 copy),
+    once a rollout or an evaluation is done with it; the next sync_weights makes it again."""
+    if engine.transient_weights:
+        engine.release_weights()
+
+
 def behaviour_differs(engine: DecodeEngine, actor: torch.nn.Module, compute_dtype: torch.dtype | None = None) -> bool:
     """Whether the engine's samples' log-probs are not the trained policy's as the update computes them: the engine
-    decodes a copy of the actor in another dtype (rollout.generator_dtype=bf16), or the update autocasts
+    decodes a copy of the actor in another dtype (rollout.generator_dtype), or the update autocasts
     (compute_dtype, run.precision) where the engine decodes in its weights' own dtype."""
     return compute_dtype is not None or (not engine.shares_weights and engine.dtype != next(actor.parameters()).dtype)
 
 
 def decode_engine(models: Models, max_rows: int, eos_token_id: int | None = None) -> DecodeEngine:
-    """The rollout engine of a process holding the actor: on the generator (LoRA: the merged copy); in full
-    fine-tuning on the actor itself, in eval mode per forward (shared.eval_for_decoding); with a shared base on that
+    """The rollout engine of a process holding the actor: on the generator (LoRA: the merged copy; full fine-tuning:
+    a bf16 copy, released after each rollout), otherwise in full fine-tuning on the actor itself, in eval mode per forward (shared.eval_for_decoding); with a shared base on that
     base, running the actor's adapter (shared.actor_decoding). The last two copy no weights and need no sync. With a
     shared base the engine gets the transformers model under the peft wrapper, whose LoRA layers run the active
     adapter, so the lean Llama decode step (rollout/kv.py) applies to it as to a plain model."""
     tok = models.tokenizer
     eos = tok.eos_token_id if eos_token_id is None else eos_token_id
     if models.generator is not None:
-        return DecodeEngine(models.generator, eos, max_rows=max_rows, tokenizer=tok)
+        engine = DecodeEngine(models.generator, eos, max_rows=max_rows, tokenizer=tok,
+                              transient_weights=models.generator_transient)
+        release_decode_copy(engine)  # made at the first sync
+        return engine
     if models.shared_base is None:
         actor = models.actor
         return DecodeEngine(actor, eos, max_rows=max_rows, tokenizer=tok,

@@ -14,7 +14,7 @@ from rlfuse.config import RLConfig
 from rlfuse.data.gold import gold_reward
 from rlfuse.evaluation import evaluate
 from rlfuse.rollout.fusion import Experience
-from rlfuse.runtime.local import sync_weights
+from rlfuse.runtime.local import release_decode_copy, sync_weights
 
 SAMPLES_PER_TABLE = 8
 """Rows of each sample table: the iteration's first samples, which (samples grouped by prompt) cover its first
@@ -23,8 +23,10 @@ SAMPLES_PER_TABLE / k prompts."""
 
 def group_metrics(exp: Experience, k: int) -> dict:
     """reward/frac_zero_spread: with k >= 2 samples per prompt, the fraction of prompts whose samples all got the same
-    reward (nothing to learn from them under rloo and grpo; ppo still learns through its critic)."""
-    return {"reward/frac_zero_spread": float(zero_spread_fraction(exp.scores, k))} if k > 1 else {}
+    reward (nothing to learn from them under rloo and grpo; ppo still learns through its critic);
+    train/trained_fraction: with rl.skip_zero_advantage, the share of the samples the update ran on."""
+    out = {"reward/frac_zero_spread": float(zero_spread_fraction(exp.scores, k))} if k > 1 else {}
+    return out | ({"train/trained_fraction": float(exp.trained.float().mean())} if exp.trained is not None else {})
 
 
 def sample_table(exp: Experience, tok, gold: bool, n: int = SAMPLES_PER_TABLE) -> list[dict]:
@@ -52,6 +54,7 @@ def evaluate_during(trainer, models, engine, prompts: list[list[int]], rl: RLCon
     trainer.pull_into(models)
     sync_weights(engine, models.actor)
     metrics, _ = evaluate(models, engine, prompts, rl, seed, gold)
+    release_decode_copy(engine)
     return {f"eval/{k}": v for k, v in metrics.items()} | {"time/eval": time.perf_counter() - t}
 
 

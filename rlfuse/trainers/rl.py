@@ -44,7 +44,7 @@ from rlfuse.data.stages import rl_prompt_rows
 from rlfuse.errors import said_where
 from rlfuse.evaluation import evaluate, evaluate_before, iteration_gold, prompt_difficulty, sampling_params
 from rlfuse.learn.advantages import compute_advantages
-from rlfuse.learn.batches import minibatches
+from rlfuse.learn.batches import minibatches, update_batches
 from rlfuse.learn.checkpoint import read_checkpoint
 from rlfuse.learn.learners import build_learners
 from rlfuse.learn.update import BadSteps, count_abstained, count_nonfinite_rewards
@@ -63,7 +63,8 @@ from rlfuse.plan.planner import predicted_memory
 from rlfuse.rollout.fusion import FusionPolicy
 from rlfuse.rollout.state import RolloutRequest, SamplingParams
 from rlfuse.runtime.backend import build_placement, uses_ray
-from rlfuse.runtime.local import LocalTrainer, behaviour_differs, decode_engine, local_scorer, sync_weights
+from rlfuse.runtime.local import (LocalTrainer, behaviour_differs, decode_engine, local_scorer, release_decode_copy,
+                                  sync_weights)
 from rlfuse.trainers.observe import due, evaluate_during, group_metrics, rollout_metrics, sample_table
 
 
@@ -132,6 +133,7 @@ def train_rl(cfg: Config, run_dir: Path, log=print, resume: bool = False, on_rea
     with said_where("the held-out evaluation before RL"):
         before = evaluate_before(out / "eval_before.json", models, engine, held_prompts, rl, seed + 12345, gold)
         difficulty = prompt_difficulty(models, engine, train_prompts, rl, seed + 23456, out / "difficulty.json", log)
+    release_decode_copy(engine)
     reset_reward_metrics(models.reward_fn)  # the evaluations' calls are not the first iteration's
     tracker = stage_tracker(cfg, out, from_step=start)
     flops = compute_meter_for_run(cfg, models, device)  # perf/: FLOPs done over the bare matmul rate (< 1 s)
@@ -180,8 +182,8 @@ def train_rl(cfg: Config, run_dir: Path, log=print, resume: bool = False, on_rea
             # 4. update actor and critic (skipped, and counted, when a reward is not finite)
             t1, stats = time.perf_counter(), {}
             if not count_nonfinite_rewards(exp, rl, bad):
-                stats = trainer.update(exp, adv, returns, kl_ctl.coef, minibatches(len(exp), rl, seed, it), bad,
-                                       temperature)
+                batches = update_batches(exp, rl, kl, kl_ctl.coef, minibatches(len(exp), rl, seed, it))
+                stats = trainer.update(exp, adv, returns, kl_ctl.coef, batches, bad, temperature)
                 kl_ctl.update(float(kl.sum(1).mean()), len(exp))
             t2 = time.perf_counter()
             # 5. record (every iteration, skipped or not) and checkpoint

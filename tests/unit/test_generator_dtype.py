@@ -22,12 +22,17 @@ def _cfg(tiny_task, *more):
 
 
 @pytest.mark.parametrize("native", [True, False])
-def test_auto_is_bf16_only_for_a_lora_copy_on_native_hardware(tiny_task, monkeypatch, native):
+def test_auto_is_bf16_only_for_a_copy_in_one_process_on_native_hardware(tiny_task, monkeypatch, native):
     monkeypatch.setattr(device_module, "native_bf16", lambda device: native)
     lora = _cfg(tiny_task, "model.lora=true")
     assert generator_dtype(lora, CPU) == (torch.bfloat16 if native else torch.float32)
-    assert generator_dtype(_cfg(tiny_task), CPU) == torch.float32  # full fine-tuning decodes the actor itself
-    assert generator_dtype(_cfg(tiny_task, "rollout.generator_dtype=bf16"), CPU) == torch.bfloat16  # unless asked
+    # full fine-tuning: a bf16 copy where the update computes in bf16 too (run.precision=auto resolves so on native
+    # hardware), else the fp32 actor itself, unless asked
+    assert generator_dtype(_cfg(tiny_task), CPU) == (torch.bfloat16 if native else torch.float32)
+    assert generator_dtype(_cfg(tiny_task, "run.precision=fp32"), CPU) == torch.float32
+    assert generator_dtype(_cfg(tiny_task, "rollout.generator_dtype=fp32"), CPU) == torch.float32
+    assert generator_dtype(_cfg(tiny_task, "rollout.generator_dtype=bf16"), CPU) == torch.bfloat16
+    assert generator_dtype(_cfg(tiny_task, "placement.strategy=flattened", "placement.workers=1"), CPU) == torch.float32
     ray = _cfg(tiny_task, "model.lora=true", "placement.strategy=flattened", "placement.workers=1")
     assert generator_dtype(ray, CPU) == torch.float32  # Ray workers' generators stay fp32
     assert generator_dtype(_cfg(tiny_task, "model.lora=true", "rollout.generator_dtype=fp32"), CPU) == torch.float32
@@ -47,24 +52,83 @@ def test_bf16_where_there_is_no_copy_of_its_own_is_a_config_error(tiny_task, mor
     assert why in str(e.value)
 
 
-def test_full_fine_tuning_asked_for_bf16_decodes_a_copy_it_syncs(tiny_task, tmp_path):
-    """rollout.generator_dtype=bf16 with full fine-tuning: the engine decodes a bf16 copy of its own (half the bytes a
-    decode step reads, for half the weights' memory more), which every sync overwrites with the actor's weights."""
-    from rlfuse.runtime.local import LocalRollout, behaviour_differs, decode_engine, local_scorer
+def _full_ft_rollout(tiny_task, tmp_path, *more):
     from rlfuse.rollout.fusion import FusionPolicy
+    from rlfuse.runtime.local import LocalRollout, decode_engine, local_scorer
 
-    cfg = _cfg(tiny_task, "rollout.generator_dtype=bf16")
+    cfg = _cfg(tiny_task, "rollout.generator_dtype=bf16", "rl.prompts_per_iter=2", "rl.mini_batch_size=4",
+               "rl.micro_batch_size=2", *more)
     models = build_models(cfg, tmp_path, CPU)
     engine = decode_engine(models, cfg.rollout.max_rows)
-    assert not engine.shares_weights and engine.dtype == torch.bfloat16 and behaviour_differs(engine, models.actor)
+    return models, engine, LocalRollout(engine, local_scorer(models, cfg), FusionPolicy(False, 8, 0), cfg.rl)
+
+
+def _request(models, seed=7):
+    from rlfuse.data.collate import encode
+    from rlfuse.rollout.engine import SamplingParams
+    from rlfuse.rollout.state import RolloutRequest
+
+    tok = models.tokenizer
+    return RolloutRequest(0, [encode(tok, "the acting"), encode(tok, "this film")], 2, SamplingParams(8), seed)
+
+
+def test_full_fine_tuning_in_bf16_decodes_a_copy_it_syncs_and_frees_after_the_rollout(tiny_task, tmp_path):
+    """rollout.generator_dtype=bf16 with full fine-tuning: the engine decodes a bf16 copy of its own (half the bytes a
+    decode step reads), which every sync writes from the actor's weights and which is freed once the rollout is
+    scored, so that the update runs without it; generating before the next sync is an error, not stale samples."""
+    from rlfuse.runtime.local import behaviour_differs
+
+    models, engine, rollout = _full_ft_rollout(tiny_task, tmp_path)
+    assert not engine.shares_weights and engine.transient_weights and engine.dtype == torch.bfloat16
+    assert behaviour_differs(engine, models.actor)
     with torch.no_grad():  # an update moved the actor: the copy must follow
         for p in models.actor.parameters():
             p.add_(0.01)
-    rollout = LocalRollout(engine, local_scorer(models, cfg), FusionPolicy(False, 8, 0), cfg.rl)
     assert rollout.sync_weights(models)["sync/bytes"] > 0
     copy = dict(models.generator.named_parameters())
     for n, p in models.actor.named_parameters():
         torch.testing.assert_close(copy[n], p.detach().to(torch.bfloat16), atol=0, rtol=0)
+    first = rollout.generate(_request(models))
+    assert engine.released and all(p.untyped_storage().nbytes() == 0 for p in models.generator.parameters())
+    with pytest.raises(RuntimeError, match="released"):
+        rollout.generate(_request(models))
+    rollout.sync_weights(models)  # the same weights again: the same samples
+    assert not engine.released
+    again = rollout.generate(_request(models))
+    assert again.response_ids == first.response_ids
+    torch.testing.assert_close(again.logprobs, first.logprobs, atol=0, rtol=0)
+
+
+def test_a_released_copy_takes_back_its_layout_and_only_whole_loads(tiny_task, tmp_path):
+    """The copy comes back in the layout it was decoded in (rollout.weight_layout=column: column-major matrices), and
+    a load of some tensors only (a bucket) into freed weights is refused: the rest would hold nothing."""
+    from rlfuse.models.weights import merged_state_dict
+
+    models, engine, rollout = _full_ft_rollout(tiny_task, tmp_path, "rollout.weight_layout=column")
+    assert engine.released  # from the start: the first sync allocates it
+    rollout.sync_weights(models)
+    strides = {n: p.stride() for n, p in models.generator.named_parameters()}
+    assert any(p.dim() == 2 and not p.is_contiguous() for p in models.generator.parameters())
+    rollout.generate(_request(models))
+    one = dict(list(merged_state_dict(models.actor).items())[:1])
+    with pytest.raises(ValueError, match="every one must be loaded"):
+        engine.load_weights(one)
+    assert engine.released
+    rollout.sync_weights(models)
+    assert {n: p.stride() for n, p in models.generator.named_parameters()} == strides
+
+
+def test_only_a_transient_copy_is_released(tiny_task, tmp_path, monkeypatch):
+    """A LoRA merged copy lives on between iterations (release_weights refuses); fp32 full fine-tuning has no copy."""
+    from rlfuse.runtime.local import decode_engine
+
+    lora = _cfg(tiny_task, "model.lora=true")
+    engine = decode_engine(build_models(lora, tmp_path, CPU), lora.rollout.max_rows)
+    assert not engine.transient_weights
+    with pytest.raises(RuntimeError, match="not transient"):
+        engine.release_weights()
+    monkeypatch.setattr(device_module, "native_bf16", lambda device: False)
+    assert build_models(_cfg(tiny_task), tmp_path, CPU).generator is None  # no native bf16: auto decodes the actor
 
 
 def _rollout(tiny_task, tmp_path, mini_batch: int, dtype: str = "bf16", *more: str):

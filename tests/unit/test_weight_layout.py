@@ -244,7 +244,9 @@ def test_auto_measures_only_a_cpu_copy_of_its_own_larger_than_a_cache(tiny_task,
     generator_layout(cfg("model.lora=true", "rl.prompts_per_iter=4", "rl.mini_batch_size=8", "rl.micro_batch_size=4"),
                      "cpu", gpt2)
     assert probed[-1][3:] == (torch.float32, False)
-    assert generator_layout(cfg(), "cpu", model) == "row"  # full fine-tuning: the engine decodes the actor
+    # full fine-tuning's copy (bf16, made at every sync) is measured as any copy is; without one none is asked for
+    assert generator_layout(cfg("rollout.generator_dtype=bf16"), "cpu", model.to(torch.bfloat16)) == "column"
+    assert probed[-1][3] == torch.bfloat16
     assert generator_layout(cfg("model.lora=true", "rollout.weight_layout=row"), "cpu", model) == "row"
 
 
