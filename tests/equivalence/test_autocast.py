@@ -126,12 +126,14 @@ def test_run_precision_resolves_per_device_and_stage(monkeypatch, tiny_task):
     assert rl_compute_dtype(ray, CPU) is None  # the Ray placements train in fp32 for now
 
 
-@pytest.mark.parametrize("lora,mini_batch", [(False, 8), (True, 8), (False, 4)])
+@pytest.mark.parametrize("lora,mini_batch,decode", [(False, 8, "auto"), (True, 8, "auto"), (False, 4, "auto"),
+                                                    (False, 8, "fp32")])
 def test_a_run_under_bf16_autocast_corrects_for_its_fp32_or_bf16_sampler(tiny_task, tmp_path, monkeypatch, capsys,
-                                                                         lora, mini_batch):
+                                                                         lora, mini_batch, decode):
     """auto on (what rlfuse takes for) native-bf16 hardware: the update's forwards and the scoring passes autocast
-    (a multi-step update's proximal pass included), the engine decodes the actor's fp32 weights (full fine-tuning) or
-    a bf16 merged copy (LoRA), and the decoupled objective's behaviour weights are logged near 1, not all 1."""
+    (a multi-step update's proximal pass included), the engine decodes a bf16 copy (full fine-tuning: one made at
+    each sync and freed after the rollout; LoRA: the merged copy), and the decoupled objective's behaviour weights
+    are logged near 1, not all 1; rollout.generator_dtype=fp32: full fine-tuning decodes the fp32 actor itself."""
     from rlfuse.cli import main
     from rlfuse.learn import losses, update
     from rlfuse.rollout import score
@@ -147,7 +149,7 @@ def test_a_run_under_bf16_autocast_corrects_for_its_fp32_or_bf16_sampler(tiny_ta
     assert main(["rl", f"rl.sft_path={tiny_task.model_dir}", "rl.reward=rlfuse.data.gold:gold_reward", "rl.algo=grpo",
                  "rl.k=2", f"model.lora={str(lora).lower()}", f"run.dir={tmp_path}", *TINY, "rl.iterations=2",
                  "rl.prompts_per_iter=4", f"rl.mini_batch_size={mini_batch}", "rl.micro_batch_size=4", "rl.epochs=1",
-                 "rl.max_new_tokens=8", "rl.eval_prompts=0"]) == 0
+                 "rl.max_new_tokens=8", "rl.eval_prompts=0", f"rollout.generator_dtype={decode}"]) == 0
     assert seen == {"update": {True}, "scoring": {True}}
     rows = [json.loads(l) for l in (tmp_path / "rl" / "metrics.jsonl").read_text().splitlines()]
     assert len(rows) == 2
@@ -156,7 +158,8 @@ def test_a_run_under_bf16_autocast_corrects_for_its_fp32_or_bf16_sampler(tiny_ta
     said = capsys.readouterr()
     said = said.out + said.err
     assert "under bfloat16 autocast" in said
-    assert f"the generator decodes in {'bfloat16' if lora else 'float32'}" in said
+    assert ("the generator decodes in float32" if decode == "fp32" else
+            "the generator decodes in bfloat16 (rollout.generator_dtype=auto)") in said
 
 
 def test_the_held_out_kl_compares_policy_and_reference_in_one_arithmetic(tiny_task, tmp_path, monkeypatch):
