@@ -128,8 +128,9 @@ def behaviour_differs(engine: DecodeEngine, actor: torch.nn.Module, compute_dtyp
 
 def decode_engine(models: Models, max_rows: int, eos_token_id: int | None = None) -> DecodeEngine:
     """The rollout engine of a process holding the actor: on the generator (LoRA: the merged copy; full fine-tuning:
-    a bf16 copy, released after each rollout), otherwise in full fine-tuning on the actor itself, in eval mode per forward (shared.eval_for_decoding); with a shared base on that
-    base, running the actor's adapter (shared.actor_decoding). The last two copy no weights and need no sync. With a
+    a bf16 copy, released after each rollout), otherwise in full fine-tuning on the actor itself, in eval mode per
+    forward (shared.eval_for_decoding); with a shared base on that base, running the actor's adapter
+    (shared.actor_decoding). The last two copy no weights and need no sync. With a
     shared base the engine gets the transformers model under the peft wrapper, whose LoRA layers run the active
     adapter, so the lean Llama decode step (rollout/kv.py) applies to it as to a plain model."""
     tok = models.tokenizer
