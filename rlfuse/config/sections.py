@@ -349,7 +349,7 @@ class RLConfig:
     """rloo, grpo: leave out of the update the samples whose advantage is 0 at every token (a prompt whose k samples
     all scored the same, with no KL penalty in the reward), as DAPO's dynamic sampling discards such groups, without
     resampling. Their policy-gradient term is 0 anyway; what they would add is their part of a KL penalty in the loss
-    (grpo's). The update's time shrinks with them (configs/smollm2_math.yaml: 60-80% of the groups early on). The
+    (grpo's). The update's time shrinks with them (configs/smollm2_math.yaml seed 1: 72% of the groups). The
     loss keeps its mean over the whole mini-batch's tokens, so a sample's gradient weight does not grow when others
     are left out. train/trained_fraction logs the share kept. One process only for now (placement.strategy=single)."""
     behaviour_weight_cap: float = 5.0
@@ -431,7 +431,8 @@ class RolloutConfig:
     (half the weights' bytes, during generation only). bf16 halves the bytes each decode step reads, where the
     hardware multiplies bf16 natively: SmolLM2-135M decodes a step 1.83x faster on a CPU with AMX (`python -m
     bench.decode_precision --real`, docs/benchmarks/decode_step.md); workload d1 of bench/vs_trl.py (full
-    fine-tuning) on an AVX512-BF16 VM generated in 6.9 s against the fp32 actor's 18.9 (docs/benchmarks/vs_trl.md).
+    fine-tuning, `--rlfuse-fp32-decode`) on an AVX512-BF16 VM generated in 7.8 s against the fp32 actor's 15.0
+    (docs/benchmarks/vs_trl.md).
     The copy's parameters only: rotary tables stay fp32. The samples then come from a bf16 copy of the trained fp32
     policy (log-probs 0.034 nats a token apart on SmolLM2), so the update treats the engine's log-probs as the
     behaviour policy's and corrects for it with the decoupled objective (rl.behaviour_weight_cap and _mode; the
@@ -519,8 +520,9 @@ def own_generator_copy(cfg: Config) -> bool:
     """Whether the engine decodes a copy of the policy of its own in this process (model.lora, no shared base, or full
     fine-tuning with rollout.generator_dtype=bf16; placement.strategy single, or auto before it is planned): the copy
     rollout.generator_dtype and rollout.weight_layout shape. (Full fine-tuning under auto gets one too where the
-    device and run.precision call for bf16: models/device.py generator_copy_dtype.) Otherwise full fine-tuning decodes the actor itself, a
-    shared base its own base, and the Ray workers' copies stay fp32 and row-major for now."""
+    device and run.precision call for bf16: models/device.py generator_copy_dtype.) Otherwise full fine-tuning
+    decodes the actor itself, a shared base its own base, and the Ray workers' copies stay fp32 and row-major for
+    now."""
     one_process = cfg.placement.strategy in ("single", "auto")
     full_ft_copy = not cfg.model.lora and cfg.rollout.generator_dtype == "bf16"  # asked for: a half-size copy
     return one_process and (full_ft_copy or (cfg.model.lora and not cfg.model.shares_base))
