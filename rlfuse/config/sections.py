@@ -32,7 +32,8 @@ class RunConfig:
     AVX512-BF16 or AMX, e.g. Intel Sapphire Rapids: the environment variable RLFUSE_NATIVE_BF16=0 or 1 overrides the
     CPU's answer), fp16 on an older GPU, else fp32 (bf16 on any other CPU is emulated, 2-7x slower). bf16 is taken
     where asked for. The RL stage autocasts to bf16 only, in one process (placement.strategy=single; the Ray
-    placements train in fp32 for now), with its LM head's log-probs in fp32, and corrects for sampling in other
+    placements train in fp32 for now), its LM head's products in bf16 with each token's logits shifted by its target's
+    (rlfuse/models/forward.py _Head; the softmax in fp32), and corrects for sampling in other
     arithmetic with the decoupled objective (train/behaviour_weight_*); fp16 runs it in fp32 (no loss scaling). With
     model.quantization: the dtype the quantised layers compute in instead (the RL stage does not autocast then)."""
     quiet: bool = False
