@@ -108,6 +108,45 @@ def transposed_product(module, rows: int) -> TransposedProduct | None:
     return TransposedProduct(module, w, base.bias, adapter)
 
 
+class PackedProduct:
+    """h @ W^T (+ bias) for h (..., in) in bf16 on the CPU, from W reordered once into oneDNN's blocked layout
+    (torch.ops.mkldnn._reorder_linear_weight, the packing inductor's CPU freezing gives a bf16 Linear). F.linear hands
+    oneDNN the plain row-major matrix, which it reorders at every call: a decode step, whose weights come from memory
+    rather than cache, reads each twice. On a 2-core Xeon with AMX (2026-12-02), SmolLM2's 211 matrices multiplied by
+    16 rows took 17.0-18.9 ms a pass packed against 23.1-25.6 through F.linear (64 rows: 20.9-22.5 against 32.3), with
+    the same values to the bit (`/work`-style sweep in docs/systems.md)."""
+
+    __slots__ = ("packed", "bias")
+
+    def __init__(self, weight: Tensor, bias: Tensor | None):
+        self.packed = torch.ops.mkldnn._reorder_linear_weight(weight.detach(), batch_size=16)  # a hint only
+        self.bias = None if bias is None else bias.detach()
+
+    def __call__(self, h: Tensor) -> Tensor:
+        return torch.ops.mkldnn._linear_pointwise(h, self.packed, self.bias, "none", [], "")
+
+
+def packs_bf16() -> bool:
+    """Whether this torch build's oneDNN multiplies bf16 on this CPU natively, with the packing ops PackedProduct
+    calls."""
+    mkldnn = torch.ops.mkldnn
+    return (torch.backends.mkldnn.is_available() and hasattr(mkldnn, "_reorder_linear_weight")
+            and hasattr(mkldnn, "_linear_pointwise") and bool(mkldnn._is_mkldnn_bf16_supported()))
+
+
+def packed_product(module) -> PackedProduct | None:
+    """A decode step's product for `module` from a packed weight (PackedProduct): a plain nn.Linear whose weight and
+    bias are contiguous bf16 CPU tensors, with no hook (runs_stock), where oneDNN packs bf16 (packs_bf16); None
+    otherwise (the module's forward, or its transposed product, runs)."""
+    w, b = getattr(module, "weight", None), getattr(module, "bias", None)
+    if type(module) is not torch.nn.Linear or not runs_stock(module):
+        return None
+    if not all(t is None or (type(t) in (torch.nn.Parameter, Tensor) and t.device.type == "cpu"
+                             and t.dtype == torch.bfloat16 and t.is_contiguous()) for t in (w, b)):
+        return None
+    return PackedProduct(w, b) if packs_bf16() else None
+
+
 def _plain_fp32_cpu(t) -> bool:
     """An fp32 CPU tensor or parameter, not a tensor subclass (a DTensor, a quantised weight dressed as fp32), whose
     own mm would differ from its module's forward."""

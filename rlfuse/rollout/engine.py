@@ -207,6 +207,8 @@ class DecodeEngine:
         if self._released is not None:
             return 0
         freed, self._released = 0, []
+        if self.fast_step is not None:
+            self.fast_step.release()
         with torch.no_grad():
             for p in self.model.parameters():  # tied weights are one parameter, listed once
                 freed += p.numel() * p.element_size()
@@ -318,6 +320,8 @@ class DecodeEngine:
         finally:
             if self.decode_context is None:
                 self.model.train(was_training)
+            if self.fast_step is not None:
+                self.fast_step.release()  # its packed weights, if any: the next generate call packs them again
             if self._run is run:
                 self._run = None
 

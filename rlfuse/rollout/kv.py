@@ -20,7 +20,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from rlfuse.models.hf_cache import cache_of, with_cache
-from rlfuse.models.layout import has_llama_decode_step, transposed_product
+from rlfuse.models.layout import has_llama_decode_step, packed_product, transposed_product
 from rlfuse.models.lean import is_swiglu_mlp, runs_stock
 
 
@@ -143,6 +143,9 @@ class Gpt2DecodeStep:
         self.scale = self.D ** -0.5 if cfg.scale_attn_weights else 1.0
         self.refresh()
 
+    def release(self) -> None:
+        """Nothing held beyond the model's own tensors (LlamaDecodeStep's packed weights have no GPT-2 counterpart)."""
+
     def refresh(self) -> None:
         """Collect the weight tensors once per generate call (attribute lookups through nn.Module cost ~10 us each;
         the optimiser updates these same tensors in place)."""
@@ -188,19 +191,44 @@ class Gpt2DecodeStep:
 class LlamaDecodeStep:
     """One decode step of a Llama-style model (LlamaForCausalLM, Qwen2ForCausalLM, MistralForCausalLM without a
     sliding window) in eval mode over a BufferKV tensor (L, 2, R, kv_heads, C, D). The norms, projections, MLP and
-    rotary tables are the model's own modules; only the cache write and attention over the buffer are ours."""
+    rotary tables are the model's own modules; only the cache write and attention over the buffer are ours. A bf16
+    model on a CPU whose oneDNN packs bf16 multiplies its plain linears from weights packed at refresh() (each
+    generate call and weight load) and dropped by release() (the engine, when a generate call ends)."""
 
     def __init__(self, model):
         self.model = model
         cfg = model.config
         self.H, self.KVH = cfg.num_attention_heads, cfg.num_key_value_heads
         self.D = getattr(cfg, "head_dim", None) or cfg.hidden_size // self.H
+        self.packed: dict[int, object] = {}
         self.refresh()
 
     def refresh(self) -> None:
         body = self.model.model
         self.embed, self.rotary, self.norm, self.layers = body.embed_tokens, body.rotary_emb, body.norm, list(body.layers)
         self.lm_head = self.model.lm_head
+        self.packed = {}
+        for module in self._linears():
+            product = packed_product(module)
+            if product is None:
+                break  # one model, one dtype: none packs if the first does not
+            self.packed[id(module)] = product
+
+    def release(self) -> None:
+        """Drop the packed weights (a second copy of every matrix) until the next refresh()."""
+        self.packed = {}
+
+    def _linears(self):
+        for layer in self.layers:
+            a, mlp = layer.self_attn, layer.mlp
+            yield from (a.q_proj, a.k_proj, a.v_proj, a.o_proj)
+            yield from (getattr(mlp, name) for name in ("gate_proj", "up_proj", "down_proj") if hasattr(mlp, name))
+        yield self.lm_head
+
+    def linear(self, module):
+        """module's packed product where refresh() packed it and no hook has come since, else module itself."""
+        product = self.packed.get(id(module))
+        return product if product is not None and runs_stock(module) else module
 
     @staticmethod
     def supports(model) -> bool:
@@ -232,24 +260,27 @@ class LlamaDecodeStep:
             if transposed:
                 x = x + products[3](o.reshape(R, H * D).t().contiguous()).t()[:, None]
             else:
-                x = x + a.o_proj(o.reshape(R, 1, H * D))
+                x = x + self.linear(a.o_proj)(o.reshape(R, 1, H * D))
             x = x + self.mlp(layer.mlp, layer.post_attention_layernorm(x), R)
         h = self.norm(x)[:, 0]
         head = transposed_product(self.lm_head, R)
-        return head(h.t().contiguous()).t().contiguous() if head is not None else self.lm_head(h)
+        return head(h.t().contiguous()).t().contiguous() if head is not None else self.linear(self.lm_head)(h)
 
-    @staticmethod
-    def mlp(mlp, h: Tensor, rows: int) -> Tensor:
+    def mlp(self, mlp, h: Tensor, rows: int) -> Tensor:
         """The MLP of h (R, 1, E): a SwiGLU of plain row-major projections as W @ h^T throughout (the product stays
-        transposed from gate and up through down), any other, or one hooked (runs_stock: a forward set on the
-        instance counts unless it acts only in training, as lean activations' and checkpointing's do), through its
-        own forward."""
+        transposed from gate and up through down), or from packed weights; any other, or one hooked (runs_stock: a
+        forward set on the instance counts unless it acts only in training, as lean activations' and checkpointing's
+        do), through its own forward."""
+        stock = is_swiglu_mlp(mlp) and runs_stock(mlp, decoding=True)
         products = [transposed_product(m, rows) for m in (mlp.gate_proj, mlp.up_proj, mlp.down_proj)] \
-            if is_swiglu_mlp(mlp) and runs_stock(mlp, decoding=True) else [None]
+            if stock else [None]
         if all(p is not None for p in products):
             gate, up, down = products
             ht = h[:, 0].t().contiguous()
             return down(mlp.act_fn(gate(ht)).mul_(up(ht))).t()[:, None]
+        if stock and all(id(m) in self.packed for m in (mlp.gate_proj, mlp.up_proj, mlp.down_proj)):
+            gate, up, down = (self.linear(m) for m in (mlp.gate_proj, mlp.up_proj, mlp.down_proj))
+            return down(mlp.act_fn(gate(h)).mul_(up(h)))
         return mlp(h)
 
     def rotated_qkv_transposed(self, products, h: Tensor, cos: Tensor, sin: Tensor) -> tuple[Tensor, Tensor, Tensor]:
@@ -265,9 +296,9 @@ class LlamaDecodeStep:
     def rotated_qkv(self, attn, h: Tensor, cos: Tensor, sin: Tensor) -> tuple[Tensor, Tensor, Tensor]:
         """One layer's query, key and value heads of h (R, 1, E), rotary applied: (R, H, 1, D), (R, KVH, 1, D) x 2."""
         R, H, KVH, D = h.shape[0], self.H, self.KVH, self.D
-        q = attn.q_proj(h).view(R, 1, H, D).transpose(1, 2)
-        k = attn.k_proj(h).view(R, 1, KVH, D).transpose(1, 2)
-        v = attn.v_proj(h).view(R, 1, KVH, D).transpose(1, 2)
+        q = self.linear(attn.q_proj)(h).view(R, 1, H, D).transpose(1, 2)
+        k = self.linear(attn.k_proj)(h).view(R, 1, KVH, D).transpose(1, 2)
+        v = self.linear(attn.v_proj)(h).view(R, 1, KVH, D).transpose(1, 2)
         return q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin, v
 
 

@@ -275,3 +275,54 @@ def test_a_run_keeps_its_layout_and_a_resumed_run_reuses_it(tiny_task, tmp_path,
     said = capsys.readouterr()
     assert "resumed from" in said.out + said.err and "stores its weights column-major" in said.out + said.err
     assert (tmp_path / "rl" / "weight_layout.txt").read_text().strip() == "column"
+
+
+needs_bf16_packing = pytest.mark.skipif(not layout.packs_bf16(), reason="this torch build's oneDNN packs no bf16 here")
+
+
+@needs_bf16_packing
+@pytest.mark.parametrize("tied", [True, False])
+def test_a_bf16_copy_decodes_from_packed_weights_to_the_same_samples(tied, monkeypatch):
+    """A bf16 model's plain linears decode from weights oneDNN packed at the generate call (every projection and the LM
+    head, SwiGLU MLP included): the same tokens and log-probs, to the bit, as its modules' own forwards; the packs are
+    dropped when the call ends and by release_weights."""
+    from rlfuse.rollout import kv
+    from rlfuse.rollout.engine import DecodeEngine
+    from rlfuse.rollout.state import SamplingParams
+
+    model = _llama(tied).to(torch.bfloat16)
+    engine = DecodeEngine(model, eos_token_id=-1, max_rows=8, transient_weights=True)
+    prompts = [[1, 5, 9, 11], [3, 7]]
+    used = []
+    monkeypatch.setattr(layout.PackedProduct, "__call__",
+                        lambda self, h, call=layout.PackedProduct.__call__: used.append(self) or call(self, h))
+    decode = lambda: sorted(engine.generate(prompts, 2, SamplingParams(6), 3),
+                            key=lambda s: (s.prompt_id, s.sample_index))
+    packed = decode()
+    assert len(set(map(id, used))) == 2 * 7 + 1 and engine.fast_step.packed == {}
+    monkeypatch.setattr(kv, "packed_product", lambda module: None)
+    used.clear()
+    plain = decode()
+    assert not used
+    assert [s.token_ids for s in packed] == [s.token_ids for s in plain]
+    assert all(torch.equal(torch.as_tensor(a.logprobs), torch.as_tensor(b.logprobs)) for a, b in zip(packed, plain))
+    engine.fast_step.refresh()
+    engine.release_weights()
+    assert engine.fast_step.packed == {}
+
+
+def test_which_linears_a_decode_step_multiplies_from_packed_weights(monkeypatch):
+    """Only a plain bf16 nn.Linear on the CPU, contiguous, without hooks, where oneDNN packs bf16."""
+    monkeypatch.setattr(layout, "packs_bf16", lambda: True)
+    monkeypatch.setattr(layout, "PackedProduct", lambda weight, bias: ("packed", weight))
+    bf16 = torch.nn.Linear(32, 24).to(torch.bfloat16)
+    assert layout.packed_product(bf16) == ("packed", bf16.weight)
+    assert layout.packed_product(torch.nn.Linear(32, 24)) is None  # fp32: the transposed product's or F.linear
+    column = torch.nn.Linear(32, 24).to(torch.bfloat16)
+    column.weight.data = column.weight.data.t().contiguous().t()
+    assert layout.packed_product(column) is None
+    hook = bf16.register_forward_hook(lambda *a: None)
+    assert layout.packed_product(bf16) is None
+    hook.remove()
+    monkeypatch.setattr(layout, "packs_bf16", lambda: False)
+    assert layout.packed_product(bf16) is None
