@@ -196,6 +196,8 @@ class DecodeEngine:
         written = copy_weights(self.model, tensors)
         if self.fast_step is not None:
             self.fast_step.refresh()
+            # packs of the old weights go: a live call (a partial rollout) decodes on from new ones
+            self.fast_step.pack() if self._run is not None else self.fast_step.release()
         return written
 
     def release_weights(self) -> int:
@@ -283,6 +285,7 @@ class DecodeEngine:
         self.stats = EngineStats()
         if self.fast_step is not None:
             self.fast_step.refresh()
+            self.fast_step.pack()  # once per call, not at each load_weights too: a pass over every weight
         run = _Run(seed, params, deque(queue), outbox=deque(finished))
         run.iterator = self._loop(run)
         self._run = run

@@ -143,8 +143,11 @@ class Gpt2DecodeStep:
         self.scale = self.D ** -0.5 if cfg.scale_attn_weights else 1.0
         self.refresh()
 
+    def pack(self) -> None:
+        """Nothing to pack (LlamaDecodeStep's packed weights have no GPT-2 counterpart)."""
+
     def release(self) -> None:
-        """Nothing held beyond the model's own tensors (LlamaDecodeStep's packed weights have no GPT-2 counterpart)."""
+        """Nothing held beyond the model's own tensors."""
 
     def refresh(self) -> None:
         """Collect the weight tensors once per generate call (attribute lookups through nn.Module cost ~10 us each;
@@ -192,8 +195,8 @@ class LlamaDecodeStep:
     """One decode step of a Llama-style model (LlamaForCausalLM, Qwen2ForCausalLM, MistralForCausalLM without a
     sliding window) in eval mode over a BufferKV tensor (L, 2, R, kv_heads, C, D). The norms, projections, MLP and
     rotary tables are the model's own modules; only the cache write and attention over the buffer are ours. A bf16
-    model on a CPU whose oneDNN packs bf16 multiplies its plain linears from weights packed at refresh() (each
-    generate call and weight load) and dropped by release() (the engine, when a generate call ends)."""
+    model on a CPU whose oneDNN packs bf16 multiplies its plain linears from weights packed by pack() (the engine, at
+    each generate call) and dropped by release() (when the call ends, and by release_weights)."""
 
     def __init__(self, model):
         self.model = model
@@ -207,15 +210,17 @@ class LlamaDecodeStep:
         body = self.model.model
         self.embed, self.rotary, self.norm, self.layers = body.embed_tokens, body.rotary_emb, body.norm, list(body.layers)
         self.lm_head = self.model.lm_head
+
+    def pack(self) -> None:
+        """Pack the bf16 linears' weights for this generate call (the engine's _start, after refresh)."""
         self.packed = {}
         for module in self._linears():
             product = packed_product(module)
-            if product is None:
-                break  # one model, one dtype: none packs if the first does not
-            self.packed[id(module)] = product
+            if product is not None:
+                self.packed[id(module)] = product
 
     def release(self) -> None:
-        """Drop the packed weights (a second copy of every matrix) until the next refresh()."""
+        """Drop the packed weights (a second copy of every matrix) until the next pack()."""
         self.packed = {}
 
     def _linears(self):
@@ -226,7 +231,7 @@ class LlamaDecodeStep:
         yield self.lm_head
 
     def linear(self, module):
-        """module's packed product where refresh() packed it and no hook has come since, else module itself."""
+        """module's packed product where pack() packed it and no hook has come since, else module itself."""
         product = self.packed.get(id(module))
         return product if product is not None and runs_stock(module) else module
 

@@ -151,7 +151,8 @@ def train_rl(cfg: Config, run_dir: Path, log=print, resume: bool = False, on_rea
         log(f"[rl] run.precision=bf16: the RL stage's update and scoring run without autocast with {why}")
     if models.compute_dtype is not None:
         log(f"[rl] the update and scoring passes run under {dtype_name(models.compute_dtype)} autocast "
-            f"(run.precision={cfg.run.precision}; run.precision=fp32 turns it off), the LM head's products in bf16 with logits shifted by each target's")
+            f"(run.precision={cfg.run.precision}; run.precision=fp32 turns it off), the LM head's products in bf16 "
+            f"with logits shifted by each target's")
     if behaviour_differs(engine, models.actor, models.compute_dtype):
         log(f"[rl] the generator decodes in {dtype_name(engine.dtype)}"
             f"{' (rollout.generator_dtype=' + cfg.rollout.generator_dtype + ')' if engine.dtype != torch.float32 else ''}"

@@ -1,8 +1,8 @@
 """The RL stage under bf16 autocast (run.precision: bf16, or auto where the hardware multiplies bf16 natively): rlfuse's
 own autograd functions (the lean SwiGLU MLP, the in-place LoRA linear, the chunked log-prob head) compute as autocast
 would run the layers they replace, so their gradients are as near the fp32 ones as transformers' and peft's own
-forward under autocast; the LM head's bf16 products shift each token's logits by its target's; the gradients land in the parameters' fp32; and a run resolves and
-logs it. bf16 is emulated on a CPU without AVX512-BF16 or AMX: slow there, the same numbers."""
+forward under autocast; the LM head's bf16 products shift each token's logits by its target's; the gradients land in
+the parameters' fp32; and a run resolves and logs it. bf16 is emulated on a CPU without AVX512-BF16 or AMX: slow there, the same numbers."""
 
 import json
 

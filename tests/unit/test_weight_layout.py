@@ -326,3 +326,26 @@ def test_which_linears_a_decode_step_multiplies_from_packed_weights(monkeypatch)
     hook.remove()
     monkeypatch.setattr(layout, "packs_bf16", lambda: False)
     assert layout.packed_product(bf16) is None
+
+
+@needs_bf16_packing
+def test_a_weight_load_during_a_generate_call_repacks_and_one_between_calls_drops_the_packs():
+    """Packs never outlive the weights they were made from: a load while a generate call is live packs the new
+    weights (the rest of the call decodes from them), a load between calls leaves nothing packed."""
+    from rlfuse.rollout.engine import DecodeEngine
+    from rlfuse.rollout.state import SamplingParams
+
+    model, other = _llama().to(torch.bfloat16), _llama().to(torch.bfloat16)
+    with torch.no_grad():
+        for p in other.parameters():
+            p.mul_(2.0)
+    engine = DecodeEngine(model, eos_token_id=-1, max_rows=8)
+    run = engine.generate([[1, 5, 9, 11]], 2, SamplingParams(6), 3)
+    head = id(model.lm_head)
+    assert torch.equal(engine.fast_step.packed[head].packed.to_dense(), model.lm_head.weight)
+    engine.load_weights(other.state_dict())
+    assert torch.equal(engine.fast_step.packed[head].packed.to_dense(), other.lm_head.weight)
+    list(run)
+    assert engine.fast_step.packed == {}
+    engine.load_weights(model.state_dict())
+    assert engine.fast_step.packed == {}
