@@ -240,17 +240,33 @@ def _head_logprobs(h: Tensor, head: _Head, targets: Tensor, temperature: float, 
     return picked, (ent if with_entropy else ent.zero_()), lse
 
 
+def logsumexp_(z: Tensor) -> Tensor:
+    """torch.logsumexp(z, -1) of a 2-D z, using z as its buffer (z holds exp(z - rowmax) after): no (rows, V)
+    temporary beside it. Rows of -inf give -inf, rows with +inf give +inf, as torch's."""
+    top = z.amax(-1, keepdim=True)
+    top.masked_fill_(~torch.isfinite(top), 0.0)
+    return z.sub_(top).exp_().sum(-1).log_().add_(top.squeeze(-1))
+
+
 def _chunks(flat, head, tgt, temperature, chunk_tokens, with_entropy, acc, lse, picked, ent) -> None:
-    """chunked_logprobs' loop, filling lse (of the unshifted logits), picked and ent."""
+    """chunked_logprobs' loop, filling lse (of the unshifted logits), picked and ent. Each pass over a (chunk, V)
+    buffer costs about as much as the bf16 product that fills it, so: no division at temperature 1 and, without the
+    entropy, the target's logit read before the log-sum-exp consumes the buffer (two passes fewer than log-softmax)."""
     for s in range(0, len(tgt), chunk_tokens):
-        z, shift = head.logits(flat[s: s + chunk_tokens], tgt[s: s + chunk_tokens], acc)
-        z.div_(temperature)
-        lse_z = torch.logsumexp(z, dim=-1)
-        lse[s: s + chunk_tokens] = lse_z if shift is None else lse_z + shift / temperature
-        logp = z.sub_(lse_z[:, None])
-        picked[s: s + chunk_tokens] = logp.gather(1, tgt[s: s + chunk_tokens, None]).squeeze(1)
+        t = tgt[s: s + chunk_tokens, None]
+        z, shift = head.logits(flat[s: s + chunk_tokens], t.squeeze(1), acc)
+        if temperature != 1.0:
+            z.div_(temperature)
         if with_entropy:  # sum_v p log p as one dot product per row: no (chunk, V) product beside p
+            lse_z = torch.logsumexp(z, dim=-1)
+            logp = z.sub_(lse_z[:, None])
+            picked[s: s + chunk_tokens] = logp.gather(1, t).squeeze(1)
             ent[s: s + chunk_tokens] = -torch.bmm(logp.exp().unsqueeze(1), logp.unsqueeze(2)).view(-1)
+        else:
+            target = z.gather(1, t).squeeze(1)
+            lse_z = logsumexp_(z)
+            picked[s: s + chunk_tokens] = target - lse_z
+        lse[s: s + chunk_tokens] = lse_z if shift is None else lse_z + shift / temperature
 
 
 class TokenLogprobs(torch.autograd.Function):
@@ -294,9 +310,12 @@ class TokenLogprobs(torch.autograd.Function):
             z, shift = head.logits(x, tgt[s: s + n], acc)
             lse_z = lse[s: s + n] if shift is None else lse[s: s + n] - shift / ctx.temperature
             # d logp / dz = onehot - softmax; times the upstream g, over the temperature: in place in z
-            z.div_(ctx.temperature).sub_(lse_z[:, None]).exp_().mul_(-gs)
+            if ctx.temperature != 1.0:
+                z.div_(ctx.temperature)
+            z.sub_(lse_z[:, None]).exp_().mul_(-gs)
             z.scatter_add_(1, tgt[s: s + n, None], gs)
-            z.div_(ctx.temperature)
+            if ctx.temperature != 1.0:
+                z.div_(ctx.temperature)
             dz = z.to(head.w.dtype)
             if grad_h is not None:
                 grad_h[s: s + n] = dz @ head.weight

@@ -28,6 +28,7 @@ from transformers import GPT2Config, GPT2ForSequenceClassification
 from rlfuse.config import ModelConfig, RLConfig
 from rlfuse.learn.advantages import compute_advantages
 from rlfuse.learn.batches import minibatches
+from rlfuse.learn.optim import build_adamw
 from rlfuse.metrics.flops import fastest_seconds, measure_matmul_rate
 from rlfuse.metrics.memory import minor_faults, peak_rise
 from rlfuse.models.forward import collate, response_logprobs
@@ -266,7 +267,7 @@ def measure_profile(shape: ModelShape | None = None, threads: int = 1, device: s
         fixed_lora, per_row_lora = _fit(fb_lora)
         lora_bwd = max(0.2, per_row_lora / per_row - 1)
         lora_train_call = max(1e-7, (fixed_lora - (1 + lora_bwd) * wbytes / mem_bw) / shape.layers)
-        opt = torch.optim.AdamW(model.parameters(), lr=1e-6)
+        opt = build_adamw(model, 1e-6, 0.0)  # the trainers' own optimiser (fused where torch can)
         t_opt = timed("adamw", opt.step, 3)
         optimizer_bytes_s = 16 * n_params / t_opt
         state = {k: v.detach().cpu() for k, v in model.state_dict().items()}

@@ -5,7 +5,7 @@ no-grad path (scoring) gives the same values in chunks of any size."""
 import pytest
 import torch
 
-from rlfuse.models.forward import TokenLogprobs, chunked_logprobs
+from rlfuse.models.forward import TokenLogprobs, chunked_logprobs, logsumexp_
 
 
 @pytest.mark.parametrize("temperature", [1.0, 0.7])
@@ -52,3 +52,30 @@ def test_scoring_without_a_graph_equals_the_training_path_whatever_the_chunk(chu
     torch.testing.assert_close(lse.view(3, 7), torch.logsumexp(h @ w.T, -1))
     assert ent.shape == (21,) and (ent > 0).all()
     assert (chunked_logprobs(h, w, targets, 1.0, chunk_tokens, False)[1] == 0).all()  # no entropy asked: zeros
+
+
+@pytest.mark.parametrize("temperature", [1.0, 0.7])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_without_the_entropy_the_log_probs_equal_the_entropy_paths(temperature, dtype):
+    """Without the entropy the chunks read the target's logit and let the log-sum-exp consume the buffer; the
+    log-probs and log-sum-exps are the entropy path's, in fp32 and through the shifted bf16 head."""
+    torch.manual_seed(3)
+    h, w = torch.randn(2, 9, 32, dtype=dtype), torch.randn(300, 32)
+    targets = torch.randint(0, 300, (2, 9))
+    with torch.no_grad():
+        lp_fast, _, lse_fast = chunked_logprobs(h, w, targets, temperature, 5, False)
+        lp_ent, _, lse_ent = chunked_logprobs(h, w, targets, temperature, 5, True)
+    torch.testing.assert_close(lp_fast, lp_ent, rtol=1e-6, atol=1e-5)
+    torch.testing.assert_close(lse_fast, lse_ent, rtol=1e-6, atol=1e-5)
+
+
+def test_in_place_logsumexp_equals_torchs_including_infinite_rows():
+    torch.manual_seed(4)
+    z = torch.randn(6, 1000) * 20
+    z[1] = float("-inf")  # every logit masked
+    z[2, 7] = float("inf")
+    z[3, :500] = float("-inf")
+    want = torch.logsumexp(z, -1)
+    got = logsumexp_(z.clone())
+    torch.testing.assert_close(got, want)
+    assert got[1] == float("-inf") and got[2] == float("inf")
