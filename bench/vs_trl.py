@@ -119,6 +119,9 @@ SYSTEMS = {
     # faulting fresh ones in, for a higher peak RSS
     "rlfuse-rloo-reuse": ("rlfuse", "rloo", {"fusion": "auto", "set": ["run.cpu_heap=reuse"]}),
     "rlfuse-grpo-reuse": ("rlfuse", "grpo", {"fusion": "auto", "set": ["run.cpu_heap=reuse"]}),
+    # rlfuse with run.cpu_heap=update (--rlfuse-update-heap): reuse inside the update only, handed back after it
+    "rlfuse-rloo-update-heap": ("rlfuse", "rloo", {"fusion": "auto", "set": ["run.cpu_heap=update"]}),
+    "rlfuse-grpo-update-heap": ("rlfuse", "grpo", {"fusion": "auto", "set": ["run.cpu_heap=update"]}),
     # rlfuse's full fine-tuning decoding its fp32 actor itself (--rlfuse-fp32-decode), as auto did before it took a
     # bf16 copy per rollout where the hardware multiplies bf16 natively and the update computes in bf16
     "rlfuse-rloo-fp32-decode": ("rlfuse", "rloo", {"fusion": "auto", "set": ["rollout.generator_dtype=fp32"]}),
@@ -633,6 +636,9 @@ def main() -> None:
     ap.add_argument("--rlfuse-reuse", action="store_true",
                     help="every workload also runs rlfuse with run.cpu_heap=reuse (rlfuse-<algo>-reuse), a row of its "
                          "own beside rlfuse's default (the lean heap); the targets stay judged on the default")
+    ap.add_argument("--rlfuse-update-heap", action="store_true",
+                    help="every workload also runs rlfuse with run.cpu_heap=update (rlfuse-<algo>-update-heap), a row "
+                         "of its own beside rlfuse's default (the lean heap); the targets stay judged on the default")
     ap.add_argument("--rlfuse-fp32-decode", action="store_true",
                     help="every workload also runs rlfuse with rollout.generator_dtype=fp32 (rlfuse-<algo>-fp32-decode: "
                          "full fine-tuning decodes its fp32 actor), a row of its own beside rlfuse's default")
@@ -885,7 +891,8 @@ def headline_title(w: str, gpu: str) -> str | None:
 def workload_command(a, w: str) -> str:
     return f"python -m bench.vs_trl --workloads {w}" + (" --small" if a.small and not a.smoke else "") + \
         (" --smoke" if a.smoke else "") + (" --rlfuse-gc" if a.rlfuse_gc else "") + \
-        (" --rlfuse-reuse" if a.rlfuse_reuse else "") + (" --rlfuse-fp32-decode" if a.rlfuse_fp32_decode else "")
+        (" --rlfuse-reuse" if a.rlfuse_reuse else "") + (" --rlfuse-fp32-decode" if a.rlfuse_fp32_decode else "") + \
+        (" --rlfuse-update-heap" if a.rlfuse_update_heap else "")
 
 
 def pair(res: dict) -> tuple[dict, dict]:
@@ -938,6 +945,7 @@ def measure_workload(a, w: str, cases: list[Case]) -> tuple[str, dict]:
         names = case.names + (("rlfuse-rloo-tokens",) if w == "b" else ()) + \
             ((f"rlfuse-{case.algo}-gc",) if a.rlfuse_gc else ()) + \
             ((f"rlfuse-{case.algo}-reuse",) if a.rlfuse_reuse else ()) + \
+            ((f"rlfuse-{case.algo}-update-heap",) if a.rlfuse_update_heap else ()) + \
             ((f"rlfuse-{case.algo}-fp32-decode",) if a.rlfuse_fp32_decode else ())
         runs = {n: [] for n in names}
         for _ in range(rounds):  # alternate A B A B

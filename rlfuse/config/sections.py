@@ -41,12 +41,14 @@ class RunConfig:
     threads: int = 0
     """torch CPU threads; 0 leaves torch's default."""
     cpu_heap: str = "lean"
-    """lean | reuse: how glibc's malloc serves a run's tensors on a CPU (Linux; a GPU's are CUDA's). lean: every
-    tensor of 1 MiB or more is a mapping of its own, handed back to the OS when freed, and the heap is trimmed
+    """lean | update | reuse: how glibc's malloc serves a run's tensors on a CPU (Linux; a GPU's are CUDA's). lean:
+    every tensor of 1 MiB or more is a mapping of its own, handed back to the OS when freed, and the heap is trimmed
     before each training micro-batch: the lowest resident memory, but a step faults its large tensors' pages in
-    afresh, which is slow where page faults are dear (a VM: docs/benchmarks/real_model.md "cpu_heap"). reuse:
-    tensors under 32 MiB come from the heap and the next micro-batch reuses their pages: faster there, a higher
-    peak RSS. The planner prices the faults of the one chosen."""
+    afresh, which is slow where page faults are dear (a VM: docs/benchmarks/real_model.md "cpu_heap"). update: lean
+    but inside an update, where tensors under 8 MiB come from the heap and the next micro-batch reuses their pages,
+    handed back when the update ends (SmolLM2 full fine-tuning on a 2-core VM: iterations 1.2-1.4x faster at 4-8%
+    more peak RSS; models/quantize.update_heap). reuse: tensors under 32 MiB come from the heap all run: fastest
+    there, the highest peak RSS. The planner prices the faults of the one chosen."""
     memory_table: Optional[bool] = None
     """The RL stage measures memory per component (rl/memory.json and the report's table; one process only, Ray
     workers log their RSS). null: on where memory is the point (model.quantization or a shared base). On a CPU

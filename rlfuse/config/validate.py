@@ -84,7 +84,7 @@ def validate(cfg: Config) -> Config:
     _choice(r.precision, "run.precision", ("auto", "fp32", "bf16", "fp16"))
     _validate_quantization(cfg)
     _positive(r, "run", "threads", allow_zero=True)
-    _choice(r.cpu_heap, "run.cpu_heap", ("lean", "reuse"))
+    _choice(r.cpu_heap, "run.cpu_heap", ("lean", "update", "reuse"))
     _validate_report_to(r.report_to)
     _choice(d.kind, "data.kind", DATA_KINDS)
     if d.kind in ("csv", "jsonl", "parquet", "hub") and not d.path:

@@ -21,7 +21,7 @@ from rlfuse.learn.optim import clip_and_step
 from rlfuse.models.build import Models
 from rlfuse.models.forward import can_share, worth_sharing
 from rlfuse.models.mapped import release_mapped
-from rlfuse.models.quantize import trim_cpu_heap
+from rlfuse.models.quantize import trim_cpu_heap, update_heap
 from rlfuse.rollout.fusion import Experience
 
 
@@ -94,9 +94,15 @@ def optimise(learners: list[Learner], batches: list[list[int]], exp: Experience,
     group: data parallelism (rlfuse/runtime/data_parallel.py DataParallelGroup, DDP underneath, or fsdp.py ShardedGroup): this rank runs its
     micro-batches of each mini-batch (micro_batches), padded with zero-weight ones to the same count on every rank,
     the losses computed inside DDP's forward; the last micro-batch's backward all-reduces, so every rank steps on the
-    gradient one process would get from the whole mini-batch."""
-    if group is not None:
-        return _optimise_data_parallel(learners, batches, exp, micro_size, loss_of, rl, bad, group)
+    gradient one process would get from the whole mini-batch. Runs inside update_heap (run.cpu_heap=update)."""
+    with update_heap():
+        if group is not None:
+            return _optimise_data_parallel(learners, batches, exp, micro_size, loss_of, rl, bad, group)
+        return _optimise_one(learners, batches, exp, micro_size, loss_of, rl, bad)
+
+
+def _optimise_one(learners, batches, exp, micro_size, loss_of, rl, bad):
+    """optimise in one process."""
     sums: dict = {}
     count, steps, norms = 0, 0, [0.0] * len(learners)
     for mini in batches:

@@ -425,10 +425,15 @@ MMAP_THRESHOLD = 1 << 20
 threshold there at a CPU model load (models/quantize.fix_cpu_heap, run.cpu_heap=lean), so every tensor of this size
 or more is fresh pages to fault in (MachineProfile.fault_s), and a smaller one comes from the heap, whose pages are
 reused."""
-CPU_HEAP_THRESHOLDS = {"lean": MMAP_THRESHOLD, "reuse": 32 << 20}
+CPU_HEAP_THRESHOLDS = {"lean": MMAP_THRESHOLD, "update": MMAP_THRESHOLD, "reuse": 32 << 20}
 """run.cpu_heap -> the mmap threshold fix_cpu_heap sets. reuse: glibc's largest (32 MiB on 64-bit), so a training
 micro-batch's activations come from the heap and reuse its pages; only larger tensors (a micro-batch's logits) are
-fresh mappings."""
+fresh mappings. update: lean's, but UPDATE_HEAP_THRESHOLDS' inside an update."""
+UPDATE_HEAP_THRESHOLDS = {"lean": MMAP_THRESHOLD, "update": 8 << 20, "reuse": 32 << 20}
+"""run.cpu_heap -> the mmap threshold while an update's micro-batches run (models/quantize.update_heap): the one a
+training micro-batch's faults are priced at. update: 8 MiB, so each weight-sized tensor a full fine-tuning
+micro-batch makes afresh (autocast's bf16 copy of a weight, the weight's gradient in bf16 and in fp32: 1.3-3.5 MB
+on SmolLM2) reuses the pages the previous micro-batch freed; the heap is handed back when the update ends."""
 PAGE_BYTES = 4096
 MAPPED_PER_LAYER = {
     True: {"hidden": 34.0, "kv": 11.0, "ffn": 9.0},

@@ -157,7 +157,7 @@ class Problem:
     """rl.train_parallel values to rank where two or more workers train (data: DDP replicas; fsdp: FSDP2 shards,
     runtime/fsdp.py); (): replicas, unlabelled (a pipeline mode the planner prices as data parallelism)."""
     mmap_threshold: float = cost.MMAP_THRESHOLD
-    """glibc's mmap threshold on a CPU (run.cpu_heap: cost.CPU_HEAP_THRESHOLDS): the tensors whose pages a training
+    """glibc's mmap threshold on a CPU in an update (run.cpu_heap: cost.UPDATE_HEAP_THRESHOLDS): the tensors whose pages a training
     micro-batch faults in afresh."""
 
 
@@ -686,7 +686,7 @@ def problem_from_config(cfg, profile: MachineProfile, workers: int | None = None
         "data", "fsdp")
     return Problem(roles, workload, mem, profile, workers, resources, memory_budget, migrate_below=migrate,
                    staleness=staleness, address=pc.address, train_parallel=train_parallel,
-                   mmap_threshold=cost.CPU_HEAP_THRESHOLDS[cfg.run.cpu_heap])
+                   mmap_threshold=cost.UPDATE_HEAP_THRESHOLDS[cfg.run.cpu_heap])
 
 
 QUANTISED_DTYPE = {"none": "fp32", "4bit": "nf4-dq", "8bit": "int8"}

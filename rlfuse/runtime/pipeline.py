@@ -39,7 +39,7 @@ from rlfuse.learn.optim import build_constant_optimizer
 from rlfuse.learn.update import BadSteps, add_stats
 from rlfuse.models.forward import collate
 from rlfuse.models.pipeline_stages import Stage, split_actor, split_critic
-from rlfuse.models.quantize import trim_cpu_heap
+from rlfuse.models.quantize import trim_cpu_heap, update_heap
 from rlfuse.rollout.fusion import Experience
 from rlfuse.runtime.process import free_port, pin_threads, pin_to_cores
 from rlfuse.schedule.build import fused, serial
@@ -166,14 +166,16 @@ class PipelineTrainer:
         sums: dict = {ACTOR: {}, CRITIC: {}}
         counts = {ACTOR: 0, CRITIC: 0}
         norms, steps, schedules, self.spans = [0.0, 0.0], [0, 0], {}, []
-        for n, mini in enumerate(batches):
-            mbs = list(micro_batches(exp, mini, rl.micro_batch_size, 0, 1, rl.micro_batch_tokens, rl.share_prompt))
-            trim_cpu_heap()  # as learn/update.py before each micro-batch: here the schedule holds several at once
-            prob, schedules[n], program = self.plan(len(mbs))
-            counts = self._run(n, prob, program, exp, mbs, (actor_loss, critic_loss), sums, counts)
-            for m, norm in enumerate(self._step(bad)):
-                if norm is not None:
-                    norms[m], steps[m] = norms[m] + norm, steps[m] + 1
+        with update_heap():  # run.cpu_heap=update, as learn/update.py optimise
+            for n, mini in enumerate(batches):
+                mbs = list(micro_batches(exp, mini, rl.micro_batch_size, 0, 1, rl.micro_batch_tokens,
+                                         rl.share_prompt))
+                trim_cpu_heap()  # as learn/update.py before each micro-batch: here the schedule holds several at once
+                prob, schedules[n], program = self.plan(len(mbs))
+                counts = self._run(n, prob, program, exp, mbs, (actor_loss, critic_loss), sums, counts)
+                for m, norm in enumerate(self._step(bad)):
+                    if norm is not None:
+                        norms[m], steps[m] = norms[m] + norm, steps[m] + 1
         mine = {k: float(v) / max(1, int(counts[m])) for m in (ACTOR, CRITIC) for k, v in sums[m].items()}
         everyone = [None] * self.world
         # once per update: the actor's stats live on rank P-1, the critic's on rank 0, the spans everywhere

@@ -193,3 +193,44 @@ def test_trimming_hands_back_the_pages_of_freed_small_tensors():
                                check=True).stdout.split() for how in ("trim", "keep")}
     assert out["trim"][0] == "1" and float(out["trim"][1]) > 100, out
     assert out["keep"][0] == "0" and float(out["keep"][1]) < 5, out
+
+
+UPDATE_PROBE = """
+import resource, sys, torch
+import rlfuse.models.quantize as q
+rss = lambda: int(open("/proc/self/statm").read().split()[1]) * 4096
+q.choose_cpu_heap(sys.argv[1])
+assert q.fix_cpu_heap("cpu")
+faults = lambda: resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+
+def micro_batches():  # 4 MiB, as a weight's gradient a full fine-tuning micro-batch makes afresh
+    for step in range(12):
+        if step == 8:  # glibc's heap settles after a few
+            start = faults()
+        w = torch.ones(1 << 20); del w
+    return faults() - start
+
+outside = micro_batches()
+with q.update_heap():
+    inside = micro_batches()
+    kept = rss()
+print(outside, inside, (kept - rss()) / 2**20)
+"""
+
+
+@pytest.mark.skipif(__import__("platform").libc_ver()[0] != "glibc", reason="glibc's mallopt: glibc only")
+def test_the_update_heap_reuses_pages_inside_an_update_and_hands_them_back_after():
+    """run.cpu_heap=update (models/quantize.update_heap): outside an update lean's threshold, so a freed 4 MiB
+    tensor's pages go back and the next faults all 1024 in; inside one they come from the heap's pages, already in;
+    at its end the heap's free pages leave the RSS. Under lean the context changes nothing."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[2]
+    out = {how: [float(v) for v in subprocess.run([sys.executable, "-c", UPDATE_PROBE, how], cwd=root,
+                                                   capture_output=True, text=True, check=True).stdout.split()]
+           for how in ("update", "lean")}
+    outside, inside, handed_back = out["update"]
+    assert outside >= 4 * 1024 and inside < 100 and handed_back >= 3, out
+    assert out["lean"][1] >= 4 * 1024 and out["lean"][2] < 1, out
