@@ -5,6 +5,8 @@ buckets."""
 from __future__ import annotations
 
 import sys
+from collections.abc import Callable
+from dataclasses import dataclass
 
 import torch
 
@@ -27,8 +29,24 @@ def peft_layer_types() -> tuple[tuple, tuple]:
     return (LoraLayer,), (ModulesToSaveWrapper,)
 
 
+@dataclass(frozen=True)
+class DeferredTensor:
+    """A merged LoRA weight that merged_weights(deferred=True) computes only when the receiver copies it (rollout/
+    weights.py copy_weights): its shape is known before, so names and shapes are checked first, and one merged
+    weight is alive at a time instead of a full-precision copy of every adapted matrix at once (SmolLM2 LoRA on q/k/v/
+    o/gate/up/down: about 0.5 GB during each weight sync)."""
+    shape: torch.Size
+    make: Callable[[], torch.Tensor]
+
+
 @torch.no_grad()
 def merged_state_dict(model) -> dict[str, torch.Tensor]:
+    """merged_weights with every tensor computed: what each stage saves."""
+    return merged_weights(model)
+
+
+@torch.no_grad()
+def merged_weights(model, deferred: bool = False) -> dict[str, torch.Tensor | DeferredTensor]:
     """The state dict of `model` with its active LoRA adapters folded in, under the plain model's key names, without
     touching `model`: each LoRA layer's weight is base weight + peft's get_delta_weight (a new tensor), a
     modules_to_save copy (the reward model's trained `score` head) replaces its original, and adapter tensors are
@@ -46,12 +64,10 @@ def merged_state_dict(model) -> dict[str, torch.Tensor]:
         if isinstance(module, lora_layer):
             layer = module.get_base_layer()
             quantized = quantized_layer(layer)
-            weight = dequantized_weight(layer) if quantized else layer.weight
-            if not module.merged and not module.disable_adapters:  # merged: the delta is in the weight already
-                for a in (a for a in module.active_adapters if a in module.lora_A):
-                    # a dequantised weight is our own copy: add in place rather than hold a second full-size tensor
-                    weight = weight.add_(module.get_delta_weight(a)) if quantized else weight + module.get_delta_weight(a)
-            merged[f"{name}.weight"] = weight.t() if quantized and transpose else weight
+            if deferred and not quantized:  # a quantised layer's plain shape is known only once dequantised
+                merged[f"{name}.weight"] = DeferredTensor(layer.weight.shape, _merger(module, layer, False, False))
+            else:
+                merged[f"{name}.weight"] = _merger(module, layer, quantized, transpose)()
             renamed.append((f"{name}.base_layer.", f"{name}."))
             if quantized_layer(layer):
                 quant_states += [f"{name}.base_layer.{k}" for k in QUANT_STATE_KEYS]
@@ -73,3 +89,18 @@ def merged_state_dict(model) -> dict[str, torch.Tensor]:
         if key is not None:
             out[key] = merged.get(key, value)
     return out
+
+
+def _merger(module, layer, quantized: bool, transpose: bool) -> Callable[[], torch.Tensor]:
+    """The merged weight of one LoRA layer, base + each active adapter's delta, when called."""
+
+    @torch.no_grad()
+    def make() -> torch.Tensor:
+        weight = dequantized_weight(layer) if quantized else layer.weight
+        if not module.merged and not module.disable_adapters:  # merged: the delta is in the weight already
+            for a in (a for a in module.active_adapters if a in module.lora_A):
+                # a dequantised weight is our own copy: add in place rather than hold a second full-size tensor
+                weight = weight.add_(module.get_delta_weight(a)) if quantized else weight + module.get_delta_weight(a)
+        return weight.t() if quantized and transpose else weight
+
+    return make

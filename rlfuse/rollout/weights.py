@@ -8,13 +8,16 @@ from collections.abc import Iterable, Iterator, Mapping
 import torch
 from torch import Tensor
 
-NamedTensors = Mapping[str, Tensor] | Iterable[tuple[str, Tensor]]
+from rlfuse.models.weights import DeferredTensor
+
+NamedTensors = Mapping[str, Tensor | DeferredTensor] | Iterable[tuple[str, Tensor | DeferredTensor]]
 
 
 def copy_weights(model: torch.nn.Module, tensors: NamedTensors) -> int:
     """Copy named tensors (names of model.state_dict(), e.g. `transformer.h.0.attn.c_attn.weight`) into the model in
     place, converting dtype and device. Checks every name and shape before copying anything. Tied weights (GPT-2's
-    lm_head.weight is transformer.wte.weight) share storage, so either name updates both. Returns bytes written."""
+    lm_head.weight is transformer.wte.weight) share storage, so either name updates both. A DeferredTensor (a merged
+    LoRA weight, models/weights.py merged_weights) is computed as it is copied. Returns bytes written."""
     items = list(tensors.items() if isinstance(tensors, Mapping) else tensors)
     own = model.state_dict(keep_vars=True)
     for name, t in items:
@@ -28,7 +31,7 @@ def copy_weights(model: torch.nn.Module, tensors: NamedTensors) -> int:
     with torch.no_grad():
         for name, t in items:
             dst = own[name]
-            dst.copy_(t)
+            dst.copy_(t.make() if isinstance(t, DeferredTensor) else t)
             written += dst.numel() * dst.element_size()
     return written
 

@@ -17,7 +17,7 @@ from rlfuse.learn.learners import Learners
 from rlfuse.learn.update import BadSteps, update
 from rlfuse.models.build import Models
 from rlfuse.models.shared import actor_decoding, eval_for_decoding
-from rlfuse.models.weights import merged_state_dict
+from rlfuse.models.weights import merged_weights
 from rlfuse.rollout.engine import DecodeEngine
 from rlfuse.rollout.fusion import Experience, FusionPolicy, generate_rollouts, scores_proximal
 from rlfuse.rollout.score import Scorer
@@ -30,7 +30,7 @@ def sync_weights(engine: DecodeEngine, actor: torch.nn.Module) -> dict:
     if engine.shares_weights:
         return {"time/weight_sync": 0.0, "sync/bytes": 0}
     t = time.perf_counter()
-    n = engine.load_weights(merged_state_dict(actor))
+    n = engine.load_weights(merged_weights(actor, deferred=True))  # one merged weight alive at a time
     return {"time/weight_sync": time.perf_counter() - t, "sync/bytes": n}
 
 

@@ -126,3 +126,31 @@ def test_full_fine_tuning_decodes_the_actor_itself(tiny_task, tmp_path):
     for a, b in zip(sorted(got, key=key), sorted(want, key=key)):
         assert a.token_ids == b.token_ids
         torch.testing.assert_close(torch.as_tensor(a.logprobs), torch.as_tensor(b.logprobs), rtol=0, atol=1e-6)
+
+
+def test_the_sync_merges_one_lora_weight_at_a_time_into_the_same_bits(tiny_task, tmp_path):
+    """runtime/local.py sync_weights hands the generator merged_weights(deferred=True): each adapted matrix's merged
+    weight is a DeferredTensor made as it is copied, and the generator ends with the bits merged_state_dict gives."""
+    import copy
+
+    from rlfuse.config import load_config
+    from rlfuse.learn.learners import Learner
+    from rlfuse.models.build import build_models
+    from rlfuse.models.forward import collate, response_logprobs
+    from rlfuse.models.weights import DeferredTensor, merged_state_dict, merged_weights
+    from rlfuse.rollout.engine import DecodeEngine
+    from rlfuse.runtime.local import sync_weights
+
+    cfg = load_config(None, [f"rl.sft_path={tiny_task.model_dir}", "rl.reward=rlfuse.data.gold:gold_reward",
+                             "rl.algo=grpo", "rl.k=2", "model.lora=true", "rollout.generator_dtype=fp32"])
+    models = build_models(cfg, tmp_path, torch.device("cpu"))
+    actor = Learner.constant(models.actor, 1e-2)
+    response_logprobs(models.actor, collate([[1, 2, 3]], [[6, 7, 8]], 0, "cpu")).sum().backward()
+    actor.step(0.0)
+    deferred = merged_weights(models.actor, deferred=True)
+    assert sum(isinstance(t, DeferredTensor) for t in deferred.values()) >= 2
+    eager = copy.deepcopy(models.generator)
+    DecodeEngine(eager, models.tokenizer.eos_token_id).load_weights(merged_state_dict(models.actor))
+    assert sync_weights(DecodeEngine(models.generator, models.tokenizer.eos_token_id), models.actor)["sync/bytes"] > 0
+    for (name, got), want in zip(models.generator.state_dict().items(), eager.state_dict().values()):
+        assert torch.equal(got, want), name
