@@ -35,7 +35,7 @@ from rlfuse.models.build import frozen, load_policy, reward_function, stage_fold
 from rlfuse.models.device import pick_device
 from rlfuse.models.load import apply_lora, load_tokenizer
 from rlfuse.models.rewards import metrics_of_sums, take_reward_sums
-from rlfuse.models.weights import merged_state_dict
+from rlfuse.models.weights import merged_weights
 from rlfuse.plan.roles import derive_roles
 from rlfuse.plan.strategies import spec_from_config
 from rlfuse.rollout.engine import DecodeEngine, Sample, SamplingParams
@@ -261,10 +261,10 @@ class GenerationWorker:
 
     def merge_adapter(self) -> tuple[int, float]:
         """The adapter load_weights("adapter", ...) received, folded into the generator: the merged weights are
-        merged_state_dict of the same base and adapter tensors as the trainer's actor, so the generator gets the same
-        bits a merged sync would send. -> (bytes written into the generator, seconds)."""
+        merged_weights (made one at a time) of the same base and adapter tensors as the trainer's actor, so the
+        generator gets the same bits a merged sync would send. -> (bytes written into the generator, seconds)."""
         t = time.perf_counter()
-        return self.engine.load_weights(merged_state_dict(self.adapted)), time.perf_counter() - t
+        return self.engine.load_weights(merged_weights(self.adapted, deferred=True)), time.perf_counter() - t
 
     def set_temperature(self, temperature: float) -> None:
         """The iteration's temperature for the reference (and sampling) log-probs (rl.temperature_schedule)."""

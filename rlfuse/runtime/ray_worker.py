@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import time
 
-from rlfuse.models.weights import merged_state_dict
+from rlfuse.models.weights import merged_weights
 from rlfuse.runtime.local import decode_engine, local_scorer
 from rlfuse.runtime.process import pin_threads
 from rlfuse.runtime.ray_common import start_actors
@@ -69,7 +69,7 @@ class RoleWorker(GenerationWorker, TrainWorker):
         if self.engine.shares_weights:
             return 0, 0.0
         t = time.perf_counter()
-        return self.engine.load_weights(merged_state_dict(self.models.actor)), time.perf_counter() - t
+        return self.engine.load_weights(merged_weights(self.models.actor, deferred=True)), time.perf_counter() - t
 
 
 def start_role_workers(cfg, run_dir, n: int, models: WorkerModels, settings: RolloutSettings, cpus_per_worker: float,
