@@ -75,9 +75,9 @@ _libc = None
 
 
 def choose_cpu_heap(policy: str) -> None:
-    """run.cpu_heap for this process (lean | reuse, config/sections.py): the thresholds fix_cpu_heap sets at the
-    next CPU model load, or now where an earlier load fixed another policy's. Trainers and training workers call it
-    before they load a model."""
+    """run.cpu_heap for this process (lean | update | reuse, config/sections.py): the thresholds fix_cpu_heap sets at
+    the next CPU model load, or now where an earlier load fixed another policy's. Trainers and training workers call
+    it before they load a model."""
     global _heap_policy
     _heap_policy = policy
     if _heap_threshold is not None:
