@@ -94,8 +94,7 @@ def head_rows(model, tokens: int = 1024) -> list[list]:
 
 
 def main() -> None:
-    torch.set_grad_enabled(True)
-    model = load_causal_lm(str(local_model("smollm2-135m-instruct")), ).float()
+    model = load_causal_lm(str(local_model("smollm2-135m-instruct"))).float()
     n = sum(p.numel() for p in model.parameters())
     adamw, adamw_diff = adamw_rows(model)
     model.requires_grad_(False)

@@ -46,9 +46,10 @@ class RunConfig:
     before each training micro-batch: the lowest resident memory, but a step faults its large tensors' pages in
     afresh, which is slow where page faults are dear (a VM: docs/benchmarks/real_model.md "cpu_heap"). update: lean
     but inside an update, where tensors under 8 MiB come from the heap and the next micro-batch reuses their pages,
-    handed back when the update ends (SmolLM2 full fine-tuning on a 2-core VM: iterations 1.2-1.4x faster at 4-8%
-    more peak RSS; models/quantize.update_heap). reuse: tensors under 32 MiB come from the heap all run: fastest
-    there, the highest peak RSS. The planner prices the faults of the one chosen."""
+    handed back when the update ends (SmolLM2 full fine-tuning on a 2-core VM, bench/vs_trl.py d1 and d3 with
+    --rlfuse-update-heap: iterations 1.16x and 1.46x faster at 7% and 6% more peak RSS; models/quantize.update_heap).
+    reuse: tensors under 32 MiB come from the heap all run: fastest there, the highest peak RSS. The planner prices
+    the faults of the one chosen."""
     memory_table: Optional[bool] = None
     """The RL stage measures memory per component (rl/memory.json and the report's table; one process only, Ray
     workers log their RSS). null: on where memory is the point (model.quantization or a shared base). On a CPU

@@ -116,9 +116,9 @@ def update_heap():
     """An update's micro-batches under run.cpu_heap=update: glibc's mmap threshold raised to
     UPDATE_HEAP_THRESHOLDS' while they run, so a micro-batch's tensors under it come from the heap and reuse the
     pages the previous one freed, then lean's again and the heap's free pages handed back (malloc_trim) before the
-    rollout. What it buys is the weight-sized tensors a full fine-tuning micro-batch makes afresh (on SmolLM2 GRPO,
-    bench/vs_trl.py d3's child on a 2-core AMD EPYC VM: iteration 10.6 s lean, 7.6 s so, 7.2 s under reuse; peak RSS
-    3515, 3660-3700 and 4030-4180 MiB). Does nothing under the other policies or where the thresholds are not fixed."""
+    rollout. What it buys is the weight-sized tensors a full fine-tuning micro-batch makes afresh (SmolLM2 GRPO on a
+    2-core AMD EPYC VM, `python -m bench.vs_trl --workloads d3 --rlfuse-update-heap`: iteration 10.8 s lean, 7.4 s
+    so; peak RSS 3514 and 3710 MiB). Does nothing under the other policies or where the thresholds are not fixed."""
     if _libc is None or _heap_policy != "update":
         yield
         return

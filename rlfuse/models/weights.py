@@ -64,12 +64,12 @@ def merged_weights(model, deferred: bool = False) -> dict[str, torch.Tensor | De
         if isinstance(module, lora_layer):
             layer = module.get_base_layer()
             quantized = quantized_layer(layer)
-            if deferred and not quantized:  # a quantised layer's plain shape is known only once dequantised
-                merged[f"{name}.weight"] = DeferredTensor(layer.weight.shape, _merger(module, layer, False, False))
-            else:
-                merged[f"{name}.weight"] = _merger(module, layer, quantized, transpose)()
+            make = _merger(module, layer, quantized, transpose)
+            # a quantised layer's plain shape is known only once dequantised: merged now
+            deferred_here = deferred and not quantized
+            merged[f"{name}.weight"] = DeferredTensor(layer.weight.shape, make) if deferred_here else make()
             renamed.append((f"{name}.base_layer.", f"{name}."))
-            if quantized_layer(layer):
+            if quantized:
                 quant_states += [f"{name}.base_layer.{k}" for k in QUANT_STATE_KEYS]
         elif quantized_layer(module):  # a quantised layer without LoRA: its weight, dequantised
             merged[f"{name}.weight"] = dequantized_weight(module, transpose)

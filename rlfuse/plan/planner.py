@@ -157,8 +157,8 @@ class Problem:
     """rl.train_parallel values to rank where two or more workers train (data: DDP replicas; fsdp: FSDP2 shards,
     runtime/fsdp.py); (): replicas, unlabelled (a pipeline mode the planner prices as data parallelism)."""
     mmap_threshold: float = cost.MMAP_THRESHOLD
-    """glibc's mmap threshold on a CPU in an update (run.cpu_heap: cost.UPDATE_HEAP_THRESHOLDS): the tensors whose pages a training
-    micro-batch faults in afresh."""
+    """glibc's mmap threshold on a CPU while an update runs (run.cpu_heap: cost.UPDATE_HEAP_THRESHOLDS): the tensors
+    whose pages a training micro-batch faults in afresh."""
 
 
 @dataclass(frozen=True)
