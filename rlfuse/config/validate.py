@@ -12,6 +12,7 @@ import sys
 from pathlib import Path
 
 from rlfuse.config.algorithms import ALGORITHMS, BEHAVIOUR_WEIGHT_MODES
+from rlfuse.config.callables import check_callable
 from rlfuse.config.model_files import gguf_file_of
 from rlfuse.config.sections import (
     DATA_KINDS,
@@ -247,10 +248,8 @@ def _validate_rl(cfg: Config) -> None:
         raise ConfigError("rl.skip_zero_advantage", f"the pipeline schedule (rl.train_parallel={rl.train_parallel}) "
                           f"runs a fixed number of micro-batches", "set rl.train_parallel=data or the option false")
     specs = [] if rl.reward == "rm" else [x.strip() for x in rl.reward.split(",")]
-    bad = [x for x in specs if x.count(":") != 1 or not all(x.split(":"))]
-    if bad:
-        raise ConfigError("rl.reward", f"{bad[0]!r} is neither 'rm' nor 'module:function'",
-                          "e.g. rl.reward=rlfuse.data.gold:gold_reward (several: separate them with commas)")
+    if specs:  # each function found now (no user code runs yet), a file path kept absolute
+        rl.reward = ",".join(check_callable(x, "rl.reward") for x in specs)
     if rl.reward_weights is not None:
         if len(rl.reward_weights) != len(specs):
             raise ConfigError("rl.reward_weights", f"{len(rl.reward_weights)} weights for {len(specs)} reward "
@@ -319,6 +318,14 @@ def _validate_train_parallel(cfg: Config) -> None:
                           "quantisation)", "set model.lora=false, or rl.train_parallel=data")
 
 
+def require_ray(what: str) -> None:
+    """A placement on Ray workers needs Ray: said when the config loads, not once the models have loaded."""
+    if not package_installed("ray"):
+        raise ConfigError("placement.strategy", f"{what} runs on Ray workers, and Ray is not installed",
+                          "install it (bash scripts/install.sh ray, or pip install 'ray>=2.40'), or set "
+                          "placement.strategy=single")
+
+
 def _validate_placement(cfg: Config) -> None:
     """The placement section's fields; the layout itself (roles placed, shared weights together, memory) is the
     placement checker's, run by rlfuse/plan/resolve.py before any worker starts."""
@@ -331,6 +338,8 @@ def _validate_placement(cfg: Config) -> None:
                           "a whole number", "set it to e.g. 0.5, 1 or 2")
     if p.memory_per_worker_gb is not None:
         _positive(p, "placement", "memory_per_worker_gb")
+    if p.strategy not in ("single", "auto"):
+        require_ray(f"placement.strategy={p.strategy}")
     least = MIN_WORKERS.get(p.strategy, 1)
     if p.workers < least:
         raise ConfigError("placement.workers", f"placement.strategy={p.strategy} needs at least {least} workers, got "

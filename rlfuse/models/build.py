@@ -4,7 +4,6 @@
 
 from __future__ import annotations
 
-import importlib
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -12,7 +11,8 @@ import torch
 from torch.utils.checkpoint import checkpoint
 
 from rlfuse.config import Config, checkpointing_on
-from rlfuse.errors import ConfigError, UserError, first_line
+from rlfuse.config.callables import load_callable
+from rlfuse.errors import UserError
 from rlfuse.models.device import autocast_to, generator_copy_dtype, rl_compute_dtype
 from rlfuse.models.gguf import local_model
 from rlfuse.models.heads import ValueModel
@@ -72,20 +72,7 @@ def _folder(given: str | None, default: Path, field: str, stage: str) -> str:
 
 
 def load_reward_function(spec: str):
-    module, _, name = spec.partition(":")
-    try:
-        fn = getattr(importlib.import_module(module), name)
-    except (ImportError, AttributeError) as e:
-        raise ConfigError("rl.reward", f"cannot import {spec!r} ({type(e).__name__})",
-                          "give module:function of an importable function, e.g. f(prompts, completions, **columns)") from None
-    except Exception as e:  # the user's module fails as it imports: theirs to fix, named as such
-        first = first_line(e)
-        raise ConfigError("rl.reward", f"importing {module} raised {type(e).__name__}: {first}",
-                          "fix the module (python -c 'import " + module + "' shows it)") from None
-    if not callable(fn):
-        raise ConfigError("rl.reward", f"{spec} is a {type(fn).__name__}, not a function",
-                          "name a function f(prompts, completions, **columns) -> list of floats")
-    return fn
+    return load_callable(spec, "rl.reward")
 
 
 def load_policy(folder: str) -> torch.nn.Module:

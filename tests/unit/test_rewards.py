@@ -107,11 +107,12 @@ def test_a_missing_column_or_wrong_count_says_what_to_do():
 
 
 def test_reward_weights_are_checked_against_the_functions():
+    two = "rl.reward=rlfuse.data.gold:gold_reward,rlfuse.data.arithmetic:exact_match"
     with pytest.raises(ConfigError, match="rl.reward_weights: 1 weights for 2 reward function"):
-        load_config(None, ["rl.reward=a:f,b:g", "rl.reward_weights=[1.0]"])
-    with pytest.raises(ConfigError, match="rl.reward: 'nocolon' is neither"):
-        load_config(None, ["rl.reward=a:f,nocolon"])
-    assert load_config(None, ["rl.reward=a:f,b:g", "rl.reward_weights=[1, 0.5]"]).rl.reward_weights == [1.0, 0.5]
+        load_config(None, [two, "rl.reward_weights=[1.0]"])
+    with pytest.raises(ConfigError, match="rl.reward: 'nocolon' is not module:function or path/to/file.py:function"):
+        load_config(None, ["rl.reward=rlfuse.data.gold:gold_reward,nocolon"])
+    assert load_config(None, [two, "rl.reward_weights=[1, 0.5]"]).rl.reward_weights == [1.0, 0.5]
 
 
 def test_arithmetic_problems_and_exact_match():
