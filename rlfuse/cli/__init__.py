@@ -23,6 +23,8 @@ from rlfuse.api import log_stderr
 from rlfuse.cli import plan as plan_cli
 from rlfuse.cli import schedule as schedule_cli
 from rlfuse.config import Config, config_to_dict, field_docs, field_summary, load_config, section_class, split_args
+from rlfuse.config.docs import COMMON_FIELDS, field_default
+from rlfuse.config.trl_names import SHARED, TRL_NAMES, TrlName, trl_hint
 from rlfuse.errors import UserError, os_error_line
 
 log = log_stderr
@@ -177,33 +179,65 @@ RESUMABLE = {"run": RL_RESUME, "rl": RL_RESUME, "sft": STAGE_RESUME, "rm": STAGE
 WRITES_RUN = ("run", "sft", "rm", "rl")
 
 
-def fields_help(sections: tuple[str, ...] | None = None, full: bool = True) -> str:
-    """The config fields of `sections` (default all) with their defaults and docstrings (the dataclasses' own, read
-    once by config.field_docs): full text for a command's --help, the first sentence for rlfuse --help."""
+def fields_help(sections: tuple[str, ...] | None = None, every: bool = True) -> str:
+    """The settings of `sections` (default all): the common ones by topic with their first sentence (config.docs
+    COMMON_FIELDS), then, with `every`, the others by name and default; `rlfuse explain FIELD` and docs/settings.md
+    say the rest."""
     width = min(120, shutil.get_terminal_size((100, 20)).columns)
     names = sections or tuple(f.name for f in dataclasses.fields(Config))
-    lines = ["config fields (set as section.field=value after the command, or in a YAML file):"]
-    for section in names:
-        cls = section_class(section)
-        docs = field_docs(cls)
-        lines.append(f"\n{section}:")
-        for f in dataclasses.fields(cls):
-            default = f.default if f.default is not dataclasses.MISSING else f.default_factory()
-            head = f"  {section}.{f.name} = {json.dumps(default)}"
-            doc = " ".join(docs.get(f.name, "").split()) if full else field_summary(cls, f.name)
-            if not full:
-                lines.append(f"{head:<44} {doc}" if len(head) < 44 else f"{head}\n{'':<44} {doc}")
-                continue
-            lines.append(head)
-            lines += textwrap.wrap(doc, width, initial_indent=" " * 6, subsequent_indent=" " * 6)
+    lines = ["common settings (section.field=value after the command, or in a YAML file; = the default):"]
+    common = set()
+    for topic, fields in COMMON_FIELDS:
+        shown = [f for f in fields if f.split(".")[0] in names]
+        common |= set(shown)
+        if shown:
+            lines.append(f"\n  {topic}")
+            lines += [_field_line(*f.split("."), width) for f in shown]
+    if every:
+        lines.append("\nthe other settings (`rlfuse explain FIELD` says what one does):")
+        for section in names:
+            other = [f"{section}.{f.name}={field_default(section, f.name).split(' (')[0]}"
+                     for f in dataclasses.fields(section_class(section)) if f"{section}.{f.name}" not in common]
+            lines += textwrap.wrap("  ".join(other), width, initial_indent="  ", subsequent_indent="  ",
+                                   break_on_hyphens=False)
+    lines.append("\nEach setting in depth: docs/settings.md. Coming from TRL: docs/from_trl.md.")
     return "\n".join(lines)
+
+
+def _field_line(section: str, name: str, width: int) -> str:
+    head = f"    {section}.{name} = {field_default(section, name)}"
+    text = field_summary(section_class(section), name)
+    if len(head) < 42:
+        return "\n".join(textwrap.wrap(text, width, initial_indent=f"{head:<42} ", subsequent_indent=" " * 43))
+    return head + "\n" + "\n".join(textwrap.wrap(text, width, initial_indent=" " * 43, subsequent_indent=" " * 43))
+
+
+def cmd_explain(fields: list[str]) -> int:
+    """Each field's whole docstring and default: what `--help` shortens to a sentence."""
+    for name in fields:
+        section, _, field = name.partition(".")
+        hint = trl_hint(section, field)
+        if hint is not None and section in TRL_NAMES and field not in field_docs(section_class(section)):
+            print(f"{name}: {hint[0]}")
+            mapped = (TRL_NAMES[section].get(field) or TrlName(SHARED.get(field))).field
+            if mapped is None:
+                continue
+            name, (section, _, field) = mapped, mapped.partition(".")
+        try:
+            doc = field_docs(section_class(section))[field]
+        except KeyError:
+            load_config(None, [f"{name}=null"])  # the unknown-key error, with its closest field
+            raise UserError(f"explain: {name} is not a setting; `rlfuse --help` lists them") from None
+        print(f"{name} = {field_default(section, field)}")
+        print("\n".join(textwrap.wrap(" ".join(doc.split()), 100, initial_indent="    ", subsequent_indent="    ")))
+    return 0
 
 
 def build_parser() -> argparse.ArgumentParser:
     raw = argparse.RawDescriptionHelpFormatter
-    parser = argparse.ArgumentParser(prog="rlfuse", description="Fast, memory-lean RLHF. `rlfuse COMMAND --help` "
-                                     "gives each command's fields in full.", formatter_class=raw,
-                                     epilog=fields_help(full=False))
+    parser = argparse.ArgumentParser(prog="rlfuse", description="Fast, memory-lean RLHF: SFT -> reward model -> "
+                                     "PPO | RLOO | GRPO. `rlfuse COMMAND --help` lists every setting the command "
+                                     "reads.", formatter_class=raw, epilog=fields_help(every=False))
     sub = parser.add_subparsers(dest="command", required=True)
     for name, (_, help_text) in COMMANDS.items():
         p = sub.add_parser(name, help=help_text, description=help_text, formatter_class=raw,
@@ -224,6 +258,8 @@ def build_parser() -> argparse.ArgumentParser:
     add_generate_arguments(sub.add_parser("generate", help="sample completions from a saved model with the rollout "
                                           "engine", description=api.generate.__doc__))
     sub.add_parser("env", help="print versions and hardware for a bug report")
+    ep = sub.add_parser("explain", help="what a setting does, in full: rlfuse explain rl.kl_target")
+    ep.add_argument("fields", nargs="+", metavar="section.field")
     sp = sub.add_parser("schedule", help="fused actor/critic pipeline schedule: serial vs 1F1B vs fused, with a chart")
     schedule_cli.add_arguments(sp)
     plan_cli.add_arguments(sub.add_parser("plan", help="rank placements of an RL run by predicted time and memory",
@@ -240,8 +276,10 @@ def main(argv: list[str] | None = None) -> int:
         return plan_cli.run(ns)
     if ns.command == "env":
         return cmd_env()
-    if ns.command in ("report", "generate"):
+    if ns.command in ("report", "generate", "explain"):
         try:
+            if ns.command == "explain":
+                return cmd_explain(ns.fields)
             return cmd_report(ns.run_dir, ns.baseline) if ns.command == "report" else cmd_generate(ns)
         except UserError as e:
             print(f"rlfuse {ns.command}: {e}", file=sys.stderr)

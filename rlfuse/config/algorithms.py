@@ -3,7 +3,7 @@ penalty, the mini-batches and the logged learning rates read these properties ra
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 
 @dataclass(frozen=True)
@@ -23,15 +23,22 @@ class Algorithm:
     """The per-token KL estimator when rl.kl_estimator is null (k1 | k2 | k3)."""
     groups_prompts: bool
     """A prompt's k samples stay together in one mini-batch (its baseline is their mean)."""
+    preset: dict = field(default_factory=dict)
+    """rl fields this algorithm sets where the config leaves them out (the dataclass defaults are ppo's): rloo and
+    grpo sample a group per prompt, and keep a fixed KL coefficient as TRL does, with no adaptive controller."""
 
+
+GROUP_PRESET = {"k": 4, "prompts_per_iter": 8, "kl_target": None}
+"""What rloo and grpo share: 4 samples for each of 8 prompts (as many samples an iteration as ppo's 32 prompts), a
+fixed KL coefficient."""
 
 ALGORITHMS = {
     "ppo": Algorithm("ppo", critic=True, min_k=1, advantage="gae", kl_in="token_reward", kl_estimator="k1",
                      groups_prompts=False),
     "rloo": Algorithm("rloo", critic=False, min_k=2, advantage="rloo", kl_in="sequence_reward", kl_estimator="k1",
-                      groups_prompts=True),
+                      groups_prompts=True, preset=GROUP_PRESET | {"kl_coef": 0.05}),
     "grpo": Algorithm("grpo", critic=False, min_k=2, advantage="grpo", kl_in="loss", kl_estimator="k3",
-                      groups_prompts=True),
+                      groups_prompts=True, preset=GROUP_PRESET | {"kl_coef": 0.04}),
 }
 """rl.algo -> its Algorithm."""
 

@@ -13,8 +13,10 @@ from typing import Any
 
 import yaml
 
+from rlfuse.config.algorithms import ALGORITHMS
 from rlfuse.config.docs import field_summary
 from rlfuse.config.sections import Config
+from rlfuse.config.trl_names import TRL_SECTIONS, trl_hint
 from rlfuse.config.validate import validate
 from rlfuse.errors import ConfigError
 from rlfuse.files import write_text_atomic
@@ -63,7 +65,18 @@ def config_from_dict(raw: dict, overrides: list[str] | tuple | dict = ()) -> Con
         if not isinstance(raw[section], dict):
             raise ConfigError(section, "must be a mapping of fields", f"write it as '{section}:' with indented fields")
         raw[section][name] = value
-    return validate(_from_dict(Config, raw, prefix=""))
+    cfg = _from_dict(Config, raw, prefix="")
+    _apply_preset(cfg, set(raw.get("rl") or ()))
+    return validate(cfg)
+
+
+def _apply_preset(cfg: Config, given: set) -> None:
+    """The algorithm's own defaults (ALGORITHMS[...].preset) for the rl fields the config leaves out. A saved
+    config.yaml names every field, so a resumed run keeps what it ran with."""
+    algo = ALGORITHMS.get(cfg.rl.algo)
+    for name, value in (algo.preset.items() if algo else ()):
+        if name not in given:
+            setattr(cfg.rl, name, value)
 
 
 def _split_override(item: str) -> tuple[str, Any]:
@@ -89,6 +102,7 @@ def _from_dict(cls, raw: dict, prefix: str):
     for key, value in raw.items():
         name = f"{prefix}{key}"
         if key not in known:
+            _refuse_trl_name(prefix, str(key), value)
             close = difflib.get_close_matches(str(key), sorted(known), n=1)
             doc = field_summary(cls, close[0]) if close else ""
             hint = (f"did you mean {prefix}{close[0]}" + (f" ({doc.rstrip('.')})" if doc else "") + "?" if close else
@@ -100,6 +114,17 @@ def _from_dict(cls, raw: dict, prefix: str):
         else:
             kwargs[key] = _coerce(name, value, hint)
     return cls(**kwargs)
+
+
+def _refuse_trl_name(prefix: str, key: str, value: Any) -> None:
+    """An unknown key that is TRL's name for a field: the error names rlfuse's field (config/trl_names.py)."""
+    section = prefix.rstrip(".")
+    if not section and key in TRL_SECTIONS:
+        raise ConfigError(key, f"no section {key!r}: TRL's settings for it live in rlfuse's {TRL_SECTIONS[key]}",
+                          f"write them as {TRL_SECTIONS[key]}.FIELD (docs/from_trl.md maps each)")
+    hint = trl_hint(section, key, value)
+    if hint is not None:
+        raise ConfigError(f"{prefix}{key}", *hint)
 
 
 def _coerce(name: str, value: Any, hint) -> Any:

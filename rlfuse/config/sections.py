@@ -28,37 +28,24 @@ class RunConfig:
     """auto | cpu | cuda."""
     precision: str = "auto"
     """auto | fp32 | bf16 | fp16: the autocast every stage trains (and RL scores) under; weights, gradients and
-    optimiser states stay fp32. auto: bf16 where the hardware multiplies it natively (a GPU with bf16; a CPU with
-    AVX512-BF16 or AMX, e.g. Intel Sapphire Rapids: the environment variable RLFUSE_NATIVE_BF16=0 or 1 overrides the
-    CPU's answer), fp16 on an older GPU, else fp32 (bf16 on any other CPU is emulated, 2-7x slower). bf16 is taken
-    where asked for. The RL stage autocasts to bf16 only, in one process (placement.strategy=single; the Ray
-    placements train in fp32 for now), its LM head's products in bf16 with each token's logits shifted by its target's
-    (rlfuse/models/forward.py _Head; the softmax in fp32), and corrects for sampling in other
-    arithmetic with the decoupled objective (train/behaviour_weight_*); fp16 runs it in fp32 (no loss scaling). With
-    model.quantization: the dtype the quantised layers compute in instead (the RL stage does not autocast then)."""
+    optimiser states stay fp32. auto: bf16 where the hardware multiplies it natively (a GPU with bf16, a CPU with
+    AVX512-BF16 or AMX), fp16 on an older GPU, else fp32 (the RL stage autocasts to bf16 only, in one process)."""
     quiet: bool = False
-    """No live progress bars, only periodic log lines (also the default when stderr is not a terminal)."""
+    """No progress bars or progress lines, only the run's start, warnings and results."""
     threads: int = 0
     """torch CPU threads; 0 leaves torch's default."""
     cpu_heap: str = "lean"
-    """lean | update | reuse: how glibc's malloc serves a run's tensors on a CPU (Linux; a GPU's are CUDA's). lean:
-    every tensor of 1 MiB or more is a mapping of its own, handed back to the OS when freed, and the heap is trimmed
-    before each training micro-batch: the lowest resident memory, but a step faults its large tensors' pages in
-    afresh, which is slow where page faults are dear (a VM: docs/benchmarks/real_model.md "cpu_heap"). update: lean
-    but inside an update, where tensors under 8 MiB come from the heap and the next micro-batch reuses their pages,
-    handed back when the update ends (SmolLM2 full fine-tuning on a 2-core VM, bench/vs_trl.py d1 and d3 with
-    --rlfuse-update-heap: iterations 1.16x and 1.46x faster at 7% and 6% more peak RSS; models/quantize.update_heap).
-    reuse: tensors under 32 MiB come from the heap all run: fastest there, the highest peak RSS. The planner prices
-    the faults of the one chosen."""
+    """lean | update | reuse: how glibc's malloc serves a run's tensors on a CPU (Linux), trading resident memory
+    for page-fault time. lean: large tensors go back to the OS when freed (the lowest memory); update: lean, but an
+    RL update reuses its tensors under 8 MiB from the heap until it ends; reuse: tensors under 32 MiB stay in the
+    heap all run (the fastest steps, the highest peak memory)."""
     memory_table: Optional[bool] = None
     """The RL stage measures memory per component (rl/memory.json and the report's table; one process only, Ray
-    workers log their RSS). null: on where memory is the point (model.quantization or a shared base). On a CPU
-    each measurement hands freed heap back to the OS first, about 0.25 s twice per iteration."""
+    workers log their RSS). null: on where memory is the point (model.quantization or a shared base); on a CPU each
+    measurement first hands freed heap back to the OS, which adds a little time per iteration."""
     report_to: Optional[list] = None
-    """Where SFT, RM and RL metrics go besides metrics.jsonl: a list of tensorboard | wandb | trackio | mlflow (each an
-    optional install; a missing one is a config error naming the package). null: tensorboard when installed. []: none.
-    wandb and trackio take their project from WANDB_PROJECT / TRACKIO_PROJECT (default rlfuse), mlflow from its own
-    MLFLOW_* variables; one tracker run per stage, named <run folder>-<stage>."""
+    """Where SFT, RM and RL metrics go besides metrics.jsonl: a list of tensorboard | wandb | trackio | mlflow
+    (each an optional install; a missing one is a config error). null: tensorboard when installed; []: none."""
 
     def measures_memory(self, model) -> bool:
         """memory_table, or its default for this model section."""
@@ -69,9 +56,8 @@ class RunConfig:
 class DataConfig:
     kind: str = "synthetic"
     """synthetic (the embedded default task) | arithmetic (embedded word problems with a verifiable answer) | imdb |
-    hh_rlhf | csv | jsonl | parquet | hub. csv, jsonl, parquet and
-    hub rows may be in any of TRL's formats (text; prompt; prompt + completion; prompt + chosen + rejected; or
-    messages), standard or conversational (message lists), detected per data set."""
+    hh_rlhf | csv | jsonl | parquet | hub. csv, jsonl, parquet and hub rows may be in any of TRL's formats (text,
+    prompt, prompt + completion, prompt + chosen + rejected, or messages), standard or conversational."""
     path: Optional[str] = None
     """Local file (csv/jsonl/jsonl.gz/parquet) or a hub data set name (imdb, hh_rlhf, hub). Unused by synthetic."""
     subset: Optional[str] = None
@@ -140,12 +126,9 @@ class ModelConfig:
     lora_targets: Optional[list] = None
     """Module names for LoRA; default chosen per architecture (GPT-2: c_attn, c_proj, c_fc; Llama: q/k/v/o/gate/up/down)."""
     lean_activations: bool = True
-    """In SFT, RM and RL training, each SwiGLU MLP (Llama, Mistral, Qwen, SmolLM2) keeps 2 of its 4 ffn-wide
-    activations for the backward and recomputes the other two elementwise (gradients equal bit for bit), and each
-    Llama-family RMSNorm keeps its input alone (gradients equal to rounding); no matmul is recomputed
-    (rlfuse/models/lean.py). SmolLM2-135M over 4 x 230 tokens keeps 770-863 MiB of activations instead of 1193 (python -m
-    bench.checkpoint_memory). false
-    keeps transformers' forward."""
+    """In SFT, RM and RL training, each SwiGLU MLP (Llama, Mistral, Qwen, SmolLM2) recomputes 2 of its 4 ffn-wide
+    activations elementwise in the backward and each Llama-family RMSNorm keeps only its input: less activation
+    memory, no matmul recomputed, the same gradients (the norm's to rounding). false keeps transformers' forward."""
     quantization: str = "none"
     """none | 4bit (NF4, double quantisation, QLoRA) | 8bit: the frozen base weights through bitsandbytes, in SFT, RM
     and RL; compute dtype from run.precision. Needs model.lora (only the full-precision adapters train)."""
@@ -214,8 +197,8 @@ class RMConfig:
     """Synthetic/IMDb tasks: preference pairs to build."""
     max_length: Optional[int] = None
     """Tokens of each side of a pair (truncation keeps the end, where the chosen and rejected replies differ); null:
-    data.max_length. Shorter than SFT's takes less time a pair (smollm2_hh: 128 against SFT's 192, so the RM can see
-    every training pair in the time 70% of them took); RL scores whole replies whatever this is."""
+    data.max_length. Shorter than SFT's makes each pair cheaper, so the RM sees more pairs in the same time; RL
+    scores whole replies whatever this is."""
     eval_every: int = 100
     """Held-out accuracy every this many steps (and at the end)."""
     ckpt_every: int = 50
@@ -232,15 +215,15 @@ class RLConfig:
     iterations: int = 40
     """RL iterations (generate -> score -> update)."""
     prompts_per_iter: int = 32
-    """Prompts per iteration."""
+    """Prompts per iteration (rloo and grpo: 8 unless set)."""
     k: int = 1
-    """Samples per prompt (rloo and grpo need >= 2)."""
+    """Samples per prompt (rloo and grpo need 2 or more: 4 unless set)."""
     max_new_tokens: int = 48
     """Response length limit."""
     max_prompt_tokens: Optional[int] = None
     """Longer RL and evaluation prompts keep their last this many tokens (BOS stays in front), counted in the log.
-    Default: the model's context minus rl.max_new_tokens; a value whose sum with rl.max_new_tokens exceeds the
-    context is a config error."""
+    null: the model's context minus rl.max_new_tokens (a value whose sum with it exceeds the context is a config
+    error)."""
     temperature: float = 0.7
     """Sampling temperature (the policy optimised is softmax(logits / temperature)); with a schedule, the first
     iteration's."""
@@ -289,9 +272,10 @@ class RLConfig:
     logged reward/kl and the adaptive controller alike. null: k3 for grpo (as DeepSeekMath), k1 otherwise (as Ziegler
     et al.); see `kl_estimator_used`."""
     kl_coef: float = 0.2
-    """Initial KL coefficient."""
+    """The KL penalty's coefficient, where it starts if rl.kl_target adapts it (rloo: 0.05, grpo: 0.04 unless set)."""
     kl_target: Optional[float] = 4.0
-    """Adaptive KL controller target (sequence KL, nats); null keeps kl_coef fixed."""
+    """The sequence KL (nats) an adaptive controller steers rl.kl_coef toward; null keeps rl.kl_coef fixed (rloo and
+    grpo: null unless set, as TRL)."""
     kl_horizon: int = 256
     """Adaptive KL controller horizon (samples): with 32 samples per iteration the coefficient moves up to 2.5% per
     iteration (Ziegler et al.'s 10000 suits runs a hundred times longer)."""
@@ -313,10 +297,9 @@ class RLConfig:
     about one more forward of time); gradients are unchanged (tested). null: on with a quantised base
     (model.quantization), off otherwise."""
     checkpoint_scope: str = "layer"
-    """What rl.gradient_checkpointing recomputes: layer (whole decoder layers: the least memory) | mlp (each layer's
-    MLP alone, attention kept: SmolLM2-135M over 4 x 230 tokens keeps 579 MiB of activations against 1197 MiB
-    with nothing recomputed and 150 MiB with whole layers, at a smaller recompute; python -m
-    bench.checkpoint_memory). The planner prices layer."""
+    """layer | mlp: what rl.gradient_checkpointing recomputes: whole decoder layers (the least memory) or each
+    layer's MLP alone with attention kept (between the two in memory, a smaller recompute). The planner prices
+    layer."""
     optimizer: str = "adamw"
     """adamw (torch) | adamw_8bit (bitsandbytes, 8-bit states: about a quarter of adamw's state memory) |
     paged_adamw_8bit (the same, states in paged memory that spills to the host under GPU pressure) for actor and
@@ -326,10 +309,9 @@ class RLConfig:
     the PPO ratio is not 1 on the very samples just drawn (OpenRLHF and veRL do the same; TRL's disable_dropout)."""
     release_reference: bool = True
     """Full fine-tuning on a CPU (one process or DDP; FSDP shards the reference instead): the reference's weights are
-    a memory map of its folder's safetensors files, handed back to the OS at the start of each update and mapped in
-    again by the next scoring pass (rlfuse/models/mapped.py), so the update's peak memory does not hold a second copy
-    of the model (SmolLM2-135M: 513 MB). Its pages stay in the OS page cache, which the OS may reclaim. The same bits
-    either way; false keeps the reference resident."""
+    a memory map of its safetensors files, handed back to the OS for each update and mapped again for the next
+    scoring, so the update's peak memory holds no second copy of the model. The same results either way; false
+    keeps the reference resident."""
     whiten_advantages: bool = True
     """Shift and scale each iteration's advantages to mean 0, std 1: over response tokens for ppo (one advantage per
     token), over samples for rloo and grpo (one advantage per sample)."""
@@ -340,22 +322,18 @@ class RLConfig:
     ckpt_every: int = 5
     """Checkpoint every this many iterations (and at the end)."""
     max_staleness: int = 0
-    """Asynchronous RL: 0 is the synchronous loop (exactly on-policy). N >= 1 with placement.strategy=separated: the
-    generation workers decode iteration i's batch with the weights of update max(0, i - N) while the trainers update,
-    so every trained sample is at most N updates old; the update corrects with the decoupled PPO objective
-    (rlfuse/algos/offpolicy.py). Other placements have nothing to overlap and stay synchronous (said in the log)."""
+    """Asynchronous RL: how many updates old a trained sample may be (0: the synchronous loop, exactly on-policy).
+    N >= 1 with placement.strategy=separated decodes iteration i's batch with the weights of update max(0, i - N)
+    while the trainers update, correcting with the decoupled PPO objective; other placements stay synchronous."""
     partial_rollout_after: int = 0
-    """rl.max_staleness >= 1, partial rollouts: a batch decoded ahead of its update takes the next weights once this
-    many of its samples (per generation worker) have finished; its unfinished samples continue under them
-    (re-prefilled), each recording from which token the new weights sampled it, and the generator waits for those
-    weights if they are late (fresher samples, less overlap). 0: a batch is decoded whole by one policy version."""
+    """rl.max_staleness >= 1: a batch decoded ahead of its update takes the next weights once this many of its
+    samples (per generation worker) have finished, its unfinished samples continuing under them (fresher samples,
+    less overlap). 0: a batch is decoded whole by one policy version."""
     skip_zero_advantage: bool = False
     """rloo, grpo: leave out of the update the samples whose advantage is 0 at every token (a prompt whose k samples
-    all scored the same, with no KL penalty in the reward), as DAPO's dynamic sampling discards such groups, without
-    resampling. Their policy-gradient term is 0 anyway; what they would add is their part of a KL penalty in the loss
-    (grpo's). The update's time shrinks with them (configs/smollm2_math.yaml seed 1: 72% of the groups). The
-    loss keeps its mean over the whole mini-batch's tokens, so a sample's gradient weight does not grow when others
-    are left out. train/trained_fraction logs the share kept. One process only for now (placement.strategy=single)."""
+    all scored the same, with no KL penalty in the reward), as DAPO's dynamic sampling does, without resampling.
+    Their policy gradient is 0 anyway, so the update gets faster (grpo's KL term in the loss loses their part); one
+    process only for now."""
     behaviour_weight_cap: float = 5.0
     """rl.max_staleness >= 1: the bound on the behaviour importance weight pi_prox / pi_behav of a token."""
     behaviour_weight_mode: str = "truncate"
@@ -372,28 +350,22 @@ class RLConfig:
     max_bad_steps: int = 3
     """Stop after this many consecutive updates skipped for NaN/inf (a loss, or a reward of the iteration), or this
     many iterations in a row on which every reward function abstained (returned None) on every sample."""
-    # --- prefix sharing and micro-batches (issue 19)
+    # --- prefix sharing and micro-batches
     share_prompt: bool = True
-    """The k samples of a prompt in one micro-batch run its forward once (reference, reward, critic and the training
-    forward and backward; rlfuse/models/prefix.py), the same numbers with prompt tokens x (k - 1) fewer
-    token-forwards per pass (perf/prompt_tokens_shared). GPT-2 and Llama-style models; others keep the full forward.
-    With ppo and k > 1 a prompt's samples then stay in one mini-batch, as for rloo and grpo. Where no prompt repeats,
-    a micro-batch of mixed lengths runs packed (its sequences end to end, each seeing only itself) where that cuts
-    its padded token positions by a fifth or more. false: right-padded micro-batches everywhere."""
+    """The k samples of a prompt in one micro-batch run the prompt's forward once in scoring and training: the same
+    numbers from fewer token-forwards, on GPT-2 and Llama-style models. With ppo and k > 1 a prompt's samples then
+    stay in one mini-batch, and a micro-batch without repeated prompts may run packed; false: right-padded
+    micro-batches everywhere."""
     micro_batch_tokens: Optional[int] = None
     """The update's micro-batches by a token budget instead of rl.micro_batch_size samples: each holds the most
-    samples (a prompt's samples together, similar lengths together) whose forward, padding included (prompts once with
-    rl.share_prompt), stays within this many token positions; a sample longer than the budget gets one of its own.
-    null: rl.micro_batch_size samples each."""
-    # --- training across workers (issue 15)
+    samples (a prompt's samples together, similar lengths together) whose forward, padding included, stays within
+    this many token positions, and a longer sample gets one of its own. null: rl.micro_batch_size samples each."""
+    # --- training across workers
     train_parallel: str = "data"
-    """How a Ray placement's training workers share the update: data (data parallel: full replicas, gradients
-    all-reduced; one process with placement.strategy=single) | fsdp (data parallel on FSDP2 shards: each rank holds
-    1/P of the weights, gradients and AdamW states, gathered a block at a time; rlfuse/runtime/fsdp.py) |
-    pipeline_serial (actor and critic each cut into P
-    stages over the P training workers, the critic reversed; the actor's 1F1B, then the critic's) | pipeline_fused
-    (the same stages, one fused actor+critic schedule filling each other's bubbles; rlfuse/runtime/pipeline.py)
-    | single (one process: placement.strategy=single)."""
+    """data | fsdp | pipeline_serial | pipeline_fused | single: how the training workers share the update (data:
+    replicas, gradients all-reduced; fsdp: FSDP2 shards; pipeline_*: actor and critic cut into stages, run one
+    after the other or as one fused schedule). placement.strategy=single trains in one process (data or single);
+    fsdp and the pipelines need Ray workers."""
 
     @property
     def kl_estimator_used(self) -> str:
@@ -408,11 +380,9 @@ class RLConfig:
 @dataclass
 class RolloutConfig:
     fusion: Any = "auto"
-    """auto | true | false. true: score finished samples while the rest still decode; false: decode everything, then
-    score. auto: on only where scoring can overlap decoding. In one process (placement.strategy=single, CPU or CUDA)
-    scoring runs between decode steps on the same device, so interleaving it only adds small calls (0.8-0.94x on CPU,
-    docs/benchmarks/rollout.md): auto is off there. Ray placements always score on their workers as samples
-    finish (rlfuse/runtime/ray_rollout.py) and do not read this field. See `fusion_on`."""
+    """auto | true | false: score finished samples while the rest still decode (true), or decode everything, then
+    score (false). auto: on only where scoring can overlap decoding, so off in one process (placement.strategy=single);
+    the Ray placements always score as samples finish and do not read this field."""
     score_every: int = 16
     """Fusion: score whenever this many samples have finished..."""
     live_below: int = 8
@@ -428,46 +398,18 @@ class RolloutConfig:
     """Several generation workers: rows one worker decodes at about full speed (a step costs little more than a
     1-row step); a migrated tail moves onto ceil(unfinished / this) workers (at most all but one of the busy ones)."""
     generator_dtype: str = "auto"
-    """auto | fp32 | bf16: the weights and compute of the generator's own copy of the policy in one process
-    (model.lora: the merged copy the engine decodes; a shared base decodes its own base and Ray workers their fp32
-    copies: those keep their dtype). Full fine-tuning decodes the fp32 actor itself under fp32; under bf16 it decodes
-    a bf16 copy made at each weight sync and freed when the rollout ends, so the update's peak does not hold it
-    (half the weights' bytes, during generation only). bf16 halves the bytes each decode step reads, where the
-    hardware multiplies bf16 natively: SmolLM2-135M decodes a step 1.83x faster on a CPU with AMX (`python -m
-    bench.decode_precision --real`, docs/benchmarks/decode_step.md); workload d1 of bench/vs_trl.py (full
-    fine-tuning, `--rlfuse-fp32-decode`) on an AVX512-BF16 VM generated in 7.8 s against the fp32 actor's 15.0
-    (docs/benchmarks/vs_trl.md).
-    The copy's parameters only: rotary tables stay fp32. The samples then come from a bf16 copy of the trained fp32
-    policy (log-probs 0.034 nats a token apart on SmolLM2), so the update treats the engine's log-probs as the
-    behaviour policy's and corrects for it with the decoupled objective (rl.behaviour_weight_cap and _mode; the
-    proximal log-probs are the update's own forward when it is one optimiser step and no KL penalty needs them first,
-    else one more actor pass in scoring). The KL penalty takes the trained policy's log-probs, not the engine's
-    (scored before the update whenever rl.kl_coef > 0: rollout/fusion.py scores_proximal), so it does not carry the
-    copy's rounding (0 at the first iteration); with rl.kl_coef 0 the logged KL is the engine's. auto: bf16 where
-    the device computes bf16 natively (a GPU with bf16; a CPU with AVX512-BF16 or AMX) and, in full fine-tuning, the
-    update computes in bf16 too (run.precision resolving to bf16 autocast, in one process); fp32 otherwise (a CPU
-    without them emulates bf16, 2-7x slower than fp32). models/device.py generator_copy_dtype resolves it."""
+    """auto | fp32 | bf16: the dtype of the generator's own copy of the policy in one process (LoRA's merged copy,
+    or full fine-tuning's bf16 copy made at each weight sync and freed after the rollout). auto: bf16 where the
+    device multiplies bf16 natively (in full fine-tuning, only where the update autocasts to bf16 too), else fp32."""
     weight_layout: str = "auto"
-    """auto | row | column: how the generator's own copy of the policy (the same copies as generator_dtype) stores
-    its weight matrices. A decode step multiplies the live rows by every matrix, and some CPUs' BLAS reads an (out,
-    in) row-major matrix (nn.Linear's own) far slower at a few rows through F.linear than one stored column-major.
-    The Llama decode step multiplies row-major fp32 matrices on the CPU the other way round, W @ h^T, which on an
-    AVX512 Xeon VM was as fast as column-major or faster: SmolLM2 decoded 16 rows x 64 tokens in 6.9-7.8 s that way,
-    7.6-7.7 s column-major, 11.9-12.8 s through F.linear (`python -m bench.small_gemm --real`,
-    rlfuse/models/layout.py).
-    auto: on a CPU, for a model larger than a cache, measured once at the start on matrices of the model's shape at
-    the row counts the engine will decode, row-major in the form the model's decode step will use (W @ h^T for the
-    Llama family, F.linear for others) against column-major (under a second; column where it is faster by 5% or
-    more, else row); row on a GPU and for small models. Values, shapes and state dicts are the same either way; the
-    matmuls differ in the last bits, so auto's answer is kept with the run (rl/weight_layout.txt) and a resumed run
-    decodes as the first did. A weight sync then copies into the transposed layout (slower than a plain copy; auto
-    times only the matmuls)."""
+    """auto | row | column: how the generator's own copy of the policy (as for generator_dtype) stores its weight
+    matrices, which changes how fast a few-row decode step reads them on some CPUs. auto: on a CPU, for a model
+    larger than a cache, timed once at the start (column where that is 5% faster or more, else row, kept with the run
+    for a resume); row on a GPU and for small models."""
     weight_sync: str = "auto"
     """auto | merged | adapters: what the actor's weight sync sends to generation workers without an actor replica
-    (separated, interleaved). merged: the whole policy with the LoRA adapters folded in. adapters (model.lora): only
-    the trainable tensors (the adapters); each such worker holds the SFT model with the actor's adapter beside its
-    generator and merges them itself, bit for bit as the trainer would (one more copy of the adapted weights there,
-    a few MB sent instead of the whole model). auto: adapters with LoRA, merged otherwise."""
+    (separated, interleaved): the whole policy with the LoRA adapters folded in, or only the adapters, which each
+    worker merges itself bit for bit. auto: adapters with LoRA, merged otherwise."""
 
 
     def syncs_adapters(self, model: "ModelConfig") -> bool:
@@ -495,9 +437,8 @@ class PlacementConfig:
     cpus_per_worker?, gpus_per_worker?}; every role of the run in one group, shared-weight roles together."""
     pin_cores: Optional[bool] = None
     """Keep each worker's threads on whole cores of its own (true), or leave them to the OS scheduler (false), which
-    moves busy workers between cores and makes them slow each other. null (auto): pinned when the run starts its own
-    local Ray (no other job's workers share the cores), not on a cluster at placement.address. Workers of a
-    fractional CPU share are never pinned."""
+    may move busy workers onto each other's cores. null: pinned when the run starts its own local Ray, not on a
+    cluster at placement.address; workers of a fractional CPU share are never pinned."""
     memory_per_worker_gb: Optional[float] = None
     """GiB one worker may use, for the planner (strategy=auto, `rlfuse plan`) and the checker's memory check; default
     (planner only): a GPU's memory, or this machine's RAM divided among the workers."""

@@ -37,6 +37,7 @@ import torch
 from rlfuse.algos.kl import AdaptiveKLController, FixedKLController
 from rlfuse.algos.schedules import scheduled_value
 from rlfuse.config import Config, RLConfig, fusion_on, save_config
+from rlfuse.config.algorithms import ALGORITHMS
 from rlfuse.data.chat import set_chat_template
 from rlfuse.data.curriculum import prompt_batch
 from rlfuse.data.prompts import encode_prompts, model_context, prompt_budget
@@ -54,7 +55,7 @@ from rlfuse.metrics.progress import Progress
 from rlfuse.metrics.tracker import memory_metrics, stage_tracker
 from rlfuse.models.build import Models, build_models
 from rlfuse.models.device import dtype_name, setup_runtime
-from rlfuse.models.layout import keep_layout, kept_layout, layout_of
+from rlfuse.models.layout import keep_layout, kept_layout
 from rlfuse.models.load import resolve_base_model, save_trained_model
 from rlfuse.models.prompt_workload import resolve_measured
 from rlfuse.models.quantize import choose_cpu_heap
@@ -80,6 +81,28 @@ def sampling_note(rl: RLConfig) -> str:
     if rl.temperature_schedule != "constant":
         note += f" -> {rl.temperature_final:g} ({rl.temperature_schedule})"
     return note + (f", curriculum by {rl.curriculum}" if rl.curriculum != "none" else "")
+
+
+KL_PLACES = {"token_reward": "in each token's reward", "sequence_reward": "in the sequence reward", "loss": "in the loss"}
+
+
+def settings_line(rl: RLConfig) -> str:
+    """'grpo: 40 iterations x 8 prompts x k=4, lr 0.0001, 4 epochs, KL k3 in the loss, fixed at 0.04': what the
+    algorithm runs with, presets included, said once at the start."""
+    kl = (f"adaptive from {rl.kl_coef:g} to a KL of {rl.kl_target:g}" if rl.kl_target is not None else
+          f"fixed at {rl.kl_coef:g}")
+    return (f"{rl.algo}: {rl.iterations} iterations x {rl.prompts_per_iter} prompts x k={rl.k}, lr {rl.lr:g}, "
+            f"{rl.epochs} epochs, KL {rl.kl_estimator_used} {KL_PLACES[ALGORITHMS[rl.algo].kl_in]}, {kl}")
+
+
+def precision_note(engine, models: Models) -> str:
+    """'bf16 autocast, decoding a bf16 copy': the arithmetic of the update and of the sampler, when they differ
+    corrected by the decoupled objective (train/behaviour_weight_* in the metrics)."""
+    train = dtype_name(models.compute_dtype or torch.float32)
+    note = f"{train} autocast" if models.compute_dtype is not None else train
+    if behaviour_differs(engine, models.actor, models.compute_dtype):
+        note += f", decoding a {dtype_name(engine.dtype)} copy"
+    return note
 
 
 def train_rl(cfg: Config, run_dir: Path, log=print, resume: bool = False, on_ready=None, on_resumed=None) -> dict:
@@ -139,25 +162,12 @@ def train_rl(cfg: Config, run_dir: Path, log=print, resume: bool = False, on_rea
     flops = compute_meter_for_run(cfg, models, device)  # perf/: FLOPs done over the bare matmul rate (< 1 s)
     if on_ready is not None:
         on_ready(models)
-    log(f"[rl] {rl.algo}: {rl.iterations} iterations x {rl.prompts_per_iter} prompts x k={rl.k}, fusion "
-        f"{'on' if fusion.enabled else 'off'}, KL {rl.kl_estimator_used}{'' if rl.kl_estimator else ' (default)'}, "
-        f"{sampling_note(rl)}")
-    if models.generator is not None and layout_of(models.generator) == "column":
-        log(f"[rl] the generator copy stores its weights column-major (rollout.weight_layout="
-            f"{cfg.rollout.weight_layout}{': measured faster on this CPU at the run start' if cfg.rollout.weight_layout == 'auto' else ''})")
+    log(f"[rl] {settings_line(rl)}, {sampling_note(rl)}, {precision_note(engine, models)}, fusion "
+        f"{'on' if fusion.enabled else 'off'}")
     if cfg.run.precision == "bf16" and models.compute_dtype is None:
         why = "model.quantization (its layers compute in bf16)" if cfg.model.quantization != "none" else \
             f"placement.strategy={cfg.placement.strategy} (the Ray placements train in fp32 for now)"
-        log(f"[rl] run.precision=bf16: the RL stage's update and scoring run without autocast with {why}")
-    if models.compute_dtype is not None:
-        log(f"[rl] the update and scoring passes run under {dtype_name(models.compute_dtype)} autocast "
-            f"(run.precision={cfg.run.precision}; run.precision=fp32 turns it off), the LM head's products in bf16 "
-            f"with logits shifted by each target's")
-    if behaviour_differs(engine, models.actor, models.compute_dtype):
-        log(f"[rl] the generator decodes in {dtype_name(engine.dtype)}"
-            f"{' (rollout.generator_dtype=' + cfg.rollout.generator_dtype + ')' if engine.dtype != torch.float32 else ''}"
-            f" and the update computes in {dtype_name(models.compute_dtype or torch.float32)}: the update corrects for "
-            "the sampling policy with the decoupled objective (train/behaviour_weight_* in the metrics)")
+        log(f"[rl] warning: run.precision=bf16, but the update and scoring run without autocast with {why}")
     requests = IterationRequests(train_prompts, difficulty, rl, params, seed)
     with build_placement(cfg, run_dir, engine, scorer, fusion, trainer, requests, log) as (rollout, trainer), \
             Progress(rl.iterations, f"rl/{rl.algo}", cfg.run.quiet, unit="iter", initial=start) as bar:

@@ -18,22 +18,44 @@ def help_of(args, capsys) -> str:
     return capsys.readouterr().out
 
 
-def test_top_level_help_lists_every_section_with_first_sentences(capsys):
+def test_top_level_help_lists_the_common_settings_by_topic(capsys):
     out = help_of([], capsys)
-    for section in ("run:", "data:", "model:", "sft:", "rm:", "rl:", "rollout:", "placement:"):
-        assert f"\n{section}\n" in out
-    line = next(l for l in out.splitlines() if l.strip().startswith("run.memory_table = null"))
-    assert line.endswith("(rl/memory.json and the report's table; one process only, Ray workers log their RSS).")
-    assert "null: on where" not in out  # the first sentence only; `rlfuse rl --help` has the rest
-    assert "run.report_to = null" in out and "rl.eval_every = 0" in out
+    for topic in ("model", "data", "algorithm", "batch sizes", "learning", "KL penalty", "output"):
+        assert f"\n  {topic}\n" in out
+    assert "rl.k = 1 (rloo, grpo: 4)" in out  # the algorithms' presets beside the default
+    assert " ".join(out.split()).count("run.memory_table") == 0  # an uncommon field: in the command's help only
+    assert len(out.splitlines()) < 130
 
 
-def test_command_help_lists_its_own_sections_in_full(capsys):
-    rl = " ".join(help_of(["rl"], capsys).split())
-    assert " ".join(field_docs(RLConfig)["kl_horizon"].split()) in rl
-    assert "rollout.fusion = \"auto\"" in rl and "placement.strategy" in rl and "sft.lr =" not in rl
+def test_command_help_lists_its_sections_common_first_then_every_field(capsys):
+    rl = help_of(["rl"], capsys)
+    flat = " ".join(rl.split())
+    assert flat.index("rl.algo =") < flat.index("rl.kl_horizon=256")  # common ones first, then the rest by name
+    assert "rollout.fusion=\"auto\"" in flat and "placement.strategy" in flat and "sft.lr =" not in flat
+    assert len(rl.splitlines()) < 160
     sft = help_of(["sft"], capsys)
     assert "sft.lr = 0.002" in sft and "rl.kl_horizon" not in sft
+
+
+def test_every_field_has_a_first_sentence_that_is_not_cut_at_an_abbreviation():
+    from rlfuse.config import Config, field_summary, section_class
+    import dataclasses
+
+    for section in dataclasses.fields(Config):
+        cls = section_class(section.name)
+        for f in dataclasses.fields(cls):
+            summary = field_summary(cls, f.name)
+            assert summary, f"{section.name}.{f.name} has no docstring"
+            assert not summary.endswith(("e.g.", "i.e.", "vs.", "etc.")), f"{section.name}.{f.name}: {summary}"
+
+
+def test_explain_prints_a_field_whole_and_maps_trl_names(capsys):
+    assert main(["explain", "rl.kl_horizon", "rl.beta"]) == 0
+    out = " ".join(capsys.readouterr().out.split())
+    assert " ".join(field_docs(RLConfig)["kl_horizon"].split()) in out
+    assert "rl.beta: TRL's name; rlfuse calls it rl.kl_coef" in out and "rl.kl_coef = 0.2 (rloo: 0.05; grpo: 0.04)" in out
+    assert main(["explain", "rl.kl_horizn"]) == 2
+    assert "did you mean rl.kl_horizon" in capsys.readouterr().err
 
 
 def test_unknown_field_names_the_closest_with_its_doc():
