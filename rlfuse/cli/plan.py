@@ -102,6 +102,10 @@ def run(ns) -> int:
                                    ns.gpus_per_worker, None if budget is None else budget * GiB, lengths,
                                    staleness=(0, max(1, cfg.rl.max_staleness)), **prompts)  # asynchronous plans beside
         plans = plan(prob)
+        if prob.workers > 1:  # the single process on the same cores, ranked beside the layouts (no Ray to pay for)
+            whole = problem_from_config(cfg, profile, 1, prob.workers * prob.resources.cpus, ns.gpus_per_worker,
+                                        None if budget is None else budget * prob.workers * GiB, lengths, **prompts)
+            plans = sorted(plans + plan(whole), key=lambda p: (not p.fits, p.iteration_s, p.peak_bytes))
         print(f"profile: {profile.name} ({profile.source})")
         print(prompts_line)
         w = prob.workload

@@ -29,7 +29,7 @@ ARITHMETIC_PROBLEMS = 4000
 
 
 def sft_examples(cfg: Config, task: DefaultTask | None, log=print) -> tuple[list[TextExample], list[TextExample]]:
-    kind, split = cfg.data.kind, _splitter(cfg)
+    kind, split = cfg.data.kind, _splitter(cfg, log)
     if kind == "synthetic":
         train, held = synthetic_split(cfg, task)
         return [TextExample("", r) for r in train], [TextExample("", r) for r in held]
@@ -96,10 +96,23 @@ def _messages(value, column: str, src: str, row: int) -> list:
     return value
 
 
-def _splitter(cfg: Config):
-    """split(items, what) -> (train, held out) with this config's fraction and seed; errors name the data source."""
+SMALL_HELD_OUT = 32
+"""Fewer held-out items than this and the held-out figures are mostly noise: said once per split."""
+
+
+def _splitter(cfg: Config, log=None):
+    """split(items, what) -> (train, held out) with this config's fraction and seed; errors name the data source,
+    and a held-out part too small to measure anything is said."""
     source = cfg.data.path or cfg.data.kind
-    return lambda items, what: split_holdout(items, cfg.data.eval_fraction, cfg.run.seed, source, what)
+
+    def split(items, what):
+        train, held = split_holdout(items, cfg.data.eval_fraction, cfg.run.seed, source, what)
+        if log is not None and len(held) < SMALL_HELD_OUT and cfg.data.kind != "synthetic":
+            log(f"[data] warning: {source}: {len(held)} of {len(train) + len(held)} {what} held out "
+                f"(data.eval_fraction={cfg.data.eval_fraction:g}); figures on so few are mostly noise: use more "
+                "rows or raise data.eval_fraction")
+        return train, held
+    return split
 
 
 def synthetic_split(cfg: Config, task: DefaultTask) -> tuple[list[str], list[str]]:
@@ -107,7 +120,7 @@ def synthetic_split(cfg: Config, task: DefaultTask) -> tuple[list[str], list[str
 
 
 def preference_pairs(cfg: Config, task: DefaultTask | None, log=print) -> tuple[list[PreferencePair], list[PreferencePair]]:
-    kind, seed, frac, split = cfg.data.kind, cfg.run.seed, cfg.data.eval_fraction, _splitter(cfg)
+    kind, seed, frac, split = cfg.data.kind, cfg.run.seed, cfg.data.eval_fraction, _splitter(cfg, log)
     if kind == "synthetic":
         train, held = synthetic_split(cfg, task)
         n_eval = max(64, int(cfg.rm.num_pairs * frac))
@@ -190,7 +203,7 @@ def rl_prompts(cfg: Config, task: DefaultTask | None, log=print) -> tuple[list, 
 
 def rl_prompt_rows(cfg: Config, task: DefaultTask | None, log=print) -> tuple[list[PromptRow], list[PromptRow]]:
     """rl_prompts with each prompt's other columns (train, held out)."""
-    kind, seed, split = cfg.data.kind, cfg.run.seed, _splitter(cfg)
+    kind, seed, split = cfg.data.kind, cfg.run.seed, _splitter(cfg, log)
     rng = random.Random(seed + 7)
     bare = lambda prompts: [PromptRow(p, {}) for p in prompts]
     if kind == "synthetic":

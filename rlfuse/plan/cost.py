@@ -343,6 +343,16 @@ class MachineProfile:
         """A forward's work per token relative to the plain model's: lora_fwd_ratio through unmerged adapters."""
         return (self.lora_fwd_ratio or 1.0) if adapters else 1.0
 
+    def widened(self, threads: float) -> "MachineProfile":
+        """The rates of one process given `threads` cores where the profile timed self.threads: the compute and
+        memory rates scale with the cores (an upper bound: small matmuls scale less), the per-call overheads, which
+        are Python's, do not. threads <= self.threads: unchanged."""
+        factor = threads / max(1, self.threads)
+        if self.device != "cpu" or factor <= 1:
+            return self
+        return replace(self, threads=int(threads), flops=self.flops * factor, decode_flops=self.decode_flops * factor,
+                       mem_bw=self.mem_bw * factor, optimizer_bytes_s=self.optimizer_bytes_s * factor)
+
     def slowed(self, factor: float) -> "MachineProfile":
         """The rates of a worker that gets 1/factor of what was measured (factor <= 1: unchanged): compute and
         memory rates divided, per-call overheads multiplied; bandwidths between processes are not compute."""

@@ -663,6 +663,8 @@ def problem_from_config(cfg, profile: MachineProfile, workers: int | None = None
                         "each cannot run anything; give at least 1 worker and a positive CPU share")
     if profile.device == "cpu":  # more worker threads than cores: each gets its share of the cores
         profile = profile.slowed(resources.cpus * workers / (cores or os.cpu_count() or 1))
+        if workers == 1:  # one process on more cores than the profile timed (the single process of `rlfuse plan`)
+            profile = profile.widened(min(resources.cpus, cores or os.cpu_count() or 1))
     if memory_budget is None and profile.memory_bytes:
         memory_budget = profile.memory_bytes if profile.device == "cuda" else profile.memory_bytes / workers
     mean, longest = lengths or ((SYNTHETIC_RESPONSE_MEAN if cfg.data.kind == "synthetic" else rl.max_new_tokens), 0)

@@ -123,7 +123,7 @@ def train_sft(cfg: Config, run_dir: Path, log=print, on_trained=None, resume: bo
     if on_trained is not None:
         on_trained(model)
     result = SFTResult(model_dir, val, math.exp(min(val, 50)), 0.0)
-    if task is not None and s.eval_samples:
+    if task is not None and cfg.data.kind == "synthetic" and s.eval_samples:  # the gold scorer knows its reviews only
         _, held_prompts = rl_prompts(cfg, task)
         prompts = held_prompts[: s.eval_samples]
         engine = DecodeEngine(model, tokenizer.eos_token_id)

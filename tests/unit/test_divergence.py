@@ -50,7 +50,7 @@ def test_a_model_with_nan_weights_is_refused_before_saving():
 
 
 def test_progress_lines_show_no_figure_before_it_exists(capsys):
-    with Progress(2, "sft", quiet=True) as bar:
+    with Progress(2, "sft") as bar:  # stderr is not a terminal here: lines
         bar.update(loss=1.5, val=None)
         bar.update(loss=1.25, val=2.0)
     lines = capsys.readouterr().err.splitlines()
