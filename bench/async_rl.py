@@ -279,11 +279,11 @@ def main() -> None:
             runs = {n: measured(args.work / f"real-staleness{n}", gold=False) for n in modes
                     if (args.work / f"real-staleness{n}" / "eval.json").exists()}
             if 0 in runs and len(runs) > 1:
-                write_headline("async_rl_real", "iterations/min against the synchronous loop, SmolLM2-135M RLOO k = 8, "
-                               "128 new tokens: " + ", ".join(
+                write_headline("async_rl_real", "iterations per minute against the synchronous loop, SmolLM2-135M "
+                               "RLOO k = 8, 128 new tokens: " + ", ".join(
                                    f"max_staleness {n} {runs[0]['loop_s'] / m['loop_s']:.2f}x ({m['iteration_s']:.1f} "
-                                   f"vs {runs[0]['iteration_s']:.1f} s per iteration)" for n, m in runs.items() if n)
-                               + " (target 1.5x)", "the synchronous loop (max_staleness 0) on the same 2 Ray workers",
+                                   f"vs {runs[0]['iteration_s']:.1f} s per iteration)" for n, m in runs.items() if n),
+                               "the synchronous loop (max_staleness 0) on the same 2 Ray workers",
                                "python -m bench.async_rl --real", machine_short(os.getloadavg()[0]),
                                what="Asynchronous RL (separated, 2 workers), real model", page="async_rl")
         return
@@ -310,11 +310,11 @@ def main() -> None:
                      if (s, n) in runs and (s, 0) in runs] for n in ratios}
     finals = {n: statistics.mean(m["final"] for (s, k), m in runs.items() if k == n) for n in args.staleness
               if any(k == n for _, k in runs)}
-    write_headline("async_rl", "default task (GRPO, decoding about half an iteration): iterations/min against "
-                   "max_staleness 0 (median of the seeds): " + ", ".join(
+    write_headline("async_rl", "default task, GRPO: iterations per minute against the synchronous loop (median of "
+                   f"{len(args.seeds)} seeds): " + ", ".join(
                        f"max_staleness {n} {r:.2f}x" for n, r in ratios.items())
-                   + "; loop time to reach the synchronous final held-out gold positive rate, as a fraction of the "
-                   "synchronous loop, per seed (target 0.7): " + ", ".join(
+                   + "; time to reach the synchronous run's final held-out gold positive rate, as a fraction of the "
+                   "synchronous run's time, per seed: " + ", ".join(
                        f"max_staleness {n} " + " / ".join(f"{f:.2f}" if f is not None else "never" for f in fs)
                        for n, fs in fractions.items())
                    + "; final gold positive rate (mean of the seeds) " + ", ".join(

@@ -197,7 +197,7 @@ def main() -> None:
                            f"{min(float(r[4]) for r in int8):.0f}-{max(float(r[4]) for r in int8):.0f}): no int8 sampler",
                            "the fp32 model (decode speed, log-probs of the same samples)",
                            "python -m bench.decode_precision --real", machine_short(os.getloadavg()[0]),
-                           page="decode_step", what="An int8 generator for SmolLM2-135M on this CPU")
+                           page="decode_step", what="An int8 generator for SmolLM2-135M on a CPU without native bf16")
         return
     torch.set_num_threads(1)
     rows_out, steps = [], {}

@@ -333,7 +333,8 @@ def write(text: str, results: dict[str, list[dict]]) -> None:
         if {"a", "c"} <= set(by):
             a, c = peak(by["a"]), peak(by["c"])
             write_headline("memory", f"one 4-bit base + adapters, 8-bit AdamW: iteration peak {c / 1000:.1f} GB vs "
-                           f"{a / 1000:.1f} GB ({c / a:.2f}x) on {name}", "separate full-precision models (arm (a))",
+                           f"{a / 1000:.1f} GB ({c / a:.2f}x), PPO with all four roles on {name}",
+                           "a separate full-precision model per role",
                            "python -m bench.memory", machine_short())
             return
 

@@ -194,7 +194,8 @@ def main() -> None:
     write_section("pipeline_ppo", "\n".join(lines), page="pipeline_ppo")
     write_headline("pipeline_ppo", "fused " + ", ".join(f"{s:.2f}x serial at {M} micro-batches" for M, (s, _) in
                                                          speedups.items())
-                   + " (" + " / ".join(f"{s / p:.0%}" for s, p in speedups.values()) + " of predicted)",
+                   + " (" + " / ".join(f"{s / p:.0%}" for s, p in speedups.values())
+                   + " of the speed-up the schedule's simulation predicts)",
                    f"pipeline_serial, the same update on P={P} processes",
                    f"{pinned}python -m bench.pipeline_ppo --repeats {a.repeats} --rounds {a.rounds}",
                    machine_short(os.getloadavg()[0]))

@@ -186,8 +186,9 @@ def main() -> None:
         f"Wall time of the whole benchmark: {time.time() - t0:.0f} s.", ""])
     print(text)
     write_section("placement", text, page="placement")
-    write_headline("placement", f"tail migration {target:.2f}x the speed of no migration (target 1.25x) on the "
-                   "default long-tailed rollout", f"the same {args.workers} Ray workers without migration",
+    write_headline("placement", f"tail migration {target:.2f}x the speed of no migration on the default task's "
+                   f"long-tailed rollout ({args.workers} Ray workers)",
+                   f"the same {args.workers} Ray workers without migration",
                    "python -m bench.placement", machine_short(os.getloadavg()[0]))
 
 

@@ -345,12 +345,13 @@ def memory_errors(results: list[dict]) -> list[float]:
 
 
 def headline(results: list[dict]) -> str:
-    """The figures of the targets, for BENCHMARKS.md's row."""
+    """BENCHMARKS.md's row, in a user's words: how far the predictions were from the runs, and the choice's cost."""
     sc = scores(results)
     worst = max(t["slower"] for t in sc["tasks"].values())
-    return (f"iteration time: mean error {sc['mean_error'] * 100:.1f}%, max {sc['max_error'] * 100:.1f}%, Kendall tau "
-            f"{sc['tau']:.2f} over {len(results)} plans; choice within {worst * 100:.1f}% of the best measured; "
-            f"memory per worker within {max(memory_errors(results)) * 100:.1f}%")
+    return (f"predicted iteration time off by {sc['mean_error'] * 100:.1f}% on average ({sc['max_error'] * 100:.1f}% "
+            f"at most) over {len(results)} plans, their order Kendall tau {sc['tau']:.2f}; the planner's choice within "
+            f"{worst * 100:.1f}% of the fastest measured; memory per worker within "
+            f"{max(memory_errors(results)) * 100:.1f}%")
 
 
 def report(results: list[dict], profile_desc: str, header: str) -> str:

@@ -94,7 +94,8 @@ def math_section(seeds: list[int]) -> tuple[str, str]:
             f"run.seed=S`). Machine: {describe_machine()}.\n\n{table}\n\nMean: {statistics.mean(before):.3f} -> "
             f"{statistics.mean(after):.3f}.\n\n" + "\n".join(f"- {v}" for v in verdicts))
     figure = (f"held-out exact match {statistics.mean(before):.3f} -> {statistics.mean(after):.3f} "
-              f"({mean_gain * 100:+.1f} points, {len(seeds)} seeds, spread {spread * 100:.1f}), KL <= "
+              f"({mean_gain * 100:+.1f} points, mean of {len(seeds)} seeds; seed-to-seed spread {spread * 100:.1f}), "
+              f"KL <= "
               f"{max(worst_kl):.2f} ({above} of {iterations} iterations above {MATH_KL_BOUND}), "
               f"{min(minutes):.0f}-{max(minutes):.0f} min per seed")
     return text, figure
@@ -130,8 +131,8 @@ def hh_section(seed: int = 0) -> tuple[str, str]:
             f"{describe_machine()}. Sample conversations before and after: the run's report.html.\n\n{table}\n\n"
             + "\n".join(f"- {v}" for v in verdicts) + (f"\n\n{len(samples)} held-out replies after PPO in "
                                                        "rl/samples_after.json." if samples else ""))
-    figure = (f"RM accuracy {acc:.3f}; held-out reward {ev['before']['reward_mean']:.2f} -> "
-              f"{ev['after']['reward_mean']:.2f}, KL {ev['after']['kl']:.2f} (target {target}); {total:.0f} min")
+    figure = (f"reward-model accuracy {acc:.3f}; held-out reward {ev['before']['reward_mean']:.2f} -> "
+              f"{ev['after']['reward_mean']:.2f}, KL {ev['after']['kl']:.2f} (rl.kl_target {target}); {total:.0f} min")
     return text, figure
 
 
