@@ -112,9 +112,11 @@ def evaluate_before(path: Path, models, engine: DecodeEngine, prompts, rl: RLCon
         before = json.loads(path.read_text())
     else:
         metrics, texts = evaluate(models, engine, prompts, rl, seed, gold)
-        before = metrics | {"samples": texts[:EVAL_SAMPLES_KEPT]}
+        # the prompts beside the samples (prompt + completion), so the report marks where each prompt ends
+        shown = [models.tokenizer.decode(p, skip_special_tokens=True) for p in prompts[:EVAL_SAMPLES_KEPT]]
+        before = metrics | {"samples": texts[:EVAL_SAMPLES_KEPT], "prompts": shown}
         write_text_atomic(path, json.dumps(before, indent=2))
-    return {k: v for k, v in before.items() if k != "samples"}
+    return {k: v for k, v in before.items() if k not in ("samples", "prompts")}
 
 
 def iteration_gold(exp: Experience, tok, gold: bool) -> dict:

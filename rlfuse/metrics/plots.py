@@ -1,6 +1,7 @@
 """Figures of a run, drawn from its metrics file alone, so they work on a finished, running or killed run.
 
-Every figure is a pure function of metric rows (lists of dicts as `read_metrics` returns them) and a path."""
+Every figure is a pure function of metric rows (lists of dicts as `read_metrics` returns them) and a path. The
+dashboard's panels are chosen in rlfuse/metrics/panels.py; this module only draws them."""
 
 from __future__ import annotations
 
@@ -11,49 +12,189 @@ import matplotlib
 
 matplotlib.use("Agg")  # files only; no display on servers and CI
 import matplotlib.pyplot as plt  # noqa: E402
+from matplotlib.ticker import MaxNLocator  # noqa: E402
+
+from rlfuse.metrics.panels import OFF_CHART, Panel, finite, panel_lines, select_panels, series  # noqa: E402
 
 STAGES = [("time/generation", "generation"), ("time/scoring", "scoring"), ("time/training", "training")]
 RAY_STAGES = [("time/rollout", "rollout on workers"), ("time/training", "training")]
 """With placement on Ray, scoring overlaps decoding on other workers: one wall-clock bar for both."""
 COLORS = {"generation": "#4C72B0", "scoring": "#DD8452", "training": "#55A868", "other": "#B0B0B0",
           "rollout on workers": "#8172B3"}
-
-
-def series(rows: list[dict], key: str) -> tuple[list[int], list[float]]:
-    """(steps, values) of one metric, skipping rows without it or with a non-finite value."""
-    xs, ys = [], []
-    for r in rows:
-        v = r.get(key)
-        if isinstance(v, (int, float)) and math.isfinite(v):
-            xs.append(r["step"])
-            ys.append(float(v))
-    return xs, ys
+DASHBOARD_COLUMNS = 6
+"""At most six small panels a row (about 225 px each on a 1400 px screen): a PPO run's 17 curves in three rows, all
+on the first screen."""
+PANEL_HEIGHT = 2.1
+"""Inches (at the dashboard's 100 dpi, 210 px); the grid is 13.6 inches wide, the report's page width."""
 
 
 def mean(values: list[float]) -> float:
     return sum(values) / len(values) if values else float("nan")
 
 
+def value(row: dict, key: str, default: float = 0.0) -> float:
+    """row[key] as a float where it is a finite number, else `default` (a missing or "nan" time adds nothing)."""
+    v = row.get(key)
+    return float(v) if finite(v) else default
+
+
+def short(v: float) -> str:
+    """A number in a few characters: 0.123, 12.3, 1,764, 1.2e+30."""
+    if not finite(v):
+        return str(v)
+    a = abs(v)
+    if a >= 1e6 or 0 < a < 1e-3:
+        return f"{v:.2g}"
+    return f"{v:,.0f}" if a >= 100 else f"{v:.3g}"
+
+
 def summary_numbers(rows: list[dict], eval_result: dict | None = None, baseline_rows: list[dict] | None = None) -> dict:
-    """The key numbers of the dashboard and the report (each the mean, sum or max of logged values)."""
+    """The key numbers of the report (each the mean, sum or max of logged values)."""
     _, sps = series(rows, "rollout/samples_per_s")
+    _, tps = series(rows, "rollout/tokens_per_s")
     _, it_time = series(rows, "time/iteration")
     _, reward = series(rows, "reward/mean")
     _, rss = series(rows, "mem/rss_peak_mb")
     _, cuda = series(rows, "mem/cuda_allocated_peak_mb")
-    out = {"iterations": len(it_time), "avg_samples_per_s": mean(sps), "total_time_s": sum(it_time),
-           "avg_reward": mean(reward), "peak_memory_mb": max(cuda or rss or [float("nan")]),
+    out = {"iterations": len(it_time), "avg_samples_per_s": mean(sps), "avg_tokens_per_s": mean(tps),
+           "total_time_s": sum(it_time), "avg_reward": mean(reward), "peak_memory_mb": max(cuda or rss or [math.nan]),
            "memory_kind": "CUDA allocated" if cuda else "process RSS"}
-    if eval_result:
+    if isinstance(eval_result, dict):
         for when in ("before", "after"):
-            if "gold_positive_rate" in eval_result.get(when, {}):
-                out[f"gold_positive_{when}"] = eval_result[when]["gold_positive_rate"]
+            part = eval_result.get(when)
+            if isinstance(part, dict) and "gold_positive_rate" in part:
+                out[f"gold_positive_{when}"] = part["gold_positive_rate"]
     if baseline_rows:
         _, base_sps = series(baseline_rows, "rollout/samples_per_s")
         if base_sps:
             out["baseline_samples_per_s"] = mean(base_sps)
             out["measured_speedup"] = out["avg_samples_per_s"] / out["baseline_samples_per_s"]
     return out
+
+
+# ------------------------------------------------------------------------------------------- the dashboard
+
+
+def dashboard_grid(n: int) -> tuple[int, int]:
+    """(rows, columns) for n panels: the fewest rows of at most DASHBOARD_COLUMNS, then the fewest columns that
+    hold them, so the last row is never mostly empty (20 panels: 4 x 5, not 4 x 6 with four blanks)."""
+    rows = max(1, math.ceil(n / DASHBOARD_COLUMNS))
+    return rows, max(1, math.ceil(n / rows))
+
+
+def summary_dashboard(rows: list[dict], path: Path, panels: list[Panel] | None = None) -> Path:
+    """The run on one screen: a grid of small panels (panels.select_panels), the x axis of each the RL iteration."""
+    panels = select_panels(rows) if panels is None else panels
+    n_rows, n_cols = dashboard_grid(len(panels))
+    width = 13.6 / max(n_cols, 4)  # a full-width row from four panels up; fewer keep a four-panel width each
+    fig, axes = plt.subplots(n_rows, n_cols, figsize=(width * n_cols, PANEL_HEIGHT * n_rows), squeeze=False)
+    for ax, panel in zip(axes.flat, panels):
+        draw_panel(ax, panel, rows)
+    for ax in list(axes.flat)[len(panels):]:
+        ax.set_visible(False)
+    return _save(fig, path, dpi=100)
+
+
+def draw_panel(ax, panel: Panel, rows: list[dict]) -> None:
+    """One panel: its lines (and band), the last value of its first line top right, values beyond OFF_CHART marked
+    at the top edge instead of drawn."""
+    lines = panel_lines(panel, rows)
+    off: list[tuple[int, float]] = []
+    for i, (key, label) in enumerate(lines):
+        xs, ys = series(rows, key)
+        shown = [(x, y) for x, y in zip(xs, ys) if abs(y) < OFF_CHART]
+        off += [(x, y) for x, y in zip(xs, ys) if abs(y) >= OFF_CHART]
+        (line,) = ax.plot([x for x, _ in shown], [y for _, y in shown], marker=".", markersize=4, linewidth=1.4,
+                          label=label)
+        if i == 0 and panel.band:
+            _band(ax, rows, key, panel.band, line.get_color())
+    for x, y in off:
+        ax.plot(x, 1.0, marker="^", color="#C44E52", transform=ax.get_xaxis_transform(), clip_on=False)
+    if off:
+        ax.text(0.02, 0.9, f"off the chart: {short(off[0][1])} at iteration {off[0][0]}"
+                + (f" (+{len(off) - 1} more)" if len(off) > 1 else ""), transform=ax.transAxes, fontsize=7,
+                color="#C44E52", va="top")
+    ax.set_title(panel.title, loc="left", fontsize=9.5, fontweight="bold")
+    last = series(rows, lines[0][0])[1][-1] if lines else float("nan")
+    ax.set_title(short(last), loc="right", fontsize=8.5, color="#555")
+    ax.set_ylabel(panel.unit, fontsize=7.5)
+    ax.tick_params(labelsize=7)
+    ax.xaxis.set_major_locator(MaxNLocator(integer=True, nbins=6))
+    ax.grid(alpha=0.3)
+    if len(lines) > 1:
+        ax.legend(fontsize=7, frameon=False)
+
+
+def _band(ax, rows: list[dict], key: str, band_key: str, color: str) -> None:
+    """key +/- band_key where both are logged and within the chart (reward/mean +/- reward/std)."""
+    pts = [(r["step"], float(r[key]), float(r[band_key])) for r in rows
+           if finite(r.get("step")) and finite(r.get(key)) and finite(r.get(band_key))
+           and abs(r[key]) + abs(r[band_key]) < OFF_CHART]
+    if pts:
+        xs, ms, ss = zip(*pts)
+        ax.fill_between(xs, [m - s for m, s in zip(ms, ss)], [m + s for m, s in zip(ms, ss)], color=color, alpha=0.18,
+                        linewidth=0)
+
+
+def temperature_twin(ax, rows: list[dict]):
+    """The sampling temperature on a right-hand axis of `ax`, dashed; returns its line, or None without
+    rollout/temperature. The report no longer draws it (a constant temperature on a second axis reads as a threshold
+    crossing the reward; a schedule gets its own panel); tests/integration/test_rl.py still reads the schedule
+    through it."""
+    xs, ys = series(rows, "rollout/temperature")
+    if not xs:
+        return None
+    twin = ax.twinx()
+    (line,) = twin.plot(xs, ys, linestyle="--", color="#C44E52", label="sampling temperature")
+    lo, hi = min(ys), max(ys)
+    twin.set_ylim(lo - 0.1 * (hi - lo or 1.0), hi + 0.1 * (hi - lo or 1.0))
+    return line
+
+
+def reward_distribution(rewards: list, path: Path) -> Path:
+    """Histogram of the last iteration's sample rewards (rl/last_rewards.json); NaN, inf and values beyond OFF_CHART
+    are counted in the title, not binned (one of them would stretch the bins over the whole float range)."""
+    shown = [float(v) for v in rewards if finite(v) and abs(v) < OFF_CHART]
+    left_out = len(rewards) - len(shown)
+    fig, ax = plt.subplots(figsize=(5.6, 3.2))
+    if shown:
+        ax.hist(shown, bins=min(30, max(5, len(shown) // 3)), color="#8172B2", alpha=0.85)
+        ax.axvline(mean(shown), color="black", linestyle="--", linewidth=1, label=f"mean {short(mean(shown))}")
+        ax.legend(fontsize=8, frameon=False)
+    ax.set_title(f"Reward of the last iteration's {len(rewards)} samples"
+                 + (f" ({left_out} NaN, inf or beyond ±{OFF_CHART:.0e}: not drawn)" if left_out else ""), fontsize=10)
+    ax.set_xlabel("reward", fontsize=8)
+    ax.set_ylabel("samples", fontsize=8)
+    ax.grid(alpha=0.3)
+    return _save(fig, path)
+
+
+def stage_breakdown(rows: list[dict], path: Path) -> Path:
+    timed = [r for r in rows if finite(r.get("time/iteration")) and finite(r.get("step"))]
+    fig, (ax, ax2) = plt.subplots(1, 2, figsize=(9, 3.2), gridspec_kw={"width_ratios": [3, 1]})
+    steps = [r["step"] for r in timed]
+    bottom = [0.0] * len(steps)
+    totals = {}
+    on_ray = any("time/rollout" in r and "time/generation" not in r for r in rows)
+    for key, name in RAY_STAGES if on_ray else STAGES:
+        vals = [value(r, key) for r in timed]
+        ax.bar(steps, vals, bottom=bottom, color=COLORS[name], label=name)
+        bottom = [b + v for b, v in zip(bottom, vals)]
+        totals[name] = sum(vals)
+    other = [value(r, "time/iteration") - b for r, b in zip(timed, bottom)]
+    ax.bar(steps, [max(0.0, o) for o in other], bottom=bottom, color=COLORS["other"], label="other")
+    totals["other"] = max(0.0, sum(other))
+    ax.set_xlabel("iteration")
+    ax.set_ylabel("seconds")
+    ax.set_title("Time per stage per iteration")
+    ax.xaxis.set_major_locator(MaxNLocator(integer=True))
+    ax.legend(fontsize=8)
+    nonzero = {k: v for k, v in totals.items() if v > 0}
+    if nonzero:
+        ax2.pie(list(nonzero.values()), labels=[f"{k}\n{v / sum(nonzero.values()):.0%}" for k, v in nonzero.items()],
+                colors=[COLORS[k] for k in nonzero], startangle=90)
+    ax2.set_title("Share of total time")
+    return _save(fig, path)
 
 
 def _line(ax, rows, key, label, color=None, title=None):
@@ -65,95 +206,6 @@ def _line(ax, rows, key, label, color=None, title=None):
     ax.set_title(title or label, fontsize=10)
     ax.set_xlabel("iteration", fontsize=8)
     ax.grid(alpha=0.3)
-
-
-def temperature_twin(ax, rows: list[dict]):
-    """The sampling temperature per iteration (rl.temperature_schedule) on a right-hand axis of `ax`, dashed; returns
-    its line, or None when no row logged rollout/temperature (runs from before it was logged)."""
-    xs, ys = series(rows, "rollout/temperature")
-    if not xs:
-        return None
-    twin = ax.twinx()
-    (line,) = twin.plot(xs, ys, linestyle="--", color="#C44E52", label="sampling temperature")
-    twin.set_ylabel("temperature", fontsize=8, color="#C44E52")
-    lo, hi = min(ys), max(ys)
-    twin.set_ylim(lo - 0.1 * (hi - lo or 1.0), hi + 0.1 * (hi - lo or 1.0))
-    twin.legend(fontsize=8, loc="lower right")
-    return line
-
-
-def training_metrics(rows: list[dict], path: Path, reward_samples: list[float] | None = None) -> Path:
-    fig, axes = plt.subplots(2, 2, figsize=(11, 7))
-    _line(axes[0, 0], rows, "reward/mean", "reward (mean per iteration)")
-    xs, gold = series(rows, "reward/gold_mean")
-    if xs:
-        axes[0, 0].plot(xs, gold, marker=".", label="gold score (default task)")
-        axes[0, 0].legend(fontsize=8)
-    temperature_twin(axes[0, 0], rows)
-    _line(axes[0, 1], rows, "train/policy_loss", "actor (policy) loss")
-    _line(axes[1, 0], rows, "train/value_loss", "critic (value) loss")
-    ax = axes[1, 1]
-    _, rewards = series(rows, "reward/mean")
-    # a NaN/inf reward (a skipped iteration's) has no place on a histogram's axis
-    dist = [v for v in (reward_samples or rewards) if isinstance(v, (int, float)) and math.isfinite(v)]
-    if dist:
-        ax.hist(dist, bins=min(30, max(5, len(dist) // 3)), color="#8172B2", alpha=0.8)
-        ax.axvline(mean(dist), color="black", linestyle="--", label=f"mean {mean(dist):.3f}")
-        ax.legend(fontsize=8)
-    ax.set_title("reward distribution" + (" (last iteration's samples)" if reward_samples else " (iteration means)"), fontsize=10)
-    fig.suptitle("Training metrics")
-    return _save(fig, path)
-
-
-def throughput_over_time(rows: list[dict], path: Path) -> Path:
-    fig, ax = plt.subplots(figsize=(9, 4))
-    xs, ys = series(rows, "rollout/samples_per_s")
-    ax.plot(xs, ys, marker=".", label="samples/s")
-    if ys:
-        ax.axhline(mean(ys), color="black", linestyle="--", label=f"average {mean(ys):.2f} samples/s")
-    _per_iteration(ax, "samples / s (end to end)", "Throughput per iteration")
-    return _save(fig, path)
-
-
-def memory_usage(rows: list[dict], path: Path) -> Path:
-    fig, ax = plt.subplots(figsize=(9, 4))
-    drawn = False
-    for key, label in (("mem/cuda_allocated_peak_mb", "CUDA allocated (peak)"), ("mem/cuda_reserved_peak_mb", "CUDA reserved (peak)"),
-                       ("mem/rss_peak_mb", "process RSS (peak so far)"), ("mem/rss_mb", "process RSS (end of iteration)")):
-        xs, ys = series(rows, key)
-        if xs:
-            ax.plot(xs, ys, marker=".", label=label)
-            drawn = True
-    if not drawn:
-        ax.text(0.5, 0.5, "no memory metrics logged", ha="center", va="center", transform=ax.transAxes)
-    _per_iteration(ax, "MiB", "Memory per iteration")
-    return _save(fig, path)
-
-
-def stage_breakdown(rows: list[dict], path: Path) -> Path:
-    fig, (ax, ax2) = plt.subplots(1, 2, figsize=(12, 4), gridspec_kw={"width_ratios": [3, 1]})
-    steps = [r["step"] for r in rows if "time/iteration" in r]
-    bottom = [0.0] * len(steps)
-    totals = {}
-    on_ray = any("time/rollout" in r and "time/generation" not in r for r in rows)
-    for key, name in RAY_STAGES if on_ray else STAGES:
-        vals = [float(r.get(key, 0.0)) for r in rows if "time/iteration" in r]
-        ax.bar(steps, vals, bottom=bottom, color=COLORS[name], label=name)
-        bottom = [b + v for b, v in zip(bottom, vals)]
-        totals[name] = sum(vals)
-    other = [float(r["time/iteration"]) - b for r, b in zip([r for r in rows if "time/iteration" in r], bottom)]
-    ax.bar(steps, [max(0.0, o) for o in other], bottom=bottom, color=COLORS["other"], label="other")
-    totals["other"] = max(0.0, sum(other))
-    ax.set_xlabel("iteration")
-    ax.set_ylabel("seconds")
-    ax.set_title("Time per stage per iteration")
-    ax.legend(fontsize=8)
-    nonzero = {k: v for k, v in totals.items() if v > 0}
-    if nonzero:
-        ax2.pie(list(nonzero.values()), labels=[f"{k}\n{v / sum(nonzero.values()):.0%}" for k, v in nonzero.items()],
-                colors=[COLORS[k] for k in nonzero], startangle=90)
-    ax2.set_title("Share of total time")
-    return _save(fig, path)
 
 
 def worker_ranks(rows: list[dict]) -> list[int]:
@@ -219,34 +271,6 @@ def speedup_comparison(rows: list[dict], baseline_rows: list[dict], path: Path, 
     return _save(fig, path)
 
 
-def summary_dashboard(rows: list[dict], numbers: dict, path: Path) -> Path:
-    fig = plt.figure(figsize=(13, 8))
-    grid = fig.add_gridspec(3, 3)
-    text = fig.add_subplot(grid[0, :])
-    text.axis("off")
-    lines = [
-        f"average throughput  {numbers['avg_samples_per_s']:.2f} samples/s",
-        f"total RL time  {numbers['total_time_s']:.0f} s over {numbers['iterations']} iterations",
-        f"average reward  {numbers['avg_reward']:.3f}",
-        f"peak memory  {numbers['peak_memory_mb']:.0f} MiB ({numbers['memory_kind']})",
-    ]
-    if "gold_positive_before" in numbers:
-        lines.append(f"gold positive rate  {numbers['gold_positive_before']:.3f} -> {numbers.get('gold_positive_after', float('nan')):.3f}")
-    if "measured_speedup" in numbers:
-        lines.append(f"measured speedup vs baseline  {numbers['measured_speedup']:.2f}x")
-    for i, line in enumerate(lines):
-        text.text(0.02 + 0.5 * (i % 2), 0.85 - 0.3 * (i // 2), line, fontsize=13, transform=text.transAxes)
-    panels = [("reward/mean", "reward"), ("rollout/samples_per_s", "samples/s"), ("reward/kl", "KL to reference"),
-              ("train/policy_loss", "actor loss"), ("train/value_loss", "critic loss"), ("rollout/length_mean", "response length")]
-    for i, (key, title) in enumerate(panels):
-        ax = fig.add_subplot(grid[1 + i // 3, i % 3])
-        _line(ax, rows, key, title)
-        if key == "reward/mean":
-            temperature_twin(ax, rows)
-    fig.suptitle("rlfuse run summary", fontsize=15)
-    return _save(fig, path)
-
-
 def _per_iteration(ax, ylabel: str, title: str) -> None:
     ax.set_xlabel("iteration")
     ax.set_ylabel(ylabel)
@@ -255,10 +279,12 @@ def _per_iteration(ax, ylabel: str, title: str) -> None:
     ax.legend()
 
 
-def _save(fig, path: Path) -> Path:
-    fig.tight_layout()
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=90)
-    plt.close(fig)
+def _save(fig, path: Path, dpi: int = 90) -> Path:
+    try:
+        fig.tight_layout()
+        path = Path(path)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        fig.savefig(path, dpi=dpi)
+    finally:
+        plt.close(fig)  # also when the folder cannot be written: no figure left open in a long-lived process
     return path

@@ -1,22 +1,33 @@
 """`rlfuse report RUN_DIR [--baseline RUN_DIR]`: redraw a run's figures and write its self-contained report.html.
 
-Works on finished, running and killed runs alike: everything comes from the files the run has written so far."""
+Works on finished, running and killed runs alike: everything comes from the files the run has written so far. The
+page reads top down as a practitioner checks a run: a warning where the reward and the gold score disagree, the key
+numbers, every logged curve on one screen (rlfuse/metrics/panels.py), then the evaluations, stages and samples, and
+the details (time per stage, memory per component, workers) below."""
 
 from __future__ import annotations
 
 import base64
+import errno
 import html
 import json
+import os
 from pathlib import Path
 
-from rlfuse.errors import UserError
+import yaml
+
+from rlfuse.errors import WRITE_ERRNOS, UserError
 from rlfuse.files import write_text_atomic
 from rlfuse.metrics import plots
+from rlfuse.metrics.health import reward_gold_divergence
+from rlfuse.metrics.panels import finite, moves, select_panels, with_evaluations
 from rlfuse.metrics.schedule_chart import draw_record
 from rlfuse.metrics.tracker import read_metrics
 
-FIGURES = ["summary_dashboard", "training_metrics", "throughput_over_time", "stage_breakdown", "memory_usage",
-           "speedup_comparison"]
+FIGURES = ["summary_dashboard", "stage_breakdown", "reward_distribution", "speedup_comparison"]
+RETIRED_FIGURES = ["training_metrics", "throughput_over_time", "memory_usage"]
+"""Figures of earlier versions, now panels of the dashboard: removed when a run folder is redrawn, so its figures/
+holds no stale copies."""
 
 
 def require_run_dir(path: str | Path) -> Path:
@@ -30,29 +41,36 @@ def require_run_dir(path: str | Path) -> Path:
 def _json(path: Path) -> dict | list | None:
     try:
         return json.loads(path.read_text())
-    except (OSError, json.JSONDecodeError):
+    except (OSError, ValueError):
         return None
+
+
+def _dict(x) -> dict:
+    return x if isinstance(x, dict) else {}
+
+
+def load_rows(path: Path) -> list[dict]:
+    """A metrics file's rows that have a step (a hand-edited or torn file may hold other JSON)."""
+    rows = read_metrics(path) if path.is_file() else []
+    return [r for r in rows if isinstance(r, dict) and finite(r.get("step"))]
 
 
 def draw_figures(run_dir: Path, baseline_dir: Path | None = None) -> dict[str, Path | str]:
     """name -> PNG path, or name -> the reason it was not drawn."""
-    rows = read_metrics(run_dir / "rl" / "metrics.jsonl") if (run_dir / "rl" / "metrics.jsonl").exists() else []
+    rows = load_rows(run_dir / "rl" / "metrics.jsonl")
     out_dir = run_dir / "figures"
+    for name in RETIRED_FIGURES:
+        (out_dir / f"{name}.png").unlink(missing_ok=True)
     if not rows:
         return {name: "no RL iterations logged yet" for name in FIGURES}
-    eval_result = _json(run_dir / "eval.json")
-    base_rows = None
-    if baseline_dir is not None:
-        base_path = require_run_dir(baseline_dir) / "rl" / "metrics.jsonl"
-        base_rows = read_metrics(base_path) if base_path.exists() else []
-    numbers = plots.summary_numbers(rows, eval_result, base_rows)
+    eval_rows = with_evaluations(rows, _dict(_json(run_dir / "eval.json")))
     last_rewards = _json(run_dir / "rl" / "last_rewards.json")
     figs: dict[str, Path | str] = {
-        "summary_dashboard": plots.summary_dashboard(rows, numbers, out_dir / "summary_dashboard.png"),
-        "training_metrics": plots.training_metrics(rows, out_dir / "training_metrics.png", last_rewards),
-        "throughput_over_time": plots.throughput_over_time(rows, out_dir / "throughput_over_time.png"),
+        "summary_dashboard": plots.summary_dashboard(eval_rows, out_dir / "summary_dashboard.png"),
         "stage_breakdown": plots.stage_breakdown(rows, out_dir / "stage_breakdown.png"),
-        "memory_usage": plots.memory_usage(rows, out_dir / "memory_usage.png"),
+        "reward_distribution": (plots.reward_distribution(last_rewards, out_dir / "reward_distribution.png")
+                                if isinstance(last_rewards, list) and last_rewards else
+                                "not drawn: no rl/last_rewards.json (written after each iteration)"),
     }
     if plots.worker_ranks(rows):  # placement on Ray: per-worker time and memory (not in FIGURES: optional)
         figs["worker_usage"] = plots.worker_usage(rows, out_dir / "worker_usage.png")
@@ -61,20 +79,24 @@ def draw_figures(run_dir: Path, baseline_dir: Path | None = None) -> dict[str, P
     schedule = _json(run_dir / "rl" / "pipeline_schedule.json")
     if schedule:  # rl.train_parallel=pipeline_*: the executed schedule beside the simulated one
         figs["pipeline_schedule"] = draw_record(schedule, out_dir / "pipeline_schedule.png")
+    base_rows = load_rows(require_run_dir(baseline_dir) / "rl" / "metrics.jsonl") if baseline_dir else []
     if base_rows:
         figs["speedup_comparison"] = plots.speedup_comparison(rows, base_rows, out_dir / "speedup_comparison.png",
                                                               (run_dir.name, Path(baseline_dir).name))
     else:
-        stale = out_dir / "speedup_comparison.png"
-        stale.unlink(missing_ok=True)
+        (out_dir / "speedup_comparison.png").unlink(missing_ok=True)
         figs["speedup_comparison"] = ("not drawn: no baseline run given (rlfuse report RUN_DIR --baseline OTHER_RUN, "
                                       "e.g. the same config with rollout.fusion=true); a speedup is only ever measured")
     return figs
 
 
-def _img(path: Path, alt: str) -> str:
+# ------------------------------------------------------------------------------------------- HTML pieces
+
+
+def _img(path: Path, alt: str, caption: str = "") -> str:
     data = base64.b64encode(path.read_bytes()).decode()
-    return f'<figure><img alt="{alt}" src="data:image/png;base64,{data}"><figcaption>{alt}</figcaption></figure>'
+    return (f'<figure><img alt="{html.escape(alt)}" src="data:image/png;base64,{data}">'
+            f'<figcaption>{html.escape(caption or alt)}</figcaption></figure>')
 
 
 def _table(rows: list[tuple]) -> str:
@@ -83,7 +105,120 @@ def _table(rows: list[tuple]) -> str:
 
 
 def _fmt(v) -> str:
-    return f"{v:.3f}" if isinstance(v, float) else str(v)
+    return plots.short(v) if isinstance(v, float) else str(v)
+
+
+def _change(a, b) -> str:
+    return f"{_fmt(a)} → {_fmt(b)}"
+
+
+def key_numbers(rows: list[dict], eval_result: dict, base_rows: list[dict] | None) -> list[tuple[str, str]]:
+    """(label, value) cards, one row of them: each number once, where the run logged it (the last value of every
+    curve is on its panel; time and iterations are in the status line)."""
+    n = plots.summary_numbers(rows, eval_result, base_rows)
+    cards = []
+    for key, label in (("reward/mean", "reward"), ("reward/gold_mean", "gold score")):
+        xs, ys = plots.series(rows, key)
+        if ys:
+            cards.append((f"{label}, iteration {xs[0]} → {xs[-1]}", _change(ys[0], ys[-1])))
+    before, after = _dict(eval_result.get("before")), _dict(eval_result.get("after"))
+    for key, label in (("reward_mean", "held-out reward"), ("gold_positive_rate", "held-out gold positive rate")):
+        if finite(before.get(key)) and finite(after.get(key)):
+            cards.append((f"{label}, before → after RL", _change(before[key], after[key])))
+    if finite(n["avg_samples_per_s"]):
+        tokens = f" · {_fmt(n['avg_tokens_per_s'])} tokens/s" if finite(n["avg_tokens_per_s"]) else ""
+        cards.append(("throughput, mean", f"{_fmt(n['avg_samples_per_s'])} samples/s{tokens}"))
+    if finite(n["peak_memory_mb"]):
+        kind = n["memory_kind"].removeprefix("process ")
+        cards.append(("peak memory, RL stage", f"{n['peak_memory_mb']:,.0f} MiB {kind}"))
+    if "measured_speedup" in n:
+        cards.append(("measured speedup vs baseline", f"{n['measured_speedup']:.2f}x"))
+    return cards
+
+
+def _cards(cards: list[tuple[str, str]]) -> str:
+    items = "".join(f"<div class=card><div class=label>{html.escape(label)}</div>"
+                    f"<div class=value>{html.escape(v)}</div></div>" for label, v in cards)
+    return f"<div class=cards>{items}</div>"
+
+
+def run_settings(run_dir: Path) -> dict:
+    """The run's config.yaml as a dict ({} where it cannot be read: the report still draws the metrics)."""
+    try:
+        return _dict(yaml.safe_load((run_dir / "config.yaml").read_text()))
+    except (OSError, yaml.YAMLError):
+        return {}
+
+
+def status_line(run_dir: Path, rows: list[dict], settings: dict) -> str:
+    """Finished or not, algorithm, iterations, and the sampling temperature where it is one number (a constant drawn
+    as a line would read as a threshold; a schedule gets its own panel)."""
+    done = (run_dir / "rl" / "model").exists()
+    rl = _dict(settings.get("rl"))
+    _, seconds = plots.series(rows, "time/iteration")
+    logged = sum("time/iteration" in r for r in rows)  # an iteration whose time is NaN was logged all the same
+    parts = ["finished" if done else "in progress or stopped early",
+             f"{logged} RL iterations logged" + (f" in {sum(seconds):.0f} s" if seconds else "")]
+    if rl.get("algo"):
+        parts.insert(1, f"{rl['algo']}, k={rl.get('k', 1)}")
+    _, temps = plots.series(rows, "rollout/temperature")
+    if temps and not moves("rollout/temperature")(rows):
+        parts.append(f"sampling temperature {_fmt(temps[0])} (constant)")
+    elif temps:
+        parts.append(f"sampling temperature {_fmt(temps[0])} → {_fmt(temps[-1])} (schedule: its own panel)")
+    return "<p class=status>" + html.escape(" · ".join(parts)) + ".</p>"
+
+
+def warnings_section(rows: list[dict], eval_result: dict) -> list[str]:
+    found = reward_gold_divergence(rows, eval_result)
+    if found is None:
+        return []
+    return [f"<div class=warning role=alert><b>Reward and gold score disagree.</b> {html.escape(found.message())}"
+            "</div>"]
+
+
+STAGES = (
+    ("sft", "SFT", (("val_loss", "held-out loss {}"), ("perplexity", "perplexity {}"),
+                    ("gold_positive_rate", "gold positive rate of samples {}"))),
+    ("rm", "reward model", (("accuracy", "held-out pair accuracy {}"), ("margin", "mean margin {}"))),
+    ("rl", "RL", ()),  # its result is the held-out evaluation before and after it (eval.json)
+)
+"""Per stage: its folder, its name, and the summary.json keys that say how it went, in the words of its headline."""
+
+
+def rl_result(eval_result: dict) -> str:
+    before, after = _dict(eval_result.get("before")), _dict(eval_result.get("after"))
+    parts = [f"{label} {_change(before[k], after[k])}" for k, label in
+             (("reward_mean", "held-out reward"), ("gold_positive_rate", "gold positive rate"))
+             if finite(before.get(k)) and finite(after.get(k))]
+    if finite(after.get("kl")):
+        parts.append(f"KL {_fmt(after['kl'])}")
+    return ", ".join(parts) or "no evaluation yet"
+
+
+def stages_section(run_dir: Path, eval_result: dict) -> list[str]:
+    """One row per stage the run has finished: seconds and headline result, not its summary.json's every key."""
+    rows = [("stage", "seconds", "result")]
+    for folder, name, results in STAGES:
+        summary = _json(run_dir / folder / "summary.json")
+        if isinstance(summary, dict):
+            seconds = f"{summary['seconds']:.0f}" if finite(summary.get("seconds")) else "-"
+            result = (rl_result(eval_result) if folder == "rl" else
+                      ", ".join(text.format(_fmt(summary[k])) for k, text in results if k in summary) or "-")
+            rows.append((name, seconds, result))
+    return ["<div><h2>Stages</h2>", _table(rows), "</div>"] if len(rows) > 1 else []
+
+
+def evaluation_section(eval_result: dict) -> list[str]:
+    before, after = _dict(eval_result.get("before")), _dict(eval_result.get("after"))
+    keys = sorted((set(before) | set(after)) - {"samples", "n"})
+    if not keys:
+        return []
+    n = after.get("n", before.get("n"))
+    return [f"<div><h2>Held-out evaluation, before and after RL{f' ({n} prompts)' if finite(n) else ''}</h2>",
+            _table([("metric", "before", "after")]
+                   + [(k, _fmt(before.get(k, "")), _fmt(after.get(k, ""))) for k in keys]),
+            "</div>"]
 
 
 def worker_table(rows: list[dict]) -> list[tuple]:
@@ -106,15 +241,15 @@ def worker_table(rows: list[dict]) -> list[tuple]:
 def memory_section(run_dir: Path) -> list[str]:
     """The RL stage's measured memory per component (rl/memory.json, rlfuse/metrics/memory.py), beside the planner's
     prediction where the run has one (rl/memory_predicted.json: {"bytes": {component: bytes}})."""
+    measured = _json(run_dir / "rl" / "memory.json")
+    if not isinstance(measured, dict) or not isinstance(measured.get("bytes"), dict):
+        return []
     from rlfuse.metrics.memory import format_table  # torch: only a run that measured memory has this table
 
-    measured = _json(run_dir / "rl" / "memory.json")
-    if not measured:
-        return []
-    predicted = (_json(run_dir / "rl" / "memory_predicted.json") or {}).get("bytes")
+    predicted = _dict(_json(run_dir / "rl" / "memory_predicted.json")).get("bytes")
     note = (f"<p class=note>Quantisation: {html.escape(str(measured.get('quantization', 'none')))}. Weights, adapters, "
             "gradients and optimiser states are tensor bytes by owner; activations, KV cache and total are measured "
-            f"peaks of {html.escape(measured.get('measured_by', ''))} during the update and the rollout.</p>")
+            f"peaks of {html.escape(str(measured.get('measured_by', '')))} during the update and the rollout.</p>")
     return ["<h2>Memory per component (RL)</h2>", _table(format_table(measured, predicted)), note]
 
 
@@ -125,81 +260,144 @@ def eval_during_section(rows: list[dict], eval_result: dict) -> list[str]:
         return []
     keys = sorted({k.removeprefix("eval/") for r in points for k in r if k.startswith("eval/")})
     table = [("iteration", *keys)]
-    if eval_result.get("before"):
-        table.append(("0 (before)", *(_fmt(eval_result["before"].get(k, "")) for k in keys)))
+    before, after = _dict(eval_result.get("before")), _dict(eval_result.get("after"))
+    if before:
+        table.append(("0 (before)", *(_fmt(before.get(k, "")) for k in keys)))
     table += [(r["step"], *(_fmt(r.get(f"eval/{k}", "")) for k in keys)) for r in points]
-    if eval_result.get("after"):
-        table.append((f"{rows[-1]['step']} (after)", *(_fmt(eval_result["after"].get(k, "")) for k in keys)))
+    if after:
+        table.append((f"{rows[-1]['step']} (after)", *(_fmt(after.get(k, "")) for k in keys)))
     return ["<h2>Held-out evaluation during RL</h2>", _table(table)]
 
 
+# ------------------------------------------------------------------------------------------- samples
+
+
+def prompt_end(text: str, other: str | None, prompt: str | None = None) -> int:
+    """Where the prompt ends in `text`: the recorded prompt's length where there is one, else the start `text` shares
+    with `other` (the sample of the same held-out prompt after RL), cut back to a word's end. That shared start holds
+    the prompt and at most a few words both samples began with: never less than the prompt. 0: not known."""
+    if prompt and text.startswith(prompt):
+        return len(prompt)
+    if not other:
+        return 0
+    n = len(os.path.commonprefix([text, other]))
+    if n >= min(len(text), len(other)):
+        return 0  # one sample is the other's start: nothing tells the prompt from the completion
+    if not text[n - 1:n].isspace() and not text[n:n + 1].isspace():
+        n = text.rfind(" ", 0, n) + 1  # mid-word: the word belongs to both completions, not the prompt
+    return n
+
+
+def _sample(text: str, cut: int) -> str:
+    """The prompt muted, the completion in bold."""
+    return f"<span class=prompt>{html.escape(text[:cut])}</span><b>{html.escape(text[cut:])}</b>"
+
+
+def held_out_samples_section(run_dir: Path) -> list[str]:
+    before_file = _dict(_json(run_dir / "rl" / "eval_before.json"))
+    before = [t for t in before_file.get("samples") or [] if isinstance(t, str)]
+    after = [t for t in _json(run_dir / "rl" / "samples_after.json") or [] if isinstance(t, str)]
+    prompts = before_file.get("prompts") or []  # recorded prompts, where the evaluation keeps them
+    if not before and not after:
+        return []
+    parts = ["<h2>Sample generations on held-out prompts</h2>",
+             "<p class=note>Grey: the prompt (the start each sample shares with the other column's sample of the same "
+             "prompt, where the prompts are not recorded); bold: the policy's completion.</p><div class=samples>"]
+    for title, texts, others in (("before RL (SFT policy)", before, after), ("after RL", after, before)):
+        items = "".join(f"<li>{_sample(t, prompt_end(t, others[i] if i < len(others) else None, _at(prompts, i)))}</li>"
+                        for i, t in enumerate(texts[:8])) or "<li>(none yet)</li>"
+        parts.append(f"<div><h3>{title}</h3><ol>{items}</ol></div>")
+    return parts + ["</div>"]
+
+
+def _at(items: list, i: int):
+    return items[i] if i < len(items) and isinstance(items[i], str) else None
+
+
 def samples_section(path: Path) -> list[str]:
-    """rl.log_samples_every: the first and the latest table of sample completions (rl/samples.jsonl)."""
-    rows = read_metrics(path) if path.exists() else []
+    """rl.log_samples_every: the first and the latest table of sample completions (rl/samples.jsonl), each sample's
+    prompt muted and its completion in bold."""
+    rows = load_rows(path)
     steps = sorted({r["step"] for r in rows})
     if not steps:
         return []
     parts = ["<h2>Sample completions during RL</h2>"]
     for step in dict.fromkeys([steps[0], steps[-1]]):
         table = [r for r in rows if r["step"] == step]
-        cols = [c for c in table[0] if c != "step"]
-        parts += [f"<h3>iteration {step}</h3>", _table([tuple(cols)] + [tuple(_fmt(r.get(c, "")) for c in cols)
-                                                                        for r in table])]
+        cols = [c for c in table[0] if c not in ("step", "prompt", "completion")]
+        head = "".join(f"<td>{html.escape(c)}</td>" for c in ["prompt → completion", *cols])
+        body = "".join("<tr><td class=text>" + _sample(str(r.get("prompt", "")) + str(r.get("completion", "")),
+                                                       len(str(r.get("prompt", ""))))
+                       + "</td>" + "".join(f"<td>{html.escape(_fmt(r.get(c, '')))}</td>" for c in cols) + "</tr>"
+                       for r in table)
+        parts += [f"<h3>iteration {step}</h3>", f"<table><tr>{head}</tr>{body}</table>"]
     return parts
 
 
-def write_report(run_dir: str | Path, baseline_dir: str | Path | None = None) -> Path:
-    run_dir = require_run_dir(run_dir)
-    figs = draw_figures(run_dir, Path(baseline_dir) if baseline_dir else None)
-    rows = read_metrics(run_dir / "rl" / "metrics.jsonl") if (run_dir / "rl" / "metrics.jsonl").exists() else []
-    eval_result = _json(run_dir / "eval.json") or {}
-    base_rows = None
-    if baseline_dir:
-        p = Path(baseline_dir) / "rl" / "metrics.jsonl"
-        base_rows = read_metrics(p) if p.exists() else []
-    parts = [f"<h1>rlfuse run <code>{html.escape(str(run_dir))}</code></h1>"]
-    done = (run_dir / "rl" / "model").exists()
-    parts.append(f"<p class=status>{'finished' if done else 'in progress or stopped early'}: "
-                 f"{len([r for r in rows if 'time/iteration' in r])} RL iterations logged.</p>")
+# ------------------------------------------------------------------------------------------- the page
+
+
+def figures_section(figs: dict[str, Path | str]) -> list[str]:
+    """Everything below the dashboard: time per stage, reward distribution, the optional figures side by side where
+    they fit; then why any of them was not drawn (the speedup without a baseline)."""
+    names = [n for n in FIGURES[1:] if n in figs] + [n for n in ("worker_usage", "async_training", "pipeline_schedule")
+                                                     if n in figs]
+    drawn = [_img(figs[n], n.replace("_", " ")) for n in names if isinstance(figs[n], Path)]
+    notes = [f"<p class=note><b>{n.replace('_', ' ')}</b>: {html.escape(str(figs[n]))}</p>" for n in names
+             if not isinstance(figs[n], Path)]
+    return ["<h2>Details</h2>", "<div class=figs>", *drawn, "</div>", *notes]
+
+
+def dashboard_section(figs: dict[str, Path | str], rows: list[dict]) -> list[str]:
+    f = figs.get("summary_dashboard")
+    if not isinstance(f, Path):
+        return [f"<p class=note>{html.escape(str(f or 'no RL iterations logged yet'))}</p>"]
+    titles = ", ".join(p.title for p in select_panels(rows))
+    return [_img(f, f"dashboard: {titles}", "x axis: RL iteration; top right of each panel: its last value; a band: "
+                 "± one standard deviation over the iteration's samples")]
+
+
+def build_page(run_dir: Path, figs: dict[str, Path | str], baseline_dir: Path | None) -> str:
+    rows = load_rows(run_dir / "rl" / "metrics.jsonl")
+    eval_result = _dict(_json(run_dir / "eval.json"))
+    base_rows = load_rows(Path(baseline_dir) / "rl" / "metrics.jsonl") if baseline_dir else None
+    parts = [f"<h1>rlfuse run <code>{html.escape(str(run_dir))}</code></h1>",
+             status_line(run_dir, rows, run_settings(run_dir))]
+    parts += warnings_section(rows, eval_result)
     if rows:
-        n = plots.summary_numbers(rows, eval_result, base_rows)
-        key = [("number", "value"), ("average throughput", f"{n['avg_samples_per_s']:.2f} samples/s"),
-               ("total RL time", f"{n['total_time_s']:.0f} s"), ("iterations", n["iterations"]),
-               ("average reward", f"{n['avg_reward']:.3f}"), (f"peak memory ({n['memory_kind']})", f"{n['peak_memory_mb']:.0f} MiB")]
-        if "measured_speedup" in n:
-            key.append(("measured speedup vs baseline", f"{n['measured_speedup']:.2f}x"))
-        parts += ["<h2>Key numbers</h2>", _table(key)]
-    if eval_result:
-        keys = sorted(set(eval_result.get("before", {})) | set(eval_result.get("after", {})))
-        parts += ["<h2>Held-out evaluation, before and after RL</h2>",
-                  _table([("metric", "before", "after")] + [(k, _fmt(eval_result.get("before", {}).get(k, "")),
-                                                             _fmt(eval_result.get("after", {}).get(k, ""))) for k in keys])]
+        parts.append(_cards(key_numbers(rows, eval_result, base_rows)))
+    parts += dashboard_section(figs, with_evaluations(rows, eval_result))
+    tables = evaluation_section(eval_result) + stages_section(run_dir, eval_result)
+    if tables:
+        parts += ["<div class=pair>", *tables, "</div>"]
+    parts += held_out_samples_section(run_dir)
     parts += eval_during_section(rows, eval_result)
-    stages = [(s, _json(run_dir / s / "summary.json")) for s in ("sft", "rm", "rl")]
-    stage_rows = [(s, ", ".join(f"{k} {_fmt(v)}" for k, v in d.items() if k != "model_dir")) for s, d in stages if d]
-    if stage_rows:
-        parts += ["<h2>Stages</h2>", _table([("stage", "summary")] + stage_rows)]
+    parts += samples_section(run_dir / "rl" / "samples.jsonl")
+    parts += figures_section(figs)
+    parts += memory_section(run_dir)
     if plots.worker_ranks(rows):
         parts += ["<h2>Workers (placement on Ray)</h2>", _table(worker_table(rows))]
-    parts += memory_section(run_dir)
-    parts.append("<h2>Figures</h2>")
-    for name in FIGURES + [n for n in ("worker_usage", "async_training") if n in figs]:
-        f = figs.get(name)
-        parts.append(_img(f, name.replace("_", " ")) if isinstance(f, Path) else
-                     f"<p class=note><b>{name.replace('_', ' ')}</b>: {html.escape(str(f))}</p>")
-    before = (_json(run_dir / "rl" / "eval_before.json") or {}).get("samples", [])
-    after = _json(run_dir / "rl" / "samples_after.json") or []
-    if before or after:
-        parts.append("<h2>Sample generations on held-out prompts</h2><div class=samples>")
-        for title, texts in (("before RL (SFT policy)", before), ("after RL", after)):
-            items = "".join(f"<li>{html.escape(t)}</li>" for t in texts[:8]) or "<li>(none yet)</li>"
-            parts.append(f"<div><h3>{title}</h3><ol>{items}</ol></div>")
-        parts.append("</div>")
-    parts += samples_section(run_dir / "rl" / "samples.jsonl")
     config = (run_dir / "config.yaml").read_text()
     parts += ["<h2>Config</h2>", f"<pre>{html.escape(config)}</pre>"]
-    page = TEMPLATE.replace("{body}", "\n".join(parts))
-    return write_text_atomic(run_dir / "report.html", page)
+    return TEMPLATE.replace("{body}", "\n".join(parts))
+
+
+def write_report(run_dir: str | Path, baseline_dir: str | Path | None = None) -> Path:
+    """Draw the figures into RUN_DIR/figures and write RUN_DIR/report.html; returns its path. A folder that cannot be
+    written (read-only, full) is a UserError of one line, not a traceback."""
+    run_dir = require_run_dir(run_dir)
+    baseline = Path(baseline_dir) if baseline_dir else None
+    try:
+        figs = draw_figures(run_dir, baseline)
+        return write_text_atomic(run_dir / "report.html", build_page(run_dir, figs, baseline))
+    except OSError as e:
+        if e.errno not in WRITE_ERRNOS:
+            raise
+        space = e.errno in (errno.ENOSPC, errno.EDQUOT, errno.EFBIG)
+        fix = ("free space there and run rlfuse report again" if space else
+               f"copy the run folder somewhere writable (cp -r {run_dir} /tmp/) and run rlfuse report on the copy")
+        raise UserError(f"report: cannot write report.html into {run_dir} ({e.strerror or 'not writable'}): {fix}") \
+            from None
 
 
 # Self-contained: inline CSS, images as data URIs, and a check the tests read back (every image decoded, no
@@ -208,14 +406,26 @@ TEMPLATE = """<!doctype html>
 <html lang="en"><head><meta charset="utf-8"><meta name="viewport" content="width=device-width, initial-scale=1">
 <title>rlfuse report</title>
 <style>
-body { font-family: system-ui, sans-serif; max-width: 1100px; margin: 1.5em auto; padding: 0 1em; color: #222; }
-h1 { font-size: 1.4em; } h2 { font-size: 1.15em; border-bottom: 1px solid #ddd; padding-bottom: .2em; margin-top: 1.6em; }
-table { border-collapse: collapse; } td { border: 1px solid #ddd; padding: .25em .7em; }
+body { font-family: system-ui, sans-serif; max-width: 1360px; margin: .8em auto; padding: 0 1em; color: #222; }
+h1 { font-size: 1.3em; margin: .2em 0; } h1 code { font-size: .85em; color: #444; }
+h2 { font-size: 1.1em; border-bottom: 1px solid #ddd; padding-bottom: .2em; margin-top: 1.4em; }
+h3 { font-size: 1em; margin: .8em 0 .3em; }
+table { border-collapse: collapse; } td { border: 1px solid #ddd; padding: .25em .7em; vertical-align: top; }
 tr:first-child td { font-weight: 600; background: #f5f5f5; }
-figure { margin: 1em 0; } img { max-width: 100%; height: auto; border: 1px solid #eee; }
-figcaption { color: #666; font-size: .85em; } .note { color: #666; } .status { color: #444; }
+figure { margin: .6em 0; } img { max-width: 100%; height: auto; border: 1px solid #eee; }
+figcaption { color: #666; font-size: .85em; } .note { color: #666; font-size: .9em; }
+.status { color: #444; margin: .2em 0 .6em; }
+.warning { background: #fff3cd; border: 1px solid #e0b400; border-left: 6px solid #d39e00; padding: .6em .9em;
+           margin: .6em 0; border-radius: 4px; }
+.cards { display: flex; flex-wrap: wrap; gap: .4em; margin: .4em 0; }
+.card { border: 1px solid #e3e3e3; border-radius: 6px; padding: .25em .6em; background: #fafafa; }
+.card .label { font-size: .72em; color: #666; } .card .value { font-size: .95em; font-weight: 600; }
+.figs { display: flex; flex-wrap: wrap; gap: 0 1.5em; align-items: flex-end; }
+.pair { display: grid; grid-template-columns: 1fr 1fr; gap: 2em; align-items: start; }
+.prompt { color: #8a8a8a; } .text { max-width: 60em; }
 pre { background: #f7f7f7; padding: .8em; overflow-x: auto; font-size: .85em; }
-.samples { display: grid; grid-template-columns: 1fr 1fr; gap: 1.5em; } .samples li { margin-bottom: .4em; font-size: .9em; }
+.samples { display: grid; grid-template-columns: 1fr 1fr; gap: 1.5em; }
+.samples li { margin-bottom: .4em; font-size: .9em; }
 </style></head>
 <body>
 {body}

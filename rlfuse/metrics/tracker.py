@@ -208,7 +208,8 @@ def reset_peak_rss() -> bool:
 
 
 def memory_metrics(device) -> dict:
-    """mem/ metrics: process RSS now and its peak so far; CUDA allocated/reserved peaks since the last call."""
+    """mem/ metrics: process RSS now and its peak since the stage began (stage_tracker); CUDA allocated/reserved
+    peaks since the last call."""
     import torch  # torch: `rlfuse report` and `rlfuse plan` read metrics without it
 
     out = {"mem/rss_mb": psutil.Process().memory_info().rss / 2**20, "mem/rss_peak_mb": peak_rss_mb()}
@@ -234,9 +235,13 @@ TABLES = ("samples",)
 def stage_tracker(cfg, stage_dir: str | Path, from_step: int = 0) -> JsonlTracker:
     """A stage's tracker: stage_dir/metrics.jsonl and the sinks of cfg.run.report_to, each given the run's config.
     Rows a folder already holds after `from_step` are dropped first: a new run into a folder that held one starts
-    its metrics afresh (not appended to the old run's), a resumed one logs its steps after from_step again."""
+    its metrics afresh (not appended to the old run's), a resumed one logs its steps after from_step again. The
+    process's peak memory restarts here, after the stage has loaded its models."""
     stage_dir = Path(stage_dir)
     stage_dir.mkdir(parents=True, exist_ok=True)
+    # mem/rss_peak_mb is the stage's own peak: in one `rlfuse run` process the RL stage would otherwise read SFT's and
+    # RM's high-water mark, a flat line above its own (Linux; elsewhere the process's lifetime peak stays)
+    reset_peak_rss()
     for name in ("metrics", *TABLES):
         truncate_metrics(stage_dir / f"{name}.jsonl", from_step)
     return JsonlTracker(stage_dir / "metrics.jsonl", sinks=open_sinks(cfg.run.report_to, stage_dir,

@@ -24,7 +24,7 @@ def test_top_level_help_lists_the_common_settings_by_topic(capsys):
         assert f"\n  {topic}\n" in out
     assert "rl.k = 1 (rloo, grpo: 4)" in out  # the algorithms' presets beside the default
     assert " ".join(out.split()).count("run.memory_table") == 0  # an uncommon field: in the command's help only
-    assert len(out.splitlines()) < 130
+    assert len(out.splitlines()) < 170  # at 80 columns
 
 
 def test_command_help_lists_its_sections_common_first_then_every_field(capsys):
@@ -32,7 +32,7 @@ def test_command_help_lists_its_sections_common_first_then_every_field(capsys):
     flat = " ".join(rl.split())
     assert flat.index("rl.algo =") < flat.index("rl.kl_horizon=256")  # common ones first, then the rest by name
     assert "rollout.fusion=\"auto\"" in flat and "placement.strategy" in flat and "sft.lr =" not in flat
-    assert len(rl.splitlines()) < 160
+    assert len(rl.splitlines()) < 200  # at 80 columns
     sft = help_of(["sft"], capsys)
     assert "sft.lr = 0.002" in sft and "rl.kl_horizon" not in sft
 

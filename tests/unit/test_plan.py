@@ -495,7 +495,7 @@ def test_rlfuse_plan_default_config(tmp_path, capsys, tiny_task):
     printed = capsys.readouterr().out
     assert "| rank | strategy" in printed and "best: " in printed and "| base | adapters |" in printed
     block = yaml.safe_load(out.read_text())
-    assert block["placement"]["strategy"] in ("flattened", "interleaved", "separated")
+    assert block["placement"]["strategy"] in ("single", "flattened", "interleaved", "separated")  # single: ranked too
     cfg = load_config(None, [f"{s}.{k}={v}" for s, d in block.items() for k, v in d.items()])  # runs as written
     assert cfg.placement.strategy == block["placement"]["strategy"]
 
