@@ -11,6 +11,9 @@ or as --lengths-from's run recorded them; where neither can be had, the planner'
 
 from __future__ import annotations
 
+import argparse
+import math
+import os
 import sys
 from pathlib import Path
 
@@ -26,22 +29,56 @@ from rlfuse.plan.planner import first_fitting, plan, plan_memory_table, plan_tab
 from rlfuse.plan.profiles import default_profile_path, load_profile
 
 
-def _positive(kind):
-    """An argparse type: a number > 0 (0 workers, CPUs or GiB is never what a user means)."""
+def _positive(kind, zero: bool = False):
+    """An argparse type: a finite number > 0 (0 workers, CPUs or GiB is never what a user means; NaN or inf GiB
+    would make every plan fit, or none), or >= 0 with zero=True (GPUs per worker)."""
     def parse(text: str):
-        value = kind(text)
-        if value <= 0:
-            raise ValueError(text)
+        try:
+            value = kind(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
+        if not math.isfinite(value) or value < 0 or (value == 0 and not zero):
+            raise argparse.ArgumentTypeError(f"expected a finite number {'>=' if zero else '>'} 0, got {text!r}")
         return value
     parse.__name__ = f"positive {kind.__name__}"
     return parse
+
+
+def usable_path(path: str | None, flag: str, fix: str) -> None:
+    """A path given on the command line that the OS refuses to look up (a part over 255 bytes: File name too long;
+    a folder without search permission) is one line naming the flag, not pathlib's OSError from deep inside; one that
+    does not exist yet is the caller's business."""
+    if path is None:
+        return
+    try:
+        os.stat(path)
+    except (FileNotFoundError, NotADirectoryError):
+        return
+    except OSError as e:
+        raise UserError(f"{flag} {path}: {e.strerror}; {fix}") from None
+
+
+def machine_cores() -> int:
+    """The cores this process may run on: what a local Ray gives its workers."""
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+
+
+def check_cpus_per_worker(cpus: float, flag: str, address: str | None) -> None:
+    """A worker is one process on one machine: a local plan (no placement.address) cannot give one more CPUs than
+    this machine has (several workers beyond them are priced as sharing the cores). A cluster's nodes are not
+    this machine's: any number is taken there."""
+    cores = machine_cores()
+    if address is None and cpus > cores:
+        raise UserError(f"{flag} {cpus:g}: a worker is one process on one machine, and this one has {cores} cores; "
+                        f"give at most {cores}, or plan for a cluster with placement.address=ray://HEAD:10001")
 
 
 def add_arguments(p) -> None:
     p.add_argument("args", nargs="*", metavar="CONFIG|section.field=value", help="optional YAML config, then overrides")
     p.add_argument("--workers", type=_positive(int), help="workers in all (default placement.workers)")
     p.add_argument("--cpus-per-worker", type=_positive(float), help="CPUs per worker (default placement.cpus_per_worker)")
-    p.add_argument("--gpus-per-worker", type=float, help="GPUs per worker (default placement.gpus_per_worker)")
+    p.add_argument("--gpus-per-worker", type=_positive(float, zero=True),
+                   help="GPUs per worker (default placement.gpus_per_worker)")
     p.add_argument("--memory-per-worker", type=_positive(float), metavar="GB",
                    help="GiB one worker may use (default placement.memory_per_worker_gb, else a GPU's memory or the "
                         "machine's RAM divided among the workers)")
@@ -53,7 +90,7 @@ def add_arguments(p) -> None:
     p.add_argument("--lengths-from", metavar="RUN_DIR", help="response (and prompt) lengths measured by an RL run "
                    "(its rl/metrics.jsonl) instead of the config's defaults (and of the prompts measured here)")
     p.add_argument("--out", default="plan.yaml", metavar="FILE", help="where the best plan's YAML goes (plan.yaml)")
-    p.add_argument("--top", type=int, default=12, help="rows of the ranked table")
+    p.add_argument("--top", type=_positive(int), default=12, help="rows of the ranked table")
     p.add_argument("--paper", action="store_true", help="the at-scale predictions from published GPU figures")
 
 
@@ -78,10 +115,15 @@ def run(ns) -> int:
         if ns.paper:
             print(paper_report())
             return 0
+        usable_path(ns.out, "--out", "give another path for the plan's YAML")
+        usable_path(ns.lengths_from, "--lengths-from", "give an RL run folder")
+        usable_path(ns.profile_path, "--profile-path", "give another file")
         config, overrides = split_args(ns.args)
         cfg = load_config(config, overrides)
         if cfg.placement.strategy != "single" and ns.workers is None and cfg.placement.workers < 2:
             raise UserError("rlfuse plan: give --workers N (2 or more)")
+        check_cpus_per_worker(*((ns.cpus_per_worker, "--cpus-per-worker") if ns.cpus_per_worker is not None else
+                                (cfg.placement.cpus_per_worker, "placement.cpus_per_worker")), cfg.placement.address)
         if ns.profile:
             from rlfuse.runtime.profile import measure_profile  # torch and Ray: only when measuring
 
@@ -124,7 +166,10 @@ def run(ns) -> int:
         text = yaml.safe_dump(block, sort_keys=False)
         if not Path(ns.out).resolve().parent.is_dir():
             raise UserError(f"--out {ns.out}: its folder does not exist; create it or give another path")
-        Path(ns.out).write_text(text)
+        try:
+            Path(ns.out).write_text(text)
+        except OSError as e:  # a read-only folder, a full disk: the plan above is printed all the same
+            raise UserError(f"--out {ns.out}: cannot write it ({e.strerror}); give another path") from None
         print(f"\n{text}", end="")
         if block["placement"]["strategy"] != "custom":
             flat = [f"{s}.{k}={str(v).lower() if isinstance(v, bool) else v}" for s, d in block.items()

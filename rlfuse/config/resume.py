@@ -21,8 +21,9 @@ CHANGEABLE = {
     # where and how it runs and logs, not what it computes
     "run": {"dir", "quiet", "threads", "cpu_heap", "memory_table", "report_to"},
     "rl": {"iterations", "lr", "critic_lr", "ckpt_every", "eval_every", "log_samples_every", "max_bad_steps"},
-    "sft": {"ckpt_every", "eval_every", "eval_samples", "max_bad_steps"},
-    "rm": {"ckpt_every", "eval_every", "max_bad_steps"},
+    # a stage stopped for a loss that blew up resumes from its last good checkpoint at a gentler rate
+    "sft": {"ckpt_every", "eval_every", "eval_samples", "max_bad_steps", "lr", "grad_clip", "warmup_steps"},
+    "rm": {"ckpt_every", "eval_every", "max_bad_steps", "lr", "grad_clip", "warmup_steps"},
     # rollout settings change where and when samples are decoded and scored, never the samples (tested equal); the
     # generator copy's dtype does change them (bf16 rounding: another behaviour policy)
     "rollout": {f.name for f in dataclasses.fields(Config().rollout)} - {"generator_dtype"},

@@ -16,6 +16,7 @@ import torch
 
 from rlfuse.errors import UserError, first_line
 from rlfuse.files import atomic_path, weights_digest
+from rlfuse.learn.divergence import Blowup, LossWatch, stage_blowup_line
 from rlfuse.learn.learners import Learners
 from rlfuse.learn.update import BadSteps
 from rlfuse.models.build import Models
@@ -244,9 +245,11 @@ class StageCheckpoint:
             if extra or missing:
                 raise ValueError(f"it has trained parameters the model lacks: {sorted(extra)[:3]}" if extra else
                                  f"it lacks trained parameters of the model: {sorted(missing)[:3]}")
+            configured = [g.get("initial_lr", g["lr"]) for g in self.opt.param_groups]
             self.model.load_state_dict(state["model"], strict=False)
             self.opt.load_state_dict(state["opt"])
             self.sched.load_state_dict(state["sched"])
+            keep_scheduled_rates(self.opt, self.sched, configured)
         except (KeyError, ValueError, RuntimeError) as e:
             raise UserError(f"{self.path} does not fit this run's model ({first_line(e)}); it belongs to another run "
                             f"or model: resume the run it came from, or start a new run") from None
@@ -255,8 +258,10 @@ class StageCheckpoint:
         log(f"[{stage}] resumed from {self.path} at step {state['step']} of {self.steps}")
         return state["step"], BadSteps(**state["counters"])
 
-    def save_if_due(self, step: int, bad: BadSteps) -> None:
-        if step % self.every or step == self.steps:
+    def save_if_due(self, step: int, bad: BadSteps, calm: bool = True) -> None:
+        """calm: False while the loss is rising (divergence.py LossWatch.calm): the due checkpoint is skipped, so the
+        one on disk stays one from before a blow-up."""
+        if step % self.every or step == self.steps or not calm:
             return
         state = {"step": step, "model": trainable_state(self.model, copy=False), "opt": self.opt.state_dict(),
                  "sched": self.sched.state_dict(), "counters": dataclasses.asdict(bad), "rng": rng_states(),
@@ -271,6 +276,54 @@ class StageCheckpoint:
 
     def remove(self) -> None:
         remove_stage_checkpoint(self.path.parent)
+
+    def blown(self, stage: str, found: Blowup, watch: LossWatch, section) -> UserError:
+        """The error that ends a stage whose loss blew up (no model is saved): the newest checkpoint from before the
+        blow-up stays as checkpoint.pt (the previous one moved back over a newer one from inside it), the others
+        go. section: the stage's config section (its grad_clip names the fix)."""
+        kept = self.keep_before(watch)
+        where = (f"the model of step {kept} (the last checkpoint before it) is kept in {self.path}" if kept is not None
+                 else f"no model saved and no checkpoint from before it (one comes every {stage}.ckpt_every="
+                      f"{self.every} steps)")
+        fix = f"lower {stage}.lr" + (f" or set {stage}.grad_clip (1.0 is the default)" if section.grad_clip <= 0 else
+                                     f" or raise {stage}.warmup_steps")
+        return UserError(stage_blowup_line(stage, found, where, fix))
+
+    def keep_before(self, watch: LossWatch) -> int | None:
+        """After a blow-up: the step of the newest checkpoint from before it (watch.before_blowup), left as
+        checkpoint.pt; the ones from after it are removed. None where no checkpoint is from before it."""
+        for p in (self.path, previous_of(self.path)):
+            step = checkpoint_step(p)
+            if step is not None and watch.before_blowup(step):
+                if p != self.path:
+                    os.replace(p, self.path)
+                return step
+            p.unlink(missing_ok=True)
+        return None
+
+
+def checkpoint_step(path: Path) -> int | None:
+    """The step a stage checkpoint holds, read without its tensors (mmap); None where there is none, or it is
+    unreadable."""
+    if not path.is_file():
+        return None
+    try:
+        return int(torch.load(path, mmap=True, weights_only=False, map_location="cpu")["step"])
+    except Exception:  # torch.load's failures on a damaged file are many (read_checkpoint)
+        return None
+
+
+def keep_scheduled_rates(opt, sched, lrs: list[float]) -> None:
+    """After a stage checkpoint is loaded: the configured learning rates (a resume at a lower sft.lr after a blow-up)
+    replace the checkpoint's, at the schedule's point (LambdaLR: lr x its factor at the restored step); unchanged
+    rates are left exactly as restored."""
+    if [g.get("initial_lr", g["lr"]) for g in opt.param_groups] == lrs:
+        return
+    sched.base_lrs = list(lrs)
+    for i, (group, lr) in enumerate(zip(opt.param_groups, lrs)):
+        group["initial_lr"] = lr
+        group["lr"] = lr * sched.lr_lambdas[i](sched.last_epoch) if hasattr(sched, "lr_lambdas") else lr
+    sched._last_lr = [g["lr"] for g in opt.param_groups]  # what get_last_lr() reports (train/lr)
 
 
 def remove_stage_checkpoint(stage_dir: Path) -> None:

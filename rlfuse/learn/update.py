@@ -8,6 +8,7 @@ import contextlib
 import math
 import time
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Callable
 
 import torch
@@ -15,6 +16,7 @@ import torch
 from rlfuse.config import RLConfig
 from rlfuse.errors import UserError
 from rlfuse.learn.batches import micro_batch_indices, micro_batches, prompt_tokens_shared, rank_slots
+from rlfuse.learn.divergence import rl_blowup, rl_blowup_line
 from rlfuse.learn.learners import Learner, Learners
 from rlfuse.learn.losses import micro_policy_loss, micro_value_loss
 from rlfuse.learn.optim import clip_and_step
@@ -241,3 +243,18 @@ def count_nonfinite_rewards(exp: Experience, rl: RLConfig, bad: BadSteps) -> int
     if n:
         bad.count(f"non-finite rewards ({n} of {len(exp)} samples)", rl.max_bad_steps, stop=False)
     return n
+
+
+def stop_if_blown(stats: dict, iteration: int, rl: RLConfig, ckpt: Path, start: int) -> None:
+    """An update that blew the policy apart (learn/divergence.py rl_blowup) ends the run at its iteration (1-based),
+    before that iteration's checkpoint: the one on disk is from before it (the last multiple of rl.ckpt_every this
+    process reached, or the one it resumed from at `start`), and no policy is saved."""
+    kl = stats.get("train/approx_kl")
+    if not rl_blowup(kl):
+        return
+    saved = max(start, (iteration - 1) // rl.ckpt_every * rl.ckpt_every)
+    kept = (f"the policy of iteration {saved} (the last checkpoint before it) is kept in {ckpt}, for --resume" if saved
+            else f"no policy saved and no checkpoint from before it (one comes every rl.ckpt_every={rl.ckpt_every} "
+                 "iterations)")
+    fix = "lower rl.lr" + (" or set rl.grad_clip (1.0 is the default)" if rl.grad_clip <= 0 else "")
+    raise UserError(rl_blowup_line(iteration, kl, kept, fix))

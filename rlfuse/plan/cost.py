@@ -586,8 +586,17 @@ def survival_scale(mean: float, cap: float) -> float:
     return (lo + hi) / 2
 
 
+HARMONIC_SUMMED_UP_TO = 4096
+"""harmonic sums its terms up to this n and uses the asymptotic series beyond (the two agree to 1e-14 there): a plan for
+100,000 workers asked for H of rows x ranks in every plan, 80 million terms in all (35 s)."""
+
+
 def harmonic(n: float) -> float:
-    return sum(1 / i for i in range(1, max(1, int(round(n))) + 1))
+    """H_n = 1 + 1/2 + ... + 1/n for n rounded to a whole number >= 1."""
+    n = max(1, int(round(n)))
+    if n <= HARMONIC_SUMMED_UP_TO:
+        return sum(1 / i for i in range(1, n + 1))
+    return math.log(n) + 0.5772156649015329 + 1 / (2 * n) - 1 / (12 * n ** 2) + 1 / (120 * n ** 4)
 
 
 @dataclass(frozen=True)

@@ -48,14 +48,14 @@ from rlfuse.learn.advantages import compute_advantages
 from rlfuse.learn.batches import minibatches, update_batches
 from rlfuse.learn.checkpoint import read_checkpoint
 from rlfuse.learn.learners import build_learners
-from rlfuse.learn.update import BadSteps, count_abstained, count_nonfinite_rewards
+from rlfuse.learn.update import BadSteps, count_abstained, count_nonfinite_rewards, stop_if_blown
 from rlfuse.metrics.flops import compute_meter_for_run
 from rlfuse.metrics.memory import MemoryMeter
 from rlfuse.metrics.progress import Progress
 from rlfuse.metrics.tracker import memory_metrics, stage_tracker
 from rlfuse.models.build import Models, build_models
 from rlfuse.models.device import dtype_name, setup_runtime
-from rlfuse.models.layout import keep_layout, kept_layout
+from rlfuse.models.layout import keep_layout, kept_layout, layout_of
 from rlfuse.models.load import resolve_base_model, save_trained_model
 from rlfuse.models.prompt_workload import resolve_measured
 from rlfuse.models.quantize import choose_cpu_heap
@@ -102,6 +102,8 @@ def precision_note(engine, models: Models) -> str:
     note = f"{train} autocast" if models.compute_dtype is not None else train
     if behaviour_differs(engine, models.actor, models.compute_dtype):
         note += f", decoding a {dtype_name(engine.dtype)} copy"
+    if models.generator is not None and layout_of(models.generator) == "column":  # rollout.weight_layout
+        note += ", the generator's weights stored column-major"
     return note
 
 
@@ -215,6 +217,7 @@ def train_rl(cfg: Config, run_dir: Path, log=print, resume: bool = False, on_rea
                     "rollout/samples_per_s": len(exp) / (t2 - t0), "rollout/tokens_per_s": float(exp.mask.sum()) / (t2 - t0)}
             tracker.log(it + 1, **row)
             bad.stop_if_diverged(rl.max_bad_steps)
+            stop_if_blown(stats, it + 1, rl, ckpt, start)  # before the checkpoint: the one on disk is good
             count_abstained(row.get("reward/all_abstained"), bad, rl.max_bad_steps, log)
             if (it + 1) % rl.ckpt_every == 0 or it + 1 == rl.iterations:
                 rollout.save_in_flight(ckpt, it + 1)  # first: the trainer's checkpoint says which one it goes with

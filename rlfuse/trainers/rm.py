@@ -20,6 +20,7 @@ from rlfuse.errors import UserError
 from rlfuse.files import write_text_atomic
 from rlfuse.learn.batches import batch_indices
 from rlfuse.learn.checkpoint import StageCheckpoint, remove_stage_checkpoint
+from rlfuse.learn.divergence import LossWatch
 from rlfuse.learn.optim import build_optimizer
 from rlfuse.learn.update import BadSteps, require_finite_weights, stage_step
 from rlfuse.metrics.progress import Progress
@@ -105,6 +106,9 @@ def train_rm(cfg: Config, run_dir: Path, log=print, on_trained=None, resume: boo
         f"backbone {name}")
     ckpt = StageCheckpoint(out, s.ckpt_every, s.steps, model, opt, sched, start_from=name, started=t0)
     start, bad = ckpt.restore("rm", log) if resume else (0, BadSteps())  # bad: steps skipped for a NaN/inf
+    # a loss that blows up without a NaN (learn/divergence.py); no know-nothing reference (a new scalar head on a
+    # large model can start well above log 2)
+    watch = LossWatch()
     if resume and on_resumed is not None:
         on_resumed(f"rm step {start}")
     tracker = stage_tracker(cfg, out, from_step=start)
@@ -135,8 +139,14 @@ def train_rm(cfg: Config, run_dir: Path, log=print, on_trained=None, resume: boo
                 if step == s.steps:  # the trained model's: not evaluated twice
                     final = evaluated
             tracker.log(step, **row)
-            ckpt.save_if_due(step, bad)
+            if (found := watch.add(step, loss_sum)) is not None:
+                tracker.close()
+                raise ckpt.blown("rm", found, watch, s)
+            ckpt.save_if_due(step, bad, calm=watch.calm())
             bar.update(loss=loss_sum, acc=acc)
+    if watch.rising():  # the last steps' loss was blowing up (fewer than PATIENCE of them): no model of it either
+        tracker.close()
+        raise ckpt.blown("rm", watch.blowup(s.steps), watch, s)
     if final is None:  # a resumed stage whose last step had been trained
         final = evaluate_pairs(model, eval_items, tokenizer.pad_token_id, s.micro_batch_size, device, cfg.run.precision)
     require_finite_weights(model, "rm")

@@ -24,6 +24,7 @@ from rlfuse.data.stages import rl_prompts, sft_examples
 from rlfuse.files import write_text_atomic
 from rlfuse.learn.batches import batch_indices
 from rlfuse.learn.checkpoint import StageCheckpoint, remove_stage_checkpoint
+from rlfuse.learn.divergence import LossWatch
 from rlfuse.learn.optim import build_optimizer
 from rlfuse.learn.update import BadSteps, require_finite_weights, stage_step
 from rlfuse.metrics.progress import Progress
@@ -91,6 +92,9 @@ def train_sft(cfg: Config, run_dir: Path, log=print, on_trained=None, resume: bo
     log(f"[sft] {len(train_items)} train / {len(eval_items)} held-out sequences, model {name}, device {device}")
     ckpt = StageCheckpoint(out, s.ckpt_every, s.steps, model, opt, sched, start_from=name, started=t0)
     start, bad = ckpt.restore("sft", log) if resume else (0, BadSteps())  # bad: steps skipped for a NaN/inf
+    # a loss that blows up without a NaN (learn/divergence.py), also against a uniform guess's from the first step
+    vocab = getattr(model.config, "vocab_size", None)
+    watch = LossWatch(math.log(vocab), f"a uniform guess over its {vocab}-token vocabulary") if vocab else LossWatch()
     if resume and on_resumed is not None:
         on_resumed(f"sft step {start}")
     tracker = stage_tracker(cfg, out, from_step=start)
@@ -116,8 +120,15 @@ def train_sft(cfg: Config, run_dir: Path, log=print, on_trained=None, resume: bo
                 val = validation_loss(model, eval_items, tokenizer.pad_token_id, s.micro_batch_size, device, cfg.run.precision)
                 row["eval/loss"] = val
             tracker.log(step, **row)
-            ckpt.save_if_due(step, bad)
+            # a batch without labelled tokens (completion-only rows cut before their answer) has loss 0: no measure
+            if n_tokens and (found := watch.add(step, loss_sum)) is not None:
+                tracker.close()
+                raise ckpt.blown("sft", found, watch, s)
+            ckpt.save_if_due(step, bad, calm=watch.calm())
             bar.update(loss=loss_sum, val=val)
+    if watch.rising():  # the last steps' loss was blowing up (fewer than PATIENCE of them): no model of it either
+        tracker.close()
+        raise ckpt.blown("sft", watch.blowup(s.steps), watch, s)
     require_finite_weights(model, "sft")
     model_dir = save_trained_model(model, tokenizer, out, base=name)
     if on_trained is not None:

@@ -269,11 +269,11 @@ def test_a_run_keeps_its_layout_and_a_resumed_run_reuses_it(tiny_task, tmp_path,
             "rl.eval_prompts=0", "rl.ckpt_every=1"]
     assert main([*args, "rollout.weight_layout=column", "rl.iterations=1"]) == 0
     said = capsys.readouterr()
-    assert "stores its weights column-major" in said.out + said.err
+    assert "weights stored column-major" in said.out + said.err
     assert (tmp_path / "rl" / "weight_layout.txt").read_text().strip() == "column"
     assert main(["rl", "--resume", str(tmp_path), "rollout.weight_layout=auto", "rl.iterations=2"]) == 0
     said = capsys.readouterr()
-    assert "resumed from" in said.out + said.err and "stores its weights column-major" in said.out + said.err
+    assert "resumed from" in said.out + said.err and "weights stored column-major" in said.out + said.err
     assert (tmp_path / "rl" / "weight_layout.txt").read_text().strip() == "column"
 
 
