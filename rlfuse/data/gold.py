@@ -174,7 +174,7 @@ def gold_score(text: str) -> GoldScore:
         total += pol
     score = math.tanh(total)
     label = "positive" if score > 1e-9 else "negative" if score < -1e-9 else "neutral"
-    rate = accepted / len(sents) if sents else 1.0
+    rate = accepted / len(sents) if sents else 0.0  # no complete sentence: nothing the grammar accepts
     return GoldScore(score=score, label=label, grammatical_rate=rate)
 
 

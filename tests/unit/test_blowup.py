@@ -192,3 +192,12 @@ def test_rl_stops_before_the_checkpoint_of_the_blown_iteration_and_names_the_one
     with pytest.raises(UserError, match=r"no policy saved and no checkpoint from before it \(one comes every "
                                         r"rl.ckpt_every=5 iterations\)"):
         stop_if_blown({"train/approx_kl": 537.6}, 1, rl, Path("c.pt"), 0)
+
+
+def test_a_collapsed_sample_without_a_sentence_is_not_grammatical():
+    """A policy blown into 'car car car ...' to the length limit has no complete sentence: the grammar accepts
+    none of it (it reported a grammatical rate of 1.000)."""
+    from rlfuse.data.gold import gold_summary
+
+    summary = gold_summary(["the boy finds car car car car car car", "i loved this film."], [False, True])
+    assert summary["grammatical_rate"] == 0.5
