@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 import os
 import sys
 import time
@@ -20,10 +21,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Union
 
-import yaml
 
 from rlfuse.config import Config, RLConfig, RunConfig, config_from_dict, config_to_dict, save_config
 from rlfuse.config import load_config as _load_yaml
+from rlfuse.config.load import read_config_file
 from rlfuse.config.resume import record_resume_changes, resume_changes
 from rlfuse.data.chat import end_of_turn_ids
 from rlfuse.errors import ConfigError, UserError
@@ -346,12 +347,9 @@ def _run_folder(config: ConfigLike, overrides: Overrides, run_dir) -> str | os.P
     if isinstance(config, dict):
         return (config.get("run") or {}).get("dir")
     if isinstance(config, (str, os.PathLike)):
-        try:
-            data = yaml.safe_load(Path(config).read_text(encoding="utf-8"))
-        except (OSError, UnicodeDecodeError, yaml.YAMLError):
-            load_config(config, overrides)  # says what is wrong with the file, in one line
-            raise
-        return ((data or {}).get("run") or {}).get("dir") if isinstance(data, dict) else None
+        data = read_config_file(config)  # under the loader's limits: a bad file is one line, before any folder
+        run = data.get("run") if isinstance(data, dict) else None
+        return run.get("dir") if isinstance(run, dict) else None
     return None
 
 
@@ -432,11 +430,44 @@ def resolve_model_dir(model: str | os.PathLike) -> str:
     return os.fspath(model)
 
 
+GENERATE_MAX_N = 1024
+"""The most samples `generate` draws per prompt: more is a mistyped -n (each sample decodes up to max_new_tokens)."""
+GENERATE_PROGRESS_S = 10.0
+"""Seconds between `generate`'s progress lines on a long generation."""
+
+
+def check_sampling_settings(max_new_tokens: int, temperature: float, top_k: int, top_p: float, n: int) -> None:
+    """generate's settings, each refused in one line naming its flag: NaN passes every comparison (`nan <= 0` is
+    False), inf flattens the distribution into noise, and -n has an upper bound."""
+    def bad(flag: str, value, need: str, example: str):
+        return UserError(f"{flag} {value}: {need}; e.g. {example}")
+
+    if not _is_number(temperature) or not math.isfinite(temperature) or temperature <= 0:
+        raise bad("--temperature", temperature, "the sampling temperature must be a finite number > 0 (1.0 samples "
+                  "the model as it is, lower is more deterministic)", "--temperature 0.7")
+    if not _is_number(top_p) or not 0 < top_p <= 1:
+        raise bad("--top-p", top_p, "must be in (0, 1] (1.0 disables nucleus sampling)", "--top-p 0.9")
+    if not isinstance(top_k, int) or top_k < 0:
+        raise bad("--top-k", top_k, "must be a whole number >= 0 (0 disables)", "--top-k 50")
+    if not isinstance(max_new_tokens, int) or max_new_tokens < 1:
+        raise bad("--max-new-tokens", max_new_tokens, "must be a whole number >= 1", "--max-new-tokens 64")
+    if not isinstance(n, int) or not 1 <= n <= GENERATE_MAX_N:
+        raise bad("-n", n, f"samples per prompt must be between 1 and {GENERATE_MAX_N}", "-n 4 (repeat the command "
+                  "with other --seed values for more)")
+
+
+def _is_number(x) -> bool:
+    return isinstance(x, (int, float)) and not isinstance(x, bool)
+
+
 def generate(model: str | os.PathLike, prompts: list[str] | str, *, max_new_tokens: int = 64, temperature: float = 1.0,
-             top_k: int = 0, top_p: float = 1.0, n: int = 1, seed: int = 0, device: str = "auto") -> list[list[str]]:
+             top_k: int = 0, top_p: float = 1.0, n: int = 1, seed: int = 0, device: str = "auto",
+             log: Callable | None = log_stderr) -> list[list[str]]:
     """Sample n completions per prompt from a saved model (any stage's model/, a LoRA adapter folder on its base, a
     run folder, a hub id) with the RL rollout engine, prompts encoded as in RL (BOS in front, cut to the context).
-    Returns the completions (without the prompt), a list of n per prompt; the same seed gives the same samples."""
+    Returns the completions (without the prompt), a list of n per prompt; the same seed gives the same samples.
+    n is at most GENERATE_MAX_N; a long generation says how far it got every GENERATE_PROGRESS_S seconds on `log`
+    (None: silent)."""
     # torch and transformers: only when sampling
     from rlfuse.data.prompts import encode_prompts, model_context, prompt_budget
     from rlfuse.models.build import load_policy
@@ -444,20 +475,30 @@ def generate(model: str | os.PathLike, prompts: list[str] | str, *, max_new_toke
     from rlfuse.models.load import load_tokenizer
     from rlfuse.rollout.engine import DecodeEngine, SamplingParams
 
-    if temperature <= 0 or max_new_tokens < 1 or n < 1 or not 0 < top_p <= 1 or top_k < 0:
-        raise UserError("sampling needs temperature > 0, max_new_tokens >= 1, n >= 1, 0 < top_p <= 1, top_k >= 0; "
-                        "e.g. --temperature 0.7 --max-new-tokens 64")
+    check_sampling_settings(max_new_tokens, temperature, top_k, top_p, n)
     prompts = [prompts] if isinstance(prompts, str) else list(prompts)
     name = resolve_model_dir(model)
     tok = load_tokenizer(name)
     dev = pick_device(RunConfig(device=device))
     policy = load_policy(name).eval().to(dev)
-    budget = prompt_budget(RLConfig(max_new_tokens=max_new_tokens), model_context(policy.config))
+    context = model_context(policy.config)
+    if context is not None and max_new_tokens >= context:  # prompt_budget would name rl's field, not the flag
+        raise UserError(f"--max-new-tokens {max_new_tokens}: leaves no room for a prompt in the model's context of "
+                        f"{context} tokens; give fewer, e.g. --max-new-tokens {min(64, context // 2)}")
+    budget = prompt_budget(RLConfig(max_new_tokens=max_new_tokens), context)
     ids, _ = encode_prompts(tok, prompts, budget)
+    if empty := [i for i, p in enumerate(ids, 1) if not p]:
+        raise UserError(f"--prompt: prompt {empty[0]} encodes to no tokens (the tokenizer puts no BOS in front of an "
+                        "empty text); give it some text")
     engine = DecodeEngine(policy, tok.eos_token_id, tokenizer=tok)
     out = [[""] * n for _ in prompts]
     # a chat model's turn ends on its end-of-turn ids, as in RL and evaluation (evaluation.sampling_params)
     stop_ids = end_of_turn_ids(tok, getattr(policy, "generation_config", None))
+    total, done, t0, note_at = len(prompts) * n, 0, time.perf_counter(), GENERATE_PROGRESS_S
     for s in engine.generate(ids, n, SamplingParams(max_new_tokens, temperature, top_k, top_p, (), stop_ids), seed):
         out[s.prompt_id][s.sample_index] = tok.decode(s.token_ids, skip_special_tokens=True)
+        done += 1
+        if log is not None and done < total and (elapsed := time.perf_counter() - t0) >= note_at:
+            log(f"[generate] {done}/{total} samples in {elapsed:.0f} s (up to {max_new_tokens} new tokens each)")
+            note_at = elapsed + GENERATE_PROGRESS_S
     return out

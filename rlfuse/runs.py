@@ -39,10 +39,17 @@ def claim_run_folder(folder: str | os.PathLike | None, command: str, *, resume: 
                 raise UserError(f"resume: {path} is not a run folder (no config.yaml); give the folder a run printed")
         elif not overwrite:
             _refuse_previous(path, command)
+    except BaseException:  # refused: what is there stays as it is
+        lock.release()
+        if made:
+            _remove_if_unused(path, log)
+        raise
+    try:
         log(f"[{command}] run folder: {path}")
         yield path
     except BaseException:
         lock.release()
+        _remove_unused_stages(path, command, log)
         if made:
             _remove_if_unused(path, log)
         raise
@@ -65,6 +72,43 @@ def _remove_if_unused(path: Path, log: Callable) -> None:
     except OSError:
         return
     log(f"[run] removed {path}: the run stopped before writing anything into it")
+
+
+STAGE_FOLDERS = ("sft", "rm", "rl")
+KEPT_IN_A_STAGE = ("model", "adapter", "summary.json", "eval.json", "samples_after.json")
+"""What makes a stage folder worth keeping after a failure, besides its checkpoints (checkpoint.pt and the files and
+folders beside it named checkpoint*) and metrics rows (a *.jsonl file in it with a line): a model, a summary."""
+
+
+def stage_holds_results(stage_dir: Path) -> bool:
+    """Whether a stage folder holds something a user or a resumed run can use: a checkpoint, a saved model or
+    adapter, a summary, metrics rows. What a stage writes while it starts (its evaluation before training, the
+    layout it chose, the predicted memory, empty metrics files) is not."""
+    try:
+        for e in stage_dir.iterdir():
+            if e.name.startswith("checkpoint") or (e.name in KEPT_IN_A_STAGE and _has_content(e)):
+                return True
+            if e.suffix == ".jsonl" and e.is_file():
+                with e.open(errors="replace") as f:
+                    if any(line.strip() for line in f):
+                        return True
+    except OSError:
+        return True  # what cannot be read is not removed
+    return False
+
+
+def _remove_unused_stages(path: Path, command: str, log: Callable) -> None:
+    """The stage folders of `command` that its failure left holding nothing of use (stage_holds_results) go, so the
+    same command can run again without --overwrite (or --resume, which would have nothing to continue from)."""
+    for name in STAGE_OUTPUTS[command]:
+        stage = path / name
+        if name not in STAGE_FOLDERS or not stage.is_dir() or stage_holds_results(stage):
+            continue
+        try:
+            remove_path(stage)
+        except OSError:
+            continue
+        log(f"[run] removed {stage}: the {name} stage stopped before writing anything of use into it")
 
 
 def _new_run_path(command: str) -> Path:

@@ -141,7 +141,7 @@ def _cpu_name() -> str:
 
 def cmd_generate(ns) -> int:
     outs = api.generate(ns.model, ns.prompt, max_new_tokens=ns.max_new_tokens, temperature=ns.temperature,
-                        top_k=ns.top_k, top_p=ns.top_p, n=ns.n, seed=ns.seed, device=ns.device)
+                        top_k=ns.top_k, top_p=ns.top_p, n=ns.n, seed=ns.seed, device=ns.device, log=log)
     for prompt, completions in zip(ns.prompt, outs):
         for c in completions:
             print(f"{prompt}{c}" if ns.n == 1 and len(ns.prompt) == 1 else f"[{prompt}] {c}")
@@ -153,10 +153,10 @@ def add_generate_arguments(p: argparse.ArgumentParser) -> None:
                    "adapter folder (RUN_DIR/rl/adapter), a run folder (its rl/model, else sft/model) or a hub id")
     p.add_argument("--prompt", action="append", required=True, help="prompt text; repeat for several")
     p.add_argument("--max-new-tokens", type=int, default=64)
-    p.add_argument("--temperature", type=float, default=1.0)
+    p.add_argument("--temperature", type=float, default=1.0, help="a finite number > 0 (1.0: the model as it is)")
     p.add_argument("--top-k", type=int, default=0, help="0 disables")
     p.add_argument("--top-p", type=float, default=1.0, help="1.0 disables")
-    p.add_argument("-n", type=int, default=1, help="samples per prompt")
+    p.add_argument("-n", type=int, default=1, help=f"samples per prompt (1 to {api.GENERATE_MAX_N})")
     p.add_argument("--seed", type=int, default=0, help="the same seed gives the same samples")
     p.add_argument("--device", default="auto", help="auto | cpu | cuda")
 
@@ -174,7 +174,8 @@ COMMAND_SECTIONS = {"sft": ("run", "data", "model", "sft"), "rm": ("run", "data"
                     "rl": ("run", "data", "model", "rl", "rollout", "placement")}
 
 # what each command may change on --resume (config/resume.py CHANGEABLE), for its --help
-RL_RESUME, STAGE_RESUME = "rl.iterations, rl.lr, logging and evaluation", "logging, evaluation and checkpoint intervals"
+RL_RESUME = "rl.iterations, rl.lr, logging and evaluation"
+STAGE_RESUME = "the learning rate, clipping and warm-up, logging, evaluation and checkpoint intervals"
 RESUMABLE = {"run": RL_RESUME, "rl": RL_RESUME, "sft": STAGE_RESUME, "rm": STAGE_RESUME}
 WRITES_RUN = ("run", "sft", "rm", "rl")
 

@@ -71,7 +71,9 @@ class DatasetFormat:
 
 def detect(rows: list[dict], source: str, mapping: dict[str, str | None]) -> DatasetFormat:
     """The data set's format: each role's column (mapping: role -> a configured column, or None to use the TRL
-    name when present), and whether its cells are message lists (the first row with any non-empty cell decides)."""
+    name when present), and whether its cells are message lists (the first row with any non-empty cell decides).
+    Rows that do not all have the same role columns are refused (refuse_mixed_schemas)."""
+    refuse_mixed_schemas(rows, source, [configured or role for role, configured in mapping.items()])
     found = set(rows[0].keys()) if rows else set()
     columns = {}
     for role, configured in mapping.items():
@@ -88,6 +90,28 @@ def detect(rows: list[dict], source: str, mapping: dict[str, str | None]) -> Dat
             conversational = kinds.pop()
             break
     return DatasetFormat(columns, bool(conversational))
+
+
+def refuse_mixed_schemas(rows: list[dict], source: str, role_columns: list[str]) -> None:
+    """A DataError when the rows do not all have the same columns among `role_columns` (a JSONL file whose rows
+    mix formats: `text` rows, `prompt` + `completion` rows, `chosen` + `rejected` rows). The first row decides the
+    format, and the other rows' cells would read as missing: rows lost as "empty text". The message counts the rows
+    of each set of columns and names the first row of each."""
+    first: dict[tuple, int] = {}
+    counts: dict[tuple, int] = {}
+    for i, r in enumerate(rows, 1):
+        schema = tuple(c for c in dict.fromkeys(role_columns) if c in r)
+        counts[schema] = counts.get(schema, 0) + 1
+        first.setdefault(schema, i)
+    if len(counts) < 2:
+        return
+    ranked = sorted(counts, key=lambda k: -counts[k])
+    parts = [f"{counts[k]} with {' + '.join(k) or 'none of them'} (first: row {first[k]})" for k in ranked[:4]]
+    more = f", and {len(ranked) - 4} other sets" if len(ranked) > 4 else ""
+    raise DataError(source, f"its rows do not all have the same columns among {', '.join(dict.fromkeys(role_columns))}"
+                    f": {len(rows)} rows, {'; '.join(parts)}{more}",
+                    "give every row the same columns (one format per file: split the file by format, or add the "
+                    "missing columns with empty values)")
 
 
 def conversation_prompt(messages: Messages) -> Messages:

@@ -108,12 +108,22 @@ def load_hub(name: str, subset: str | None = None, split: str = "train") -> list
 
 
 def require_columns(rows: list[dict], source: str, columns: dict[str, str]) -> None:
-    """columns: config field -> column name. DataError naming the missing one and the columns found."""
+    """columns: config field -> column name. DataError naming the missing one and the columns found; a column that
+    only some rows have (a JSONL file mixing schemas) is named with how many rows lack it, since those rows would
+    otherwise be dropped as empty."""
     found = list(rows[0].keys()) if rows else []
     for field, col in columns.items():
         if col not in found:
             raise DataError(source, f"missing column {col!r} (found: {', '.join(map(str, found)) or 'none'})",
                             f"set {field}=<column> to the right one")
+    for field, col in columns.items():
+        lacking = [i for i, r in enumerate(rows, 1) if col not in r]
+        if lacking:
+            other = ", ".join(map(str, rows[lacking[0] - 1].keys())) or "none"
+            raise DataError(source, f"column {col!r} is missing from {len(lacking)} of {len(rows)} rows (first: row "
+                            f"{lacking[0]}, whose columns are {other})",
+                            f"give every row a {col!r} column (one format per file), or set {field} to a column "
+                            "every row has")
 
 
 def _clean(text) -> str:

@@ -56,10 +56,11 @@ def convert(gguf: Path, out: Path, log=None) -> Path:
     try:
         tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
         loaded = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
-    except (ValueError, KeyError, OSError) as e:  # e.g. "GGUF model with architecture X is not supported yet"
-        first = first_line(e)
-        raise UserError(f"model.name: transformers cannot read {gguf} ({type(e).__name__}: {first}); give a GGUF "
-                        "of an architecture transformers reads (llama, mistral, qwen2, ...) or a model folder") from None
+    except Exception as e:  # noqa: BLE001  e.g. "GGUF model with architecture X is not supported yet"; a file cut
+        first = first_line(e)  # short ends in struct.error or an IndexError deep in the gguf reader
+        raise UserError(f"model.name: transformers cannot read {gguf} ({type(e).__name__}: {first}); give a whole "
+                        "GGUF file (download it again if it was cut short) of an architecture transformers reads "
+                        "(llama, mistral, qwen2, ...), or a model folder") from None
     config = loaded.config
     config.__dict__.pop("quantization_config", None)  # what makes transformers refuse to save the loaded model
     plain = type(loaded)(config)

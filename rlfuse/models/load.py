@@ -97,11 +97,14 @@ def _load_error(name: str, e: Exception) -> UserError:
 
 def load_tokenizer(name: str):
     """Right-padded tokenizer with a pad token (GPT-2's hub tokenizer has none: its EOS is used). A GGUF model
-    (models/gguf.py) loads from its converted folder, here and in every loader below."""
+    (models/gguf.py) loads from its converted folder, here and in every loader below. A tokenizer that cannot work
+    is refused before any stage trains with it (check_tokenizer)."""
     name = local_model(name)
     check_model_folder(name)
+    model_name = name
     if _is_adapter(name) and not (Path(name) / "tokenizer_config.json").exists():
         name = _adapter_base(name)
+    _require_tokenizer_files(name)
     try:
         tok = AutoTokenizer.from_pretrained(name)
     except Exception as e:
@@ -109,7 +112,70 @@ def load_tokenizer(name: str):
     if tok.pad_token is None:
         tok.pad_token = tok.eos_token
     tok.padding_side = "right"
+    check_tokenizer(tok, name, _embedding_rows(model_name))
     return tok
+
+
+# the files a tokenizer's vocabulary lives in (transformers' fast, slow BPE, WordPiece, SentencePiece, tiktoken); a
+# folder with none of them loads, for a GPT-2 config, as a tokenizer of one token that encodes every text to nothing
+TOKENIZER_FILES = ("tokenizer.json", "vocab.json", "vocab.txt", "merges.txt", "tokenizer.model", "spiece.model",
+                   "sentencepiece.bpe.model", "tekken.json")
+TOKENIZER_SAMPLE = "The quick brown fox jumps over the lazy dog. 1 2 3"
+"""What check_tokenizer encodes: any tokenizer a language model can use gives it several tokens."""
+
+
+def _tokenizer_fix(name: str) -> str:
+    return (f"save the tokenizer of the model {name!r} was made from into it "
+            f"(AutoTokenizer.from_pretrained(BASE).save_pretrained({name!r})), or point the setting that names it "
+            "(model.name, rm.sft_path, rl.sft_path, rl.rm_path) at a complete model folder")
+
+
+def _require_tokenizer_files(name: str) -> None:
+    if not _looks_local(name):
+        return  # a hub name: transformers fetches its files
+    folder = Path(name).expanduser()
+    if not any((folder / f).is_file() for f in TOKENIZER_FILES) and not any(folder.glob("*.tiktoken")):
+        raise UserError(f"model error: {name!r} has no tokenizer files ({', '.join(TOKENIZER_FILES[:5])}, ...): "
+                        f"transformers would make an empty tokenizer that encodes every text to nothing; "
+                        f"{_tokenizer_fix(name)}")
+
+
+def _embedding_rows(name: str) -> int | None:
+    """The model's vocabulary size (its embedding's rows, config.json vocab_size), None where it cannot be read
+    cheaply (loading the model then says what is wrong)."""
+    try:
+        config = load_model_config(name)
+    except Exception:  # noqa: BLE001  (a config that does not load is the model loader's error to report)
+        return None
+    config = config.get_text_config() if hasattr(config, "get_text_config") else config
+    rows = getattr(config, "vocab_size", None)
+    return rows if isinstance(rows, int) and rows > 0 else None
+
+
+def check_tokenizer(tok, name: str, embedding_rows: int | None = None) -> None:
+    """A UserError in one line, naming the folder, for a tokenizer no stage can train or sample with: one that
+    encodes a plain sentence to fewer than two tokens (or only to its unknown token), one with neither an EOS nor
+    a pad token, or one with more tokens than the model has embedding rows (its top ids would index past them)."""
+    try:
+        ids = list(tok(TOKENIZER_SAMPLE, add_special_tokens=False)["input_ids"])
+    except Exception as e:  # noqa: BLE001  (a broken tokenizer raises anything)
+        raise UserError(f"model error: {name!r}: its tokenizer cannot encode text ({type(e).__name__}: "
+                        f"{first_line(e)}); {_tokenizer_fix(name)}") from None
+    unk = getattr(tok, "unk_token_id", None)
+    if len(ids) < 2 or (unk is not None and all(i == unk for i in ids)):
+        got = "nothing" if not ids else f"{len(ids)} token(s)" + (" all unknown" if unk is not None and
+                                                                     all(i == unk for i in ids) else "")
+        raise UserError(f"model error: {name!r}: its tokenizer ({len(tok)} tokens) encodes {TOKENIZER_SAMPLE!r} to "
+                        f"{got}, so it cannot be trained or sampled with; {_tokenizer_fix(name)}")
+    if tok.eos_token_id is None and tok.pad_token_id is None:
+        raise UserError(f"model error: {name!r}: its tokenizer has no end-of-sequence token (and no pad token), so "
+                        "no sample can end and no batch can be padded; set one (tokenizer.eos_token = '...') and "
+                        f"save it into {name!r}")
+    if embedding_rows is not None and len(tok) > embedding_rows:
+        raise UserError(f"model error: {name!r}: its tokenizer has {len(tok)} tokens but the model's embedding has "
+                        f"{embedding_rows} rows (config.json vocab_size), so token ids from {embedding_rows} up "
+                        "index past it; use the tokenizer the model was trained with, or resize the model "
+                        "(model.resize_token_embeddings(len(tokenizer))) and save both into the folder")
 
 
 def load_model_config(name: str):
@@ -196,10 +262,74 @@ def load_causal_lm(name: str, cfg: ModelConfig | None = None, trainable_lora: bo
             model = AutoModelForCausalLM.from_pretrained(name, dtype=torch.float32, **quant)
     except Exception as e:
         raise _load_error(name, e) from None
+    check_finite_weights(model, name)
     fuse_activations(keep_one_cpu_layout(model))
     if cfg is not None and cfg.lora and not _is_adapter(name):
         model = apply_lora(model, cfg)
     return model
+
+
+FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
+
+
+def first_nonfinite_weight(model) -> str | None:
+    """The name of the first floating-point parameter holding a NaN or an infinity, None if all are finite.
+    Summed in float64 (no finite fp32 sum overflows there; NaN and inf propagate), so no (numel,) mask is allocated.
+    Quantised (integer) storage and meta tensors are skipped. note: one device-to-host sync per parameter."""
+    for n, p in model.named_parameters():
+        if p.dtype not in FLOAT_DTYPES or p.is_meta or p.numel() == 0:
+            continue
+        total = p.detach().sum(dtype=torch.float64) if p.device.type != "mps" else p.detach().float().sum()
+        if not torch.isfinite(total):
+            return n
+    return None
+
+
+def _weights_file(name: str, tensor: str) -> str:
+    """The file of folder `name` that holds `tensor` (the shard its index names), for an error to point at."""
+    folder = Path(name).expanduser()
+    if not _looks_local(name) or not folder.is_dir():
+        return name
+    for index in ("model.safetensors.index.json", "pytorch_model.bin.index.json"):
+        if (folder / index).is_file():
+            with_prefix = json.loads((folder / index).read_text()).get("weight_map", {})
+            short = tensor.split(".", 1)[-1]
+            shard = with_prefix.get(tensor) or next((f for k, f in with_prefix.items() if k.endswith(short)), None)
+            if shard:
+                return str(folder / shard)
+    for f in ("model.safetensors", "pytorch_model.bin", "adapter_model.safetensors", "adapter_model.bin"):
+        if (folder / f).is_file():
+            return str(folder / f)
+    return name
+
+
+_FINITE_CHECKED: set = set()
+"""Weight files already checked in this process (folder, file names, sizes, times): RL loads one folder for up to
+four roles, and each check is a pass over every weight."""
+
+
+def _weights_key(name: str):
+    folder = Path(name).expanduser()
+    if not _looks_local(name) or not folder.is_dir():
+        return None
+    files = sorted(f for f in folder.iterdir() if f.suffix in (".safetensors", ".bin", ".pt"))
+    return (str(folder.resolve()), tuple((f.name, f.stat().st_size, f.stat().st_mtime_ns) for f in files))
+
+
+def check_finite_weights(model, name: str) -> None:
+    """A UserError naming the folder's weight file and the first tensor that holds NaN or inf: such a model's every
+    logit is NaN, and sampling from it (or training it) cannot work."""
+    key = _weights_key(name)
+    if key is not None and key in _FINITE_CHECKED:
+        return
+    bad = first_nonfinite_weight(model)
+    if bad is not None:
+        raise UserError(f"model error: {_weights_file(name, bad)}: weight {bad} holds NaN or inf values, so every "
+                        "output of the model would be NaN; re-run the stage that wrote it (a diverged run: lower the "
+                        "learning rate), or point the setting that names it (model.name, rm.sft_path, rl.sft_path, "
+                        "rl.rm_path) at another model folder")
+    if key is not None:
+        _FINITE_CHECKED.add(key)
 
 
 def load_reward_model(name: str, cfg: ModelConfig | None = None, pad_token_id: int | None = None,
@@ -234,6 +364,7 @@ def load_reward_model(name: str, cfg: ModelConfig | None = None, pad_token_id: i
         raise
     except Exception as e:
         raise _load_error(name, e) from None
+    check_finite_weights(model, name)
     if pad_token_id is not None:
         model.config.pad_token_id = pad_token_id
     fuse_activations(keep_one_cpu_layout(model))

@@ -13,8 +13,14 @@ reward-model training read it.
 
 from __future__ import annotations
 
+import contextlib
 import inspect
 import math
+import os
+import signal
+import sys
+import threading
+import time
 import warnings
 from collections import defaultdict
 from dataclasses import dataclass
@@ -100,6 +106,79 @@ def function_name(fn: Callable) -> str:
     return getattr(fn, "__name__", type(fn).__name__)
 
 
+REWARD_TIMEOUT_ENV = "RLFUSE_REWARD_TIMEOUT_S"
+REWARD_TIMEOUT_S = 300.0
+"""Seconds one call of a reward function may take (on one micro-batch of completions) unless RLFUSE_REWARD_TIMEOUT_S
+says otherwise (0: no limit): a call that hangs (a network request, a sandbox that never returns) would otherwise
+hold the run without a word."""
+REWARD_WARN_S = 60.0
+"""A call running this long is said on stderr while it runs (and the limit it is held to)."""
+
+
+class RewardTimeout(BaseException):
+    """Raised inside a reward function that ran past its time limit: a BaseException, so that the function's own
+    `except Exception` does not swallow it."""
+
+
+def reward_timeout_s() -> float | None:
+    """The time limit of one reward-function call: RLFUSE_REWARD_TIMEOUT_S, else REWARD_TIMEOUT_S; None: no limit."""
+    text = os.environ.get(REWARD_TIMEOUT_ENV, "").strip()
+    if not text:
+        return REWARD_TIMEOUT_S
+    try:
+        seconds = float(text)
+    except ValueError:
+        seconds = float("nan")
+    if not math.isfinite(seconds) or seconds < 0:
+        raise UserError(f"{REWARD_TIMEOUT_ENV}={text!r} is not a number of seconds >= 0; set e.g. "
+                        f"{REWARD_TIMEOUT_ENV}=600 (0: no limit)")
+    return seconds or None
+
+
+def _can_interrupt() -> bool:
+    """Whether a SIGALRM timer may stop this call: only on the main thread (where Python runs signal handlers), on a
+    platform with setitimer, and when nothing else (a test runner's timeout) uses the alarm."""
+    return (hasattr(signal, "setitimer") and threading.current_thread() is threading.main_thread()
+            and signal.getsignal(signal.SIGALRM) in (signal.SIG_DFL, None)
+            and signal.getitimer(signal.ITIMER_REAL) == (0.0, 0.0))
+
+
+@contextlib.contextmanager
+def time_limit(seconds: float | None, name: str, n: int):
+    """Run the block for at most `seconds` (None: no limit): RewardTimeout is raised inside it when the time is up,
+    where it can be (_can_interrupt); elsewhere (a Ray worker's thread) it runs on. Either way a call still running
+    after REWARD_WARN_S (or its limit, if sooner) is said on stderr, once."""
+    stop = seconds is not None and _can_interrupt()
+    warn_at = min(REWARD_WARN_S, seconds) if seconds is not None else REWARD_WARN_S
+    t0 = time.monotonic()
+
+    def warn():
+        limit = (f"it is stopped at {seconds:g} s" if stop else
+                 f"past {seconds:g} s it runs on (it cannot be stopped from here)" if seconds is not None else
+                 "it has no time limit")
+        print(f"[rl] warning: reward function {name} has run for {time.monotonic() - t0:.0f} s on {n} completions; "
+              f"{limit} ({REWARD_TIMEOUT_ENV})", file=sys.stderr, flush=True)
+
+    watchdog = threading.Timer(warn_at, warn) if not (stop and warn_at >= seconds) else None
+    if watchdog is not None:
+        watchdog.daemon = True
+        watchdog.start()
+    previous = None
+    if stop:
+        def alarm(signum, frame):
+            raise RewardTimeout()
+        previous = signal.signal(signal.SIGALRM, alarm)
+        signal.setitimer(signal.ITIMER_REAL, seconds)
+    try:
+        yield
+    finally:
+        if stop:
+            signal.setitimer(signal.ITIMER_REAL, 0)
+            signal.signal(signal.SIGALRM, previous if previous is not None else signal.SIG_DFL)
+        if watchdog is not None:
+            watchdog.cancel()
+
+
 class FunctionReward:
     """The reward as Python functions of finished samples (Scorer's reward_fn). `rows` maps a prompt's token ids to
     (the prompt as the data set gives it, its other columns); the trainer fills it before RL. `metrics()` returns
@@ -132,16 +211,24 @@ class FunctionReward:
 
     def _call(self, fn: Callable, sig: RewardSignature, samples, completions, texts) -> list[float | None]:
         where = f"reward error: rl.reward: {function_name(fn)}, called on {len(samples)} completions,"
+        limit = reward_timeout_s()
         try:
             if not sig.takes_completions:  # the older form: one text per sample, prompt and response together
-                out = fn(texts)
+                with time_limit(limit, function_name(fn), len(samples)):
+                    out = fn(texts)
             else:
                 rows = [self.rows.get(tuple(s.prompt_ids)) for s in samples]
                 prompts = [r[0] if r else self.tokenizer.decode(s.prompt_ids, skip_special_tokens=True)
                            for r, s in zip(rows, samples)]
                 completions = [[{"role": "assistant", "content": c}] if isinstance(p, list) else c
                                for p, c in zip(prompts, completions)]
-                out = fn(prompts=prompts, completions=completions, **self._columns(fn, sig, rows))
+                columns = self._columns(fn, sig, rows)
+                with time_limit(limit, function_name(fn), len(samples)):
+                    out = fn(prompts=prompts, completions=completions, **columns)
+        except RewardTimeout:
+            raise UserError(f"{where} did not return within {limit:g} s ({REWARD_TIMEOUT_ENV}); make it faster "
+                            "(batch or cache its work, give its own slow calls a timeout), or raise "
+                            f"{REWARD_TIMEOUT_ENV} (0: no limit)") from None
         except UserError:
             raise
         except Exception as e:  # the user's code: its failure is theirs to fix, named as theirs, not a traceback of ours

@@ -22,6 +22,7 @@ RL losses optimise; they equal a full forward pass over the finished sequence (t
 from __future__ import annotations
 
 import contextlib
+import math
 from collections import defaultdict, deque
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -30,7 +31,9 @@ from typing import Iterator
 import torch
 from torch import Tensor
 
+from rlfuse.errors import UserError
 from rlfuse.models.hf_cache import cache_of
+from rlfuse.models.load import first_nonfinite_weight
 from rlfuse.rollout.kv import BufferKV, HFCacheKV, decode_step_for, left_pad
 from rlfuse.rollout.state import EngineState, RowState, Sample, SamplingParams, WaitingPrompt
 from rlfuse.rollout.streams import stream_keys, stream_uniforms
@@ -60,6 +63,20 @@ def filter_logits(logits: Tensor, top_k: int, top_p: float) -> Tensor:
         drop = torch.zeros_like(drop_sorted).scatter(-1, order, drop_sorted)
         logits = logits.masked_fill(drop, float("-inf"))
     return logits
+
+
+def check_sampling(params: SamplingParams) -> None:
+    """A UserError for sampling settings no draw can use: a temperature that is not a finite number > 0 (NaN passes
+    every comparison; inf flattens the distribution to noise), top_p outside (0, 1], top_k < 0, max_new_tokens < 1."""
+    t, p = params.temperature, params.top_p
+    if not (isinstance(t, (int, float)) and math.isfinite(t) and t > 0):
+        raise UserError(f"sampling: temperature must be a finite number > 0, got {t}; e.g. temperature 0.7 (1.0 "
+                        "samples the model as it is)")
+    if not (isinstance(p, (int, float)) and 0 < p <= 1):
+        raise UserError(f"sampling: top_p must be in (0, 1], got {p}; 1.0 disables nucleus sampling")
+    if params.top_k < 0 or params.max_new_tokens < 1:
+        raise UserError(f"sampling: top_k must be >= 0 (0 disables) and max_new_tokens >= 1, got top_k "
+                        f"{params.top_k}, max_new_tokens {params.max_new_tokens}")
 
 
 def sample_tokens(probs: Tensor, u: Tensor) -> Tensor:
@@ -233,6 +250,8 @@ class DecodeEngine:
         prompt_ids = list(range(len(prompts))) if prompt_ids is None else list(prompt_ids)
         if len(prompt_ids) != len(prompts):
             raise ValueError(f"prompt_ids has {len(prompt_ids)} ids for {len(prompts)} prompts")
+        if empty := [pid for pid, p in zip(prompt_ids, prompts) if len(p) == 0]:
+            raise ValueError(f"prompt {empty[0]} has no tokens: a sample continues a prompt of at least one (BOS)")
         limit = lengths or (lambda pid, j: params.max_new_tokens)
         queue = [_Entry(list(p), [_row(pid, j, list(p), limit(pid, j)) for j in range(k)])
                  for pid, p in zip(prompt_ids, prompts)]
@@ -277,6 +296,7 @@ class DecodeEngine:
         return state
 
     def _start(self, queue: list[_Entry], params: SamplingParams, seed: int, finished=()) -> Iterator[Sample]:
+        check_sampling(params)
         if self._released is not None:
             raise RuntimeError("the engine's weights were released after its last rollout (transient_weights): "
                                "load_weights (sync_weights) before generating")
@@ -390,11 +410,17 @@ class DecodeEngine:
         scaled = logits / params.temperature if params.temperature != 1.0 else logits
         probs = torch.softmax(filter_logits(scaled, params.top_k, params.top_p), dim=-1)
         tokens = sample_tokens(probs, stream_uniforms(live.keys, live.drawn))
+        # a row of NaN logits (NaN/inf weights, an overflow) draws the id one past the vocabulary: gathered in range
+        # here, and said below once the ids are on the host, rather than an index error in the next forward
+        vocab = probs.shape[-1]
+        in_range = tokens.clamp(max=vocab - 1)
         # the drawn token's log-prob, not all (rows, vocabulary) of log_softmax's: 0.5 against 1.1 ms at 16 x 49152
-        token_logp = scaled.gather(1, tokens[:, None]).squeeze(1) - torch.logsumexp(scaled, dim=-1)
-        live.last, live.drawn = tokens, live.drawn + 1
+        token_logp = scaled.gather(1, in_range[:, None]).squeeze(1) - torch.logsumexp(scaled, dim=-1)
+        live.last, live.drawn = in_range, live.drawn + 1
         # note: one device-to-host sync per step, to decide which rows retire (token ids < 2**24 are exact in float32)
         tok_list, lp_list = torch.stack([tokens.to(token_logp.dtype), token_logp]).tolist()
+        if max(tok_list, default=0) >= vocab or any(lp != lp for lp in lp_list):  # lp != lp: a NaN log-prob
+            self._refuse_nonfinite(live, tok_list, lp_list, vocab)
         keep = []
         for i, row in enumerate(live.rows):
             row["tokens"].append(int(tok_list[i]))
@@ -407,6 +433,20 @@ class DecodeEngine:
                 keep.append(i)
         if len(keep) < len(live):
             live.select(keep)
+
+    def _refuse_nonfinite(self, live: _Live, tok_list: list, lp_list: list, vocab: int) -> None:
+        """The one line for a step whose logits are not finite: which weight holds NaN/inf, or that the weights are
+        finite and the forward overflowed."""
+        i = next(i for i, (t, lp) in enumerate(zip(tok_list, lp_list)) if t >= vocab or lp != lp)
+        row = live.rows[i]
+        bad = first_nonfinite_weight(self.model)
+        where = (f"the model's logits are not finite at step {len(row['tokens']) + 1} of sample {row['j']} of prompt "
+                 f"{row['pid']}")
+        if bad is not None:
+            raise UserError(f"{where}: its weights hold NaN/inf (first: {bad}); load a model folder whose weights "
+                            "are finite (a diverged training run: lower the learning rate and train again)")
+        raise UserError(f"{where}, though its weights are finite ({self.dtype}): the forward overflowed; decode in "
+                        "float32 (rollout.generator_dtype=float32, run.precision=fp32), or check the prompt")
 
     def _finish_reason(self, tokens: list[int], params: SamplingParams, limit: int) -> str | None:
         if tokens[-1] == self.eos or tokens[-1] in params.stop_token_ids:
