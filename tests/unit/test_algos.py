@@ -57,10 +57,23 @@ def test_gae_lambda1_gamma1_is_reward_to_go_minus_value():
     assert_close(adv, (reward_to_go - values) * mask)
 
 
-def test_gae_wrong_value_fails():
-    adv, _ = gae_advantages(torch.tensor([[0.0, 1.0]]), torch.tensor([[0.5, 0.2]]), torch.ones(1, 2), 1.0, 0.5)
+WRONG_GAE = {  # plausible bugs, each given the real function
+    "lambda-ignored": lambda gae, r, v, m, gamma, lam: gae(r, v, m, gamma, 1.0),  # A_0 = 0.5
+    "values-ignored": lambda gae, r, v, m, gamma, lam: gae(r, v * 0, m, gamma, lam),  # A = [0.5, 1]
+    "sign-flipped": lambda gae, r, v, m, gamma, lam: tuple(-x for x in gae(r, v, m, gamma, lam)),
+    "time-reversed": lambda gae, r, v, m, gamma, lam: tuple(x.flip(1) for x in gae(r.flip(1), v.flip(1), m, gamma,
+                                                                                   lam)),  # A = [-0.5, 1.05]
+}
+
+
+@pytest.mark.parametrize("bug", list(WRONG_GAE))
+def test_the_gae_hand_check_rejects_plausible_bugs(monkeypatch, bug):
+    """test_gae_hand_computed fails on GAE with a plausible bug planted (its numbers tell them apart): it runs
+    against the bug in place of gae_advantages."""
+    real = gae_advantages
+    monkeypatch.setitem(globals(), "gae_advantages", lambda *args: WRONG_GAE[bug](real, *args))
     with pytest.raises(AssertionError):
-        assert_close(adv, torch.tensor([[0.2, 0.8]]))
+        test_gae_hand_computed()
 
 
 def test_rloo_hand_computed():

@@ -62,6 +62,18 @@ def test_any_text_is_scored_in_range():
         assert -1.0 <= g.score <= 1.0
 
 
-def test_a_wrong_expectation_fails():
+@pytest.mark.parametrize("name,wrong,check", [
+    ("INTENSIFIERS", "unit", "test_intensifier_scales"),  # every intensifier x 1: ignored
+    ("NEGATION_FACTOR", 1.0, "test_negation_flips_and_damps"),  # negation ignored
+    ("NEGATION_FACTOR", -1.0, "test_negation_flips_and_damps"),  # negation flips without damping
+    ("BUT_WEIGHTS", (1.0, 1.0), "test_but_clause_dominates"),  # both clauses weigh alike
+])
+def test_the_hand_checks_reject_a_scorer_with_a_rule_broken(monkeypatch, name, wrong, check):
+    """Each hand check above fails on a gold scorer with its rule broken (a grammar table changed under it)."""
+    from rlfuse.data import grammar
+
+    if wrong == "unit":
+        wrong = {word: 1.0 for word in grammar.INTENSIFIERS}
+    monkeypatch.setattr(grammar, name, wrong)
     with pytest.raises(AssertionError):
-        assert pol("the acting was very good.") == pytest.approx(0.5)
+        globals()[check]()
