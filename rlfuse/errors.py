@@ -34,7 +34,7 @@ class DataError(UserError):
 
 # failures of writing a file that the user fixes outside rlfuse (space, permissions, a path that is not a folder)
 WRITE_ERRNOS = {errno.ENOSPC, errno.EDQUOT, errno.EFBIG, errno.EROFS, errno.EACCES, errno.EPERM, errno.ENOTDIR,
-                errno.EISDIR}
+                errno.EISDIR, errno.ENAMETOOLONG, errno.ELOOP}
 
 
 def os_error_line(e: OSError, command: str, run_dir: str | None = None) -> str | None:
@@ -43,6 +43,8 @@ def os_error_line(e: OSError, command: str, run_dir: str | None = None) -> str |
     if e.errno not in WRITE_ERRNOS:
         return None
     where = e.filename or "a file of the run"
+    if e.errno in (errno.ENAMETOOLONG, errno.ELOOP):  # the path itself: nothing of a run was touched
+        return f"cannot use {where}: {e.strerror}; give a path whose every part is under 256 bytes and no loop of links"
     space = e.errno in (errno.ENOSPC, errno.EDQUOT, errno.EFBIG)
     cause = "free space (or raise the quota) there" if space else "check the path and its permissions"
     then = {"run": f"continue with --resume {run_dir or 'RUN_DIR'} (the last checkpoint is intact)",

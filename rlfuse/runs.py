@@ -30,7 +30,7 @@ def claim_run_folder(folder: str | os.PathLike | None, command: str, *, resume: 
     holding what `command` would write (a finished or partly finished run) is refused unless `resume` continues it or
     `overwrite` allows replacing it (clear_previous removes it, once the new config is known to be good)."""
     path = Path(folder) if folder else _new_run_path(command)
-    made = not path.exists() or (not folder and not any(path.iterdir()))
+    made = not os.path.exists(path) or (not folder and not any(path.iterdir()))  # never raises, as pathlib may
     _make_folder(path)
     lock = RunLock.acquire(path, log)
     try:

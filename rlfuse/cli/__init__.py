@@ -285,6 +285,11 @@ def main(argv: list[str] | None = None) -> int:
         except UserError as e:
             print(f"rlfuse {ns.command}: {e}", file=sys.stderr)
             return e.exit_code
+        except OSError as e:  # a path the OS refuses (too long, a loop of links, no permission): one line
+            if (line := os_error_line(e, ns.command)) is None:
+                raise
+            print(f"rlfuse {ns.command}: {line}", file=sys.stderr)
+            return 1
     fn, _ = COMMANDS[ns.command]
     resume = run_dir = getattr(ns, "resume", None)  # run_dir: where a failed write's fix points
     try:
