@@ -28,6 +28,9 @@ CHANGEABLE = {
     # generator copy's dtype does change them (bf16 rounding: another behaviour policy)
     "rollout": {f.name for f in dataclasses.fields(Config().rollout)} - {"generator_dtype"},
 }
+RESOLVED_FROM_AUTO = {("run", "precision"), ("rollout", "generator_dtype")}
+"""Settings a run saved as auto and resolve.py now resolves before the run: a run saved before that resumes with the
+value resolved (noted), not refused; the weights and optimiser states are fp32 either way."""
 NOTE = "# resumed at"
 
 
@@ -42,7 +45,8 @@ def resume_changes(saved: Config, new: Config, free: set[str] = frozenset()) -> 
             if old.get(section, {}).get(name) == value or (section, name) == ("run", "dir"):
                 continue
             entry = (f"{section}.{name}", old.get(section, {}).get(name), value)
-            (changed if name in CHANGEABLE.get(section, ()) or section in free else refused).append(entry)
+            resolved = (section, name) in RESOLVED_FROM_AUTO and entry[1] == "auto"
+            (changed if resolved or name in CHANGEABLE.get(section, ()) or section in free else refused).append(entry)
     if refused:
         listed = ", ".join(f"{field} {a!r} -> {b!r}" for field, a, b in refused)
         raise UserError(f"resume: {listed}: cannot change in a resumed run (its checkpoint was trained with the "

@@ -29,7 +29,8 @@ class RunConfig:
     precision: str = "auto"
     """auto | fp32 | bf16 | fp16: the autocast every stage trains (and RL scores) under; weights, gradients and
     optimiser states stay fp32. auto: bf16 where the hardware multiplies it natively (a GPU with bf16, a CPU with
-    AVX512-BF16 or AMX), fp16 on an older GPU, else fp32 (the RL stage autocasts to bf16 only, in one process)."""
+    AVX512-BF16 or AMX), fp16 on an older GPU, else fp32; resolved once before a run on this machine's CPUs and
+    recorded in config.yaml (the RL stage autocasts to bf16 only, on every placement but FSDP and pipeline training)."""
     quiet: bool = False
     """No progress bars or progress lines, only the run's start, warnings and results."""
     threads: int = 0
@@ -398,7 +399,8 @@ class RolloutConfig:
     """Several generation workers: rows one worker decodes at about full speed (a step costs little more than a
     1-row step); a migrated tail moves onto ceil(unfinished / this) workers (at most all but one of the busy ones)."""
     generator_dtype: str = "auto"
-    """auto | fp32 | bf16: the dtype of the generator's own copy of the policy in one process (LoRA's merged copy,
+    """auto | fp32 | bf16: the dtype of the generator's own copy of the policy, in one process and on the Ray workers
+    that decode (LoRA's merged copy,
     or full fine-tuning's bf16 copy made at each weight sync and freed after the rollout). auto: bf16 where the
     device multiplies bf16 natively (in full fine-tuning, only where the update autocasts to bf16 too), else fp32."""
     weight_layout: str = "auto"
@@ -466,8 +468,7 @@ def own_generator_copy(cfg: Config) -> bool:
     fine-tuning with rollout.generator_dtype=bf16; placement.strategy single, or auto before it is planned): the copy
     rollout.generator_dtype and rollout.weight_layout shape. (Full fine-tuning under auto gets one too where the
     device and run.precision call for bf16: models/device.py generator_copy_dtype.) Otherwise full fine-tuning
-    decodes the actor itself, a shared base its own base, and the Ray workers' copies stay fp32 and row-major for
-    now."""
+    decodes the actor itself, a shared base its own base, and the Ray workers' copies stay row-major."""
     one_process = cfg.placement.strategy in ("single", "auto")
     full_ft_copy = not cfg.model.lora and cfg.rollout.generator_dtype == "bf16"  # asked for: a half-size copy
     return one_process and (full_ft_copy or (cfg.model.lora and not cfg.model.shares_base))

@@ -76,10 +76,30 @@ def _learning_rates(cfg: Config) -> None:
                               "1e-5 to 1e-4 full, 1e-4 to 1e-3 LoRA)")
 
 
+PATH_FIELDS = (("run", "dir"), ("data", "path"), ("model", "name"), ("model", "gguf_file"), ("rm", "sft_path"),
+               ("rl", "sft_path"), ("rl", "rm_path"), ("data", "chat_template"))
+NAME_MAX = 255
+"""Bytes a file or folder name may have on Linux, macOS and Windows file systems alike."""
+
+
+def _path_parts(cfg: Config) -> None:
+    """A path with a part the file system cannot name fails as an OSError wherever it is first touched (pathlib's
+    exists() raises ENAMETOOLONG): said here, naming the field."""
+    for section, name in PATH_FIELDS:
+        value = getattr(getattr(cfg, section), name)
+        if not isinstance(value, str):
+            continue
+        longest = max((len(part.encode()) for part in value.replace("\\", "/").split("/")), default=0)
+        if longest > NAME_MAX and "\n" not in value and "{" not in value:  # a chat template's text is not a path
+            raise ConfigError(f"{section}.{name}", f"a part of the path is {longest} bytes long, over the {NAME_MAX} a "
+                              "file name may have", "shorten it")
+
+
 def validate(cfg: Config) -> Config:
     """Check every field now rather than an hour into training. Raises ConfigError."""
     _finite_numbers(cfg)
     _learning_rates(cfg)
+    _path_parts(cfg)
     r, d, m = cfg.run, cfg.data, cfg.model
     _choice(r.device, "run.device", ("auto", "cpu", "cuda"))
     _choice(r.precision, "run.precision", ("auto", "fp32", "bf16", "fp16"))
@@ -277,14 +297,21 @@ def _validate_rl(cfg: Config) -> None:
     _choice(ro.weight_sync, "rollout.weight_sync", ("auto", "merged", "adapters"))
     _choice(ro.generator_dtype, "rollout.generator_dtype", ("auto", "fp32", "bf16"))
     _choice(ro.weight_layout, "rollout.weight_layout", ("auto", "row", "column"))
-    for name, value, plain in (("generator_dtype", "bf16", "fp32"), ("weight_layout", "column", "row")):
-        if getattr(ro, name) == value and not own_generator_copy(cfg):
-            where = (f"placement.strategy={cfg.placement.strategy} is not single: Ray workers' generators stay {plain}"
-                     if cfg.placement.strategy not in ("single", "auto") else
-                     "with model.shared_base the engine decodes the shared base" if cfg.model.shares_base else
-                     "full fine-tuning decodes the actor itself (rollout.generator_dtype=bf16 gives it a copy of its own)")
-            raise ConfigError(f"rollout.{name}", f"{value} needs a generator copy of its own in this process; {where}",
-                              f"set rollout.{name}=auto (the default) or {plain}")
+    fp32_training = rl.train_parallel not in ("data", "single")
+    if ro.generator_dtype == "bf16" and (cfg.model.shares_base or fp32_training):
+        # a bf16 copy decodes in one process and on Ray's decoding workers alike (models/device.py
+        # generator_copy_dtype), but not beside a shared base, nor with sharded or pipelined training
+        where = ("with model.shared_base the engine decodes the shared base" if cfg.model.shares_base else
+                 f"rl.train_parallel={rl.train_parallel} trains and decodes in fp32")
+        raise ConfigError("rollout.generator_dtype", f"bf16 needs a generator copy of its own; {where}",
+                          "set rollout.generator_dtype=auto (the default) or fp32")
+    if ro.weight_layout == "column" and not own_generator_copy(cfg):
+        where = (f"placement.strategy={cfg.placement.strategy} is not single: Ray workers' generators stay row-major"
+                 if cfg.placement.strategy not in ("single", "auto") else
+                 "with model.shared_base the engine decodes the shared base" if cfg.model.shares_base else
+                 "full fine-tuning decodes the actor itself (rollout.generator_dtype=bf16 gives it a copy of its own)")
+        raise ConfigError("rollout.weight_layout", f"column needs a generator copy of its own in this process; {where}",
+                          "set rollout.weight_layout=auto (the default) or row")
     if ro.weight_sync == "adapters" and (not cfg.model.lora or cfg.model.shares_base):
         why = ("with model.shared_base the workers decode the base itself: nothing is synced" if cfg.model.lora else
                "only LoRA adapters can be sent alone; full fine-tuning changes every weight")

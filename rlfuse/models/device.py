@@ -9,8 +9,9 @@ import random
 import numpy as np
 import torch
 
-from rlfuse.config import Config, RunConfig, own_generator_copy
+from rlfuse.config import Config, RunConfig
 from rlfuse.errors import ConfigError
+from rlfuse.plan.resolve import NATIVE_BF16_ENV, decoded_in, rl_autocasts
 
 
 def pick_device(run: RunConfig) -> torch.device:
@@ -32,11 +33,6 @@ def seed_everything(seed: int) -> None:
     random.seed(seed)
     np.random.seed(seed % (2**32))
     torch.manual_seed(seed)
-
-
-NATIVE_BF16_ENV = "RLFUSE_NATIVE_BF16"
-"""1 or 0 overrides native_bf16's answer for the CPU (the test suite sets 0, so that it computes alike on every CPU;
-a user can compare both rules on one machine). Unset: the CPU's flags decide."""
 
 
 def autocast_dtype(device: torch.device, precision: str, rl: bool = False) -> torch.dtype | None:
@@ -81,39 +77,43 @@ def native_bf16(device: torch.device) -> bool:
 
 def rl_compute_dtype(cfg: Config, device: torch.device) -> torch.dtype | None:
     """The dtype the RL stage's update and scoring passes autocast to (run.precision, autocast_dtype with rl=True);
-    None: fp32. Only in one process (placement.strategy=single: the Ray placements train and score in fp32 for now)
-    and without model.quantization (its layers compute in their own dtype, bnb_4bit_compute_dtype from run.precision:
-    models/quantize.py)."""
-    if cfg.placement.strategy != "single" or cfg.model.quantization != "none":
+    None: fp32. The same in one process and on every Ray worker, which builds its models with it; none with
+    model.quantization (its layers compute in their own dtype, bnb_4bit_compute_dtype from run.precision:
+    models/quantize.py) or rl.train_parallel fsdp or pipeline_* (plan/resolve.py rl_autocasts)."""
+    if not rl_autocasts(cfg):
         return None
     return autocast_dtype(torch.device(device), cfg.run.precision, rl=True)
 
 
 def generator_dtype(cfg: Config, device: torch.device) -> torch.dtype:
     """The dtype the rollout engine of this process decodes in: its own copy's (generator_copy_dtype), or fp32 where
-    it decodes the actor itself, a shared base, or on Ray workers."""
+    it decodes the actor itself or a shared base."""
     return generator_copy_dtype(cfg, device) or torch.float32
+
+
+def decode_dtype(choice: str, device: torch.device) -> torch.dtype:
+    """rollout.generator_dtype as plan/resolve.py decoded_in gives it (bf16 | fp32), or auto where it could not be
+    resolved before the run (a GPU, a cluster's CPU): bf16 where this device multiplies it natively."""
+    return torch.bfloat16 if choice == "bf16" or (choice == "auto" and native_bf16(torch.device(device))) else \
+        torch.float32
 
 
 def generator_copy_dtype(cfg: Config, device: torch.device) -> torch.dtype | None:
     """The dtype of the generator's own copy of the policy in this process (rollout.generator_dtype, auto resolved on
-    this device), or None where the engine has no copy (full fine-tuning decoding the actor itself; a shared base;
-    placement on Ray). model.lora: a merged copy, bf16 under auto where the device multiplies bf16 natively. Full
-    fine-tuning: a bf16 copy made at each weight sync and freed when the rollout ends (DecodeEngine's
-    transient_weights), under auto where the device multiplies bf16 natively and the update computes in bf16 anyway
-    (run.precision: rl_compute_dtype), so that the samples' arithmetic is the update's own; fp32 asks for none."""
-    device, choice = torch.device(device), cfg.rollout.generator_dtype
+    this device: plan/resolve.py decoded_in), or None where the engine has no copy (full fine-tuning decoding the
+    fp32 actor itself; a shared base). model.lora: a merged copy, in one process in fp32 too; on a Ray worker only
+    in bf16 (in fp32 it decodes the actor through its adapters). Full fine-tuning: a bf16 copy made at each weight
+    sync and freed when the rollout ends (DecodeEngine's transient_weights), under auto where the device multiplies
+    bf16 natively and the update computes in bf16 anyway, so that the samples' arithmetic is the update's own. A Ray
+    worker that decodes makes the same copy as the single process, so that both sample alike."""
+    device = torch.device(device)
+    if cfg.model.shares_base:
+        return None
+    dtype = decode_dtype(decoded_in(cfg, native_bf16(device)), device)
     if cfg.model.lora:
-        if not own_generator_copy(cfg):
-            return None
-        if choice == "auto":
-            choice = "bf16" if native_bf16(device) else "fp32"
-        return torch.bfloat16 if choice == "bf16" else torch.float32
-    if cfg.model.shares_base or cfg.placement.strategy not in ("single", "auto") or choice == "fp32":
-        return None
-    if choice == "auto" and not (native_bf16(device) and rl_compute_dtype(cfg, device) == torch.bfloat16):
-        return None
-    return torch.bfloat16
+        on_ray = cfg.placement.strategy not in ("single", "auto")
+        return None if on_ray and dtype == torch.float32 else dtype
+    return torch.bfloat16 if dtype == torch.bfloat16 else None
 
 
 def dtype_name(dtype: torch.dtype) -> str:

@@ -7,14 +7,20 @@ and the placement checker can tell, each problem a ConfigError naming the field 
   stage per worker;
 - on a local Ray (no placement.address), the workers' CPUs, GPUs and (on CPU) predicted memory fit this machine.
 
+It also makes run.precision and rollout.generator_dtype concrete where they say auto and the RL roles compute on
+this machine's CPU (one process, or a local Ray's CPU workers): bf16 where the CPU multiplies it natively, else fp32
+(resolve_precision). The driver and every Ray worker then read the same choice from the config they are handed.
+
 `load_config` returns what the file says; the CLI and the API call `resolve` once before a run, so the run folder's
-config.yaml records the plan and a layout that cannot work fails at `rlfuse validate`, not after Ray started. No
-torch, no Ray: the machine is read from the OS.
+config.yaml records the plan and the precision, and a layout that cannot work fails at `rlfuse validate`, not after
+Ray started. No torch, no Ray: the machine is read from the OS.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
+import os
 import sys
 from pathlib import Path
 
@@ -42,7 +48,89 @@ def resolve(cfg: Config, log=None, **measured) -> Config:
     check_pipeline(cfg)
     if spec_from_config(cfg).uses_ray and cfg.placement.address is None and not _ray_running():
         check_this_machine(cfg, **measured)  # a local Ray: this machine is the cluster, checked before any worker starts
-    return cfg
+    return resolve_precision(cfg)
+
+
+# ------------------------------------------------------------------------------------------- precision
+
+NATIVE_BF16_ENV = "RLFUSE_NATIVE_BF16"
+"""1 or 0 overrides whether this CPU multiplies bf16 natively (the test suite sets 0, so that it computes alike on
+every CPU; a user can compare both rules on one machine). Unset: the CPU's flags decide. Read by resolve_precision
+here and by models/device.py native_bf16 in every process (Ray workers inherit the driver's environment)."""
+
+BF16_CPU_FLAGS = ("avx512_bf16", "amx_bf16", "amx_tile")
+"""/proc/cpuinfo flags of a CPU that multiplies bf16 natively (AVX512-BF16 or AMX), as torch's probes read them."""
+
+
+def cpu_multiplies_bf16() -> bool:
+    """Whether this machine's CPU multiplies bf16 natively: NATIVE_BF16_ENV where set to 1 or 0, else its flags in
+    /proc/cpuinfo (False where there is none to read: bf16 is then taken to be emulated)."""
+    forced = os.environ.get(NATIVE_BF16_ENV, "").strip()
+    if forced in ("0", "1"):
+        return forced == "1"
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("flags"):
+                    return any(flag in line.split() for flag in BF16_CPU_FLAGS)
+    except OSError:
+        pass
+    return False
+
+
+def rl_autocasts(cfg: Config) -> bool:
+    """Whether the RL stage's update and scoring passes run under run.precision's autocast: in one process and on
+    Ray's data-parallel ranks, but not with model.quantization (its layers compute in their own dtype) nor with
+    rl.train_parallel=fsdp or pipeline_* (their shards and stages train in fp32, and so do their runs' passes)."""
+    return cfg.model.quantization == "none" and cfg.rl.train_parallel in ("data", "single")
+
+
+def decoded_in(cfg: Config, native: bool) -> str:
+    """rollout.generator_dtype on a device that does (native) or does not multiply bf16 natively: bf16 | fp32. auto:
+    bf16 where native, in full fine-tuning only where the RL stage computes in bf16 too (run.precision auto or bf16
+    under rl_autocasts), so that the samples' arithmetic is the update's own; fp32 with a shared base (the engine
+    decodes that base: there is no copy to make) and with rl.train_parallel fsdp or pipeline_* (fp32 throughout)."""
+    choice = cfg.rollout.generator_dtype
+    if choice != "auto":
+        return choice
+    if not native or cfg.model.shares_base or cfg.rl.train_parallel not in ("data", "single"):
+        return "fp32"
+    if cfg.model.lora:
+        return "bf16"
+    return "bf16" if cfg.run.precision in ("auto", "bf16") and rl_autocasts(cfg) else "fp32"
+
+
+def rl_compute_device(cfg: Config) -> str | None:
+    """Where the RL roles compute, as far as this machine can tell: "cpu" (run.device=cpu, or no GPU in the layout
+    and none here for one process), "cuda", or None (the CPUs of a cluster at placement.address, or GPUs that
+    cannot be counted without a driver's tools)."""
+    spec = spec_from_config(cfg)
+    if spec.uses_ray and cfg.placement.address is not None:
+        return None
+    if cfg.run.device == "cpu":
+        return "cpu"
+    if spec.uses_ray:
+        return "cuda" if spec.gpus else "cpu"
+    if cfg.run.device == "cuda":
+        return "cuda"
+    machine = ClusterResources.this_machine()
+    return None if machine is None else ("cuda" if machine.gpus else "cpu")
+
+
+def resolve_precision(cfg: Config) -> Config:
+    """run.precision and rollout.generator_dtype with auto made concrete where the RL roles compute on this
+    machine's CPU (a local Ray's workers share its flags): bf16 where it multiplies bf16 natively
+    (cpu_multiplies_bf16), else fp32, and the generator's dtype by decoded_in. Elsewhere auto stays, and each process
+    resolves it with torch on its own device (models/device.py): a GPU (torch's own answer, the same on GPUs of one
+    kind), or a cluster at placement.address, whose CPUs this machine cannot read (the Ray driver checks that its
+    workers agree, runtime/ray_driver.py)."""
+    if "auto" not in (cfg.run.precision, cfg.rollout.generator_dtype) or rl_compute_device(cfg) != "cpu":
+        return cfg
+    native = cpu_multiplies_bf16()
+    precision = cfg.run.precision if cfg.run.precision != "auto" else ("bf16" if native else "fp32")
+    cfg = dataclasses.replace(cfg, run=dataclasses.replace(cfg.run, precision=precision))
+    rollout = dataclasses.replace(cfg.rollout, generator_dtype=decoded_in(cfg, native))
+    return validate(dataclasses.replace(cfg, rollout=rollout))
 
 
 def check_layout(cfg: Config, **measured) -> None:

@@ -446,7 +446,7 @@ class DecodeEngine:
             raise UserError(f"{where}: its weights hold NaN/inf (first: {bad}); load a model folder whose weights "
                             "are finite (a diverged training run: lower the learning rate and train again)")
         raise UserError(f"{where}, though its weights are finite ({self.dtype}): the forward overflowed; decode in "
-                        "float32 (rollout.generator_dtype=float32, run.precision=fp32), or check the prompt")
+                        "float32 (rollout.generator_dtype=fp32, run.precision=fp32), or check the prompt")
 
     def _finish_reason(self, tokens: list[int], params: SamplingParams, limit: int) -> str | None:
         if tokens[-1] == self.eos or tokens[-1] in params.stop_token_ids:

@@ -14,6 +14,10 @@ joined data-parallel (DDP, gloo on CPU). What this gives per strategy:
 - interleaved: the "train" workers decode and train; the "score" workers score while they decode, and get the
   critic's weights from rank 0 each iteration (their copy computes the values).
 
+Every worker computes in the precision of the resolved config (run.precision, rollout.generator_dtype), as the single
+process does; the driver checks that they agree (agreed_arithmetic) and, where their sampler's arithmetic is not the
+update's, has the proximal log-probs scored for the decoupled objective (RayRollout.generate), as LocalRollout does.
+
 The driver keeps the loop, the evaluation and the saved model (rank 0's weights pulled back at the end). This module
 and the other ray_*.py import Ray: runtime/backend.py imports it only for a placement on Ray workers.
 """
@@ -39,6 +43,7 @@ from rlfuse.learn.update import BadSteps
 from rlfuse.plan.check import validate_placement
 from rlfuse.plan.roles import derive_roles
 from rlfuse.plan.spec import ClusterResources, NodeResources, PlacementSpec
+from rlfuse.rollout.fusion import scores_proximal
 from rlfuse.runtime.ray_common import wait_ready
 from rlfuse.runtime.ray_rollout import MultiWorkerRollout, RolloutSettings, WorkerModels
 from rlfuse.runtime.ray_train import TrainGroup, join_training
@@ -132,6 +137,7 @@ def worker_metrics(timing: dict, ranks: list[int], rss_mb: list[tuple[float, flo
            "migration/migrated": timing["migrated"]}
     out |= {k: v for k, v in timing.items() if k.startswith("migration/")}
     out |= {"time/deferred_scoring": timing["deferred_scoring"]} if "deferred_scoring" in timing else {}
+    out |= {"time/proximal_pass": timing["proximal_pass"]} if "proximal_pass" in timing else {}
     for i, rank in enumerate(ranks):
         out[f"worker/{rank}/busy_s"] = timing[f"busy/worker{i}"]
         out[f"worker/{rank}/rss_mb"], out[f"worker/{rank}/rss_peak_mb"] = rss_mb[i]
@@ -241,6 +247,15 @@ class RayRollout:
     streamed: bool = False
     """FSDP ranks that need no whole weights for the rollout (they neither decode nor score with the actor): nothing
     is gathered whole; the weights go out a tensor at a time (TrainGroup.streamed_weights)."""
+    rl: object = None
+    """config.RLConfig: whether a batch's update is one optimiser step, and its KL coefficient (scores_proximal)."""
+    behaviour_differs: bool = False
+    """The workers sample in other arithmetic than the update computes in (a bf16 generator copy, or passes under
+    bf16 autocast: run.precision), as LocalRollout.behaviour_differs in one process: the update then runs the
+    decoupled objective around the trained policy's own log-probs (proximal)."""
+    actor_on_scorers: bool = True
+    """Every scoring worker trains the actor, so it scores the proximal log-probs beside the others (flattened,
+    separated); else the training ranks take them in a pass of their own after the rollout (interleaved)."""
 
     def sync_weights(self, models=None) -> dict:
         """Actor -> every decoding worker; critic -> every scoring worker that does not train it (its frozen copy
@@ -272,14 +287,32 @@ class RayRollout:
                 "sync/sent_bytes": sent} | ({"sync/streamed": 1.0} if self.streamed else {})
 
     def generate(self, request):
+        one_step = self.rl is not None and self.rl.optimiser_steps(len(request.prompts) * request.k) == 1
+        proximal = scores_proximal(self.behaviour_differs, one_step, self.rl.kl_coef if self.rl else 0.0)
         with self.workers.naming_dead_workers("rollout"):
-            exp = self.driver.generate(request.prompts, request.k, request.params, request.seed, migrate=self.migrate)
+            exp = self.driver.generate(request.prompts, request.k, request.params, request.seed, migrate=self.migrate,
+                                       proximal=proximal and self.actor_on_scorers)
+            if proximal and not self.actor_on_scorers:
+                seconds = self.group.proximal_pass(exp, request.params.temperature, self._scored_batches(exp))
+                exp.timing["rollout"] += seconds
+                exp.timing["scoring"] += seconds
+                exp.timing["proximal_pass"] = seconds
+            exp.proximal_from_update = self.behaviour_differs and not proximal
             if self.deferred:
                 seconds = self.group.deferred_passes(exp)
                 exp.timing["rollout"] += seconds
                 exp.timing["scoring"] += seconds
                 exp.timing["deferred_scoring"] = seconds
             return exp
+
+    def _scored_batches(self, exp) -> list[list[int]]:
+        """The samples each scoring call scored together (MultiWorkerRollout.last_batches), as indices into exp
+        (ordered by prompt id, then sample index, as build_experience orders them)."""
+        position, seen = {}, {}
+        for i, pid in enumerate(exp.prompt_index.tolist()):
+            seen[pid] = seen.get(pid, -1) + 1
+            position[(pid, seen[pid])] = i
+        return [[position[key] for key in batch] for batch in self.driver.last_batches]
 
     def metrics(self, exp) -> dict:
         with self.workers.naming_dead_workers("rollout"):
@@ -292,6 +325,29 @@ class RayRollout:
 
     def begin_at(self, path, iteration: int) -> None:
         """The synchronous loop keeps nothing between iterations but the trainer's checkpoint."""
+
+
+def agreed_arithmetic(cfg, workers: RayWorkers, log=print) -> bool:
+    """Every worker's GenerationWorker.arithmetic, checked to agree: the passes of those that score or train in one
+    dtype, the engines of those that decode in one, as every process of the run reads run.precision and
+    rollout.generator_dtype from the same config (resolved before the run where it runs on this machine's CPUs:
+    plan/resolve.py; auto on GPUs or a cluster's CPUs, each worker on its own device). One line says what they
+    compute in. -> whether the samples' arithmetic differs from the update's (RayRollout.behaviour_differs)."""
+    seen = ray.get([w.arithmetic.remote() for w in workers.handles])
+    computes = sorted({a["compute"] for a in seen if a["compute"] is not None})
+    decodes = sorted({a["decode"] for a in seen if a["decode"] is not None})
+    if len(computes) > 1 or len(decodes) > 1:
+        which = "; ".join(f"worker {r}: passes {a['compute'] or '-'}, decoding {a['decode'] or '-'}"
+                          for r, a in zip(workers.ranks, seen))
+        raise UserError(f"placement: the workers resolved run.precision={cfg.run.precision} and "
+                        f"rollout.generator_dtype={cfg.rollout.generator_dtype} on their own devices and disagree "
+                        f"({which}): their samples would depend on where they run; set run.precision and "
+                        "rollout.generator_dtype (bf16 or fp32) for every worker")
+    log(f"[placement] the workers score and train in {computes[0] if computes else 'float32'}"
+        f"{' autocast' if computes and computes[0] != 'float32' else ''}, decode in "
+        f"{decodes[0] if decodes else 'float32'} (run.precision={cfg.run.precision}, "
+        f"rollout.generator_dtype={cfg.rollout.generator_dtype})")
+    return any(a["behaviour_differs"] for a in seen)
 
 
 def start_ray_placement(cfg, spec: PlacementSpec, run_dir, log=print, reward_rows: dict | None = None
@@ -352,8 +408,11 @@ def start_ray_placement(cfg, spec: PlacementSpec, run_dir, log=print, reward_row
         actor_needed = bool(trainers & set(workers.decoders)) or bool(trainers & set(workers.scorers)) and not (
             passes and all("reference" in p for p in passes))
         streamed = sync_mode and not actor_needed and (not cfg.model.lora or models.adapter is not None)
+        differs = agreed_arithmetic(cfg, workers, log)
+        driver.behaviour_differs = differs  # the asynchronous loop's scoring (score_in_order) takes it from there
         rollout = RayRollout(driver, workers, train, cfg.rollout.migrate_below > 0, models.critic is not None,
-                             models.adapter is not None, deferred, streamed)
+                             models.adapter is not None, deferred, streamed, cfg.rl, differs,
+                             set(workers.scorers) <= trainers)
         rates = {"train/lr": cfg.rl.lr} | ({"train/critic_lr": cfg.rl.critic_lr} if models.critic is not None else {})
         return rollout, RayTrainer(train, workers, cfg.rl.train_parallel, rates), workers
     except BaseException:

@@ -15,6 +15,10 @@ each waiting chunk is cut into one share per scorer by count (fusion.scoring_sha
 batch by whichever scorer is idle. So whichever worker replies first, each sample is scored in the same
 batch and the migrated rows are the same: two runs with the same seed and placement give bit-identical weights.
 
+Every worker computes as the single process does: its generator in rollout.generator_dtype (a bf16 copy where the
+single process decodes one), its scoring passes under run.precision's autocast (RolloutSettings, from the config
+plan/resolve.py resolved before the run); GenerationWorker.arithmetic tells the driver which.
+
 Nothing here is imported by the single-process path; ray is imported inside the functions that need it.
 """
 
@@ -28,14 +32,16 @@ from pathlib import Path
 
 import psutil
 import ray
+import torch
 
 from rlfuse.config import RunConfig
 from rlfuse.metrics.tracker import peak_rss_mb
-from rlfuse.models.build import frozen, load_policy, reward_function, stage_folders, value_model
-from rlfuse.models.device import pick_device
+from rlfuse.models.build import frozen, load_policy, reward_function, stage_folders, value_model, with_dtype
+from rlfuse.models.device import autocast_dtype, decode_dtype, dtype_name, pick_device
 from rlfuse.models.load import apply_lora, load_tokenizer
 from rlfuse.models.rewards import metrics_of_sums, take_reward_sums
 from rlfuse.models.weights import merged_weights
+from rlfuse.plan.resolve import decoded_in, rl_autocasts
 from rlfuse.plan.roles import derive_roles
 from rlfuse.plan.strategies import spec_from_config
 from rlfuse.rollout.engine import DecodeEngine, Sample, SamplingParams
@@ -127,35 +133,50 @@ class RolloutSettings:
     scoring leaves that pass out."""
     reward_rows: dict | None = None
     """Each prompt's data row by its token ids (rewards.attach_rows): the columns reward functions read."""
+    precision: str = "fp32"
+    """run.precision of the scoring passes (autocast_dtype with rl=True on the worker's device), as the training
+    workers' Models.compute_dtype: fp32 where the RL stage does not autocast (plan/resolve.py rl_autocasts)."""
+    generator_dtype: str = "fp32"
+    """The decoding worker's generator dtype (models/device.py decode_dtype): bf16 | fp32 as plan/resolve.py
+    decoded_in gives rollout.generator_dtype, or auto where that waits for the worker's device (bf16 where native)."""
 
     @classmethod
     def from_config(cls, cfg, reward_rows: dict | None = None) -> "RolloutSettings":
         ro, rl = cfg.rollout, cfg.rl
+        # unresolved auto (a GPU, a cluster's CPU): what it becomes on a device with native bf16, decided there
+        decode = decoded_in(cfg, True) if ro.generator_dtype != "auto" or decoded_in(cfg, True) == "fp32" else "auto"
         return cls(ro.max_rows, ro.micro_batch_size, rl.temperature, rl.unfinished_penalty, ro.score_every,
                    ro.live_below, ro.migrate_below, ro.rows_per_worker, device=cfg.run.device,
                    reward_weights=tuple(rl.reward_weights) if rl.reward_weights else None, share_prompt=rl.share_prompt,
                    reference_on_decoders=rl.max_staleness > 0 and spec_from_config(cfg).strategy == "separated",
-                   reward_rows=reward_rows)
+                   reward_rows=reward_rows, precision=cfg.run.precision if rl_autocasts(cfg) else "fp32",
+                   generator_dtype=decode)
 
 
 def build_worker_roles(models: WorkerModels, settings: RolloutSettings
                        ) -> tuple[DecodeEngine | None, Scorer | None, Scorer | None]:
     """A generator engine, a scorer and a decoding worker's reference pass (a Scorer used only for
     reference_logprobs) from folders, with models/build.py's loaders (frozen, eval); None for those the worker does
-    not hold (WorkerModels.holding)."""
+    not hold (WorkerModels.holding). The generator in settings.generator_dtype (a bf16 copy where the single process
+    decodes one: loaded weights are rounded into it alike), the passes under settings.precision's autocast (the
+    training workers' Models.compute_dtype)."""
     if not (models.decodes or models.scores):
         return None, None, None
     tok = load_tokenizer(models.generator or models.reference)
 
     device = pick_device(RunConfig(device=settings.device))  # Ray shows a worker only the GPUs it reserved
+    compute = autocast_dtype(device, settings.precision, rl=True)
     eos = tok.eos_token_id if settings.eos_token_id is None else settings.eos_token_id
-    engine = DecodeEngine(frozen(load_policy(models.generator), device), eos, max_rows=settings.max_rows,
-                          tokenizer=tok) if models.decodes else None
+    engine = None
+    if models.decodes:
+        generator = with_dtype(frozen(load_policy(models.generator), device), decode_dtype(settings.generator_dtype,
+                                                                                          device))
+        engine = DecodeEngine(generator, eos, max_rows=settings.max_rows, tokenizer=tok)
     ref = frozen(load_policy(models.reference), device) if models.reference is not None else None
     if not models.scores:
         reference = None if ref is None else Scorer(None, tok.pad_token_id, ref=ref,
                                                     micro_batch_size=settings.micro_batch_size,
-                                                    share_prompt=settings.share_prompt)
+                                                    share_prompt=settings.share_prompt, compute_dtype=compute)
         return engine, None, reference
     reward_fn = reward_function(models.reward, tok, device, settings.reward_weights and list(settings.reward_weights))
     critic = None
@@ -163,7 +184,7 @@ def build_worker_roles(models: WorkerModels, settings: RolloutSettings
         critic = frozen(value_model(models.critic_source, models.critic, tok.pad_token_id), device)
     scorer = Scorer(reward_fn, tok.pad_token_id, ref=ref, critic=critic, temperature=settings.temperature,
                     micro_batch_size=settings.micro_batch_size, unfinished_penalty=settings.unfinished_penalty,
-                    share_prompt=settings.share_prompt)
+                    share_prompt=settings.share_prompt, compute_dtype=compute)
     return engine, scorer, None
 
 
@@ -183,6 +204,9 @@ def adapted_copy(models: WorkerModels, settings: RolloutSettings):
 class Chunk:
     """What one worker call returns to the driver (through Ray's object store)."""
     scored: list[ScoredSample] = field(default_factory=list)
+    batches: list[int] = field(default_factory=list)
+    """How many of `scored`, in order, each Scorer.score call scored together (its micro-batches are cut from
+    them): a pass of another worker over the same samples cuts the same micro-batches (RayRollout's proximal pass)."""
     unscored: list[Sample] = field(default_factory=list)
     """Finished samples for any idle worker to score (a keeper after migration does not score its own)."""
     unfinished: int = 0
@@ -274,6 +298,18 @@ class GenerationWorker:
     def pid(self) -> int:
         return os.getpid()
 
+    def arithmetic(self) -> dict:
+        """What this worker computes in, for the driver to check that every worker resolved run.precision and
+        rollout.generator_dtype alike: {"compute": the scoring (and training) passes' autocast dtype ("float32":
+        none), None where it neither scores nor trains; "decode": the engine's dtype, None where it does not decode;
+        "behaviour_differs": whether its samples' log-probs are not the trained policy's as the update computes them
+        (the single process's LocalRollout.behaviour_differs: a sampler or passes in other arithmetic than fp32)}."""
+        scorer = self.scorer or self.reference
+        compute = None if scorer is None else dtype_name(scorer.compute_dtype or torch.float32)
+        decode = None if self.engine is None else dtype_name(self.engine.dtype)
+        return {"compute": compute, "decode": decode,
+                "behaviour_differs": compute not in (None, "float32") or decode not in (None, "float32")}
+
     def cores(self) -> list[int]:
         """The cores placement.pin_cores pinned this worker's threads to ([]: not pinned)."""
         return process.PINNED
@@ -293,10 +329,11 @@ class GenerationWorker:
         self._it = self.engine.generate(prompts, k, params, seed, lengths, prompt_ids)
         self._pending, self._unfinished, self._decode_rows, self._prefill_s = [], len(prompts) * k, 0, 0.0
 
-    def advance(self, max_finished: int, score_own: bool, pause_at: int = 0) -> Chunk:
+    def advance(self, max_finished: int, score_own: bool, pause_at: int = 0, proximal: bool = False) -> Chunk:
         """Decode until max_finished samples finish, only pause_at are left unfinished (the migration's pause point;
         0: none), or nothing is left. score_own: score them here (fusion policy: every score_every, or when the live
-        batch is under live_below); else return them unscored."""
+        batch is under live_below); else return them unscored. proximal: score with the actor's own log-probs too
+        (Scorer.score; a worker that trains the actor, whose sampler computes in other arithmetic)."""
         t0, out, n = time.perf_counter(), Chunk(), 0
         while self._it is not None and n < max_finished and not (pause_at and self._unfinished <= pause_at):
             sample = next(self._it, None)
@@ -306,11 +343,11 @@ class GenerationWorker:
             self._pending.append(sample)
             self._unfinished, n = self._unfinished - 1, n + 1
             if score_own and self.fusion.should_score(len(self._pending), self.engine.live_rows):
-                out.scored += self._score_pending(out)
+                out.scored += self._score_pending(out, proximal)
         if self._it is None:
             out.done = True
         if score_own and out.done and self._pending:
-            out.scored += self._score_pending(out)
+            out.scored += self._score_pending(out, proximal)
         elif not score_own:
             out.unscored, self._pending = self._pending, []
         out.unfinished, out.prefill_s = self._unfinished, self._prefill_s
@@ -378,9 +415,10 @@ class GenerationWorker:
         if state is not None:
             self._parked[batch] = state
 
-    def _score_pending(self, chunk: Chunk) -> list[ScoredSample]:
+    def _score_pending(self, chunk: Chunk, proximal: bool = False) -> list[ScoredSample]:
         t = time.perf_counter()
-        scored, self._pending = self.scorer.score(self._pending), []
+        scored, self._pending = self.scorer.score(self._pending, proximal), []
+        chunk.batches.append(len(scored))
         chunk.score_s += time.perf_counter() - t
         return scored
 
@@ -412,6 +450,7 @@ class GenerationWorker:
         actor's own log-probs too (a worker that trains it, scoring a stale batch just before its update)."""
         t0, out, before = time.perf_counter(), Chunk(done=True), self.scorer.times["proximal"]
         out.scored = self.scorer.score(samples, proximal)
+        out.batches = [len(out.scored)]
         out.score_s = out.busy_s = time.perf_counter() - t0
         out.proximal_s = self.scorer.times["proximal"] - before
         return out
@@ -466,6 +505,12 @@ class MultiWorkerRollout:
         self.scorers = list(range(len(workers))) if scorers is None else list(scorers)
         if not self.decoders or not self.scorers:
             raise ValueError("MultiWorkerRollout needs at least one decoding and one scoring worker")
+        self.behaviour_differs = False
+        """The workers sample in other arithmetic than the update computes in (a bf16 generator, or passes under
+        bf16 autocast: GenerationWorker.arithmetic), so every batch is scored with the proximal log-probs."""
+        self.last_batches: list[list[tuple[int, int]]] = []
+        """The samples the last generate() scored together, one list per Scorer.score call, as (prompt id, sample
+        index) (Chunk.batches)."""
 
     def sync_weights(self, named_tensors, role: str = "generator") -> dict:
         """Push the weights to the workers holding `role` in buckets (one object-store put per bucket, shared)."""
@@ -514,7 +559,10 @@ class MultiWorkerRollout:
                        ) -> tuple[list[ScoredSample], dict[int, Chunk]]:
         """Score finished samples on the scoring workers, in (prompt, sample index) order cut into one contiguous
         share per scorer: each sample is scored in the same batch whoever finished it when; proximal: with the
-        actor's own log-probs (Scorer.score). -> (scored, {worker: its Chunk, for the seconds})."""
+        actor's own log-probs (Scorer.score), always where the workers' sampler computes in other arithmetic than
+        the update (behaviour_differs: the asynchronous loop's fresh batches are then off-policy too, corrected as
+        the single process corrects them). -> (scored, {worker: its Chunk, for the seconds})."""
+        proximal = proximal or self.behaviour_differs
         samples = sorted(samples, key=lambda x: (x.prompt_id, x.sample_index))
         ray.get([self.workers[w].set_temperature.remote(temperature) for w in self.scorers])
         refs = {w: self.workers[w].score.remote(share, proximal)
@@ -523,10 +571,11 @@ class MultiWorkerRollout:
         return [x for c in chunks.values() for x in c.scored], chunks
 
     def generate(self, prompts: list[list[int]], k: int, params: SamplingParams, seed: int, lengths=None,
-                 prompt_ids: list[int] | None = None, migrate: bool = True) -> Experience:
+                 prompt_ids: list[int] | None = None, migrate: bool = True, proximal: bool = False) -> Experience:
         """generate_rollouts on the workers: the same samples and scores (to float tolerance), plus in exp.timing
         rollout seconds, scoring seconds, busy seconds per worker and the migration's cost (rows and tokens moved,
-        re-prefill seconds, scoring seconds on freed workers)."""
+        re-prefill seconds, scoring seconds on freed workers). proximal: scored with the actor's own log-probs too
+        (every scorer holds the actor: it trains)."""
         s, W = self.settings, len(self.workers)
         ids = list(range(len(prompts))) if prompt_ids is None else list(prompt_ids)
         t0, tally, total = time.perf_counter(), _Tally(W), len(prompts) * k
@@ -534,7 +583,7 @@ class MultiWorkerRollout:
         # until a migration; then the keepers only decode and the freed workers score what the others finish.
         # (settings.defer_scoring: RLHFuse's order, decoding workers never score and finished samples wait for an
         # idle worker. On CPU it loses: scoring then starts only at the migration, on the freed workers alone.)
-        unfinished = [0] * W
+        unfinished, self.last_batches = [0] * W, []
         scoring_owner = [w in self.scorers and not (migrate and s.defer_scoring) for w in range(W)]
         ray.get([self.workers[w].set_temperature.remote(params.temperature) for w in self.scorers])
         D = len(self.decoders)
@@ -551,7 +600,7 @@ class MultiWorkerRollout:
             return pause is not None and unfinished[w] <= pause[w]
 
         def advance(w):
-            ref = self.workers[w].advance.remote(s.score_every, scoring_owner[w], pause[w] if pause else 0)
+            ref = self.workers[w].advance.remote(s.score_every, scoring_owner[w], pause[w] if pause else 0, proximal)
             inflight[ref] = (w, "advance")
 
         def take(ref) -> None:
@@ -559,6 +608,11 @@ class MultiWorkerRollout:
             chunk: Chunk = ray.get(ref)
             tally.busy_s[w] += chunk.busy_s
             tally.scored += chunk.scored
+            at = 0
+            for n in chunk.batches:
+                scored_together = chunk.scored[at: at + n]
+                self.last_batches.append([(x.sample.prompt_id, x.sample.sample_index) for x in scored_together])
+                at += n
             tally.unscored += scoring_shares(chunk.unscored, len(self.scorers))
             tally.stats["scoring_s"] += chunk.score_s
             if kind == "score" and w in freed:
@@ -592,7 +646,7 @@ class MultiWorkerRollout:
             busy = {w for w, _ in inflight.values()}
             for w in self.scorers:  # idle scorers (freed, done decoding, or scoring only) score what was finished
                 if w not in busy and tally.unscored:
-                    inflight[self.workers[w].score.remote(tally.unscored.pop(0))] = (w, "score")
+                    inflight[self.workers[w].score.remote(tally.unscored.pop(0), proximal)] = (w, "score")
                     busy.add(w)
         tally.stats["reprefill_s"] = sum(reprefill.values())
         exp = build_experience(tally.scored)

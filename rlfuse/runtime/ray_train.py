@@ -37,6 +37,7 @@ from rlfuse.models.device import pick_device, seed_everything
 from rlfuse.models.quantize import choose_cpu_heap
 from rlfuse.models.weights import merged_state_dict
 from rlfuse.rollout.fusion import Experience
+from rlfuse.rollout.score import Scorer
 from rlfuse.rollout.weights import weight_buckets
 from rlfuse.runtime.data_parallel import DEFAULT_BUCKET_BYTES, DataParallelGroup
 from rlfuse.runtime.fsdp import (ShardedGroup, full_tensor, load_shards, remove_unreferenced_shards, save_shards,
@@ -72,8 +73,9 @@ class TrainWorker:
         self.device = pick_device(cfg.run)
         # build_models loads every role; a trainer keeps the trainable ones (actor, critic) and those in `keep`
         # ("generator", "ref", "reward_fn": a worker that also decodes or scores) and lets the rest go. One loader,
-        # so every role is built exactly as in one process.
-        models = build_models(cfg, Path(run_dir), self.device)
+        # so every role is built exactly as in one process, in its precision (Models.compute_dtype, a bf16 generator
+        # copy); a generator copy row-major, as every worker's: auto would time the layouts on each worker apart
+        models = build_models(cfg, Path(run_dir), self.device, weight_layout="row")
         for name in {"generator", "ref", "reward_fn"} - set(keep):
             setattr(models, name, None)
         self.models, self.learners = models, build_learners(models, cfg.rl)
@@ -145,6 +147,22 @@ class TrainWorker:
         stats = update(self.models, self.learners, exp, adv, returns, rl, kl_coef, batches, bad,
                        temperature=temperature, group=self.group)
         return {"stats": stats, "bad": bad, "seconds": time.perf_counter() - t}
+
+    def proximal_pass(self, batches: list[tuple[list[list[int]], list[list[int]]]], temperature: float
+                      ) -> tuple[list[list[torch.Tensor]], float]:
+        """The actor's own log-probs of each sample's response tokens at `temperature` (the decoupled objective's
+        proximal policy, Scorer.score(proximal=True) in one process), under the update's autocast, for a layout whose
+        scorers hold no actor (interleaved). batches: (prompts, responses) of the samples a scoring worker scored
+        together, each cut into micro-batches as that worker cut them, so that this pass and its reference pass
+        round alike (the first iteration's KL is 0, as in one process). -> (per batch one tensor per sample, s)."""
+        t = time.perf_counter()
+        # the scorer's deferred reference pass, run on the actor itself: one forward per micro-batch, adapters on
+        scorer = Scorer(None, self.models.tokenizer.pad_token_id, ref=self.models.actor,
+                        micro_batch_size=self.cfg.rollout.micro_batch_size, share_prompt=self.cfg.rl.share_prompt,
+                        compute_dtype=self.models.compute_dtype)
+        scorer.temperature = temperature
+        out = [scorer.deferred_pass("reference", prompts, responses) for prompts, responses in batches]
+        return out, time.perf_counter() - t
 
     def _save_schedule(self) -> None:
         pipe = self.pipeline
@@ -318,6 +336,23 @@ class TrainGroup:
                 for i, v in zip(share.tolist(), passes[role]):
                     whole[i, : len(v)] = v
             setattr(exp, field_name, whole)
+        return max(seconds for _, seconds in outs)
+
+    def proximal_pass(self, exp: Experience, temperature: float, batches: list[list[int]]) -> float:
+        """exp.proximal_logprobs from the training ranks' actor (TrainWorker.proximal_pass): `batches` (indices into
+        exp, each the samples a scoring worker scored together) dealt to the ranks in contiguous shares. -> the slowest
+        rank's seconds."""
+        shares = torch.arange(len(batches)).tensor_split(len(self.workers))
+        parts = [[batches[b] for b in share.tolist()] for share in shares]
+        outs = get_failing_fast([w.proximal_pass.remote([([exp.prompt_ids[i] for i in b],
+                                                          [exp.response_ids[i] for i in b]) for b in part], temperature)
+                                 for w, part in zip(self.workers, parts)])
+        whole = torch.zeros_like(exp.mask)
+        for part, (per_batch, _) in zip(parts, outs):
+            for b, logprobs in zip(part, per_batch):
+                for i, lp in zip(b, logprobs):
+                    whole[i, : len(lp)] = lp
+        exp.proximal_logprobs = whole
         return max(seconds for _, seconds in outs)
 
     def update(self, exp: Experience, adv, returns, kl_coef: float, batches: list[list[int]], bad: BadSteps,

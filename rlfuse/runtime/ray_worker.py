@@ -2,8 +2,10 @@
 the generator, scores (reference, reward and the critic's values, one pass over finished samples) if it has the
 reference or the reward, and trains as one rank of data-parallel training if it has the actor. A worker that both
 trains and decodes (flattened) or trains and scores (separated) shares its models between those jobs, as the single
-process does: it decodes its actor replica itself (full fine-tuning) or copies the actor's merged weights into its
-generator in-process (LoRA), and its scorer reads the critic it trains.
+process does: it decodes its actor replica itself (full fine-tuning in fp32), or copies the actor's (merged) weights
+into its generator in-process (a bf16 copy, made at each sync and freed before the update as in one process; LoRA's
+merged copy in bf16), and its scorer reads the critic it trains. Its models are built by models/build.py as the single
+process's are, so its passes autocast as that process's do (run.precision, Models.compute_dtype).
 
 Imports Ray: only a placement on Ray workers imports this module (runtime/backend.py).
 """
@@ -12,8 +14,11 @@ from __future__ import annotations
 
 import time
 
+import torch
+
+from rlfuse.models.device import dtype_name
 from rlfuse.models.weights import merged_weights
-from rlfuse.runtime.local import decode_engine, local_scorer
+from rlfuse.runtime.local import behaviour_differs, decode_engine, local_scorer, release_decode_copy
 from rlfuse.runtime.process import pin_threads
 from rlfuse.runtime.ray_common import start_actors
 from rlfuse.runtime.ray_rollout import GenerationWorker, RolloutSettings, WorkerModels
@@ -40,6 +45,24 @@ class RoleWorker(GenerationWorker, TrainWorker):
         on its reference, reward and the critic it trains."""
         engine = decode_engine(self.models, settings.max_rows, settings.eos_token_id) if models.decodes else None
         return engine, local_scorer(self.models, cfg) if models.scores else None
+
+    def arithmetic(self) -> dict:
+        """GenerationWorker.arithmetic of a worker that trains: its passes compute in its Models.compute_dtype, its
+        engine (if it decodes) in its generator's dtype, or the replica's own where it decodes that."""
+        if not self.trains:
+            return GenerationWorker.arithmetic(self)
+        compute = self.models.compute_dtype
+        differs = (behaviour_differs(self.engine, self.models.actor, compute) if self.engine is not None else
+                   compute is not None)
+        return {"compute": dtype_name(compute or torch.float32),
+                "decode": None if self.engine is None else dtype_name(self.engine.dtype), "behaviour_differs": differs}
+
+    def update(self, *args, **kwargs) -> dict:
+        """TrainWorker.update, the generator's per-sync copy freed first (full fine-tuning's bf16 copy, as
+        LocalRollout frees it after the rollout): the update's peak is without it; the next sync makes it again."""
+        if self.engine is not None:
+            release_decode_copy(self.engine)
+        return TrainWorker.update(self, *args, **kwargs)
 
     def defer_passes(self) -> tuple[str, ...]:
         """Sharded training on a worker that scores: the fused scoring leaves out the passes of its sharded reference

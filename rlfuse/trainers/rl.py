@@ -96,12 +96,12 @@ def settings_line(rl: RLConfig) -> str:
 
 
 def precision_note(engine, models: Models) -> str:
-    """'bf16 autocast, decoding a bf16 copy': the arithmetic of the update and of the sampler, when they differ
+    """'bfloat16 autocast, decoding in bfloat16': the arithmetic of the update and of the sampler, when they differ
     corrected by the decoupled objective (train/behaviour_weight_* in the metrics)."""
     train = dtype_name(models.compute_dtype or torch.float32)
     note = f"{train} autocast" if models.compute_dtype is not None else train
     if behaviour_differs(engine, models.actor, models.compute_dtype):
-        note += f", decoding a {dtype_name(engine.dtype)} copy"
+        note += f", decoding in {dtype_name(engine.dtype)}"
     if models.generator is not None and layout_of(models.generator) == "column":  # rollout.weight_layout
         note += ", the generator's weights stored column-major"
     return note
@@ -168,7 +168,7 @@ def train_rl(cfg: Config, run_dir: Path, log=print, resume: bool = False, on_rea
         f"{'on' if fusion.enabled else 'off'}")
     if cfg.run.precision == "bf16" and models.compute_dtype is None:
         why = "model.quantization (its layers compute in bf16)" if cfg.model.quantization != "none" else \
-            f"placement.strategy={cfg.placement.strategy} (the Ray placements train in fp32 for now)"
+            f"rl.train_parallel={cfg.rl.train_parallel} (its stages train in fp32 for now)"
         log(f"[rl] warning: run.precision=bf16, but the update and scoring run without autocast with {why}")
     requests = IterationRequests(train_prompts, difficulty, rl, params, seed)
     with build_placement(cfg, run_dir, engine, scorer, fusion, trainer, requests, log) as (rollout, trainer), \

@@ -36,9 +36,11 @@ def ray_cluster():
 
 def rl_config(tiny_task, algo, *extra):
     k = 1 if algo == "ppo" else 2
+    # fp32 whatever the CPU: the updates agree to fp32 rounding; under bf16 autocast the ranks' micro-batches (other
+    # padding) round apart by more (the layouts under bf16: tests/integration/test_placement_precision.py)
     return load_config(None, [f"rl.sft_path={tiny_task.model_dir}", "rl.reward=rlfuse.data.gold:gold_reward",
                               f"rl.algo={algo}", f"rl.k={k}", "rl.critic_init=sft", "rl.lr=1e-3", "rl.critic_lr=1e-3",
-                              "run.threads=1", *extra])
+                              "run.threads=1", "run.precision=fp32", *extra])
 
 
 def single_process(cfg, tmp_path, start: dict, sgd_lr=None):

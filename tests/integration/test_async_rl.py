@@ -24,7 +24,10 @@ ITERATIONS = 4
 RL = ["rl.algo=grpo", "rl.k=2", "rl.reward=rlfuse.data.gold:gold_reward", f"rl.iterations={ITERATIONS}",
       "rl.prompts_per_iter=4", "rl.mini_batch_size=4", "rl.micro_batch_size=2", "rl.max_new_tokens=24", "rl.epochs=1",
       "rl.eval_prompts=4", "rl.lr=1e-3", "rl.ckpt_every=2", "run.threads=1", "placement.strategy=separated",
-      "placement.workers=2", "rl.max_staleness=1", "rl.partial_rollout_after=2", "rollout.max_rows=4"]
+      "placement.workers=2", "rl.max_staleness=1", "rl.partial_rollout_after=2", "rollout.max_rows=4",
+      # fp32 whatever the CPU: a fresh batch is on-policy here, which a bf16 sampler's is not (its correction:
+      # tests/integration/test_placement_precision.py)
+      "run.precision=fp32", "rollout.generator_dtype=fp32"]
 ENV = os.environ | {"CI": "true"}
 
 

@@ -22,9 +22,11 @@ from rlfuse.cli import main
 
 ray = pytest.importorskip("ray", reason="ray is not installed: pip install 'ray==2.60.*' for the placement tests")
 
+# fp32 whatever the CPU: the comparisons below are fp32's (bit for bit, or to fp32 rounding); the same layouts under
+# bf16 (run.precision=auto on a CPU with native bf16) are tests/integration/test_placement_precision.py's
 RL = ["rl.algo=ppo", "rl.critic_init=rm", "rl.iterations=3", "rl.prompts_per_iter=4", "rl.k=2", "rl.mini_batch_size=4",
       "rl.micro_batch_size=2", "rl.max_new_tokens=12", "rl.epochs=1", "rl.eval_prompts=4", "rl.lr=1e-3",
-      "rollout.score_every=2", "run.threads=1"]
+      "rollout.score_every=2", "run.threads=1", "run.precision=fp32", "rollout.generator_dtype=fp32"]
 
 
 @pytest.fixture(scope="module")

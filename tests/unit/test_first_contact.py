@@ -127,3 +127,13 @@ def test_a_small_held_out_split_is_warned_about(tmp_path):
     train, held = rl_prompt_rows(cfg, None, said.append)
     assert (len(train), len(held)) == (19, 1)
     assert any("warning" in s and "1 of 20 prompts held out" in s for s in said), said
+
+
+def test_a_path_part_too_long_for_the_file_system_is_one_line(tmp_path, capsys):
+    long = tmp_path / ("a" * 300)
+    with pytest.raises(ConfigError, match=r"run.dir: a part of the path is 300 bytes long, over the 255"):
+        load_config(None, [f"run.dir={long}"])
+    for args in (["rl", "--resume", str(long)], ["report", str(long)], ["generate", str(long), "--prompt", "hi"]):
+        assert main(args) in (1, 2)
+        err = capsys.readouterr().err.strip().splitlines()
+        assert len(err) == 1 and "File name too long" in err[0] and "Traceback" not in err[0], err

@@ -32,17 +32,19 @@ def test_auto_is_bf16_only_for_a_copy_in_one_process_on_native_hardware(tiny_tas
     assert generator_dtype(_cfg(tiny_task, "run.precision=fp32"), CPU) == torch.float32
     assert generator_dtype(_cfg(tiny_task, "rollout.generator_dtype=fp32"), CPU) == torch.float32
     assert generator_dtype(_cfg(tiny_task, "rollout.generator_dtype=bf16"), CPU) == torch.bfloat16
-    assert generator_dtype(_cfg(tiny_task, "placement.strategy=flattened", "placement.workers=1"), CPU) == torch.float32
+    # Ray workers decode as the single process does (plan/resolve.py resolves auto once for every process)
+    flat = _cfg(tiny_task, "placement.strategy=flattened", "placement.workers=1")
+    assert generator_dtype(flat, CPU) == (torch.bfloat16 if native else torch.float32)
     ray = _cfg(tiny_task, "model.lora=true", "placement.strategy=flattened", "placement.workers=1")
-    assert generator_dtype(ray, CPU) == torch.float32  # Ray workers' generators stay fp32
+    assert generator_dtype(ray, CPU) == (torch.bfloat16 if native else torch.float32)
     assert generator_dtype(_cfg(tiny_task, "model.lora=true", "rollout.generator_dtype=fp32"), CPU) == torch.float32
     assert generator_dtype(_cfg(tiny_task, "model.lora=true", "rollout.generator_dtype=bf16"), CPU) == torch.bfloat16
 
 
 @pytest.mark.parametrize("more,why", [(["rollout.weight_layout=column"], "full fine-tuning decodes the actor itself"),
-                                      (["model.lora=true", "placement.strategy=flattened", "placement.workers=1"],
-                                       "is not single"),
-                                      (["placement.strategy=flattened", "placement.workers=1"], "is not single"),
+                                      (["placement.strategy=flattened", "placement.workers=2",
+                                        "rl.train_parallel=fsdp"], "trains and decodes in fp32"),
+                                      (["model.lora=true", "model.shared_base=true"], "decodes the shared base"),
                                       (["rollout.generator_dtype=fp16"], "is not one of auto, fp32, bf16")])
 def test_bf16_where_there_is_no_copy_of_its_own_is_a_config_error(tiny_task, more, why):
     dtype = [] if any(m.startswith("rollout.") for m in more) else ["rollout.generator_dtype=bf16"]
