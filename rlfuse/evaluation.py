@@ -15,6 +15,7 @@ from rlfuse.algos.kl import sequence_kl
 from rlfuse.config import RLConfig
 from rlfuse.data.chat import end_of_turn_ids
 from rlfuse.data.gold import gold_summary
+from rlfuse.data.stages import SMALL_HELD_OUT
 from rlfuse.models.rewards import runs_a_model
 from rlfuse.plan.memory import EVAL_SCORE_ROWS
 from rlfuse.files import write_text_atomic
@@ -132,7 +133,7 @@ def eval_table(result: dict) -> str:
     """Before/after table of an RL result ({"before": ..., "after": ...}) for the terminal."""
     keys = ["gold_positive_rate", "gold_mean", "reward_mean", "kl", "grammatical_rate", "mean_length"]
     n = result["after"].get("n", result["before"].get("n"))
-    few = f"; few: differences under ~{2 / max(1, n) ** 0.5:.1f} std are noise" if n and n < FEW_PROMPTS else ""
+    few = f"; few: differences under ~{2 / max(1, n) ** 0.5:.1f} std are noise" if n and n < SMALL_HELD_OUT else ""
     lines = [f"  {'metric':<20}{'before':>10}{'after':>10}" + (f"    ({n} held-out prompts{few})" if n else "")]
     for k in keys:
         if k in result["before"] or k in result["after"]:
@@ -140,9 +141,6 @@ def eval_table(result: dict) -> str:
             lines.append(f"  {k:<20}{_cell(b)}{_cell(a)}")
     return "\n".join(lines)
 
-
-FEW_PROMPTS = 32
-"""Held-out sets smaller than this are said to be small wherever their figures are shown."""
 
 
 def _cell(v: float) -> str:

@@ -40,15 +40,14 @@ def claim_run_folder(folder: str | os.PathLike | None, command: str, *, resume: 
         elif not overwrite:
             _refuse_previous(path, command)
     except BaseException:  # refused: what is there stays as it is
-        lock.release()
-        if made:
+        if made:  # still holding the lock: no second run can have written into it meanwhile
             _remove_if_unused(path, log)
+        lock.release()
         raise
     try:
         log(f"[{command}] run folder: {path}")
         yield path
     except BaseException:
-        lock.release()
         _remove_unused_stages(path, command, log)
         if made:
             _remove_if_unused(path, log)
@@ -213,7 +212,7 @@ class RunLock:
         return cls(fd, path)
 
     def release(self) -> None:
-        """Idempotent: a failed run releases before its folder is cleared, and again as the block ends."""
+        """Idempotent: a failed run releases once its folder is cleared, and again as the block ends."""
         if self.fd is None:
             return
         with contextlib.suppress(FileNotFoundError):

@@ -64,7 +64,8 @@ def pytest_collection_modifyitems(config, items):
 # Skips of what CI provides. CI (.ci/run) installs the real model and Chromium and runs beside ../shared/data; a
 # failed install or a missing folder used to turn their tests into quiet skips among the expected ones (Ray absent,
 # no glibc, ...). Each such skip is recognised by its reason (the texts the tests skip with, in the files named);
-# with its variable set to 1 (.ci/run sets all three) the skip is a failure, and every session ends with their count.
+# with its variable set to 1 (.ci/run sets it for the real model) the skip is a failure, and every session ends
+# with their count.
 REQUIRED_SKIPS = {
     "RLFUSE_REQUIRE_SHARED_DATA": ("shared data file", "../shared/data (IMDb, hh-rlhf) is absent",
                                    "test_stages.py, test_sources.py, test_real_pipelines.py, test_qlora.py"),

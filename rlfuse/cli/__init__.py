@@ -216,7 +216,10 @@ def _field_line(section: str, name: str, width: int) -> str:
 def cmd_explain(fields: list[str]) -> int:
     """Each field's whole docstring and default: what `--help` shortens to a sentence."""
     for name in fields:
-        section, _, field = name.partition(".")
+        section, dot, field = name.partition(".")
+        if not dot or not field:
+            raise UserError(f"{name!r} is not section.field; e.g. rlfuse explain rl.kl_target (rlfuse --help "
+                            "lists the settings)")
         hint = trl_hint(section, field)
         if hint is not None and section in TRL_NAMES and field not in field_docs(section_class(section)):
             print(f"{name}: {hint[0]}")
@@ -228,7 +231,7 @@ def cmd_explain(fields: list[str]) -> int:
             doc = field_docs(section_class(section))[field]
         except KeyError:
             load_config(None, [f"{name}=null"])  # the unknown-key error, with its closest field
-            raise UserError(f"explain: {name} is not a setting; `rlfuse --help` lists them") from None
+            raise UserError(f"{name} is not a setting; `rlfuse --help` lists them") from None
         print(f"{name} = {field_default(section, field)}")
         print("\n".join(textwrap.wrap(" ".join(doc.split()), 100, initial_indent="    ", subsequent_indent="    ")))
     return 0

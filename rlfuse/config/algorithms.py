@@ -24,17 +24,19 @@ class Algorithm:
     groups_prompts: bool
     """A prompt's k samples stay together in one mini-batch (its baseline is their mean)."""
     preset: dict = field(default_factory=dict)
-    """rl fields this algorithm sets where the config leaves them out (the dataclass defaults are ppo's): rloo and
+    """rl fields this algorithm sets where the config leaves them out (ppo's are the dataclass defaults): rloo and
     grpo sample a group per prompt, and keep a fixed KL coefficient as TRL does, with no adaptive controller."""
 
 
+PPO_PRESET = {"k": 1, "prompts_per_iter": 32, "kl_coef": 0.2, "kl_target": 4.0}
+"""ppo's: the RLConfig defaults, named so that a config switched from another algorithm takes them."""
 GROUP_PRESET = {"k": 4, "prompts_per_iter": 8, "kl_target": None}
 """What rloo and grpo share: 4 samples for each of 8 prompts (as many samples an iteration as ppo's 32 prompts), a
 fixed KL coefficient."""
 
 ALGORITHMS = {
     "ppo": Algorithm("ppo", critic=True, min_k=1, advantage="gae", kl_in="token_reward", kl_estimator="k1",
-                     groups_prompts=False),
+                     groups_prompts=False, preset=PPO_PRESET),
     "rloo": Algorithm("rloo", critic=False, min_k=2, advantage="rloo", kl_in="sequence_reward", kl_estimator="k1",
                       groups_prompts=True, preset=GROUP_PRESET | {"kl_coef": 0.05}),
     "grpo": Algorithm("grpo", critic=False, min_k=2, advantage="grpo", kl_in="loss", kl_estimator="k3",

@@ -43,11 +43,15 @@ def check_callable(spec: str, field: str) -> str:
                               "give the path of a .py file holding the function, relative to the working directory "
                               "or absolute")
         return f"{path.resolve()}:{name}"
-    if _find_module(where) is None and not _beside_cwd(where):
-        raise ConfigError(field, f"no module {where!r}: not importable, and no {where.replace('.', '/')}.py in "
-                          f"the working directory {Path.cwd()}",
-                          f"run from the folder that holds it, give its path ({field}=path/to/"
-                          f"{where.split('.')[-1]}.py:{name}), or install it")
+    if _find_module(where) is None:
+        if not _beside_cwd(where):
+            raise ConfigError(field, f"no module {where!r}: not importable, and no {where.replace('.', '/')}.py in "
+                              f"the working directory {Path.cwd()}",
+                              f"run from the folder that holds it, give its path ({field}=path/to/"
+                              f"{where.split('.')[-1]}.py:{name}), or install it")
+        module_file = Path.cwd() / f"{where}.py"
+        if module_file.is_file():  # a file beside the working directory: kept as its path, found from anywhere
+            return f"{module_file.resolve()}:{name}"
     return spec.strip()
 
 
@@ -82,14 +86,19 @@ def _find_module(name: str):
 
 def _beside_cwd(module: str) -> bool:
     top = Path.cwd() / module.split(".")[0]
-    return top.with_suffix(".py").is_file() or (top / "__init__.py").is_file()
+    return Path.cwd().joinpath(*module.split(".")).with_suffix(".py").is_file() or (top / "__init__.py").is_file()
+
+
+USER_PATH_ENV = "RLFUSE_USER_PATH"
+"""The folder a run was started from, for its Ray workers: a package beside it imports there too."""
 
 
 def _import(module: str, field: str):
-    """import_module, with the working directory on the path where the module is a file there: `python -m` and
-    pytest put it there, the `rlfuse` entry point does not."""
-    if _find_module(module) is None and _beside_cwd(module) and os.getcwd() not in sys.path:
-        sys.path.insert(0, os.getcwd())
+    """import_module, the working directory (or the driver's, on a Ray worker) last on the path where the module is
+    a package there: after the installed ones, so a file there called json.py shadows nothing."""
+    for folder in (os.getcwd(), os.environ.get(USER_PATH_ENV)):
+        if folder and _find_module(module) is None and folder not in sys.path:
+            sys.path.append(folder)
     try:
         return importlib.import_module(module)
     except ModuleNotFoundError as e:

@@ -70,7 +70,7 @@ def field_default(section: str, name: str) -> str:
         return default
     presets: dict = {}
     for algo in ALGORITHMS.values():
-        if name in algo.preset:
+        if name in algo.preset and json.dumps(algo.preset[name]) != default:  # ppo's are the defaults
             presets.setdefault(json.dumps(algo.preset[name]), []).append(algo.name)
     shown = "; ".join(f"{', '.join(names)}: {value}" for value, names in presets.items())
     return f"{default} ({shown})" if shown else default

@@ -209,6 +209,8 @@ def config_from_dict(raw: dict, overrides: list[str] | tuple | dict = ()) -> Con
     {"a.b": value} mapping whose values are taken as they are (the Python API)."""
     raw = {k: dict(v) if isinstance(v, dict) else v for k, v in raw.items()}  # the caller's dict stays as it was
     items = overrides.items() if isinstance(overrides, dict) else [_split_override(o) for o in overrides]
+    before = dict(raw.get("rl") or {}) if isinstance(raw.get("rl"), dict) else {}
+    overridden = set()
     for key, value in items:
         section, dot, name = str(key).partition(".")
         if not dot or not section or not name:
@@ -217,17 +219,22 @@ def config_from_dict(raw: dict, overrides: list[str] | tuple | dict = ()) -> Con
         if not isinstance(raw[section], dict):
             raise ConfigError(section, "must be a mapping of fields", f"write it as '{section}:' with indented fields")
         raw[section][name] = value
+        overridden |= {name} if section == "rl" else set()
     cfg = _from_dict(Config, raw, prefix="")
-    _apply_preset(cfg, set(raw.get("rl") or ()))
+    _apply_preset(cfg, before, overridden)
     return validate(cfg)
 
 
-def _apply_preset(cfg: Config, given: set) -> None:
-    """The algorithm's own defaults (ALGORITHMS[...].preset) for the rl fields the config leaves out. A saved
-    config.yaml names every field, so a resumed run keeps what it ran with."""
-    algo = ALGORITHMS.get(cfg.rl.algo)
+def _apply_preset(cfg: Config, before: dict, overridden: set) -> None:
+    """The algorithm's own defaults (ALGORITHMS[...].preset) for the rl fields the config leaves out, and, where the
+    overrides switch the algorithm (a Config object or saved config given rl.algo=grpo), for those that hold the
+    previous algorithm's own value. A saved config.yaml names every field, so a resumed run keeps what it ran with."""
+    algo, was = ALGORITHMS.get(cfg.rl.algo), ALGORITHMS.get(str(before.get("algo", "ppo")))
     for name, value in (algo.preset.items() if algo else ()):
-        if name not in given:
+        left_out = name not in before and name not in overridden
+        previous_own = was is not None and was is not algo and name not in overridden and \
+            before.get(name) == was.preset.get(name)
+        if left_out or previous_own:
             setattr(cfg.rl, name, value)
 
 

@@ -30,7 +30,12 @@ CHANGEABLE = {
 }
 RESOLVED_FROM_AUTO = {("run", "precision"), ("rollout", "generator_dtype")}
 """Settings a run saved as auto and resolve.py now resolves before the run: a run saved before that resumes with the
-value resolved (noted), not refused; the weights and optimiser states are fp32 either way."""
+value resolved (noted), where that is what its auto computed in."""
+
+
+def _resolved_as_it_ran(saved: dict, value) -> bool:
+    """A run saved with auto computed so in one process; its Ray workers computed in fp32 whatever the hardware."""
+    return (saved.get("placement") or {}).get("strategy") in ("single", "auto") or value == "fp32"
 NOTE = "# resumed at"
 
 
@@ -45,8 +50,12 @@ def resume_changes(saved: Config, new: Config, free: set[str] = frozenset()) -> 
             if old.get(section, {}).get(name) == value or (section, name) == ("run", "dir"):
                 continue
             entry = (f"{section}.{name}", old.get(section, {}).get(name), value)
-            resolved = (section, name) in RESOLVED_FROM_AUTO and entry[1] == "auto"
+            resolved = (section, name) in RESOLVED_FROM_AUTO and entry[1] == "auto" and _resolved_as_it_ran(old, value)
             (changed if resolved or name in CHANGEABLE.get(section, ()) or section in free else refused).append(entry)
+    if refused and all(a == "auto" and tuple(f.split(".")) in RESOLVED_FROM_AUTO for f, a, _ in refused):
+        raise UserError("resume: this run was saved with run.precision and rollout.generator_dtype auto, which its "
+                        "Ray workers ran in fp32, and auto resolves to bf16 here now; resume with run.precision=fp32 "
+                        "rollout.generator_dtype=fp32 to go on as it ran")
     if refused:
         listed = ", ".join(f"{field} {a!r} -> {b!r}" for field, a, b in refused)
         raise UserError(f"resume: {listed}: cannot change in a resumed run (its checkpoint was trained with the "

@@ -34,7 +34,8 @@ class RunConfig:
     quiet: bool = False
     """No progress bars or progress lines, only the run's start, warnings and results."""
     threads: int = 0
-    """torch CPU threads; 0 leaves torch's default."""
+    """torch CPU threads; 0: as many as the cores other work leaves free when a stage starts (at most torch's
+    default)."""
     cpu_heap: str = "lean"
     """lean | update | reuse: how glibc's malloc serves a run's tensors on a CPU (Linux), trading resident memory
     for page-fault time. lean: large tensors go back to the OS when freed (the lowest memory); update: lean, but an

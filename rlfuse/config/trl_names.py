@@ -13,6 +13,8 @@ class TrlName:
     """The rlfuse field (section.name), or None where rlfuse has no equivalent."""
     note: str = ""
     """What differs, in a few words (said after the field)."""
+    same_value: bool = True
+    """TRL's value means the same in rlfuse's field, so the error may say `set field=value`."""
 
 
 _RL = {
@@ -22,22 +24,22 @@ _RL = {
     "max_completion_length": TrlName("rl.max_new_tokens"),
     "max_prompt_length": TrlName("rl.max_prompt_tokens"),
     "num_iterations": TrlName("rl.epochs", "passes over each rollout"),
-    "max_steps": TrlName("rl.iterations", "rollouts, each rl.epochs x mini-batches optimiser steps"),
-    "num_train_epochs": TrlName("rl.iterations", "rollouts, each rl.epochs x mini-batches optimiser steps"),
+    "max_steps": TrlName("rl.iterations", "rollouts, each rl.epochs x mini-batches optimiser steps", same_value=False),
+    "num_train_epochs": TrlName("rl.iterations", "rollouts, each rl.epochs x mini-batches optimiser steps", same_value=False),
     "per_device_train_batch_size": TrlName("rl.micro_batch_size", "completions per forward/backward"),
-    "gradient_accumulation_steps": TrlName("rl.mini_batch_size", "completions per optimiser step"),
-    "generation_batch_size": TrlName("rl.prompts_per_iter", "prompts per rollout; samples are this x rl.k"),
-    "steps_per_generation": TrlName("rl.prompts_per_iter", "prompts per rollout; samples are this x rl.k"),
+    "gradient_accumulation_steps": TrlName("rl.mini_batch_size", "completions per optimiser step", same_value=False),
+    "generation_batch_size": TrlName("rl.prompts_per_iter", "prompts per rollout; samples are this x rl.k", same_value=False),
+    "steps_per_generation": TrlName("rl.prompts_per_iter", "prompts per rollout; samples are this x rl.k", same_value=False),
     "epsilon": TrlName("rl.clip"),
     "max_grad_norm": TrlName("rl.grad_clip"),
-    "loss_type": TrlName("rl.loss_level", "token (as dapo) or sequence (as grpo)"),
+    "loss_type": TrlName("rl.loss_level", "token (as dapo) or sequence (as grpo)", same_value=False),
     "reward_funcs": TrlName("rl.reward", "module:function or path/to/file.py:function, comma-separated"),
-    "scale_rewards": TrlName("rl.whiten_advantages"),
-    "normalize_advantages": TrlName("rl.whiten_advantages"),
-    "mask_truncated_completions": TrlName("rl.unfinished_penalty", "a penalty instead of a mask"),
+    "scale_rewards": TrlName("rl.whiten_advantages", "true or false; grpo always scales by its group's std", same_value=False),
+    "normalize_advantages": TrlName("rl.whiten_advantages", same_value=False),
+    "mask_truncated_completions": TrlName("rl.unfinished_penalty", "a penalty instead of a mask", same_value=False),
     "eval_steps": TrlName("rl.eval_every"),
-    "log_completions": TrlName("rl.log_samples_every"),
-    "num_completions_to_print": TrlName("rl.log_samples_every"),
+    "log_completions": TrlName("rl.log_samples_every", same_value=False),
+    "num_completions_to_print": TrlName("rl.log_samples_every", same_value=False),
     "save_steps": TrlName("rl.ckpt_every"),
     "optim": TrlName("rl.optimizer"),
     "model_name_or_path": TrlName("rl.sft_path"),
@@ -50,15 +52,15 @@ _RL = {
 
 _SFT = {
     "learning_rate": TrlName("sft.lr"),
-    "max_steps": TrlName("sft.steps"),
-    "num_train_epochs": TrlName("sft.steps", "optimiser steps, not epochs"),
+    "max_steps": TrlName("sft.steps", same_value=False),
+    "num_train_epochs": TrlName("sft.steps", "optimiser steps, not epochs", same_value=False),
     "per_device_train_batch_size": TrlName("sft.micro_batch_size"),
-    "gradient_accumulation_steps": TrlName("sft.batch_size", "sequences per optimiser step"),
+    "gradient_accumulation_steps": TrlName("sft.batch_size", "sequences per optimiser step", same_value=False),
     "max_length": TrlName("data.max_length"),
     "max_seq_length": TrlName("data.max_length"),
     "dataset_text_field": TrlName("data.text_column"),
     "completion_only_loss": TrlName("sft.completion_only"),
-    "assistant_only_loss": TrlName("sft.completion_only", "on messages data: every assistant turn"),
+    "assistant_only_loss": TrlName("sft.completion_only", "on messages data: every assistant turn", same_value=False),
     "max_grad_norm": TrlName("sft.grad_clip"),
     "eval_steps": TrlName("sft.eval_every"),
     "save_steps": TrlName("sft.ckpt_every"),
@@ -68,10 +70,10 @@ _SFT = {
 
 _RM = {
     "learning_rate": TrlName("rm.lr"),
-    "max_steps": TrlName("rm.steps"),
-    "num_train_epochs": TrlName("rm.steps", "optimiser steps, not epochs"),
+    "max_steps": TrlName("rm.steps", same_value=False),
+    "num_train_epochs": TrlName("rm.steps", "optimiser steps, not epochs", same_value=False),
     "per_device_train_batch_size": TrlName("rm.micro_batch_size"),
-    "gradient_accumulation_steps": TrlName("rm.batch_size", "pairs per optimiser step"),
+    "gradient_accumulation_steps": TrlName("rm.batch_size", "pairs per optimiser step", same_value=False),
     "max_length": TrlName("rm.max_length"),
     "max_grad_norm": TrlName("rm.grad_clip"),
     "eval_steps": TrlName("rm.eval_every"),
@@ -83,15 +85,15 @@ _MODEL = {
     "model_name_or_path": TrlName("model.name"),
     "r": TrlName("model.lora_r"),
     "target_modules": TrlName("model.lora_targets"),
-    "use_peft": TrlName("model.lora"),
-    "load_in_4bit": TrlName("model.quantization", "model.quantization=4bit"),
-    "load_in_8bit": TrlName("model.quantization", "model.quantization=8bit"),
+    "use_peft": TrlName("model.lora", same_value=False),
+    "load_in_4bit": TrlName("model.quantization", "model.quantization=4bit", same_value=False),
+    "load_in_8bit": TrlName("model.quantization", "model.quantization=8bit", same_value=False),
 }
 
 _RUN = {
     "output_dir": TrlName("run.dir"),
-    "bf16": TrlName("run.precision", "auto, bf16, fp16 or fp32"),
-    "fp16": TrlName("run.precision", "auto, bf16, fp16 or fp32"),
+    "bf16": TrlName("run.precision", "auto, bf16, fp16 or fp32", same_value=False),
+    "fp16": TrlName("run.precision", "auto, bf16, fp16 or fp32", same_value=False),
     "logging_dir": TrlName("run.dir"),
 }
 
@@ -99,7 +101,7 @@ TRL_NAMES: dict[str, dict[str, TrlName]] = {"rl": _RL, "sft": _SFT, "rm": _RM, "
 """section -> TRL's name as a user writes it under that section -> the rlfuse field."""
 
 SHARED = {"output_dir": "run.dir", "seed": "run.seed", "report_to": "run.report_to", "bf16": "run.precision",
-          "fp16": "run.precision", "disable_dropout": "rl.disable_dropout"}
+          "fp16": "run.precision"}
 """TRL's names of settings rlfuse keeps in another section, whatever section they are written under."""
 
 TRL_SECTIONS = {"grpo": "rl", "rloo": "rl", "ppo": "rl", "trainer": "rl", "training": "rl", "args": "rl",
@@ -111,11 +113,11 @@ def trl_hint(section: str, name: str, value=None) -> tuple[str, str] | None:
     """(problem, fix) for `section.name` when it is one of TRL's names, else None."""
     entry = TRL_NAMES.get(section, {}).get(name)
     if entry is None and name in SHARED:
-        entry = TrlName(SHARED[name])
+        entry = TrlName(SHARED[name], same_value=name not in ("bf16", "fp16"))
     if entry is None:
         return None
     if entry.field is None:
         return f"TRL's {name} has no rlfuse equivalent ({entry.note})", "remove it (docs/from_trl.md maps TRL's settings)"
-    shown = "" if value is None or isinstance(value, (dict, list)) else f"={value}"
+    shown = "" if value is None or not entry.same_value or isinstance(value, (dict, list)) else f"={value}"
     note = f" ({entry.note})" if entry.note else ""
     return f"TRL's name; rlfuse calls it {entry.field}{note}", f"set {entry.field}{shown} instead"

@@ -285,8 +285,9 @@ class StageCheckpoint:
         where = (f"the model of step {kept} (the last checkpoint before it) is kept in {self.path}" if kept is not None
                  else f"no model saved and no checkpoint from before it (one comes every {stage}.ckpt_every="
                       f"{self.every} steps)")
+        resume = f", then `rlfuse {stage} --resume RUN_DIR {stage}.lr=...`" if kept is not None else ""
         fix = f"lower {stage}.lr" + (f" or set {stage}.grad_clip (1.0 is the default)" if section.grad_clip <= 0 else
-                                     f" or raise {stage}.warmup_steps")
+                                     "") + resume
         return UserError(stage_blowup_line(stage, found, where, fix))
 
     def keep_before(self, watch: LossWatch) -> int | None:

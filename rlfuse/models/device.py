@@ -3,15 +3,17 @@
 from __future__ import annotations
 
 import contextlib
-import os
 import random
+from pathlib import Path
 
 import numpy as np
 import torch
 
 from rlfuse.config import Config, RunConfig
 from rlfuse.errors import ConfigError
-from rlfuse.plan.resolve import NATIVE_BF16_ENV, decoded_in, rl_autocasts
+from rlfuse.files import write_text_atomic
+from rlfuse.models.cpu_share import measure_share, threads_for
+from rlfuse.plan.resolve import NATIVE_BF16_ENV, cpu_multiplies_bf16, decoded_in, rl_autocasts
 
 
 def pick_device(run: RunConfig) -> torch.device:
@@ -22,11 +24,42 @@ def pick_device(run: RunConfig) -> torch.device:
     return torch.device("cpu")
 
 
-def setup_runtime(run: RunConfig) -> torch.device:
+TORCH_THREADS = torch.get_num_threads()
+"""torch's own thread count for this process, read before rlfuse sets any."""
+_set_by_us: int | None = None
+
+
+def setup_runtime(run: RunConfig, log=None, kept: Path | None = None) -> torch.device:
+    """The stage's device, seeds and CPU threads: run.threads where set, else as many as the cores other work leaves
+    free at the stage's start (models/cpu_share.py), said in one line when that is fewer than torch would take. The
+    count is decided once and kept in `kept` (the stage folder's threads.txt), so a resumed stage computes with the
+    same count (a CPU's sums depend on it) as the run it continues."""
+    global _set_by_us
     if run.threads:
         torch.set_num_threads(run.threads)
+    else:
+        # at most torch's own count, or what the caller set since (a count rlfuse set is not the caller's)
+        most = TORCH_THREADS if torch.get_num_threads() == _set_by_us else torch.get_num_threads()
+        threads, share = _kept_threads(kept), None
+        if threads is None:
+            share = measure_share()
+            threads = threads_for(share, 0, most)
+        torch.set_num_threads(threads)
+        _set_by_us = threads
+        if kept is not None:
+            write_text_atomic(kept, f"{threads}\n")
+        if share is not None and threads < most and log is not None:
+            log(f"[run] other work keeps {share.busy:.1f} of {share.cores} cores busy: {threads} torch thread(s) "
+                f"instead of {most} for this stage (run.threads fixes the count)")
     seed_everything(run.seed)
     return pick_device(run)
+
+
+def _kept_threads(kept: Path | None) -> int | None:
+    try:
+        return max(1, int(kept.read_text().strip())) if kept is not None else None
+    except (OSError, ValueError):
+        return None
 
 
 def seed_everything(seed: int) -> None:
@@ -68,11 +101,7 @@ def native_bf16(device: torch.device) -> bool:
     RLFUSE_NATIVE_BF16=1 or 0 overrides the CPU's answer (NATIVE_BF16_ENV)."""
     if device.type == "cuda":
         return torch.cuda.is_bf16_supported()
-    forced = os.environ.get(NATIVE_BF16_ENV, "").strip()
-    if forced in ("0", "1"):
-        return forced == "1"
-    cpu = torch.cpu
-    return any(getattr(cpu, probe, lambda: False)() for probe in ("_is_avx512_bf16_supported", "_is_amx_tile_supported"))
+    return cpu_multiplies_bf16()  # the same answer plan/resolve.py records in config.yaml
 
 
 def rl_compute_dtype(cfg: Config, device: torch.device) -> torch.dtype | None:

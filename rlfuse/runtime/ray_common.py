@@ -15,6 +15,7 @@ import ray
 import torch
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
+from rlfuse.config.callables import USER_PATH_ENV
 from rlfuse.runtime.process import CORE_OFFSET_ENV, core_offsets
 
 
@@ -28,9 +29,8 @@ def start_actors(cls, n: int, args_of: Callable[[int], tuple], cpus_per_worker: 
     pin_cores: each actor's threads keep to its own whole cores of its node (core_offsets; pin_threads applies it);
     without a placement group the actors are taken to share one node."""
     src = str(Path(__file__).resolve().parents[2])  # the folder holding this rlfuse package
-    # the driver's working directory after it: a reward module beside it (rl.reward=myrewards:fn) imports there too
-    path = [src, os.environ.get("PYTHONPATH", ""), os.getcwd()]
-    env = {"PYTHONPATH": os.pathsep.join(p for p in path if p)}
+    env = {"PYTHONPATH": os.pathsep.join([src, os.environ.get("PYTHONPATH", "")]).rstrip(os.pathsep),
+           USER_PATH_ENV: os.getcwd()}  # a reward package beside the driver's folder imports there too (last)
     if not gpus_per_worker:
         env["CUDA_VISIBLE_DEVICES"] = ""
     offsets = [None] * (first_bundle + n)

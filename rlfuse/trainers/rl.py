@@ -29,6 +29,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import time
+from contextlib import closing
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -116,7 +117,7 @@ def train_rl(cfg: Config, run_dir: Path, log=print, resume: bool = False, on_rea
     rl, t_start, seed = cfg.rl, time.perf_counter(), cfg.run.seed
     if not (run_dir / "config.yaml").exists():  # called as a library rather than through the CLI
         save_config(cfg, run_dir)
-    device = setup_runtime(cfg.run)
+    device = setup_runtime(cfg.run, log, run_dir / "rl" / "threads.txt")
     choose_cpu_heap(cfg.run.cpu_heap)
     _, task = resolve_base_model(cfg, log) if cfg.data.kind == "synthetic" else (None, None)
     layout_file = run_dir / "rl" / "weight_layout.txt"
@@ -171,8 +172,9 @@ def train_rl(cfg: Config, run_dir: Path, log=print, resume: bool = False, on_rea
             f"rl.train_parallel={cfg.rl.train_parallel} (its stages train in fp32 for now)"
         log(f"[rl] warning: run.precision=bf16, but the update and scoring run without autocast with {why}")
     requests = IterationRequests(train_prompts, difficulty, rl, params, seed)
-    with build_placement(cfg, run_dir, engine, scorer, fusion, trainer, requests, log) as (rollout, trainer), \
-            Progress(rl.iterations, f"rl/{rl.algo}", cfg.run.quiet, unit="iter", initial=start) as bar:
+    # the tracker closes however the loop ends (a stop for divergence included): its sinks flush what they hold
+    with closing(tracker), build_placement(cfg, run_dir, engine, scorer, fusion, trainer, requests, log) as \
+            (rollout, trainer), Progress(rl.iterations, f"rl/{rl.algo}", cfg.run.quiet, unit="iter", initial=start) as bar:
         if start and not isinstance(trainer, LocalTrainer):
             trainer.load_checkpoint(ckpt)
         rollout.begin_at(ckpt, start)  # asynchronous: a resumed run takes back the batches generated ahead
@@ -226,7 +228,6 @@ def train_rl(cfg: Config, run_dir: Path, log=print, resume: bool = False, on_rea
             (out / "last_rewards.json").write_text(json.dumps(exp.scores.tolist()))
             bar.update(reward=row["reward/mean"], kl=row["reward/kl"], sps=row["rollout/samples_per_s"])
         trainer.pull_into(models)
-    tracker.close()
     sync_weights(engine, models.actor)
     with said_where("the held-out evaluation after RL"):
         after, after_texts = evaluate(models, engine, held_prompts, rl, seed + 12345, gold)

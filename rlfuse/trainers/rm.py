@@ -83,7 +83,7 @@ def train_rm(cfg: Config, run_dir: Path, log=print, on_trained=None, resume: boo
         remove_stage_checkpoint(done.parent)
         return RMResult(**{k: Path(v) if k == "model_dir" else v for k, v in json.loads(done.read_text()).items()})
     t0 = time.perf_counter()
-    device = setup_runtime(cfg.run)
+    device = setup_runtime(cfg.run, log, run_dir / "rm" / "threads.txt")
     choose_cpu_heap(cfg.run.cpu_heap)
     _, task = resolve_base_model(cfg, log)
     name = rm_backbone(cfg, run_dir, log)

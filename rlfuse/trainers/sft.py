@@ -73,7 +73,7 @@ def train_sft(cfg: Config, run_dir: Path, log=print, on_trained=None, resume: bo
         remove_stage_checkpoint(done.parent)
         return SFTResult(**{k: Path(v) if k == "model_dir" else v for k, v in json.loads(done.read_text()).items()})
     t0 = time.perf_counter()
-    device = setup_runtime(cfg.run)
+    device = setup_runtime(cfg.run, log, run_dir / "sft" / "threads.txt")
     choose_cpu_heap(cfg.run.cpu_heap)
     name, task = resolve_base_model(cfg, log)
     tokenizer = load_tokenizer(name)

@@ -129,7 +129,7 @@ def test_after_a_blowup_the_newest_checkpoint_from_before_it_is_kept(tmp_path):
     assert str(e.value) == (
         f"sft diverged at step 9: loss 24.3 (the median of its last 5 steps) against 6.93, a uniform guess; the "
         f"model of step 2 (the last checkpoint before it) is kept in {ckpt.path}; lower sft.lr or set sft.grad_clip "
-        f"(1.0 is the default)")
+        f"(1.0 is the default), then `rlfuse sft --resume RUN_DIR sft.lr=...`")
     # step 4's weights gave step 5's 27.2: gone, step 2's moved back in its place
     assert checkpoint_step(ckpt.path) == 2 and not (tmp_path / "checkpoint.pt.prev").exists()
 
@@ -146,7 +146,7 @@ def test_a_blowup_before_the_first_checkpoint_keeps_none(tmp_path):
     line = str(ckpt.blown("rm", found, watch, SimpleNamespace(grad_clip=1.0)))
     assert line == ("rm diverged at step 4: loss 50 (the median of its last 4 steps) against 6.93, a uniform guess; "
                     "no model saved and no checkpoint from before it (one comes every rm.ckpt_every=2 steps); lower "
-                    "rm.lr or raise rm.warmup_steps")
+                    "rm.lr")
     assert not ckpt.path.exists()
 
 

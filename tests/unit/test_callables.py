@@ -24,9 +24,26 @@ def workdir(tmp_path, monkeypatch):
 
 def test_a_module_beside_the_working_directory_loads_without_pythonpath(workdir):
     cfg = load_config(None, ["rl.reward=myrewards:enthusiasm", "rl.algo=grpo", "rl.k=2"])
-    assert cfg.rl.reward == "myrewards:enthusiasm"
+    # kept as the file's path: a Ray worker or a resumed run finds it anywhere, and the working directory never goes
+    # in front of the installed packages (a json.py there would shadow json)
+    assert cfg.rl.reward == f"{workdir / 'myrewards.py'}:enthusiasm"
     fn = load_callable(cfg.rl.reward, "rl.reward")
     assert fn(["p"], ["wow!!"]) == [2]
+    assert sys.path[0] != str(workdir) and "" not in sys.path
+
+
+def test_a_package_beside_the_working_directory_imports_after_the_installed_ones(workdir, monkeypatch):
+    (workdir / "mypkg").mkdir()
+    (workdir / "mypkg" / "__init__.py").write_text("")
+    (workdir / "mypkg" / "score.py").write_text("import json\n\ndef f(prompts, completions, **_):\n"
+                                                "    return [float(len(json.dumps(c))) for c in completions]\n")
+    (workdir / "json.py").write_text("raise ImportError('the working directory shadowed json')\n")
+    monkeypatch.delitem(sys.modules, "mypkg", raising=False)
+    monkeypatch.delitem(sys.modules, "mypkg.score", raising=False)
+    spec = check_callable("mypkg.score:f", "rl.reward")
+    assert spec == "mypkg.score:f"
+    assert load_callable(spec, "rl.reward")(["p"], ["ab"]) == [4.0]
+    assert sys.path[-1] == str(workdir)
 
 
 @pytest.mark.parametrize("given", ["./myrewards.py:enthusiasm", "myrewards.py:enthusiasm"])

@@ -29,6 +29,16 @@ def test_a_trl_name_is_answered_with_the_rlfuse_field(given, field):
         load_config(None, [given])
 
 
+@pytest.mark.parametrize("given, fix", [
+    ("run.bf16=true", "set run.precision instead"), ("rl.bf16=true", "set run.precision instead"),  # not run.precision=True
+    ("rl.gradient_accumulation_steps=4", "set rl.mini_batch_size instead"),  # micro-batches, not completions
+    ("model.load_in_4bit=true", "set model.quantization instead"),
+])
+def test_a_trl_value_is_not_echoed_where_the_two_differ_in_kind(given, fix):
+    with pytest.raises(ConfigError, match=re.escape(fix)):
+        load_config(None, [given])
+
+
 def test_trl_names_without_an_equivalent_and_trl_sections_say_so():
     with pytest.raises(ConfigError, match="rl.use_vllm: TRL's use_vllm has no rlfuse equivalent"):
         load_config(None, ["rl.use_vllm=true"])
@@ -66,6 +76,11 @@ def test_each_algorithm_brings_its_own_defaults_unless_set():
     shipped = load_config(ROOT / "configs" / "default.yaml", ["rl.algo=grpo"]).rl
     assert shipped.k == 4  # the shipped default config leaves them to the algorithm too
     assert load_config(ROOT / "configs" / "smollm2_math.yaml").rl.kl_coef == 0.1  # a config's own values win
+    # a Config object switched to another algorithm takes its defaults where it held the previous one's
+    switched = api.load_config(api.load_config(None), {"rl.algo": "grpo", "rl.prompts_per_iter": 32}).rl
+    assert (switched.k, switched.prompts_per_iter, switched.kl_coef, switched.kl_target) == (4, 32, 0.04, None)
+    back = api.load_config(api.load_config(None, {"rl.algo": "grpo", "rl.k": 8}), {"rl.algo": "ppo"}).rl
+    assert (back.k, back.prompts_per_iter, back.kl_target) == (8, 32, 4.0)  # k was set: it stays
 
 
 def test_a_ray_placement_without_ray_is_refused_when_the_config_loads(monkeypatch):

@@ -62,7 +62,8 @@ def test_harmonic_numbers_past_the_summed_ones_are_the_series_and_cheap():
     assert harmonic(HARMONIC_SUMMED_UP_TO + 1) > harmonic(HARMONIC_SUMMED_UP_TO)
     t0 = time.perf_counter()
     harmonic(10**12)
-    assert time.perf_counter() - t0 < 0.01 and harmonic(10**12) == pytest.approx(math.log(10**12) + 0.5772156649)
+    assert time.perf_counter() - t0 < 1.0  # a sum of 10^12 terms would take hours
+    assert harmonic(10**12) == pytest.approx(math.log(10**12) + 0.5772156649)
 
 
 @pytest.mark.parametrize("flag, value, wanted", [
