@@ -65,7 +65,7 @@ def test_stage_killed_mid_step_resumes_to_the_uninterrupted_model(stage, lora, t
     # starting again there is refused with the way to continue; a change the checkpoint depends on is refused
     assert main([stage, f"run.dir={killed}"]) != 0
     assert f"rlfuse {stage} --resume {killed}" in capsys.readouterr().err
-    for change in (f"{stage}.lr=0.5", "data.max_length=80"):  # the data: every stage reads it
+    for change in (f"{stage}.weight_decay=0.5", "data.max_length=80"):  # the data: every stage reads it
         assert main([stage, "--resume", str(killed), change]) != 0
         assert "cannot change in a resumed run" in capsys.readouterr().err
 
