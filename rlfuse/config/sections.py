@@ -274,7 +274,7 @@ class RLConfig:
     logged reward/kl and the adaptive controller alike. null: k3 for grpo (as DeepSeekMath), k1 otherwise (as Ziegler
     et al.); see `kl_estimator_used`."""
     kl_coef: float = 0.2
-    """The KL penalty's coefficient, where it starts if rl.kl_target adapts it (rloo: 0.05, grpo: 0.04 unless set)."""
+    """The KL penalty's coefficient, where it starts if rl.kl_target adapts it (rloo: 0.1 unless set)."""
     kl_target: Optional[float] = 4.0
     """The sequence KL (nats) an adaptive controller steers rl.kl_coef toward; null keeps rl.kl_coef fixed (rloo and
     grpo: null unless set, as TRL)."""

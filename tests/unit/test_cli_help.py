@@ -53,7 +53,7 @@ def test_explain_prints_a_field_whole_and_maps_trl_names(capsys):
     assert main(["explain", "rl.kl_horizon", "rl.beta"]) == 0
     out = " ".join(capsys.readouterr().out.split())
     assert " ".join(field_docs(RLConfig)["kl_horizon"].split()) in out
-    assert "rl.beta: TRL's name; rlfuse calls it rl.kl_coef" in out and "rl.kl_coef = 0.2 (rloo: 0.05; grpo: 0.04)" in out
+    assert "rl.beta: TRL's name; rlfuse calls it rl.kl_coef" in out and "rl.kl_coef = 0.2 (rloo: 0.1)" in out
     assert main(["explain", "rl.kl_horizn"]) == 2
     assert "did you mean rl.kl_horizon" in capsys.readouterr().err
 

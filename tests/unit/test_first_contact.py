@@ -69,8 +69,8 @@ def test_the_trl_table_and_docs_from_trl_agree():
 def test_each_algorithm_brings_its_own_defaults_unless_set():
     ppo, grpo, rloo = (load_config(None, [f"rl.algo={a}"]).rl for a in ("ppo", "grpo", "rloo"))
     assert (ppo.k, ppo.prompts_per_iter, ppo.kl_coef, ppo.kl_target) == (1, 32, 0.2, 4.0)
-    assert (grpo.k, grpo.prompts_per_iter, grpo.kl_coef, grpo.kl_target) == (4, 8, 0.04, None)  # no controller, as TRL
-    assert (rloo.k, rloo.kl_coef, rloo.kl_target) == (4, 0.05, None)
+    assert (grpo.k, grpo.prompts_per_iter, grpo.kl_coef, grpo.kl_target) == (4, 8, 0.2, None)  # no controller, as TRL
+    assert (rloo.k, rloo.kl_coef, rloo.kl_target) == (4, 0.1, None)
     mine = load_config(None, ["rl.algo=grpo", "rl.k=8", "rl.kl_target=2"]).rl
     assert (mine.k, mine.prompts_per_iter, mine.kl_target) == (8, 8, 2.0)  # what is given stays
     shipped = load_config(ROOT / "configs" / "default.yaml", ["rl.algo=grpo"]).rl
@@ -78,7 +78,7 @@ def test_each_algorithm_brings_its_own_defaults_unless_set():
     assert load_config(ROOT / "configs" / "smollm2_math.yaml").rl.kl_coef == 0.1  # a config's own values win
     # a Config object switched to another algorithm takes its defaults where it held the previous one's
     switched = api.load_config(api.load_config(None), {"rl.algo": "grpo", "rl.prompts_per_iter": 32}).rl
-    assert (switched.k, switched.prompts_per_iter, switched.kl_coef, switched.kl_target) == (4, 32, 0.04, None)
+    assert (switched.k, switched.prompts_per_iter, switched.kl_coef, switched.kl_target) == (4, 32, 0.2, None)
     back = api.load_config(api.load_config(None, {"rl.algo": "grpo", "rl.k": 8}), {"rl.algo": "ppo"}).rl
     assert (back.k, back.prompts_per_iter, back.kl_target) == (8, 32, 4.0)  # k was set: it stays
 
