@@ -176,7 +176,8 @@ def main_parent(ns) -> None:
         "", md_table(["work", "system", "idle", "beside a 2-thread job", "slowdown", "threads idle / busy"], rows)])
     write_section("busy_cpu", text, "busy_cpu")
     figure = ", ".join(f"{n} {s:.1f}x" for n, s in worst.items())
-    write_headline("busy_cpu", f"slowdown beside one 2-thread job (worst of decode and PPO; target 3x): {figure}",
+    write_headline("busy_cpu", f"slowdown beside one 2-thread job on the same cores, worst of the SmolLM2 decode and "
+                   f"the default PPO iteration (a fair share would be 2x): {figure}",
                    "TRL's generation path (transformers generate) and rlfuse before", "python -m bench.busy_cpu",
                    machine, what="A shared CPU: slowdown beside another job", page="busy_cpu")
 
