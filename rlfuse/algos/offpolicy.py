@@ -55,6 +55,22 @@ def decoupled_ppo_policy_loss(logprobs: Tensor, proximal_logprobs: Tensor, behav
     return loss, stats
 
 
+def logprob_mismatch(behaviour_logprobs: Tensor, trainer_logprobs: Tensor, mask: Tensor) -> dict[str, float]:
+    """How far the sampler's log-probs of the sampled tokens are from the trainer's own forward of the same tokens
+    (the train-inference mismatch: another engine's kernels, another dtype; for a stale batch, the staleness too):
+    the mean and max |difference| per token, and the k3 estimate of KL(sampler || trainer) per token,
+    mean of r - 1 - log r with r = pi_trainer / pi_sampler (>= 0, unbiased under the sampler's tokens). (B, T) each;
+    mask: 1 at the tokens counted."""
+    with torch.no_grad():
+        m = mask.to(torch.float32)
+        n = m.sum().clamp(min=1)
+        log_r = (trainer_logprobs - behaviour_logprobs).float() * m
+        gap = log_r.abs()
+        k3 = (log_r.exp() - 1 - log_r) * m
+        return {"mismatch/logprob_abs_mean": float(gap.sum() / n), "mismatch/logprob_abs_max": float(gap.max()),
+                "mismatch/kl_k3": float(k3.sum() / n)}
+
+
 def staleness(versions: list[int], trained_version: int) -> dict[int, int]:
     """How many samples of a batch were generated how many updates before the policy that trains on them:
     {staleness: count}. versions: each sample's policy version (the weights that sampled it; for a partial rollout

@@ -381,6 +381,15 @@ class RLConfig:
 
 @dataclass
 class RolloutConfig:
+    engine: str = "auto"
+    """auto | rlfuse | vllm: what generates the samples. rlfuse: our own engine (reproducible in any batch, migrates
+    the tail); vllm: vLLM in the trainer's process (bash scripts/install.sh vllm). auto: vllm where it is installed
+    and a CUDA GPU is present, rlfuse otherwise."""
+    vllm_kv_cache_gb: float = 1.0
+    """rollout.engine=vllm: GiB vLLM reserves for its KV cache (rows x (prompt + response) tokens must fit)."""
+    vllm_eager: Optional[bool] = None
+    """rollout.engine=vllm: skip torch.compile and CUDA graphs (loads in seconds, decodes slower on a GPU). null:
+    eager on a CPU, compiled on a GPU."""
     fusion: Any = "auto"
     """auto | true | false: score finished samples while the rest still decode (true), or decode everything, then
     score (false). auto: on only where scoring can overlap decoding, so off in one process (placement.strategy=single);

@@ -295,6 +295,15 @@ def _validate_rl(cfg: Config) -> None:
     if ro.max_rows < rl.k:
         raise ConfigError("rollout.max_rows", f"{ro.max_rows} < rl.k={rl.k}: a prompt's samples must fit", f"set it >= {rl.k}")
     _choice(ro.weight_sync, "rollout.weight_sync", ("auto", "merged", "adapters"))
+    _choice(ro.engine, "rollout.engine", ("auto", "rlfuse", "vllm"))
+    _positive(ro, "rollout", "vllm_kv_cache_gb")
+    if ro.engine == "vllm" and cfg.placement.strategy not in ("single", "auto"):
+        raise ConfigError("rollout.engine", f"vllm generates in the trainer's process, not on Ray workers "
+                          f"(placement.strategy={cfg.placement.strategy})",
+                          "use placement.strategy=single with vllm, or rollout.engine=rlfuse on Ray workers")
+    if ro.engine == "vllm" and cfg.model.shares_base:
+        raise ConfigError("rollout.engine", "vllm decodes a merged copy of its own, which model.shared_base exists to "
+                          "avoid", "set model.shared_base=false with vllm, or rollout.engine=rlfuse")
     _choice(ro.generator_dtype, "rollout.generator_dtype", ("auto", "fp32", "bf16"))
     _choice(ro.weight_layout, "rollout.weight_layout", ("auto", "row", "column"))
     fp32_training = rl.train_parallel not in ("data", "single")

@@ -15,12 +15,14 @@ from rlfuse.rollout.fusion import Experience
 
 def _micro(exp: Experience, idx: list[int], pad_id: int, model, share_prompt: bool):
     """The micro-batch's inputs on model's device (prefix-shared where rl.share_prompt, the model supports it and a
-    prompt repeats), and a function taking its rows of an (N,) or (N, T) experience tensor."""
+    prompt repeats), a function taking its rows of an (N,) or (N, T) experience tensor, and the mask of the tokens
+    the policy sampled (Experience.mask), the only ones the losses read."""
     device = next(model.parameters()).device
     mb = collate([exp.prompt_ids[i] for i in idx], [exp.response_ids[i] for i in idx], pad_id, device,
                  share_prompt and can_share(model))
     T = mb.mask.shape[1]
-    return mb, lambda t: (t[idx] if t.dim() == 1 else t[idx][:, :T]).to(device)
+    take = lambda t: (t[idx] if t.dim() == 1 else t[idx][:, :T]).to(device)
+    return mb, take, mb.mask * take(exp.mask).to(mb.mask.dtype)
 
 
 def micro_policy_loss(actor, exp: Experience, idx: list[int], adv, rl: RLConfig, kl_coef: float, pad_id: int,
@@ -28,29 +30,29 @@ def micro_policy_loss(actor, exp: Experience, idx: list[int], adv, rl: RLConfig,
     """Clipped surrogate (plus grpo's in-loss KL, same estimator and averaging level) of one micro-batch, unscaled.
     temperature: the one the samples were drawn and the reference scored at (the iteration's). share_prompt: this
     micro-batch's prefix sharing where the caller decides it (FSDP: the same on every rank); None: rl.share_prompt."""
-    mb, take = _micro(exp, idx, pad_id, actor, rl.share_prompt if share_prompt is None else share_prompt)
+    mb, take, mask = _micro(exp, idx, pad_id, actor, rl.share_prompt if share_prompt is None else share_prompt)
     new_lp, entropy = response_logprobs(actor, mb, temperature, with_entropy=True)
     stale = exp.proximal_logprobs is not None or exp.proximal_from_update
     if not stale:
-        loss, st = ppo_policy_loss(new_lp, take(exp.logprobs), take(adv), mb.mask, rl.clip, rl.loss_level)
+        loss, st = ppo_policy_loss(new_lp, take(exp.logprobs), take(adv), mask, rl.clip, rl.loss_level)
     else:  # a stale batch (rl.max_staleness): PPO around the proximal policy, re-weighted from the behaviour one
         proximal = new_lp.detach() if exp.proximal_from_update else take(exp.proximal_logprobs)
-        loss, st = decoupled_ppo_policy_loss(new_lp, proximal, take(exp.logprobs), take(adv), mb.mask, rl.clip,
+        loss, st = decoupled_ppo_policy_loss(new_lp, proximal, take(exp.logprobs), take(adv), mask, rl.clip,
                                              rl.behaviour_weight_cap, rl.behaviour_weight_mode, rl.loss_level)
     stats = {"train/policy_loss": loss.detach(), "train/clip_frac": st["clip_frac"], "train/approx_kl": st["approx_kl"],
-             "train/entropy": masked_mean(entropy.detach(), mb.mask)}
+             "train/entropy": masked_mean(entropy.detach(), mask)}
     if stale:
         stats |= {"train/behaviour_weight_mean": st["weight_mean"], "train/behaviour_weight_max": st["weight_max"],
                   "train/behaviour_beyond_cap": st["beyond_frac"]}
     if ALGORITHMS[rl.algo].kl_in == "loss":  # KL to the reference inside the loss (grpo)
         kl = kl_penalty(new_lp, take(exp.ref_logprobs), rl.kl_estimator_used)
-        loss = loss + kl_coef * level_mean(kl, mb.mask, rl.loss_level)
+        loss = loss + kl_coef * level_mean(kl, mask, rl.loss_level)
     return loss, stats
 
 
 def micro_value_loss(critic, exp: Experience, idx: list[int], returns, rl: RLConfig, pad_id: int,
                      share_prompt: bool | None = None):
     """Clipped value loss of one micro-batch (a token mean), unscaled; share_prompt as micro_policy_loss's."""
-    mb, take = _micro(exp, idx, pad_id, critic, rl.share_prompt if share_prompt is None else share_prompt)
-    loss, st = value_loss(response_values(critic, mb), take(exp.values), take(returns), mb.mask, rl.vf_clip)
+    mb, take, mask = _micro(exp, idx, pad_id, critic, rl.share_prompt if share_prompt is None else share_prompt)
+    loss, st = value_loss(response_values(critic, mb), take(exp.values), take(returns), mask, rl.vf_clip)
     return loss, {"train/value_loss": loss.detach(), "train/value_clip_frac": st["clip_frac"]}

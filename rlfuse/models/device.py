@@ -13,7 +13,7 @@ from rlfuse.config import Config, RunConfig
 from rlfuse.errors import ConfigError
 from rlfuse.files import write_text_atomic
 from rlfuse.models.cpu_share import measure_share, threads_for
-from rlfuse.plan.resolve import NATIVE_BF16_ENV, cpu_multiplies_bf16, decoded_in, rl_autocasts
+from rlfuse.plan.resolve import NATIVE_BF16_ENV, cpu_multiplies_bf16, decoded_in, engine_choice, rl_autocasts
 
 
 def pick_device(run: RunConfig) -> torch.device:
@@ -136,7 +136,7 @@ def generator_copy_dtype(cfg: Config, device: torch.device) -> torch.dtype | Non
     bf16 natively and the update computes in bf16 anyway, so that the samples' arithmetic is the update's own. A Ray
     worker that decodes makes the same copy as the single process, so that both sample alike."""
     device = torch.device(device)
-    if cfg.model.shares_base:
+    if cfg.model.shares_base or engine_choice(cfg, device.type == "cuda")[0] == "vllm":  # vLLM holds its own copy
         return None
     dtype = decode_dtype(decoded_in(cfg, native_bf16(device)), device)
     if cfg.model.lora:

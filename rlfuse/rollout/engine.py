@@ -34,6 +34,7 @@ from torch import Tensor
 from rlfuse.errors import UserError
 from rlfuse.models.hf_cache import cache_of
 from rlfuse.models.load import first_nonfinite_weight
+from rlfuse.rollout.generator import ENGINES
 from rlfuse.rollout.kv import BufferKV, HFCacheKV, decode_step_for, left_pad
 from rlfuse.rollout.state import EngineState, RowState, Sample, SamplingParams, WaitingPrompt
 from rlfuse.rollout.streams import stream_keys, stream_uniforms
@@ -77,6 +78,16 @@ def check_sampling(params: SamplingParams) -> None:
     if params.top_k < 0 or params.max_new_tokens < 1:
         raise UserError(f"sampling: top_k must be >= 0 (0 disables) and max_new_tokens >= 1, got top_k "
                         f"{params.top_k}, max_new_tokens {params.max_new_tokens}")
+
+
+def checked_prompt_ids(prompts: list[list[int]], prompt_ids: list[int] | None) -> list[int]:
+    """The prompts' global ids (default 0..len-1), after checking there is one per prompt and no prompt is empty."""
+    prompt_ids = list(range(len(prompts))) if prompt_ids is None else list(prompt_ids)
+    if len(prompt_ids) != len(prompts):
+        raise ValueError(f"prompt_ids has {len(prompt_ids)} ids for {len(prompts)} prompts")
+    if empty := [pid for pid, p in zip(prompt_ids, prompts) if len(p) == 0]:
+        raise ValueError(f"prompt {empty[0]} has no tokens: a sample continues a prompt of at least one (BOS)")
+    return prompt_ids
 
 
 def sample_tokens(probs: Tensor, u: Tensor) -> Tensor:
@@ -154,12 +165,14 @@ def _queue_of(state: EngineState) -> list[_Entry]:
 
 
 class DecodeEngine:
-    """decode_context: None for the engine's own model (put in eval mode for the whole generate() call); or a
+    """rlfuse's own engine (rollout/generator.py: the "rlfuse" row of ENGINES). decode_context: None for the engine's own model (put in eval mode for the whole generate() call); or a
     function giving the context every forward of `model` runs in, when the model is also trained and scored between
     the iterator's yields (a shared base: the actor's adapter active, eval mode for that forward only, see
     models/shared.py actor_decoding). Such an engine shares the trainer's weights: there is nothing to load.
     transient_weights: the model is a copy made at every load_weights and needed only until the rollout ends, whose
     caller then calls release_weights (full fine-tuning's bf16 copy: its bytes are not held through the update)."""
+    capabilities = ENGINES["rlfuse"]
+    name = "rlfuse"
 
     def __init__(self, model, eos_token_id: int, max_rows: int = 256, tokenizer=None, fast_decode: bool = True,
                  decode_context=None, transient_weights: bool = False):
@@ -247,11 +260,7 @@ class DecodeEngine:
         the first argument of lengths. A prompt's samples are the same whichever engine, batch or max_rows decodes it.
         lengths(prompt_id, sample_index) -> int, if given, overrides max_new_tokens per sample (benchmarks use it to
         set the length distribution)."""
-        prompt_ids = list(range(len(prompts))) if prompt_ids is None else list(prompt_ids)
-        if len(prompt_ids) != len(prompts):
-            raise ValueError(f"prompt_ids has {len(prompt_ids)} ids for {len(prompts)} prompts")
-        if empty := [pid for pid, p in zip(prompt_ids, prompts) if len(p) == 0]:
-            raise ValueError(f"prompt {empty[0]} has no tokens: a sample continues a prompt of at least one (BOS)")
+        prompt_ids = checked_prompt_ids(prompts, prompt_ids)
         limit = lengths or (lambda pid, j: params.max_new_tokens)
         queue = [_Entry(list(p), [_row(pid, j, list(p), limit(pid, j)) for j in range(k)])
                  for pid, p in zip(prompt_ids, prompts)]

@@ -4,12 +4,13 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
+from typing import Iterator
 
 import torch
 from torch import Tensor
 
-from rlfuse.rollout.engine import DecodeEngine, SamplingParams
 from rlfuse.rollout.score import ScoredSample, Scorer
+from rlfuse.rollout.state import Sample, SamplingParams
 
 
 @dataclass(frozen=True)
@@ -55,6 +56,9 @@ class Experience:
     ref_logprobs: Tensor   # (N, T); None only until a deferred pass fills it (ray_train.TrainGroup.deferred_passes)
     values: Tensor | None  # (N, T)
     mask: Tensor           # (N, T)
+    """1 at the tokens the policy sampled (Sample.sampled; a single-turn response is all sampled), 0 at padding and
+    at tokens it did not sample (a tool's or an environment's): the policy loss, the KL and the advantages read
+    only the sampled ones."""
     finish_reasons: list[str]
     timing: dict = field(default_factory=dict)
     staleness: Tensor | None = None
@@ -92,6 +96,13 @@ def _pad(rows: list[Tensor], width: int) -> Tensor:
     return out
 
 
+def sampled_mask(sample: Sample) -> Tensor:
+    """(len(token_ids),) float: 1 where the policy sampled the token."""
+    if sample.sampled is None:
+        return torch.ones(len(sample.token_ids))
+    return torch.tensor(sample.sampled, dtype=torch.float32)
+
+
 def build_experience(scored: list[ScoredSample]) -> Experience:
     scored = sorted(scored, key=lambda x: (x.sample.prompt_id, x.sample.sample_index))
     T = max(len(x.sample.token_ids) for x in scored)
@@ -103,41 +114,94 @@ def build_experience(scored: list[ScoredSample]) -> Experience:
         logprobs=_pad([x.old_logprobs for x in scored], T),
         ref_logprobs=None if scored[0].ref_logprobs is None else _pad([x.ref_logprobs for x in scored], T),
         values=None if scored[0].values is None else _pad([x.values for x in scored], T),
-        mask=_pad([torch.ones(len(x.sample.token_ids)) for x in scored], T),
+        mask=_pad([sampled_mask(x.sample) for x in scored], T),
         finish_reasons=[x.sample.finish_reason for x in scored],
         proximal_logprobs=(None if scored[0].proximal_logprobs is None
                            else _pad([x.proximal_logprobs for x in scored], T)),
     )
 
 
-def generate_rollouts(engine: DecodeEngine, scorer: Scorer, prompts: list[list[int]], k: int, params: SamplingParams,
+class ScoringLoop:
+    """The one generate-and-score loop, which the single process (generate_rollouts) and every Ray generation worker
+    (runtime/ray_rollout.py GenerationWorker) run: pull finished samples from an engine's iterator and score them as
+    the fusion policy says while the engine's other rows still decode; what is left is scored at the end, or handed
+    on unscored (a worker whose samples another scores). `run` may stop after some samples and be called again: a
+    worker decodes in chunks and reports between them."""
+
+    def __init__(self, engine, samples: Iterator[Sample], scorer: Scorer | None, fusion: FusionPolicy,
+                 proximal: bool = False):
+        self.engine, self.samples, self.scorer, self.fusion, self.proximal = engine, samples, scorer, fusion, proximal
+        self.pending: list[Sample] = []
+        """Finished, not yet scored."""
+        self.scored: list[ScoredSample] = []
+        self.batches: list[int] = []
+        """How many of `scored`, in order, each Scorer.score call scored together."""
+        self.score_s = 0.0
+        self.score_during_decode_s = 0.0
+        self.done = False
+
+    def run(self, max_finished: int | None = None, score: bool = True) -> int:
+        """Pull until max_finished more samples have finished (None: all) or the iterator ends; score: score finished
+        samples while rows still decode (fusion.should_score). What is pending at the end is the caller's to score
+        (score_pending) or hand on (take_pending). -> samples pulled."""
+        n = 0
+        while not self.done and (max_finished is None or n < max_finished):
+            sample = next(self.samples, None)
+            if sample is None:
+                self.done = True
+                break
+            self.pending.append(sample)
+            n += 1
+            live = self.engine.live_rows
+            if score and live > 0 and self.fusion.should_score(len(self.pending), live):
+                self.score_pending(during_decode=True)
+        return n
+
+    def score_pending(self, during_decode: bool = False) -> None:
+        t = time.perf_counter()
+        self.scored += self.scorer.score(self.pending, self.proximal)
+        self.batches.append(len(self.pending))
+        self.pending = []
+        seconds = time.perf_counter() - t
+        self.score_s += seconds
+        self.score_during_decode_s += seconds if during_decode else 0.0
+
+    def take_pending(self) -> list[Sample]:
+        """The finished samples not scored here, for another scorer."""
+        out, self.pending = self.pending, []
+        return out
+
+    def take_scored(self) -> tuple[list[ScoredSample], list[int], float]:
+        """(scored, batches, scoring seconds) since the last take."""
+        out = self.scored, self.batches, self.score_s
+        self.scored, self.batches, self.score_s = [], [], 0.0
+        return out
+
+
+def generate_rollouts(engine, scorer: Scorer, prompts: list[list[int]], k: int, params: SamplingParams,
                       seed: int, fusion: FusionPolicy, lengths=None, prompt_ids: list[int] | None = None,
                       proximal: bool = False) -> Experience:
-    """Decode all prompts x k; score finished samples per the fusion policy (fused: while the tail decodes;
-    unfused: everything after decoding). Same weights, same seed: the same samples either way (each sample's random
-    stream is keyed by seed, prompt id and sample index). prompt_ids: the prompts' global ids (DecodeEngine.generate).
-    proximal: score with the actor's own log-probs too (Scorer.score), for a sampler that is not the trained policy."""
-    scored, pending = [], []
-    score_time_in_decode = 0.0
+    """Decode all prompts x k on a generator (rollout/generator.py); score finished samples per the fusion policy
+    (fused: while the tail decodes; unfused: everything after decoding). Same weights, same seed: the same samples
+    either way (each sample's random stream is keyed by seed, prompt id and sample index). prompt_ids: the prompts'
+    global ids (DecodeEngine.generate). proximal: score with the actor's own log-probs too (Scorer.score), for a
+    sampler that is not the trained policy."""
     t0 = time.perf_counter()
-    for sample in engine.generate(prompts, k, params, seed, lengths, prompt_ids):
-        pending.append(sample)
-        if fusion.should_score(len(pending), engine.live_rows) and engine.live_rows > 0:
-            t = time.perf_counter()
-            scored += scorer.score(pending, proximal)
-            score_time_in_decode += time.perf_counter() - t
-            pending = []
+    loop = ScoringLoop(engine, engine.generate(prompts, k, params, seed, lengths, prompt_ids), scorer, fusion, proximal)
+    loop.run(score=fusion.enabled)
     t_decoded = time.perf_counter()
-    if pending:
-        scored += scorer.score(pending, proximal)
+    if loop.pending:
+        loop.score_pending()
     t_end = time.perf_counter()
-    exp = build_experience(scored)
+    exp = build_experience(loop.scored)
+    in_decode = loop.score_during_decode_s
+    stats = getattr(engine, "stats", None)
     exp.timing = {
         "rollout": t_end - t0,
-        "generation": (t_decoded - t0) - score_time_in_decode,
-        "scoring": score_time_in_decode + (t_end - t_decoded),
-        "scoring_during_decode": score_time_in_decode,
-        "decode_rows": engine.stats.decode_rows,
-        "decode_steps": engine.stats.decode_steps,
+        "generation": (t_decoded - t0) - in_decode,
+        "scoring": in_decode + (t_end - t_decoded),
+        "scoring_during_decode": in_decode,
+        "decode_rows": getattr(stats, "decode_rows", 0),
+        "decode_steps": getattr(stats, "decode_steps", 0),
     }
     return exp

@@ -50,6 +50,9 @@ class Sample:
     ref_logprobs: Tensor | None = None
     """The reference policy's log-probs of token_ids, where the generation worker that decoded the sample took them
     (asynchronous RL, rollout.Scorer.reference_logprobs); None: the scorer's job."""
+    sampled: list[bool] | None = None
+    """Per token of token_ids, whether the policy sampled it (False: a tool's or an environment's tokens appended to
+    the sequence, which the update leaves out); None: every token was sampled (a single-turn completion)."""
 
 
 @dataclass

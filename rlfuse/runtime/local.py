@@ -12,19 +12,23 @@ from pathlib import Path
 import torch
 
 from rlfuse.config import Config, RLConfig
+from rlfuse.models.device import decode_dtype, native_bf16
 from rlfuse.learn.checkpoint import CHECKPOINT_KEYS, checkpoint_parts, load_checkpoint, save_checkpoint
 from rlfuse.learn.learners import Learners
 from rlfuse.learn.update import BadSteps, update
 from rlfuse.models.build import Models
 from rlfuse.models.shared import actor_decoding, eval_for_decoding
 from rlfuse.models.weights import merged_weights
+from rlfuse.plan.resolve import decoded_in, engine_choice
 from rlfuse.rollout.engine import DecodeEngine
+from rlfuse.rollout.generator import Generator
 from rlfuse.rollout.fusion import Experience, FusionPolicy, generate_rollouts, scores_proximal
 from rlfuse.rollout.score import Scorer
 from rlfuse.rollout.state import RolloutRequest
+from rlfuse.rollout.vllm_engine import VllmEngine
 
 
-def sync_weights(engine: DecodeEngine, actor: torch.nn.Module) -> dict:
+def sync_weights(engine: Generator, actor: torch.nn.Module) -> dict:
     """The actor's current weights into the generator, by an explicit copy; none when the engine decodes the actor's
     own shared base (model.shared_base), which reports 0 bytes."""
     if engine.shares_weights:
@@ -38,7 +42,7 @@ def sync_weights(engine: DecodeEngine, actor: torch.nn.Module) -> dict:
 class LocalRollout:
     """Step 1 of the loop in this process: weight sync, then generate and score (fusion). With placement on Ray the
     loop gets rlfuse/runtime/ray_driver.py's RayRollout instead, with the same methods."""
-    engine: DecodeEngine
+    engine: Generator
     scorer: Scorer
     fusion: FusionPolicy
     rl: RLConfig
@@ -57,7 +61,10 @@ class LocalRollout:
     def generate(self, request: RolloutRequest) -> Experience:
         before, self.scorer.temperature = dict(self.scorer.times), request.params.temperature
         one_step = self.rl.optimiser_steps(len(request.prompts) * request.k) == 1
-        proximal = scores_proximal(self.behaviour_differs, one_step, self.rl.kl_coef)
+        # an engine whose log-probs are not the trainer's own forward (vLLM): always beside them, for the mismatch
+        # metrics (observe.py) as well as the correction
+        proximal = scores_proximal(self.behaviour_differs, one_step, self.rl.kl_coef) or \
+            not self.engine.capabilities.trainer_logprobs
         exp = generate_rollouts(self.engine, self.scorer, request.prompts, request.k, request.params, request.seed,
                                 self.fusion, proximal=proximal)
         exp.proximal_from_update = self.behaviour_differs and not proximal
@@ -112,18 +119,35 @@ class LocalTrainer:
         """The trained modules are `models`' own: nothing to copy."""
 
 
-def release_decode_copy(engine: DecodeEngine) -> None:
+def release_decode_copy(engine: Generator) -> None:
     """Free the engine's copy where it lives only while decoding (transient_weights: full fine-tuning's bf16 copy),
     once a rollout or an evaluation is done with it; the next sync_weights makes it again."""
     if engine.transient_weights:
         engine.release_weights()
 
 
-def behaviour_differs(engine: DecodeEngine, actor: torch.nn.Module, compute_dtype: torch.dtype | None = None) -> bool:
-    """Whether the engine's samples' log-probs are not the trained policy's as the update computes them: the engine
-    decodes a copy of the actor in another dtype (rollout.generator_dtype), or the update autocasts
-    (compute_dtype, run.precision) where the engine decodes in its weights' own dtype."""
-    return compute_dtype is not None or (not engine.shares_weights and engine.dtype != next(actor.parameters()).dtype)
+def behaviour_differs(engine: Generator, actor: torch.nn.Module, compute_dtype: torch.dtype | None = None) -> bool:
+    """Whether the engine's samples' log-probs are not the trained policy's as the update computes them: another
+    engine's kernels (vLLM), a copy of the actor in another dtype (rollout.generator_dtype), or an update under
+    autocast (compute_dtype, run.precision) where the engine decodes in its weights' own dtype."""
+    return (compute_dtype is not None or not engine.capabilities.trainer_logprobs
+            or (not engine.shares_weights and engine.dtype != next(actor.parameters()).dtype))
+
+
+def build_generator(cfg: Config, models: Models, max_model_len: int, log=print) -> Generator:
+    """The run's engine (rollout.engine, auto resolved: plan/resolve.py engine_choice), said once: our own on the
+    process's models (decode_engine), or vLLM on the policy's folder, its weights synced from the actor like a
+    generator copy's."""
+    device = next(models.actor.parameters()).device
+    name, why = engine_choice(cfg, device.type == "cuda")
+    log(f"[rl] generating with {name} ({why})")
+    if name != "vllm":
+        return decode_engine(models, cfg.rollout.max_rows)
+    ro = cfg.rollout
+    eager = ro.vllm_eager if ro.vllm_eager is not None else device.type != "cuda"
+    dtype = decode_dtype(decoded_in(cfg, native_bf16(device)), device)
+    return VllmEngine(models.policy_source, models.tokenizer.eos_token_id, dtype, ro.max_rows, max_model_len,
+                      ro.vllm_kv_cache_gb, eager, cfg.run.seed)
 
 
 def decode_engine(models: Models, max_rows: int, eos_token_id: int | None = None) -> DecodeEngine:

@@ -45,7 +45,7 @@ from rlfuse.plan.resolve import decoded_in, rl_autocasts
 from rlfuse.plan.roles import derive_roles
 from rlfuse.plan.strategies import spec_from_config
 from rlfuse.rollout.engine import DecodeEngine, Sample, SamplingParams
-from rlfuse.rollout.fusion import Experience, FusionPolicy, build_experience, scoring_shares
+from rlfuse.rollout.fusion import Experience, FusionPolicy, ScoringLoop, build_experience, scoring_shares
 from rlfuse.rollout.migration import pause_points, plan_migration
 from rlfuse.rollout.score import ScoredSample, Scorer
 from rlfuse.rollout.state import EngineState, RolloutRequest
@@ -261,7 +261,9 @@ class GenerationWorker:
                     self._prefill_s += time.perf_counter() - t
 
             self.engine._prefill = timed_prefill
-        self._it, self._pending, self._unfinished, self._decode_rows = None, [], 0, 0
+        self._loop: ScoringLoop | None = None
+        """The generate-and-score loop over the engine's open iterator (rollout/fusion.py), None when none is open."""
+        self._unfinished, self._decode_rows = 0, 0
         self._parked: dict[int, EngineState] = {}
         """Partial rollouts: the unfinished rest of a batch (by iteration), waiting for the next weights."""
 
@@ -326,30 +328,30 @@ class GenerationWorker:
 
     def start(self, prompts: list[list[int]], prompt_ids: list[int], k: int, params: SamplingParams, seed: int,
               lengths=None) -> None:
-        self._it = self.engine.generate(prompts, k, params, seed, lengths, prompt_ids)
-        self._pending, self._unfinished, self._decode_rows, self._prefill_s = [], len(prompts) * k, 0, 0.0
+        self._open(self.engine.generate(prompts, k, params, seed, lengths, prompt_ids))
+        self._unfinished, self._decode_rows, self._prefill_s = len(prompts) * k, 0, 0.0
+
+    def _open(self, samples, proximal: bool = False) -> None:
+        self._loop = ScoringLoop(self.engine, samples, self.scorer, self.fusion, proximal)
 
     def advance(self, max_finished: int, score_own: bool, pause_at: int = 0, proximal: bool = False) -> Chunk:
         """Decode until max_finished samples finish, only pause_at are left unfinished (the migration's pause point;
         0: none), or nothing is left. score_own: score them here (fusion policy: every score_every, or when the live
         batch is under live_below); else return them unscored. proximal: score with the actor's own log-probs too
         (Scorer.score; a worker that trains the actor, whose sampler computes in other arithmetic)."""
-        t0, out, n = time.perf_counter(), Chunk(), 0
-        while self._it is not None and n < max_finished and not (pause_at and self._unfinished <= pause_at):
-            sample = next(self._it, None)
-            if sample is None:
-                self._it, out.done = None, True
-                break
-            self._pending.append(sample)
-            self._unfinished, n = self._unfinished - 1, n + 1
-            if score_own and self.fusion.should_score(len(self._pending), self.engine.live_rows):
-                out.scored += self._score_pending(out, proximal)
-        if self._it is None:
-            out.done = True
-        if score_own and out.done and self._pending:
-            out.scored += self._score_pending(out, proximal)
-        elif not score_own:
-            out.unscored, self._pending = self._pending, []
+        t0, out, loop = time.perf_counter(), Chunk(), self._loop
+        if loop is not None:
+            loop.proximal = proximal
+            allowed = max(0, self._unfinished - pause_at) if pause_at else max_finished
+            self._unfinished -= loop.run(min(max_finished, allowed), score=score_own)
+            if loop.done:
+                self._loop = None
+            if score_own and loop.done and loop.pending:
+                loop.score_pending()
+            elif not score_own:
+                out.unscored = loop.take_pending()
+            out.scored, out.batches, out.score_s = loop.take_scored()
+        out.done = self._loop is None
         out.unfinished, out.prefill_s = self._unfinished, self._prefill_s
         out.decode_rows = self._decode_rows + self.engine.stats.decode_rows
         out.busy_s = time.perf_counter() - t0
@@ -397,7 +399,8 @@ class GenerationWorker:
             return Chunk(done=True, rss_mb=self.rss_mb())
         drawn = {(r.prompt_id, r.sample_index): len(r.token_ids) for r in state.rows}
         before = {(x.prompt_id, x.sample_index) for x in state.finished}
-        self._it, self._pending, self._unfinished = self.engine.resume(state), [], unfinished_in(state)
+        self._open(self.engine.resume(state))
+        self._unfinished = unfinished_in(state)
         out = self.advance(2**62, score_own=False)  # to the end
         for x in out.unscored:
             if (x.prompt_id, x.sample_index) not in before:
@@ -415,20 +418,14 @@ class GenerationWorker:
         if state is not None:
             self._parked[batch] = state
 
-    def _score_pending(self, chunk: Chunk, proximal: bool = False) -> list[ScoredSample]:
-        t = time.perf_counter()
-        scored, self._pending = self.scorer.score(self._pending, proximal), []
-        chunk.batches.append(len(scored))
-        chunk.score_s += time.perf_counter() - t
-        return scored
-
     def export(self) -> tuple[EngineState, list[Sample], float]:
         """Hand out every unfinished row and waiting prompt (this worker then only scores), plus its finished samples
         not yet scored. -> (state, unscored samples, seconds)."""
         t = time.perf_counter()
         state = self.engine.export_state()
         self._decode_rows += self.engine.stats.decode_rows
-        pending, self._pending, self._it, self._unfinished = self._pending, [], None, 0
+        pending = self._loop.take_pending() if self._loop is not None else []
+        self._loop, self._unfinished = None, 0
         return state, pending, time.perf_counter() - t
 
     def import_rows(self, state: EngineState) -> float:
@@ -436,11 +433,11 @@ class GenerationWorker:
         (DecodeEngine.extend: they are re-prefilled as they are admitted, this worker's own rows keep their KV
         cache), or start one if this worker had finished. -> seconds."""
         t = time.perf_counter()
-        if self._it is not None:
+        if self._loop is not None:
             self.engine.extend(state)
         else:
             self._decode_rows += self.engine.stats.decode_rows
-            self._it = self.engine.resume(state)
+            self._open(self.engine.resume(state))
         self._unfinished += unfinished_in(state)
         self._prefill_s = 0.0
         return time.perf_counter() - t

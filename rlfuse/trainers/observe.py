@@ -9,6 +9,7 @@ import time
 import torch
 
 from rlfuse.algos.kl import sequence_kl
+from rlfuse.algos.offpolicy import logprob_mismatch
 from rlfuse.algos.stats import explained_variance, zero_spread_fraction
 from rlfuse.config import RLConfig
 from rlfuse.data.gold import gold_reward
@@ -61,7 +62,8 @@ def evaluate_during(trainer, models, engine, prompts: list[list[int]], rl: RLCon
 def rollout_metrics(exp: Experience, kl, returns, kl_coef: float, max_new: int) -> dict:
     """reward/ (mean, spread, non-finite, KL by the configured estimator and by k1, and its coefficient), rollout/
     (response lengths, the share that hit rl.max_new_tokens, the prompts' lengths: what `rlfuse plan --lengths-from`
-    reads back) and, with a critic, train/explained_variance of the iteration's experience."""
+    reads back), with a critic train/explained_variance of the iteration's experience, and mismatch/ (the sampler's
+    log-probs against the trainer's, algos/offpolicy.py logprob_mismatch) where the batch was scored with both."""
     lengths, finite = exp.mask.sum(1), exp.scores[torch.isfinite(exp.scores)]
     prompt_lengths = [len(p) for p in exp.prompt_ids]  # each prompt k times: its mean is the prompts' mean
     m = {
@@ -79,4 +81,6 @@ def rollout_metrics(exp: Experience, kl, returns, kl_coef: float, max_new: int) 
     }
     if returns is not None and not m["reward/nonfinite"]:
         m["train/explained_variance"] = float(explained_variance(exp.values, returns, exp.mask))
+    if exp.proximal_logprobs is not None:  # scored beside the sampler's: the train-inference gap
+        m |= logprob_mismatch(exp.logprobs, exp.proximal_logprobs, exp.mask)
     return m

@@ -65,7 +65,7 @@ from rlfuse.plan.planner import predicted_memory
 from rlfuse.rollout.fusion import FusionPolicy
 from rlfuse.rollout.state import RolloutRequest, SamplingParams
 from rlfuse.runtime.backend import build_placement, uses_ray
-from rlfuse.runtime.local import (LocalTrainer, behaviour_differs, decode_engine, local_scorer, release_decode_copy,
+from rlfuse.runtime.local import (LocalTrainer, behaviour_differs, build_generator, local_scorer, release_decode_copy,
                                   sync_weights)
 from rlfuse.trainers.observe import due, evaluate_during, group_metrics, rollout_metrics, sample_table
 
@@ -126,7 +126,8 @@ def train_rl(cfg: Config, run_dir: Path, log=print, resume: bool = False, on_rea
     tok, gold = models.tokenizer, cfg.data.kind == "synthetic"
     run_prompts = build_prompts(cfg, models, task, log)
     train_prompts, held_prompts = run_prompts.train, run_prompts.held_out
-    engine = decode_engine(models, cfg.rollout.max_rows)
+    longest = max(len(p) for p in train_prompts + held_prompts)
+    engine = build_generator(cfg, models, longest + rl.max_new_tokens, log)
     scorer = local_scorer(models, cfg)
     fusion = FusionPolicy(fusion_on(cfg), cfg.rollout.score_every, cfg.rollout.live_below)
     params = sampling_params(models, rl, rl.temperature)
