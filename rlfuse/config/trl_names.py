@@ -43,7 +43,7 @@ _RL = {
     "save_steps": TrlName("rl.ckpt_every"),
     "optim": TrlName("rl.optimizer"),
     "model_name_or_path": TrlName("rl.sft_path"),
-    "use_vllm": TrlName(None, "rlfuse generates with its own engine"),
+    "use_vllm": TrlName("rollout.engine", "vllm or rlfuse (auto: vllm with a CUDA GPU)", same_value=False),
     "epsilon_high": TrlName(None, "one symmetric clip, rl.clip"),
     "importance_sampling_level": TrlName(None, "token-level ratios"),
     "warmup_steps": TrlName(None, "RL's learning rate is constant"),

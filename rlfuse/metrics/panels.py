@@ -77,6 +77,8 @@ PANELS: tuple[Panel, ...] = (
     Panel("clip_frac", "clip fraction", "fraction of tokens",
           (("train/clip_frac", "policy"), ("train/value_clip_frac", "value"))),
     Panel("approx_kl", "approx KL", "nats / token, per update", (("train/approx_kl", "approx KL"),)),
+    Panel("mismatch", "sampler vs trainer", "log-prob gap / token",
+          (("mismatch/logprob_abs_mean", "mean |gap|"), ("mismatch/kl_k3", "KL (k3)"))),
     Panel("grad_norm", "grad norm", "L2 norm, before clipping",
           (("train/grad_norm", "actor"), ("train/critic_grad_norm", "critic"))),
     Panel("policy_loss", "policy loss", "loss", (("train/policy_loss", "policy loss"),)),

@@ -80,6 +80,7 @@ class VllmEngine:
                  max_model_len: int = 2048, kv_cache_gb: float = 1.0, eager: bool = True, seed: int = 0):
         # in this process: the weight sync reaches the model runner directly (and nothing is spawned)
         os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+        os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")  # its INFO lines would bury the run's own
         try:  # an optional install, and seconds to import
             import vllm
         except ImportError as e:
