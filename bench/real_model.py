@@ -4,6 +4,8 @@
     python -m bench.real_model --configs math       # configs/smollm2_math.yaml over 3 seeds (about 32 min)
     python -m bench.real_model --configs hh         # configs/smollm2_hh.yaml (SFT -> RM -> PPO, seed 0)
     python -m bench.real_model --no-write           # print the tables only
+    python -m bench.real_model --engines rlfuse vllm  # the math config on both rollout engines, seeds alternated
+                                                      # (a Python with vLLM: docs/engines.md; about 70 min)
 
 Each run is `rlfuse run configs/<config>.yaml run.seed=S run.dir=bench/.work/real_model/<config>-s<S>`; a run
 folder that already holds its eval.json is read, not run again (so an interrupted bench goes on where it stopped;
@@ -34,15 +36,18 @@ MATH_KL_BOUND = 2.0  # the bound the math runs are held to: KL to the reference,
 MATH_MINUTES, HH_MINUTES = 30, 40
 
 
-def run(config: str, seed: int) -> Path:
-    """The run folder of `rlfuse run configs/<config>.yaml run.seed=seed`, run unless it already finished."""
-    run_dir = WORK / "real_model" / f"{config}-s{seed}"
+def run(config: str, seed: int, engine: str | None = None) -> Path:
+    """The run folder of `rlfuse run configs/<config>.yaml run.seed=seed` (rollout.engine=engine where given), run
+    unless it already finished."""
+    name = f"{config}-{engine}-s{seed}" if engine else f"{config}-s{seed}"
+    run_dir = WORK / "real_model" / name
     if not (run_dir / "eval.json").exists():
         run_dir.parent.mkdir(parents=True, exist_ok=True)
         cmd = [sys.executable, "-m", "rlfuse", "run", f"configs/{config}.yaml", f"run.seed={seed}",
-               f"run.dir={run_dir}", *(["--resume"] if (run_dir / "config.yaml").exists() else [])]
+               f"run.dir={run_dir}", *([f"rollout.engine={engine}"] if engine else []),
+               *(["--resume"] if (run_dir / "config.yaml").exists() else [])]
         print(f"[bench] {' '.join(cmd[2:])}", flush=True)
-        with open(run_dir.parent / f"{config}-s{seed}.log", "a") as log:
+        with open(run_dir.parent / f"{name}.log", "a") as log:
             subprocess.run(cmd, check=True, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT)
     return run_dir
 
@@ -101,6 +106,41 @@ def math_section(seeds: list[int]) -> tuple[str, str]:
     return text, figure
 
 
+def engines_section(seeds: list[int], engines: list[str]) -> tuple[str, str]:
+    """The math config on each rollout engine, the seeds alternated between them (A B A B): held-out exact match
+    before and after, per seed and engine; the target: each other engine's mean gain within the seed-to-seed spread
+    (max - min) of the first engine's gains."""
+    gains, rows, minutes = {e: [] for e in engines}, [], {e: [] for e in engines}
+    for seed in seeds:
+        for engine in engines:
+            d = run(CONFIGS["math"], seed, engine)
+            ev, secs = read_json(d / "eval.json"), stage_seconds(d)
+            b, a = ev["before"]["reward_mean"], ev["after"]["reward_mean"]
+            metrics = rl_rows(d)
+            gap = [r["mismatch/logprob_abs_mean"] for r in metrics if "mismatch/logprob_abs_mean" in r]
+            gains[engine].append(a - b)
+            minutes[engine].append(sum(secs.values()) / 60)
+            rows.append([engine, seed, f"{b:.3f}", f"{a:.3f}", f"{a - b:+.3f}", f"{max(r['reward/kl'] for r in metrics):.2f}",
+                         f"{statistics.mean(gap):.4f}" if gap else "-",
+                         f"{statistics.median(r['time/iteration'] for r in metrics):.1f}", f"{secs['rl']:.0f}"])
+    first = engines[0]
+    spread = max(gains[first]) - min(gains[first])
+    verdicts = [f"{e}: mean gain {statistics.mean(gains[e]) * 100:+.1f} points against {first}'s "
+                f"{statistics.mean(gains[first]) * 100:+.1f} (seed-to-seed spread of {first}'s gains "
+                f"{spread * 100:.1f}): "
+                f"{'within' if abs(statistics.mean(gains[e]) - statistics.mean(gains[first])) <= spread else 'outside'}"
+                for e in engines[1:]]
+    table = md_table(["rollout.engine", "seed", "exact match, SFT model", "after GRPO", "gain", "max KL in training",
+                      "mismatch / token", "iteration s (median)", "RL s"], rows)
+    text = (f"### configs/smollm2_math.yaml on each rollout engine ({', '.join(engines)}), seeds {seeds}\n\n"
+            f"Command: `python -m bench.real_model --engines {' '.join(engines)}` (each run `rlfuse run "
+            f"configs/smollm2_math.yaml run.seed=S rollout.engine=E`, the engines alternated per seed). Machine: "
+            f"{describe_machine()}.\n\n{table}\n\n" + "\n".join(f"- {v}" for v in verdicts))
+    figure = "; ".join(f"{e}: {statistics.mean(gains[e]) * 100:+.1f} points" for e in engines) + \
+        f" (mean of {len(seeds)} seeds; {first}'s seed-to-seed spread {spread * 100:.1f})"
+    return text, figure
+
+
 def hh_section(seed: int = 0) -> tuple[str, str]:
     d = run(CONFIGS["hh"], seed)
     ev, secs = read_json(d / "eval.json"), stage_seconds(d)
@@ -153,7 +193,18 @@ def main() -> None:
     ap.add_argument("--configs", nargs="+", choices=sorted(CONFIGS), default=["math", "hh"])
     ap.add_argument("--seeds", nargs="+", type=int, default=[0, 1, 2], help="the math config's seeds")
     ap.add_argument("--no-write", action="store_true", help="print the tables; write no page or headline")
+    ap.add_argument("--engines", nargs="+", choices=["rlfuse", "vllm"],
+                    help="the math config on each of these rollout engines instead (seeds alternated)")
     a = ap.parse_args()
+    if a.engines:
+        text, figure = engines_section(a.seeds, a.engines)
+        print(text + "\n")
+        if not a.no_write:
+            write_section("real_model_engines", text, "real_model")
+            write_headline("real_model_engines", figure, "rlfuse's own engine, same seeds",
+                           f"python -m bench.real_model --engines {' '.join(a.engines)}", machine_short(),
+                           what="Real model, math config: vLLM vs rlfuse's engine", page="real_model")
+        return
     for name in a.configs:
         if name == "hh" and not (SHARED_DATA / "hh_rlhf_harmless_1800.jsonl.gz").exists():
             print(f"[bench] hh skipped: {SHARED_DATA / 'hh_rlhf_harmless_1800.jsonl.gz'} is absent")

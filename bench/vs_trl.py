@@ -117,6 +117,8 @@ SYSTEMS = {
     "rlfuse-grpo-gc": ("rlfuse", "grpo", {"fusion": "auto", "gc": True}),
     # rlfuse with run.cpu_heap=reuse (--rlfuse-reuse): a micro-batch's tensors reuse the heap's pages rather than
     # faulting fresh ones in, for a higher peak RSS
+    # vLLM as the rollout engine (bench/engines.py; needs a Python with vLLM)
+    "rlfuse-rloo-vllm": ("rlfuse", "rloo", {"fusion": "auto", "set": ["rollout.engine=vllm"]}),
     "rlfuse-rloo-reuse": ("rlfuse", "rloo", {"fusion": "auto", "set": ["run.cpu_heap=reuse"]}),
     "rlfuse-grpo-reuse": ("rlfuse", "grpo", {"fusion": "auto", "set": ["run.cpu_heap=reuse"]}),
     # rlfuse with run.cpu_heap=update (--rlfuse-update-heap): reuse inside the update only, handed back after it

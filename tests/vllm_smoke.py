@@ -47,7 +47,7 @@ def main(run_dir: Path) -> None:
     prompts = [tok.encode(chat(q)) for q in ("What is 12 + 30?", "Name a colour.")]
     params = SamplingParams(max_new_tokens=16, temperature=1.0)
     out = {}
-    engine = VllmEngine(folder, tok.eos_token_id, torch.float32, max_rows=16, max_model_len=256, kv_cache_gb=0.25,
+    engine = VllmEngine(folder, tok.eos_token_id, torch.float32, max_rows=256, max_model_len=256, kv_cache_gb=0.5,
                         eager=True)
     key = lambda s: (s.prompt_id, s.sample_index)
     first = sorted(engine.generate(prompts, 4, params, seed=3), key=key)
@@ -59,6 +59,9 @@ def main(run_dir: Path) -> None:
     out["logprobs_per_token"] = all(len(s.logprobs) == len(s.token_ids) and bool(torch.isfinite(s.logprobs).all())
                                     for s in first)
     out["finish_reasons"] = sorted({s.finish_reason for s in first})
+    # more prompt tokens than one step prefills: vLLM would prefill some in chunks, which on a CPU breaks its seeded
+    # sampling (VllmEngine turns chunked prefill off there)
+    out["many_rows"] = len(list(engine.generate(prompts * 32, 4, SamplingParams(max_new_tokens=4), seed=5)))
     own = DecodeEngine(AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32), tok.eos_token_id)
     own_samples = sorted(own.generate(prompts, 4, params, seed=3), key=key)
     out["same_prompts_and_counts_as_own"] = ([(key(s), s.prompt_ids) for s in own_samples] ==

@@ -55,7 +55,7 @@ COMMON_FIELDS = (
                      "sft.micro_batch_size", "rm.batch_size", "rm.micro_batch_size")),
     ("learning", ("sft.lr", "sft.steps", "rm.lr", "rm.steps", "rl.lr", "rl.epochs")),
     ("KL penalty", ("rl.kl_coef", "rl.kl_target")),
-    ("sampling", ("rl.max_new_tokens", "rl.temperature")),
+    ("sampling", ("rl.max_new_tokens", "rl.temperature", "rollout.engine")),
     ("output", ("run.dir", "run.seed", "run.report_to", "rl.eval_every")),
     ("hardware", ("run.device", "run.precision", "placement.strategy", "placement.workers")),
 )

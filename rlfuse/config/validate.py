@@ -297,10 +297,13 @@ def _validate_rl(cfg: Config) -> None:
     _choice(ro.weight_sync, "rollout.weight_sync", ("auto", "merged", "adapters"))
     _choice(ro.engine, "rollout.engine", ("auto", "rlfuse", "vllm"))
     _positive(ro, "rollout", "vllm_kv_cache_gb")
-    if ro.engine == "vllm" and cfg.placement.strategy not in ("single", "auto"):
-        raise ConfigError("rollout.engine", f"vllm generates in the trainer's process, not on Ray workers "
-                          f"(placement.strategy={cfg.placement.strategy})",
-                          "use placement.strategy=single with vllm, or rollout.engine=rlfuse on Ray workers")
+    if ro.engine == "vllm" and cfg.placement.strategy not in ("single", "auto", "separated"):
+        raise ConfigError("rollout.engine", f"vllm generates in the trainer's process or on generation workers of its "
+                          f"own, not on workers that also train (placement.strategy={cfg.placement.strategy})",
+                          "use placement.strategy=single or separated with vllm, or rollout.engine=rlfuse")
+    if ro.engine == "vllm" and rl.partial_rollout_after:
+        raise ConfigError("rl.partial_rollout_after", "vllm cannot park a rollout's rows across a weight update",
+                          "set rl.partial_rollout_after=0 with rollout.engine=vllm, or rollout.engine=rlfuse")
     if ro.engine == "vllm" and cfg.model.shares_base:
         raise ConfigError("rollout.engine", "vllm decodes a merged copy of its own, which model.shared_base exists to "
                           "avoid", "set model.shared_base=false with vllm, or rollout.engine=rlfuse")

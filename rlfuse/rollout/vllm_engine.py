@@ -67,7 +67,8 @@ def _materialised(tensors: NamedTensors) -> Iterator[tuple[str, torch.Tensor]]:
 
 class VllmEngine:
     """vLLM's engine on a model folder, as a Generator. dtype: torch.bfloat16 or torch.float32; max_rows: the most
-    requests decoded at once (vLLM's max_num_seqs); kv_cache_gb: the KV cache it reserves (on a CPU vLLM otherwise
+    requests decoded at once (vLLM's max_num_seqs); max_model_len: prompt + response tokens
+    a request may hold (None: the model's context); kv_cache_gb: the KV cache it reserves (on a CPU vLLM otherwise
     takes most of the machine's memory); eager: no torch.compile and no CUDA graphs (loads in seconds rather than
     minutes; decodes slower on a GPU)."""
     capabilities = ENGINES["vllm"]
@@ -77,7 +78,7 @@ class VllmEngine:
     released = False
 
     def __init__(self, folder: str, eos_token_id: int, dtype: torch.dtype = torch.bfloat16, max_rows: int = 256,
-                 max_model_len: int = 2048, kv_cache_gb: float = 1.0, eager: bool = True, seed: int = 0):
+                 max_model_len: int | None = 2048, kv_cache_gb: float = 1.0, eager: bool = True, seed: int = 0):
         # in this process: the weight sync reaches the model runner directly (and nothing is spawned)
         os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
         os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")  # its INFO lines would bury the run's own
@@ -90,9 +91,12 @@ class VllmEngine:
         self.eos, self._dtype, self.folder = eos_token_id, dtype, folder
         try:
             self.llm = vllm.LLM(model=folder, dtype={torch.bfloat16: "bfloat16"}.get(dtype, "float32"),
-                                max_model_len=int(max_model_len), max_num_seqs=int(max_rows), seed=seed,
+                                max_model_len=max_model_len, max_num_seqs=int(max_rows), seed=seed,
                                 enforce_eager=eager, logprobs_mode="processed_logprobs",
-                                kv_cache_memory_bytes=int(kv_cache_gb * 2**30), enable_prefix_caching=True)
+                                kv_cache_memory_bytes=int(kv_cache_gb * 2**30), enable_prefix_caching=True,
+                                # whole prefills on a CPU: a prompt prefilled in chunks makes vLLM rewind its
+                                # per-request generator, which a CPU generator cannot ("does not use offset")
+                                enable_chunked_prefill=torch.cuda.is_available())
         except Exception as e:  # noqa: BLE001 - vLLM raises many kinds; each becomes the one line below
             raise UserError(load_error_line(folder, e, kv_cache_gb)) from None
         self.stats = EngineStats()

@@ -45,6 +45,7 @@ from rlfuse.plan.roles import derive_roles
 from rlfuse.plan.spec import ClusterResources, NodeResources, PlacementSpec
 from rlfuse.rollout.fusion import scores_proximal
 from rlfuse.runtime.ray_common import wait_ready
+from rlfuse.rollout.generator import ENGINES
 from rlfuse.runtime.ray_rollout import MultiWorkerRollout, RolloutSettings, WorkerModels
 from rlfuse.runtime.ray_train import TrainGroup, join_training
 from rlfuse.runtime.ray_worker import start_role_workers
@@ -410,7 +411,8 @@ def start_ray_placement(cfg, spec: PlacementSpec, run_dir, log=print, reward_row
         streamed = sync_mode and not actor_needed and (not cfg.model.lora or models.adapter is not None)
         differs = agreed_arithmetic(cfg, workers, log)
         driver.behaviour_differs = differs  # the asynchronous loop's scoring (score_in_order) takes it from there
-        rollout = RayRollout(driver, workers, train, cfg.rollout.migrate_below > 0, models.critic is not None,
+        migrates = cfg.rollout.migrate_below > 0 and ENGINES[settings.engine].migrates_rows  # vLLM's rows stay put
+        rollout = RayRollout(driver, workers, train, migrates, models.critic is not None,
                              models.adapter is not None, deferred, streamed, cfg.rl, differs,
                              set(workers.scorers) <= trainers)
         rates = {"train/lr": cfg.rl.lr} | ({"train/critic_lr": cfg.rl.critic_lr} if models.critic is not None else {})

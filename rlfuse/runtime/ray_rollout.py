@@ -41,7 +41,7 @@ from rlfuse.models.device import autocast_dtype, decode_dtype, dtype_name, pick_
 from rlfuse.models.load import apply_lora, load_tokenizer
 from rlfuse.models.rewards import metrics_of_sums, take_reward_sums
 from rlfuse.models.weights import merged_weights
-from rlfuse.plan.resolve import decoded_in, rl_autocasts
+from rlfuse.plan.resolve import decoded_in, engine_choice, rl_autocasts
 from rlfuse.plan.roles import derive_roles
 from rlfuse.plan.strategies import spec_from_config
 from rlfuse.rollout.engine import DecodeEngine, Sample, SamplingParams
@@ -49,6 +49,7 @@ from rlfuse.rollout.fusion import Experience, FusionPolicy, ScoringLoop, build_e
 from rlfuse.rollout.migration import pause_points, plan_migration
 from rlfuse.rollout.score import ScoredSample, Scorer
 from rlfuse.rollout.state import EngineState, RolloutRequest
+from rlfuse.rollout.vllm_engine import VllmEngine
 from rlfuse.rollout.weights import copy_weights, weight_buckets
 from rlfuse.runtime import process
 from rlfuse.runtime.process import pin_threads
@@ -136,6 +137,11 @@ class RolloutSettings:
     precision: str = "fp32"
     """run.precision of the scoring passes (autocast_dtype with rl=True on the worker's device), as the training
     workers' Models.compute_dtype: fp32 where the RL stage does not autocast (plan/resolve.py rl_autocasts)."""
+    engine: str = "rlfuse"
+    """rollout.engine as plan/resolve.py engine_choice resolves it: the decoding workers' engine (rollout/generator.py);
+    vllm: each builds vLLM on its generator folder (placement.strategy=separated: they do not train)."""
+    vllm_kv_cache_gb: float = 1.0
+    vllm_eager: bool = True
     generator_dtype: str = "fp32"
     """The decoding worker's generator dtype (models/device.py decode_dtype): bf16 | fp32 as plan/resolve.py
     decoded_in gives rollout.generator_dtype, or auto where that waits for the worker's device (bf16 where native)."""
@@ -150,6 +156,9 @@ class RolloutSettings:
                    reward_weights=tuple(rl.reward_weights) if rl.reward_weights else None, share_prompt=rl.share_prompt,
                    reference_on_decoders=rl.max_staleness > 0 and spec_from_config(cfg).strategy == "separated",
                    reward_rows=reward_rows, precision=cfg.run.precision if rl_autocasts(cfg) else "fp32",
+                   engine=engine_choice(cfg, cfg.placement.gpus_per_worker > 0)[0],
+                   vllm_kv_cache_gb=ro.vllm_kv_cache_gb,
+                   vllm_eager=ro.vllm_eager if ro.vllm_eager is not None else cfg.placement.gpus_per_worker == 0,
                    generator_dtype=decode)
 
 
@@ -168,7 +177,12 @@ def build_worker_roles(models: WorkerModels, settings: RolloutSettings
     compute = autocast_dtype(device, settings.precision, rl=True)
     eos = tok.eos_token_id if settings.eos_token_id is None else settings.eos_token_id
     engine = None
-    if models.decodes:
+    if models.decodes and settings.engine == "vllm":
+        # its threads are this worker's (pinned to its share), not every core vLLM would bind otherwise
+        os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")
+        engine = VllmEngine(models.generator, eos, decode_dtype(settings.generator_dtype, device), settings.max_rows,
+                            None, settings.vllm_kv_cache_gb, settings.vllm_eager)
+    elif models.decodes:
         generator = with_dtype(frozen(load_policy(models.generator), device), decode_dtype(settings.generator_dtype,
                                                                                           device))
         engine = DecodeEngine(generator, eos, max_rows=settings.max_rows, tokenizer=tok)
@@ -250,7 +264,7 @@ class GenerationWorker:
             scorer.reward_fn.rows = settings.reward_rows  # reward functions' columns (rewards.attach_rows)
         self.fusion = FusionPolicy(True, settings.score_every, settings.live_below)
         self._prefill_s = 0.0
-        if self.engine is not None:
+        if self.engine is not None and self.engine.capabilities.migrates_rows:
             self._prefill = self.engine._prefill  # timed: re-prefill seconds are a migration cost we report
 
             def timed_prefill(*args):
@@ -309,8 +323,9 @@ class GenerationWorker:
         scorer = self.scorer or self.reference
         compute = None if scorer is None else dtype_name(scorer.compute_dtype or torch.float32)
         decode = None if self.engine is None else dtype_name(self.engine.dtype)
-        return {"compute": compute, "decode": decode,
-                "behaviour_differs": compute not in (None, "float32") or decode not in (None, "float32")}
+        other_kernels = self.engine is not None and not self.engine.capabilities.trainer_logprobs  # vLLM
+        return {"compute": compute, "decode": decode, "behaviour_differs": compute not in (None, "float32") or
+                decode not in (None, "float32") or other_kernels}
 
     def cores(self) -> list[int]:
         """The cores placement.pin_cores pinned this worker's threads to ([]: not pinned)."""

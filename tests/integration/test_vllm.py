@@ -50,6 +50,7 @@ def smoke(tmp_path_factory):
 def test_vllm_generates_every_sample_once_with_its_logprobs(smoke):
     assert smoke["keys"] == [[p, j] for p in range(2) for j in range(4)]
     assert smoke["logprobs_per_token"] and set(smoke["finish_reasons"]) <= {"eos", "length"}
+    assert smoke["many_rows"] == 256  # 64 prompts x 4: more prompt tokens than one step prefills
     # the same iteration on both engines: the same prompts and sample counts (what reward functions are given)
     assert smoke["same_prompts_and_counts_as_own"]
 

@@ -64,8 +64,13 @@ def test_engine_fields_checked(overrides, field):
 
 def test_vllm_refused_where_it_cannot_run():
     ray = cfg_with(engine="vllm")
+    ray.placement.strategy = "flattened"
+    with pytest.raises(ConfigError, match="not on workers that also train.*single or separated"):
+        validate(ray)
     ray.placement.strategy = "separated"
-    with pytest.raises(ConfigError, match="not on Ray workers.*placement.strategy=single"):
+    validate(ray)  # generation workers of its own
+    ray.rl.max_staleness, ray.rl.partial_rollout_after = 1, 4
+    with pytest.raises(ConfigError, match="rl.partial_rollout_after.*park"):
         validate(ray)
     shared = cfg_with(engine="vllm")
     shared.model.lora, shared.model.shared_base = True, True
