@@ -194,15 +194,18 @@ def write(text: str, decode: dict, d1: dict) -> None:
     from bench.common import machine_short, write_headline, write_section
 
     write_section("engines", text, "engines")
-    big = max(int(r) for r in decode["rlfuse"][0]["tokens_per_s"])
-    ratio = _median([r["tokens_per_s"][str(big)] for r in decode["vllm"]]) / \
-        _median([r["tokens_per_s"][str(big)] for r in decode["rlfuse"]])
-    figure = f"vLLM decodes at {ratio:.2f}x rlfuse's tokens/s at {big} rows"
+    rows = sorted(int(r) for r in decode["rlfuse"][0]["tokens_per_s"])
+    ratio = {n: _median([r["tokens_per_s"][str(n)] for r in decode["vllm"]]) /
+             _median([r["tokens_per_s"][str(n)] for r in decode["rlfuse"]]) for n in rows}
+    figure = (f"vLLM (eager) decodes at {ratio[rows[0]]:.2f}x rlfuse's tokens/s at {rows[0]} rows, "
+              f"{ratio[rows[-1]]:.2f}x at {rows[-1]}")
     if d1:
-        d1_ratio = _median([r["samples_per_s"] for r in d1["vllm"]]) / _median([r["samples_per_s"] for r in d1["rlfuse"]])
-        figure += f"; an RLOO iteration on chat prompts at {d1_ratio:.2f}x the samples/s"
+        sps = {e: _median([r["samples_per_s"] for r in runs]) for e, runs in d1.items()}
+        peak = {e: max(r["peak_rss_mb"] for r in runs) for e, runs in d1.items()}
+        figure += (f"; an RLOO iteration on chat prompts at {sps['vllm'] / sps['rlfuse']:.2f}x the samples/s and "
+                   f"{peak['vllm'] / peak['rlfuse']:.2f}x the peak memory")
     write_headline("engines", figure, "rlfuse's own engine", "python -m bench.engines", machine_short(),
-                   what="rollout engines: vLLM against rlfuse's own, SmolLM2-135M", page="engines")
+                   what="Rollout engines: vLLM against rlfuse's own, SmolLM2-135M", page="engines")
 
 
 if __name__ == "__main__":  # vLLM may start processes of its own

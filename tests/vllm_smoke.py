@@ -94,6 +94,14 @@ def main(run_dir: Path) -> None:
     metrics = run_dir / "rl" / "metrics.jsonl"
     out["rl_metrics"] = json.loads(metrics.read_text().splitlines()[0]) if metrics.exists() else {}
     out["report"] = (run_dir / "report.html").exists()
+    # the same on a generation worker of its own (placement.strategy=separated): the weights come in buckets
+    ray_dir = run_dir.parent / (run_dir.name + "_separated")
+    cmd = [c if not c.startswith("run.dir=") else f"run.dir={ray_dir}" for c in cmd]
+    cmd += ["placement.strategy=separated", "placement.workers=2"]
+    run = subprocess.run(cmd, capture_output=True, text=True, cwd=Path(__file__).resolve().parents[1])
+    out["separated_rc"], out["separated_tail"] = run.returncode, (run.stdout + run.stderr)[-1500:]
+    metrics = ray_dir / "rl" / "metrics.jsonl"
+    out["separated_metrics"] = json.loads(metrics.read_text().splitlines()[0]) if metrics.exists() else {}
     print("VLLM_SMOKE " + json.dumps(out))
 
 

@@ -383,8 +383,8 @@ class RLConfig:
 class RolloutConfig:
     engine: str = "auto"
     """auto | rlfuse | vllm: what generates the samples. rlfuse: our own engine (reproducible in any batch, migrates
-    the tail); vllm: vLLM in the trainer's process (bash scripts/install.sh vllm). auto: vllm where it is installed
-    and a CUDA GPU is present, rlfuse otherwise."""
+    the tail); vllm: vLLM beside the trainer or on separated generation workers (bash scripts/install.sh vllm). auto:
+    vllm where it is installed and a CUDA GPU is present, rlfuse otherwise."""
     vllm_kv_cache_gb: float = 1.0
     """rollout.engine=vllm: GiB vLLM reserves for its KV cache (rows x (prompt + response) tokens must fit)."""
     vllm_eager: Optional[bool] = None

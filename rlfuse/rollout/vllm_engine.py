@@ -18,10 +18,13 @@ vllm is imported inside VllmEngine (a heavy library, and an optional install: sc
 
 from __future__ import annotations
 
+import json
 import os
+from pathlib import Path
 from typing import Iterator
 
 import torch
+from safetensors import safe_open
 
 from rlfuse.errors import UserError, first_line
 from rlfuse.models.weights import DeferredTensor
@@ -102,6 +105,9 @@ class VllmEngine:
         self.stats = EngineStats()
         self.live_rows = 0
         self._calls = 0
+        self.expected = checkpoint_names(folder)
+        """The tensors a sync must bring before vLLM reloads (its checkpoint's, the tied output head left out)."""
+        self._pending: dict[str, torch.Tensor] = {}
 
     @property
     def dtype(self) -> torch.dtype:
@@ -113,12 +119,28 @@ class VllmEngine:
 
     def load_weights(self, tensors: NamedTensors) -> int:
         """The policy's tensors under its transformers names (the trainer's merged state dict) into vLLM's model,
-        through its own loader (which fuses q/k/v and gate/up as it loads). Returns bytes sent."""
+        through its own loader (which fuses q/k/v and gate/up as it loads). vLLM reloads a model whole (each layer is
+        re-made, then filled), so a part of the weights (one bucket of a sync from another process) is kept until
+        the rest has come, then all go in at once. Returns bytes received."""
+        items = list(tensors.items() if hasattr(tensors, "items") else tensors)
+        names = {name for name, _ in items}
+        if not self._pending and names >= self.expected:  # the whole state at once: streamed, nothing held
+            return self._reload(items)
+        received = 0
+        for name, t in _materialised(items):  # a bucket: kept (the sender's buffers may be reused once it returns)
+            self._pending[name] = t.to(self._dtype, copy=True)
+            received += t.numel() * t.element_size()
+        if set(self._pending) >= self.expected:
+            pending, self._pending = self._pending, {}
+            self._reload(list(pending.items()))
+        return received
+
+    def _reload(self, items: list) -> int:
         sent = 0
 
         def counted():
             nonlocal sent
-            for name, t in _materialised(tensors):
+            for name, t in _materialised(items):
                 sent += t.numel() * t.element_size()
                 yield name, t
 
@@ -174,6 +196,19 @@ class VllmEngine:
             if owner:  # the caller stopped early: vLLM must not keep decoding them
                 engine.abort_request(list(owner))
             self.live_rows = 0
+
+
+def checkpoint_names(folder: str) -> set[str]:
+    """The tensor names of a transformers folder's safetensors files, less an output head tied to the embedding
+    (which a merged state dict lists once, under the embedding's name)."""
+    names = set()
+    for file in Path(folder).glob("*.safetensors"):
+        with safe_open(str(file), "pt") as f:
+            names |= set(f.keys())
+    config = Path(folder) / "config.json"
+    if config.exists() and json.loads(config.read_text()).get("tie_word_embeddings", False):
+        names.discard("lm_head.weight")
+    return names
 
 
 def load_error_line(folder: str, error: Exception, kv_cache_gb: float) -> str:

@@ -10,7 +10,7 @@ from typing import Iterator
 from rlfuse.config import Config
 from rlfuse.errors import UserError
 from rlfuse.plan.strategies import spec_from_config
-from rlfuse.rollout.engine import DecodeEngine
+from rlfuse.rollout.generator import Generator
 from rlfuse.rollout.fusion import FusionPolicy
 from rlfuse.rollout.score import Scorer
 from rlfuse.runtime.local import LocalRollout, LocalTrainer
@@ -29,12 +29,14 @@ def runs_async(cfg: Config) -> bool:
 
 
 @contextlib.contextmanager
-def build_placement(cfg: Config, run_dir: Path, engine: DecodeEngine, scorer: Scorer, fusion: FusionPolicy,
-                    local_trainer: LocalTrainer, requests, log) -> Iterator[tuple[Rollout, Trainer]]:
+def build_placement(cfg: Config, run_dir: Path, engine: Generator, scorer: Scorer, fusion: FusionPolicy,
+                    local_trainer: LocalTrainer, requests, log, max_model_len: int | None = None
+                    ) -> Iterator[tuple[Rollout, Trainer]]:
     """(rollout, trainer): LocalRollout and `local_trainer` in this process, or with placement.strategy != single
     the Ray worker groups of the spec (ray_driver.py's RayRollout and RayTrainer; Ray imported only then; with
     rl.max_staleness on the separated placement ray_async.py's AsyncRollout, which asks `requests(iteration)` for
-    the batches it decodes ahead), closed on exit."""
+    the batches it decodes ahead), closed on exit. max_model_len: the longest prompt plus rl.max_new_tokens, what a
+    vLLM generation worker sizes its requests for."""
     spec = spec_from_config(cfg)
     if cfg.rl.max_staleness and not runs_async(cfg):
         log(f"[rl] rl.max_staleness={cfg.rl.max_staleness} has no effect with placement.strategy={spec.strategy}: "
@@ -54,7 +56,8 @@ def build_placement(cfg: Config, run_dir: Path, engine: DecodeEngine, scorer: Sc
     log(spec.describe())
     # reward functions' dataset columns travel with the settings (rewards.attach_rows did it for this process)
     rows = getattr(scorer.reward_fn, "rows", None)
-    rollout, trainer, workers = start_ray_placement(cfg, spec, run_dir, log, reward_rows=rows)
+    rollout, trainer, workers = start_ray_placement(cfg, spec, run_dir, log, reward_rows=rows,
+                                                    max_model_len=max_model_len)
     if runs_async(cfg):
         rollout = AsyncRollout(rollout, requests, cfg.rl, log)
         log(f"[rl] asynchronous: iteration i trains the batch the weights of update max(0, i - "

@@ -25,6 +25,7 @@ and the other ray_*.py import Ray: runtime/backend.py imports it only for a plac
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import json
 import os
 import socket
@@ -351,7 +352,8 @@ def agreed_arithmetic(cfg, workers: RayWorkers, log=print) -> bool:
     return any(a["behaviour_differs"] for a in seen)
 
 
-def start_ray_placement(cfg, spec: PlacementSpec, run_dir, log=print, reward_rows: dict | None = None
+def start_ray_placement(cfg, spec: PlacementSpec, run_dir, log=print, reward_rows: dict | None = None,
+                        max_model_len: int | None = None
                         ) -> tuple[RayRollout, RayTrainer, RayWorkers]:
     """Validate the spec against the cluster, reserve one bundle per worker (PACK), start each group's workers with
     the models of its roles, join the training ranks, and return the RL loop's rollout and trainer objects (and the
@@ -365,6 +367,7 @@ def start_ray_placement(cfg, spec: PlacementSpec, run_dir, log=print, reward_row
         ray.get(workers.placement_group.ready(), timeout=120)
         pg = workers.placement_group
         models, settings = WorkerModels.from_config(cfg, run_dir), RolloutSettings.from_config(cfg, reward_rows)
+        settings = dataclasses.replace(settings, max_model_len=max_model_len)
         pin = pins_cores(cfg.placement.pin_cores, workers.started_ray, spec.address)
         t = time.perf_counter()
         for g in spec.groups:

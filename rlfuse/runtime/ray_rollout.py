@@ -142,6 +142,9 @@ class RolloutSettings:
     vllm: each builds vLLM on its generator folder (placement.strategy=separated: they do not train)."""
     vllm_kv_cache_gb: float = 1.0
     vllm_eager: bool = True
+    max_model_len: int | None = None
+    """vllm: prompt + response tokens a request may hold (the longest prompt + rl.max_new_tokens); None: the
+    model's context."""
     generator_dtype: str = "fp32"
     """The decoding worker's generator dtype (models/device.py decode_dtype): bf16 | fp32 as plan/resolve.py
     decoded_in gives rollout.generator_dtype, or auto where that waits for the worker's device (bf16 where native)."""
@@ -181,7 +184,7 @@ def build_worker_roles(models: WorkerModels, settings: RolloutSettings
         # its threads are this worker's (pinned to its share), not every core vLLM would bind otherwise
         os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")
         engine = VllmEngine(models.generator, eos, decode_dtype(settings.generator_dtype, device), settings.max_rows,
-                            None, settings.vllm_kv_cache_gb, settings.vllm_eager)
+                            settings.max_model_len, settings.vllm_kv_cache_gb, settings.vllm_eager)
     elif models.decodes:
         generator = with_dtype(frozen(load_policy(models.generator), device), decode_dtype(settings.generator_dtype,
                                                                                           device))

@@ -126,8 +126,8 @@ def train_rl(cfg: Config, run_dir: Path, log=print, resume: bool = False, on_rea
     tok, gold = models.tokenizer, cfg.data.kind == "synthetic"
     run_prompts = build_prompts(cfg, models, task, log)
     train_prompts, held_prompts = run_prompts.train, run_prompts.held_out
-    longest = max(len(p) for p in train_prompts + held_prompts)
-    engine = build_generator(cfg, models, longest + rl.max_new_tokens, log)
+    max_model_len = max(len(p) for p in train_prompts + held_prompts) + rl.max_new_tokens  # vLLM's requests
+    engine = build_generator(cfg, models, max_model_len, log)
     scorer = local_scorer(models, cfg)
     fusion = FusionPolicy(fusion_on(cfg), cfg.rollout.score_every, cfg.rollout.live_below)
     params = sampling_params(models, rl, rl.temperature)
@@ -174,7 +174,8 @@ def train_rl(cfg: Config, run_dir: Path, log=print, resume: bool = False, on_rea
         log(f"[rl] warning: run.precision=bf16, but the update and scoring run without autocast with {why}")
     requests = IterationRequests(train_prompts, difficulty, rl, params, seed)
     # the tracker closes however the loop ends (a stop for divergence included): its sinks flush what they hold
-    with closing(tracker), build_placement(cfg, run_dir, engine, scorer, fusion, trainer, requests, log) as \
+    with closing(tracker), build_placement(cfg, run_dir, engine, scorer, fusion, trainer, requests, log,
+                                             max_model_len) as \
             (rollout, trainer), Progress(rl.iterations, f"rl/{rl.algo}", cfg.run.quiet, unit="iter", initial=start) as bar:
         if start and not isinstance(trainer, LocalTrainer):
             trainer.load_checkpoint(ckpt)

@@ -77,3 +77,11 @@ def test_one_rl_iteration_with_vllm_logs_the_mismatch(smoke):
     assert m["sync/bytes"] > 100e6 and m["time/weight_sync"] > 0
     assert 0 < m["mismatch/logprob_abs_mean"] < 0.2 and m["mismatch/kl_k3"] >= 0
     assert smoke["report"]
+
+
+def test_vllm_on_a_separated_generation_worker(smoke):
+    """vLLM on a Ray generation worker: the trainer's weights arrive in buckets and are loaded once all have come."""
+    assert smoke["separated_rc"] == 0, smoke["separated_tail"]
+    m = smoke["separated_metrics"]
+    assert 0 < m["mismatch/logprob_abs_mean"] < 0.2 and m["rollout/length_mean"] > 0
+    assert m["sync/bytes"] > 100e6

@@ -193,3 +193,26 @@ def test_logprob_mismatch_by_hand():
     assert m["mismatch/kl_k3"] == pytest.approx((0.0 + (math.exp(0.5) - 1 - 0.5)) / 2)
     same = logprob_mismatch(behaviour, behaviour, torch.ones(1, 3))
     assert same == {"mismatch/logprob_abs_mean": 0.0, "mismatch/logprob_abs_max": 0.0, "mismatch/kl_k3": 0.0}
+
+
+def test_vllm_sync_in_buckets_reloads_once_whole():
+    """vLLM re-makes each layer when it reloads: a sync sent in buckets (from another process) is kept until every
+    tensor of the checkpoint has come, then loaded in one reload; a whole state dict goes in at once."""
+    reloads = []
+
+    class Runner:
+        def reload_weights(self, weights_iterator):
+            reloads.append(dict(weights_iterator))
+
+    engine = object.__new__(VllmEngine)
+    engine._dtype, engine._pending, engine.expected = torch.bfloat16, {}, {"a", "b", "c"}
+    engine._runner = lambda: Runner()
+    engine.llm = type("LLM", (), {"reset_prefix_cache": lambda self: None})()
+    t = lambda v: torch.full((2,), float(v))
+    engine.load_weights({"a": t(1), "b": t(2)})
+    assert reloads == [] and set(engine._pending) == {"a", "b"}
+    engine.load_weights([("c", t(3))])
+    assert len(reloads) == 1 and set(reloads[0]) == {"a", "b", "c"} and engine._pending == {}
+    assert reloads[0]["a"].dtype == torch.bfloat16 and float(reloads[0]["b"][0]) == 2.0
+    assert engine.load_weights({"a": t(4), "b": t(5), "c": t(6)}) == 3 * 2 * 4   # whole: straight in, fp32 bytes
+    assert len(reloads) == 2 and float(reloads[1]["c"][0]) == 6.0

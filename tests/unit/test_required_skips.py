@@ -1,5 +1,5 @@
 """The skip accounting of tests/conftest.py: a test skipped for a resource CI provides (../shared/data, the real
-model, Chromium) fails where its RLFUSE_REQUIRE_* variable is 1 (.ci/run sets them), and every session ends with the
+model, Chromium, vLLM) fails where its RLFUSE_REQUIRE_* variable is 1 (.ci/run sets them), and every session ends with the
 count of such skips, so a failed install or a missing folder cannot pass CI as a quiet skip."""
 
 import os
@@ -32,6 +32,9 @@ def test_browser(browser):
 
 def test_other():
     pytest.skip("ray is not installed")
+
+def test_vllm():
+    pytest.skip("vLLM is not installed: bash scripts/install.sh vllm")
 '''
 
 
@@ -46,11 +49,11 @@ def run_session(tmp_path, **env):
 
 
 def test_required_skips_fail_where_ci_requires_them(tmp_path):
-    """Every variable at 1: the three resource skips are failures that say what is missing (errors where the skip came
+    """Every variable at 1: the four resource skips are failures that say what is missing (errors where the skip came
     in setup: a skipif mark, a fixture), the other skip stays."""
     code, out = run_session(tmp_path, **{var: "1" for var in REQUIRED_SKIPS})
     assert code == 1, out
-    assert re.search(r"1 failed, 1 skipped, 2 errors", out), out
+    assert re.search(r"2 failed, 1 skipped, 2 errors", out), out
     for var, (_, what, _) in REQUIRED_SKIPS.items():
         assert f"[required] {var}=1: {what}" in out
         assert f"[required] 1 test(s) failed (required): {what}" in out
@@ -61,7 +64,7 @@ def test_required_skips_are_counted_where_they_may_skip(tmp_path):
     other skips."""
     code, out = run_session(tmp_path)
     assert code == 0, out
-    assert re.search(r"4 skipped", out), out
+    assert re.search(r"5 skipped", out), out
     assert "tests that did not run for a missing resource" in out
     for var, (_, what, _) in REQUIRED_SKIPS.items():
         assert f"[required] 1 test(s) skipped ({var}=1 makes them fail): {what}" in out
