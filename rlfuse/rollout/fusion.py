@@ -9,6 +9,7 @@ from typing import Iterator
 import torch
 from torch import Tensor
 
+from rlfuse.rollout.generator import Generator
 from rlfuse.rollout.score import ScoredSample, Scorer
 from rlfuse.rollout.state import Sample, SamplingParams
 
@@ -128,7 +129,7 @@ class ScoringLoop:
     on unscored (a worker whose samples another scores). `run` may stop after some samples and be called again: a
     worker decodes in chunks and reports between them."""
 
-    def __init__(self, engine, samples: Iterator[Sample], scorer: Scorer | None, fusion: FusionPolicy,
+    def __init__(self, engine: Generator, samples: Iterator[Sample], scorer: Scorer | None, fusion: FusionPolicy,
                  proximal: bool = False):
         self.engine, self.samples, self.scorer, self.fusion, self.proximal = engine, samples, scorer, fusion, proximal
         self.pending: list[Sample] = []
@@ -178,7 +179,7 @@ class ScoringLoop:
         return out
 
 
-def generate_rollouts(engine, scorer: Scorer, prompts: list[list[int]], k: int, params: SamplingParams,
+def generate_rollouts(engine: Generator, scorer: Scorer, prompts: list[list[int]], k: int, params: SamplingParams,
                       seed: int, fusion: FusionPolicy, lengths=None, prompt_ids: list[int] | None = None,
                       proximal: bool = False) -> Experience:
     """Decode all prompts x k on a generator (rollout/generator.py); score finished samples per the fusion policy
@@ -195,13 +196,12 @@ def generate_rollouts(engine, scorer: Scorer, prompts: list[list[int]], k: int, 
     t_end = time.perf_counter()
     exp = build_experience(loop.scored)
     in_decode = loop.score_during_decode_s
-    stats = getattr(engine, "stats", None)
     exp.timing = {
         "rollout": t_end - t0,
         "generation": (t_decoded - t0) - in_decode,
         "scoring": in_decode + (t_end - t_decoded),
         "scoring_during_decode": in_decode,
-        "decode_rows": getattr(stats, "decode_rows", 0),
-        "decode_steps": getattr(stats, "decode_steps", 0),
+        "decode_rows": engine.stats.decode_rows,
+        "decode_steps": engine.stats.decode_steps,
     }
     return exp

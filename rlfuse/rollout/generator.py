@@ -49,6 +49,8 @@ class Generator(Protocol):
     capabilities: Capabilities
     live_rows: int
     """Rows decoding now (the fusion policy scores early when few are left)."""
+    stats: object
+    """The last generate call's counts (rollout/engine.py EngineStats: decode steps, rows per step, prefill tokens)."""
 
     @property
     def dtype(self): ...

@@ -349,8 +349,9 @@ class GenerationWorker:
         self._open(self.engine.generate(prompts, k, params, seed, lengths, prompt_ids))
         self._unfinished, self._decode_rows, self._prefill_s = len(prompts) * k, 0, 0.0
 
-    def _open(self, samples, proximal: bool = False) -> None:
-        self._loop = ScoringLoop(self.engine, samples, self.scorer, self.fusion, proximal)
+    def _open(self, samples) -> None:
+        """The loop over a new iterator of the engine (advance sets whether it scores the proximal log-probs)."""
+        self._loop = ScoringLoop(self.engine, samples, self.scorer, self.fusion)
 
     def advance(self, max_finished: int, score_own: bool, pause_at: int = 0, proximal: bool = False) -> Chunk:
         """Decode until max_finished samples finish, only pause_at are left unfinished (the migration's pause point;
