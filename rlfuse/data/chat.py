@@ -91,6 +91,24 @@ def assistant_spans(tokenizer, messages: Messages) -> tuple[list[tuple[int, int]
     return spans, done
 
 
+def next_segment(tokenizer, conversation: Messages, new: Messages) -> str:
+    """The text to append after the conversation's last turn, up to its end-of-turn marker (where the policy stopped
+    sampling), so that the sequence reads as `conversation + new` rendered with the assistant's header after it:
+    a multi-turn episode appends a tool's or an environment's message as the ids of this text alone, never
+    re-encoding the tokens the policy sampled. DataError where the template renders the conversation differently
+    once more turns follow (its rendering is then no prefix of the longer one)."""
+    head, last = render_completion(tokenizer, conversation[:-1], conversation[-1:])
+    done = head + last
+    full = render_prompt(tokenizer, conversation + new)
+    if not full.startswith(done):
+        raise DataError("chat template", "the conversation rendered with one more turn does not start with the "
+                        "conversation as rendered before (the template rewrites earlier turns), so a turn cannot be "
+                        "appended as new tokens only",
+                        "set data.chat_template=chatml (or a template that renders each turn the same whatever "
+                        "follows)")
+    return full[len(done):]
+
+
 def encode_rendered(tokenizer, text: str) -> list[int]:
     """Token ids of template-rendered text: its special tokens are in the text already."""
     return tokenizer(text, add_special_tokens=False)["input_ids"] if text else []

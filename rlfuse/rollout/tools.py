@@ -1,0 +1,152 @@
+"""Tools for multi-turn episodes, as TRL users write them: plain Python functions whose type hints and docstring are
+the tool's JSON schema, called by the policy with a `<tool_call>{"name": ..., "arguments": {...}}</tool_call>` block
+(the format of Qwen's and Hermes' chat templates, which transformers renders `tools=` into), answered in a `tool`
+turn.
+
+Everything a tool does wrong becomes the tool's message, never the run's failure: it raises, returns something that
+is not text, runs past its timeout, prints, or the call names no tool or is not JSON. Each such result says which
+fault it was (ToolResult.fault), for the metrics.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import contextlib
+import inspect
+import io
+import json
+import re
+import typing
+from dataclasses import dataclass
+
+TOOL_CALL = re.compile(r"<tool_call>\s*(.*?)\s*</tool_call>", re.S)
+
+FAULTS = ("raised", "not_text", "timeout", "printed", "unknown_tool", "bad_call")
+"""Every fault a tool call can have, as ToolResult.fault names it."""
+
+_JSON_TYPES = {str: "string", int: "integer", float: "number", bool: "boolean", list: "array", dict: "object"}
+
+
+@dataclass(frozen=True)
+class ToolCall:
+    name: str
+    arguments: dict
+
+
+@dataclass(frozen=True)
+class ToolResult:
+    name: str
+    text: str
+    """The tool message's content: the tool's return value, or what went wrong."""
+    fault: str | None = None
+    """None, or one of FAULTS."""
+
+
+def _json_type(hint) -> dict:
+    origin = typing.get_origin(hint)
+    if origin is typing.Union or str(origin) == "<class 'types.UnionType'>":  # Optional[X], X | None
+        args = [a for a in typing.get_args(hint) if a is not type(None)]
+        return _json_type(args[0]) if len(args) == 1 else {}
+    if origin in (list, tuple):
+        args = typing.get_args(hint)
+        return {"type": "array", **({"items": _json_type(args[0])} if args else {})}
+    if origin is dict:
+        return {"type": "object"}
+    if origin is typing.Literal:
+        return {"enum": list(typing.get_args(hint))}
+    return {"type": _JSON_TYPES[hint]} if hint in _JSON_TYPES else {}
+
+
+def _docstring_parts(fn) -> tuple[str, dict[str, str]]:
+    """(description: the docstring's first paragraph, {argument: its line under Args:})."""
+    doc = inspect.getdoc(fn) or ""
+    description = doc.split("\n\n")[0].replace("\n", " ").strip()
+    args, inside = {}, False
+    for line in doc.splitlines():
+        if line.strip().lower() in ("args:", "arguments:", "parameters:"):
+            inside = True
+            continue
+        if inside:
+            m = re.match(r"\s+(\w+)(?:\s*\([^)]*\))?\s*:\s*(.*)", line)
+            if m:
+                args[m.group(1)] = m.group(2).strip()
+            elif line.strip() and not line.startswith((" ", "\t")):
+                inside = False
+    return description, args
+
+
+def tool_schema(fn) -> dict:
+    """The tool's schema in the OpenAI / transformers form {"type": "function", "function": {name, description,
+    parameters}}: parameters from the type hints (required: those without a default), descriptions from the
+    docstring's first paragraph and its Args: section."""
+    hints = typing.get_type_hints(fn)
+    description, arg_docs = _docstring_parts(fn)
+    properties, required = {}, []
+    for name, param in inspect.signature(fn).parameters.items():
+        if param.kind in (param.VAR_POSITIONAL, param.VAR_KEYWORD):
+            continue
+        prop = _json_type(hints.get(name, str))
+        if name in arg_docs:
+            prop["description"] = arg_docs[name]
+        properties[name] = prop
+        if param.default is inspect.Parameter.empty:
+            required.append(name)
+    return {"type": "function", "function": {"name": fn.__name__, "description": description,
+                                             "parameters": {"type": "object", "properties": properties,
+                                                            "required": required}}}
+
+
+def tools_system_text(schemas: list[dict]) -> str:
+    """The tools described in a system turn, for a chat template with no tool section of its own (SmolLM2's plain
+    ChatML): the schemas as JSON lines and the call format."""
+    lines = "\n".join(json.dumps(s["function"]) for s in schemas)
+    return ("You can call these tools:\n" + lines + "\nTo call one, reply with <tool_call>{\"name\": NAME, "
+            "\"arguments\": {...}}</tool_call>; its result comes back in a tool message.")
+
+
+def parse_tool_calls(text: str) -> tuple[list[ToolCall], list[ToolResult]]:
+    """The well-formed calls in a reply, and a bad_call result for each block that is not {"name": str,
+    "arguments": object} JSON."""
+    calls, bad = [], []
+    for block in TOOL_CALL.findall(text):
+        try:
+            obj = json.loads(block)
+            name, arguments = obj["name"], obj.get("arguments", {})
+            if not isinstance(name, str) or not isinstance(arguments, dict):
+                raise TypeError("name must be a string and arguments an object")
+        except (ValueError, KeyError, TypeError, AttributeError) as e:
+            bad.append(ToolResult("", f"error: the tool call is not valid ({type(e).__name__}: {e}); write "
+                                      '<tool_call>{"name": NAME, "arguments": {...}}</tool_call>', "bad_call"))
+            continue
+        calls.append(ToolCall(name, arguments))
+    return calls, bad
+
+
+def _run_quietly(fn, arguments: dict) -> tuple[object, str]:
+    """fn(**arguments) and what it printed (kept off the terminal: a progress bar's lines must stay the run's)."""
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out):
+        value = fn(**arguments)
+    return value, out.getvalue()
+
+
+def call_tool(tools: dict, call: ToolCall, timeout_s: float, pool: concurrent.futures.Executor) -> ToolResult:
+    """Run one call on `pool` (a thread pool: the decode loop goes on meanwhile) within timeout_s seconds; whatever
+    goes wrong becomes the result's text, with its fault. A hung tool's thread is left to finish on its own (Python
+    cannot kill a thread); its result is dropped."""
+    fn = tools.get(call.name)
+    if fn is None:
+        return ToolResult(call.name, f"error: no tool named {call.name!r}; the tools are {', '.join(sorted(tools))}",
+                          "unknown_tool")
+    future = pool.submit(_run_quietly, fn, call.arguments)
+    try:
+        value, printed = future.result(timeout=timeout_s)
+    except concurrent.futures.TimeoutError:
+        return ToolResult(call.name, f"error: {call.name} did not answer within {timeout_s:g} s", "timeout")
+    except Exception as e:  # noqa: BLE001 - the user's tool: any exception is its answer
+        return ToolResult(call.name, f"error: {call.name} raised {type(e).__name__}: {e}", "raised")
+    if isinstance(value, (int, float)) and not isinstance(value, bool):
+        value = str(value)  # a calculator's number is text enough
+    if not isinstance(value, str):
+        return ToolResult(call.name, f"error: {call.name} returned a {type(value).__name__}, not text", "not_text")
+    return ToolResult(call.name, value, "printed" if printed else None)
