@@ -84,7 +84,9 @@ class VllmEngine:
                  max_model_len: int | None = 2048, kv_cache_gb: float = 1.0, eager: bool = True, seed: int = 0):
         # in this process: the weight sync reaches the model runner directly (and nothing is spawned)
         os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
-        os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")  # its INFO lines would bury the run's own
+        # its INFO and WARNING lines would bury the run's own (each reload warns of the tied output head and the
+        # rotary tables, which have no weights to load); its errors still reach the one line below
+        os.environ.setdefault("VLLM_LOGGING_LEVEL", "ERROR")
         try:  # an optional install, and seconds to import
             import vllm
         except ImportError as e:
@@ -142,7 +144,7 @@ class VllmEngine:
             nonlocal sent
             for name, t in _materialised(items):
                 sent += t.numel() * t.element_size()
-                yield name, t
+                yield name, t.to(self._dtype)  # rounded as vLLM's loader would, one tensor at a time
 
         self._runner().reload_weights(weights_iterator=counted())
         self.llm.reset_prefix_cache()  # cached prompt KV of the old weights must not serve the new ones
