@@ -12,17 +12,17 @@ from pathlib import Path
 import torch
 
 from rlfuse.config import Config, RLConfig
-from rlfuse.models.device import decode_dtype, native_bf16
 from rlfuse.learn.checkpoint import CHECKPOINT_KEYS, checkpoint_parts, load_checkpoint, save_checkpoint
 from rlfuse.learn.learners import Learners
 from rlfuse.learn.update import BadSteps, update
 from rlfuse.models.build import Models
+from rlfuse.models.device import decode_dtype, native_bf16
 from rlfuse.models.shared import actor_decoding, eval_for_decoding
 from rlfuse.models.weights import merged_weights
 from rlfuse.plan.resolve import decoded_in, engine_choice
 from rlfuse.rollout.engine import DecodeEngine
-from rlfuse.rollout.generator import Generator
 from rlfuse.rollout.fusion import Experience, FusionPolicy, generate_rollouts, scores_proximal
+from rlfuse.rollout.generator import Generator
 from rlfuse.rollout.score import Scorer
 from rlfuse.rollout.state import RolloutRequest
 from rlfuse.rollout.vllm_engine import VllmEngine
