@@ -49,6 +49,7 @@ def child_decode(engine_name: str, sizes, new_tokens: int) -> dict:
     from rlfuse.models.device import native_bf16
     from rlfuse.models.gguf import local_model
     from rlfuse.rollout.engine import DecodeEngine
+    from rlfuse.rollout.score import sampler_gap
     from rlfuse.rollout.state import SamplingParams
 
     folder = local_model("smollm2-135m-instruct")
@@ -72,19 +73,9 @@ def child_decode(engine_name: str, sizes, new_tokens: int) -> dict:
         seconds = time.perf_counter() - t
         out["tokens_per_s"][str(prompts * k)] = sum(len(s.token_ids) for s in samples) / seconds
         first = first or samples
-    trainer = frozen(load_policy(folder), "cpu")
-    gaps, k3 = [], []
-    with torch.no_grad():
-        for s in first:
-            ids = torch.tensor([s.prompt_ids + s.token_ids])
-            logits = trainer(ids).logits[0, len(s.prompt_ids) - 1: -1].float()
-            lp = torch.log_softmax(logits, -1).gather(1, torch.tensor(s.token_ids)[:, None]).squeeze(1)
-            log_r = lp - s.logprobs
-            gaps.append(log_r.abs())
-            k3.append(log_r.exp() - 1 - log_r)
-    out["gap_mean"] = float(torch.cat(gaps).mean())
-    out["gap_max"] = float(torch.cat(gaps).max())
-    out["kl_k3"] = float(torch.cat(k3).mean())
+    gap = sampler_gap(frozen(load_policy(folder), "cpu"), first)
+    out["gap_mean"], out["gap_max"] = gap["mismatch/logprob_abs_mean"], gap["mismatch/logprob_abs_max"]
+    out["kl_k3"] = gap["mismatch/kl_k3"]
     return out
 
 

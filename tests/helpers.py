@@ -173,3 +173,16 @@ def saved_bytes(model):
 
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
         yield total
+
+
+def seeded_rm_folders(base: str, root: Path) -> list[str]:
+    """RL overrides whose SFT model is `base` and whose reward model is `base` with a seeded scalar head saved in
+    root/rm (the reward, and the critic's start), for the placement tests that compare layouts on the same models."""
+    from rlfuse.models.load import load_reward_model, load_tokenizer
+
+    torch.manual_seed(0)
+    tok = load_tokenizer(base)
+    rm = load_reward_model(base, pad_token_id=tok.pad_token_id)
+    rm.save_pretrained(root / "rm")
+    tok.save_pretrained(root / "rm")
+    return [f"rl.sft_path={base}", f"rl.rm_path={root / 'rm'}", "rl.reward=rm"]

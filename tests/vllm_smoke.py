@@ -14,20 +14,11 @@ from pathlib import Path
 import torch
 
 
-def trainer_logprobs(model, samples) -> list[torch.Tensor]:
-    out = []
-    with torch.no_grad():
-        for s in samples:
-            ids = torch.tensor([s.prompt_ids + s.token_ids])
-            logits = model(ids).logits[0, len(s.prompt_ids) - 1: -1].float()
-            out.append(torch.log_softmax(logits, -1).gather(1, torch.tensor(s.token_ids)[:, None]).squeeze(1))
-    return out
-
-
 def gap(model, samples) -> float:
     """Mean |trainer - engine| log-prob per sampled token."""
-    lps = trainer_logprobs(model, samples)
-    return float(torch.cat([(a - s.logprobs).abs() for a, s in zip(lps, samples)]).mean())
+    from rlfuse.rollout.score import sampler_gap
+
+    return sampler_gap(model, samples)["mismatch/logprob_abs_mean"]
 
 
 def main(run_dir: Path) -> None:

@@ -17,6 +17,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
+from rlfuse.algos.offpolicy import logprob_mismatch
 from rlfuse.models.device import autocast_to
 from rlfuse.models.forward import can_share, collate, forward_tokens, response_logprobs, response_values
 from rlfuse.models.rewards import runs_a_model
@@ -186,3 +187,14 @@ class Scorer:
                 s.ref_logprobs = lp[b, : len(s.token_ids)]
         self.times["reference"] += time.perf_counter() - t
         return time.perf_counter() - t
+
+
+@torch.no_grad()
+def sampler_gap(model, samples: list[Sample], temperature: float = 1.0) -> dict[str, float]:
+    """How far the log-probs an engine recorded for its samples are from `model`'s own forward of the same tokens
+    (the mismatch/* metrics, algos/offpolicy.py logprob_mismatch), in one padded batch: for benchmarks and tests
+    that compare an engine with the trainer outside a run."""
+    mb = collate([s.prompt_ids for s in samples], [s.token_ids for s in samples], 0, next(model.parameters()).device)
+    trainer = response_logprobs(model, mb, temperature).float().cpu()
+    behaviour = torch.nn.utils.rnn.pad_sequence([s.logprobs for s in samples], batch_first=True)
+    return logprob_mismatch(behaviour, trainer, mb.mask.cpu())

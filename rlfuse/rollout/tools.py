@@ -16,6 +16,7 @@ import inspect
 import io
 import json
 import re
+import types
 import typing
 from dataclasses import dataclass
 
@@ -44,7 +45,7 @@ class ToolResult:
 
 def _json_type(hint) -> dict:
     origin = typing.get_origin(hint)
-    if origin is typing.Union or str(origin) == "<class 'types.UnionType'>":  # Optional[X], X | None
+    if origin in (typing.Union, types.UnionType):  # Optional[X], X | None
         args = [a for a in typing.get_args(hint) if a is not type(None)]
         return _json_type(args[0]) if len(args) == 1 else {}
     if origin in (list, tuple):

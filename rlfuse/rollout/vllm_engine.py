@@ -78,7 +78,6 @@ class VllmEngine:
     name = "vllm"
     shares_weights = False
     transient_weights = False
-    released = False
 
     def __init__(self, folder: str, eos_token_id: int, dtype: torch.dtype = torch.bfloat16, max_rows: int = 256,
                  max_model_len: int | None = 2048, kv_cache_gb: float = 1.0, eager: bool = True, seed: int = 0):
@@ -93,7 +92,7 @@ class VllmEngine:
             raise UserError(f"rollout.engine=vllm: vLLM is not installed ({first_line(e)}); install it with "
                             f"{INSTALL_HINT}, or set rollout.engine=rlfuse") from None
         self._vllm = vllm
-        self.eos, self._dtype, self.folder = eos_token_id, dtype, folder
+        self.eos, self._dtype = eos_token_id, dtype
         try:
             self.llm = vllm.LLM(model=folder, dtype={torch.bfloat16: "bfloat16"}.get(dtype, "float32"),
                                 max_model_len=max_model_len, max_num_seqs=int(max_rows), seed=seed,

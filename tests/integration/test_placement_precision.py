@@ -13,6 +13,7 @@ from safetensors.torch import load_file
 from torch.testing import assert_close
 
 from conftest import TINY
+from helpers import seeded_rm_folders
 from rlfuse.config import load_config
 from rlfuse.plan.resolve import NATIVE_BF16_ENV, resolve, resolve_precision
 
@@ -66,15 +67,9 @@ def runs(tiny_task, tmp_path_factory):
     row, each sample's reward, trained actor, config.yaml, each sample's completion)}."""
     ray = pytest.importorskip("ray", reason="ray is not installed: pip install 'ray==2.60.*' for the placement tests")
     from rlfuse.cli import main
-    from rlfuse.models.load import load_reward_model, load_tokenizer
 
-    root, base = tmp_path_factory.mktemp("precision"), str(tiny_task.model_dir)
-    torch.manual_seed(0)
-    tok = load_tokenizer(base)
-    rm = load_reward_model(base, pad_token_id=tok.pad_token_id)
-    rm.save_pretrained(root / "rm")
-    tok.save_pretrained(root / "rm")
-    folders = [f"rl.sft_path={base}", f"rl.rm_path={root / 'rm'}", "rl.reward=rm"]
+    root = tmp_path_factory.mktemp("precision")
+    folders = seeded_rm_folders(str(tiny_task.model_dir), root)
     out = {}
     with pytest.MonkeyPatch.context() as mp:
         mp.setenv(NATIVE_BF16_ENV, "1")

@@ -18,6 +18,7 @@ from safetensors.torch import load_file
 from torch.testing import assert_close
 
 from conftest import ROOT, TINY
+from helpers import seeded_rm_folders
 from rlfuse.cli import main
 
 ray = pytest.importorskip("ray", reason="ray is not installed: pip install 'ray==2.60.*' for the placement tests")
@@ -32,15 +33,7 @@ RL = ["rl.algo=ppo", "rl.critic_init=rm", "rl.iterations=3", "rl.prompts_per_ite
 @pytest.fixture(scope="module")
 def folders(tiny_task, tmp_path_factory):
     """SFT = the tiny base model; RM = the base with a seeded scalar head (reward and the critic's start)."""
-    from rlfuse.models.load import load_reward_model, load_tokenizer
-
-    root, base = tmp_path_factory.mktemp("placement_models"), str(tiny_task.model_dir)
-    torch.manual_seed(0)
-    tok = load_tokenizer(base)
-    rm = load_reward_model(base, pad_token_id=tok.pad_token_id)
-    rm.save_pretrained(root / "rm")
-    tok.save_pretrained(root / "rm")
-    return [f"rl.sft_path={base}", f"rl.rm_path={root / 'rm'}", "rl.reward=rm"]
+    return seeded_rm_folders(str(tiny_task.model_dir), tmp_path_factory.mktemp("placement_models"))
 
 
 def run_rl(run_dir, folders, *extra):

@@ -216,3 +216,20 @@ def test_vllm_sync_in_buckets_reloads_once_whole():
     assert reloads[0]["a"].dtype == torch.bfloat16 and float(reloads[0]["b"][0]) == 2.0
     assert engine.load_weights({"a": t(4), "b": t(5), "c": t(6)}) == 3 * 2 * 4   # whole: straight in, fp32 bytes
     assert len(reloads) == 2 and float(reloads[1]["c"][0]) == 6.0
+
+
+def test_sampler_gap_is_zero_for_the_engines_own_model_and_sees_a_planted_error():
+    """rollout/score.py sampler_gap: our fp32 engine's recorded log-probs are its model's forward (gap ~ 0); a
+    log-prob moved by 0.5 at one token shows as the max gap, and padding never counts."""
+    from rlfuse.rollout.score import sampler_gap
+
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(LlamaConfig(vocab_size=32, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
+                                         num_attention_heads=2, num_key_value_heads=2)).eval()
+    samples = list(DecodeEngine(model, -1).generate([[1, 5, 7], [1, 9]], 2, SamplingParams(max_new_tokens=6), seed=0))
+    gap = sampler_gap(model, samples)
+    assert gap["mismatch/logprob_abs_max"] < 1e-4 and gap["mismatch/kl_k3"] < 1e-6
+    samples[1].logprobs[2] += 0.5
+    moved = sampler_gap(model, samples)
+    assert moved["mismatch/logprob_abs_max"] == pytest.approx(0.5, abs=1e-4)
+    assert moved["mismatch/logprob_abs_mean"] == pytest.approx(0.5 / 24, abs=1e-4)  # 4 samples x 6 tokens
