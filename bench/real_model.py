@@ -45,7 +45,7 @@ def run(config: str, seed: int, engine: str | None = None) -> Path:
         run_dir.parent.mkdir(parents=True, exist_ok=True)
         cmd = [sys.executable, "-m", "rlfuse", "run", f"configs/{config}.yaml", f"run.seed={seed}",
                f"run.dir={run_dir}", *([f"rollout.engine={engine}"] if engine else []),
-               *(["--resume"] if (run_dir / "config.yaml").exists() else [])]
+               *(["--resume", str(run_dir)] if (run_dir / "config.yaml").exists() else [])]
         print(f"[bench] {' '.join(cmd[2:])}", flush=True)
         with open(run_dir.parent / f"{name}.log", "a") as log:
             subprocess.run(cmd, check=True, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT)
