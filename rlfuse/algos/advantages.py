@@ -6,13 +6,31 @@ import torch
 from torch import Tensor
 
 
+def sampled_first(mask: Tensor) -> Tensor:
+    """(B, T) long: per row, the positions where mask is 1 in order, then the others (a stable sort). Gathering by it
+    closes the gaps a multi-turn episode's tool and observation tokens leave between the policy's turns; for a
+    right-padded single-turn mask it is the identity."""
+    return torch.sort((mask <= 0).to(torch.int8), dim=1, stable=True).indices
+
+
 def gae_advantages(rewards: Tensor, values: Tensor, mask: Tensor, gamma: float, lam: float) -> tuple[Tensor, Tensor]:
     """Generalised advantage estimation (Schulman et al. 2016, eq. 16), vectorised over time.
 
-    rewards, values, mask: (B, T), responses right-padded (mask 1 on response tokens). The value after a response's
-    last token is 0 (the episode ends). A_t = sum_{s>=t} (gamma*lam)^(s-t) delta_s, computed as one (T, T) matmul.
-    Returns (advantages, returns = advantages + values), both (B, T) and 0 on padding.
+    rewards, values, mask: (B, T), mask 1 on the tokens the policy sampled: a right-padded response, or a
+    multi-turn episode whose tool and observation tokens (mask 0) sit between its turns. Time runs over the sampled
+    tokens alone: the value after a turn's last token is the next turn's first token's (the answer is the
+    environment's move, not a step of the policy), and the value after the last sampled token is 0 (the episode
+    ends). A_t = sum_{s>=t} (gamma*lam)^(s-t) delta_s, computed as one (T, T) matmul. Returns (advantages, returns
+    = advantages + values), both (B, T) and 0 where mask is 0.
     """
+    order = sampled_first(mask)
+    if not bool((order == torch.arange(mask.shape[1], device=mask.device)).all()):  # gaps: close them, then reopen
+        adv, ret = _gae(rewards.gather(1, order), values.gather(1, order), mask.gather(1, order), gamma, lam)
+        return torch.zeros_like(adv).scatter(1, order, adv), torch.zeros_like(ret).scatter(1, order, ret)
+    return _gae(rewards, values, mask, gamma, lam)
+
+
+def _gae(rewards: Tensor, values: Tensor, mask: Tensor, gamma: float, lam: float) -> tuple[Tensor, Tensor]:
     m = mask.to(values.dtype)
     v = values * m
     r = rewards * m

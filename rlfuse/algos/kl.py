@@ -48,10 +48,12 @@ def sequence_kl(logprobs: Tensor, ref_logprobs: Tensor, mask: Tensor) -> Tensor:
 
 def kl_shaped_rewards(scores: Tensor, kl: Tensor, mask: Tensor, coef: float) -> Tensor:
     """Per-token rewards for PPO (Ziegler et al. 2019): -coef * KL on every response token, plus the sequence score
-    on its last token. scores: (B,); kl, mask: (B, T) right-padded. Returns (B, T), 0 on padding."""
+    on its last sampled token. scores: (B,); kl, mask: (B, T), mask 1 on sampled tokens (right-padded, with gaps in
+    a multi-turn episode). Returns (B, T), 0 where mask is 0."""
     m = mask.to(kl.dtype)
     rewards = -coef * kl * m
-    last = (m.sum(1).long() - 1).clamp(min=0)
+    positions = torch.arange(1, m.shape[1] + 1, device=m.device, dtype=m.dtype)
+    last = ((m > 0) * positions).argmax(1)  # the last sampled position (0 for an empty row)
     return rewards.scatter_add(1, last[:, None], scores[:, None].to(kl.dtype))
 
 

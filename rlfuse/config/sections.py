@@ -282,11 +282,30 @@ class RLConfig:
     """Adaptive KL controller horizon (samples): with 32 samples per iteration the coefficient moves up to 2.5% per
     iteration (Ziegler et al.'s 10000 suits runs a hundred times longer)."""
     reward: str = "rm"
-    """rm (the reward model) | module:function | several module:function separated by commas. A function is
+    """rm (the reward model) | environment (episodes' environment reward alone) | module:function | several
+    module:function separated by commas. A function is
     f(prompts, completions, **columns) -> list[float | None] (TRL's form: the prompts' other data set columns come
     by name; None abstains) or, older, f(texts) -> list[float] of prompt + response texts."""
     reward_weights: Optional[list] = None
-    """One weight per function in rl.reward (default 1.0 each); the reward is the weighted sum."""
+    """One weight per function in rl.reward (default 1.0 each); the reward is the weighted sum. rl.reward=environment:
+    no function, the environment's reward alone."""
+    tools: Optional[str] = None
+    """Multi-turn episodes with tools: module:function[,module:function...], plain functions whose type hints and
+    docstring describe them to the policy, which calls them with <tool_call>{...}</tool_call> (docs/episodes.md)."""
+    environment: Optional[str] = None
+    """Multi-turn episodes: module:Class, one instance per episode, reset(**row) with the prompt's data set row; its
+    public methods are tools, or its step(text) -> (observation, reward, done) answers each turn."""
+    max_turns: int = 4
+    """Episodes: the policy's turns per episode; one still going after them ends truncated."""
+    max_tool_calls: int = 4
+    """Episodes: tool calls run per turn; further calls in that turn get an error as their result."""
+    max_episode_tokens: Optional[int] = None
+    """Episodes: tokens after the prompt (sampled, tool and observation tokens together); null: rl.max_new_tokens x
+    rl.max_turns. rl.max_new_tokens bounds each turn."""
+    tool_timeout_s: float = 10.0
+    """Episodes: seconds a tool call may take; a slower one answers with a timeout error and the episode goes on."""
+    environment_reward_weight: float = 1.0
+    """Episodes: weight of the environment's reward (its `reward`, or the sum of its step rewards) added to rl.reward's."""
     critic_init: str = "rm"
     """ppo critic: rm (separate model from the reward model's backbone and head) | sft (separate model from the SFT
     backbone, zero head) | actor (a value head on the actor's own backbone: no second model)."""

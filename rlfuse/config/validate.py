@@ -28,6 +28,34 @@ from rlfuse.config.sections import (
 from rlfuse.errors import ConfigError
 
 
+def _episodes(cfg: Config) -> None:
+    """rl.tools, rl.environment and their limits."""
+    rl = cfg.rl
+    if rl.reward == "environment" and not rl.environment:
+        raise ConfigError("rl.reward", "environment: the reward of rl.environment, but none is set",
+                          "set rl.environment=module:Class, or rl.reward to rm or reward functions")
+    if not (rl.tools or rl.environment):
+        return
+    if rl.tools:
+        rl.tools = ",".join(check_callable(x.strip(), "rl.tools") for x in rl.tools.split(","))
+    if rl.environment:
+        rl.environment = check_callable(rl.environment, "rl.environment")
+    _positive(rl, "rl", "max_turns", "max_tool_calls", "tool_timeout_s")
+    if rl.max_episode_tokens is not None:
+        _positive(rl, "rl", "max_episode_tokens")
+        if rl.max_episode_tokens < rl.max_new_tokens:
+            raise ConfigError("rl.max_episode_tokens", f"{rl.max_episode_tokens} < rl.max_new_tokens="
+                              f"{rl.max_new_tokens}: an episode could not hold one whole turn",
+                              f"set it >= {rl.max_new_tokens}, or null (rl.max_new_tokens x rl.max_turns)")
+    where = "rl.tools" if rl.tools else "rl.environment"
+    if cfg.placement.strategy not in ("single", "auto"):
+        raise ConfigError(where, f"multi-turn episodes run in one process for now, not with placement.strategy="
+                          f"{cfg.placement.strategy}", "set placement.strategy=single")
+    if rl.max_staleness:
+        raise ConfigError(where, "multi-turn episodes run in the synchronous loop for now",
+                          "set rl.max_staleness=0")
+
+
 def _positive(cfg_section, section: str, *names: str, allow_zero: bool = False):
     for n in names:
         v = getattr(cfg_section, n)
@@ -267,7 +295,8 @@ def _validate_rl(cfg: Config) -> None:
     if rl.skip_zero_advantage and rl.train_parallel.startswith("pipeline"):
         raise ConfigError("rl.skip_zero_advantage", f"the pipeline schedule (rl.train_parallel={rl.train_parallel}) "
                           f"runs a fixed number of micro-batches", "set rl.train_parallel=data or the option false")
-    specs = [] if rl.reward == "rm" else [x.strip() for x in rl.reward.split(",")]
+    _episodes(cfg)
+    specs = [] if rl.reward in ("rm", "environment") else [x.strip() for x in rl.reward.split(",")]
     if specs:  # each function found now (no user code runs yet), a file path kept absolute
         rl.reward = ",".join(check_callable(x, "rl.reward") for x in specs)
     if rl.reward_weights is not None:

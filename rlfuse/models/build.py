@@ -174,7 +174,7 @@ def reward_function(source: str, tokenizer, device, weights: list[float] | None 
     "function:module:name[,module:name...]", Python reward functions (models/rewards.py) summed with `weights`
     (Role.source of the reward)."""
     if source.startswith("function:"):
-        specs = source.removeprefix("function:").split(",")
+        specs = [s for s in source.removeprefix("function:").split(",") if s.strip()]  # none: rl.reward=environment
         return FunctionReward([load_reward_function(s.strip()) for s in specs], weights, tokenizer)
     rm = frozen(load_reward_model(source, pad_token_id=tokenizer.pad_token_id), device)
     return reward_model_fn(rm, tokenizer.eos_token_id, tokenizer.pad_token_id)

@@ -48,6 +48,8 @@ class RewardSignature:
     """Those of them without a default."""
     any_column: bool
     """It takes **kwargs: every column is passed."""
+    takes_environments: bool = False
+    """It takes `environments`: each multi-turn episode's environment instance (None for a single-turn sample)."""
 
 
 def signature_of(fn: Callable) -> RewardSignature:
@@ -55,10 +57,12 @@ def signature_of(fn: Callable) -> RewardSignature:
         params = list(inspect.signature(fn).parameters.values())
     except (TypeError, ValueError):  # builtins and some callables have no signature: the older form
         return RewardSignature(False, frozenset(), frozenset(), False)
-    named = {p.name for p in params if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)} - {"prompts", "completions"}
+    # environments: a multi-turn episode's environment instances (rollout/episodes.py), not a data set column
+    named = {p.name for p in params if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)} - {
+        "prompts", "completions", "environments"}
     required = {p.name for p in params if p.name in named and p.default is p.empty}
     return RewardSignature("completions" in {p.name for p in params}, frozenset(named), frozenset(required),
-                           any(p.kind == p.VAR_KEYWORD for p in params))
+                           any(p.kind == p.VAR_KEYWORD for p in params), "environments" in {p.name for p in params})
 
 
 def weighted_sum(values: list[list[float | None]], weights: list[float]) -> list[float]:
@@ -195,6 +199,9 @@ class FunctionReward:
         self._abstained = self._scored = self._beyond = 0
 
     def __call__(self, samples) -> Tensor:
+        if not self.fns:  # rl.reward=environment: the episodes' environment reward alone (rollout/score.py)
+            self._scored += len(samples)
+            return torch.zeros(len(samples))
         decode = lambda ids: self.tokenizer.decode(ids, skip_special_tokens=True)
         forms = {sig.takes_completions for sig in self.signatures}  # decode only what some function reads
         completions = [decode(s.token_ids) for s in samples] if True in forms else None
@@ -220,9 +227,10 @@ class FunctionReward:
                 rows = [self.rows.get(tuple(s.prompt_ids)) for s in samples]
                 prompts = [r[0] if r else self.tokenizer.decode(s.prompt_ids, skip_special_tokens=True)
                            for r, s in zip(rows, samples)]
-                completions = [[{"role": "assistant", "content": c}] if isinstance(p, list) else c
-                               for p, c in zip(prompts, completions)]
+                completions = [completion_of(s, p, c) for s, p, c in zip(samples, prompts, completions)]
                 columns = self._columns(fn, sig, rows)
+                if sig.takes_environments:
+                    columns["environments"] = [getattr(s.episode, "environment", None) for s in samples]
                 with time_limit(limit, function_name(fn), len(samples)):
                     out = fn(prompts=prompts, completions=completions, **columns)
         except RewardTimeout:
@@ -271,6 +279,15 @@ class FunctionReward:
 
     def metrics(self) -> dict[str, float]:
         return metrics_of_sums([self.take_sums()])
+
+
+def completion_of(sample, prompt, text: str):
+    """A sample's completion as a reward function reads it: for a conversational prompt the messages after it (a
+    multi-turn episode's every turn and answer; a single turn's one assistant message), otherwise the text."""
+    episode = getattr(sample, "episode", None)
+    if isinstance(prompt, list):
+        return list(episode.messages) if episode is not None else [{"role": "assistant", "content": text}]
+    return text
 
 
 def metrics_of_sums(tallies: list[dict | None]) -> dict[str, float]:

@@ -112,6 +112,8 @@ def derive_roles(cfg) -> Roles:
     if rl.reward == "rm":
         roles.append(Role("reward", False, "rm", "actor" if shared else None,
                           "the reward model's adapter + score head on the shared base" if shared else "the reward model"))
+    elif rl.reward == "environment":  # no function: the episodes' environment reward alone (rollout/score.py)
+        roles.append(Role("reward", False, "function:", why="the environment's reward"))
     else:
         roles.append(Role("reward", False, f"function:{rl.reward}", why="a Python function of texts"))
     return Roles(tuple(roles))

@@ -152,14 +152,15 @@ class _Run:
     iterator: Iterator[Sample] | None = None
 
 
-def _row(pid: int, j: int, prompt: list[int], limit: int, tokens=(), logprobs=()) -> dict:
-    return {"pid": pid, "j": j, "prompt": prompt, "limit": limit, "tokens": list(tokens), "logprobs": list(logprobs)}
+def _row(pid: int, j: int, prompt: list[int], limit: int, tokens=(), logprobs=(), stop_from: int = 0) -> dict:
+    return {"pid": pid, "j": j, "prompt": prompt, "limit": limit, "tokens": list(tokens), "logprobs": list(logprobs),
+            "start": stop_from}
 
 
 def _queue_of(state: EngineState) -> list[_Entry]:
     """An exported state's rows (to re-prefill: prompt + tokens so far) and waiting prompts as queue entries."""
     queue = [_Entry(r.prompt_ids + r.token_ids, [_row(r.prompt_id, r.sample_index, list(r.prompt_ids), r.limit,
-                                                     r.token_ids, r.logprobs)]) for r in state.rows]
+                                                     r.token_ids, r.logprobs, r.stop_from)]) for r in state.rows]
     return queue + [_Entry(list(w.prompt_ids), [_row(w.prompt_id, j, list(w.prompt_ids), w.limits[j])
                                                 for j in range(w.k)]) for w in state.waiting]
 
@@ -292,11 +293,12 @@ class DecodeEngine:
         if run is None or run.iterator is None:
             raise RuntimeError("export_state: no generate() or resume() iterator is suspended on this engine")
         rows = [] if run.live is None else [
-            RowState(r["pid"], r["j"], r["prompt"], r["tokens"], r["logprobs"], r["limit"]) for r in run.live.rows]
+            RowState(r["pid"], r["j"], r["prompt"], r["tokens"], r["logprobs"], r["limit"], r["start"])
+            for r in run.live.rows]
         for e in run.queue:
             if e.rows[0]["tokens"]:  # an imported row not yet re-prefilled
                 r = e.rows[0]
-                rows.append(RowState(r["pid"], r["j"], r["prompt"], r["tokens"], r["logprobs"], r["limit"]))
+                rows.append(RowState(r["pid"], r["j"], r["prompt"], r["tokens"], r["logprobs"], r["limit"], r["start"]))
         waiting = [WaitingPrompt(e.rows[0]["pid"], e.ids, len(e.rows), [r["limit"] for r in e.rows])
                    for e in run.queue if not e.rows[0]["tokens"]]
         state = EngineState(run.seed, run.params, rows, waiting, list(run.outbox))
@@ -434,7 +436,7 @@ class DecodeEngine:
         for i, row in enumerate(live.rows):
             row["tokens"].append(int(tok_list[i]))
             row["logprobs"].append(lp_list[i])
-            reason = self._finish_reason(row["tokens"], params, row["limit"])
+            reason = self._finish_reason(row["tokens"], params, row["limit"], row["start"])
             if reason:
                 run.outbox.append(Sample(row["pid"], row["j"], list(row["prompt"]), row["tokens"],
                                          torch.tensor(row["logprobs"]), reason))
@@ -457,11 +459,11 @@ class DecodeEngine:
         raise UserError(f"{where}, though its weights are finite ({self.dtype}): the forward overflowed; decode in "
                         "float32 (rollout.generator_dtype=fp32, run.precision=fp32), or check the prompt")
 
-    def _finish_reason(self, tokens: list[int], params: SamplingParams, limit: int) -> str | None:
+    def _finish_reason(self, tokens: list[int], params: SamplingParams, limit: int, start: int = 0) -> str | None:
         if tokens[-1] == self.eos or tokens[-1] in params.stop_token_ids:
             return "eos"
         if params.stop_strings:
-            tail = self.tokenizer.decode(tokens[-8:])
+            tail = self.tokenizer.decode(tokens[max(start, len(tokens) - 8):])
             if any(s in tail for s in params.stop_strings):
                 return "stop"
         if len(tokens) >= limit:

@@ -73,6 +73,8 @@ class Experience:
     """A stale batch whose update is one optimiser step (one epoch, one mini-batch): every forward of the update runs
     on the weights it starts from, which are the proximal policy, so the proximal log-probs are the update's own
     forward, detached, and the scoring pass leaves them out (proximal_logprobs None)."""
+    episodes: list | None = None
+    """Per sample, its multi-turn episode's record (rollout/episodes.py EpisodeRecord); None: single-turn samples."""
     trained: Tensor | None = None
     """(N,) bool: the samples the update runs on (rl.skip_zero_advantage leaves out those whose advantage is 0 at
     every token); None: all of them."""
@@ -119,6 +121,7 @@ def build_experience(scored: list[ScoredSample]) -> Experience:
         finish_reasons=[x.sample.finish_reason for x in scored],
         proximal_logprobs=(None if scored[0].proximal_logprobs is None
                            else _pad([x.proximal_logprobs for x in scored], T)),
+        episodes=None if scored[0].sample.episode is None else [x.sample.episode for x in scored],
     )
 
 

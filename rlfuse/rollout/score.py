@@ -46,7 +46,8 @@ class Scorer:
 
     def __init__(self, reward_fn, pad_id: int, ref=None, actor=None, critic=None, temperature: float = 1.0,
                  micro_batch_size: int = 16, recompute_old_logprobs: bool = False, unfinished_penalty: float = 0.0,
-                 share_prompt: bool = True, compute_dtype: torch.dtype | None = None):
+                 share_prompt: bool = True, compute_dtype: torch.dtype | None = None,
+                 environment_weight: float = 1.0):
         self.reward_fn, self.pad_id, self.ref, self.actor, self.critic = reward_fn, pad_id, ref, actor, critic
         self.compute_dtype = compute_dtype
         """The passes' autocast dtype (Models.compute_dtype: the update's, so that log-probs scored here and the
@@ -57,6 +58,8 @@ class Scorer:
         pass, never beside the decoding actor."""
         self.temperature, self.micro = temperature, micro_batch_size
         self.recompute_old, self.unfinished_penalty = recompute_old_logprobs, unfinished_penalty
+        self.environment_weight = environment_weight
+        """Weight of a multi-turn episode's environment reward (Sample.episode.reward) in the sum with reward_fn's."""
         self.times: dict[str, float] = defaultdict(float)
         roles = [ref or actor] + ([critic] if critic is not None else []) + ([actor] if recompute_old_logprobs else [])
         self.share_prompt, self.share = share_prompt, share_prompt and all(map(can_share, roles))
@@ -70,9 +73,9 @@ class Scorer:
     def _reward(self, chunk: list[Sample]) -> Tensor:
         """The reward; a reward model's (reward_model_fn) follows this scorer's share_prompt, a Python function of
         texts has nothing to share."""
-        if runs_a_model(self.reward_fn):
-            return self.reward_fn(chunk, share_prompt=self.share_prompt)
-        return self.reward_fn(chunk)
+        reward = (self.reward_fn(chunk, share_prompt=self.share_prompt) if runs_a_model(self.reward_fn)
+                  else self.reward_fn(chunk))
+        return reward + self.environment_weight * environment_rewards(chunk)
 
     def _order(self, samples: list[Sample]) -> list[Sample]:
         """Similar lengths together (less padding), or, sharing, a prompt's samples together where that puts fewer
@@ -187,6 +190,11 @@ class Scorer:
                 s.ref_logprobs = lp[b, : len(s.token_ids)]
         self.times["reference"] += time.perf_counter() - t
         return time.perf_counter() - t
+
+
+def environment_rewards(samples: list[Sample]) -> Tensor:
+    """Each sample's environment reward (a multi-turn episode's, rollout/episodes.py), 0 where it has none."""
+    return torch.tensor([float(getattr(s.episode, "reward", None) or 0.0) for s in samples])
 
 
 @torch.no_grad()

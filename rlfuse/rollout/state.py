@@ -53,6 +53,9 @@ class Sample:
     sampled: list[bool] | None = None
     """Per token of token_ids, whether the policy sampled it (False: a tool's or an environment's tokens appended to
     the sequence, which the update leaves out); None: every token was sampled (a single-turn completion)."""
+    episode: object = None
+    """A multi-turn episode's record (rollout/episodes.py EpisodeRecord: its messages, tool calls, faults, the
+    environment's reward); None: a single-turn completion."""
 
 
 @dataclass
@@ -66,6 +69,9 @@ class RowState:
     """Sampling log-probs of token_ids."""
     limit: int
     """The most new tokens this sample may have (max_new_tokens, or lengths(prompt_id, sample_index))."""
+    stop_from: int = 0
+    """Stop strings are looked for in token_ids from this index on: an episode's new turn (rollout/episodes.py),
+    whose answer's text must not end it."""
 
     @property
     def position(self) -> int:

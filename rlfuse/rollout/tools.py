@@ -22,7 +22,7 @@ from dataclasses import dataclass
 
 TOOL_CALL = re.compile(r"<tool_call>\s*(.*?)\s*</tool_call>", re.S)
 
-FAULTS = ("raised", "not_text", "timeout", "printed", "unknown_tool", "bad_call")
+FAULTS = ("raised", "not_text", "timeout", "printed", "unknown_tool", "bad_call", "too_many_calls")
 """Every fault a tool call can have, as ToolResult.fault names it."""
 
 _JSON_TYPES = {str: "string", int: "integer", float: "number", bool: "boolean", list: "array", dict: "object"}
@@ -84,7 +84,7 @@ def tool_schema(fn) -> dict:
     description, arg_docs = _docstring_parts(fn)
     properties, required = {}, []
     for name, param in inspect.signature(fn).parameters.items():
-        if param.kind in (param.VAR_POSITIONAL, param.VAR_KEYWORD):
+        if param.kind in (param.VAR_POSITIONAL, param.VAR_KEYWORD) or name == "self":  # an environment's method
             continue
         prop = _json_type(hints.get(name, str))
         if name in arg_docs:

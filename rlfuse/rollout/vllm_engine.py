@@ -30,7 +30,7 @@ from rlfuse.errors import UserError, first_line
 from rlfuse.models.weights import DeferredTensor
 from rlfuse.rollout.engine import EngineStats, check_sampling, checked_prompt_ids
 from rlfuse.rollout.generator import ENGINES
-from rlfuse.rollout.state import Sample, SamplingParams
+from rlfuse.rollout.state import EngineState, RowState, Sample, SamplingParams
 from rlfuse.rollout.streams import absorb, seed_state
 from rlfuse.rollout.weights import NamedTensors
 
@@ -106,6 +106,9 @@ class VllmEngine:
         self.stats = EngineStats()
         self.live_rows = 0
         self._calls = 0
+        self._owner: dict[str, RowState] = {}
+        """The running call's requests not yet finished, by request id."""
+        self._seed, self._params = None, None
         self.expected = checkpoint_names(folder)
         """The tensors a sync must bring before vLLM reloads (its checkpoint's, the tied output head left out)."""
         self._pending: dict[str, torch.Tensor] = {}
@@ -155,25 +158,40 @@ class VllmEngine:
         check_sampling(params)
         prompt_ids = checked_prompt_ids(prompts, prompt_ids)
         limit = lengths or (lambda pid, j: params.max_new_tokens)
+        rows = [RowState(pid, j, list(p), [], [], limit(pid, j)) for pid, p in zip(prompt_ids, prompts) for j in range(k)]
+        return self.resume(EngineState(seed, params, rows))
+
+    def resume(self, state: EngineState) -> Iterator[Sample]:
+        """Rows as new requests (prompt + tokens so far; a multi-turn episode's next turn), decoded to their limit;
+        each request's seed continues the row's: a function of (seed, prompt id, sample index, tokens so far)."""
+        check_sampling(state.params)
+        self._calls += 1
+        self.stats = EngineStats()
+        self._owner, self._seed, self._params = {}, state.seed, state.params
+        self.extend(state)
+        return self._loop(self._owner)
+
+    def extend(self, state: EngineState) -> None:
+        """Add rows to the running generate()/resume() iterator (DecodeEngine.extend's contract, rows only)."""
+        if (state.seed, state.params) != (self._seed, self._params):
+            raise ValueError("extend: the state was sampled with another seed or sampling params than this run")
+        engine, vllm, params = self.llm.llm_engine, self._vllm, state.params
         stops = tuple(params.stop_token_ids) + ((self.eos,) if self.eos is not None and self.eos >= 0 else ())
         params = SamplingParams(params.max_new_tokens, params.temperature, params.top_k, params.top_p,
                                 params.stop_strings, stops)
-        return self._run(prompts, prompt_ids, k, params, seed, limit)
+        for r in state.rows:
+            rid = f"{self._calls}:{r.prompt_id}:{r.sample_index}:{len(r.token_ids)}"
+            self._owner[rid] = r
+            seed = request_seed(state.seed, r.prompt_id, r.sample_index)
+            seed = absorb(seed, len(r.token_ids)) if r.token_ids else seed  # a continued row: a fresh draw
+            kwargs = sampling_kwargs(params, r.limit - len(r.token_ids), seed)
+            engine.add_request(rid, vllm.inputs.TokensPrompt(prompt_token_ids=r.prompt_ids + r.token_ids),
+                               vllm.SamplingParams(**kwargs))
+            self.stats.prefill_tokens += len(r.prompt_ids) + len(r.token_ids)
+        self.live_rows = len(self._owner)
 
-    def _run(self, prompts, prompt_ids, k, params, seed, limit) -> Iterator[Sample]:
-        engine, vllm = self.llm.llm_engine, self._vllm
-        self._calls += 1
-        self.stats = EngineStats()
-        owner = {}
-        for pid, p in zip(prompt_ids, prompts):
-            for j in range(k):
-                rid = f"{self._calls}:{pid}:{j}"
-                owner[rid] = (pid, j, list(p))
-                kwargs = sampling_kwargs(params, limit(pid, j), request_seed(seed, pid, j))
-                engine.add_request(rid, vllm.inputs.TokensPrompt(prompt_token_ids=list(p)),
-                                   vllm.SamplingParams(**kwargs))
-                self.stats.prefill_tokens += len(p)
-        self.live_rows = len(owner)
+    def _loop(self, owner: dict) -> Iterator[Sample]:
+        engine = self.llm.llm_engine
         try:
             while owner:
                 outputs = engine.step()
@@ -183,11 +201,12 @@ class VllmEngine:
                 finished = []
                 for out in outputs:
                     if out.finished and out.request_id in owner:
-                        pid, j, prompt = owner.pop(out.request_id)
+                        r = owner.pop(out.request_id)
                         c = out.outputs[0]
                         tokens = list(c.token_ids)
-                        logprobs = torch.tensor([d[t].logprob for d, t in zip(c.logprobs, tokens)], dtype=torch.float32)
-                        finished.append(Sample(pid, j, prompt, tokens, logprobs,
+                        logprobs = [d[t].logprob for d, t in zip(c.logprobs, tokens)]
+                        finished.append(Sample(r.prompt_id, r.sample_index, list(r.prompt_ids), r.token_ids + tokens,
+                                               torch.tensor(r.logprobs + logprobs, dtype=torch.float32),
                                                finish_reason(c.finish_reason, c.stop_reason)))
                 self.live_rows = len(owner)
                 yield from finished

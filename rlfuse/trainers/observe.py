@@ -14,6 +14,7 @@ from rlfuse.algos.stats import explained_variance, zero_spread_fraction
 from rlfuse.config import RLConfig
 from rlfuse.data.gold import gold_reward
 from rlfuse.evaluation import evaluate
+from rlfuse.rollout.episodes import episode_metrics
 from rlfuse.rollout.fusion import Experience
 from rlfuse.runtime.local import release_decode_copy, sync_weights
 
@@ -83,4 +84,7 @@ def rollout_metrics(exp: Experience, kl, returns, kl_coef: float, max_new: int) 
         m["train/explained_variance"] = float(explained_variance(exp.values, returns, exp.mask))
     if exp.proximal_logprobs is not None:  # scored beside the sampler's: the train-inference gap
         m |= logprob_mismatch(exp.logprobs, exp.proximal_logprobs, exp.mask)
+    if exp.episodes is not None:  # multi-turn: turns, tool calls and faults, truncation, sampled vs appended tokens
+        sampled = int(exp.mask.sum())
+        m |= episode_metrics(exp.episodes, sampled, sum(len(r) for r in exp.response_ids) - sampled)
     return m

@@ -39,7 +39,8 @@ from rlfuse.algos.kl import AdaptiveKLController, FixedKLController
 from rlfuse.algos.schedules import scheduled_value
 from rlfuse.config import Config, RLConfig, fusion_on, save_config
 from rlfuse.config.algorithms import ALGORITHMS
-from rlfuse.data.chat import set_chat_template
+from rlfuse.config.callables import load_callable
+from rlfuse.data.chat import require_template, set_chat_template
 from rlfuse.data.curriculum import prompt_batch
 from rlfuse.data.prompts import encode_prompts, model_context, prompt_budget
 from rlfuse.data.stages import rl_prompt_rows
@@ -62,6 +63,7 @@ from rlfuse.models.prompt_workload import resolve_measured
 from rlfuse.models.quantize import choose_cpu_heap
 from rlfuse.models.rewards import attach_rows, reset_reward_metrics, reward_metrics
 from rlfuse.plan.planner import predicted_memory
+from rlfuse.rollout.episodes import EpisodeGenerator, EpisodeLimits, Episodes, check_episode_template, episode_prompt
 from rlfuse.rollout.fusion import FusionPolicy
 from rlfuse.rollout.state import RolloutRequest, SamplingParams
 from rlfuse.runtime.backend import build_placement, uses_ray
@@ -124,10 +126,15 @@ def train_rl(cfg: Config, run_dir: Path, log=print, resume: bool = False, on_rea
     models = build_models(cfg, run_dir, device, weight_layout=kept_layout(layout_file, cfg) if resume else None)
     keep_layout(layout_file, models.generator)
     tok, gold = models.tokenizer, cfg.data.kind == "synthetic"
-    run_prompts = build_prompts(cfg, models, task, log)
+    episodes = episode_settings(cfg, tok)  # None: single-turn completions
+    run_prompts = build_prompts(cfg, models, task, log, episodes)
     train_prompts, held_prompts = run_prompts.train, run_prompts.held_out
-    max_model_len = max(len(p) for p in train_prompts + held_prompts) + rl.max_new_tokens  # vLLM's requests
+    response_tokens = episodes.limits.max_tokens if episodes is not None else rl.max_new_tokens
+    max_model_len = max(len(p) for p in train_prompts + held_prompts) + response_tokens  # vLLM's requests
     engine = build_generator(cfg, models, max_model_len, log)
+    if episodes is not None:  # a generator whose samples are whole episodes (rollout/episodes.py)
+        engine = EpisodeGenerator(engine, episodes)
+        log(f"[rl] episodes: {episodes.describe()}")
     scorer = local_scorer(models, cfg)
     fusion = FusionPolicy(fusion_on(cfg), cfg.rollout.score_every, cfg.rollout.live_below)
     params = sampling_params(models, rl, rl.temperature)
@@ -273,17 +280,39 @@ class RunPrompts:
                 "eval_prompts_truncated": self.cut_held_out}
 
 
-def build_prompts(cfg: Config, models: Models, task, log) -> RunPrompts:
+def episode_settings(cfg: Config, tokenizer) -> Episodes | None:
+    """rl.tools and rl.environment loaded, with the episode limits; None where neither is set."""
+    rl = cfg.rl
+    if not (rl.tools or rl.environment):
+        return None
+    tools = [load_callable(spec, "rl.tools") for spec in (rl.tools or "").split(",") if spec]
+    limits = EpisodeLimits(rl.max_turns, rl.max_tool_calls, rl.max_episode_tokens or rl.max_new_tokens * rl.max_turns,
+                           rl.max_new_tokens, rl.tool_timeout_s)
+    return Episodes(tokenizer, {fn.__name__: fn for fn in tools},
+                    load_callable(rl.environment, "rl.environment") if rl.environment else None, limits)
+
+
+def build_prompts(cfg: Config, models: Models, task, log, episodes: Episodes | None = None) -> RunPrompts:
     """The data's RL prompt rows encoded (data/stages.py rl_prompt_rows), each prompt's row handed to the reward
-    functions that read its columns, and one log line when any prompt was cut."""
+    functions that read its columns (and to the episodes' environments), and one log line when any prompt was cut.
+    With episodes, each prompt is rendered as a chat with the tools described in its system turn, after checking
+    that the chat template appends a turn without rewriting the earlier ones."""
     tok = models.tokenizer
     set_chat_template(tok, cfg.data.chat_template)
     train_rows, held_rows = rl_prompt_rows(cfg, task, log)
     held_rows = held_rows[: cfg.rl.eval_prompts]
     budget = prompt_budget(cfg.rl, model_context(models.actor.config))
-    train, cut = encode_prompts(tok, [r.prompt for r in train_rows], budget)
-    held, cut_held = encode_prompts(tok, [r.prompt for r in held_rows], budget)
+    shown = lambda rows: [r.prompt for r in rows]
+    if episodes is not None:
+        require_template(tok, "multi-turn episodes (rl.tools, rl.environment)")
+        schemas = episodes.schemas
+        shown = lambda rows: [episode_prompt(r.prompt, schemas) for r in rows]
+        check_episode_template(tok, shown(train_rows[:1])[0], episodes)
+    train, cut = encode_prompts(tok, shown(train_rows), budget)
+    held, cut_held = encode_prompts(tok, shown(held_rows), budget)
     attach_rows(models.reward_fn, train + held, train_rows + held_rows)
+    if episodes is not None:
+        episodes.rows = {tuple(ids): (r.prompt, r.columns) for ids, r in zip(train + held, train_rows + held_rows)}
     if cut or cut_held:  # left-truncated: the end of a prompt is what the response continues
         log(f"[rl] prompts cut to their last {budget} tokens: {cut} of {len(train)} train, {cut_held} of "
             f"{len(held)} held out")
