@@ -56,7 +56,8 @@ def evaluate(models, engine: DecodeEngine, prompts: list[list[int]], rl: RLConfi
     # any update on SmolLM2's hh replies, docs/benchmarks/real_model.md)
     scorer = Scorer(models.reward_fn, models.tokenizer.pad_token_id, ref=models.ref, actor=models.actor,
                     temperature=t, micro_batch_size=EVAL_SCORE_ROWS, compute_dtype=models.compute_dtype,
-                    recompute_old_logprobs=models.compute_dtype is not None)
+                    recompute_old_logprobs=models.compute_dtype is not None,
+                    environment_weight=rl.environment_reward_weight)
     params = sampling_params(models, rl, t)
     exp = generate_rollouts(engine, scorer, prompts, 1, params, seed, FusionPolicy(True))
     texts = texts_of(exp, models.tokenizer)

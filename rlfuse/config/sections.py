@@ -304,6 +304,10 @@ class RLConfig:
     rl.max_turns. rl.max_new_tokens bounds each turn."""
     tool_timeout_s: float = 10.0
     """Episodes: seconds a tool call may take; a slower one answers with a timeout error and the episode goes on."""
+    overlap_tools: bool = False
+    """Episodes: decode the other episodes while a turn's tools run (faster with slow tools). The episodes are the
+    same token for token either way, but the log-probs' last bits then follow the tools' timing, so a run no longer
+    repeats bit for bit; false waits for each answer before the next decode step."""
     environment_reward_weight: float = 1.0
     """Episodes: weight of the environment's reward (its `reward`, or the sum of its step rewards) added to rl.reward's."""
     critic_init: str = "rm"

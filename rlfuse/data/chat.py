@@ -91,14 +91,16 @@ def assistant_spans(tokenizer, messages: Messages) -> tuple[list[tuple[int, int]
     return spans, done
 
 
-def next_segment(tokenizer, conversation: Messages, new: Messages) -> str:
+def next_segment(tokenizer, conversation: Messages, new: Messages, closed: bool = True) -> str:
     """The text to append after the conversation's last turn, up to its end-of-turn marker (where the policy stopped
     sampling), so that the sequence reads as `conversation + new` rendered with the assistant's header after it:
     a multi-turn episode appends a tool's or an environment's message as the ids of this text alone, never
-    re-encoding the tokens the policy sampled. DataError where the template renders the conversation differently
-    once more turns follow (its rendering is then no prefix of the longer one)."""
+    re-encoding the tokens the policy sampled. closed=False: the last turn stopped at its text's end (a stop
+    string), before its end-of-turn marker, which then opens the segment. DataError where the template renders the
+    conversation differently once more turns follow (its rendering is then no prefix of the longer one)."""
     head, last = render_completion(tokenizer, conversation[:-1], conversation[-1:])
-    done = head + last
+    content = conversation[-1]["content"]
+    done = head + (last if closed or content not in last else last[: last.rindex(content) + len(content)])
     full = render_prompt(tokenizer, conversation + new)
     if not full.startswith(done):
         raise DataError("chat template", "the conversation rendered with one more turn does not start with the "

@@ -17,8 +17,9 @@ advantages read only those.
 
 EpisodeGenerator wraps an engine (rollout/generator.py) and is itself a Generator whose samples are finished
 episodes, so the rollout loop, fusion and the evaluation run episodes unchanged. An episode whose turn ended is
-answered on a thread pool while the engine decodes the others; its next turn joins the engine's running batch
-(`extend`) or, when nothing else decodes, starts it again (`resume`). Each row's random stream is keyed by (seed,
+answered on a thread pool (with rl.overlap_tools, while the engine decodes the others; otherwise before its next
+decode step, so that a run repeats bit for bit); its next turn joins the engine's running batch (`extend`) or,
+when nothing else decodes, starts it again (`resume`). Each row's random stream is keyed by (seed,
 prompt id, sample index) and continues at its position, so on our engine an episode's tokens depend only on the
 seed, the prompt and the answers, never on which episodes shared its batch.
 """
@@ -110,6 +111,11 @@ class Episodes:
     environment: Callable | None = None
     limits: EpisodeLimits = EpisodeLimits()
     rows: dict = field(default_factory=dict)
+    overlap_tools: bool = False
+    """Decode the other episodes while a turn is answered (rl.overlap_tools). False: each answer is waited for
+    before the engine's next decode step, so every row joins the batch at the same step in every run and the run
+    repeats bit for bit; True: a slow tool never holds decoding up, and the episodes are the same token for token,
+    but which rows share a decode step, and so the last bits of the recorded log-probs, follow the tools' timing."""
 
     @functools.cached_property
     def schemas(self) -> list[dict]:
@@ -222,12 +228,13 @@ class Session:
         self.record.faults[fault] = self.record.faults.get(fault, 0) + 1
 
     def finish(self) -> EpisodeRecord:
-        """The record, with the environment's reward read now that the episode is over."""
+        """The record, with the environment's reward read now that the episode is over: its `reward` (an attribute, a
+        property or a method), else the sum of its step rewards."""
         env, rec = self.env, self.record
         if env is not None:
-            if gym_style(type(env)):
-                rec.reward = self._step_reward
-            elif hasattr(env, "reward"):
+            if not hasattr(env, "reward"):  # a Gym-style environment's step rewards, summed; none for a tool one
+                rec.reward = self._step_reward if gym_style(type(env)) else None
+            else:
                 try:
                     value = env.reward() if callable(env.reward) else env.reward
                 except Exception as e:  # noqa: BLE001 - the user's environment: one line, naming it
@@ -321,6 +328,8 @@ class EpisodeGenerator:
                     continue
                 self._waiting += 1
                 ep.answer = self._answers.submit(ep.session.answer, reply, self._tools)
+                if not self.episodes.overlap_tools:  # answered before the next decode step: the same step every run
+                    concurrent.futures.wait([ep.answer])
                 rows, finished = self._answered(live, limits, params)
                 yield from finished
                 if rows:
@@ -349,7 +358,7 @@ class EpisodeGenerator:
                 finished.append(self._finish(live.pop(key)))
                 continue
             segment = encode_rendered(self.episodes.tokenizer, next_segment(
-                self.episodes.tokenizer, ep.session.conversation + rec.messages, messages))
+                self.episodes.tokenizer, ep.session.conversation + rec.messages, messages, s.finish_reason == "eos"))
             rec.messages += messages
             used = len(s.token_ids) + len(segment)
             if used >= limits.max_tokens:

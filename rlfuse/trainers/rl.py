@@ -289,7 +289,8 @@ def episode_settings(cfg: Config, tokenizer) -> Episodes | None:
     limits = EpisodeLimits(rl.max_turns, rl.max_tool_calls, rl.max_episode_tokens or rl.max_new_tokens * rl.max_turns,
                            rl.max_new_tokens, rl.tool_timeout_s)
     return Episodes(tokenizer, {fn.__name__: fn for fn in tools},
-                    load_callable(rl.environment, "rl.environment") if rl.environment else None, limits)
+                    load_callable(rl.environment, "rl.environment") if rl.environment else None, limits,
+                    overlap_tools=rl.overlap_tools)
 
 
 def build_prompts(cfg: Config, models: Models, task, log, episodes: Episodes | None = None) -> RunPrompts:

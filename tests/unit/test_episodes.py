@@ -14,7 +14,7 @@ from torch.testing import assert_close
 
 from rlfuse.algos.advantages import gae_advantages
 from rlfuse.algos.kl import kl_shaped_rewards
-from rlfuse.data.chat import CHATML
+from rlfuse.data.chat import CHATML, next_segment
 from rlfuse.errors import DataError, UserError
 from rlfuse.rollout.engine import EngineStats
 from rlfuse.rollout.episodes import (EpisodeGenerator, EpisodeLimits, Episodes, check_episode_template,
@@ -182,6 +182,13 @@ def test_the_loss_and_kl_leave_the_tool_tokens_out(tiny):
     assert abs(c - a) > 1e-3  # the same change at sampled tokens does move it
 
 
+def test_a_turn_ended_by_a_stop_string_is_closed_by_the_segment():
+    tok = CharTok()
+    conversation = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "guess 5"}]
+    assert next_segment(tok, conversation, [{"role": "user", "content": "higher"}], closed=False) == \
+        "<|im_end|>\n<|im_start|>user\nhigher<|im_end|>\n<|im_start|>assistant\n"
+
+
 def test_limits_truncate_and_say_which():
     loop = [call("add", a=1, b=1) + END] * 5
     [s], _ = run({(0, 0): loop}, max_turns=2)
@@ -327,7 +334,7 @@ def tiny(tiny_task):
     return tok, load_causal_lm(str(tiny_task.model_dir)).eval()
 
 
-def tiny_episodes(tiny, max_rows, seed=3):
+def tiny_episodes(tiny, max_rows, seed=3, overlap=False):
     from rlfuse.data.prompts import encode_prompt
     from rlfuse.rollout.engine import DecodeEngine
 
@@ -336,6 +343,7 @@ def tiny_episodes(tiny, max_rows, seed=3):
     episodes = Episodes(tok, {}, Echo, EpisodeLimits(max_turns=3, max_tokens=90, turn_tokens=12))
     prompts = [encode_prompt(tok, episode_prompt(p, [])) for p, _ in rows]
     episodes.rows = {tuple(ids): row for ids, row in zip(prompts, rows)}
+    episodes.overlap_tools = overlap
     gen = EpisodeGenerator(DecodeEngine(model, tok.eos_token_id, max_rows=max_rows, tokenizer=tok), episodes)
     # a third of the vocabulary ends a turn, so a random tiny model's turns end before the limit
     params = SamplingParams(max_new_tokens=12, stop_token_ids=tuple(range(0, 1024, 3)))
@@ -345,8 +353,10 @@ def tiny_episodes(tiny, max_rows, seed=3):
 def test_same_episodes_whatever_the_batch(tiny):
     _, one = tiny_episodes(tiny, max_rows=1)
     _, many = tiny_episodes(tiny, max_rows=64)
+    _, overlapped = tiny_episodes(tiny, max_rows=64, overlap=True)  # rows rejoin as their answers come
     assert [s.episode.turns for s in one] and max(s.episode.turns for s in one) >= 2
-    for a, b in zip(one, many):
+    for a, b, c in zip(one, many, overlapped):
+        assert b.token_ids == c.token_ids and b.episode.messages == c.episode.messages
         assert a.token_ids == b.token_ids and a.sampled == b.sampled
         assert a.episode.messages == b.episode.messages and a.episode.reward == b.episode.reward
         assert_close(a.logprobs, b.logprobs)
