@@ -74,6 +74,9 @@ def _plain_overrides(overrides: Overrides) -> dict | list:
             value = reward_spec(value)
         elif key == "rl.reward" and isinstance(value, (list, tuple)):  # several functions, summed (rl.reward_weights)
             value = ",".join(reward_spec(f) if callable(f) else str(f) for f in value)
+        elif key in ("rl.tools", "rl.environment"):  # tool functions, an environment class: kept by name like rewards
+            value = ",".join(reward_spec(f, key) if callable(f) else str(f)
+                             for f in (value if isinstance(value, (list, tuple)) else [value]))
         out[key] = value
     return out
 
@@ -88,9 +91,12 @@ def _stage_config(config: ConfigLike, overrides: Overrides, run_dir, log: Callab
     plain = _plain_overrides(overrides)
     if isinstance(plain, dict) or not plain:
         cfg = load_config(config, {**(plain or {}), **_plain_overrides(updates)})
-    else:
-        cfg = load_config(config, plain)
-        cfg = config_from_dict(config_to_dict(cfg), _plain_overrides(updates)) if updates else cfg
+    else:  # text updates join the list, so that both are validated together (rl.reward=environment and environment=)
+        extra = _plain_overrides(updates)
+        texts = {k: v for k, v in extra.items() if isinstance(v, str)}
+        cfg = load_config(config, plain + [f"{k}={v}" for k, v in texts.items()])
+        rest = {k: v for k, v in extra.items() if k not in texts}
+        cfg = config_from_dict(config_to_dict(cfg), rest) if rest else cfg
     return resolved(cfg, log)
 
 
@@ -232,7 +238,8 @@ class RLResult:
 
 
 def train_rl(config: ConfigLike = None, run_dir: str | os.PathLike | None = None, *, overrides: Overrides = None,
-             reward: Callable | str | list | None = None, dataset=None, resume: bool = False, overwrite: bool = False,
+             reward: Callable | str | list | None = None, dataset=None, tools: list | None = None,
+             environment: type | str | None = None, resume: bool = False, overwrite: bool = False,
              log: Callable = log_stderr) -> RLResult:
     """Online RL (rl.algo) into RUN_DIR/rl from rl.sft_path / rl.rm_path (folders or hub ids) or RUN_DIR's sft/ and
     rm/ models; writes eval.json and report.html.
@@ -240,7 +247,8 @@ def train_rl(config: ConfigLike = None, run_dir: str | os.PathLike | None = None
     reward: overrides rl.reward with a reward function (f(prompts, completions, **columns) -> one float or None per
     completion, or the older f(texts)), a 'module:function' string, or a list of them (summed with
     rl.reward_weights). dataset: the prompts as a `datasets.Dataset` or list of row dicts (its other columns reach the
-    reward functions). An importable function is saved in config.yaml by its module:function; any other
+    reward functions). tools, environment: multi-turn episodes (rl.tools: functions the policy calls;
+    rl.environment: a class, one instance per episode, as TRL's environment_factory; docs/episodes.md). An importable function is saved in config.yaml by its module:function; any other
     callable (a lambda, a local function) works in this process, and resuming it needs reward= again.
     resume=True continues RUN_DIR from its last checkpoint, with its saved config.yaml unless config is given
     (overrides apply either way). A RUN_DIR that already holds an RL stage is refused unless resume or overwrite=True
@@ -250,7 +258,8 @@ def train_rl(config: ConfigLike = None, run_dir: str | os.PathLike | None = None
     config = _resume_config(config, run_dir) if resume else config
     with claim_run_folder(_run_folder(config, overrides, run_dir), "rl", resume=resume, overwrite=overwrite,
                           log=log) as folder:
-        cfg = _stage_config(config, overrides, folder, log, **{"rl.reward": reward},
+        cfg = _stage_config(config, overrides, folder, log, **{"rl.reward": reward, "rl.tools": tools or None,
+                                                             "rl.environment": environment},
                             **(_resumed_dataset(dataset, folder) if resume else _dataset_override(dataset, folder)))
         _refuse_live_reward_on_workers(cfg)
         on_resumed = _resume_rules(cfg, folder, log) if resume else _start_new(cfg, folder, "rl", overwrite, log)
@@ -272,13 +281,14 @@ class PipelineResult:
 
 def run_pipeline(config: ConfigLike = None, run_dir: str | os.PathLike | None = None, *, overrides: Overrides = None,
                  model=None, tokenizer=None, reward: Callable | str | list | None = None, dataset=None,
+                 tools: list | None = None, environment: type | str | None = None,
                  resume: bool = False, overwrite: bool = False, log: Callable = log_stderr) -> PipelineResult:
     """SFT, the reward model on the SFT backbone, then RL, into one run folder (what `rlfuse run` does). The reward
     model is trained only when a role loads from it (rl.reward=rm, or a critic from it); with reward functions and
     no such critic (GRPO or RLOO on a verifiable reward) its stage is skipped, and rm is None. resume=True keeps the
     finished stages of RUN_DIR and continues the one that was stopped from its last checkpoint; without it a RUN_DIR
     holding a run is refused unless overwrite=True (which removes it first). model/tokenizer/dataset as in train_sft,
-    reward as in train_rl."""
+    reward, tools and environment as in train_rl."""
     # torch and transformers load with the trainers, not with the API (`rlfuse --help` stays quick)
     from rlfuse.trainers.rl import train_rl as run_rl
     from rlfuse.trainers.rm import train_rm as run_rm
@@ -288,7 +298,8 @@ def run_pipeline(config: ConfigLike = None, run_dir: str | os.PathLike | None = 
     config = _resume_config(config, run_dir) if resume else config
     with claim_run_folder(_run_folder(config, overrides, run_dir), "run", resume=resume, overwrite=overwrite,
                           log=log) as folder:
-        cfg = _stage_config(config, overrides, folder, log, **{"rl.reward": reward,
+        cfg = _stage_config(config, overrides, folder, log, **{"rl.reward": reward, "rl.tools": tools or None,
+                                                             "rl.environment": environment,
                                                              "model.name": _model_override(model, tokenizer, folder,
                                                                                            resume, log)},
                             **(_resumed_dataset(dataset, folder) if resume else _dataset_override(dataset, folder)))

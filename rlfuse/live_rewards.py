@@ -13,12 +13,12 @@ from rlfuse.errors import UserError
 _LIVE: dict = {}
 
 
-def reward_spec(fn) -> str:
-    """rl.reward for a callable: its own `module:name` when that imports back to the same object in any process,
-    else `rlfuse.live_rewards:<its name>`, registered for this process."""
+def reward_spec(fn, field: str = "rl.reward") -> str:
+    """rl.reward (or rl.tools, rl.environment: `field`) for a callable: its own `module:name` when that imports back
+    to the same object in any process, else `rlfuse.live_rewards:<its name>`, registered for this process."""
     if not callable(fn):
-        raise UserError(f"config error: rl.reward: {fn!r} is not callable; pass a function of a list of texts that "
-                        "returns one float per text, or a 'module:function' string")
+        raise UserError(f"config error: {field}: {fn!r} is not callable; pass a function (a class for "
+                        "rl.environment), or a 'module:function' string")
     module, qualname = getattr(fn, "__module__", None), getattr(fn, "__qualname__", None)
     if module and module != "__main__" and qualname and re.fullmatch(r"\w+", qualname):
         try:

@@ -21,6 +21,30 @@ def gap(model, samples) -> float:
     return sampler_gap(model, samples)["mismatch/logprob_abs_mean"]
 
 
+class TwoTurns:
+    """Answers the first turn, ends the episode at the second."""
+
+    def reset(self, **row):
+        self.turn = 0
+
+    def step(self, text):
+        self.turn += 1
+        return "Say it again, in other words.", 0.0, self.turn >= 2
+
+
+def episode_samples(engine, tok, prompts):
+    from rlfuse.data.chat import end_of_turn_ids
+    from rlfuse.rollout.episodes import EpisodeGenerator, EpisodeLimits, Episodes
+    from rlfuse.rollout.state import SamplingParams
+
+    questions = ("What is 12 + 30?", "Name a colour.")
+    episodes = Episodes(tok, {}, TwoTurns, EpisodeLimits(max_turns=2, max_tokens=120, turn_tokens=24),
+                        rows={tuple(p): ([{"role": "user", "content": q}], {}) for p, q in zip(prompts, questions)})
+    params = SamplingParams(max_new_tokens=24, temperature=1.0, stop_token_ids=end_of_turn_ids(tok))
+    return sorted(EpisodeGenerator(engine, episodes).generate(prompts, 2, params, seed=3),
+                  key=lambda s: (s.prompt_id, s.sample_index))
+
+
 def main(run_dir: Path) -> None:
     from peft import LoraConfig, get_peft_model
     from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -59,6 +83,14 @@ def main(run_dir: Path) -> None:
                                              [(key(s), s.prompt_ids) for s in first])
     model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
     out["gap_base"] = gap(model, first)
+    # a 2-turn episode on each engine: the environment answers the first turn, the second ends it
+    for name, eng in (("vllm", engine), ("rlfuse", own)):
+        episodes = episode_samples(eng, tok, prompts)
+        out[f"episode_{name}"] = {
+            "turns": [s.episode.turns for s in episodes],
+            "roles": [[m["role"] for m in s.episode.messages] for s in episodes],
+            "masked": [s.sampled.count(False) for s in episodes],
+            "gap": gap(model, episodes)}
     # a LoRA actor whose adapters moved: its merged weights synced into vLLM make vLLM sample the actor
     torch.manual_seed(0)
     actor = get_peft_model(AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32),

@@ -6,7 +6,8 @@ The user's contract follows TRL's:
   by the policy with `<tool_call>{...}</tool_call>` and answered in `tool` turns;
 - an environment class (rl.environment): one instance per episode, `reset(**row)` with the prompt's data set row;
   either its public methods are the episode's tools (TRL's environment_factory), or it has a Gym-style
-  `step(text) -> (observation, reward, done)` whose observation comes back as a `user` turn (games, simulated users).
+  `step(text) -> (observation, reward, done)` whose observation comes back as a `user` turn (games, simulated users;
+  with rl.tools beside it, a reply that calls a tool gets the tool's answer and any other reply the step's).
   Its reward, where it has one (the `reward` attribute or method, or the sum of step rewards), is added to the
   reward functions' with rl.environment_reward_weight.
 
@@ -82,6 +83,11 @@ def environment_tools(env) -> dict[str, Callable]:
     reset/step/reward/close."""
     return {name: fn for name, fn in inspect.getmembers(env, callable)
             if not name.startswith("_") and name not in RESERVED and inspect.ismethod(fn)}
+
+
+def has_tool_call(reply: str) -> bool:
+    calls, bad = parse_tool_calls(reply)
+    return bool(calls or bad)
 
 
 def gym_style(env_class) -> bool:
@@ -193,8 +199,8 @@ class Session:
         environment said done)."""
         t = time.perf_counter()
         try:
-            if self.env is not None and gym_style(type(self.env)):
-                return self._step(reply)
+            if self.env is not None and gym_style(type(self.env)) and not (self.tools and has_tool_call(reply)):
+                return self._step(reply)  # a reply that calls a tool gets the tool's answer, any other the step's
             return self._call_tools(reply, pool)
         finally:
             self.record.tool_seconds += time.perf_counter() - t

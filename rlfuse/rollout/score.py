@@ -205,4 +205,8 @@ def sampler_gap(model, samples: list[Sample], temperature: float = 1.0) -> dict[
     mb = collate([s.prompt_ids for s in samples], [s.token_ids for s in samples], 0, next(model.parameters()).device)
     trainer = response_logprobs(model, mb, temperature).float().cpu()
     behaviour = torch.nn.utils.rnn.pad_sequence([s.logprobs for s in samples], batch_first=True)
-    return logprob_mismatch(behaviour, trainer, mb.mask.cpu())
+    # the tokens the sampler drew: an episode's tool and observation tokens have no sampling log-prob
+    sampled = torch.nn.utils.rnn.pad_sequence([torch.ones(len(s.token_ids)) if s.sampled is None else
+                                               torch.tensor(s.sampled, dtype=torch.float32) for s in samples],
+                                              batch_first=True)
+    return logprob_mismatch(behaviour, trainer, mb.mask.cpu() * sampled)

@@ -85,3 +85,15 @@ def test_vllm_on_a_separated_generation_worker(smoke):
     m = smoke["separated_metrics"]
     assert 0 < m["mismatch/logprob_abs_mean"] < 0.2 and m["rollout/length_mean"] > 0
     assert m["sync/bytes"] > 100e6
+
+
+def test_a_two_turn_episode_on_both_engines(smoke):
+    """The environment's answer goes in as tokens the policy did not sample; the log-probs of the ones it did are
+    the trainer's forward of the whole episode (close, as for single turns) on vLLM as on our engine."""
+    for name in ("vllm", "rlfuse"):
+        ep = smoke[f"episode_{name}"]
+        assert len(ep["turns"]) == 4 and all(t >= 1 for t in ep["turns"]) and max(ep["turns"]) == 2, (name, ep)
+        two = [i for i, t in enumerate(ep["turns"]) if t == 2]
+        assert all(ep["roles"][i] == ["assistant", "user", "assistant"] and ep["masked"][i] > 0 for i in two)
+        assert ep["gap"] < (0.05 if name == "vllm" else 1e-3), (name, ep["gap"])
+

@@ -258,6 +258,12 @@ def test_a_gym_style_environment_answers_in_user_turns():
         ids("6" + END)
 
 
+def test_tools_beside_a_gym_style_environment():
+    [s], _ = run({(0, 0): [call("add", a=2, b=2) + END, "4" + END, "6" + END]}, environment=Guess)
+    assert [m["content"] for m in s.episode.messages] == [call("add", a=2, b=2), "4", "4", "higher", "6"]
+    assert [m["role"] for m in s.episode.messages] == ["assistant", "tool", "assistant", "user", "assistant"]
+
+
 class Broken(Guess):
     def reset(self, answer, **row):
         raise KeyError("level")
@@ -377,3 +383,23 @@ def test_episode_logprobs_equal_one_forward_of_the_whole_episode(tiny):
     for b, s in enumerate(multi):
         sampled = torch.tensor(s.sampled)
         assert_close(s.logprobs[sampled], full[b, : len(s.token_ids)][sampled], atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.parametrize("overrides,field,fix", [
+    (["rl.reward=environment"], "rl.reward", "set rl.environment=module:Class"),
+    (["rl.tools=rlfuse.data.arithmetic:exact_match", "placement.strategy=colocated"], "rl.tools",
+     "set placement.strategy=single"),
+    (["rl.environment=rlfuse.data.arithmetic:exact_match", "rl.max_staleness=1", "placement.strategy=separated"],
+     "rl.environment", "set rl.max_staleness=0"),
+    (["rl.tools=rlfuse.data.arithmetic:exact_match", "rl.max_episode_tokens=10", "rl.max_new_tokens=48"],
+     "rl.max_episode_tokens", "set it >= 48"),
+    (["rl.tools=rlfuse.data.arithmetic:exact_match", "rl.max_turns=0"], "rl.max_turns", ""),
+    (["rl.tools=nowhere_module:fn"], "rl.tools", ""),
+])
+def test_episode_settings_are_checked_before_anything_loads(overrides, field, fix):
+    from rlfuse.config import load_config
+    from rlfuse.errors import ConfigError
+
+    with pytest.raises(ConfigError) as e:
+        load_config(None, overrides)
+    assert e.value.field == field and fix in str(e.value), str(e.value)
