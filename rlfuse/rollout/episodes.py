@@ -39,7 +39,8 @@ from rlfuse.data.chat import encode_rendered, next_segment
 from rlfuse.errors import DataError, UserError, first_line
 from rlfuse.rollout.generator import Capabilities
 from rlfuse.rollout.state import EngineState, RowState, Sample, SamplingParams
-from rlfuse.rollout.tools import ToolResult, call_tool, parse_tool_calls, tool_schema, tools_system_text
+from rlfuse.rollout.tools import (ToolResult, call_tool, parse_tool_calls, tool_prints_kept, tool_schema,
+                                  tools_system_text)
 
 RESERVED = {"reset", "step", "reward", "close"}
 """An environment's methods that are not tools."""
@@ -194,14 +195,14 @@ class Session:
                                             else {})
         self._step_reward = 0.0
 
-    def answer(self, reply: str, pool: concurrent.futures.Executor) -> tuple[list[dict], bool]:
+    def answer(self, reply: str) -> tuple[list[dict], bool]:
         """The messages answering the policy's reply, and whether the episode is over (no tool call, or the
         environment said done)."""
         t = time.perf_counter()
         try:
             if self.env is not None and gym_style(type(self.env)) and not (self.tools and has_tool_call(reply)):
                 return self._step(reply)  # a reply that calls a tool gets the tool's answer, any other the step's
-            return self._call_tools(reply, pool)
+            return self._call_tools(reply)
         finally:
             self.record.tool_seconds += time.perf_counter() - t
 
@@ -215,13 +216,13 @@ class Session:
         self._step_reward += float(reward or 0.0)
         return ([] if done else [{"role": "user", "content": str(observation)}]), bool(done)
 
-    def _call_tools(self, reply: str, pool) -> tuple[list[dict], bool]:
+    def _call_tools(self, reply: str) -> tuple[list[dict], bool]:
         calls, bad = parse_tool_calls(reply)
         if not calls and not bad:
             return [], True
         limit = self.episodes.limits.max_tool_calls
         results: list[ToolResult] = list(bad)
-        results += [call_tool(self.tools, c, self.episodes.limits.tool_timeout_s, pool) for c in calls[:limit]]
+        results += [call_tool(self.tools, c, self.episodes.limits.tool_timeout_s) for c in calls[:limit]]
         results += [ToolResult(c.name, f"error: more than {limit} tool calls in one turn; only the first {limit} ran",
                                "too_many_calls") for c in calls[limit:]]
         self.record.tool_calls += len(results)
@@ -270,7 +271,6 @@ class EpisodeGenerator:
                                          reproducible=cap.reproducible)
         self.name = getattr(engine, "name", "engine")
         self._answers = concurrent.futures.ThreadPoolExecutor(workers, thread_name_prefix="rlfuse-episode")
-        self._tools = concurrent.futures.ThreadPoolExecutor(workers, thread_name_prefix="rlfuse-tool")
         self._waiting = 0
 
     # the engine's own: weights, dtype, statistics
@@ -304,6 +304,10 @@ class EpisodeGenerator:
 
     def _run(self, turns: Iterator[Sample], params: SamplingParams, seed: int) -> Iterator[Sample]:
         limits, live = self.episodes.limits, {}
+        with tool_prints_kept():  # one stdout for the rollout's concurrent tool calls
+            yield from self._episodes(turns, params, seed, limits, live)
+
+    def _episodes(self, turns, params: SamplingParams, seed: int, limits: EpisodeLimits, live: dict):
         try:
             while True:
                 sample = next(turns, None)
@@ -333,7 +337,7 @@ class EpisodeGenerator:
                     yield self._finish(live.pop(key))
                     continue
                 self._waiting += 1
-                ep.answer = self._answers.submit(ep.session.answer, reply, self._tools)
+                ep.answer = self._answers.submit(ep.session.answer, reply)
                 if not self.episodes.overlap_tools:  # answered before the next decode step: the same step every run
                     concurrent.futures.wait([ep.answer])
                 rows, finished = self._answered(live, limits, params)

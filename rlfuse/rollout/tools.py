@@ -10,12 +10,13 @@ fault it was (ToolResult.fault), for the metrics.
 
 from __future__ import annotations
 
-import concurrent.futures
 import contextlib
 import inspect
 import io
 import json
 import re
+import sys
+import threading
 import types
 import typing
 from dataclasses import dataclass
@@ -123,29 +124,86 @@ def parse_tool_calls(text: str) -> tuple[list[ToolCall], list[ToolResult]]:
     return calls, bad
 
 
+class _ToolStdout:
+    """sys.stdout while tools run: what a tool's thread prints goes to that call's buffer, what any other thread
+    prints (the run's progress lines) to the stream it replaced. One for all calls: redirect_stdout per call would
+    swap the process's stdout from several threads at once and leave it pointing at a buffer."""
+
+    def __init__(self, base):
+        self.base, self.local = base, threading.local()
+
+    def write(self, text: str) -> int:
+        return (getattr(self.local, "buffer", None) or self.base).write(text)
+
+    def flush(self) -> None:
+        self.base.flush()
+
+    def __getattr__(self, name):
+        return getattr(self.base, name)
+
+
+_kept = {"users": 0, "proxy": None}
+_kept_lock = threading.Lock()
+
+
+@contextlib.contextmanager
+def tool_prints_kept():
+    """While open, tools' prints are kept off the terminal (call_tool counts them). Nested and concurrent uses share
+    one proxy, installed by the first to open and removed by the last to close."""
+    with _kept_lock:
+        if _kept["users"] == 0:
+            _kept["proxy"] = sys.stdout = _ToolStdout(sys.stdout)
+        _kept["users"] += 1
+    try:
+        yield
+    finally:
+        with _kept_lock:
+            _kept["users"] -= 1
+            if _kept["users"] == 0:
+                if sys.stdout is _kept["proxy"]:  # unless someone else replaced it meanwhile
+                    sys.stdout = _kept["proxy"].base
+                _kept["proxy"] = None
+
+
 def _run_quietly(fn, arguments: dict) -> tuple[object, str]:
-    """fn(**arguments) and what it printed (kept off the terminal: a progress bar's lines must stay the run's)."""
-    out = io.StringIO()
-    with contextlib.redirect_stdout(out):
-        value = fn(**arguments)
+    """fn(**arguments) and what it printed, in a tool's own thread under tool_prints_kept."""
+    proxy, out = sys.stdout, io.StringIO()
+    local = proxy.local if isinstance(proxy, _ToolStdout) else None
+    if local is not None:
+        local.buffer = out
+    value = fn(**arguments)
     return value, out.getvalue()
 
 
-def call_tool(tools: dict, call: ToolCall, timeout_s: float, pool: concurrent.futures.Executor) -> ToolResult:
-    """Run one call on `pool` (a thread pool: the decode loop goes on meanwhile) within timeout_s seconds; whatever
-    goes wrong becomes the result's text, with its fault. A hung tool's thread is left to finish on its own (Python
-    cannot kill a thread); its result is dropped."""
+def call_tool(tools: dict, call: ToolCall, timeout_s: float) -> ToolResult:
+    """Run one call on a thread of its own (the decode loop goes on meanwhile) within timeout_s seconds; whatever
+    goes wrong becomes the result's text, with its fault. A hung tool's thread is a daemon left to finish on its own
+    (Python cannot kill a thread): its result is dropped, and it holds up neither the run nor the process's exit."""
     fn = tools.get(call.name)
     if fn is None:
         return ToolResult(call.name, f"error: no tool named {call.name!r}; the tools are {', '.join(sorted(tools))}",
                           "unknown_tool")
-    future = pool.submit(_run_quietly, fn, call.arguments)
-    try:
-        value, printed = future.result(timeout=timeout_s)
-    except concurrent.futures.TimeoutError:
+    box: dict = {}
+    with tool_prints_kept():
+        return _called(fn, call, timeout_s, box)
+
+
+def _called(fn, call: ToolCall, timeout_s: float, box: dict) -> ToolResult:
+    def run():
+        try:
+            box["value"] = _run_quietly(fn, call.arguments)
+        except Exception as e:  # noqa: BLE001 - the user's tool: any exception is its answer
+            box["error"] = e
+
+    thread = threading.Thread(target=run, name=f"rlfuse-tool-{call.name}", daemon=True)
+    thread.start()
+    thread.join(timeout_s)
+    if thread.is_alive():
         return ToolResult(call.name, f"error: {call.name} did not answer within {timeout_s:g} s", "timeout")
-    except Exception as e:  # noqa: BLE001 - the user's tool: any exception is its answer
+    if "error" in box:
+        e = box["error"]
         return ToolResult(call.name, f"error: {call.name} raised {type(e).__name__}: {e}", "raised")
+    value, printed = box["value"]
     if isinstance(value, (int, float)) and not isinstance(value, bool):
         value = str(value)  # a calculator's number is text enough
     if not isinstance(value, str):

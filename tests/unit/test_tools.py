@@ -3,7 +3,7 @@ tool's message, and the chat segment a tool turn appends (token in, token out)."
 
 from __future__ import annotations
 
-import concurrent.futures
+import sys
 import time
 from typing import Literal, Optional
 
@@ -68,11 +68,12 @@ def test_every_fault_is_the_tools_message_not_a_crash():
         return "ok"
 
     tools = {f.__name__: f for f in (raises, not_text, hangs, prints, calculator)}
-    with concurrent.futures.ThreadPoolExecutor(2) as pool:
-        results = {name: call_tool(tools, ToolCall(name, {"x": 1}), 0.3, pool)
-                   for name in ("raises", "not_text", "hangs", "prints", "missing")}
-        good = call_tool(tools, ToolCall("calculator", {"expression": "6 * 7"}), 5, pool)
-        wrong_args = call_tool(tools, ToolCall("calculator", {"nope": 1}), 5, pool)
+    stdout = sys.stdout
+    results = {name: call_tool(tools, ToolCall(name, {"x": 1}), 0.3)
+               for name in ("raises", "not_text", "hangs", "prints", "missing")}
+    good = call_tool(tools, ToolCall("calculator", {"expression": "6 * 7"}), 5)
+    wrong_args = call_tool(tools, ToolCall("calculator", {"nope": 1}), 5)
+    assert sys.stdout is stdout  # the process's stdout is back as it was
     assert {n: r.fault for n, r in results.items()} == {"raises": "raised", "not_text": "not_text",
                                                          "hangs": "timeout", "prints": "printed",
                                                          "missing": "unknown_tool"}
@@ -111,3 +112,29 @@ def test_a_template_that_rewrites_earlier_turns_is_refused():
     conversation = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "hello"}]
     with pytest.raises(DataError, match="rewrites earlier turns.*chatml"):
         next_segment(tok, conversation, [{"role": "user", "content": "again"}])
+
+
+def test_concurrent_tools_leave_stdout_alone_and_a_hung_one_holds_no_exit():
+    """Tools printing from many threads at once: their prints are theirs, the process's stdout is untouched after;
+    a tool that never returns times out and the process still exits at once (its thread is a daemon)."""
+    import concurrent.futures
+    import subprocess
+
+    def noisy(x: int) -> str:
+        """Print a lot."""
+        for _ in range(50):
+            print("tool noise", x)
+        return str(x)
+
+    stdout = sys.stdout
+    with concurrent.futures.ThreadPoolExecutor(8) as pool:
+        results = list(pool.map(lambda i: call_tool({"noisy": noisy}, ToolCall("noisy", {"x": i}), 5), range(16)))
+    assert sys.stdout is stdout and [r.text for r in results] == [str(i) for i in range(16)]
+    assert all(r.fault == "printed" for r in results)
+    code = ("import time; from rlfuse.rollout.tools import ToolCall, call_tool\n"
+            "def hang(x: int) -> str:\n    time.sleep(600)\n"
+            "print(call_tool({'hang': hang}, ToolCall('hang', {'x': 1}), 0.2).fault)")
+    t = time.perf_counter()
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert done.stdout.strip() == "timeout" and time.perf_counter() - t < 30
+
