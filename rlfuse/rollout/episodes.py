@@ -36,11 +36,11 @@ from dataclasses import dataclass, field
 from typing import Callable, Iterator
 
 from rlfuse.data.chat import encode_rendered, next_segment
+from rlfuse.data.tool_text import tool_schema, tools_prompt
 from rlfuse.errors import DataError, UserError, first_line
 from rlfuse.rollout.generator import Capabilities
 from rlfuse.rollout.state import EngineState, RowState, Sample, SamplingParams
-from rlfuse.rollout.tools import (ToolResult, call_tool, parse_tool_calls, tool_prints_kept, tool_schema,
-                                  tools_system_text)
+from rlfuse.rollout.tools import ToolResult, call_tool, parse_tool_calls, tool_prints_kept
 
 RESERVED = {"reset", "step", "reward", "close"}
 """An environment's methods that are not tools."""
@@ -97,16 +97,8 @@ def gym_style(env_class) -> bool:
 
 
 def episode_prompt(prompt, schemas: list[dict]) -> list[dict]:
-    """The prompt as chat messages for an episode (a text prompt becomes one user turn), the tools described in a
-    system turn (tools_system_text, merged into the prompt's own system turn where it has one)."""
-    messages = [{"role": "user", "content": prompt}] if isinstance(prompt, str) else [dict(m) for m in prompt]
-    if not schemas:
-        return messages
-    text = tools_system_text(schemas)
-    if messages and messages[0]["role"] == "system":
-        messages[0]["content"] = messages[0]["content"] + "\n\n" + text
-        return messages
-    return [{"role": "system", "content": text}] + messages
+    """The prompt as an episode starts from (data/tool_text.py tools_prompt)."""
+    return tools_prompt(prompt, schemas)
 
 
 @dataclass

@@ -1,7 +1,7 @@
 """Tools for multi-turn episodes, as TRL users write them: plain Python functions whose type hints and docstring are
-the tool's JSON schema, called by the policy with a `<tool_call>{"name": ..., "arguments": {...}}</tool_call>` block
-(the format of Qwen's and Hermes' chat templates, which transformers renders `tools=` into), answered in a `tool`
-turn.
+the tool's JSON schema (data/tool_text.py), called by the policy with a `<tool_call>{"name": ..., "arguments":
+{...}}</tool_call>` block (the format of Qwen's and Hermes' chat templates, which transformers renders `tools=`
+into), answered in a `tool` turn.
 
 Everything a tool does wrong becomes the tool's message, never the run's failure: it raises, returns something that
 is not text, runs past its timeout, prints, or the call names no tool or is not JSON. Each such result says which
@@ -11,23 +11,18 @@ fault it was (ToolResult.fault), for the metrics.
 from __future__ import annotations
 
 import contextlib
-import inspect
 import io
 import json
 import re
 import sys
 import threading
-import types
-import typing
 from dataclasses import dataclass
+
 
 TOOL_CALL = re.compile(r"<tool_call>\s*(.*?)\s*</tool_call>", re.S)
 
 FAULTS = ("raised", "not_text", "timeout", "printed", "unknown_tool", "bad_call", "too_many_calls")
 """Every fault a tool call can have, as ToolResult.fault names it."""
-
-_JSON_TYPES = {str: "string", int: "integer", float: "number", bool: "boolean", list: "array", dict: "object"}
-
 
 @dataclass(frozen=True)
 class ToolCall:
@@ -42,68 +37,6 @@ class ToolResult:
     """The tool message's content: the tool's return value, or what went wrong."""
     fault: str | None = None
     """None, or one of FAULTS."""
-
-
-def _json_type(hint) -> dict:
-    origin = typing.get_origin(hint)
-    if origin in (typing.Union, types.UnionType):  # Optional[X], X | None
-        args = [a for a in typing.get_args(hint) if a is not type(None)]
-        return _json_type(args[0]) if len(args) == 1 else {}
-    if origin in (list, tuple):
-        args = typing.get_args(hint)
-        return {"type": "array", **({"items": _json_type(args[0])} if args else {})}
-    if origin is dict:
-        return {"type": "object"}
-    if origin is typing.Literal:
-        return {"enum": list(typing.get_args(hint))}
-    return {"type": _JSON_TYPES[hint]} if hint in _JSON_TYPES else {}
-
-
-def _docstring_parts(fn) -> tuple[str, dict[str, str]]:
-    """(description: the docstring's first paragraph, {argument: its line under Args:})."""
-    doc = inspect.getdoc(fn) or ""
-    description = doc.split("\n\n")[0].replace("\n", " ").strip()
-    args, inside = {}, False
-    for line in doc.splitlines():
-        if line.strip().lower() in ("args:", "arguments:", "parameters:"):
-            inside = True
-            continue
-        if inside:
-            m = re.match(r"\s+(\w+)(?:\s*\([^)]*\))?\s*:\s*(.*)", line)
-            if m:
-                args[m.group(1)] = m.group(2).strip()
-            elif line.strip() and not line.startswith((" ", "\t")):
-                inside = False
-    return description, args
-
-
-def tool_schema(fn) -> dict:
-    """The tool's schema in the OpenAI / transformers form {"type": "function", "function": {name, description,
-    parameters}}: parameters from the type hints (required: those without a default), descriptions from the
-    docstring's first paragraph and its Args: section."""
-    hints = typing.get_type_hints(fn)
-    description, arg_docs = _docstring_parts(fn)
-    properties, required = {}, []
-    for name, param in inspect.signature(fn).parameters.items():
-        if param.kind in (param.VAR_POSITIONAL, param.VAR_KEYWORD) or name == "self":  # an environment's method
-            continue
-        prop = _json_type(hints.get(name, str))
-        if name in arg_docs:
-            prop["description"] = arg_docs[name]
-        properties[name] = prop
-        if param.default is inspect.Parameter.empty:
-            required.append(name)
-    return {"type": "function", "function": {"name": fn.__name__, "description": description,
-                                             "parameters": {"type": "object", "properties": properties,
-                                                            "required": required}}}
-
-
-def tools_system_text(schemas: list[dict]) -> str:
-    """The tools described in a system turn, for a chat template with no tool section of its own (SmolLM2's plain
-    ChatML): the schemas as JSON lines and the call format."""
-    lines = "\n".join(json.dumps(s["function"]) for s in schemas)
-    return ("You can call these tools:\n" + lines + "\nTo call one, reply with <tool_call>{\"name\": NAME, "
-            "\"arguments\": {...}}</tool_call>; its result comes back in a tool message.")
 
 
 def parse_tool_calls(text: str) -> tuple[list[ToolCall], list[ToolResult]]:

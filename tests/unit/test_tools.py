@@ -11,7 +11,8 @@ import pytest
 
 from rlfuse.data.chat import CHATML, next_segment
 from rlfuse.errors import DataError
-from rlfuse.rollout.tools import (FAULTS, ToolCall, call_tool, parse_tool_calls, tool_schema, tools_system_text)
+from rlfuse.data.tool_text import tool_schema, tools_system_text
+from rlfuse.rollout.tools import FAULTS, ToolCall, call_tool, parse_tool_calls
 
 
 def calculator(expression: str, precision: int = 6) -> str:
