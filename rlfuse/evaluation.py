@@ -20,6 +20,7 @@ from rlfuse.models.rewards import runs_a_model
 from rlfuse.plan.memory import EVAL_SCORE_ROWS
 from rlfuse.files import write_text_atomic
 from rlfuse.rollout.engine import DecodeEngine, SamplingParams
+from rlfuse.rollout.episodes import episode_metrics
 from rlfuse.rollout.fusion import Experience, FusionPolicy, generate_rollouts
 from rlfuse.rollout.score import Scorer
 
@@ -69,6 +70,11 @@ def evaluate(models, engine: DecodeEngine, prompts: list[list[int]], rl: RLConfi
     }
     if gold:
         out.update(gold_summary(texts, [r != "length" for r in exp.finish_reasons]))
+    if exp.episodes is not None:  # multi-turn: turns, tool calls and how many were well formed, truncation
+        sampled = int(exp.mask.sum())
+        m = episode_metrics(exp.episodes, sampled, sum(len(r) for r in exp.response_ids) - sampled)
+        out.update({k.removeprefix("episode/"): v for k, v in m.items()
+                    if k in ("episode/turns", "episode/tool_calls", "episode/tool_calls_valid", "episode/truncated")})
     return out, texts
 
 

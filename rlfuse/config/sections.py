@@ -8,7 +8,7 @@ from typing import Any, Optional
 
 from rlfuse.config.algorithms import ALGORITHMS
 
-DATA_KINDS = ("synthetic", "arithmetic", "imdb", "hh_rlhf", "csv", "jsonl", "parquet", "hub")
+DATA_KINDS = ("synthetic", "arithmetic", "guessing", "imdb", "hh_rlhf", "csv", "jsonl", "parquet", "hub")
 QUANTIZATIONS = ("none", "4bit", "8bit")
 OPTIMIZERS = ("adamw", "adamw_8bit", "paged_adamw_8bit")
 TRACKERS = ("tensorboard", "wandb", "trackio", "mlflow")
@@ -57,7 +57,8 @@ class RunConfig:
 @dataclass
 class DataConfig:
     kind: str = "synthetic"
-    """synthetic (the embedded default task) | arithmetic (embedded word problems with a verifiable answer) | imdb |
+    """synthetic (the embedded default task) | arithmetic (embedded word problems with a verifiable answer) | guessing
+    (an embedded multi-turn number-guessing game, docs/episodes.md) | imdb |
     hh_rlhf | csv | jsonl | parquet | hub. csv, jsonl, parquet and hub rows may be in any of TRL's formats (text,
     prompt, prompt + completion, prompt + chosen + rejected, or messages), standard or conversational."""
     path: Optional[str] = None
@@ -99,7 +100,11 @@ class DataConfig:
     """Arithmetic task: 1 (a sum, or the larger or smaller of two numbers) | 2 (a number changed twice: gets some,
     then gives some away, or the other way round)."""
     max_operand: int = 9
-    """Arithmetic task: the largest number in a problem."""
+    """Arithmetic task: the largest number in a problem; guessing: the largest number to find."""
+    arithmetic_format: str = "text"
+    """Arithmetic task: text ("Question: ... Answer:" prompts) | chat (sums, differences and products of large
+    numbers asked in a chat, answered directly) | calculator (the same, the SFT demonstrations calling a calculator
+    tool: set rl.tools=rlfuse.data.arithmetic:calculator)."""
     arithmetic_working: bool = False
     """Arithmetic task: completions show their working ("12 + 5 = 17, and 17 - 3 = 14. The answer is 14.") instead of
     the bare answer: longer samples, and an answer that follows from the steps the model writes."""

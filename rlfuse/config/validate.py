@@ -144,6 +144,13 @@ def validate(cfg: Config) -> Config:
     if d.path and d.kind != "synthetic" and not Path(d.path).exists() and _looks_like_path(d.path):
         raise ConfigError("data.path", f"file {d.path!r} not found", "point data.path at an existing file")
     _positive(d, "data", "num_reviews", "max_length", "prompt_words")
+    _choice(d.arithmetic_format, "data.arithmetic_format", ("text", "chat", "calculator"))
+    if d.kind == "arithmetic" and d.arithmetic_format == "calculator" and "calculator" not in (cfg.rl.tools or ""):
+        raise ConfigError("data.arithmetic_format", "calculator: the demonstrations call a calculator tool that "
+                          "rl.tools does not give the policy", "set rl.tools=rlfuse.data.arithmetic:calculator")
+    if d.kind == "guessing" and not cfg.rl.environment:
+        raise ConfigError("data.kind", "guessing: a game played against an environment, but rl.environment is not "
+                          "set", "set rl.environment=rlfuse.data.guessing:GuessNumber and rl.reward=environment")
     if d.arithmetic_steps not in (1, 2):
         raise ConfigError("data.arithmetic_steps", f"{d.arithmetic_steps} is not one of 1, 2", "set 1 or 2")
     if d.max_operand < 4:

@@ -6,7 +6,8 @@ import random
 from dataclasses import dataclass
 
 from rlfuse.config import Config
-from rlfuse.data.arithmetic import problems, wrong_completion
+from rlfuse.data import guessing
+from rlfuse.data.arithmetic import chat_rows, demonstration, problems, wrong_completion
 from rlfuse.data.corpus import prompt_of
 from rlfuse.data.formats import cell, conversation_prompt, detect, is_empty, split_last_turn
 from rlfuse.data.gold import gold_score
@@ -37,8 +38,12 @@ def sft_examples(cfg: Config, task: DefaultTask | None, log=print) -> tuple[list
         return split([TextExample("", t) for t, _ in imdb_reviews(cfg, log)], "SFT examples")
     if kind == "hh_rlhf":
         return split([TextExample(p.prompt, p.chosen) for p in hh_pairs(cfg, log)], "SFT examples")
+    if kind == "guessing":
+        return split([TextExample(*guessing.demonstration(r)) for r in guessing_rows(cfg)], "SFT examples")
     if kind == "arithmetic":
-        return split([TextExample(r["prompt"], r["completion"]) for r in arithmetic_rows(cfg)], "SFT examples")
+        tools = cfg.data.arithmetic_format == "calculator"
+        return split([TextExample(*(demonstration(r, tools) if isinstance(r["prompt"], list) else
+                                    (r["prompt"], r["completion"]))) for r in arithmetic_rows(cfg)], "SFT examples")
     rows, src, fmt = generic_format(cfg, log)
     col, skip, out = fmt.columns, SkipCounter(src), []
     if "prompt" in col and "completion" in col:
@@ -217,6 +222,8 @@ def rl_prompt_rows(cfg: Config, task: DefaultTask | None, log=print) -> tuple[li
         return split(bare(p.prompt for p in hh_pairs(cfg, log) if p.prompt), "prompts")
     if kind == "arithmetic":
         return split([PromptRow(r["prompt"], {"answer": r["answer"]}) for r in arithmetic_rows(cfg)], "prompts")
+    if kind == "guessing":
+        return split([PromptRow(r["prompt"], {"target": r["target"]}) for r in guessing_rows(cfg)], "prompts")
     rows, src, fmt = generic_format(cfg, log)
     col = fmt.columns
     if "prompt" in col:  # a prompt column is the prompt, whole
@@ -238,7 +245,14 @@ def rl_prompt_rows(cfg: Config, task: DefaultTask | None, log=print) -> tuple[li
     return split(out, "prompts")
 
 
+def guessing_rows(cfg: Config) -> list[dict]:
+    return guessing.games(cfg.data.max_examples or ARITHMETIC_PROBLEMS, cfg.run.seed, cfg.data.max_operand)
+
+
 def arithmetic_rows(cfg: Config) -> list[dict]:
     d = cfg.data
+    if d.arithmetic_format != "text":
+        return chat_rows(d.max_examples or ARITHMETIC_PROBLEMS, cfg.run.seed, d.max_operand,
+                         d.arithmetic_format == "calculator")
     return problems(d.max_examples or ARITHMETIC_PROBLEMS, cfg.run.seed, d.max_operand, d.arithmetic_steps,
                     d.arithmetic_working)

@@ -396,6 +396,8 @@ def episode_metrics(records: list[EpisodeRecord], sampled: int, masked: int) -> 
     out = {"episode/turns": sum(r.turns for r in records) / n, "episode/tool_calls": calls / n,
            # a tool that printed still answered: counted as a fault, not as an error
            "episode/tool_error_rate": sum(c for f, c in faults.items() if f != "printed") / calls if calls else 0.0,
+           # well formed: valid JSON naming a tool the episode has (whatever the tool then did)
+           "episode/tool_calls_valid": (calls - faults["bad_call"] - faults["unknown_tool"]) / calls if calls else 0.0,
            "episode/truncated": sum(r.truncated is not None for r in records) / n,
            "episode/truncated_turns": sum(r.truncated == "turns" for r in records) / n,
            "episode/tokens_sampled": sampled / n, "episode/tokens_appended": masked / n,

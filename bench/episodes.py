@@ -1,0 +1,71 @@
+"""Multi-turn episodes learning on the real model: the calculator tool task against the same pipeline with tools off.
+
+    python -m bench.episodes                     # configs/smollm2_calculator.yaml and its tools-off twin, seeds 0 1 2
+    python -m bench.episodes --seeds 0           # one seed of each
+
+Each run is `rlfuse run configs/<config>.yaml run.seed=S` (a finished run folder in bench/.work/real_model/ is read,
+not run again; a killed one resumes). The page reports, per seed and config, the held-out exact match of the SFT
+model and after GRPO, and with tools the share of episodes that called the calculator and of calls that were well
+formed, before and after; the minutes each seed took. Writes docs/benchmarks/episodes.md and its BENCHMARKS.md row.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+
+from bench.common import md_table, write_headline, write_section
+from bench.real_model import describe_machine, read_json, run, stage_seconds
+
+CONFIGS = {"tools": "smollm2_calculator", "no tools": "smollm2_calculator_notools"}
+MINUTES = 40
+"""The issue's budget per seed on 2 cores."""
+
+
+def calculator_section(seeds: list[int]) -> tuple[str, str]:
+    rows, gains = [], {name: [] for name in CONFIGS}
+    after, minutes = {name: [] for name in CONFIGS}, []
+    for seed in seeds:
+        for name, config in CONFIGS.items():
+            d = run(config, seed)
+            ev, secs = read_json(d / "eval.json"), stage_seconds(d)
+            b, a = ev["before"], ev["after"]
+            gains[name].append(a["reward_mean"] - b["reward_mean"])
+            after[name].append(a["reward_mean"])
+            total = sum(secs.values()) / 60
+            minutes.append(total)
+            calls = lambda e: (f"{e['tool_calls']:.2f} / {e['tool_calls_valid']:.2f}" if "tool_calls" in e else "-")
+            rows.append([name, seed, f"{b['reward_mean']:.3f}", f"{a['reward_mean']:.3f}",
+                         f"{a['reward_mean'] - b['reward_mean']:+.3f}", calls(b), calls(a), f"{total:.1f}"])
+    mean = lambda xs: statistics.mean(xs) if xs else float("nan")
+    table = md_table(["config", "seed", "exact match, SFT model", "after GRPO", "gain",
+                      "calls per episode / well formed, before", "after", "minutes"], rows)
+    verdicts = [f"with tools: held-out exact match {mean(after['tools']):.3f} after GRPO against "
+                f"{mean(after['no tools']):.3f} without (mean of {len(seeds)} seed(s))",
+                f"at most {max(minutes):.1f} minutes per run (target <= {MINUTES}): "
+                f"{'met' if max(minutes) <= MINUTES else 'missed'}"]
+    text = (f"### configs/smollm2_calculator.yaml against tools off, seeds {seeds}\n\n"
+            f"Command: `python -m bench.episodes --seeds {' '.join(map(str, seeds))}` (each run `rlfuse run "
+            f"configs/<config>.yaml run.seed=S`). Machine: {describe_machine()}.\n\n{table}\n\n"
+            + "\n".join(f"- {v}" for v in verdicts))
+    figure = (f"exact match with a calculator tool {mean(after['tools']):.3f} vs {mean(after['no tools']):.3f} "
+              f"without, after GRPO ({len(seeds)} seed(s))")
+    return text, figure
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--seeds", nargs="+", type=int, default=[0, 1, 2])
+    ap.add_argument("--no-write", action="store_true", help="print the table; write no page or headline")
+    a = ap.parse_args()
+    text, figure = calculator_section(a.seeds)
+    print(text)
+    if not a.no_write:
+        write_section("episodes_calculator", text, "episodes")
+        write_headline("episodes_calculator", figure, "the same pipeline with tools off",
+                       f"python -m bench.episodes --seeds {' '.join(map(str, a.seeds))}", describe_machine(),
+                       what="Tool use learned on the real model (calculator task)", page="episodes")
+
+
+if __name__ == "__main__":
+    main()
