@@ -75,6 +75,8 @@ def evaluate(models, engine: DecodeEngine, prompts: list[list[int]], rl: RLConfi
         m = episode_metrics(exp.episodes, sampled, sum(len(r) for r in exp.response_ids) - sampled)
         out.update({k.removeprefix("episode/"): v for k, v in m.items()
                     if k in ("episode/turns", "episode/tool_calls", "episode/tool_calls_valid", "episode/truncated")})
+        # each shown episode with its reward (the report's samples, RLResult.samples_after)
+        texts = [f"{t}\n[reward {float(score):.3g}]" for t, score in zip(texts, exp.scores)]
     return out, texts
 
 

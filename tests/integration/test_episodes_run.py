@@ -62,6 +62,11 @@ def test_episodes_train_through_the_cli(tiny_task, tmp_path, algo):
     assert all(r["episode/tool_calls"] == 0 and "episode/env_reward" in r for r in rows)
     # the reward is the environment's (rl.reward=environment)
     assert all(r["reward/mean"] == pytest.approx(r["episode/env_reward"]) for r in rows)
+    # the report's held-out samples: every turn and answer of an episode, and its reward
+    shown = json.loads((run_dir / "rl" / "samples_after.json").read_text())
+    assert all("you wrote" in t and t.splitlines()[-1].startswith("[reward ") for t in shown)
+    result = json.loads((run_dir / "eval.json").read_text())
+    assert result["after"]["turns"] > 1 and "tool_calls_valid" in result["after"]
     before, after = load_file(str(tiny_task.model_dir / "model.safetensors")), \
         load_file(str(run_dir / "rl" / "model" / "model.safetensors"))
     assert any(not torch.equal(before[n], after[n]) for n in before if n in after)
