@@ -403,3 +403,31 @@ def test_episode_settings_are_checked_before_anything_loads(overrides, field, fi
     with pytest.raises(ConfigError) as e:
         load_config(None, overrides)
     assert e.value.field == field and fix in str(e.value), str(e.value)
+
+
+def test_fused_scoring_of_episodes_gives_the_unfused_numbers(tiny):
+    """An episode is scored as soon as it ends while others decode (rollout.fusion): the same episodes, rewards and
+    reference log-probs as scoring them all at the end."""
+    from rlfuse.data.prompts import encode_prompt
+    from rlfuse.rollout.engine import DecodeEngine
+    from rlfuse.rollout.fusion import FusionPolicy, generate_rollouts
+    from rlfuse.rollout.score import Scorer
+
+    tok, model = tiny
+    rows = [("the film was", {}), ("i really", {}), ("a story", {})]
+    prompts = [encode_prompt(tok, episode_prompt(p, [])) for p, _ in rows]
+    params = SamplingParams(max_new_tokens=12, stop_token_ids=tuple(range(0, 1024, 3)))
+    out = {}
+    for fused in (False, True):
+        episodes = Episodes(tok, {}, Echo, EpisodeLimits(max_turns=3, max_tokens=90, turn_tokens=12),
+                            rows={tuple(ids): row for ids, row in zip(prompts, rows)})
+        gen = EpisodeGenerator(DecodeEngine(model, tok.eos_token_id, max_rows=4, tokenizer=tok), episodes)
+        scorer = Scorer(lambda samples: torch.zeros(len(samples)), 0, ref=model, micro_batch_size=2)
+        out[fused] = generate_rollouts(gen, scorer, prompts, 2, params, 3, FusionPolicy(fused, score_every=2))
+    a, b = out[False], out[True]
+    assert b.timing["scoring_during_decode"] > 0  # scored while other episodes were still running
+    assert a.response_ids == b.response_ids and torch.equal(a.mask, b.mask) and bool((a.mask == 0).any())
+    assert_close(a.scores, b.scores)
+    assert bool((a.scores != 0).any())  # the environment's reward
+    assert_close(a.ref_logprobs, b.ref_logprobs)
+    assert [e.turns for e in a.episodes] == [e.turns for e in b.episodes]
