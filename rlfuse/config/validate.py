@@ -48,12 +48,9 @@ def _episodes(cfg: Config) -> None:
                               f"{rl.max_new_tokens}: an episode could not hold one whole turn",
                               f"set it >= {rl.max_new_tokens}, or null (rl.max_new_tokens x rl.max_turns)")
     where = "rl.tools" if rl.tools else "rl.environment"
-    if rl.max_staleness:
-        raise ConfigError(where, "multi-turn episodes run in the synchronous loop for now",
-                          "set rl.max_staleness=0")
-    if cfg.placement.strategy not in ("single", "auto"):
-        raise ConfigError(where, f"multi-turn episodes run in one process for now, not with placement.strategy="
-                          f"{cfg.placement.strategy}", "set placement.strategy=single")
+    if rl.partial_rollout_after:
+        raise ConfigError(where, "an episode cannot be parked across a weight update (partial rollouts) for now",
+                          "set rl.partial_rollout_after=0")
 
 
 def _positive(cfg_section, section: str, *names: str, allow_zero: bool = False):

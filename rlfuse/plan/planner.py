@@ -753,10 +753,10 @@ def resolve_auto(cfg, log=None, **measured):
     that loads data and tokenizers can take (rlfuse/models/prompt_workload.py)."""
     if cfg.placement.strategy != "auto":
         return cfg
-    if cfg.rl.tools or cfg.rl.environment:  # multi-turn episodes run in one process for now
+    if cfg.rl.tools or cfg.rl.environment:  # the cost model prices single-turn samples only
         if log:
-            log("[plan] placement.strategy=auto chose single: multi-turn episodes (rl.tools, rl.environment) run in "
-                "one process for now")
+            log("[plan] placement.strategy=auto chose single: the planner does not price multi-turn episodes (rl.tools, "
+                "rl.environment) yet; set placement.strategy to run them on Ray workers")
         return replace(cfg, placement=replace(cfg.placement, strategy="single"))
     plans = plan_config(cfg, log, **measured)
     best = first_fitting(plans, cfg.placement.workers)

@@ -35,6 +35,7 @@ from collections import Counter
 from dataclasses import dataclass, field
 from typing import Callable, Iterator
 
+from rlfuse.config.callables import load_callable
 from rlfuse.data.chat import encode_rendered, next_segment
 from rlfuse.data.tool_text import tool_schema, tools_prompt
 from rlfuse.errors import DataError, UserError, first_line
@@ -76,7 +77,12 @@ class EpisodeRecord:
     tool_seconds: float = 0.0
     """Seconds spent answering turns (tools or the environment's step), off the decode loop."""
     environment: object = None
-    """The episode's environment instance (reward functions may take `environments`)."""
+    """The episode's environment instance (reward functions may take `environments`), in the process that ran the
+    episode: it does not travel to another (a Ray worker scoring it gets None), since its class may be defined in a
+    file only that process imported."""
+
+    def __getstate__(self) -> dict:
+        return self.__dict__ | {"environment": None}
 
 
 def environment_tools(env) -> dict[str, Callable]:
@@ -115,6 +121,17 @@ class Episodes:
     before the engine's next decode step, so every row joins the batch at the same step in every run and the run
     repeats bit for bit; True: a slow tool never holds decoding up, and the episodes are the same token for token,
     but which rows share a decode step, and so the last bits of the recorded log-probs, follow the tools' timing."""
+
+    @classmethod
+    def from_config(cls, rl, tokenizer) -> "Episodes":
+        """rl.tools and rl.environment loaded (config/callables.py), with the limits rl sets; rows are the caller's
+        to fill (the prompts' data rows by their token ids)."""
+        tools = [load_callable(spec, "rl.tools") for spec in (rl.tools or "").split(",") if spec]
+        limits = EpisodeLimits(rl.max_turns, rl.max_tool_calls,
+                               rl.max_episode_tokens or rl.max_new_tokens * rl.max_turns, rl.max_new_tokens,
+                               rl.tool_timeout_s)
+        environment = load_callable(rl.environment, "rl.environment") if rl.environment else None
+        return cls(tokenizer, {fn.__name__: fn for fn in tools}, environment, limits, overlap_tools=rl.overlap_tools)
 
     @functools.cached_property
     def schemas(self) -> list[dict]:

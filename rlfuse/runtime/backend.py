@@ -54,8 +54,9 @@ def build_placement(cfg: Config, run_dir: Path, engine: Generator, scorer: Score
         raise UserError(f"placement.strategy={spec.strategy} runs on Ray, which is not installed; "
                         "pip install 'ray==2.60.*' or use placement.strategy=single") from None
     log(spec.describe())
-    # reward functions' dataset columns travel with the settings (rewards.attach_rows did it for this process)
-    rows = getattr(scorer.reward_fn, "rows", None)
+    # reward functions' dataset columns travel with the settings (rewards.attach_rows did it for this process), and
+    # episodes' environments read the same rows
+    rows = getattr(scorer.reward_fn, "rows", None) or getattr(getattr(engine, "episodes", None), "rows", None)
     rollout, trainer, workers = start_ray_placement(cfg, spec, run_dir, log, reward_rows=rows,
                                                     max_model_len=max_model_len)
     if runs_async(cfg):

@@ -35,6 +35,7 @@ import ray
 import torch
 
 from rlfuse.config import RunConfig
+from rlfuse.data.chat import set_chat_template
 from rlfuse.metrics.tracker import peak_rss_mb
 from rlfuse.models.build import frozen, load_policy, reward_function, stage_folders, value_model, with_dtype
 from rlfuse.models.device import autocast_dtype, decode_dtype, dtype_name, pick_device
@@ -45,6 +46,7 @@ from rlfuse.plan.resolve import decoded_in, engine_choice, rl_autocasts
 from rlfuse.plan.roles import derive_roles
 from rlfuse.plan.strategies import spec_from_config
 from rlfuse.rollout.engine import DecodeEngine, Sample, SamplingParams
+from rlfuse.rollout.episodes import EpisodeGenerator, Episodes
 from rlfuse.rollout.fusion import Experience, FusionPolicy, ScoringLoop, build_experience, scoring_shares
 from rlfuse.rollout.migration import pause_points, plan_migration
 from rlfuse.rollout.score import ScoredSample, Scorer
@@ -145,6 +147,11 @@ class RolloutSettings:
     max_model_len: int | None = None
     """vllm: prompt + response tokens a request may hold (the longest prompt + rl.max_new_tokens); None: the
     model's context."""
+    episodes: object = None
+    """Multi-turn episodes: the run's RLConfig (rl.tools, rl.environment and their limits, rollout/episodes.py
+    Episodes.from_config), with the prompts' rows from reward_rows; None: single-turn samples."""
+    chat_template: str | None = None
+    """data.chat_template, which episodes render their answers with (the worker's tokenizer gets it)."""
     generator_dtype: str = "fp32"
     """The decoding worker's generator dtype (models/device.py decode_dtype): bf16 | fp32 as plan/resolve.py
     decoded_in gives rollout.generator_dtype, or auto where that waits for the worker's device (bf16 where native)."""
@@ -162,6 +169,7 @@ class RolloutSettings:
                    engine=engine_choice(cfg, cfg.placement.gpus_per_worker > 0)[0],
                    vllm_kv_cache_gb=ro.vllm_kv_cache_gb,
                    vllm_eager=ro.vllm_eager if ro.vllm_eager is not None else cfg.placement.gpus_per_worker == 0,
+                   episodes=rl if rl.tools or rl.environment else None, chat_template=cfg.data.chat_template,
                    generator_dtype=decode)
 
 
@@ -189,6 +197,7 @@ def build_worker_roles(models: WorkerModels, settings: RolloutSettings
         generator = with_dtype(frozen(load_policy(models.generator), device), decode_dtype(settings.generator_dtype,
                                                                                           device))
         engine = DecodeEngine(generator, eos, max_rows=settings.max_rows, tokenizer=tok)
+    engine = with_episodes(engine, tok, settings)
     ref = frozen(load_policy(models.reference), device) if models.reference is not None else None
     if not models.scores:
         reference = None if ref is None else Scorer(None, tok.pad_token_id, ref=ref,
@@ -201,8 +210,20 @@ def build_worker_roles(models: WorkerModels, settings: RolloutSettings
         critic = frozen(value_model(models.critic_source, models.critic, tok.pad_token_id), device)
     scorer = Scorer(reward_fn, tok.pad_token_id, ref=ref, critic=critic, temperature=settings.temperature,
                     micro_batch_size=settings.micro_batch_size, unfinished_penalty=settings.unfinished_penalty,
-                    share_prompt=settings.share_prompt, compute_dtype=compute)
+                    share_prompt=settings.share_prompt, compute_dtype=compute,
+                    environment_weight=settings.episodes.environment_reward_weight if settings.episodes else 1.0)
     return engine, scorer, None
+
+
+def with_episodes(engine, tokenizer, settings: RolloutSettings):
+    """The worker's engine as an episode generator (rollout/episodes.py) where the run has tools or an environment;
+    as it is otherwise (and where the worker does not decode)."""
+    if engine is None or settings.episodes is None:
+        return engine
+    set_chat_template(tokenizer, settings.chat_template)
+    episodes = Episodes.from_config(settings.episodes, tokenizer)
+    episodes.rows = dict(settings.reward_rows or {})
+    return EpisodeGenerator(engine, episodes)
 
 
 def adapted_copy(models: WorkerModels, settings: RolloutSettings):

@@ -21,7 +21,7 @@ from rlfuse.models.weights import merged_weights
 from rlfuse.runtime.local import behaviour_differs, decode_engine, local_scorer, release_decode_copy
 from rlfuse.runtime.process import pin_threads
 from rlfuse.runtime.ray_common import start_actors
-from rlfuse.runtime.ray_rollout import GenerationWorker, RolloutSettings, WorkerModels
+from rlfuse.runtime.ray_rollout import GenerationWorker, RolloutSettings, WorkerModels, with_episodes
 from rlfuse.runtime.ray_train import TrainWorker
 
 
@@ -44,6 +44,7 @@ class RoleWorker(GenerationWorker, TrainWorker):
         """An engine on this worker's generator (LoRA) or its actor replica itself (local.decode_engine) and a scorer
         on its reference, reward and the critic it trains."""
         engine = decode_engine(self.models, settings.max_rows, settings.eos_token_id) if models.decodes else None
+        engine = with_episodes(engine, self.models.tokenizer, settings)
         return engine, local_scorer(self.models, cfg) if models.scores else None
 
     def arithmetic(self) -> dict:

@@ -39,7 +39,6 @@ from rlfuse.algos.kl import AdaptiveKLController, FixedKLController
 from rlfuse.algos.schedules import scheduled_value
 from rlfuse.config import Config, RLConfig, fusion_on, save_config
 from rlfuse.config.algorithms import ALGORITHMS
-from rlfuse.config.callables import load_callable
 from rlfuse.data.chat import require_template, set_chat_template
 from rlfuse.data.curriculum import prompt_batch
 from rlfuse.data.prompts import encode_prompts, model_context, prompt_budget
@@ -63,7 +62,7 @@ from rlfuse.models.prompt_workload import resolve_measured
 from rlfuse.models.quantize import choose_cpu_heap
 from rlfuse.models.rewards import attach_rows, reset_reward_metrics, reward_metrics
 from rlfuse.plan.planner import predicted_memory
-from rlfuse.rollout.episodes import EpisodeGenerator, EpisodeLimits, Episodes, check_episode_template, episode_prompt
+from rlfuse.rollout.episodes import EpisodeGenerator, Episodes, check_episode_template, episode_prompt
 from rlfuse.rollout.fusion import FusionPolicy
 from rlfuse.rollout.state import RolloutRequest, SamplingParams
 from rlfuse.runtime.backend import build_placement, uses_ray
@@ -282,15 +281,7 @@ class RunPrompts:
 
 def episode_settings(cfg: Config, tokenizer) -> Episodes | None:
     """rl.tools and rl.environment loaded, with the episode limits; None where neither is set."""
-    rl = cfg.rl
-    if not (rl.tools or rl.environment):
-        return None
-    tools = [load_callable(spec, "rl.tools") for spec in (rl.tools or "").split(",") if spec]
-    limits = EpisodeLimits(rl.max_turns, rl.max_tool_calls, rl.max_episode_tokens or rl.max_new_tokens * rl.max_turns,
-                           rl.max_new_tokens, rl.tool_timeout_s)
-    return Episodes(tokenizer, {fn.__name__: fn for fn in tools},
-                    load_callable(rl.environment, "rl.environment") if rl.environment else None, limits,
-                    overlap_tools=rl.overlap_tools)
+    return Episodes.from_config(cfg.rl, tokenizer) if cfg.rl.tools or cfg.rl.environment else None
 
 
 def build_prompts(cfg: Config, models: Models, task, log, episodes: Episodes | None = None) -> RunPrompts:

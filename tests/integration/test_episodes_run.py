@@ -106,3 +106,20 @@ def test_sigkill_mid_episode_then_resume_matches_uninterrupted(tiny_task, tmp_pa
     assert a.keys() == b.keys()
     for n in a:
         torch.testing.assert_close(a[n], b[n], rtol=0, atol=0, msg=n)
+
+
+def test_episodes_on_ray_workers_match_one_process(tiny_task, tmp_path):
+    """Generation workers on Ray run their prompts' episodes (our engine: the same episodes as one process); the
+    first iteration, decoded by the same weights either way, has the single process's turns and rewards."""
+    pytest.importorskip("ray")
+    runs = {}
+    placement = ["placement.strategy=separated", "placement.workers=2"]
+    for name, extra in (("single", ["placement.strategy=single"]), ("ray", placement)):
+        run_dir = tmp_path / name
+        assert main(["rl", f"rl.sft_path={tiny_task.model_dir}", "rl.algo=grpo", f"run.dir={run_dir}",
+                     game(tmp_path), *TINY, *EPISODES, "rl.iterations=2", "rl.eval_prompts=0", *extra]) == 0
+        runs[name] = [json.loads(l) for l in (run_dir / "rl" / "metrics.jsonl").read_text().splitlines()]
+    first, want = runs["ray"][0], runs["single"][0]
+    assert first["episode/turns"] == want["episode/turns"] and first["episode/tokens_appended"] == \
+        want["episode/tokens_appended"]
+    assert first["reward/mean"] == pytest.approx(want["reward/mean"], abs=1e-6)

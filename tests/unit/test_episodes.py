@@ -387,10 +387,8 @@ def test_episode_logprobs_equal_one_forward_of_the_whole_episode(tiny):
 
 @pytest.mark.parametrize("overrides,field,fix", [
     (["rl.reward=environment"], "rl.reward", "set rl.environment=module:Class"),
-    (["rl.tools=rlfuse.data.arithmetic:exact_match", "placement.strategy=colocated"], "rl.tools",
-     "set placement.strategy=single"),
-    (["rl.environment=rlfuse.data.arithmetic:exact_match", "rl.max_staleness=1", "placement.strategy=separated"],
-     "rl.environment", "set rl.max_staleness=0"),
+    (["rl.environment=rlfuse.data.arithmetic:exact_match", "rl.max_staleness=1", "placement.strategy=separated",
+      "rl.partial_rollout_after=4"], "rl.environment", "set rl.partial_rollout_after=0"),
     (["rl.tools=rlfuse.data.arithmetic:exact_match", "rl.max_episode_tokens=10", "rl.max_new_tokens=48"],
      "rl.max_episode_tokens", "set it >= 48"),
     (["rl.tools=rlfuse.data.arithmetic:exact_match", "rl.max_turns=0"], "rl.max_turns", ""),
