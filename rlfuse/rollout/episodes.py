@@ -41,7 +41,7 @@ from rlfuse.data.tool_text import tool_schema, tools_prompt
 from rlfuse.errors import DataError, UserError, first_line
 from rlfuse.rollout.generator import Capabilities
 from rlfuse.rollout.state import EngineState, RowState, Sample, SamplingParams
-from rlfuse.rollout.tools import ToolResult, call_tool, parse_tool_calls, tool_prints_kept
+from rlfuse.rollout.tools import Timeout, ToolResult, call_tool, parse_tool_calls, run_bounded, tool_prints_kept
 
 RESERVED = {"reset", "step", "reward", "close"}
 """An environment's methods that are not tools."""
@@ -216,9 +216,16 @@ class Session:
             self.record.tool_seconds += time.perf_counter() - t
 
     def _step(self, reply: str) -> tuple[list[dict], bool]:
+        """The environment's answer, within rl.tool_timeout_s; a step that raises or hangs ends the episode, counted
+        as the fault it was (the run goes on)."""
         try:
-            observation, reward, done = self.env.step(reply)
-        except Exception as e:  # noqa: BLE001 - the user's environment: the episode ends, counted, the run goes on
+            (observation, reward, done), _ = run_bounded(functools.partial(self.env.step, reply), {},
+                                                         self.episodes.limits.tool_timeout_s, "step")
+        except Timeout as e:
+            self._fault("timeout")
+            self.record.messages.append({"role": "user", "content": f"error: {e}"})
+            return [], True
+        except Exception as e:  # noqa: BLE001 - the user's environment
             self._fault("raised")
             self.record.messages.append({"role": "user", "content": f"error: step raised {type(e).__name__}: {e}"})
             return [], True

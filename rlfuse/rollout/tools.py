@@ -108,35 +108,46 @@ def _run_quietly(fn, arguments: dict) -> tuple[object, str]:
     return value, out.getvalue()
 
 
+class Timeout(Exception):
+    """A user's function did not return within its time (run_bounded)."""
+
+
+def run_bounded(fn, arguments: dict, timeout_s: float, name: str) -> tuple[object, str]:
+    """fn(**arguments) on a daemon thread of its own, within timeout_s seconds: (its value, what it printed), or its
+    exception, or Timeout. A hung call's thread is left to finish on its own (Python cannot kill a thread): its
+    result is dropped, and it holds up neither the run nor the process's exit."""
+    box: dict = {}
+
+    def run():
+        try:
+            box["value"] = _run_quietly(fn, arguments)
+        except Exception as e:  # noqa: BLE001 - the user's code: any exception is handed back as it is
+            box["error"] = e
+
+    with tool_prints_kept():
+        thread = threading.Thread(target=run, name=f"rlfuse-{name}", daemon=True)
+        thread.start()
+        thread.join(timeout_s)
+    if thread.is_alive():
+        raise Timeout(f"{name} did not answer within {timeout_s:g} s")
+    if "error" in box:
+        raise box["error"]
+    return box["value"]
+
+
 def call_tool(tools: dict, call: ToolCall, timeout_s: float) -> ToolResult:
-    """Run one call on a thread of its own (the decode loop goes on meanwhile) within timeout_s seconds; whatever
-    goes wrong becomes the result's text, with its fault. A hung tool's thread is a daemon left to finish on its own
-    (Python cannot kill a thread): its result is dropped, and it holds up neither the run nor the process's exit."""
+    """Run one call (run_bounded: its own thread, so the decode loop goes on meanwhile) within timeout_s seconds;
+    whatever goes wrong becomes the result's text, with its fault."""
     fn = tools.get(call.name)
     if fn is None:
         return ToolResult(call.name, f"error: no tool named {call.name!r}; the tools are {', '.join(sorted(tools))}",
                           "unknown_tool")
-    box: dict = {}
-    with tool_prints_kept():
-        return _called(fn, call, timeout_s, box)
-
-
-def _called(fn, call: ToolCall, timeout_s: float, box: dict) -> ToolResult:
-    def run():
-        try:
-            box["value"] = _run_quietly(fn, call.arguments)
-        except Exception as e:  # noqa: BLE001 - the user's tool: any exception is its answer
-            box["error"] = e
-
-    thread = threading.Thread(target=run, name=f"rlfuse-tool-{call.name}", daemon=True)
-    thread.start()
-    thread.join(timeout_s)
-    if thread.is_alive():
-        return ToolResult(call.name, f"error: {call.name} did not answer within {timeout_s:g} s", "timeout")
-    if "error" in box:
-        e = box["error"]
+    try:
+        value, printed = run_bounded(fn, call.arguments, timeout_s, call.name)
+    except Timeout as e:
+        return ToolResult(call.name, f"error: {e}", "timeout")
+    except Exception as e:  # noqa: BLE001 - the user's tool: any exception is its answer
         return ToolResult(call.name, f"error: {call.name} raised {type(e).__name__}: {e}", "raised")
-    value, printed = box["value"]
     if isinstance(value, (int, float)) and not isinstance(value, bool):
         value = str(value)  # a calculator's number is text enough
     if not isinstance(value, str):

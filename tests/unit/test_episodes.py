@@ -274,12 +274,20 @@ class StepRaises(Guess):
         raise RuntimeError("lost")
 
 
+class StepHangs(Guess):
+    def step(self, text):
+        time.sleep(30)
+
+
 def test_environment_faults():
     with pytest.raises(UserError, match=r"rl.environment: Broken.reset raised KeyError: 'level' on the row of "
                                         r"prompt 0 \(answer='6'\); fix reset or that row"):
         run({(0, 0): ["3" + END]}, tools={}, environment=Broken)
     [s], _ = run({(0, 0): ["3" + END]}, tools={}, environment=StepRaises)
     assert s.episode.faults == {"raised": 1} and s.episode.turns == 1  # the episode ends, the run goes on
+    t = time.perf_counter()
+    [s], _ = run({(0, 0): ["3" + END]}, tools={}, environment=StepHangs, tool_timeout_s=0.3)
+    assert s.episode.faults == {"timeout": 1} and time.perf_counter() - t < 10
 
 
 class Counter_:
