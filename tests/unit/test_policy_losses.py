@@ -1,0 +1,80 @@
+"""The table of policy losses and their aggregation (algos/policy_losses.py) against hand-computed numbers, and the
+table's grpo and token-mean recipes equal to the loss the update runs today, bit for bit."""
+
+import math
+
+import pytest
+import torch
+from torch.testing import assert_close
+
+from rlfuse.algos.losses import ppo_policy_loss
+from rlfuse.algos.policy_losses import AGGREGATIONS, LOSSES, PRESETS, LossSettings, aggregate
+
+
+def logs(*ratios):
+    """(logprobs, old_logprobs) of one sequence whose tokens have these ratios (old log-probs -1)."""
+    old = torch.full((1, len(ratios)), -1.0)
+    return old + torch.log(torch.tensor([ratios])), old
+
+
+def test_ppo_with_clip_higher_and_dual_clip_by_hand():
+    lp, old = logs(1.5, 0.5, 1.1, 5.0)
+    adv = torch.tensor([[1.0, -1.0, 2.0, -1.0]])
+    mask = torch.ones(1, 4)
+    loss, st = LOSSES["ppo"](lp, old, adv, mask, LossSettings(0.2, 0.28))
+    # 1.5 clipped to 1.28 (A > 0: the smaller gain), 0.5 to 0.8 (A < 0), 1.1 inside, 5 unclipped for A < 0
+    assert_close(loss, torch.tensor([[-1.28, 0.8, -2.2, 5.0]]))
+    assert float(st["clip_frac"]) == 0.5
+    dual, _ = LOSSES["ppo"](lp, old, adv, mask, LossSettings(0.2, 0.28, clip_c=3.0))
+    assert_close(dual, torch.tensor([[-1.28, 0.8, -2.2, 3.0]]))  # a negative advantage's loss at most 3 |A|
+
+
+def test_gspo_is_one_clipped_ratio_per_sequence_by_hand():
+    lp, old = logs(2.0, 1.0)
+    lp.requires_grad_(True)
+    mask = torch.ones(1, 2)
+    loss, _ = LOSSES["gspo"](lp, old, torch.tensor([1.0]), mask, LossSettings(0.2, 0.2))
+    assert_close(loss, torch.tensor([[-1.2, -1.2]]))  # sqrt(2) = 1.414 clipped to 1.2 on both tokens
+    loss, _ = LOSSES["gspo"](lp, old, torch.tensor([-1.0]), mask, LossSettings(0.2, 0.2))
+    assert_close(loss.detach(), torch.full((1, 2), math.sqrt(2)))  # A < 0: the unclipped ratio
+    loss.sum().backward()
+    assert_close(lp.grad, torch.full((1, 2), math.sqrt(2)))  # each token's gradient carries the sequence ratio
+
+
+def test_cispo_and_gpg_by_hand():
+    lp, old = logs(1.5, 0.9)
+    lp.requires_grad_(True)
+    adv, mask = torch.tensor([[2.0, -1.0]]), torch.ones(1, 2)
+    loss, st = LOSSES["cispo"](lp, old, adv, mask, LossSettings(0.2, 0.28))
+    loss.sum().backward()
+    assert_close(lp.grad, torch.tensor([[-1.28 * 2.0, 0.9]]))  # -sg(clipped weight) * A: 1.5 -> 1.28, 0.9 kept
+    assert float(st["clip_frac"]) == 0.5
+    lp.grad = None
+    loss, _ = LOSSES["gpg"](lp, old, adv, mask, LossSettings())
+    assert_close(loss, -adv * lp)
+    loss.sum().backward()
+    assert_close(lp.grad, -adv)
+
+
+def test_aggregations_by_hand():
+    loss = torch.tensor([[1.0, 2.0, 9.0], [3.0, 9.0, 9.0]])
+    mask = torch.tensor([[1.0, 1.0, 0.0], [1.0, 0.0, 0.0]])
+    got = {mode: float(aggregate(loss, mask, mode, max_tokens=4)) for mode in AGGREGATIONS}
+    assert got == {"token-mean": 2.0, "seq-mean-token-mean": 2.25, "seq-mean-token-sum": 3.0,
+                   "seq-mean-token-sum-norm": 0.75}
+    with pytest.raises(ValueError, match="token-mean"):
+        aggregate(loss, mask, "mean")
+
+
+@pytest.mark.parametrize("mode,level", [("seq-mean-token-mean", "sequence"), ("token-mean", "token")])
+def test_the_tables_grpo_is_todays_loss_bit_for_bit(mode, level):
+    g = torch.Generator().manual_seed(0)
+    lp, old = -torch.rand(6, 9, generator=g) * 3, -torch.rand(6, 9, generator=g) * 3
+    mask = (torch.rand(6, 9, generator=g) > 0.3).float()
+    adv = torch.randn(6, generator=g)
+    want, want_st = ppo_policy_loss(lp, old, adv, mask, 0.2, level)
+    per_token, st = LOSSES["ppo"](lp, old, adv, mask, LossSettings(0.2, 0.2))
+    assert torch.equal(aggregate(per_token, mask, mode), want)
+    assert torch.equal(st["clip_frac"], want_st["clip_frac"]) and torch.equal(st["approx_kl"], want_st["approx_kl"])
+    if mode == "seq-mean-token-mean":
+        assert PRESETS["grpo"].loss == "ppo" and PRESETS["grpo"].aggregation == mode
