@@ -86,10 +86,9 @@ class EpisodeRecord:
 
 
 def environment_tools(env) -> dict[str, Callable]:
-    """An environment's public methods as tools (TRL's environment_factory form): those not starting with _ and not
-    reset/step/reward/close."""
-    return {name: fn for name, fn in inspect.getmembers(env, callable)
-            if not name.startswith("_") and name not in RESERVED and inspect.ismethod(fn)}
+    """An environment's public methods as tools (TRL's environment_factory form), bound to it: those of its class
+    not starting with _ and not reset/step/reward/close (read off the class, so no property runs)."""
+    return {name: getattr(env, name) for name in environment_tools_of_class(type(env))}
 
 
 def has_tool_call(reply: str) -> bool:
