@@ -55,6 +55,23 @@ def decoupled_ppo_policy_loss(logprobs: Tensor, proximal_logprobs: Tensor, behav
     return loss, stats
 
 
+def decoupled_loss(loss_fn, logprobs: Tensor, proximal_logprobs: Tensor, behaviour_logprobs: Tensor,
+                   advantages: Tensor, mask: Tensor, settings, cap: float, mode: str = "truncate") -> tuple[Tensor, dict]:
+    """Any policy loss of the table (algos/policy_losses.py LOSSES, each linear in the advantages) around the proximal
+    policy, each token's advantage weighted by behaviour_weights: the per-token loss and the stats of
+    decoupled_ppo_policy_loss."""
+    w, beyond = behaviour_weights(proximal_logprobs, behaviour_logprobs, cap, mode)
+    if advantages.dim() == 1:
+        advantages = advantages[:, None].expand_as(logprobs)
+    loss, stats = loss_fn(logprobs, proximal_logprobs, w * advantages, mask, settings)
+    with torch.no_grad():
+        m = mask.to(w.dtype)
+        n = m.sum().clamp(min=1)
+        stats |= {"weight_mean": (w * m).sum() / n, "weight_max": (w * m).max(),
+                  "beyond_frac": (beyond.to(m.dtype) * m).sum() / n}
+    return loss, stats
+
+
 def logprob_mismatch(behaviour_logprobs: Tensor, trainer_logprobs: Tensor, mask: Tensor) -> dict[str, float]:
     """How far the sampler's log-probs of the sampled tokens are from the trainer's own forward of the same tokens
     (the train-inference mismatch: another engine's kernels, another dtype; for a stale batch, the staleness too):

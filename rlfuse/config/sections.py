@@ -273,7 +273,20 @@ class RLConfig:
     lam: float = 0.95
     """GAE lambda (ppo)."""
     loss_level: str = "token"
-    """token | sequence averaging of the policy loss."""
+    """token | sequence averaging of the policy loss: shorthands for rl.loss_agg token-mean and seq-mean-token-mean,
+    used where rl.loss_agg is null."""
+    loss_agg: Optional[str] = None
+    """How the per-token policy loss (and grpo's KL term) is averaged over a mini-batch: token-mean (every sampled
+    token alike, as DAPO) | seq-mean-token-mean (each sequence's mean, then over sequences, as GRPO) |
+    seq-mean-token-sum | seq-mean-token-sum-norm (token sums over the response limit, as Dr. GRPO). null: from
+    rl.loss_level."""
+    policy_loss: str = "ppo"
+    """ppo (clipped ratio; rl.clip_high and rl.dual_clip) | gspo (one clipped ratio per sequence) | cispo (the clipped
+    ratio as a detached weight on log pi) | gpg (-A log pi, no ratio)."""
+    clip_high: Optional[float] = None
+    """The ratio's upper bound is 1 + clip_high (DAPO's clip-higher: 0.28); null: rl.clip, as the lower."""
+    dual_clip: Optional[float] = None
+    """Dual-clip: a token with a negative advantage loses at most dual_clip x |A| (Ye et al.: 3); null: off."""
     kl_estimator: Optional[str] = None
     """k1 | k2 | k3 per-token KL estimator, used for the KL penalty (in the reward or, for grpo, in the loss), the
     logged reward/kl and the adaptive controller alike. null: k3 for grpo (as DeepSeekMath), k1 otherwise (as Ziegler
@@ -396,6 +409,25 @@ class RLConfig:
     replicas, gradients all-reduced; fsdp: FSDP2 shards; pipeline_*: actor and critic cut into stages, run one
     after the other or as one fused schedule). placement.strategy=single trains in one process (data or single);
     fsdp and the pipelines need Ray workers."""
+
+    @property
+    def loss_agg_used(self) -> str:
+        """loss_agg, or loss_level's shorthand when it is null."""
+        return self.loss_agg or {"token": "token-mean", "sequence": "seq-mean-token-mean"}[self.loss_level]
+
+    @property
+    def loss_share(self) -> str:
+        """What a micro-batch's share of its mini-batch is counted in, for the aggregation to add up over micro-batches:
+        tokens (token-mean) or sequences (the others)."""
+        return "token" if self.loss_agg_used == "token-mean" else "sequence"
+
+    @property
+    def response_limit(self) -> int:
+        """The most tokens a response may have (seq-mean-token-sum-norm divides by it): rl.max_new_tokens, or a
+        multi-turn episode's rl.max_episode_tokens."""
+        if self.tools or self.environment:
+            return self.max_episode_tokens or self.max_new_tokens * self.max_turns
+        return self.max_new_tokens
 
     @property
     def kl_estimator_used(self) -> str:

@@ -32,7 +32,8 @@ _RL = {
     "steps_per_generation": TrlName("rl.prompts_per_iter", "prompts per rollout; samples are this x rl.k", same_value=False),
     "epsilon": TrlName("rl.clip"),
     "max_grad_norm": TrlName("rl.grad_clip"),
-    "loss_type": TrlName("rl.loss_level", "token (as dapo) or sequence (as grpo)", same_value=False),
+    "loss_type": TrlName("rl.loss_agg", "token-mean (as dapo), seq-mean-token-mean (as grpo), seq-mean-token-sum-norm "
+                         "(as dr_grpo); cispo: rl.policy_loss=cispo", same_value=False),
     "reward_funcs": TrlName("rl.reward", "module:function or path/to/file.py:function, comma-separated"),
     "scale_rewards": TrlName("rl.whiten_advantages", "true or false; grpo always scales by its group's std", same_value=False),
     "normalize_advantages": TrlName("rl.whiten_advantages", same_value=False),
@@ -44,8 +45,10 @@ _RL = {
     "optim": TrlName("rl.optimizer"),
     "model_name_or_path": TrlName("rl.sft_path"),
     "use_vllm": TrlName("rollout.engine", "vllm or rlfuse (auto: vllm with a CUDA GPU)", same_value=False),
-    "epsilon_high": TrlName(None, "one symmetric clip, rl.clip"),
-    "importance_sampling_level": TrlName(None, "token-level ratios"),
+    "epsilon_high": TrlName("rl.clip_high"),
+    "delta": TrlName("rl.dual_clip", "a negative advantage's ratio capped at this value"),
+    "importance_sampling_level": TrlName("rl.policy_loss", "gspo for sequence-level ratios, ppo for token-level",
+                                         same_value=False),
     "warmup_steps": TrlName(None, "RL's learning rate is constant"),
     "lr_scheduler_type": TrlName(None, "RL's learning rate is constant"),
 }

@@ -260,6 +260,14 @@ def _validate_rl(cfg: Config) -> None:
     _choice(rl.algo, "rl.algo", tuple(ALGORITHMS))
     algo = ALGORITHMS[rl.algo]
     _choice(rl.loss_level, "rl.loss_level", ("token", "sequence"))
+    if rl.loss_agg is not None:
+        _choice(rl.loss_agg, "rl.loss_agg", ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum",
+                                             "seq-mean-token-sum-norm"))
+    _choice(rl.policy_loss, "rl.policy_loss", ("ppo", "gspo", "cispo", "gpg"))
+    if rl.clip_high is not None and not rl.clip_high > 0:
+        raise ConfigError("rl.clip_high", f"must be > 0, got {rl.clip_high}", "e.g. 0.28 (DAPO), or null for rl.clip")
+    if rl.dual_clip is not None and not rl.dual_clip > 1:
+        raise ConfigError("rl.dual_clip", f"must be > 1, got {rl.dual_clip}", "e.g. 3 (Ye et al.), or null for off")
     if rl.kl_estimator is not None:
         _choice(rl.kl_estimator, "rl.kl_estimator", ("k1", "k2", "k3"))
     _choice(rl.critic_init, "rl.critic_init", ("rm", "sft", "actor"))

@@ -193,7 +193,7 @@ def update_actor(actor: Learner, exp: Experience, adv, batches: list[list[int]],
         with autocast():
             loss, stats = micro_policy_loss(actor.module, exp, idx, adv, rl, kl_coef, pad_id, temperature,
                                             share.get("prefix"))
-            loss = loss * share[rl.loss_level]
+            loss = loss * share[rl.loss_share]
             if value_head:
                 vloss, vstats = micro_value_loss(value_head[0], exp, idx, value_head[2], rl, pad_id,
                                                  share.get("prefix"))

@@ -157,7 +157,7 @@ class PipelineTrainer:
 
         def actor_loss(view, idx, share):
             loss, stats = micro_policy_loss(view, exp, idx, adv, rl, kl_coef, self.pad_id, temperature)
-            return loss * share[rl.loss_level], stats
+            return loss * share[rl.loss_share], stats
 
         def critic_loss(view, idx, share):
             loss, stats = micro_value_loss(view, exp, idx, returns, rl, self.pad_id)

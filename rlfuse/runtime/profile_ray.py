@@ -183,7 +183,7 @@ def _policy_micro_batch(model, group, rows: int, vocab: int):
 
     def loss_of(i, sh):
         loss, stats = micro_policy_loss(model, exp, i, adv, rl, 0.1, 0, 1.0)
-        return loss * sh[rl.loss_level], stats
+        return loss * sh[rl.loss_share], stats
 
     def run(sync: bool):
         with group.micro_batch([model], sync=sync) as step:

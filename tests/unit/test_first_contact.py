@@ -40,7 +40,9 @@ def test_a_trl_value_is_not_echoed_where_the_two_differ_in_kind(given, fix):
 
 
 def test_trl_names_without_an_equivalent_and_trl_sections_say_so():
-    with pytest.raises(ConfigError, match="rl.epsilon_high: TRL's epsilon_high has no rlfuse equivalent"):
+    with pytest.raises(ConfigError, match="rl.warmup_steps: TRL's warmup_steps has no rlfuse equivalent"):
+        load_config(None, ["rl.warmup_steps=10"])
+    with pytest.raises(ConfigError, match="rl.epsilon_high: .*set rl.clip_high=0.28 instead"):
         load_config(None, ["rl.epsilon_high=0.28"])
     with pytest.raises(ConfigError, match="rl.use_vllm: .*rollout.engine"):
         load_config(None, ["rl.use_vllm=true"])
