@@ -18,7 +18,7 @@ from collections import Counter
 import torch
 from torch import Tensor
 
-from rlfuse.algos.losses import ppo_policy_loss
+from rlfuse.algos.policy_losses import LossSettings, aggregate, ppo_loss
 from rlfuse.config.algorithms import BEHAVIOUR_WEIGHT_MODES as WEIGHT_MODES
 
 
@@ -42,17 +42,9 @@ def decoupled_ppo_policy_loss(logprobs: Tensor, proximal_logprobs: Tensor, behav
     with r = pi_theta / pi_prox and w = behaviour_weights(...). Shapes as ppo_policy_loss; a masked-out token (mode
     "mask") contributes 0 but still counts in the mean, so it drops its own update without scaling up the others.
     Returns (loss, {clip_frac, approx_kl (against the proximal policy), weight_mean, weight_max, beyond_frac})."""
-    w, beyond = behaviour_weights(proximal_logprobs, behaviour_logprobs, cap, mode)
-    if advantages.dim() == 1:
-        advantages = advantages[:, None].expand_as(logprobs)
-    # ppo_policy_loss is linear in the advantages: the weight rides on them, the clipping stays PPO's own
-    loss, stats = ppo_policy_loss(logprobs, proximal_logprobs, w * advantages, mask, clip_eps, level)
-    with torch.no_grad():
-        m = mask.to(w.dtype)
-        n = m.sum().clamp(min=1)
-        stats |= {"weight_mean": (w * m).sum() / n, "weight_max": (w * m).max(),
-                  "beyond_frac": (beyond.to(m.dtype) * m).sum() / n}
-    return loss, stats
+    per_token, stats = decoupled_loss(ppo_loss, logprobs, proximal_logprobs, behaviour_logprobs, advantages, mask,
+                                      LossSettings(clip_eps, clip_eps), cap, mode)
+    return aggregate(per_token, mask, {"token": "token-mean", "sequence": "seq-mean-token-mean"}[level]), stats
 
 
 def decoupled_loss(loss_fn, logprobs: Tensor, proximal_logprobs: Tensor, behaviour_logprobs: Tensor,
