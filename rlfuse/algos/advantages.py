@@ -43,19 +43,36 @@ def _gae(rewards: Tensor, values: Tensor, mask: Tensor, gamma: float, lam: float
     return adv * m, (adv + v) * m
 
 
-def rloo_advantages(rewards: Tensor, k: int) -> Tensor:
+def scaled(centred: Tensor, scale: str, eps: float = 1e-4) -> Tensor:
+    """Group-centred advantages (n_prompts, k) divided by what `scale` names (TRL's scale_rewards): "group" each
+    prompt's reward std (+ eps), "batch" the std of all of them (+ eps), "none" nothing (Dr. GRPO)."""
+    if scale == "group":
+        return centred / (centred.std(1, keepdim=True) + eps)
+    if scale == "batch":
+        return centred / (centred.std() + eps)
+    if scale == "none":
+        return centred
+    raise ValueError(f"scale must be group, batch or none, got {scale!r}")
+
+
+def rloo_advantages(rewards: Tensor, k: int, scale: str = "none") -> Tensor:
     """Leave-one-out baseline (Kool et al. 2019; Ahmadian et al. 2024). rewards: (n_prompts*k,), the k samples of a
-    prompt contiguous; each sample's baseline is the mean of the other k-1. Returns the same shape."""
+    prompt contiguous; each sample's baseline is the mean of the other k-1; then `scaled` (none by default).
+    Returns the same shape."""
     r = rewards.view(-1, k)
     baseline = (r.sum(1, keepdim=True) - r) / (k - 1)
-    return (r - baseline).view(-1)
+    return scaled(r - baseline, scale).view(-1)
 
 
-def grpo_advantages(rewards: Tensor, k: int, eps: float = 1e-4) -> Tensor:
-    """Group-normalised advantages (Shao et al. 2024, DeepSeekMath eq. 3): (r - group mean) / (group std + eps).
+def grpo_advantages(rewards: Tensor, k: int, scale: str = "group", eps: float = 1e-4) -> Tensor:
+    """Group-relative advantages (Shao et al. 2024, DeepSeekMath eq. 3): (r - group mean), divided by the group's std
+    + eps (scale="group", as the paper), the batch's (scale="batch") or nothing (scale="none", Dr. GRPO).
     rewards: (n_prompts*k,), grouped by prompt. Returns the same shape."""
     r = rewards.view(-1, k)
-    return ((r - r.mean(1, keepdim=True)) / (r.std(1, keepdim=True) + eps)).view(-1)
+    centred = r - r.mean(1, keepdim=True)
+    if scale == "group":  # the paper's expression, as it was computed before scale existed (bit for bit)
+        return (centred / (r.std(1, keepdim=True) + eps)).view(-1)
+    return scaled(centred, scale, eps).view(-1)
 
 
 ADVANTAGE_FNS = {"rloo": rloo_advantages, "grpo": grpo_advantages}

@@ -48,7 +48,8 @@ def decoupled_ppo_policy_loss(logprobs: Tensor, proximal_logprobs: Tensor, behav
 
 
 def decoupled_loss(loss_fn, logprobs: Tensor, proximal_logprobs: Tensor, behaviour_logprobs: Tensor,
-                   advantages: Tensor, mask: Tensor, settings, cap: float, mode: str = "truncate") -> tuple[Tensor, dict]:
+                   advantages: Tensor, mask: Tensor, settings, cap: float,
+                   mode: str = "truncate") -> tuple[Tensor, dict]:
     """Any policy loss of the table (algos/policy_losses.py LOSSES, each linear in the advantages) around the proximal
     policy, each token's advantage weighted by behaviour_weights: the per-token loss and the stats of
     decoupled_ppo_policy_loss."""

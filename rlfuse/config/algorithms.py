@@ -40,9 +40,9 @@ ALGORITHMS = {
     "ppo": Algorithm("ppo", critic=True, min_k=1, advantage="gae", kl_in="token_reward", kl_estimator="k1",
                      groups_prompts=False, preset=PPO_PRESET),
     "rloo": Algorithm("rloo", critic=False, min_k=2, advantage="rloo", kl_in="sequence_reward", kl_estimator="k1",
-                      groups_prompts=True, preset=GROUP_PRESET | {"kl_coef": 0.1}),
+                      groups_prompts=True, preset=GROUP_PRESET | {"kl_coef": 0.1, "scale_rewards": "none"}),
     "grpo": Algorithm("grpo", critic=False, min_k=2, advantage="grpo", kl_in="loss", kl_estimator="k3",
-                      groups_prompts=True, preset=GROUP_PRESET | {"kl_coef": 0.2}),
+                      groups_prompts=True, preset=GROUP_PRESET | {"kl_coef": 0.2, "scale_rewards": "group"}),
 }
 """rl.algo -> its Algorithm."""
 

@@ -355,6 +355,10 @@ class RLConfig:
     a memory map of its safetensors files, handed back to the OS for each update and mapped again for the next
     scoring, so the update's peak memory holds no second copy of the model. The same results either way; false
     keeps the reference resident."""
+    scale_rewards: str = "none"
+    """rloo, grpo: what each sample's advantage (its reward less its group's baseline) is divided by: group (the
+    prompt's reward std; grpo's default, as the paper) | batch (the iteration's std) | none (rloo's default; Dr.
+    GRPO). TRL's scale_rewards."""
     whiten_advantages: bool = True
     """Shift and scale each iteration's advantages to mean 0, std 1: over response tokens for ppo (one advantage per
     token), over samples for rloo and grpo (one advantage per sample)."""

@@ -35,7 +35,8 @@ _RL = {
     "loss_type": TrlName("rl.loss_agg", "token-mean (as dapo), seq-mean-token-mean (as grpo), seq-mean-token-sum-norm "
                          "(as dr_grpo); cispo: rl.policy_loss=cispo", same_value=False),
     "reward_funcs": TrlName("rl.reward", "module:function or path/to/file.py:function, comma-separated"),
-    "scale_rewards": TrlName("rl.whiten_advantages", "true or false; grpo always scales by its group's std", same_value=False),
+    "scale_rewards": TrlName("rl.scale_rewards", "group, batch or none; rl.whiten_advantages then whitens over the "
+                             "iteration"),
     "normalize_advantages": TrlName("rl.whiten_advantages", same_value=False),
     "mask_truncated_completions": TrlName("rl.unfinished_penalty", "a penalty instead of a mask", same_value=False),
     "eval_steps": TrlName("rl.eval_every"),

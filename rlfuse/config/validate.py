@@ -264,6 +264,7 @@ def _validate_rl(cfg: Config) -> None:
         _choice(rl.loss_agg, "rl.loss_agg", ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum",
                                              "seq-mean-token-sum-norm"))
     _choice(rl.policy_loss, "rl.policy_loss", ("ppo", "gspo", "cispo", "gpg"))
+    _choice(rl.scale_rewards, "rl.scale_rewards", ("group", "batch", "none"))
     if rl.clip_high is not None and not rl.clip_high > 0:
         raise ConfigError("rl.clip_high", f"must be > 0, got {rl.clip_high}", "e.g. 0.28 (DAPO), or null for rl.clip")
     if rl.dual_clip is not None and not rl.dual_clip > 1:

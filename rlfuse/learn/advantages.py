@@ -27,7 +27,8 @@ def compute_advantages(exp: Experience, rl: RLConfig, kl_coef: float):
         adv, returns = gae_advantages(rewards, exp.values, exp.mask, rl.gamma, rl.lam)
         mask = exp.mask
     else:  # the KL in the sequence reward (rloo) or in the loss (grpo: learn/losses.py micro_policy_loss)
-        adv, returns = ADVANTAGE_FNS[algo.advantage](sequence_rewards(exp, rl, kl, kl_coef), rl.k), None
+        rewards = sequence_rewards(exp, rl, kl, kl_coef)
+        adv, returns = ADVANTAGE_FNS[algo.advantage](rewards, rl.k, rl.scale_rewards), None
         mask = torch.ones_like(adv)
     return (whiten(adv, mask) if rl.whiten_advantages else adv), returns, kl
 

@@ -78,3 +78,25 @@ def test_the_tables_grpo_is_todays_loss_bit_for_bit(mode, level):
     assert torch.equal(st["clip_frac"], want_st["clip_frac"]) and torch.equal(st["approx_kl"], want_st["approx_kl"])
     if mode == "seq-mean-token-mean":
         assert PRESETS["grpo"].loss == "ppo" and PRESETS["grpo"].aggregation == mode
+
+
+def test_scale_rewards_by_hand():
+    from rlfuse.algos.advantages import grpo_advantages, rloo_advantages
+
+    rewards = torch.tensor([1.0, 3.0, 0.0, 0.0, 2.0, 6.0])  # three groups of 2
+    centred = torch.tensor([-1.0, 1.0, 0.0, 0.0, -2.0, 2.0])
+    assert_close(grpo_advantages(rewards, 2, "none"), centred)
+    group_std = torch.tensor([math.sqrt(2), math.sqrt(2), 0.0, 0.0, 2 * math.sqrt(2), 2 * math.sqrt(2)])
+    assert_close(grpo_advantages(rewards, 2, "group"), centred / (group_std + 1e-4))
+    assert_close(grpo_advantages(rewards, 2, "batch"), centred / (centred.std() + 1e-4))
+    # rloo: the leave-one-out baseline is the other sample, so the advantage is twice the centred reward
+    assert_close(rloo_advantages(rewards, 2), 2 * centred)
+    assert_close(rloo_advantages(rewards, 2, "batch"), 2 * centred / ((2 * centred).std() + 1e-4))
+
+
+def test_scale_rewards_defaults_per_algorithm():
+    from rlfuse.config import load_config
+
+    assert load_config(None, ["rl.algo=grpo"]).rl.scale_rewards == "group"
+    assert load_config(None, ["rl.algo=rloo"]).rl.scale_rewards == "none"
+    assert load_config(None, ["rl.algo=grpo", "rl.scale_rewards=none"]).rl.scale_rewards == "none"
