@@ -3,7 +3,7 @@
 Each loss maps per-token log-probs under the policy being trained, the old (sampling or proximal) log-probs, the
 advantages and the mask of sampled tokens to a per-token loss (to be minimised) and its statistics; `aggregate` then
 reduces it over the batch the way a recipe says (veRL's loss_agg_mode, TRL's loss_type). A recipe is a loss, an
-aggregation and a clip range together (PRESETS, named as TRL names them).
+aggregation and a clip range together (rl.recipe: config/algorithms.py RECIPES, named as TRL names them).
 
 Losses (LOSSES):
 - ppo: the clipped surrogate (Schulman et al. 2017) with a separate low and high clip (DAPO's clip-higher) and,
@@ -117,23 +117,3 @@ def aggregate(loss: Tensor, mask: Tensor, mode: str, max_tokens: int | None = No
 
 
 AGGREGATIONS = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm")
-
-
-@dataclass(frozen=True)
-class Recipe:
-    loss: str
-    aggregation: str
-    settings: LossSettings
-    scale_rewards: str
-    """group | batch | none: what the group-relative advantage divides by (TRL's scale_rewards)."""
-    dynamic_sampling: bool = False
-    """Refill the batch with groups whose rewards differ (DAPO)."""
-
-
-PRESETS = {
-    "grpo": Recipe("ppo", "seq-mean-token-mean", LossSettings(0.2, 0.2), "group"),
-    "dr_grpo": Recipe("ppo", "seq-mean-token-sum-norm", LossSettings(0.2, 0.2), "none"),
-    "dapo": Recipe("ppo", "token-mean", LossSettings(0.2, 0.28), "group", dynamic_sampling=True),
-    "gspo": Recipe("gspo", "seq-mean-token-mean", LossSettings(3e-4, 4e-4), "group"),
-}
-"""The published recipes by the names TRL gives them: loss, aggregation, clip range and sampling rule together."""

@@ -13,7 +13,7 @@ from typing import Any
 
 import yaml
 
-from rlfuse.config.algorithms import ALGORITHMS
+from rlfuse.config.algorithms import ALGORITHMS, RECIPES
 from rlfuse.config.docs import field_summary
 from rlfuse.config.sections import Config
 from rlfuse.config.trl_names import TRL_SECTIONS, trl_hint
@@ -228,13 +228,16 @@ def config_from_dict(raw: dict, overrides: list[str] | tuple | dict = ()) -> Con
 def _apply_preset(cfg: Config, before: dict, overridden: set) -> None:
     """The algorithm's own defaults (ALGORITHMS[...].preset) for the rl fields the config leaves out, and, where the
     overrides switch the algorithm (a Config object or saved config given rl.algo=grpo), for those that hold the
-    previous algorithm's own value. A saved config.yaml names every field, so a resumed run keeps what it ran with."""
+    previous algorithm's own value; then rl.recipe's fields (RECIPES) the config leaves out. A saved config.yaml names every field, so a resumed run keeps what it ran with."""
     algo, was = ALGORITHMS.get(cfg.rl.algo), ALGORITHMS.get(str(before.get("algo", "ppo")))
     for name, value in (algo.preset.items() if algo else ()):
         left_out = name not in before and name not in overridden
         previous_own = was is not None and was is not algo and name not in overridden and \
             before.get(name) == was.preset.get(name)
         if left_out or previous_own:
+            setattr(cfg.rl, name, value)
+    for name, value in RECIPES.get(cfg.rl.recipe, {}).items():  # rl.recipe: after the algorithm's own
+        if name not in before and name not in overridden:
             setattr(cfg.rl, name, value)
 
 

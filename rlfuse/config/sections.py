@@ -280,6 +280,9 @@ class RLConfig:
     token alike, as DAPO) | seq-mean-token-mean (each sequence's mean, then over sequences, as GRPO) |
     seq-mean-token-sum | seq-mean-token-sum-norm (token sums over the response limit, as Dr. GRPO). null: from
     rl.loss_level."""
+    recipe: Optional[str] = None
+    """grpo | dr_grpo | dapo | gspo: a published recipe (TRL's loss_type), setting rl.policy_loss, rl.loss_agg,
+    rl.clip, rl.clip_high and rl.scale_rewards where the config leaves them out (rloo and grpo)."""
     policy_loss: str = "ppo"
     """ppo (clipped ratio; rl.clip_high and rl.dual_clip) | gspo (one clipped ratio per sequence) | cispo (the clipped
     ratio as a detached weight on log pi) | gpg (-A log pi, no ratio)."""

@@ -32,8 +32,8 @@ _RL = {
     "steps_per_generation": TrlName("rl.prompts_per_iter", "prompts per rollout; samples are this x rl.k", same_value=False),
     "epsilon": TrlName("rl.clip"),
     "max_grad_norm": TrlName("rl.grad_clip"),
-    "loss_type": TrlName("rl.loss_agg", "token-mean (as dapo), seq-mean-token-mean (as grpo), seq-mean-token-sum-norm "
-                         "(as dr_grpo); cispo: rl.policy_loss=cispo", same_value=False),
+    "loss_type": TrlName("rl.recipe", "grpo, dr_grpo, dapo (or gspo); rl.loss_agg and rl.policy_loss set the parts "
+                         "one by one"),
     "reward_funcs": TrlName("rl.reward", "module:function or path/to/file.py:function, comma-separated"),
     "scale_rewards": TrlName("rl.scale_rewards", "group, batch or none; rl.whiten_advantages then whitens over the "
                              "iteration"),

@@ -11,7 +11,7 @@ import re
 import sys
 from pathlib import Path
 
-from rlfuse.config.algorithms import ALGORITHMS, BEHAVIOUR_WEIGHT_MODES
+from rlfuse.config.algorithms import ALGORITHMS, BEHAVIOUR_WEIGHT_MODES, RECIPES
 from rlfuse.config.callables import check_callable
 from rlfuse.config.model_files import gguf_file_of
 from rlfuse.config.sections import (
@@ -265,6 +265,11 @@ def _validate_rl(cfg: Config) -> None:
                                              "seq-mean-token-sum-norm"))
     _choice(rl.policy_loss, "rl.policy_loss", ("ppo", "gspo", "cispo", "gpg"))
     _choice(rl.scale_rewards, "rl.scale_rewards", ("group", "batch", "none"))
+    if rl.recipe is not None:
+        _choice(rl.recipe, "rl.recipe", tuple(RECIPES))
+        if not ALGORITHMS[rl.algo].groups_prompts:
+            raise ConfigError("rl.recipe", f"{rl.recipe} is a recipe for group-relative algorithms, not {rl.algo}",
+                              "set rl.algo=grpo (or rloo), or leave rl.recipe unset")
     if rl.clip_high is not None and not rl.clip_high > 0:
         raise ConfigError("rl.clip_high", f"must be > 0, got {rl.clip_high}", "e.g. 0.28 (DAPO), or null for rl.clip")
     if rl.dual_clip is not None and not rl.dual_clip > 1:

@@ -8,7 +8,8 @@ import torch
 from torch.testing import assert_close
 
 from rlfuse.algos.losses import ppo_policy_loss
-from rlfuse.algos.policy_losses import AGGREGATIONS, LOSSES, PRESETS, LossSettings, aggregate
+from rlfuse.algos.policy_losses import AGGREGATIONS, LOSSES, LossSettings, aggregate
+from rlfuse.config.algorithms import RECIPES
 
 
 def logs(*ratios):
@@ -77,7 +78,7 @@ def test_the_tables_grpo_is_todays_loss_bit_for_bit(mode, level):
     assert torch.equal(aggregate(per_token, mask, mode), want)
     assert torch.equal(st["clip_frac"], want_st["clip_frac"]) and torch.equal(st["approx_kl"], want_st["approx_kl"])
     if mode == "seq-mean-token-mean":
-        assert PRESETS["grpo"].loss == "ppo" and PRESETS["grpo"].aggregation == mode
+        assert RECIPES["grpo"]["policy_loss"] == "ppo" and RECIPES["grpo"]["loss_agg"] == mode
 
 
 def test_scale_rewards_by_hand():
@@ -100,3 +101,20 @@ def test_scale_rewards_defaults_per_algorithm():
     assert load_config(None, ["rl.algo=grpo"]).rl.scale_rewards == "group"
     assert load_config(None, ["rl.algo=rloo"]).rl.scale_rewards == "none"
     assert load_config(None, ["rl.algo=grpo", "rl.scale_rewards=none"]).rl.scale_rewards == "none"
+
+
+def test_recipes_set_what_the_config_leaves_out():
+    from rlfuse.config import load_config
+    from rlfuse.errors import ConfigError
+
+    dapo = load_config(None, ["rl.algo=grpo", "rl.recipe=dapo"]).rl
+    assert (dapo.policy_loss, dapo.loss_agg, dapo.clip, dapo.clip_high) == ("ppo", "token-mean", 0.2, 0.28)
+    gspo = load_config(None, ["rl.algo=grpo", "rl.recipe=gspo", "rl.clip_high=0.001"]).rl
+    assert (gspo.policy_loss, gspo.clip, gspo.clip_high) == ("gspo", 3e-4, 0.001)  # what is given wins
+    dr = load_config(None, ["rl.algo=grpo", "rl.recipe=dr_grpo"]).rl
+    assert (dr.loss_agg, dr.scale_rewards) == ("seq-mean-token-sum-norm", "none")
+    with pytest.raises(ConfigError, match="rl.recipe: dapo is a recipe for group-relative algorithms, not ppo"):
+        load_config(None, ["rl.recipe=dapo"])
+    with pytest.raises(ConfigError, match="rl.recipe"):
+        load_config(None, ["rl.algo=grpo", "rl.recipe=bnpo"])
+
