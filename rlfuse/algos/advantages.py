@@ -75,4 +75,11 @@ def grpo_advantages(rewards: Tensor, k: int, scale: str = "group", eps: float = 
     return scaled(centred, scale, eps).view(-1)
 
 
+def overlong_penalty(lengths: Tensor, limit: int, buffer: int, penalty: float = 1.0) -> Tensor:
+    """DAPO's soft overlong punishment (Yu et al. 2025, eq. 13): 0 for a response of at most limit - buffer tokens,
+    falling linearly to -penalty at the limit. lengths: (N,) tokens each response sampled. Returns (N,)."""
+    over = (lengths.to(torch.float32) - (limit - buffer)).clamp(min=0, max=buffer)
+    return -penalty * over / buffer
+
+
 ADVANTAGE_FNS = {"rloo": rloo_advantages, "grpo": grpo_advantages}

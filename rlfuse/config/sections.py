@@ -358,6 +358,11 @@ class RLConfig:
     a memory map of its safetensors files, handed back to the OS for each update and mapped again for the next
     scoring, so the update's peak memory holds no second copy of the model. The same results either way; false
     keeps the reference resident."""
+    overlong_buffer: int = 0
+    """DAPO's soft overlong penalty: a response within this many tokens of the response limit loses up to
+    rl.overlong_penalty, linearly (0 off; the DAPO paper: 4096 of 20480)."""
+    overlong_penalty: float = 1.0
+    """The most rl.overlong_buffer takes off a reward (at the limit)."""
     scale_rewards: str = "none"
     """rloo, grpo: what each sample's advantage (its reward less its group's baseline) is divided by: group (the
     prompt's reward std; grpo's default, as the paper) | batch (the iteration's std) | none (rloo's default; Dr.

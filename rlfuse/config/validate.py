@@ -265,6 +265,10 @@ def _validate_rl(cfg: Config) -> None:
                                              "seq-mean-token-sum-norm"))
     _choice(rl.policy_loss, "rl.policy_loss", ("ppo", "gspo", "cispo", "gpg"))
     _choice(rl.scale_rewards, "rl.scale_rewards", ("group", "batch", "none"))
+    _positive(rl, "rl", "overlong_buffer", allow_zero=True)
+    if rl.overlong_buffer > rl.response_limit:
+        raise ConfigError("rl.overlong_buffer", f"{rl.overlong_buffer} exceeds the response limit of "
+                          f"{rl.response_limit} tokens", f"set it below {rl.response_limit} (e.g. a quarter of it)")
     if rl.recipe is not None:
         _choice(rl.recipe, "rl.recipe", tuple(RECIPES))
         if not ALGORITHMS[rl.algo].groups_prompts:

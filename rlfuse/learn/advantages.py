@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import torch
 
-from rlfuse.algos.advantages import ADVANTAGE_FNS, gae_advantages
+from rlfuse.algos.advantages import ADVANTAGE_FNS, gae_advantages, overlong_penalty
 from rlfuse.algos.kl import kl_penalty, kl_shaped_rewards
 from rlfuse.algos.stats import whiten
 from rlfuse.config import RLConfig
@@ -23,7 +23,7 @@ def compute_advantages(exp: Experience, rl: RLConfig, kl_coef: float):
     policy = exp.logprobs if exp.proximal_logprobs is None else exp.proximal_logprobs
     kl = kl_penalty(policy, exp.ref_logprobs, rl.kl_estimator_used) * exp.mask
     if algo.kl_in == "token_reward":  # the KL in each token's reward (Ziegler et al.), advantages by GAE
-        rewards = kl_shaped_rewards(exp.scores, kl, exp.mask, kl_coef)
+        rewards = kl_shaped_rewards(shaped_scores(exp, rl), kl, exp.mask, kl_coef)
         adv, returns = gae_advantages(rewards, exp.values, exp.mask, rl.gamma, rl.lam)
         mask = exp.mask
     else:  # the KL in the sequence reward (rloo) or in the loss (grpo: learn/losses.py micro_policy_loss)
@@ -36,4 +36,12 @@ def compute_advantages(exp: Experience, rl: RLConfig, kl_coef: float):
 def sequence_rewards(exp: Experience, rl: RLConfig, kl, kl_coef: float):
     """rloo, grpo: each sample's reward, less its summed KL where the algorithm puts the KL in the sequence reward
     (rloo; grpo's is in the loss). kl: compute_advantages' per-token KL (N, T)."""
-    return exp.scores - (kl_coef * kl.sum(1) if ALGORITHMS[rl.algo].kl_in == "sequence_reward" else 0.0)
+    return shaped_scores(exp, rl) - (kl_coef * kl.sum(1) if ALGORITHMS[rl.algo].kl_in == "sequence_reward" else 0.0)
+
+
+def shaped_scores(exp: Experience, rl: RLConfig):
+    """The scores the advantages read: the reward, plus DAPO's soft overlong penalty where rl.overlong_buffer is set
+    (on the tokens each sample sampled, against the response limit)."""
+    if not rl.overlong_buffer:
+        return exp.scores
+    return exp.scores + overlong_penalty(exp.mask.sum(1), rl.response_limit, rl.overlong_buffer, rl.overlong_penalty)

@@ -118,3 +118,31 @@ def test_recipes_set_what_the_config_leaves_out():
     with pytest.raises(ConfigError, match="rl.recipe"):
         load_config(None, ["rl.algo=grpo", "rl.recipe=bnpo"])
 
+
+
+def test_dapos_overlong_penalty_by_hand():
+    from rlfuse.algos.advantages import overlong_penalty
+
+    lengths = torch.tensor([10, 16, 18, 20])
+    # limit 20, buffer 4: free up to 16, then -0.5 per token of the buffer's 4, -penalty at the limit
+    assert_close(overlong_penalty(lengths, 20, 4, 2.0), torch.tensor([0.0, 0.0, -1.0, -2.0]))
+
+
+def test_the_overlong_penalty_reaches_the_advantages():
+    from helpers import hand_experience
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    from rlfuse.config import load_config
+    from rlfuse.learn.advantages import compute_advantages
+
+    actor = GPT2LMHeadModel(GPT2Config(vocab_size=40, n_positions=32, n_embd=16, n_layer=1, n_head=2)).eval()
+    exp = hand_experience(actor, n=8, k=4, longest=6)
+    plain = load_config(None, ["rl.algo=grpo", "rl.k=4", "rl.max_new_tokens=6"]).rl
+    shaped = load_config(None, ["rl.algo=grpo", "rl.k=4", "rl.max_new_tokens=6", "rl.overlong_buffer=3"]).rl
+    a, _, _ = compute_advantages(exp, plain, 0.1)
+    b, _, _ = compute_advantages(exp, shaped, 0.1)
+    assert not torch.allclose(a, b)
+    lengths = exp.mask.sum(1)
+    # the longest responses of a group lose the most: their advantage drops against the plain one
+    longest = int(lengths.argmax())
+    assert b[longest] < a[longest]
