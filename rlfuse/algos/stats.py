@@ -61,3 +61,17 @@ def in_spread_groups(rewards: Tensor, k: int) -> Tensor:
     others an advantage of 0: rl.skip_zero_advantage keeps these). rewards grouped by prompt, as zero_spread_fraction."""
     r = rewards.view(-1, k)
     return (r.max(1).values != r.min(1).values).repeat_interleave(k)
+
+
+def spread_groups_first(scores: list[Tensor], k: int, groups: int) -> list[tuple[int, int]]:
+    """DAPO's dynamic sampling, by counts: from several rollouts' rewards (each (n_prompts * k,), grouped by prompt,
+    in the order they were drawn), the (rollout, sample) pairs of `groups` prompt groups: first every group whose k
+    rewards differ, in draw order, then, if too few did, groups whose rewards are all equal, in draw order (the batch
+    keeps its size)."""
+    spread, flat = [], []
+    for part, r in enumerate(scores):
+        for g, row in enumerate(r.view(-1, k)):
+            (spread if bool(row.max() != row.min()) else flat).append((part, g))
+    chosen = (spread + flat)[:groups]
+    return [(part, g * k + j) for part, g in chosen for j in range(k)]
+

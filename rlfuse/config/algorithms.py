@@ -51,14 +51,14 @@ RECIPES = {
              "scale_rewards": "group"},
     "dr_grpo": {"policy_loss": "ppo", "loss_agg": "seq-mean-token-sum-norm", "clip": 0.2, "clip_high": None,
                 "scale_rewards": "none"},
-    "dapo": {"policy_loss": "ppo", "loss_agg": "token-mean", "clip": 0.2, "clip_high": 0.28, "scale_rewards": "group"},
+    "dapo": {"policy_loss": "ppo", "loss_agg": "token-mean", "clip": 0.2, "clip_high": 0.28, "scale_rewards": "group",
+             "dynamic_sampling": True},
     "gspo": {"policy_loss": "gspo", "loss_agg": "seq-mean-token-mean", "clip": 3e-4, "clip_high": 4e-4,
              "scale_rewards": "group"},
 }
 """rl.recipe: the published recipes by the names TRL gives them (its loss_type; gspo: importance_sampling_level=
 sequence), each the rl fields it sets where the config leaves them out: the policy loss, its aggregation, the clip
-range and the advantage's scale. DAPO's dynamic sampling is not among them (rl.skip_zero_advantage drops the groups
-whose rewards are all equal; it does not draw more)."""
+range, the advantage's scale and (dapo) dynamic sampling."""
 
 BEHAVIOUR_WEIGHT_MODES = ("truncate", "mask")
 """How the decoupled objective bounds a stale token's importance weight (rl.behaviour_weight_mode;

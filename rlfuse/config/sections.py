@@ -384,6 +384,12 @@ class RLConfig:
     """rl.max_staleness >= 1: a batch decoded ahead of its update takes the next weights once this many of its
     samples (per generation worker) have finished, its unfinished samples continuing under them (fresher samples,
     less overlap). 0: a batch is decoded whole by one policy version."""
+    dynamic_sampling: bool = False
+    """rloo, grpo: DAPO's dynamic sampling: while fewer than rl.prompts_per_iter prompt groups have rewards that
+    differ, generate rl.prompts_per_iter more (at most rl.max_refills times), then train on that many groups, those
+    with a spread first. The same batches in every run with the same seed; rollout/refills counts the draws."""
+    max_refills: int = 4
+    """rl.dynamic_sampling: the most further draws an iteration makes."""
     skip_zero_advantage: bool = False
     """rloo, grpo: leave out of the update the samples whose advantage is 0 at every token (a prompt whose k samples
     all scored the same, with no KL penalty in the reward), as DAPO's dynamic sampling does, without resampling.

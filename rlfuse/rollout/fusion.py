@@ -83,6 +83,50 @@ class Experience:
         return len(self.prompt_ids)
 
 
+def _rows(t: Tensor | None, idx: list[int], width: int) -> Tensor | None:
+    """Rows idx of an (N,) or (N, T) tensor, an (N, T) one padded (zeros) or cut to `width` columns."""
+    if t is None:
+        return None
+    t = t[idx]
+    if t.dim() == 1:
+        return t
+    return torch.nn.functional.pad(t, (0, max(0, width - t.shape[1])))[:, :width]
+
+
+def take_samples(parts: list[Experience], picks: list[tuple[int, int]]) -> Experience:
+    """One Experience of the samples picks names, in that order: (part, sample index) pairs over several rollouts'
+    experiences (dynamic sampling's refills), per-token tensors padded to the longest response kept. Timing adds up
+    over the parts; staleness and the proximal log-probs come along where every part has them."""
+    width = max(len(parts[p].response_ids[i]) for p, i in picks)
+    by_part: dict[int, list[int]] = {}
+    for p, i in picks:
+        by_part.setdefault(p, []).append(i)
+    order = [(p, i) for p in by_part for i in by_part[p]]
+    position = {pick: n for n, pick in enumerate(order)}
+    perm = torch.tensor([position[pick] for pick in picks])
+
+    def cat(field: str) -> Tensor | None:
+        tensors = [_rows(getattr(parts[p], field), idx, width) for p, idx in by_part.items()]
+        return None if any(t is None for t in tensors) else torch.cat(tensors)[perm]
+
+    listed = lambda field: [getattr(parts[p], field)[i] for p, i in picks]
+    timing: dict = {}
+    for part in parts:
+        for key, value in part.timing.items():
+            timing[key] = timing.get(key, 0) + value
+    # a prompt's index within its own rollout: renumbered, so two rollouts' prompts never share one
+    keys = [(p, int(parts[p].prompt_index[i])) for p, i in picks]
+    renumbered = {key: n for n, key in enumerate(dict.fromkeys(keys))}
+    return Experience(
+        prompt_ids=listed("prompt_ids"), response_ids=listed("response_ids"),
+        prompt_index=torch.tensor([renumbered[key] for key in keys]),
+        scores=cat("scores"), logprobs=cat("logprobs"), ref_logprobs=cat("ref_logprobs"), values=cat("values"),
+        mask=cat("mask"), finish_reasons=listed("finish_reasons"), timing=timing, staleness=cat("staleness"),
+        proximal_logprobs=cat("proximal_logprobs"),
+        proximal_from_update=all(p.proximal_from_update for p in parts),
+        episodes=None if any(p.episodes is None for p in parts) else listed("episodes"))
+
+
 def scores_proximal(off_policy: bool, one_step: bool, kl_coef: float) -> bool:
     """Whether a batch's scoring runs the trained policy's own forward (Scorer.score(proximal=True)), for a batch the
     trained policy as it is now did not sample (off_policy: a stale batch, or a sampler in other arithmetic). An

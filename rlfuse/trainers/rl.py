@@ -36,6 +36,7 @@ from pathlib import Path
 import torch
 
 from rlfuse.algos.kl import AdaptiveKLController, FixedKLController
+from rlfuse.algos.stats import in_spread_groups, spread_groups_first
 from rlfuse.algos.schedules import scheduled_value
 from rlfuse.config import Config, RLConfig, fusion_on, save_config
 from rlfuse.config.algorithms import ALGORITHMS
@@ -63,7 +64,7 @@ from rlfuse.models.quantize import choose_cpu_heap
 from rlfuse.models.rewards import attach_rows, reset_reward_metrics, reward_metrics
 from rlfuse.plan.planner import predicted_memory
 from rlfuse.rollout.episodes import EpisodeGenerator, Episodes, check_episode_template, episode_prompt
-from rlfuse.rollout.fusion import FusionPolicy
+from rlfuse.rollout.fusion import Experience, FusionPolicy, take_samples
 from rlfuse.rollout.state import RolloutRequest, SamplingParams
 from rlfuse.runtime.backend import build_placement, uses_ray
 from rlfuse.runtime.local import (LocalTrainer, behaviour_differs, build_generator, local_scorer, release_decode_copy,
@@ -199,6 +200,9 @@ def train_rl(cfg: Config, run_dir: Path, log=print, resume: bool = False, on_rea
             shared_before = scorer.prompt_tokens_shared  # this process's scorer (Ray workers score on their own)
             with said_where(f"iteration {it + 1}"):  # a reward function's failure names the iteration it broke
                 exp = rollout.generate(request)
+                refills = {}
+                if rl.dynamic_sampling:  # more prompt groups until enough have rewards that differ (DAPO)
+                    exp, refills = dynamically_sampled(exp, rollout, requests, it, rl)
             shared_scoring = scorer.prompt_tokens_shared - shared_before
             # 3. KL-shaped rewards and advantages (pure functions in rlfuse/algos)
             adv, returns, kl = compute_advantages(exp, rl, kl_ctl.coef)
@@ -210,7 +214,7 @@ def train_rl(cfg: Config, run_dir: Path, log=print, resume: bool = False, on_rea
                 kl_ctl.update(float(kl.sum(1).mean()), len(exp))
             t2 = time.perf_counter()
             # 5. record (every iteration, skipped or not) and checkpoint
-            row = rollout_metrics(exp, kl, returns, kl_ctl.coef, rl.max_new_tokens) | stats | sync
+            row = rollout_metrics(exp, kl, returns, kl_ctl.coef, rl.max_new_tokens) | stats | sync | refills
             row |= rollout.metrics(exp)
             row |= memory_metrics(device) | iteration_gold(exp, tok, gold) | reward_metrics(models.reward_fn)
             row |= flops.metrics([len(p) for p in exp.prompt_ids], [len(r) for r in exp.response_ids], t2 - t0,
@@ -255,12 +259,29 @@ class IterationRequests:
     params: SamplingParams
     seed: int
 
-    def __call__(self, it: int) -> RolloutRequest:
+    def __call__(self, it: int, draw: int = 0) -> RolloutRequest:
+        """draw >= 1: dynamic sampling's further prompt groups for iteration `it` (rl.dynamic_sampling), other
+        prompts and sampling seeds for each draw, the same in every run."""
         rl = self.rl
-        prompts = prompt_batch(self.prompts, it, rl.prompts_per_iter, self.seed, self.difficulty, rl.iterations,
-                               rl.curriculum_start)
+        prompts = prompt_batch(self.prompts, it, rl.prompts_per_iter, self.seed + 104_729 * draw, self.difficulty,
+                               rl.iterations, rl.curriculum_start)
         params = dataclasses.replace(self.params, temperature=iteration_temperature(rl, it))
-        return RolloutRequest(it, prompts, rl.k, params, self.seed * 1_000_003 + it)
+        return RolloutRequest(it, prompts, rl.k, params, self.seed * 1_000_003 + it + 1_000_000_007 * draw)
+
+
+def dynamically_sampled(exp: Experience, rollout, requests: IterationRequests, it: int, rl: RLConfig):
+    """rl.dynamic_sampling (DAPO): while fewer than rl.prompts_per_iter prompt groups have rewards that differ, draw
+    rl.prompts_per_iter more (at most rl.max_refills times), then keep that many groups, those with a spread first
+    (algos/stats.py spread_groups_first). -> (the iteration's experience, its rollout/refills and
+    rollout/spread_groups metrics)."""
+    parts = [exp]
+    count = lambda: sum(int(in_spread_groups(p.scores, rl.k).sum()) // rl.k for p in parts)
+    while count() < rl.prompts_per_iter and len(parts) <= rl.max_refills:
+        parts.append(rollout.generate(requests(it, draw=len(parts))))
+    picks = spread_groups_first([p.scores for p in parts], rl.k, rl.prompts_per_iter)
+    kept = take_samples(parts, picks)
+    return kept, {"rollout/refills": len(parts) - 1,
+                  "rollout/spread_groups": min(count(), rl.prompts_per_iter) / rl.prompts_per_iter}
 
 
 @dataclass

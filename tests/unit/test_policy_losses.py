@@ -146,3 +146,30 @@ def test_the_overlong_penalty_reaches_the_advantages():
     # the longest responses of a group lose the most: their advantage drops against the plain one
     longest = int(lengths.argmax())
     assert b[longest] < a[longest]
+
+
+def test_dynamic_sampling_picks_groups_with_a_spread_first():
+    from rlfuse.algos.stats import spread_groups_first
+
+    first = torch.tensor([1.0, 1.0, 0.0, 1.0, 2.0, 2.0])  # k=2: groups flat, spread, flat
+    refill = torch.tensor([0.0, 0.0, 3.0, 1.0, 5.0, 4.0])  # flat, spread, spread
+    assert spread_groups_first([first, refill], 2, 3) == [(0, 2), (0, 3), (1, 2), (1, 3), (1, 4), (1, 5)]
+    # too few with a spread: the flat ones fill the batch, in draw order
+    assert spread_groups_first([first], 2, 3) == [(0, 2), (0, 3), (0, 0), (0, 1), (0, 4), (0, 5)]
+
+
+def test_take_samples_merges_rollouts():
+    from rlfuse.rollout.fusion import Experience, take_samples
+
+    def exp(n, width, base):
+        return Experience([[1]] * n, [[base + i] * (1 + i % width) for i in range(n)], torch.arange(n) // 2,
+                          torch.arange(n, dtype=torch.float32) + base, torch.full((n, width), float(base)),
+                          torch.zeros(n, width), None, torch.ones(n, width), ["eos"] * n, timing={"rollout": 1.0})
+
+    a, b = exp(4, 2, 0), exp(4, 3, 10)
+    kept = take_samples([a, b], [(1, 2), (1, 3), (0, 0), (0, 1)])
+    assert kept.response_ids == [b.response_ids[2], b.response_ids[3], a.response_ids[0], a.response_ids[1]]
+    assert kept.scores.tolist() == [12.0, 13.0, 0.0, 1.0] and kept.logprobs.shape == (4, 3)
+    assert kept.logprobs[2].tolist() == [0.0, 0.0, 0.0] and kept.logprobs[0].tolist() == [10.0] * 3
+    assert kept.prompt_index.tolist() == [0, 0, 1, 1]  # both had prompt index 1 / 0: renumbered apart
+    assert kept.timing == {"rollout": 2.0} and kept.values is None
