@@ -334,6 +334,9 @@ class RLConfig:
     critic_init: str = "rm"
     """ppo critic: rm (separate model from the reward model's backbone and head) | sft (separate model from the SFT
     backbone, zero head) | actor (a value head on the actor's own backbone: no second model)."""
+    mask_truncated: bool = False
+    """Leave the tokens of responses that hit the length limit out of the update's loss and KL (TRL's
+    mask_truncated_completions); their rewards still count in their group's advantages."""
     unfinished_penalty: float = 0.0
     """Subtracted from the reward of responses that hit max_new_tokens without ending."""
     grad_clip: float = 1.0

@@ -38,7 +38,7 @@ _RL = {
     "scale_rewards": TrlName("rl.scale_rewards", "group, batch or none; rl.whiten_advantages then whitens over the "
                              "iteration"),
     "normalize_advantages": TrlName("rl.whiten_advantages", same_value=False),
-    "mask_truncated_completions": TrlName("rl.unfinished_penalty", "a penalty instead of a mask", same_value=False),
+    "mask_truncated_completions": TrlName("rl.mask_truncated"),
     "eval_steps": TrlName("rl.eval_every"),
     "log_completions": TrlName("rl.log_samples_every", same_value=False),
     "num_completions_to_print": TrlName("rl.log_samples_every", same_value=False),

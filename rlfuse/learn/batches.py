@@ -4,6 +4,8 @@ with every data-parallel rank's share (minibatches, micro_batch_indices, micro_b
 
 from __future__ import annotations
 
+import dataclasses
+
 from typing import Iterator
 
 import numpy as np
@@ -140,3 +142,12 @@ def prompt_tokens_shared(exp: Experience, batches: list[list[int]], rl: RLConfig
             prompts, responses = [exp.prompt_ids[i] for i in idx], [exp.response_ids[i] for i in idx]
             total += prompt_tokens_saved(prompts) if worth_sharing(prompts, responses) else 0
     return total
+
+
+def truncated_masked(exp: Experience) -> Experience:
+    """rl.mask_truncated (TRL's mask_truncated_completions): the experience with the tokens of every sample that hit
+    the length limit masked out, so the update's loss and KL leave them out; they still count in the mini-batch's
+    sample total (a sequence-level average gives them 0), and their rewards shaped their group's advantages."""
+    keep = torch.tensor([reason != "length" for reason in exp.finish_reasons], dtype=exp.mask.dtype)
+    return dataclasses.replace(exp, mask=exp.mask * keep[:, None])
+

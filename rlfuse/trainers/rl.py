@@ -47,7 +47,7 @@ from rlfuse.data.stages import rl_prompt_rows
 from rlfuse.errors import said_where
 from rlfuse.evaluation import evaluate, evaluate_before, iteration_gold, prompt_difficulty, sampling_params
 from rlfuse.learn.advantages import compute_advantages
-from rlfuse.learn.batches import minibatches, update_batches
+from rlfuse.learn.batches import minibatches, truncated_masked, update_batches
 from rlfuse.learn.checkpoint import read_checkpoint
 from rlfuse.learn.learners import build_learners
 from rlfuse.learn.update import BadSteps, count_abstained, count_nonfinite_rewards, stop_if_blown
@@ -209,8 +209,9 @@ def train_rl(cfg: Config, run_dir: Path, log=print, resume: bool = False, on_rea
             # 4. update actor and critic (skipped, and counted, when a reward is not finite)
             t1, stats = time.perf_counter(), {}
             if not count_nonfinite_rewards(exp, rl, bad):
-                batches = update_batches(exp, rl, kl, kl_ctl.coef, minibatches(len(exp), rl, seed, it))
-                stats = trainer.update(exp, adv, returns, kl_ctl.coef, batches, bad, temperature)
+                trained = truncated_masked(exp) if rl.mask_truncated else exp  # their tokens leave the loss
+                batches = update_batches(trained, rl, kl, kl_ctl.coef, minibatches(len(exp), rl, seed, it))
+                stats = trainer.update(trained, adv, returns, kl_ctl.coef, batches, bad, temperature)
                 kl_ctl.update(float(kl.sum(1).mean()), len(exp))
             t2 = time.perf_counter()
             # 5. record (every iteration, skipped or not) and checkpoint

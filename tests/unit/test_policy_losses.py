@@ -173,3 +173,30 @@ def test_take_samples_merges_rollouts():
     assert kept.logprobs[2].tolist() == [0.0, 0.0, 0.0] and kept.logprobs[0].tolist() == [10.0] * 3
     assert kept.prompt_index.tolist() == [0, 0, 1, 1]  # both had prompt index 1 / 0: renumbered apart
     assert kept.timing == {"rollout": 2.0} and kept.values is None
+
+
+def test_truncated_samples_leave_the_loss():
+    from helpers import hand_experience
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    from rlfuse.config import load_config
+    from rlfuse.learn.batches import truncated_masked
+    from rlfuse.learn.losses import micro_policy_loss
+
+    torch.manual_seed(0)
+    actor = GPT2LMHeadModel(GPT2Config(vocab_size=40, n_positions=32, n_embd=16, n_layer=1, n_head=2))
+    exp = hand_experience(actor, n=4, k=2, longest=6)
+    exp.finish_reasons = ["length", "eos", "length", "eos"]
+    masked = truncated_masked(exp)
+    assert masked.mask[[0, 2]].sum() == 0 and torch.equal(masked.mask[[1, 3]], exp.mask[[1, 3]])
+    rl = load_config(None, ["rl.algo=grpo", "rl.k=2", "rl.mask_truncated=true"]).rl
+    adv = torch.randn(4)
+
+    def grads(e, idx):
+        actor.zero_grad()
+        loss, _ = micro_policy_loss(actor, e, idx, adv, rl, 0.5, 0, 1.0)
+        loss.backward()
+        return [p.grad.clone() for p in actor.parameters() if p.grad is not None]
+
+    assert all(float(g.abs().sum()) == 0 for g in grads(masked, [0, 2]))  # only truncated ones: nothing to learn
+    assert any(float(g.abs().sum()) > 0 for g in grads(exp, [0, 2]))
