@@ -36,15 +36,15 @@ MATH_KL_BOUND = 2.0  # the bound the math runs are held to: KL to the reference,
 MATH_MINUTES, HH_MINUTES = 30, 40
 
 
-def run(config: str, seed: int, engine: str | None = None) -> Path:
-    """The run folder of `rlfuse run configs/<config>.yaml run.seed=seed` (rollout.engine=engine where given), run
-    unless it already finished."""
-    name = f"{config}-{engine}-s{seed}" if engine else f"{config}-s{seed}"
+def run(config: str, seed: int, engine: str | None = None, extra: tuple[str, ...] = (), tag: str = "") -> Path:
+    """The run folder of `rlfuse run configs/<config>.yaml run.seed=seed` (rollout.engine=engine where given, and
+    the overrides `extra`, named by `tag` in the folder), run unless it already finished."""
+    name = f"{config}-{engine}-s{seed}" if engine else f"{config}{'-' + tag if tag else ''}-s{seed}"
     run_dir = WORK / "real_model" / name
     if not (run_dir / "eval.json").exists():
         run_dir.parent.mkdir(parents=True, exist_ok=True)
         cmd = [sys.executable, "-m", "rlfuse", "run", f"configs/{config}.yaml", f"run.seed={seed}",
-               f"run.dir={run_dir}", *([f"rollout.engine={engine}"] if engine else []),
+               f"run.dir={run_dir}", *([f"rollout.engine={engine}"] if engine else []), *extra,
                *(["--resume", str(run_dir)] if (run_dir / "config.yaml").exists() else [])]
         print(f"[bench] {' '.join(cmd[2:])}", flush=True)
         with open(run_dir.parent / f"{name}.log", "a") as log:
