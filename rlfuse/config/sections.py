@@ -286,6 +286,9 @@ class RLConfig:
     policy_loss: str = "ppo"
     """ppo (clipped ratio; rl.clip_high and rl.dual_clip) | gspo (one clipped ratio per sequence) | cispo (the clipped
     ratio as a detached weight on log pi) | gpg (-A log pi, no ratio)."""
+    entropy_coef: float = 0.0
+    """An entropy bonus: the policy loss less this times the policy's entropy at the sampled positions, averaged as
+    rl.loss_agg averages the loss (0: none; keeps exploration up, at the risk of incoherent text)."""
     clip_high: Optional[float] = None
     """The ratio's upper bound is 1 + clip_high (DAPO's clip-higher: 0.28); null: rl.clip, as the lower."""
     dual_clip: Optional[float] = None

@@ -48,6 +48,8 @@ def micro_policy_loss(actor, exp: Experience, idx: list[int], adv, rl: RLConfig,
         per_token, st = decoupled_loss(loss_fn, new_lp, proximal, take(exp.logprobs), take(adv), mask, settings,
                                        rl.behaviour_weight_cap, rl.behaviour_weight_mode)
     loss = aggregate(per_token, mask, agg, rl.response_limit)
+    if rl.entropy_coef:  # an entropy bonus, averaged as the loss is (the entropy is differentiable for it)
+        loss = loss - rl.entropy_coef * aggregate(entropy, mask, agg, rl.response_limit)
     stats = {"train/policy_loss": loss.detach(), "train/clip_frac": st["clip_frac"], "train/approx_kl": st["approx_kl"],
              "train/entropy": masked_mean(entropy.detach(), mask)}
     if stale:

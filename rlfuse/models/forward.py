@@ -172,9 +172,8 @@ def response_logprobs(model, mb: MicroBatch, temperature: float = 1.0, chunk_tok
             logits = head(h[:, s: s + chunk]).float() / temperature
         logp = torch.log_softmax(logits, dim=-1)
         out.append(logp.gather(-1, mb.targets[:, s: s + chunk, None]).squeeze(-1))
-        if with_entropy:  # a diagnostic: kept out of the autograd graph, which would save another (B, T, V)
-            with torch.no_grad():
-                ent.append(-(logp.exp() * logp).sum(-1))
+        if with_entropy:  # differentiable (an entropy bonus); on this path only, for heads that are not plain
+            ent.append(-(logp.exp() * logp).sum(-1))
     lp = torch.cat(out, 1) * mb.mask
     return (lp, torch.cat(ent, 1) * mb.mask) if with_entropy else lp
 
@@ -285,23 +284,28 @@ class TokenLogprobs(torch.autograd.Function):
                 with_entropy: bool) -> tuple[Tensor, Tensor]:
         head = _Head(weight, head_compute_dtype(h))
         picked, ent, lse = _head_logprobs(h, head, targets, temperature, chunk_tokens, with_entropy)
-        ctx.save_for_backward(h, weight, targets, lse)
+        ctx.save_for_backward(h, weight, targets, lse, ent)
         # the head in its compute dtype kept for the backward, as autocast keeps a Linear's cast weight
-        ctx.head, ctx.temperature, ctx.chunk_tokens = head, temperature, chunk_tokens
-        entropy = ent.view(targets.shape)
-        ctx.mark_non_differentiable(entropy)
-        return picked.view(targets.shape), entropy
+        ctx.head, ctx.temperature, ctx.chunk_tokens, ctx.with_entropy = head, temperature, chunk_tokens, with_entropy
+        ctx.set_materialize_grads(False)  # an output the loss does not use gets None: no work for it
+        return picked.view(targets.shape), ent.view(targets.shape)
 
     @staticmethod
-    def backward(ctx, grad_lp: Tensor, _grad_ent: Tensor):
-        with torch.autocast(grad_lp.device.type, enabled=False):
-            return TokenLogprobs._backward(ctx, grad_lp)
+    def backward(ctx, grad_lp: Tensor | None, grad_ent: Tensor | None):
+        if grad_lp is None and grad_ent is None:
+            return None, None, None, None, None, None
+        with torch.autocast((grad_lp if grad_lp is not None else grad_ent).device.type, enabled=False):
+            return TokenLogprobs._backward(ctx, grad_lp, grad_ent)
 
     @staticmethod
-    def _backward(ctx, grad_lp: Tensor):
-        h, weight, targets, lse = ctx.saved_tensors
+    def _backward(ctx, grad_lp: Tensor | None, grad_ent: Tensor | None):
+        """The gradient of the log-probs (onehot - softmax), and of the entropy where the loss uses it (an entropy
+        bonus): dH/dz = -p (log p + H), per row of the logits over the temperature."""
+        h, weight, targets, lse, ent = ctx.saved_tensors
         acc, head = lse.dtype, ctx.head
-        flat, tgt, g = h.reshape(-1, h.shape[-1]), targets.reshape(-1), grad_lp.reshape(-1).to(acc)
+        flat, tgt = h.reshape(-1, h.shape[-1]), targets.reshape(-1)
+        g = torch.zeros(len(tgt), dtype=acc, device=h.device) if grad_lp is None else grad_lp.reshape(-1).to(acc)
+        g_ent = None if grad_ent is None or not ctx.with_entropy else grad_ent.reshape(-1).to(acc)
         grad_h = torch.zeros_like(flat) if ctx.needs_input_grad[0] else None
         grad_w = None
         n = ctx.chunk_tokens
@@ -312,7 +316,13 @@ class TokenLogprobs(torch.autograd.Function):
             # d logp / dz = onehot - softmax; times the upstream g, over the temperature: in place in z
             if ctx.temperature != 1.0:
                 z.div_(ctx.temperature)
-            z.sub_(lse_z[:, None]).exp_().mul_(-gs)
+            z.sub_(lse_z[:, None])  # log p
+            if g_ent is None:
+                z.exp_().mul_(-gs)
+            else:  # p (-g - g_ent (log p + H)): one more (chunk, V) buffer, only for an entropy bonus
+                coef = z.add(ent[s: s + n, None]).mul_(-g_ent[s: s + n, None]).sub_(gs)
+                z.exp_().mul_(coef)
+                del coef
             z.scatter_add_(1, tgt[s: s + n, None], gs)
             if ctx.temperature != 1.0:
                 z.div_(ctx.temperature)

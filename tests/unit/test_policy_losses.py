@@ -200,3 +200,30 @@ def test_truncated_samples_leave_the_loss():
 
     assert all(float(g.abs().sum()) == 0 for g in grads(masked, [0, 2]))  # only truncated ones: nothing to learn
     assert any(float(g.abs().sum()) > 0 for g in grads(exp, [0, 2]))
+
+
+def test_an_entropy_bonus_raises_the_entropy():
+    """rl.entropy_coef: one SGD step on the loss less the bonus leaves the policy's entropy at the sampled positions
+    higher than the same step without it."""
+    from helpers import hand_experience
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    from rlfuse.config import load_config
+    from rlfuse.learn.losses import micro_policy_loss
+    from rlfuse.models.forward import collate, response_logprobs
+
+    def entropy_after(coef):
+        torch.manual_seed(0)
+        actor = GPT2LMHeadModel(GPT2Config(vocab_size=40, n_positions=32, n_embd=16, n_layer=1, n_head=2))
+        exp = hand_experience(actor, n=4, k=2, longest=6)
+        rl = load_config(None, ["rl.algo=grpo", "rl.k=2", f"rl.entropy_coef={coef}"]).rl
+        loss, _ = micro_policy_loss(actor, exp, [0, 1, 2, 3], torch.zeros(4), rl, 0.0, 0, 1.0)
+        loss.backward()
+        with torch.no_grad():
+            for p in actor.parameters():
+                p -= 0.5 * p.grad
+            mb = collate(exp.prompt_ids, exp.response_ids, 0, "cpu")
+            _, ent = response_logprobs(actor, mb, 1.0, with_entropy=True)
+        return float((ent * mb.mask).sum() / mb.mask.sum())
+
+    assert entropy_after(1.0) > entropy_after(0.0) + 1e-4

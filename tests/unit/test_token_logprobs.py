@@ -35,7 +35,26 @@ def test_values_entropy_and_gradients_equal_autograd_through_log_softmax(tempera
     torch.testing.assert_close(ent, want_ent.detach())
     for g, wg in zip(got_grads, want_grads):
         torch.testing.assert_close(g, wg, rtol=1e-5, atol=1e-5)
-    assert not ent.requires_grad
+
+
+@pytest.mark.parametrize("temperature", [1.0, 0.7])
+def test_the_entropy_is_differentiable_for_an_entropy_bonus(temperature):
+    """A loss on the log-probs and the entropy together (an entropy bonus): the gradient equals autograd through the
+    full log-softmax, and finite differences."""
+    torch.manual_seed(2)
+    h = torch.randn(2, 5, 8, dtype=torch.float64, requires_grad=True)
+    w = torch.randn(13, 8, dtype=torch.float64, requires_grad=True)
+    targets = torch.randint(0, 13, (2, 5))
+    up_lp, up_ent = torch.randn(2, 5, dtype=torch.float64), torch.randn(2, 5, dtype=torch.float64)
+    logp = torch.log_softmax(h @ w.T / temperature, dim=-1)
+    want = (logp.gather(-1, targets[..., None]).squeeze(-1) * up_lp).sum() + (-(logp.exp() * logp).sum(-1) * up_ent).sum()
+    want_grads = torch.autograd.grad(want, (h, w))
+    lp, ent = TokenLogprobs.apply(h, w, targets, temperature, 3, True)
+    got_grads = torch.autograd.grad((lp * up_lp).sum() + (ent * up_ent).sum(), (h, w))
+    for g, wg in zip(got_grads, want_grads):
+        torch.testing.assert_close(g, wg)
+    only_entropy = lambda h, w: TokenLogprobs.apply(h, w, targets, temperature, 3, True)[1]
+    assert torch.autograd.gradcheck(only_entropy, (h, w))
 
 
 @pytest.mark.parametrize("chunk_tokens", [1, 4, 21, 256])
