@@ -82,4 +82,11 @@ def overlong_penalty(lengths: Tensor, limit: int, buffer: int, penalty: float = 
     return -penalty * over / buffer
 
 
+def per_function_advantages(parts: Tensor, weights: list[float], k: int, estimator, scale: str) -> Tensor:
+    """GDPO-style: each reward function's values (parts: (N, functions)) through the group estimator on its own
+    (centred, and scaled by `scale`, within each prompt's group), then summed with the functions' weights, so that a
+    function with a wide range does not drown the others' group differences. Returns (N,)."""
+    return sum(w * estimator(parts[:, f].contiguous(), k, scale) for f, w in enumerate(weights))
+
+
 ADVANTAGE_FNS = {"rloo": rloo_advantages, "grpo": grpo_advantages}

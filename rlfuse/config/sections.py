@@ -364,6 +364,10 @@ class RLConfig:
     a memory map of its safetensors files, handed back to the OS for each update and mapped again for the next
     scoring, so the update's peak memory holds no second copy of the model. The same results either way; false
     keeps the reference resident."""
+    reward_normalization: str = "sum"
+    """rloo, grpo with several reward functions: sum (the weighted sum is the reward, one advantage from it) |
+    per_function (GDPO-style: each function's values centred and scaled in their group on their own, then weighted
+    and summed, so a function with a wide range does not drown the others)."""
     overlong_buffer: int = 0
     """DAPO's soft overlong penalty: a response within this many tokens of the response limit loses up to
     rl.overlong_penalty, linearly (0 off; the DAPO paper: 4096 of 20480)."""

@@ -266,6 +266,10 @@ def _validate_rl(cfg: Config) -> None:
     _choice(rl.policy_loss, "rl.policy_loss", ("ppo", "gspo", "cispo", "gpg"))
     _choice(rl.scale_rewards, "rl.scale_rewards", ("group", "batch", "none"))
     _positive(rl, "rl", "overlong_buffer", allow_zero=True)
+    _choice(rl.reward_normalization, "rl.reward_normalization", ("sum", "per_function"))
+    if rl.reward_normalization == "per_function" and not ALGORITHMS[rl.algo].groups_prompts:
+        raise ConfigError("rl.reward_normalization", f"per_function normalises each reward in its prompt's group; "
+                          f"{rl.algo} samples no groups", "use it with rl.algo=grpo or rloo, or set it to sum")
     if rl.overlong_buffer > rl.response_limit:
         raise ConfigError("rl.overlong_buffer", f"{rl.overlong_buffer} exceeds the response limit of "
                           f"{rl.response_limit} tokens", f"set it below {rl.response_limit} (e.g. a quarter of it)")

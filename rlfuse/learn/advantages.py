@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import torch
 
-from rlfuse.algos.advantages import ADVANTAGE_FNS, gae_advantages, overlong_penalty
+from rlfuse.algos.advantages import ADVANTAGE_FNS, gae_advantages, overlong_penalty, per_function_advantages
 from rlfuse.algos.kl import kl_penalty, kl_shaped_rewards
 from rlfuse.algos.stats import whiten
 from rlfuse.config import RLConfig
@@ -27,8 +27,17 @@ def compute_advantages(exp: Experience, rl: RLConfig, kl_coef: float):
         adv, returns = gae_advantages(rewards, exp.values, exp.mask, rl.gamma, rl.lam)
         mask = exp.mask
     else:  # the KL in the sequence reward (rloo) or in the loss (grpo: learn/losses.py micro_policy_loss)
-        rewards = sequence_rewards(exp, rl, kl, kl_coef)
-        adv, returns = ADVANTAGE_FNS[algo.advantage](rewards, rl.k, rl.scale_rewards), None
+        estimator = ADVANTAGE_FNS[algo.advantage]
+        if rl.reward_normalization == "per_function" and exp.reward_parts is not None:
+            # each function normalised in its group on its own (GDPO), the rest of the reward (a KL in the sequence
+            # reward, an overlong penalty, an environment's reward) as one more part
+            weights = rl.reward_weights or [1.0] * exp.reward_parts.shape[1]
+            rest = sequence_rewards(exp, rl, kl, kl_coef) - exp.reward_parts @ torch.tensor(weights)
+            parts = torch.cat([exp.reward_parts, rest[:, None]], 1)
+            adv = per_function_advantages(parts, [*weights, 1.0], rl.k, estimator, rl.scale_rewards)
+        else:
+            adv = estimator(sequence_rewards(exp, rl, kl, kl_coef), rl.k, rl.scale_rewards)
+        returns = None
         mask = torch.ones_like(adv)
     return (whiten(adv, mask) if rl.whiten_advantages else adv), returns, kl
 

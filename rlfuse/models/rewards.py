@@ -197,10 +197,13 @@ class FunctionReward:
         self.rows: dict[tuple[int, ...], tuple[object, dict]] = {}
         self._sums: dict[str, list[float]] = defaultdict(lambda: [0.0, 0])
         self._abstained = self._scored = self._beyond = 0
+        self.last_parts: Tensor | None = None
+        """(samples, functions): each function's values of the last call, unweighted (0 where it abstained)."""
 
     def __call__(self, samples) -> Tensor:
         if not self.fns:  # rl.reward=environment: the episodes' environment reward alone (rollout/score.py)
             self._scored += len(samples)
+            self.last_parts = torch.zeros(len(samples), 0)
             return torch.zeros(len(samples))
         decode = lambda ids: self.tokenizer.decode(ids, skip_special_tokens=True)
         forms = {sig.takes_completions for sig in self.signatures}  # decode only what some function reads
@@ -214,6 +217,9 @@ class FunctionReward:
             for v in vals:
                 if v is not None:
                     acc[0], acc[1] = acc[0] + float(v), acc[1] + 1
+        # each function's value per sample (0 where it abstained), for rl.reward_normalization=per_function
+        self.last_parts = torch.tensor([[0.0 if v is None else float(v) for v in row] for row in zip(*values)],
+                                       dtype=torch.float32).view(len(samples), len(self.fns))
         return torch.tensor(weighted_sum(values, self.weights), dtype=torch.float32)
 
     def _call(self, fn: Callable, sig: RewardSignature, samples, completions, texts) -> list[float | None]:

@@ -75,6 +75,8 @@ class Experience:
     forward, detached, and the scoring pass leaves them out (proximal_logprobs None)."""
     episodes: list | None = None
     """Per sample, its multi-turn episode's record (rollout/episodes.py EpisodeRecord); None: single-turn samples."""
+    reward_parts: Tensor | None = None
+    """(N, functions): each reward function's value (rl.reward_normalization=per_function); None: a reward model."""
     trained: Tensor | None = None
     """(N,) bool: the samples the update runs on (rl.skip_zero_advantage leaves out those whose advantage is 0 at
     every token); None: all of them."""
@@ -83,12 +85,13 @@ class Experience:
         return len(self.prompt_ids)
 
 
-def _rows(t: Tensor | None, idx: list[int], width: int) -> Tensor | None:
-    """Rows idx of an (N,) or (N, T) tensor, an (N, T) one padded (zeros) or cut to `width` columns."""
+def _rows(t: Tensor | None, idx: list[int], width: int | None) -> Tensor | None:
+    """Rows idx of an (N,) or (N, T) tensor, an (N, T) one padded (zeros) or cut to `width` columns (None: as it
+    is, for a per-sample table such as reward_parts)."""
     if t is None:
         return None
     t = t[idx]
-    if t.dim() == 1:
+    if t.dim() == 1 or width is None:
         return t
     return torch.nn.functional.pad(t, (0, max(0, width - t.shape[1])))[:, :width]
 
@@ -105,8 +108,8 @@ def take_samples(parts: list[Experience], picks: list[tuple[int, int]]) -> Exper
     position = {pick: n for n, pick in enumerate(order)}
     perm = torch.tensor([position[pick] for pick in picks])
 
-    def cat(field: str) -> Tensor | None:
-        tensors = [_rows(getattr(parts[p], field), idx, width) for p, idx in by_part.items()]
+    def cat(field: str, per_token: bool = True) -> Tensor | None:
+        tensors = [_rows(getattr(parts[p], field), idx, width if per_token else None) for p, idx in by_part.items()]
         return None if any(t is None for t in tensors) else torch.cat(tensors)[perm]
 
     listed = lambda field: [getattr(parts[p], field)[i] for p, i in picks]
@@ -123,7 +126,7 @@ def take_samples(parts: list[Experience], picks: list[tuple[int, int]]) -> Exper
         scores=cat("scores"), logprobs=cat("logprobs"), ref_logprobs=cat("ref_logprobs"), values=cat("values"),
         mask=cat("mask"), finish_reasons=listed("finish_reasons"), timing=timing, staleness=cat("staleness"),
         proximal_logprobs=cat("proximal_logprobs"),
-        proximal_from_update=all(p.proximal_from_update for p in parts),
+        proximal_from_update=all(p.proximal_from_update for p in parts), reward_parts=cat("reward_parts", per_token=False),
         episodes=None if any(p.episodes is None for p in parts) else listed("episodes"))
 
 
@@ -166,6 +169,8 @@ def build_experience(scored: list[ScoredSample]) -> Experience:
         proximal_logprobs=(None if scored[0].proximal_logprobs is None
                            else _pad([x.proximal_logprobs for x in scored], T)),
         episodes=None if scored[0].sample.episode is None else [x.sample.episode for x in scored],
+        reward_parts=(None if any(x.reward_parts is None for x in scored)
+                      else torch.stack([x.reward_parts for x in scored])),
     )
 
 

@@ -36,6 +36,9 @@ class ScoredSample:
     """The engine's sampling log-probs (or a recomputed forward when the scorer has the `old_logprobs` role)."""
     proximal_logprobs: Tensor | None = None
     """score(proximal=True): the actor's own log-probs now (asynchronous RL's proximal policy for a stale sample)."""
+    reward_parts: Tensor | None = None
+    """(functions,) each reward function's value, unweighted, where the reward is several functions (their
+    weighted sum is `score`); None for a reward model."""
 
 
 class Scorer:
@@ -128,6 +131,7 @@ class Scorer:
             unfinished = torch.tensor([s.finish_reason == "length" for s in chunk], dtype=torch.float32)
             with self._timed("reward", cast=runs_a_model(self.reward_fn)):
                 scores = self._reward(chunk) - self.unfinished_penalty * unfinished
+                parts = getattr(self.reward_fn, "last_parts", None)
             if taken:
                 ref_lp = [s.ref_logprobs for s in chunk]
             elif not with_ref:
@@ -147,7 +151,8 @@ class Scorer:
                 own = None if actor_lp is None else actor_lp[b, :n]
                 out.append(ScoredSample(s, float(scores[b]), None if ref_lp[b] is None else ref_lp[b][:n],
                                         None if values is None else values[b, :n],
-                                        own if self.recompute_old else s.logprobs, own if proximal else None))
+                                        own if self.recompute_old else s.logprobs, own if proximal else None,
+                                        None if parts is None else parts[b]))
         return out
 
     @torch.no_grad()

@@ -227,3 +227,48 @@ def test_an_entropy_bonus_raises_the_entropy():
         return float((ent * mb.mask).sum() / mb.mask.sum())
 
     assert entropy_after(1.0) > entropy_after(0.0) + 1e-4
+
+
+def test_per_function_normalisation_by_hand():
+    """GDPO-style: two functions that disagree on a group, one on a 100x wider range: normalised on their own they
+    cancel, summed first the wide one decides."""
+    from rlfuse.algos.advantages import grpo_advantages, per_function_advantages
+
+    parts = torch.tensor([[0.0, 100.0], [1.0, 0.0]])  # one group of k=2: f1 prefers sample 1, f2 sample 0
+    assert_close(per_function_advantages(parts, [1.0, 1.0], 2, grpo_advantages, "group"), torch.zeros(2),
+                 atol=1e-3, rtol=0)
+    summed = grpo_advantages(parts @ torch.tensor([1.0, 1.0]), 2, "group")
+    assert_close(summed, torch.tensor([0.7071, -0.7071]), atol=1e-3, rtol=0)
+
+
+def test_reward_parts_travel_from_the_scorer_to_the_advantages():
+    from rlfuse.config import load_config
+    from rlfuse.learn.advantages import compute_advantages
+    from rlfuse.models.rewards import FunctionReward
+    from rlfuse.rollout.fusion import build_experience
+    from rlfuse.rollout.score import ScoredSample
+    from rlfuse.rollout.state import Sample
+
+    class Tok:
+        def decode(self, ids, skip_special_tokens=True):
+            return " ".join(map(str, ids))
+
+    def short(completions, **_):
+        return [float(len(c) < 4) for c in completions]
+
+    def loud(completions, **_):
+        return [100.0 * ("9" in c) for c in completions]
+
+    fn = FunctionReward([short, loud], [1.0, 1.0], Tok())
+    samples = [Sample(0, j, [1], toks, torch.zeros(len(toks)), "eos") for j, toks in enumerate([[1], [9, 9, 9]])]
+    total = fn(samples)
+    assert fn.last_parts.tolist() == [[1.0, 0.0], [0.0, 100.0]] and total.tolist() == [1.0, 100.0]
+    scored = [ScoredSample(s, float(t), torch.zeros(len(s.token_ids)), None, s.logprobs, None, p)
+              for s, t, p in zip(samples, total, fn.last_parts)]
+    exp = build_experience(scored)
+    assert exp.reward_parts.tolist() == [[1.0, 0.0], [0.0, 100.0]]
+    rl = lambda norm: load_config(None, ["rl.algo=grpo", "rl.k=2", f"rl.reward_normalization={norm}",
+                                         "rl.whiten_advantages=false"]).rl
+    per_fn, _, _ = compute_advantages(exp, rl("per_function"), 0.0)
+    summed, _, _ = compute_advantages(exp, rl("sum"), 0.0)
+    assert abs(float(per_fn[0])) < 1e-3 and float(summed[0]) < -0.5  # the loud function no longer decides
