@@ -248,8 +248,9 @@ def train_rl(config: ConfigLike = None, run_dir: str | os.PathLike | None = None
     completion, or the older f(texts)), a 'module:function' string, or a list of them (summed with
     rl.reward_weights). dataset: the prompts as a `datasets.Dataset` or list of row dicts (its other columns reach the
     reward functions). tools, environment: multi-turn episodes (rl.tools: functions the policy calls;
-    rl.environment: a class, one instance per episode, as TRL's environment_factory; docs/episodes.md). An importable function is saved in config.yaml by its module:function; any other
-    callable (a lambda, a local function) works in this process, and resuming it needs reward= again.
+    rl.environment: a class, one instance per episode, as TRL's environment_factory; docs/episodes.md). An
+    importable function is saved in config.yaml by its module:function; any other callable (a lambda, a local
+    function) works in this process, and resuming it needs reward= again.
     resume=True continues RUN_DIR from its last checkpoint, with its saved config.yaml unless config is given
     (overrides apply either way). A RUN_DIR that already holds an RL stage is refused unless resume or overwrite=True
     (which removes it first)."""

@@ -228,7 +228,8 @@ def config_from_dict(raw: dict, overrides: list[str] | tuple | dict = ()) -> Con
 def _apply_preset(cfg: Config, before: dict, overridden: set) -> None:
     """The algorithm's own defaults (ALGORITHMS[...].preset) for the rl fields the config leaves out, and, where the
     overrides switch the algorithm (a Config object or saved config given rl.algo=grpo), for those that hold the
-    previous algorithm's own value; then rl.recipe's fields (RECIPES) the config leaves out. A saved config.yaml names every field, so a resumed run keeps what it ran with."""
+    previous algorithm's own value; then rl.recipe's fields (RECIPES) the config leaves out. A saved config.yaml
+    names every field, so a resumed run keeps what it ran with."""
     algo, was = ALGORITHMS.get(cfg.rl.algo), ALGORITHMS.get(str(before.get("algo", "ppo")))
     for name, value in (algo.preset.items() if algo else ()):
         left_out = name not in before and name not in overridden

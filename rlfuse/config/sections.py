@@ -333,7 +333,8 @@ class RLConfig:
     same token for token either way, but the log-probs' last bits then follow the tools' timing, so a run no longer
     repeats bit for bit; false waits for each answer before the next decode step."""
     environment_reward_weight: float = 1.0
-    """Episodes: weight of the environment's reward (its `reward`, or the sum of its step rewards) added to rl.reward's."""
+    """Episodes: weight of the environment's reward (its `reward`, or the sum of its step rewards) added to
+    rl.reward's."""
     critic_init: str = "rm"
     """ppo critic: rm (separate model from the reward model's backbone and head) | sft (separate model from the SFT
     backbone, zero head) | actor (a value head on the actor's own backbone: no second model)."""

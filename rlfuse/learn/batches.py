@@ -5,7 +5,6 @@ with every data-parallel rank's share (minibatches, micro_batch_indices, micro_b
 from __future__ import annotations
 
 import dataclasses
-
 from typing import Iterator
 
 import numpy as np
@@ -150,4 +149,3 @@ def truncated_masked(exp: Experience) -> Experience:
     sample total (a sequence-level average gives them 0), and their rewards shaped their group's advantages."""
     keep = torch.tensor([reason != "length" for reason in exp.finish_reasons], dtype=exp.mask.dtype)
     return dataclasses.replace(exp, mask=exp.mask * keep[:, None])
-

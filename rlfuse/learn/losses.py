@@ -1,5 +1,6 @@
 """One micro-batch's losses, unscaled: the actor's policy loss from the table (algos/policy_losses.py, with GRPO's KL
-in the loss, where its Algorithm puts it) and the critic's clipped value loss, each on the model's own forward of the micro-batch."""
+in the loss, where its Algorithm puts it) and the critic's clipped value loss, each on the model's own forward of
+the micro-batch."""
 
 from __future__ import annotations
 

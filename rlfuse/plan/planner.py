@@ -755,8 +755,8 @@ def resolve_auto(cfg, log=None, **measured):
         return cfg
     if cfg.rl.tools or cfg.rl.environment:  # the cost model prices single-turn samples only
         if log:
-            log("[plan] placement.strategy=auto chose single: the planner does not price multi-turn episodes (rl.tools, "
-                "rl.environment) yet; set placement.strategy to run them on Ray workers")
+            log("[plan] placement.strategy=auto chose single: the planner does not price multi-turn episodes "
+                "(rl.tools, rl.environment) yet; set placement.strategy to run them on Ray workers")
         return replace(cfg, placement=replace(cfg.placement, strategy="single"))
     plans = plan_config(cfg, log, **measured)
     best = first_fitting(plans, cfg.placement.workers)

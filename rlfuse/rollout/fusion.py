@@ -126,7 +126,8 @@ def take_samples(parts: list[Experience], picks: list[tuple[int, int]]) -> Exper
         scores=cat("scores"), logprobs=cat("logprobs"), ref_logprobs=cat("ref_logprobs"), values=cat("values"),
         mask=cat("mask"), finish_reasons=listed("finish_reasons"), timing=timing, staleness=cat("staleness"),
         proximal_logprobs=cat("proximal_logprobs"),
-        proximal_from_update=all(p.proximal_from_update for p in parts), reward_parts=cat("reward_parts", per_token=False),
+        proximal_from_update=all(p.proximal_from_update for p in parts),
+        reward_parts=cat("reward_parts", per_token=False),
         episodes=None if any(p.episodes is None for p in parts) else listed("episodes"))
 
 

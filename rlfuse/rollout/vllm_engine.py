@@ -158,7 +158,8 @@ class VllmEngine:
         check_sampling(params)
         prompt_ids = checked_prompt_ids(prompts, prompt_ids)
         limit = lengths or (lambda pid, j: params.max_new_tokens)
-        rows = [RowState(pid, j, list(p), [], [], limit(pid, j)) for pid, p in zip(prompt_ids, prompts) for j in range(k)]
+        rows = [RowState(pid, j, list(p), [], [], limit(pid, j))
+                for pid, p in zip(prompt_ids, prompts) for j in range(k)]
         return self.resume(EngineState(seed, params, rows))
 
     def resume(self, state: EngineState) -> Iterator[Sample]:

@@ -88,8 +88,8 @@ def local_scorer(models: Models, cfg: Config) -> Scorer:
     rl = cfg.rl
     return Scorer(models.reward_fn, models.tokenizer.pad_token_id, ref=models.ref, actor=models.actor,
                   critic=models.critic, temperature=rl.temperature, micro_batch_size=cfg.rollout.micro_batch_size,
-                  unfinished_penalty=rl.unfinished_penalty, share_prompt=rl.share_prompt, compute_dtype=models.compute_dtype,
-                  environment_weight=rl.environment_reward_weight)
+                  unfinished_penalty=rl.unfinished_penalty, share_prompt=rl.share_prompt,
+                  compute_dtype=models.compute_dtype, environment_weight=rl.environment_reward_weight)
 
 
 @dataclass

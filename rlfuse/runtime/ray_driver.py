@@ -415,7 +415,8 @@ def start_ray_placement(cfg, spec: PlacementSpec, run_dir, log=print, reward_row
         differs = agreed_arithmetic(cfg, workers, log)
         driver.behaviour_differs = differs  # the asynchronous loop's scoring (score_in_order) takes it from there
         # vLLM's rows stay put, and so do an episode's (its turns are answered where it decodes)
-        migrates = cfg.rollout.migrate_below > 0 and ENGINES[settings.engine].migrates_rows and settings.episodes is None
+        migrates = (cfg.rollout.migrate_below > 0 and ENGINES[settings.engine].migrates_rows
+                    and settings.episodes is None)
         rollout = RayRollout(driver, workers, train, migrates, models.critic is not None,
                              models.adapter is not None, deferred, streamed, cfg.rl, differs,
                              set(workers.scorers) <= trainers)

@@ -40,9 +40,9 @@ class Echo:
 
 # a turn ends on the letter e (rl.stop), so the tiny model's turns end before rl.max_new_tokens and episodes go on
 EPISODES = ["rl.reward=environment", "data.chat_template=chatml", "rl.stop=[e]", "rl.max_new_tokens=8",
-            "rl.max_turns=3", "rl.max_episode_tokens=160", "rl.iterations=3", "rl.prompts_per_iter=4", "rl.mini_batch_size=8",
-            "rl.micro_batch_size=4", "rl.epochs=1", "rl.eval_prompts=4", "rl.ckpt_every=1", "rl.k=2",
-            "run.threads=1"]
+            "rl.max_turns=3", "rl.max_episode_tokens=160", "rl.iterations=3", "rl.prompts_per_iter=4",
+            "rl.mini_batch_size=8", "rl.micro_batch_size=4", "rl.epochs=1", "rl.eval_prompts=4", "rl.ckpt_every=1",
+            "rl.k=2", "run.threads=1"]
 
 
 def game(tmp_path):
