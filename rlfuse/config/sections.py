@@ -282,7 +282,8 @@ class RLConfig:
     rl.loss_level."""
     recipe: Optional[str] = None
     """grpo | dr_grpo | dapo | gspo: a published recipe (TRL's loss_type), setting rl.policy_loss, rl.loss_agg,
-    rl.clip, rl.clip_high and rl.scale_rewards where the config leaves them out (rloo and grpo)."""
+    rl.clip, rl.clip_high, rl.scale_rewards (and for dapo rl.dynamic_sampling) where the config leaves them out (rloo
+    and grpo)."""
     policy_loss: str = "ppo"
     """ppo (clipped ratio; rl.clip_high and rl.dual_clip) | gspo (one clipped ratio per sequence) | cispo (the clipped
     ratio as a detached weight on log pi) | gpg (-A log pi, no ratio)."""
