@@ -126,9 +126,7 @@ class Episodes:
         """rl.tools and rl.environment loaded (config/callables.py), with the limits rl sets; rows are the caller's
         to fill (the prompts' data rows by their token ids)."""
         tools = [load_callable(spec, "rl.tools") for spec in (rl.tools or "").split(",") if spec]
-        limits = EpisodeLimits(rl.max_turns, rl.max_tool_calls,
-                               rl.max_episode_tokens or rl.max_new_tokens * rl.max_turns, rl.max_new_tokens,
-                               rl.tool_timeout_s)
+        limits = EpisodeLimits(rl.max_turns, rl.max_tool_calls, rl.response_limit, rl.max_new_tokens, rl.tool_timeout_s)
         environment = load_callable(rl.environment, "rl.environment") if rl.environment else None
         return cls(tokenizer, {fn.__name__: fn for fn in tools}, environment, limits, overlap_tools=rl.overlap_tools)
 
