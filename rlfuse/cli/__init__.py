@@ -1,7 +1,8 @@
 """`rlfuse run|sft|rm|rl|validate CONFIG [section.field=value ...]`: each subcommand loads the config and calls the
 Python API (rlfuse/api.py); `rlfuse generate MODEL --prompt ...` samples from a saved model, `rlfuse env` prints
-versions, `rlfuse plan` ranks placements (plan.py), `rlfuse schedule` compares pipeline schedules (schedule.py).
-`--help` lists the config fields with their docs. User errors print one line and exit 2; no traceback."""
+versions, `rlfuse audit RUN_DIR` runs the health detectors, `rlfuse plan` ranks placements (plan.py), `rlfuse
+schedule` compares pipeline schedules (schedule.py). `--help` lists the config fields with their docs. User errors
+print one line and exit 2; no traceback."""
 
 from __future__ import annotations
 
@@ -26,6 +27,8 @@ from rlfuse.config import Config, config_to_dict, field_docs, field_summary, loa
 from rlfuse.config.docs import COMMON_FIELDS, field_default
 from rlfuse.config.trl_names import SHARED, TRL_NAMES, TrlName, trl_hint
 from rlfuse.errors import UserError, os_error_line
+from rlfuse.metrics.audit import audit_run, audit_text, run_folder
+from rlfuse.metrics.health import DETECTORS
 
 log = log_stderr
 
@@ -83,6 +86,14 @@ def cmd_report(run_dir: str, baseline: str | None = None) -> int:
     path = write_report(run_dir, baseline)
     print(f"report: {path}")
     return 0
+
+
+def cmd_audit(run_dir: str) -> int:
+    """The health detectors on a run folder: findings printed, exit 1 when one fired (for CI scripts), 0 when none."""
+    folder = run_folder(run_dir)
+    findings, iterations = audit_run(folder)
+    print(audit_text(folder, findings, iterations))
+    return 1 if findings else 0
 
 
 def cmd_validate(cfg: Config) -> int:
@@ -237,6 +248,13 @@ def cmd_explain(fields: list[str]) -> int:
     return 0
 
 
+HEALTH_HELP = (textwrap.fill(
+    "Run the health detectors over a run folder's metrics (rl/metrics.jsonl, config.yaml, eval.json), finished, "
+    "running or killed, and print what they found: when it started, how strong, what to do. Exit status 1 when a "
+    "detector fired, 0 when none did, 2 when RUN_DIR is not a run folder. Rules and thresholds: docs/health.md.", 100)
+    + "\n\ndetectors:\n" + "\n".join(f"  {d.name:22} {d.title}" for d in DETECTORS))
+
+
 def build_parser() -> argparse.ArgumentParser:
     raw = argparse.RawDescriptionHelpFormatter
     parser = argparse.ArgumentParser(prog="rlfuse", description="Fast, memory-lean RLHF: SFT -> reward model -> "
@@ -259,6 +277,10 @@ def build_parser() -> argparse.ArgumentParser:
     rp.add_argument("run_dir", metavar="RUN_DIR")
     rp.add_argument("--baseline", metavar="RUN_DIR", help="a measured baseline run (e.g. rollout.fusion=true) for "
                     "speedup_comparison.png")
+    ap = sub.add_parser("audit", help="run health: length drift, KL acceleration, entropy or group collapse, reward "
+                        "hacking...; exit 1 when a detector fires (also on a running or killed run)",
+                        description=HEALTH_HELP, formatter_class=raw)
+    ap.add_argument("run_dir", metavar="RUN_DIR")
     add_generate_arguments(sub.add_parser("generate", help="sample completions from a saved model with the rollout "
                                           "engine", description=api.generate.__doc__))
     sub.add_parser("env", help="print versions and hardware for a bug report")
@@ -280,10 +302,12 @@ def main(argv: list[str] | None = None) -> int:
         return plan_cli.run(ns)
     if ns.command == "env":
         return cmd_env()
-    if ns.command in ("report", "generate", "explain"):
+    if ns.command in ("report", "generate", "explain", "audit"):
         try:
             if ns.command == "explain":
                 return cmd_explain(ns.fields)
+            if ns.command == "audit":
+                return cmd_audit(ns.run_dir)
             return cmd_report(ns.run_dir, ns.baseline) if ns.command == "report" else cmd_generate(ns)
         except UserError as e:
             print(f"rlfuse {ns.command}: {e}", file=sys.stderr)

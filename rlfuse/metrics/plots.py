@@ -82,14 +82,20 @@ def dashboard_grid(n: int) -> tuple[int, int]:
     return rows, max(1, math.ceil(n / rows))
 
 
-def summary_dashboard(rows: list[dict], path: Path, panels: list[Panel] | None = None) -> Path:
-    """The run on one screen: a grid of small panels (panels.select_panels), the x axis of each the RL iteration."""
+def summary_dashboard(rows: list[dict], path: Path, panels: list[Panel] | None = None,
+                      marks: dict[str, list[tuple[int, str]]] | None = None) -> Path:
+    """The run on one screen: a grid of small panels (panels.select_panels), the x axis of each the RL iteration.
+    marks: panel name -> (iteration, label) of health findings, drawn as a dashed red line at their onset."""
     panels = select_panels(rows) if panels is None else panels
     n_rows, n_cols = dashboard_grid(len(panels))
     width = 13.6 / max(n_cols, 4)  # a full-width row from four panels up; fewer keep a four-panel width each
     fig, axes = plt.subplots(n_rows, n_cols, figsize=(width * n_cols, PANEL_HEIGHT * n_rows), squeeze=False)
     for ax, panel in zip(axes.flat, panels):
         draw_panel(ax, panel, rows)
+        for step, label in (marks or {}).get(panel.name, []):
+            ax.axvline(step, color="#C44E52", linestyle="--", linewidth=1.1)
+            ax.text(step, 0.97, f" {label}", transform=ax.get_xaxis_transform(), fontsize=7, color="#C44E52",
+                    va="top")
     for ax in list(axes.flat)[len(panels):]:
         ax.set_visible(False)
     return _save(fig, path, dpi=100)

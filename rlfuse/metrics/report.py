@@ -19,10 +19,10 @@ import yaml
 from rlfuse.errors import WRITE_ERRNOS, UserError
 from rlfuse.files import write_text_atomic
 from rlfuse.metrics import plots
-from rlfuse.metrics.health import reward_gold_divergence
+from rlfuse.metrics.audit import metric_rows, run_facts
+from rlfuse.metrics.health import DETECTORS, audit, reward_gold_divergence
 from rlfuse.metrics.panels import finite, moves, select_panels, with_evaluations
 from rlfuse.metrics.schedule_chart import draw_record
-from rlfuse.metrics.tracker import read_metrics
 
 FIGURES = ["summary_dashboard", "stage_breakdown", "reward_distribution", "speedup_comparison"]
 RETIRED_FIGURES = ["training_metrics", "throughput_over_time", "memory_usage"]
@@ -49,10 +49,7 @@ def _dict(x) -> dict:
     return x if isinstance(x, dict) else {}
 
 
-def load_rows(path: Path) -> list[dict]:
-    """A metrics file's rows that have a step (a hand-edited or torn file may hold other JSON)."""
-    rows = read_metrics(path) if path.is_file() else []
-    return [r for r in rows if isinstance(r, dict) and finite(r.get("step"))]
+load_rows = metric_rows
 
 
 def draw_figures(run_dir: Path, baseline_dir: Path | None = None) -> dict[str, Path | str]:
@@ -65,8 +62,11 @@ def draw_figures(run_dir: Path, baseline_dir: Path | None = None) -> dict[str, P
         return {name: "no RL iterations logged yet" for name in FIGURES}
     eval_rows = with_evaluations(rows, _dict(_json(run_dir / "eval.json")))
     last_rewards = _json(run_dir / "rl" / "last_rewards.json")
+    marks: dict[str, list[tuple[int, str]]] = {}
+    for f in audit(rows, run_facts(run_dir)):
+        marks.setdefault(f.panel, []).append((f.onset, f.title))
     figs: dict[str, Path | str] = {
-        "summary_dashboard": plots.summary_dashboard(eval_rows, out_dir / "summary_dashboard.png"),
+        "summary_dashboard": plots.summary_dashboard(eval_rows, out_dir / "summary_dashboard.png", marks=marks),
         "stage_breakdown": plots.stage_breakdown(rows, out_dir / "stage_breakdown.png"),
         "reward_distribution": (plots.reward_distribution(last_rewards, out_dir / "reward_distribution.png")
                                 if isinstance(last_rewards, list) and last_rewards else
@@ -175,6 +175,20 @@ def warnings_section(rows: list[dict], eval_result: dict) -> list[str]:
         return []
     return [f"<div class=warning role=alert><b>Reward and gold score disagree.</b> {html.escape(found.message())}"
             "</div>"]
+
+
+def health_section(run_dir: Path, rows: list[dict]) -> list[str]:
+    """The health detectors' findings (rlfuse audit): each one's onset (marked on the dashboard), strength and fix."""
+    if not rows:
+        return []
+    findings = audit(rows, run_facts(run_dir))
+    if not findings:
+        return [f"<p class=status>Health: none of the {len(DETECTORS)} detectors fired (<code>rlfuse audit</code>, "
+                "docs/health.md).</p>"]
+    items = "".join(f"<li><b>{html.escape(f.title)}</b> from iteration {f.onset}: {html.escape(f.strength)}. "
+                    f"{html.escape(f.advice)}</li>" for f in findings)
+    return [f"<div class=warning role=alert><b>Health: {len(findings)} of {len(DETECTORS)} detectors fired</b> "
+            f"(onsets marked on the dashboard; <code>rlfuse audit</code>, docs/health.md)<ul>{items}</ul></div>"]
 
 
 STAGES = (
@@ -364,6 +378,7 @@ def build_page(run_dir: Path, figs: dict[str, Path | str], baseline_dir: Path | 
     parts = [f"<h1>rlfuse run <code>{html.escape(str(run_dir))}</code></h1>",
              status_line(run_dir, rows, run_settings(run_dir))]
     parts += warnings_section(rows, eval_result)
+    parts += health_section(run_dir, rows)
     if rows:
         parts.append(_cards(key_numbers(rows, eval_result, base_rows)))
     parts += dashboard_section(figs, with_evaluations(rows, eval_result))

@@ -51,6 +51,7 @@ from rlfuse.learn.batches import minibatches, truncated_masked, update_batches
 from rlfuse.learn.checkpoint import read_checkpoint
 from rlfuse.learn.learners import build_learners
 from rlfuse.learn.update import BadSteps, count_abstained, count_nonfinite_rewards, stop_if_blown
+from rlfuse.metrics.audit import health_watch
 from rlfuse.metrics.flops import compute_meter_for_run
 from rlfuse.metrics.memory import MemoryMeter
 from rlfuse.metrics.progress import Progress
@@ -180,6 +181,7 @@ def train_rl(cfg: Config, run_dir: Path, log=print, resume: bool = False, on_rea
             f"rl.train_parallel={cfg.rl.train_parallel} (its stages train in fp32 for now)"
         log(f"[rl] warning: run.precision=bf16, but the update and scoring run without autocast with {why}")
     requests = IterationRequests(train_prompts, difficulty, rl, params, seed)
+    health = health_watch(rl, out / "metrics.jsonl", start)  # the detectors, live: one line per finding per run
     # the tracker closes however the loop ends (a stop for divergence included): its sinks flush what they hold
     with closing(tracker), build_placement(cfg, run_dir, engine, scorer, fusion, trainer, requests, log,
                                              max_model_len) as \
@@ -231,6 +233,8 @@ def train_rl(cfg: Config, run_dir: Path, log=print, resume: bool = False, on_rea
                     "train/skipped_steps": bad.skipped,
                     "rollout/samples_per_s": len(exp) / (t2 - t0), "rollout/tokens_per_s": float(exp.mask.sum()) / (t2 - t0)}
             tracker.log(it + 1, **row)
+            for finding in health.update({"step": it + 1, **row}):
+                log(f"[rl] health: {finding.line()} (rlfuse audit {run_dir})")
             bad.stop_if_diverged(rl.max_bad_steps)
             stop_if_blown(stats, it + 1, rl, ckpt, start)  # before the checkpoint: the one on disk is good
             count_abstained(row.get("reward/all_abstained"), bad, rl.max_bad_steps, log)

@@ -188,3 +188,22 @@ def test_a_datasets_object_and_several_reward_functions(demo, tmp_path):
         from datasets import DatasetDict
 
         api.train_rl(run_dir=tmp_path / "x", dataset=DatasetDict(train=Dataset.from_list(rows)))
+
+
+def same_for_all(completions, **_):
+    return [1.0] * len(completions)
+
+
+def test_a_health_finding_is_said_once_live_and_found_again_by_audit(demo, tmp_path, capsys):
+    """A reward that scores every sample alike: every group has zero spread, so group collapse fires at iteration 3
+    (3 iterations running) and is said once, with `rlfuse audit` to run; the audit of the folder finds it again."""
+    run_dir, _ = demo
+    said, out = [], tmp_path / "flat"
+    api.train_rl(overrides={"rl.sft_path": run_dir / "sft" / "model", "rl.algo": "grpo", "rl.k": 2,
+                            "rl.iterations": 5, "rl.prompts_per_iter": 4, "rl.mini_batch_size": 8,
+                            "rl.micro_batch_size": 4, "rl.max_new_tokens": 6, "rl.eval_prompts": 2, "run.quiet": True},
+                 run_dir=out, reward=same_for_all, log=said.append)
+    health = [line for line in said if line.startswith("[rl] health:")]
+    assert len(health) == 1 and "Group collapse from iteration 1" in health[0] and f"rlfuse audit {out}" in health[0]
+    assert main(["audit", str(out)]) == 1
+    assert "Group collapse from iteration 1" in capsys.readouterr().out

@@ -199,6 +199,15 @@ def test_the_warning_from_the_series_of_a_killed_run(tmp_path):
     assert WARNING in write_report(write_rows(tmp_path / "r", rows)).read_text()
 
 
+def test_the_health_panel_lists_findings_and_marks_their_onset(tmp_path):
+    rows = [{"step": i, "reward/mean": 0.1, "time/iteration": 1.0, "train/entropy": 0.8 if i <= 3 else 0.001}
+            for i in range(1, 12)]
+    sick = write_report(write_rows(tmp_path / "sick", rows)).read_text()
+    assert "Health: 1 of 8 detectors fired" in sick and "<b>Entropy collapse</b> from iteration 6" in sick
+    healthy = [dict(r, **{"train/entropy": 0.8}) for r in rows]
+    assert "Health: none of the 8 detectors fired" in write_report(write_rows(tmp_path / "ok", healthy)).read_text()
+
+
 # ------------------------------------------------------------------------------------------- tables and samples
 
 
