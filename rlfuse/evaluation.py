@@ -135,7 +135,8 @@ def iteration_gold(exp: Experience, tok, gold: bool) -> dict:
         return {}
 
     g = gold_summary(texts_of(exp, tok), [r != "length" for r in exp.finish_reasons])
-    return {"reward/gold_mean": g["gold_mean"], "reward/gold_positive_rate": g["gold_positive_rate"]}
+    return {"reward/gold_mean": g["gold_mean"], "reward/gold_positive_rate": g["gold_positive_rate"],
+            "reward/gold_grammatical_rate": g["grammatical_rate"]}
 
 
 def eval_table(result: dict) -> str:

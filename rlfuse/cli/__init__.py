@@ -295,7 +295,13 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
-    ns = parser.parse_args(argv)
+    # overrides on both sides of a flag (rlfuse rl a=1 --overwrite b=2): argparse gives the positional list only
+    # the run before the flag, so the rest comes back as unknown and joins it, in order
+    ns, extra = parser.parse_known_args(argv)
+    if extra:
+        if not isinstance(getattr(ns, "args", None), list) or any(e.startswith("-") for e in extra):
+            parser.parse_args(argv)  # argparse's own one-line error for what is really unknown
+        ns.args += extra
     if ns.command == "schedule":
         return schedule_cli.run(ns)
     if ns.command == "plan":

@@ -315,9 +315,6 @@ def _validate_rl(cfg: Config) -> None:
     if rl.dynamic_sampling and not algo.groups_prompts:
         raise ConfigError("rl.dynamic_sampling", f"draws prompt groups whose k rewards differ; {rl.algo} samples no "
                           "groups", "use it with rl.algo=grpo or rloo, or set it false")
-    if rl.dynamic_sampling and rl.max_staleness:
-        raise ConfigError("rl.dynamic_sampling", "refills the iteration's own batch, which asynchronous RL decodes "
-                          "ahead", "set rl.max_staleness=0, or rl.dynamic_sampling=false")
     if rl.skip_zero_advantage and algo.advantage not in ("rloo", "grpo"):
         raise ConfigError("rl.skip_zero_advantage", f"{rl.algo}'s advantages (GAE on a critic's values) are not 0 "
                           f"for a group of equal rewards", "use it with rl.algo=grpo or rloo, or set it false")

@@ -150,8 +150,8 @@ def first_sustained(xs: list[int], holds: list[bool], start: int = 0) -> int | N
     return None
 
 
-LENGTH_RATIO = 1.5
-"""Length drift: the smoothed mean response length above 1.5x (or below 1/1.5 of) the first iterations' mean..."""
+LENGTH_RATIO = 2.0
+"""Length drift: the smoothed mean response length above 2x (or below half) the first iterations' mean..."""
 LENGTH_MIN_TOKENS = 4.0
 """...and at least this many tokens away from it (a 3-token answer growing to 5 is not drift)."""
 LIMIT_PILE = 0.5
@@ -183,18 +183,24 @@ KL_WINDOW = 5
 """KL acceleration: over the last KL_WINDOW iterations the smoothed KL grew by at least KL_GROWTH nats..."""
 KL_GROWTH = 2.0
 KL_FACTOR = 2.0
-"""...to at least KL_FACTOR times its value KL_WINDOW iterations before, and faster than over the window before."""
+"""...to at least KL_FACTOR times its value KL_WINDOW iterations before, and faster than over the window before..."""
+KL_PER_TOKEN = 1.0
+"""...and past 1 nat per response token (reward/kl over rollout/length_mean): healthy runs of the shipped configs stay
+under half that, and an adaptive controller's early climb to its target accelerates too but stays small per token."""
 
 
 def kl_acceleration(rows: list[dict], facts: RunFacts) -> tuple[int, str] | None:
     """The KL to the reference growing faster and faster: the policy leaving the reference model at an accelerating
     rate (a healthy run's KL grows, then levels off under its coefficient)."""
     xs, ys = smoothed(rows, "reward/kl")
+    length = dict(zip(*smoothed(rows, "rollout/length_mean")))
     w = KL_WINDOW
     holds = [False] * len(ys)
     for i in range(2 * w, len(ys)):
         grew, before = ys[i] - ys[i - w], ys[i - w] - ys[i - 2 * w]
-        holds[i] = grew >= KL_GROWTH and ys[i] >= KL_FACTOR * max(ys[i - w], 1e-9) and grew > before
+        per_token = ys[i] / length[xs[i]] if length.get(xs[i]) else ys[i]  # no length logged: per sequence
+        holds[i] = (grew >= KL_GROWTH and ys[i] >= KL_FACTOR * max(ys[i - w], 1e-9) and grew > before
+                    and per_token >= KL_PER_TOKEN)
     if (at := first_sustained(xs, holds)) is None:
         return None
     i = xs.index(at)
@@ -269,10 +275,11 @@ def reward_dominance(rows: list[dict], facts: RunFacts) -> tuple[int, str] | Non
     return None
 
 
-GOLD_DROP = 0.1
-"""Proxy against gold: the smoothed gold score (or held-out score) at least 0.1 below its best so far while the
-smoothed reward is above its value at that best: the reward rises, the real quality falls. Gold scores lie in
-[-1, 1]; 0.1 is about two standard errors of a 3-iteration mean of 32 samples."""
+GOLD_DROP = 0.15
+"""Proxy against gold: the smoothed gold score (or held-out score) at least 0.15 below its best so far (a full
+SMOOTH-iteration mean) while the smoothed reward is above its value at that best: the reward rises, the real quality
+falls. Gold scores lie in [-1, 1]; 0.15 is about two standard errors of the difference of two 3-iteration means of
+32 samples."""
 GOLD_SERIES = ("reward/gold_mean", "eval/gold_mean", "eval/gold_positive_rate")
 
 
@@ -283,8 +290,8 @@ def proxy_gold_divergence(rows: list[dict], facts: RunFacts) -> tuple[int, str] 
     for key in GOLD_SERIES:
         xs, gold = smoothed(rows, key)
         best, best_step, holds = -math.inf, None, []
-        for s, g in zip(xs, gold):
-            if g > best:
+        for n, (s, g) in enumerate(zip(xs, gold)):
+            if g > best and n >= SMOOTH - 1:  # a full mean: the first points average fewer iterations
                 best, best_step = g, s
             r_now, r_then = reward.get(s), reward.get(best_step)
             holds.append(r_now is not None and r_then is not None and best - g >= GOLD_DROP and r_now >= r_then)

@@ -96,6 +96,25 @@ def _rows(t: Tensor | None, idx: list[int], width: int | None) -> Tensor | None:
     return torch.nn.functional.pad(t, (0, max(0, width - t.shape[1])))[:, :width]
 
 
+RATIOS_OF_A_BATCH = ("mean_length_generated", "tokens_next_version")
+"""Timing entries of an asynchronous batch that are means or fractions, not seconds: not added up over parts."""
+
+
+def merged_timing(timings: list[dict]) -> dict:
+    """Several rollouts' timing as one: seconds add up, per-worker seconds (dicts) add up per worker; per-batch ratios
+    and per-worker memory (lists) are the first part's (the iteration's own batch)."""
+    out: dict = {}
+    for timing in timings:
+        for key, value in timing.items():
+            if key not in out:
+                out[key] = dict(value) if isinstance(value, dict) else value
+            elif isinstance(value, dict):
+                out[key] = {w: out[key].get(w, 0) + value.get(w, 0) for w in {*out[key], *value}}
+            elif isinstance(value, (int, float)) and key not in RATIOS_OF_A_BATCH:
+                out[key] += value
+    return out
+
+
 def take_samples(parts: list[Experience], picks: list[tuple[int, int]]) -> Experience:
     """One Experience of the samples picks names, in that order: (part, sample index) pairs over several rollouts'
     experiences (dynamic sampling's refills), per-token tensors padded to the longest response kept. Timing adds up
@@ -113,10 +132,7 @@ def take_samples(parts: list[Experience], picks: list[tuple[int, int]]) -> Exper
         return None if any(t is None for t in tensors) else torch.cat(tensors)[perm]
 
     listed = lambda field: [getattr(parts[p], field)[i] for p, i in picks]
-    timing: dict = {}
-    for part in parts:
-        for key, value in part.timing.items():
-            timing[key] = timing.get(key, 0) + value
+    timing = merged_timing([part.timing for part in parts])
     # a prompt's index within its own rollout: renumbered, so two rollouts' prompts never share one
     keys = [(p, int(parts[p].prompt_index[i])) for p, i in picks]
     renumbered = {key: n for n, key in enumerate(dict.fromkeys(keys))}

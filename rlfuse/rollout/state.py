@@ -32,6 +32,8 @@ class RolloutRequest:
     k: int
     params: SamplingParams
     seed: int
+    draw: int = 0
+    """rl.dynamic_sampling: 0 for the iteration's batch, d >= 1 for its d-th further draw of prompt groups."""
 
 
 @dataclass

@@ -29,6 +29,9 @@ first version until F of its samples (per generation worker) have finished, then
 for them (its next call is queued behind them): fresher samples for less overlap. A parked rest is written into the
 checkpoint too. What it does not do yet: more than one switch per batch (rl.max_staleness >= 2 switches once, to
 the next version), and tail migration between generation workers in this mode.
+
+Dynamic sampling (rl.dynamic_sampling): an iteration's further draws of prompt groups are decoded when the trainer
+asks for them, by the weights of the iteration being trained (staleness 0), behind the batches already queued.
 """
 
 from __future__ import annotations
@@ -141,11 +144,17 @@ class AsyncRollout:
                                f"continued before its update at version {self.version}")
         return batch
 
+    def _refill(self, request: RolloutRequest) -> InFlight:
+        """rl.dynamic_sampling's further draw for the iteration being trained, decoded now by this version's weights
+        (queued behind the batches already ahead, so it waits for them: a count, not a timing, decides its weights)
+        and never saved with a checkpoint (the iteration that asked for it ends before the next one)."""
+        return self._gather(InFlight(self.version, self.driver.submit_decode(request, 0)))
+
     def generate(self, request: RolloutRequest):
         """The batch of request.iteration, queued earlier (sync_weights), scored now on the training workers."""
         i, t0 = request.iteration, time.perf_counter()
         with self.base.workers.naming_dead_workers("rollout"):
-            batch = self._decoded(i)
+            batch = self._refill(request) if request.draw else self._decoded(i)
             t1 = time.perf_counter()
             samples = sorted(batch.samples, key=lambda x: (x.prompt_id, x.sample_index))  # the experience's order
             # a sample's staleness is its oldest token's: a partial rollout's sample drew from the next version only
@@ -156,7 +165,8 @@ class AsyncRollout:
             one_step = self.rl.optimiser_steps(len(samples)) == 1
             proximal = scores_proximal(any(ages), one_step, self.rl.kl_coef)
             scored, chunks = self.driver.score_in_order(samples, request.params.temperature, proximal=proximal)
-        del self.in_flight[i]
+        if not request.draw:
+            del self.in_flight[i]
         exp = build_experience(scored)
         exp.proximal_from_update = any(ages) and not proximal
         if len(exp) != len(request.prompts) * request.k:

@@ -271,7 +271,7 @@ class IterationRequests:
         prompts = prompt_batch(self.prompts, it, rl.prompts_per_iter, self.seed + 104_729 * draw, self.difficulty,
                                rl.iterations, rl.curriculum_start)
         params = dataclasses.replace(self.params, temperature=iteration_temperature(rl, it))
-        return RolloutRequest(it, prompts, rl.k, params, self.seed * 1_000_003 + it + 1_000_000_007 * draw)
+        return RolloutRequest(it, prompts, rl.k, params, self.seed * 1_000_003 + it + 1_000_000_007 * draw, draw)
 
 
 def dynamically_sampled(exp: Experience, rollout, requests: IterationRequests, it: int, rl: RLConfig):

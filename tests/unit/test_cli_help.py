@@ -69,3 +69,13 @@ def test_env_prints_versions(capsys):
     out = dict(l.split(":", 1) for l in capsys.readouterr().out.splitlines())
     assert out["torch"].strip() == torch.__version__ and out["python"].strip() == platform.python_version()
     assert {"cuda", "cpu", "transformers", "peft", "bitsandbytes", "ray", "trl", "wandb"} <= set(out)
+
+
+def test_overrides_on_both_sides_of_a_flag_are_all_read(capsys):
+    # rl.lr after --overwrite reaches the config: its bad value is the config's one-line error, not argparse's
+    assert main(["rl", "rl.iterations=2", "--overwrite", "rl.lr=fast"]) == 2
+    err = capsys.readouterr().err
+    assert "rl.lr" in err and "unrecognized arguments" not in err
+    with pytest.raises(SystemExit):
+        main(["rl", "rl.iterations=2", "--bogus", "rl.lr=1e-4"])
+    assert "unrecognized arguments: --bogus" in capsys.readouterr().err

@@ -31,8 +31,8 @@ def test_smoothing_and_sustain():
 def test_length_drift_flags_growth_and_piling_at_the_limit():
     grow = rows_of(rollout__length_mean=[10.0] * 5 + [12.0, 16.0, 20.0, 24.0, 28.0, 30.0])
     at, strength = length_drift(grow, RunFacts())
-    # smoothed: iteration 9 is (16+20+24)/3 = 20 = 2x 10 and 10 tokens away; 8: (12+16+20)/3 = 16 = 1.6x, 6 away
-    assert at == 8 and "10.0 -> 30.0" not in strength and "tokens" in strength
+    # smoothed: iteration 9 is (16+20+24)/3 = 20 = 2x 10 and 10 tokens away; 8: (12+16+20)/3 = 16 = 1.6x
+    assert at == 9 and "10.0 -> 27.3 tokens" in strength  # last: (24+28+30)/3
     pile = rows_of(rollout__length_mean=[40.0] * 10, rollout__hit_limit=[0.1] * 4 + [0.9] * 6)
     assert length_drift(pile, RunFacts())[0] == 6  # smoothed (0.1+0.9+0.9)/3 = 0.63 at 6, then 7
     # a 3-token answer that becomes 5 tokens (1.7x but 2 tokens), and a run whose length wobbles: healthy
@@ -50,6 +50,11 @@ def test_kl_acceleration_flags_convex_growth_not_a_concave_rise():
     assert kl_acceleration(rows_of(reward__kl=concave), RunFacts()) is None
     noisy = [0.5, 1.4, 0.3, 1.9, 0.6, 1.2, 0.4, 2.1, 0.9, 1.5] * 3  # a short-answer task's jumpy sequence KL
     assert kl_acceleration(rows_of(reward__kl=noisy), RunFacts()) is None
+    # an adaptive controller's climb past its target accelerates too, but stays under 1 nat per token of 12
+    climb = [0.0, 0.2, 0.5, 0.8, 1.1, 1.2, 1.3, 1.4, 1.4, 1.5, 2.5, 4.5, 6.5, 7.0, 7.2]
+    assert kl_acceleration(rows_of(reward__kl=climb, rollout__length_mean=[12.0] * 15), RunFacts()) is None
+    assert kl_acceleration(rows_of(reward__kl=climb), RunFacts()) is not None  # per sequence, without lengths
+    assert kl_acceleration(rows_of(reward__kl=convex, rollout__length_mean=[12.0] * 16), RunFacts()) is not None
 
 
 def test_entropy_collapse_not_sharpening():
@@ -83,6 +88,8 @@ def test_proxy_gold_divergence_on_the_series_and_on_eval():
     at, _ = proxy_gold_divergence(rows_of(reward__mean=reward, reward__gold_mean=gold), RunFacts())
     # smoothed best 0.4833 at 5; 8: (0.45+0.3+0.2)/3 = 0.317, 0.167 below; 7: 0.417, 0.067 below
     assert at == 8
+    early_dip = [0.17, 0.0, -0.05, 0.02, 0.04, 0.1, 0.2, 0.3, 0.3, 0.4, 0.5, 0.5]  # the first points average fewer
+    assert proxy_gold_divergence(rows_of(reward__mean=[0.3] * 12, reward__gold_mean=early_dip), RunFacts()) is None
     both_up = [0.2 + 0.05 * i for i in range(12)]
     assert proxy_gold_divergence(rows_of(reward__mean=reward, reward__gold_mean=both_up), RunFacts()) is None
     falling = [1.2 - 0.1 * i for i in range(12)]  # gold falls with the reward: a bad run, not a hack

@@ -272,3 +272,13 @@ def test_reward_parts_travel_from_the_scorer_to_the_advantages():
     per_fn, _, _ = compute_advantages(exp, rl("per_function"), 0.0)
     summed, _, _ = compute_advantages(exp, rl("sum"), 0.0)
     assert abs(float(per_fn[0])) < 1e-3 and float(summed[0]) < -0.5  # the loud function no longer decides
+
+
+def test_merged_timing_adds_seconds_not_ratios():
+    from rlfuse.rollout.fusion import merged_timing
+
+    a = {"rollout": 2.0, "busy": {0: 1.0, 1: 2.0}, "decode_rss_mb": [10, 20], "mean_length_generated": 7.0}
+    b = {"rollout": 3.0, "busy": {1: 5.0}, "decode_rss_mb": [30, 40], "mean_length_generated": 9.0}
+    assert merged_timing([a, b]) == {"rollout": 5.0, "busy": {0: 1.0, 1: 7.0}, "decode_rss_mb": [10, 20],
+                                     "mean_length_generated": 7.0}
+    assert a["busy"] == {0: 1.0, 1: 2.0}  # the parts are not changed
