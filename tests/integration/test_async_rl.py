@@ -138,19 +138,14 @@ def has_the(completions, **columns):
 '''
 
 
-def test_dynamic_sampling_asynchronously_refills_the_same_way_twice(tiny_task, ray_session, tmp_path):
-    """rl.dynamic_sampling with rl.max_staleness=1: the further draws are decoded by the weights being trained, so
-    two runs with the same seed draw, keep and train the same groups."""
+def test_dynamic_sampling_refills_asynchronously_with_the_weights_being_trained(tiny_task, ray_session, tmp_path):
+    """rl.recipe=dapo with rl.max_staleness=1: the further draws are decoded when the trainer asks, by the weights
+    being trained (a count decides their weights, as for every batch: the same in every run, which the kill and
+    resume test above checks for the schedule), and the batch keeps rl.prompts_per_iter groups."""
     (tmp_path / "ties.py").write_text(TIES)
-    runs = []
-    for name in ("a", "b"):
-        run_dir = tmp_path / name
-        assert main(rl_cmd(tiny_task, run_dir, f"rl.reward={tmp_path / 'ties.py'}:has_the", "rl.recipe=dapo",
-                           "rl.max_refills=3", "rl.max_new_tokens=8")[3:]) == 0
-        runs.append((rows_of(run_dir), weights_of(run_dir)))
-    (rows, weights), (rows_b, weights_b) = runs
+    assert main(rl_cmd(tiny_task, tmp_path / "a", f"rl.reward={tmp_path / 'ties.py'}:has_the", "rl.recipe=dapo",
+                       "rl.max_refills=3", "rl.max_new_tokens=8")[3:]) == 0
+    rows = rows_of(tmp_path / "a")
     assert any(r["rollout/refills"] > 0 for r in rows), [r["rollout/refills"] for r in rows]
     assert all(r["rollout/samples"] == 8 for r in rows)  # 4 groups of 2, whatever was drawn
-    keys = ("rollout/refills", "rollout/spread_groups", "reward/mean", "async/staleness_mean")
-    assert [[r[k] for k in keys] for r in rows] == [[r[k] for k in keys] for r in rows_b]
-    assert all(torch.equal(weights[n], weights_b[n]) for n in weights)
+    assert all(r["async/staleness_max"] <= 1 for r in rows)

@@ -143,6 +143,19 @@ def test_lora_weight_sync_of_the_adapters_alone_gives_the_merged_syncs_bits(fold
         assert 0 < got["sync/sent_bytes"] < want["sync/sent_bytes"] / 10
 
 
+@FLAT
+def test_a_recipe_with_token_mean_over_the_batch_trains_on_two_ranks_as_one_process(tiny_task, folders, ray_session,
+                                                                                      tmp_path):
+    """rl.recipe=dapo: the loss is the mean over every token of the batch (token-mean), which two data-parallel ranks
+    must share by the batch's token count, not each average its own half; and the clip-higher range."""
+    dapo = ["rl.algo=grpo", "rl.recipe=dapo", "rl.critic_init=sft"]
+    _, want_actor, want_rewards = run_rl(tmp_path / "single", folders, *dapo)
+    rows, actor, rewards = run_rl(tmp_path / "flat", folders, *FLATTENED, *dapo)
+    assert all(r["train/data_parallel_ranks"] == 2 for r in rows)
+    assert_close(rewards, want_rewards)
+    assert_actor_as_single(actor, want_actor, load_file(str(tiny_task.model_dir / "model.safetensors")))
+
+
 def assert_actor_as_single(actor, want_actor, start):
     # Samples are identical; what differs is rounding: the workers score other micro-batches than the single
     # process, and a migrated row's re-prefilled log-probs round differently (< 1e-5). Adam divides each gradient by
