@@ -2,11 +2,14 @@
 
     python -m bench.episodes                     # configs/smollm2_calculator.yaml and its tools-off twin, seeds 0 1 2
     python -m bench.episodes --seeds 0           # one seed of each
+    python -m bench.episodes --guess             # also configs/smollm2_guess.yaml (seed 0): turns to find the number
 
 Each run is `rlfuse run configs/<config>.yaml run.seed=S` (a finished run folder in bench/.work/real_model/ is read,
 not run again; a killed one resumes). The page reports, per seed and config, the held-out exact match of the SFT
 model and after GRPO, and with tools the share of episodes that called the calculator and of calls that were well
-formed, before and after; the minutes each seed took. Writes docs/benchmarks/episodes.md and its BENCHMARKS.md row.
+formed, before and after; the minutes each seed took; one held-out episode before and after RL, every turn shown.
+The guessing game: the held-out games' turns, reward (1 / guesses when found) and the share cut at rl.max_turns,
+before and after GRPO. Writes docs/benchmarks/episodes.md and its BENCHMARKS.md row.
 """
 
 from __future__ import annotations
@@ -16,6 +19,22 @@ import statistics
 
 from bench.common import md_table, write_headline, write_section
 from bench.real_model import describe_machine, read_json, run, stage_seconds
+
+SHOWN_CHARS = 1500
+"""An episode shown on the page is cut after this many characters."""
+
+
+def episodes_shown(run_dir, title: str) -> str:
+    """The first held-out episode before RL (rl/eval_before.json) and after (rl/samples_after.json), every turn."""
+    before = read_json(run_dir / "rl" / "eval_before.json").get("samples") or []
+    after = read_json(run_dir / "rl" / "samples_after.json")
+    after = after if isinstance(after, list) else after.get("samples", []) if isinstance(after, dict) else []
+    out = [f"{title}, the first held-out episode:"]
+    for when, texts in (("before RL", before), ("after RL", after)):
+        if texts:
+            text = str(texts[0])
+            out.append(f"\n{when}:\n\n```text\n{text[:SHOWN_CHARS]}{' ...' if len(text) > SHOWN_CHARS else ''}\n```")
+    return "\n".join(out)
 
 CONFIGS = {"tools": "smollm2_calculator", "no tools": "smollm2_calculator_notools"}
 MINUTES = 40
@@ -50,17 +69,37 @@ def calculator_section(seeds: list[int]) -> tuple[str, str]:
             + "\n".join(f"- {v}" for v in verdicts))
     figure = (f"exact match with a calculator tool {mean(after['tools']):.3f} vs {mean(after['no tools']):.3f} "
               f"without, after GRPO ({len(seeds)} seed(s))")
+    text += "\n\n" + episodes_shown(run(CONFIGS["tools"], seeds[0]), f"With tools, seed {seeds[0]}")
     return text, figure
+
+
+def guess_section(seed: int = 0) -> str:
+    d = run("smollm2_guess", seed)
+    ev, secs = read_json(d / "eval.json"), stage_seconds(d)
+    b, a = ev["before"], ev["after"]
+    rows = [[name, f"{b.get(key, float('nan')):.3f}", f"{a.get(key, float('nan')):.3f}"]
+            for name, key in (("turns per game", "turns"), ("reward (1 / guesses, 0 if not found)", "reward_mean"),
+                              ("share cut at rl.max_turns", "truncated"))]
+    return (f"### configs/smollm2_guess.yaml, seed {seed}\n\nCommand: `python -m bench.episodes --guess` (`rlfuse run "
+            f"configs/smollm2_guess.yaml run.seed={seed}`), {sum(secs.values()) / 60:.1f} minutes. Machine: "
+            f"{describe_machine()}. Held-out games ({b.get('n', '?')}), SFT model against after GRPO:\n\n"
+            + md_table(["", "SFT model", "after GRPO"], rows) + "\n\n" + episodes_shown(d, "The guessing game"))
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--seeds", nargs="+", type=int, default=[0, 1, 2])
+    ap.add_argument("--guess", action="store_true", help="also the guessing game (configs/smollm2_guess.yaml)")
     ap.add_argument("--no-write", action="store_true", help="print the table; write no page or headline")
     a = ap.parse_args()
     text, figure = calculator_section(a.seeds)
     print(text)
+    guess = guess_section(a.seeds[0]) if a.guess else None
+    if guess:
+        print(guess)
     if not a.no_write:
+        if guess:
+            write_section("episodes_guess", guess, "episodes")
         write_section("episodes_calculator", text, "episodes")
         write_headline("episodes_calculator", figure, "the same pipeline with tools off",
                        f"python -m bench.episodes --seeds {' '.join(map(str, a.seeds))}", describe_machine(),
