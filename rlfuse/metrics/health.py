@@ -245,33 +245,34 @@ def group_collapse(rows: list[dict], facts: RunFacts) -> tuple[int, str] | None:
 
 
 DOMINANT_SHARE = 0.8
-"""Reward domination: one function's weighted mean is at least 80% of the sum of all functions' |weighted means|...
-"""
-DOMINANT_RISE = 0.3
-"""...and its share rose by at least 0.3 since the first iterations: the policy found the one term it can push."""
+"""Reward domination: since the first iterations, one function's weighted mean moved by at least 80% of what all the
+functions' weighted means moved together (sum of |changes|)..."""
+DOMINANT_MIN_CHANGE = 1.0
+"""...and by at least 1 standard deviation of the reward over the first iterations' samples (reward/std): smaller
+moves are noise, whoever makes them."""
 
 
 def reward_dominance(rows: list[dict], facts: RunFacts) -> tuple[int, str] | None:
-    """One reward component taking over a weighted sum of several (rl.reward with two or more functions)."""
+    """One reward component making the progress of a weighted sum of several (rl.reward with two or more functions):
+    the policy found the one term it can push, often not the one that matters."""
     keys = metric_keys(rows, "reward/fn/")
-    if len(keys) < 2:
+    spread = baseline(rows, "reward/std")
+    if len(keys) < 2 or not spread:
         return None
     weight = {k: float(facts.reward_weights.get(k.removeprefix("reward/fn/"), 1.0)) for k in keys}
     curves = {k: dict(zip(*smoothed(rows, k))) for k in keys}
     steps = sorted(set.intersection(*(set(c) for c in curves.values())))
     if len(steps) < BASELINE + SUSTAIN:
         return None
-    shares = {}
-    for s in steps:
-        parts = {k: abs(weight[k] * curves[k][s]) for k in keys}
-        total = sum(parts.values())
-        shares[s] = {k: p / total if total > 0 else 0.0 for k, p in parts.items()}
+    start = {k: sum(curves[k][s] for s in steps[:BASELINE]) / BASELINE for k in keys}
+    moved = {s: {k: weight[k] * (curves[k][s] - start[k]) for k in keys} for s in steps}
     for k in keys:
-        start = sum(shares[s][k] for s in steps[:BASELINE]) / BASELINE
-        holds = [shares[s][k] >= DOMINANT_SHARE and shares[s][k] - start >= DOMINANT_RISE for s in steps]
+        share = {s: abs(m[k]) / sum(abs(v) for v in m.values()) if any(m.values()) else 0.0 for s, m in moved.items()}
+        holds = [share[s] >= DOMINANT_SHARE and abs(moved[s][k]) >= DOMINANT_MIN_CHANGE * spread for s in steps]
         if (at := first_sustained(steps, holds, BASELINE)) is not None:
-            name = k.removeprefix("reward/fn/")
-            return at, f"{name} makes {max(shares[s][k] for s in steps):.0%} of the weighted reward (was {start:.0%})"
+            name, last = k.removeprefix("reward/fn/"), steps[-1]
+            return at, (f"{name} made {share[last]:.0%} of the weighted reward's change ({moved[last][k]:+.3g}, the "
+                        f"others {sum(v for n, v in moved[last].items() if n != k):+.3g})")
     return None
 
 

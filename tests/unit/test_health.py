@@ -73,12 +73,19 @@ def test_group_collapse_needs_almost_every_group_for_three_iterations():
     assert group_collapse(rows_of(reward__mean=[1.0] * 5), RunFacts()) is None  # PPO: no groups
 
 
-def test_reward_dominance_reads_the_weights():
-    fns = dict(reward__fn__gold=[0.5] * 12, reward__fn__bonus=[0.1, 0.1, 0.1, 0.5, 1, 2, 4, 6, 8, 8, 8, 8])
+def test_reward_dominance_reads_the_weights_and_the_reward_spread():
+    fns = dict(reward__fn__gold=[0.5] * 12, reward__fn__bonus=[0.1, 0.1, 0.1, 0.5, 1, 2, 4, 6, 8, 8, 8, 8],
+               reward__std=[1.0] * 12)
     at, strength = reward_dominance(rows_of(**fns), RunFacts({"bonus": 1.0}))
-    assert at == 7 and strength.startswith("bonus")  # smoothed shares: (1+2+4)/3=2.33 -> 82% at 7; 6: 1.17 -> 70%
-    assert reward_dominance(rows_of(**fns), RunFacts({"bonus": 0.01})) is None  # weighted 0.08 of 0.58
-    assert reward_dominance(rows_of(reward__fn__a=[0.1] * 10, reward__fn__b=[0.9] * 10), RunFacts()) is None  # always
+    # bonus smoothed 6: (0.5+1+2)/3 = 1.17, 1.07 above its start (>= 1 std); 5: 0.53, 0.43 above: too small
+    assert at == 6 and strength.startswith("bonus made 100%")
+    assert reward_dominance(rows_of(**fns), RunFacts({"bonus": 0.01})) is None  # weighted, it moves 0.08
+    both = dict(fns, reward__fn__gold=[0.1 * i for i in range(12)])  # gold moves 1.0 beside bonus' 7.9: 89%
+    assert reward_dominance(rows_of(**both), RunFacts({"bonus": 1.0, "gold": 1.0}))[0] >= 6
+    fair = dict(fns, reward__fn__gold=fns["reward__fn__bonus"])  # gold moves alike: no one dominates
+    assert reward_dominance(rows_of(**fair), RunFacts()) is None
+    assert reward_dominance(rows_of(reward__fn__a=[0.1] * 10, reward__fn__b=[0.9] * 10, reward__std=[1.0] * 10),
+                            RunFacts()) is None  # nothing moves
     assert reward_dominance(rows_of(reward__fn__only=[0.1 * i for i in range(10)]), RunFacts()) is None
 
 
