@@ -9,7 +9,10 @@ runs left in bench/.work/real_model by bench.real_model and bench.episodes are r
 configs (no gold: their truth is "fine", their alerts false alarms).
 
 The thresholds of rlfuse/metrics/health.py were set on seeds 0 and 1; seeds 2 and 3 were run after, as a check the
-thresholds did not see, and are reported apart.
+thresholds did not see, and are reported apart (one exception: reward_dominance's rule, a share of each term's level
+at first, was changed to a share of each term's change after it missed the repeat bonus on seeds 0 to 3 alike; and
+proxy_gold_divergence reads the gold grammar's share beside the gold score since grpo-kl0-high-lr, added after the
+first pass, broke grammar while the sentiment score rose).
 
     python -m bench.audit                     # every scenario, its seeds; writes docs/benchmarks/audit.md and its row
     python -m bench.audit --scenarios repeat-bonus clean-ppo --seeds 0 --no-write
@@ -45,6 +48,9 @@ SCENARIOS = {
                   "GRPO sampling at temperature 0.05: little exploration, the reward model exploited"),
     "grpo-cold-binary": (True, ["rl.algo=grpo", "rl.temperature=0.05", "rl.reward=bench.audit:gold_positive"],
                          "GRPO at temperature 0.05 on a 0/1 reward: groups whose samples all score alike"),
+    "grpo-kl0-high-lr": (True, ["rl.algo=grpo", "rl.kl_coef=0", "rl.lr=1e-3"],
+                         "GRPO with no KL penalty and 10x the learning rate"),
+    "critic-high-lr": (True, ["rl.critic_lr=3e-2"], "PPO with 300x the critic's learning rate"),
     "clean-ppo": (False, [], "the default config (PPO)"),
     "clean-grpo": (False, ["rl.algo=grpo"], "the default config with rl.algo=grpo"),
     "clean-rloo": (False, ["rl.algo=rloo"], "the default config with rl.algo=rloo"),
@@ -153,10 +159,11 @@ def evaluate(runs: list[tuple[str, int, Path, bool]]) -> tuple[list[list], dict,
         fired = ", ".join(f"{f.detector} @{f.onset}" for f in findings) or "none"
         rows.append([scenario, "planted" if planted else "clean", seed, n, f"{wrong[0]} ({wrong[1]})" if wrong else "-",
                      fired, "-" if onset is None else ("yes" if in_time else "no")])
+    counts = {"wrong": truths, "caught": caught, "clean": clean, "alarms": clean_alarms}
     verdicts = [f"runs that really went wrong (by the gold scorer): {truths}; caught by at least one detector within "
                 f"{LATE} iterations of the onset: {caught} (target: all)",
                 f"clean runs with any alert: {clean_alarms} of {clean} (target: none)"]
-    return rows, stats, verdicts
+    return rows, stats, verdicts, counts
 
 
 def detector_table(stats: dict, truths: int) -> str:
@@ -171,13 +178,13 @@ def detector_table(stats: dict, truths: int) -> str:
     return md_table(["detector", "alerts", "precision", "recall (runs)", "onset delay, median (range)"], out)
 
 
-def section(title: str, runs: list) -> tuple[str, list[str]]:
-    rows, stats, verdicts = evaluate(runs)
+def section(title: str, runs: list) -> tuple[str, dict]:
+    rows, stats, verdicts, counts = evaluate(runs)
     truths = sum(r[4] != "-" for r in rows)
     table = md_table(["scenario", "kind", "seed", "iterations", "went wrong (gold scorer)", "detectors fired (onset)",
                       f"caught within {LATE}"], rows)
     return (f"### {title}\n\n{table}\n\n{detector_table(stats, truths)}\n\n"
-            + "\n".join(f"- {v}" for v in verdicts)), verdicts
+            + "\n".join(f"- {v}" for v in verdicts)), counts
 
 
 def main() -> None:
@@ -203,12 +210,14 @@ def main() -> None:
                      for n in a.scenarios)
     parts, headline = [], []
     if tuned:
-        text, _ = section(f"Seeds the thresholds were set on ({sorted({r[1] for r in runs} & TUNED_ON)}) and the "
+        text, counts = section(f"Seeds the thresholds were set on ({sorted({r[1] for r in runs} & TUNED_ON)}) and the "
                           "shipped configs' real-model runs", tuned)
         parts.append(text)
+        headline.append(("seeds the thresholds were set on", counts))
     if check:
-        text, headline = section(f"Seeds run after the thresholds were set ({sorted({r[1] for r in check})})", check)
+        text, counts = section(f"Seeds run after the thresholds were set ({sorted({r[1] for r in check})})", check)
         parts.append(text)
+        headline.insert(0, ("seeds run after", counts))
     command = ("python -m bench.audit" + (f" --scenarios {' '.join(a.scenarios)}" if a.scenarios != list(SCENARIOS)
                                           else "") + (f" --seeds {' '.join(map(str, a.seeds))}" if a.seeds != SEEDS
                                                       else ""))
@@ -221,7 +230,9 @@ def main() -> None:
     print(text)
     if not a.no_write:
         write_section("audit", text, "audit")
-        write_headline("audit", "; ".join(headline or ["no check seeds run"]), "no peer ships validated detectors",
+        figure = "; ".join(f"{name}: {c['caught']} of {c['wrong']} runs that went wrong caught within {LATE} "
+                           f"iterations, {c['alarms']} of {c['clean']} clean runs alerted" for name, c in headline)
+        write_headline("audit", figure, "no peer ships validated detectors",
                        command, machine_short(), what="Run health: planted hacks caught, clean runs quiet",
                        page="audit")
 

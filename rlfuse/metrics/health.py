@@ -281,7 +281,8 @@ GOLD_DROP = 0.15
 SMOOTH-iteration mean) while the smoothed reward is above its value at that best: the reward rises, the real quality
 falls. Gold scores lie in [-1, 1]; 0.15 is about two standard errors of the difference of two 3-iteration means of
 32 samples."""
-GOLD_SERIES = ("reward/gold_mean", "eval/gold_mean", "eval/gold_positive_rate")
+GOLD_SERIES = ("reward/gold_mean", "reward/gold_grammatical_rate", "eval/gold_mean", "eval/gold_positive_rate")
+"""The gold's sentiment score and the share of sentences its grammar accepts (default task), and held-out scores."""
 
 
 def proxy_gold_divergence(rows: list[dict], facts: RunFacts) -> tuple[int, str] | None:

@@ -89,12 +89,20 @@ def test_reward_dominance_reads_the_weights_and_the_reward_spread():
     assert reward_dominance(rows_of(reward__fn__only=[0.1 * i for i in range(10)]), RunFacts()) is None
 
 
+def both_up_gold() -> list[float]:
+    return [0.2 + 0.05 * i for i in range(12)]
+
+
 def test_proxy_gold_divergence_on_the_series_and_on_eval():
     reward = [0.1 * i for i in range(12)]
     gold = [0.2, 0.3, 0.4, 0.5, 0.5, 0.45, 0.3, 0.2, 0.1, 0.0, -0.1, -0.2]
     at, _ = proxy_gold_divergence(rows_of(reward__mean=reward, reward__gold_mean=gold), RunFacts())
     # smoothed best 0.4833 at 5; 8: (0.45+0.3+0.2)/3 = 0.317, 0.167 below; 7: 0.417, 0.067 below
     assert at == 8
+    grammar = [1.0, 1.0, 1.0, 0.95, 0.9, 0.7, 0.5, 0.3, 0.2, 0.1, 0.1, 0.0]  # sentiment up, sentences broken
+    found = proxy_gold_divergence(rows_of(reward__mean=reward, reward__gold_mean=both_up_gold(),
+                                          reward__gold_grammatical_rate=grammar), RunFacts())
+    assert found[0] == 6 and found[1].startswith("reward/gold_grammatical_rate fell")  # 6: (0.95+0.9+0.7)/3 = 0.85
     early_dip = [0.17, 0.0, -0.05, 0.02, 0.04, 0.1, 0.2, 0.3, 0.3, 0.4, 0.5, 0.5]  # the first points average fewer
     assert proxy_gold_divergence(rows_of(reward__mean=[0.3] * 12, reward__gold_mean=early_dip), RunFacts()) is None
     both_up = [0.2 + 0.05 * i for i in range(12)]
