@@ -67,7 +67,8 @@ class Panel:
 PANELS: tuple[Panel, ...] = (
     Panel("reward", "reward ± std", "reward (mean over samples)", (("reward/mean", "mean"),), band="reward/std"),
     Panel("gold", "gold score", "score / fraction (default task)",
-          (("reward/gold_mean", "gold mean"), ("reward/gold_positive_rate", "positive rate"))),
+          (("reward/gold_mean", "gold mean"), ("reward/gold_positive_rate", "positive rate"),
+           ("reward/gold_grammatical_rate", "grammatical"))),
     Panel("reward_fn", "reward per fn", "mean reward of each function", (("reward/fn/", ""),),
           when=several("reward/fn/")),
     Panel("kl", "KL to reference", "nats / sequence", (("reward/kl", "KL"),)),
