@@ -68,7 +68,8 @@ class LocalRollout:
         exp = generate_rollouts(self.engine, self.scorer, request.prompts, request.k, request.params, request.seed,
                                 self.fusion, proximal=proximal)
         exp.proximal_from_update = self.behaviour_differs and not proximal
-        release_decode_copy(self.engine)  # not needed until the next sync: the update's peak is without it
+        if not self.rl.dynamic_sampling:  # its further draws decode with the same copy; the next sync replaces it
+            release_decode_copy(self.engine)  # not needed until the next sync: the update's peak is without it
         exp.timing |= {f"score_{role}": t - before.get(role, 0.0) for role, t in self.scorer.times.items()}
         return exp
 

@@ -33,3 +33,16 @@ def test_dynamic_sampling_refills_the_same_way_twice(tiny_task, tmp_path):
     keys = ("rollout/refills", "rollout/spread_groups", "reward/mean")
     assert [[r[k] for k in keys] for r in rows] == [[r[k] for k in keys] for r in rows_b]
     assert all(torch.equal(weights[n], weights_b[n]) for n in weights)
+
+
+def test_dynamic_sampling_refills_with_a_transient_decode_copy(tiny_task, tmp_path):
+    """A bf16 generator copy of a full fine-tuned actor lives only while decoding (it is released after a rollout,
+    for the update's peak): the further draws of dynamic sampling decode with it too."""
+    (tmp_path / "ties.py").write_text(TIES)
+    assert main(["rl", f"rl.sft_path={tiny_task.model_dir}", f"rl.reward={tmp_path / 'ties.py'}:has_the",
+                 "rl.algo=grpo", "rl.k=2", "rl.recipe=dapo", "rl.max_refills=3", "rl.iterations=2",
+                 "rl.prompts_per_iter=4", "rl.mini_batch_size=8", "rl.micro_batch_size=4", "rl.max_new_tokens=6",
+                 "rl.eval_prompts=2", "rollout.generator_dtype=bf16", f"run.dir={tmp_path / 'r'}", "run.threads=1",
+                 *TINY]) == 0
+    rows = [json.loads(l) for l in (tmp_path / "r" / "rl" / "metrics.jsonl").read_text().splitlines()]
+    assert any(r["rollout/refills"] > 0 for r in rows), [r["rollout/refills"] for r in rows]
