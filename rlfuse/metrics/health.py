@@ -34,10 +34,13 @@ class Divergence:
     gold: tuple[float, float]
     where: str
 
-    def message(self) -> str:
+    def summary(self) -> str:
         (r0, r1), (g0, g1) = self.reward, self.gold
         return (f"The reward rose from {r0:.3g} to {r1:.3g} while the {self.gold_name} fell from {g0:.3g} to {g1:.3g} "
-                f"({self.where}): the policy may be exploiting the reward rather than improving. Read the samples "
+                f"({self.where})")
+
+    def message(self) -> str:
+        return (f"{self.summary()}: the policy may be exploiting the reward rather than improving. Read the samples "
                 "below and the KL panel; a larger rl.kl_coef, fewer rl.iterations or a reward model trained on more "
                 "pairs usually help.")
 
@@ -302,7 +305,7 @@ def proxy_gold_divergence(rows: list[dict], facts: RunFacts) -> tuple[int, str] 
             return at, f"{key} fell from {max(gold):.3f} to {low:.3f} while reward/mean kept rising"
     found = from_evaluation(facts.eval_result)
     if found is not None and (steps := series(rows, "reward/mean")[0]):
-        return steps[-1], found.message().split(":")[0]
+        return steps[-1], found.summary()
     return None
 
 

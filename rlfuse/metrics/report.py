@@ -49,12 +49,9 @@ def _dict(x) -> dict:
     return x if isinstance(x, dict) else {}
 
 
-load_rows = metric_rows
-
-
 def draw_figures(run_dir: Path, baseline_dir: Path | None = None) -> dict[str, Path | str]:
     """name -> PNG path, or name -> the reason it was not drawn."""
-    rows = load_rows(run_dir / "rl" / "metrics.jsonl")
+    rows = metric_rows(run_dir / "rl" / "metrics.jsonl")
     out_dir = run_dir / "figures"
     for name in RETIRED_FIGURES:
         (out_dir / f"{name}.png").unlink(missing_ok=True)
@@ -79,7 +76,7 @@ def draw_figures(run_dir: Path, baseline_dir: Path | None = None) -> dict[str, P
     schedule = _json(run_dir / "rl" / "pipeline_schedule.json")
     if schedule:  # rl.train_parallel=pipeline_*: the executed schedule beside the simulated one
         figs["pipeline_schedule"] = draw_record(schedule, out_dir / "pipeline_schedule.png")
-    base_rows = load_rows(require_run_dir(baseline_dir) / "rl" / "metrics.jsonl") if baseline_dir else []
+    base_rows = metric_rows(require_run_dir(baseline_dir) / "rl" / "metrics.jsonl") if baseline_dir else []
     if base_rows:
         figs["speedup_comparison"] = plots.speedup_comparison(rows, base_rows, out_dir / "speedup_comparison.png",
                                                               (run_dir.name, Path(baseline_dir).name))
@@ -331,7 +328,7 @@ def _at(items: list, i: int):
 def samples_section(path: Path) -> list[str]:
     """rl.log_samples_every: the first and the latest table of sample completions (rl/samples.jsonl), each sample's
     prompt muted and its completion in bold."""
-    rows = load_rows(path)
+    rows = metric_rows(path)
     steps = sorted({r["step"] for r in rows})
     if not steps:
         return []
@@ -372,9 +369,9 @@ def dashboard_section(figs: dict[str, Path | str], rows: list[dict]) -> list[str
 
 
 def build_page(run_dir: Path, figs: dict[str, Path | str], baseline_dir: Path | None) -> str:
-    rows = load_rows(run_dir / "rl" / "metrics.jsonl")
+    rows = metric_rows(run_dir / "rl" / "metrics.jsonl")
     eval_result = _dict(_json(run_dir / "eval.json"))
-    base_rows = load_rows(Path(baseline_dir) / "rl" / "metrics.jsonl") if baseline_dir else None
+    base_rows = metric_rows(Path(baseline_dir) / "rl" / "metrics.jsonl") if baseline_dir else None
     parts = [f"<h1>rlfuse run <code>{html.escape(str(run_dir))}</code></h1>",
              status_line(run_dir, rows, run_settings(run_dir))]
     parts += warnings_section(rows, eval_result)
