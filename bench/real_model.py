@@ -60,6 +60,13 @@ def stage_seconds(run_dir: Path) -> dict:
     return {s: read_json(run_dir / s / "summary.json").get("seconds", 0.0) for s in ("sft", "rm", "rl")}
 
 
+def rl_threads(run_dir: Path) -> str:
+    """The torch threads the RL stage ran with (run.threads, or what auto chose on a busy machine): its minutes
+    compare only with runs on as many."""
+    path = run_dir / "rl" / "threads.txt"
+    return path.read_text().strip() if path.exists() else "?"
+
+
 def rl_rows(run_dir: Path) -> list[dict]:
     return [json.loads(line) for line in (run_dir / "rl" / "metrics.jsonl").read_text().splitlines() if line.strip()]
 
