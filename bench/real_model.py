@@ -7,7 +7,8 @@
     python -m bench.real_model --engines rlfuse vllm  # the math config on both rollout engines, seeds alternated
                                                       # (a Python with vLLM: docs/engines.md; about 70 min)
 
-Each run is `rlfuse run configs/<config>.yaml run.seed=S run.dir=bench/.work/real_model/<config>-s<S>`; a run
+Each run is `rlfuse run configs/<config>.yaml run.seed=S run.dir=bench/.work/real_model/<config>-s<S>` with
+run.threads set to the machine's cores (auto would take fewer when other work runs as the run starts); a run
 folder that already holds its eval.json is read, not run again (so an interrupted bench goes on where it stopped;
 delete the folder to measure afresh). Needs the model: `bash scripts/install.sh smollm2`; the hh config also the
 hh-rlhf file in ../shared/data.
@@ -24,6 +25,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
 import subprocess
 import sys
@@ -34,6 +36,7 @@ from bench.common import ROOT, SHARED_DATA, WORK, machine, machine_short, md_tab
 CONFIGS = {"math": "smollm2_math", "hh": "smollm2_hh"}
 MATH_KL_BOUND = 2.0  # the bound the math runs are held to: KL to the reference, summed over a reply, every iteration
 MATH_MINUTES, HH_MINUTES = 30, 40
+CORES = os.cpu_count() or 1
 
 
 def run(config: str, seed: int, engine: str | None = None, extra: tuple[str, ...] = (), tag: str = "") -> Path:
@@ -43,9 +46,13 @@ def run(config: str, seed: int, engine: str | None = None, extra: tuple[str, ...
     run_dir = WORK / "real_model" / name
     if not (run_dir / "eval.json").exists():
         run_dir.parent.mkdir(parents=True, exist_ok=True)
+        resume = (run_dir / "config.yaml").exists()
+        # a fresh run takes every core whatever the load at its start (auto would take fewer beside other work):
+        # minutes compare between runs; a resumed run keeps the count it started with (run.threads in its config)
+        threads = [] if resume or any(e.startswith("run.threads=") for e in extra) else [f"run.threads={CORES}"]
         cmd = [sys.executable, "-m", "rlfuse", "run", f"configs/{config}.yaml", f"run.seed={seed}",
-               f"run.dir={run_dir}", *([f"rollout.engine={engine}"] if engine else []), *extra,
-               *(["--resume", str(run_dir)] if (run_dir / "config.yaml").exists() else [])]
+               f"run.dir={run_dir}", *([f"rollout.engine={engine}"] if engine else []), *threads, *extra,
+               *(["--resume", str(run_dir)] if resume else [])]
         print(f"[bench] {' '.join(cmd[2:])}", flush=True)
         with open(run_dir.parent / f"{name}.log", "a") as log:
             subprocess.run(cmd, check=True, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT)
