@@ -32,8 +32,8 @@ _set_by_us: int | None = None
 def setup_runtime(run: RunConfig, log=None, kept: Path | None = None) -> torch.device:
     """The stage's device, seeds and CPU threads: run.threads where set, else as many as the cores other work leaves
     free at the stage's start (models/cpu_share.py), said in one line when that is fewer than torch would take. The
-    count is decided once and kept in `kept` (the stage folder's threads.txt), so a resumed stage computes with the
-    same count (a CPU's sums depend on it) as the run it continues."""
+    count is decided once and kept in `kept` (the stage folder's threads.txt), so a stage resumed from its checkpoint
+    computes with the same count (a CPU's sums depend on it) as the run it continues."""
     global _set_by_us
     if run.threads:
         torch.set_num_threads(run.threads)
@@ -56,8 +56,12 @@ def setup_runtime(run: RunConfig, log=None, kept: Path | None = None) -> torch.d
 
 
 def _kept_threads(kept: Path | None) -> int | None:
+    """The count a resumed stage computed with, where it left a checkpoint to continue from (the stage folder's
+    checkpoint.pt): a stage stopped before its first starts over, and takes the cores free now."""
+    if kept is None or not (kept.parent / "checkpoint.pt").exists():
+        return None
     try:
-        return max(1, int(kept.read_text().strip())) if kept is not None else None
+        return max(1, int(kept.read_text().strip()))
     except (OSError, ValueError):
         return None
 

@@ -57,6 +57,10 @@ def test_a_stage_takes_the_free_cores_says_so_and_a_resumed_stage_keeps_its_coun
         monkeypatch.setattr(device, "measure_share", lambda: CpuShare(2, 0.0))  # idle now: the next stage takes 2
         device.setup_runtime(RunConfig(), said.append, tmp_path / "sft" / "threads.txt")
         assert torch.get_num_threads() == 2 and len(said) == 1
+        device.setup_runtime(RunConfig(), said.append, kept)  # stopped before its first checkpoint: starts over
+        assert torch.get_num_threads() == 2 and kept.read_text() == "2\n"
+        kept.write_text("1\n")
+        (kept.parent / "checkpoint.pt").write_bytes(b"")
         device.setup_runtime(RunConfig(), said.append, kept)  # resumed: the count it ran with, busy or not
         assert torch.get_num_threads() == 1
         device.setup_runtime(RunConfig(threads=2), said.append, kept)
