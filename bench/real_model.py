@@ -31,6 +31,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import yaml
+
 from bench.common import ROOT, SHARED_DATA, WORK, machine, machine_short, md_table, write_headline, write_section
 
 CONFIGS = {"math": "smollm2_math", "hh": "smollm2_hh"}
@@ -70,8 +72,11 @@ def stage_seconds(run_dir: Path) -> dict:
 def rl_threads(run_dir: Path) -> str:
     """The torch threads the RL stage ran with (run.threads, or what auto chose on a busy machine): its minutes
     compare only with runs on as many."""
-    path = run_dir / "rl" / "threads.txt"
-    return path.read_text().strip() if path.exists() else "?"
+    path = run_dir / "rl" / "threads.txt"  # what auto chose; run.threads set: the saved config's
+    if path.exists():
+        return path.read_text().strip()
+    config = yaml.safe_load((run_dir / "config.yaml").read_text()) if (run_dir / "config.yaml").exists() else {}
+    return str((config.get("run") or {}).get("threads") or "?")
 
 
 def rl_rows(run_dir: Path) -> list[dict]:
