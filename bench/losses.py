@@ -75,7 +75,7 @@ def recipes_figure(curves: dict[str, list[list[dict]]], path: Path) -> Path:
 
 
 def recipes_section(recipes: list[str], seeds: list[int], finished_only: bool = False) -> tuple[str, str, dict]:
-    rows, after, curves = [], {r: [] for r in recipes}, {r: [] for r in recipes}
+    rows, after, gains, curves = [], {r: [] for r in recipes}, {r: [] for r in recipes}, {r: [] for r in recipes}
     for seed in seeds:
         for recipe in recipes:
             d = run_folder(recipe, seed, finished_only)
@@ -84,6 +84,7 @@ def recipes_section(recipes: list[str], seeds: list[int], finished_only: bool = 
             ev, metrics, secs = read_json(d / "eval.json"), rl_rows(d), stage_seconds(d)
             b, a = ev["before"]["reward_mean"], ev["after"]["reward_mean"]
             after[recipe].append(a)
+            gains[recipe].append(a - b)
             curves[recipe].append(metrics)
             first, last = metrics[0], metrics[-1]
             refills = sum(m.get("rollout/refills", 0) for m in metrics)
@@ -98,6 +99,10 @@ def recipes_section(recipes: list[str], seeds: list[int], finished_only: bool = 
                       "threads"], rows)
     done = [r for r in recipes if after[r]]
     seeds_of = {r: len(after[r]) for r in done}
+    per_recipe = md_table(["rl.recipe", "seeds", "exact match after RL, mean", "min - max", "gain, mean"],
+                          [[r, seeds_of[r], f"{statistics.mean(after[r]):.3f}",
+                            f"{min(after[r]):.3f} - {max(after[r]):.3f}", f"{statistics.mean(gains[r]):+.3f}"]
+                           for r in done])
     flag = " --finished-only" if finished_only else ""
     ran = sorted({row[1] for row in rows})
     text = (f"### configs/smollm2_math.yaml under each recipe, seeds {ran}\n\nCommand: `python -m bench.losses "
@@ -107,7 +112,7 @@ def recipes_section(recipes: list[str], seeds: list[int], finished_only: bool = 
             "trained groups whose 8 rewards differ (the others have zero advantage); dapo refills (rl.dynamic_sampling"
             ", 16 more prompts a draw, at most rl.max_refills = 4 draws) until 16 groups have one. Minutes compare "
             "only between runs on as many threads (a run started beside another is given fewer).\n\n"
-            f"{table}\n\n![reward, entropy, length and signal per iteration](losses.png)")
+            f"{per_recipe}\n\nEach run:\n\n{table}\n\n![reward, entropy, length and signal per iteration](losses.png)")
     figure = ", ".join(f"{r} {statistics.mean(after[r]):.3f}" + (f" ({seeds_of[r]} seeds)" if seeds_of[r] != max(
         seeds_of.values()) else "") for r in done)
     n = max(seeds_of.values()) if seeds_of else 0
