@@ -58,7 +58,7 @@ def run(config: str, seed: int, engine: str | None = None, extra: tuple[str, ...
         print(f"[bench] {' '.join(cmd[2:])}", flush=True)
         with open(run_dir.parent / f"{name}.log", "a") as log:
             subprocess.run(cmd, check=True, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT)
-        # a finished run's RL checkpoint (weights and optimiser, 12x the model) is only for going on longer, which
+        # a finished run's RL checkpoint (weights and optimiser, 3x the saved model) is only for going on longer, which
         # a bench never does: at 1.6 GB each, a dozen filled the disk
         for kept in ("checkpoint.pt", "checkpoint.pt.prev"):
             (run_dir / "rl" / kept).unlink(missing_ok=True)
