@@ -18,8 +18,8 @@ from __future__ import annotations
 import argparse
 import statistics
 
-from bench.common import WORK, md_table, write_headline, write_section
-from bench.real_model import describe_machine, read_json, rl_threads, run, stage_seconds
+from bench.common import md_table, write_headline, write_section
+from bench.real_model import describe_machine, finished, read_json, rl_threads, run, run_folder, stage_seconds
 
 SHOWN_CHARS = 1500
 """An episode shown on the page is cut after this many characters."""
@@ -49,7 +49,7 @@ def calculator_section(seeds: list[int], finished_only: bool = False) -> tuple[s
     after, minutes = {name: [] for name in CONFIGS}, []
     for seed in seeds:
         for name, config in CONFIGS.items():
-            if finished_only and not (WORK / "real_model" / f"{config}-s{seed}" / "eval.json").exists():
+            if finished_only and not finished(run_folder(config, seed)):
                 continue
             d = run(config, seed)
             ev, secs = read_json(d / "eval.json"), stage_seconds(d)
@@ -110,8 +110,8 @@ def main() -> None:
     a = ap.parse_args()
     text, figure = calculator_section(a.seeds, a.finished_only)
     print(text)
-    guess_done = (WORK / "real_model" / f"smollm2_guess-s{a.seeds[0]}" / "eval.json").exists()
-    guess = guess_section(a.seeds[0]) if a.guess and (guess_done or not a.finished_only) else None
+    guess_ready = not a.finished_only or finished(run_folder("smollm2_guess", a.seeds[0]))
+    guess = guess_section(a.seeds[0]) if a.guess and guess_ready else None
     if guess:
         print(guess)
     if not a.no_write:

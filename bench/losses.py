@@ -24,8 +24,9 @@ import matplotlib
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 
-from bench.common import PAGES, WORK, md_table, write_headline, write_section  # noqa: E402
-from bench.real_model import describe_machine, read_json, rl_rows, rl_threads, run, stage_seconds  # noqa: E402
+from bench.common import PAGES, md_table, write_headline, write_section  # noqa: E402
+from bench.real_model import (describe_machine, finished, read_json, rl_rows, rl_threads, run,  # noqa: E402
+                              run_folder, stage_seconds)
 
 RECIPES = ("grpo", "dapo", "gspo", "dr_grpo")
 CURVES = (("reward/mean", "reward of the trained samples"), ("train/entropy", "policy entropy (nats per token)"),
@@ -40,9 +41,9 @@ def signal_share(row: dict) -> float:
     return 1.0 - row.get("reward/frac_zero_spread", 0.0)
 
 
-def run_folder(recipe: str, seed: int, finished_only: bool) -> Path | None:
-    folder = WORK / "real_model" / f"smollm2_math-{recipe}-s{seed}"
-    if finished_only and not (folder / "eval.json").exists():
+def recipe_run(recipe: str, seed: int, finished_only: bool) -> Path | None:
+    """The run of the math config under `recipe` (None with finished_only where it has not finished)."""
+    if finished_only and not finished(run_folder("smollm2_math", seed, tag=recipe)):
         return None
     return run("smollm2_math", seed, extra=(f"rl.recipe={recipe}",), tag=recipe)
 
@@ -78,7 +79,7 @@ def recipes_section(recipes: list[str], seeds: list[int], finished_only: bool = 
     rows, after, gains, curves = [], {r: [] for r in recipes}, {r: [] for r in recipes}, {r: [] for r in recipes}
     for seed in seeds:
         for recipe in recipes:
-            d = run_folder(recipe, seed, finished_only)
+            d = recipe_run(recipe, seed, finished_only)
             if d is None:
                 continue
             ev, metrics, secs = read_json(d / "eval.json"), rl_rows(d), stage_seconds(d)

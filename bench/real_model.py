@@ -41,12 +41,22 @@ MATH_MINUTES, HH_MINUTES = 30, 40
 CORES = os.cpu_count() or 1
 
 
+def run_folder(config: str, seed: int, engine: str | None = None, tag: str = "") -> Path:
+    """Where run() keeps the run of `config` at `seed` (named by its engine or, failing that, its tag)."""
+    name = f"{config}-{engine}-s{seed}" if engine else f"{config}{'-' + tag if tag else ''}-s{seed}"
+    return WORK / "real_model" / name
+
+
+def finished(run_dir: Path) -> bool:
+    return (run_dir / "eval.json").exists()
+
+
 def run(config: str, seed: int, engine: str | None = None, extra: tuple[str, ...] = (), tag: str = "") -> Path:
     """The run folder of `rlfuse run configs/<config>.yaml run.seed=seed` (rollout.engine=engine where given, and
     the overrides `extra`, named by `tag` in the folder), run unless it already finished."""
-    name = f"{config}-{engine}-s{seed}" if engine else f"{config}{'-' + tag if tag else ''}-s{seed}"
-    run_dir = WORK / "real_model" / name
-    if not (run_dir / "eval.json").exists():
+    run_dir = run_folder(config, seed, engine, tag)
+    name = run_dir.name
+    if not finished(run_dir):
         run_dir.parent.mkdir(parents=True, exist_ok=True)
         resume = (run_dir / "config.yaml").exists()
         # a fresh run takes every core whatever the load at its start (auto would take fewer beside other work):
