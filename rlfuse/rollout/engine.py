@@ -9,6 +9,8 @@ Over any transformers causal LM with a KV cache (our own loop; see docs/benchmar
   stream (rollout/streams.py), a function of (seed, prompt id, sample index, tokens drawn so far): the samples depend
   only on the seed, the prompts and the model, never on max_rows, admission order, what the caller does between
   samples (e.g. scoring them), or which engine decodes a row;
+- kept KV (keep_finished_kv, for episodes): a finished row's cache stays, and the same row coming back longer (its
+  next turn: the tool's answer appended) prefills only the new tokens on top of it, not the whole conversation;
 - state: while the iterator is suspended, export_state() hands out the unfinished rows and waiting prompts as plain
   data (rollout/state.py) and ends it; resume(state) on any engine with the same weights continues them to the same
   samples. Weights arrive by an explicit copy, load_weights (rollout/weights.py), unless the engine decodes the
@@ -32,10 +34,10 @@ import torch
 from torch import Tensor
 
 from rlfuse.errors import UserError
-from rlfuse.models.hf_cache import cache_of
+from rlfuse.models.hf_cache import cache_of, with_cache
 from rlfuse.models.load import first_nonfinite_weight
 from rlfuse.rollout.generator import ENGINES
-from rlfuse.rollout.kv import BufferKV, HFCacheKV, decode_step_for, left_pad
+from rlfuse.rollout.kv import BufferKV, HFCacheKV, decode_step_for, dynamic_cache, left_pad
 from rlfuse.rollout.state import EngineState, RowState, Sample, SamplingParams, WaitingPrompt
 from rlfuse.rollout.streams import stream_keys, stream_uniforms
 from rlfuse.rollout.weights import NamedTensors, copy_weights, weight_buckets  # noqa: F401  (weight_buckets: re-export)
@@ -50,6 +52,12 @@ class EngineStats:
     prefill_tokens: int = 0
     max_live_rows: int = 0
     rows_per_step: list[int] = field(default_factory=list)
+
+    def __add__(self, other: "EngineStats") -> "EngineStats":
+        """Two calls' counts as one (an episode rollout restarts the engine while answers are awaited)."""
+        return EngineStats(self.decode_steps + other.decode_steps, self.decode_rows + other.decode_rows,
+                           self.prefill_tokens + other.prefill_tokens, max(self.max_live_rows, other.max_live_rows),
+                           self.rows_per_step + other.rows_per_step)
 
 
 def filter_logits(logits: Tensor, top_k: int, top_p: float) -> Tensor:
@@ -188,6 +196,9 @@ class DecodeEngine:
         self.stats = EngineStats()
         self.live_rows = 0
         self._run: _Run | None = None
+        self._keep_kv = False
+        self._kept: dict[tuple[int, int], tuple[list[int], Tensor]] = {}
+        """(prompt id, sample index) -> the token ids a finished row's cache holds, and that cache (BufferKV.row)."""
         # a lean decode step (rollout/kv.py) where the architecture has one; transformers' own forward otherwise
         self.fast_step = decode_step_for(model) if fast_decode else None
 
@@ -225,6 +236,7 @@ class DecodeEngine:
                     p.data = torch.empty_strided(shape, stride, dtype=p.dtype, device=p.device)
             self._released = None
         written = copy_weights(self.model, tensors)
+        self._kept.clear()  # the old weights' keys and values
         if self.fast_step is not None:
             self.fast_step.refresh()
             # packs of the old weights go: a live call (a partial rollout) decodes on from new ones
@@ -240,6 +252,7 @@ class DecodeEngine:
         if self._released is not None:
             return 0
         freed, self._released = 0, []
+        self._kept.clear()
         if self.fast_step is not None:
             self.fast_step.release()
         with torch.no_grad():
@@ -248,6 +261,18 @@ class DecodeEngine:
                 self._released.append((p, p.shape, p.stride()))
                 p.data = torch.empty(0, dtype=p.dtype, device=p.device)
         return freed
+
+    def keep_finished_kv(self, on: bool) -> None:
+        """While on, a row that finishes keeps its KV cache here, and when that row comes back as the same tokens and
+        more (extend or resume: an episode's next turn, the tool's answer appended) only the new tokens are
+        prefilled. The caller drops a row's cache when it will not come back (drop_kv); switching off drops all, as
+        does load_weights (they are the old weights'). The samples are the same either way, to float rounding."""
+        self._keep_kv = on
+        self._kept.clear()
+
+    def drop_kv(self, prompt_id: int, sample_index: int) -> None:
+        """Forget a finished row's kept cache (its episode ended)."""
+        self._kept.pop((prompt_id, sample_index), None)
 
     @property
     def released(self) -> bool:
@@ -262,6 +287,7 @@ class DecodeEngine:
         lengths(prompt_id, sample_index) -> int, if given, overrides max_new_tokens per sample (benchmarks use it to
         set the length distribution)."""
         prompt_ids = checked_prompt_ids(prompts, prompt_ids)
+        self.keep_finished_kv(False)  # a new rollout: no row comes back from an earlier one
         limit = lengths or (lambda pid, j: params.max_new_tokens)
         queue = [_Entry(list(p), [_row(pid, j, list(p), limit(pid, j)) for j in range(k)])
                  for pid, p in zip(prompt_ids, prompts)]
@@ -372,20 +398,28 @@ class DecodeEngine:
         """One forward per sequence length (no padding inside a prefill), then each entry's KV repeated for its rows
         (a waiting prompt's k samples share their prompt's prefill, never re-run it). -> the new rows, their logits."""
         by_len: dict[int, list[_Entry]] = defaultdict(list)
+        continued = []  # (entry, its kept cache): only the tokens after it are prefilled
         for e in entries:
-            by_len[len(e.ids)].append(e)
+            kept = self._kept_cache_of(e)
+            if kept is None:
+                by_len[len(e.ids)].append(e)
+            else:
+                continued.append((e, kept))
         kv, attn, last, logits, order = None, [], [], [], []
-        for length, group in sorted(by_len.items()):
-            ids = torch.tensor([e.ids for e in group], device=self.device)
+        passes = [(group, None) for _, group in sorted(by_len.items())] + [([e], c) for e, c in continued]
+        for group, kept in passes:
+            held = 0 if kept is None else kept.shape[4]
+            ids = torch.tensor([e.ids[held:] for e in group], device=self.device)
+            past = {} if kept is None else with_cache(dynamic_cache(kept))
             with self._forward():
-                out = self.model(input_ids=ids, use_cache=True, logits_to_keep=1)
+                out = self.model(input_ids=ids, use_cache=True, logits_to_keep=1, **past)
             self.stats.prefill_tokens += ids.numel()
             part = HFCacheKV(cache_of(out))
             if kv is None:
                 kv = part
             else:
                 kv.merge(part)
-            attn.append(torch.ones_like(ids, dtype=torch.bool))
+            attn.append(torch.ones((len(group), held + ids.shape[1]), dtype=torch.bool, device=self.device))
             last.append(ids[:, -1])
             logits.append(out.logits[:, -1].float())
             order += group
@@ -402,6 +436,17 @@ class DecodeEngine:
         keys = stream_keys(seed, as_tensor(lambda r: r["pid"]), as_tensor(lambda r: r["j"]))
         live = _Live(kv, attn, attn.sum(1), rep(torch.cat(last)), keys, as_tensor(lambda r: len(r["tokens"])), rows)
         return live, rep(torch.cat(logits))
+
+    def _kept_cache_of(self, e: _Entry) -> Tensor | None:
+        """The kept cache an imported row continues (taken out of the store), or None: none kept, or its tokens are
+        not the start of the row's (then the whole sequence is prefilled, as for any row)."""
+        if len(e.rows) != 1 or not self._kept:
+            return None
+        row = e.rows[0]
+        held, kv = self._kept.pop((row["pid"], row["j"]), (None, None))
+        if held is None or len(held) >= len(e.ids) or e.ids[: len(held)] != held:
+            return None
+        return kv
 
     def _decode_step(self, live: _Live) -> Tensor:
         attn = torch.cat([live.attn, torch.ones_like(live.attn[:, :1])], dim=1)
@@ -437,6 +482,8 @@ class DecodeEngine:
             row["tokens"].append(int(tok_list[i]))
             row["logprobs"].append(lp_list[i])
             reason = self._finish_reason(row["tokens"], params, row["limit"], row["start"])
+            if reason and self._keep_kv:
+                self._keep_row_kv(live, i, row)
             if reason:
                 run.outbox.append(Sample(row["pid"], row["j"], list(row["prompt"]), row["tokens"],
                                          torch.tensor(row["logprobs"]), reason))
@@ -444,6 +491,13 @@ class DecodeEngine:
                 keep.append(i)
         if len(keep) < len(live):
             live.select(keep)
+
+    def _keep_row_kv(self, live: _Live, i: int, row: dict) -> None:
+        """Keep a finishing row's cache: its prompt and tokens but the last, which no forward has read yet."""
+        held = row["prompt"] + row["tokens"][:-1]
+        kv = live.kv.row(i, len(held))
+        if kv is not None:
+            self._kept[(row["pid"], row["j"])] = (held, kv)
 
     def _refuse_nonfinite(self, live: _Live, tok_list: list, lp_list: list, vocab: int) -> None:
         """The one line for a step whose logits are not finite: which weight holds NaN/inf, or that the weights are

@@ -20,9 +20,10 @@ EpisodeGenerator wraps an engine (rollout/generator.py) and is itself a Generato
 episodes, so the rollout loop, fusion and the evaluation run episodes unchanged. An episode whose turn ended is
 answered on a thread pool (with rl.overlap_tools, while the engine decodes the others; otherwise before its next
 decode step, so that a run repeats bit for bit); its next turn joins the engine's running batch (`extend`) or,
-when nothing else decodes, starts it again (`resume`). Each row's random stream is keyed by (seed,
-prompt id, sample index) and continues at its position, so on our engine an episode's tokens depend only on the
-seed, the prompt and the answers, never on which episodes shared its batch.
+when nothing else decodes, starts it again (`resume`). On our engine the turn's KV cache is kept meanwhile
+(keep_finished_kv), so the next turn prefills only the answer's tokens, not the whole conversation again. Each
+row's random stream is keyed by (seed, prompt id, sample index) and continues at its position, so on our engine an
+episode's tokens depend only on the seed, the prompt and the answers, never on which episodes shared its batch.
 """
 
 from __future__ import annotations
@@ -39,6 +40,7 @@ from rlfuse.config.callables import load_callable
 from rlfuse.data.chat import encode_rendered, next_segment
 from rlfuse.data.tool_text import tool_schema, tools_prompt
 from rlfuse.errors import DataError, UserError, first_line
+from rlfuse.rollout.engine import EngineStats
 from rlfuse.rollout.generator import Capabilities
 from rlfuse.rollout.state import EngineState, RowState, Sample, SamplingParams
 from rlfuse.rollout.tools import Timeout, ToolResult, call_tool, parse_tool_calls, run_bounded, tool_prints_kept
@@ -285,12 +287,17 @@ class EpisodeGenerator:
         self.name = getattr(engine, "name", "engine")
         self._answers = concurrent.futures.ThreadPoolExecutor(workers, thread_name_prefix="rlfuse-episode")
         self._waiting = 0
+        self._earlier_stats = EngineStats()
 
-    # the engine's own: weights, dtype, statistics
+    # the engine's own: weights, dtype
     dtype = property(lambda self: self.engine.dtype)
     shares_weights = property(lambda self: self.engine.shares_weights)
     transient_weights = property(lambda self: self.engine.transient_weights)
-    stats = property(lambda self: self.engine.stats)
+
+    @property
+    def stats(self) -> EngineStats:
+        """The engine's counts over the whole rollout (each resume starts the engine's own again)."""
+        return self._earlier_stats + self.engine.stats
 
     @property
     def live_rows(self) -> int:
@@ -313,7 +320,11 @@ class EpisodeGenerator:
         turn = min(params.max_new_tokens, limits.turn_tokens, limits.max_tokens)
         params = SamplingParams(turn, params.temperature, params.top_k, params.top_p, params.stop_strings,
                                 params.stop_token_ids)
-        return self._run(self.engine.generate(prompts, k, params, seed, None, prompt_ids), params, seed)
+        self._earlier_stats = EngineStats()
+        turns = self.engine.generate(prompts, k, params, seed, None, prompt_ids)
+        if self.engine.capabilities.keeps_turn_kv:  # after generate, which starts a rollout with none kept
+            self.engine.keep_finished_kv(True)
+        return self._run(turns, params, seed)
 
     def _run(self, turns: Iterator[Sample], params: SamplingParams, seed: int) -> Iterator[Sample]:
         limits, live = self.episodes.limits, {}
@@ -332,6 +343,7 @@ class EpisodeGenerator:
                     rows, finished = self._answered(live, limits, params)
                     yield from finished
                     if rows:
+                        self._earlier_stats += self.engine.stats
                         turns = self.engine.resume(EngineState(seed, params, rows))
                     continue
                 key = (sample.prompt_id, sample.sample_index)
@@ -359,6 +371,8 @@ class EpisodeGenerator:
                     self.engine.extend(EngineState(seed, params, rows))
         finally:
             self._waiting = 0
+            if self.engine.capabilities.keeps_turn_kv:
+                self.engine.keep_finished_kv(False)
             for ep in live.values():
                 if ep.answer is not None:
                     ep.answer.cancel()
@@ -397,6 +411,8 @@ class EpisodeGenerator:
 
     def _finish(self, ep: _Episode) -> Sample:
         s, rec = ep.last, ep.session.finish()
+        if self.engine.capabilities.keeps_turn_kv:
+            self.engine.drop_kv(s.prompt_id, s.sample_index)
         n = len(s.token_ids)
         return Sample(s.prompt_id, s.sample_index, s.prompt_ids, s.token_ids, s.logprobs,
                       "length" if rec.truncated else s.finish_reason, sampled=ep.sampled[:n], episode=rec)

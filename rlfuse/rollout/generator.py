@@ -42,6 +42,9 @@ class Capabilities:
     reproducible: str
     """What repeats with the same seed: "bitwise" (in any batch, on any worker) or "same-run" (the same run twice
     on the same machine and software)."""
+    keeps_turn_kv: bool = False
+    """keep_finished_kv / drop_kv: a finished row's KV cache kept for the same row coming back longer (an episode's
+    next turn), so only the new tokens are prefilled. vLLM's prefix cache does this on its own (False here)."""
 
 
 class Generator(Protocol):
@@ -71,7 +74,7 @@ class Generator(Protocol):
 
 ENGINES = {  # rollout.engine's choices (auto: plan/resolve.py engine_choice)
     "rlfuse": Capabilities(per_sample_streams=True, migrates_rows=True, partial_rollouts=True, trainer_logprobs=True,
-                           reproducible="bitwise"),
+                           reproducible="bitwise", keeps_turn_kv=True),
     "vllm": Capabilities(per_sample_streams=False, migrates_rows=False, partial_rollouts=False,
                          trainer_logprobs=False, reproducible="same-run"),
 }

@@ -1,6 +1,7 @@
 """KV-cache storage for the live decode batch, and lean decode steps for GPT-2 and Llama-style models.
 
-Two stores behind one small interface (keep some rows, cut left padding, merge two batches, width, decode):
+Two stores behind one small interface (keep some rows, cut left padding, merge two batches, width, decode, copy one
+row's cache out):
 - `HFCacheKV` wraps a transformers cache and decodes through the model's own forward: any causal LM works;
 - `BufferKV` keeps all layers' keys and values in one preallocated tensor (L, 2, rows, heads, capacity, head_dim)
   and decodes with `Gpt2DecodeStep`, which runs the model's own weights through the same operations as
@@ -18,6 +19,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 from torch import Tensor
+from transformers import DynamicCache
 
 from rlfuse.models.hf_cache import cache_of, with_cache
 from rlfuse.models.layout import has_llama_decode_step, packed_product, transposed_product
@@ -52,6 +54,15 @@ class HFCacheKV:
         for a, b in zip(self.cache.layers, other.cache.layers):
             a.keys = torch.cat([left_pad(a.keys, width, 2), left_pad(b.keys, width, 2)])
             a.values = torch.cat([left_pad(a.values, width, 2), left_pad(b.values, width, 2)])
+
+    def row(self, i: int, n: int) -> Tensor | None:
+        """Row i's last n columns (its whole unpadded cache) as one (L, 2, 1, H, n, D) copy; None where a layer is not
+        a plain full cache (a sliding window keeps only its last columns: they are not the sequence)."""
+        if any(type(layer).__name__ != "DynamicLayer" for layer in self.cache.layers):
+            return None
+        w = self.width
+        return torch.stack([torch.stack([layer.keys[i: i + 1, :, w - n: w], layer.values[i: i + 1, :, w - n: w]])
+                            for layer in self.cache.layers])
 
     def decode(self, model, last: Tensor, pos: Tensor, attn: Tensor) -> Tensor:
         out = model(input_ids=last[:, None], attention_mask=attn, position_ids=pos[:, None],
@@ -108,6 +119,10 @@ class BufferKV:
     def cut_left(self, first: int) -> None:
         self.kv, self._width = self.kv[..., first:, :], self._width - first
 
+    def row(self, i: int, n: int) -> Tensor:
+        """Row i's last n used columns (its whole unpadded cache) as one (L, 2, 1, H, n, D) copy."""
+        return self.kv[:, :, i: i + 1, :, self._width - n: self._width].clone()
+
     def merge(self, other: "BufferKV") -> None:
         width = max(self.width, other.width)
         spare = min(max(self.kv.shape[4] - self.width, other.kv.shape[4] - other.width), self.GROW)
@@ -125,6 +140,15 @@ class BufferKV:
         logits = self.step(self.kv, self._width, last, pos, attn)
         self._width += 1
         return logits
+
+
+def dynamic_cache(kv: Tensor):
+    """A transformers cache holding kv (L, 2, rows, H, n, D, as BufferKV.row gives): a forward over it continues
+    those sequences at position n."""
+    cache = DynamicCache()
+    for i in range(kv.shape[0]):
+        cache.update(kv[i, 0], kv[i, 1], i)
+    return cache
 
 
 def left_pad(t: Tensor, width: int, dim: int) -> Tensor:

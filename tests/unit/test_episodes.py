@@ -7,6 +7,7 @@ from __future__ import annotations
 import re
 import time
 from collections import deque
+from dataclasses import replace
 
 import pytest
 import torch
@@ -58,7 +59,7 @@ END = "<|im_end|>"
 class Scripted:
     """An engine that answers each (prompt, sample) row with the next turn of its script, as our engine's extend /
     resume contract says: a row comes back with its tokens so far and the new turn after them."""
-    capabilities = ENGINES["rlfuse"]
+    capabilities = replace(ENGINES["rlfuse"], keeps_turn_kv=False)
     dtype, shares_weights, transient_weights = torch.float32, True, False
 
     def __init__(self, script: dict):
@@ -348,7 +349,7 @@ def tiny(tiny_task):
     return tok, load_causal_lm(str(tiny_task.model_dir)).eval()
 
 
-def tiny_episodes(tiny, max_rows, seed=3, overlap=False):
+def tiny_episodes(tiny, max_rows, seed=3, overlap=False, keep_kv=True, stats=None, fast_decode=True):
     from rlfuse.data.prompts import encode_prompt
     from rlfuse.rollout.engine import DecodeEngine
 
@@ -358,10 +359,16 @@ def tiny_episodes(tiny, max_rows, seed=3, overlap=False):
     prompts = [encode_prompt(tok, episode_prompt(p, [])) for p, _ in rows]
     episodes.rows = {tuple(ids): row for ids, row in zip(prompts, rows)}
     episodes.overlap_tools = overlap
-    gen = EpisodeGenerator(DecodeEngine(model, tok.eos_token_id, max_rows=max_rows, tokenizer=tok), episodes)
+    engine = DecodeEngine(model, tok.eos_token_id, max_rows=max_rows, tokenizer=tok, fast_decode=fast_decode)
+    if not keep_kv:  # every turn prefills the whole conversation again
+        engine.capabilities = replace(engine.capabilities, keeps_turn_kv=False)
+    gen = EpisodeGenerator(engine, episodes)
     # a third of the vocabulary ends a turn, so a random tiny model's turns end before the limit
     params = SamplingParams(max_new_tokens=12, stop_token_ids=tuple(range(0, 1024, 3)))
-    return prompts, sorted(gen.generate(prompts, 2, params, seed), key=lambda s: (s.prompt_id, s.sample_index))
+    out = sorted(gen.generate(prompts, 2, params, seed), key=lambda s: (s.prompt_id, s.sample_index))
+    if stats is not None:
+        stats.append(gen.stats)
+    return prompts, out
 
 
 def test_same_episodes_whatever_the_batch(tiny):
@@ -376,6 +383,25 @@ def test_same_episodes_whatever_the_batch(tiny):
         assert_close(a.logprobs, b.logprobs)
     _, other_seed = tiny_episodes(tiny, max_rows=64, seed=4)
     assert [s.token_ids for s in other_seed] != [s.token_ids for s in many]
+
+
+@pytest.mark.parametrize("fast_decode", [True, False], ids=["own-step", "transformers-cache"])
+def test_a_kept_turn_cache_prefills_only_the_answer_and_changes_no_episode(tiny, fast_decode):
+    kept, again = [], []
+    prompts, a = tiny_episodes(tiny, max_rows=64, stats=kept, fast_decode=fast_decode)
+    _, b = tiny_episodes(tiny, max_rows=64, keep_kv=False, stats=again)
+    for x, y in zip(a, b):
+        assert x.token_ids == y.token_ids and x.sampled == y.sampled and x.episode.messages == y.episode.messages
+        assert_close(x.logprobs, y.logprobs, atol=1e-5, rtol=1e-5)
+    # where each later turn starts: after the answer appended to the turn before
+    starts = [(len(s.prompt_ids), i) for s in a for i in range(1, len(s.sampled))
+              if s.sampled[i] and not s.sampled[i - 1]]
+    assert len(starts) >= 3
+    once = sum(len(p) for p in prompts)  # a prompt's samples share its prefill
+    # without the kept cache, a later turn prefills the prompt and everything before it
+    assert again[0].prefill_tokens == once + sum(p + i for p, i in starts)
+    # with it, the previous turn's last token (no forward read it yet) and the appended answer
+    assert kept[0].prefill_tokens == once + len(starts) + sum(s.sampled.count(False) for s in a)
 
 
 def test_episode_logprobs_equal_one_forward_of_the_whole_episode(tiny):
