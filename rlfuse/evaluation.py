@@ -22,6 +22,7 @@ from rlfuse.files import write_text_atomic
 from rlfuse.rollout.engine import DecodeEngine, SamplingParams
 from rlfuse.rollout.episodes import episode_metrics
 from rlfuse.rollout.fusion import Experience, FusionPolicy, generate_rollouts
+from rlfuse.rollout.generator import generate_from_rows
 from rlfuse.rollout.score import Scorer
 
 EVAL_SAMPLES_KEPT = 16
@@ -45,7 +46,7 @@ def sampling_params(models, rl: RLConfig, temperature: float) -> SamplingParams:
 
 
 def evaluate(models, engine: DecodeEngine, prompts: list[list[int]], rl: RLConfig, seed: int,
-             gold: bool) -> tuple[dict, list[str]]:
+             gold: bool, rows: list | None = None) -> tuple[dict, list[str]]:
     """Held-out prompts, one sample each: reward, KL to the reference, length; gold and grammar on the default task.
     The engine must hold the policy's current weights (the caller syncs them). "kl" is the k1 estimate summed over
     the response (an unbiased estimate of the sequence KL, whatever estimator the training penalty uses)."""
@@ -60,7 +61,7 @@ def evaluate(models, engine: DecodeEngine, prompts: list[list[int]], rl: RLConfi
                     recompute_old_logprobs=models.compute_dtype is not None,
                     environment_weight=rl.environment_reward_weight)
     params = sampling_params(models, rl, t)
-    exp = generate_rollouts(engine, scorer, prompts, 1, params, seed, FusionPolicy(True))
+    exp = generate_rollouts(engine, scorer, prompts, 1, params, seed, FusionPolicy(True), rows=rows)
     texts = texts_of(exp, models.tokenizer)
     out = {
         "reward_mean": float(exp.scores.mean()),
@@ -82,11 +83,12 @@ def evaluate(models, engine: DecodeEngine, prompts: list[list[int]], rl: RLConfi
 
 @torch.no_grad()
 def sample_rewards(models, engine: DecodeEngine, prompts: list[list[int]], rl: RLConfig, seed: int,
-                   micro_batch_size: int = 32) -> list[float]:
+                   micro_batch_size: int = 32, rows: list | None = None) -> list[float]:
     """One sample per prompt from the engine's current weights at the evaluation temperature, scored by rl.reward:
     (len(prompts),) rewards in prompt order. The reward alone: no reference or critic pass."""
     params = sampling_params(models, rl, eval_temperature(rl))
-    samples = sorted(engine.generate(prompts, 1, params, seed), key=lambda s: len(s.prompt_ids) + len(s.token_ids))
+    samples = sorted(generate_from_rows(engine, prompts, 1, params, seed, rows=rows),
+                     key=lambda s: len(s.prompt_ids) + len(s.token_ids))
     rewards = [0.0] * len(prompts)
     for i in range(0, len(samples), micro_batch_size):  # similar lengths together: little padding
         chunk = samples[i: i + micro_batch_size]
@@ -98,7 +100,7 @@ def sample_rewards(models, engine: DecodeEngine, prompts: list[list[int]], rl: R
 
 
 def prompt_difficulty(models, engine: DecodeEngine, prompts: list[list[int]], rl: RLConfig, seed: int, path: Path,
-                      log=print) -> list[float] | None:
+                      log=print, rows: list | None = None) -> list[float] | None:
     """rl.curriculum's difficulty per train prompt (None without a curriculum): its length in tokens, or minus the
     reward of the SFT model's sample for it (sample_rewards; the engine must hold the SFT weights). Computed once and
     kept in `path`, so a resumed run, whose actor has moved, orders the prompts as the interrupted one did."""
@@ -108,20 +110,21 @@ def prompt_difficulty(models, engine: DecodeEngine, prompts: list[list[int]], rl
         return json.loads(path.read_text())["difficulty"]
     t = time.perf_counter()
     difficulty = ([float(len(p)) for p in prompts] if rl.curriculum == "length" else
-                  [-r for r in sample_rewards(models, engine, prompts, rl, seed)])
+                  [-r for r in sample_rewards(models, engine, prompts, rl, seed, rows=rows)])
     seconds = time.perf_counter() - t
     write_text_atomic(path, json.dumps({"curriculum": rl.curriculum, "seconds": seconds, "difficulty": difficulty}))
     log(f"[rl] curriculum by {rl.curriculum}: {len(prompts)} train prompts scored in {seconds:.1f} s")
     return difficulty
 
 
-def evaluate_before(path: Path, models, engine: DecodeEngine, prompts, rl: RLConfig, seed: int, gold: bool) -> dict:
+def evaluate_before(path: Path, models, engine: DecodeEngine, prompts, rl: RLConfig, seed: int, gold: bool,
+                    rows: list | None = None) -> dict:
     """The "before" evaluation, computed once and kept in `path` (eval_before.json, with a few samples), so a resumed
     run compares against the same numbers. Returns the metrics without the samples."""
     if path.exists():
         before = json.loads(path.read_text())
     else:
-        metrics, texts = evaluate(models, engine, prompts, rl, seed, gold)
+        metrics, texts = evaluate(models, engine, prompts, rl, seed, gold, rows)
         # the prompts beside the samples (prompt + completion), so the report marks where each prompt ends
         shown = [models.tokenizer.decode(p, skip_special_tokens=True) for p in prompts[:EVAL_SAMPLES_KEPT]]
         before = metrics | {"samples": texts[:EVAL_SAMPLES_KEPT], "prompts": shown}

@@ -41,10 +41,11 @@ def curriculum_indices(difficulty: Sequence[float], iteration: int, iterations: 
     return [order[i] for i in uniform_indices(pool, iteration, n, seed)]
 
 
-def prompt_batch(prompts: list[list[int]], iteration: int, n: int, seed: int, difficulty: list[float] | None = None,
-                 iterations: int = 1, start_fraction: float = 1.0) -> list[list[int]]:
-    """The iteration's prompts: a function of (seed, iteration), so no data position needs restoring. Uniform, or
-    with difficulty scores (one per prompt) a curriculum over the run's iterations (rlfuse/data/curriculum.py)."""
+def prompt_batch(prompts: list, iteration: int, n: int, seed: int, difficulty: list[float] | None = None,
+                 iterations: int = 1, start_fraction: float = 1.0) -> list:
+    """The iteration's prompts (or their indices, given range(len(prompts))): a function of (seed, iteration), so no
+    data position needs restoring. Uniform, or with difficulty scores (one per prompt) a curriculum over the run's
+    iterations (rlfuse/data/curriculum.py)."""
     idx = (uniform_indices(len(prompts), iteration, n, seed) if difficulty is None else
            curriculum_indices(difficulty, iteration, iterations, n, seed, start_fraction))
     return [prompts[i] for i in idx]

@@ -230,7 +230,8 @@ class FunctionReward:
                 with time_limit(limit, function_name(fn), len(samples)):
                     out = fn(texts)
             else:
-                rows = [self.rows.get(tuple(s.prompt_ids)) for s in samples]
+                # an episode's own row (several rows may render to one prompt); else found by the prompt's ids
+                rows = [getattr(s.episode, "row", None) or self.rows.get(tuple(s.prompt_ids)) for s in samples]
                 prompts = [r[0] if r else self.tokenizer.decode(s.prompt_ids, skip_special_tokens=True)
                            for r, s in zip(rows, samples)]
                 completions = [completion_of(s, p, c) for s, p, c in zip(samples, prompts, completions)]

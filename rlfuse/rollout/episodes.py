@@ -78,6 +78,9 @@ class EpisodeRecord:
     """The environment's reward (None: it has none)."""
     tool_seconds: float = 0.0
     """Seconds spent answering turns (tools or the environment's step), off the decode loop."""
+    row: tuple | None = None
+    """The data row the episode played, (prompt, other columns): what its environment's reset and the reward
+    functions read."""
     environment: object = None
     """The episode's environment instance (reward functions may take `environments`), in the process that ran the
     episode: it does not travel to another (a Ray worker scoring it gets None), since its class may be defined in a
@@ -155,8 +158,10 @@ class Episodes:
         return (f"{', '.join(what)}; at most {lim.max_turns} turns, {lim.max_tool_calls} tool calls per turn, "
                 f"{lim.max_tokens} tokens, tools time out after {lim.tool_timeout_s:g} s")
 
-    def start(self, prompt_id: int, prompt_ids: list[int]) -> "Session":
-        prompt, columns = self.rows.get(tuple(prompt_ids), (None, {}))
+    def start(self, prompt_id: int, prompt_ids: list[int], row: tuple | None = None) -> "Session":
+        """An episode of the prompt's data row: `row` as the rollout request gave it, else the row found by the
+        prompt's token ids (self.rows), else none (the decoded prompt, no columns)."""
+        prompt, columns = row if row is not None else self.rows.get(tuple(prompt_ids), (None, {}))
         env = None
         if self.environment is not None:
             env = self.environment()
@@ -169,7 +174,9 @@ class Episodes:
                                 f"of prompt {prompt_id} ({shown or 'no other columns'}); fix reset or that row")
         decode = self.tokenizer.decode(prompt_ids, skip_special_tokens=True)
         conversation = episode_prompt(prompt if prompt is not None else decode, self.schemas)
-        return Session(self, env, conversation)
+        session = Session(self, env, conversation)
+        session.record.row = None if prompt is None else (prompt, dict(columns))
+        return session
 
 
 def check_episode_template(tokenizer, prompt: list[dict], episodes: Episodes) -> None:
@@ -311,11 +318,16 @@ class EpisodeGenerator:
         return self.engine.release_weights()
 
     def generate(self, prompts: list[list[int]], k: int, params: SamplingParams, seed: int, lengths=None,
-                 prompt_ids: list[int] | None = None) -> Iterator[Sample]:
+                 prompt_ids: list[int] | None = None, rows: list | None = None) -> Iterator[Sample]:
         """Every (prompt, sample index) episode once, as it finishes: a Sample whose token_ids are every turn and
-        answer after the prompt, `sampled` marking the policy's tokens, `episode` its record."""
+        answer after the prompt, `sampled` marking the policy's tokens, `episode` its record. rows: each prompt's
+        data row (RolloutRequest.rows), else found by the prompt's token ids."""
         if lengths is not None:
             raise ValueError("episodes: per-sample length overrides are not supported")
+        if rows is not None and len(rows) != len(prompts):
+            raise ValueError(f"episodes: {len(rows)} data rows for {len(prompts)} prompts")
+        ids = list(range(len(prompts))) if prompt_ids is None else list(prompt_ids)
+        rows_of = dict(zip(ids, rows)) if rows is not None else {}
         limits = self.episodes.limits
         turn = min(params.max_new_tokens, limits.turn_tokens, limits.max_tokens)
         params = SamplingParams(turn, params.temperature, params.top_k, params.top_p, params.stop_strings,
@@ -324,14 +336,14 @@ class EpisodeGenerator:
         turns = self.engine.generate(prompts, k, params, seed, None, prompt_ids)
         if self.engine.capabilities.keeps_turn_kv:  # after generate, which starts a rollout with none kept
             self.engine.keep_finished_kv(True)
-        return self._run(turns, params, seed)
+        return self._run(turns, params, seed, rows_of)
 
-    def _run(self, turns: Iterator[Sample], params: SamplingParams, seed: int) -> Iterator[Sample]:
+    def _run(self, turns: Iterator[Sample], params: SamplingParams, seed: int, rows_of: dict) -> Iterator[Sample]:
         limits, live = self.episodes.limits, {}
         with tool_prints_kept():  # one stdout for the rollout's concurrent tool calls
-            yield from self._episodes(turns, params, seed, limits, live)
+            yield from self._episodes(turns, params, seed, limits, live, rows_of)
 
-    def _episodes(self, turns, params: SamplingParams, seed: int, limits: EpisodeLimits, live: dict):
+    def _episodes(self, turns, params: SamplingParams, seed: int, limits: EpisodeLimits, live: dict, rows_of: dict):
         try:
             while True:
                 sample = next(turns, None)
@@ -348,7 +360,8 @@ class EpisodeGenerator:
                     continue
                 key = (sample.prompt_id, sample.sample_index)
                 if key not in live:
-                    live[key] = _Episode(self.episodes.start(sample.prompt_id, sample.prompt_ids))
+                    live[key] = _Episode(self.episodes.start(sample.prompt_id, sample.prompt_ids,
+                                                             rows_of.get(sample.prompt_id)))
                 ep = live[key]
                 new = sample.token_ids[len(ep.sampled):]
                 ep.sampled += [True] * len(new)

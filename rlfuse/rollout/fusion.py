@@ -9,7 +9,7 @@ from typing import Iterator
 import torch
 from torch import Tensor
 
-from rlfuse.rollout.generator import Generator
+from rlfuse.rollout.generator import Generator, generate_from_rows
 from rlfuse.rollout.score import ScoredSample, Scorer
 from rlfuse.rollout.state import Sample, SamplingParams
 
@@ -249,15 +249,16 @@ class ScoringLoop:
 
 
 def generate_rollouts(engine: Generator, scorer: Scorer, prompts: list[list[int]], k: int, params: SamplingParams,
-                      seed: int, fusion: FusionPolicy, lengths=None, prompt_ids: list[int] | None = None,
+                      seed: int, fusion: FusionPolicy, lengths=None, prompt_ids: list[int] | None = None, rows=None,
                       proximal: bool = False) -> Experience:
     """Decode all prompts x k on a generator (rollout/generator.py); score finished samples per the fusion policy
     (fused: while the tail decodes; unfused: everything after decoding). Same weights, same seed: the same samples
     either way (each sample's random stream is keyed by seed, prompt id and sample index). prompt_ids: the prompts'
-    global ids (DecodeEngine.generate). proximal: score with the actor's own log-probs too (Scorer.score), for a
-    sampler that is not the trained policy."""
+    global ids (DecodeEngine.generate). rows: the prompts' data rows, for episodes (RolloutRequest.rows). proximal:
+    score with the actor's own log-probs too (Scorer.score), for a sampler that is not the trained policy."""
     t0 = time.perf_counter()
-    loop = ScoringLoop(engine, engine.generate(prompts, k, params, seed, lengths, prompt_ids), scorer, fusion, proximal)
+    samples = generate_from_rows(engine, prompts, k, params, seed, lengths, prompt_ids, rows)
+    loop = ScoringLoop(engine, samples, scorer, fusion, proximal)
     loop.run(score=fusion.enabled)
     t_decoded = time.perf_counter()
     if loop.pending:

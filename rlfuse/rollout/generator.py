@@ -72,6 +72,14 @@ class Generator(Protocol):
         """Named tensors (the HF names of the policy's state dict, LoRA merged) into the engine; -> bytes."""
 
 
+def generate_from_rows(engine, prompts: list[list[int]], k: int, params: SamplingParams, seed: int, lengths=None,
+                       prompt_ids: list[int] | None = None, rows: list | None = None) -> Iterator[Sample]:
+    """engine.generate, handing the prompts' data rows (RolloutRequest.rows) to the generators that read them: an
+    episode generator (rollout/episodes.py), whose environments reset from them; the engines take none."""
+    extra = {} if rows is None else {"rows": rows}
+    return engine.generate(prompts, k, params, seed, lengths, prompt_ids, **extra)
+
+
 ENGINES = {  # rollout.engine's choices (auto: plan/resolve.py engine_choice)
     "rlfuse": Capabilities(per_sample_streams=True, migrates_rows=True, partial_rollouts=True, trainer_logprobs=True,
                            reproducible="bitwise", keeps_turn_kv=True),

@@ -34,6 +34,10 @@ class RolloutRequest:
     seed: int
     draw: int = 0
     """rl.dynamic_sampling: 0 for the iteration's batch, d >= 1 for its d-th further draw of prompt groups."""
+    rows: list | None = None
+    """Each prompt's data row, (prompt as the data set gives it, other columns), for episodes: an environment's reset
+    reads its own row even where several rows render to the same prompt (a game's hidden target). None: single-turn,
+    whose reward functions look rows up by the prompt's token ids."""
 
 
 @dataclass

@@ -66,7 +66,7 @@ class LocalRollout:
         proximal = scores_proximal(self.behaviour_differs, one_step, self.rl.kl_coef) or \
             not self.engine.capabilities.trainer_logprobs
         exp = generate_rollouts(self.engine, self.scorer, request.prompts, request.k, request.params, request.seed,
-                                self.fusion, proximal=proximal)
+                                self.fusion, rows=request.rows, proximal=proximal)
         exp.proximal_from_update = self.behaviour_differs and not proximal
         if not self.rl.dynamic_sampling:  # its further draws decode with the same copy; the next sync replaces it
             release_decode_copy(self.engine)  # not needed until the next sync: the update's peak is without it

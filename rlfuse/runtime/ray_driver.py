@@ -293,7 +293,7 @@ class RayRollout:
         proximal = scores_proximal(self.behaviour_differs, one_step, self.rl.kl_coef if self.rl else 0.0)
         with self.workers.naming_dead_workers("rollout"):
             exp = self.driver.generate(request.prompts, request.k, request.params, request.seed, migrate=self.migrate,
-                                       proximal=proximal and self.actor_on_scorers)
+                                       proximal=proximal and self.actor_on_scorers, rows=request.rows)
             if proximal and not self.actor_on_scorers:
                 seconds = self.group.proximal_pass(exp, request.params.temperature, self._scored_batches(exp))
                 exp.timing["rollout"] += seconds

@@ -48,6 +48,7 @@ from rlfuse.plan.strategies import spec_from_config
 from rlfuse.rollout.engine import DecodeEngine, Sample, SamplingParams
 from rlfuse.rollout.episodes import EpisodeGenerator, Episodes
 from rlfuse.rollout.fusion import Experience, FusionPolicy, ScoringLoop, build_experience, scoring_shares
+from rlfuse.rollout.generator import generate_from_rows
 from rlfuse.rollout.migration import pause_points, plan_migration
 from rlfuse.rollout.score import ScoredSample, Scorer
 from rlfuse.rollout.state import EngineState, RolloutRequest
@@ -366,8 +367,8 @@ class GenerationWorker:
         return psutil.Process().memory_info().rss / 2**20, peak_rss_mb()
 
     def start(self, prompts: list[list[int]], prompt_ids: list[int], k: int, params: SamplingParams, seed: int,
-              lengths=None) -> None:
-        self._open(self.engine.generate(prompts, k, params, seed, lengths, prompt_ids))
+              lengths=None, rows: list | None = None) -> None:
+        self._open(generate_from_rows(self.engine, prompts, k, params, seed, lengths, prompt_ids, rows))
         self._unfinished, self._decode_rows, self._prefill_s = len(prompts) * k, 0, 0.0
 
     def _open(self, samples) -> None:
@@ -398,12 +399,12 @@ class GenerationWorker:
         return out
 
     def decode_batch(self, prompts: list[list[int]], prompt_ids: list[int], k: int, params: SamplingParams,
-                     seed: int) -> Chunk:
+                     seed: int, rows: list | None = None) -> Chunk:
         """Decode every sample of these prompts in one call and return them unscored, with this process's memory
         (an asynchronous rollout queues these behind weight loads: Ray runs an actor's calls in order, so which
         weights decode which batch is fixed by the order of the calls, never by timing)."""
         t0 = time.perf_counter()
-        samples = list(self.engine.generate(prompts, k, params, seed, None, prompt_ids))
+        samples = list(generate_from_rows(self.engine, prompts, k, params, seed, None, prompt_ids, rows))
         out = Chunk(unscored=samples, done=True, decode_rows=self.engine.stats.decode_rows)
         self._take_reference(out, params.temperature)
         out.busy_s, out.rss_mb = time.perf_counter() - t0, self.rss_mb()
@@ -415,12 +416,12 @@ class GenerationWorker:
             chunk.reference_s += self.reference.reference_logprobs(chunk.unscored, temperature)
 
     def decode_until(self, batch: int, prompts: list[list[int]], prompt_ids: list[int], k: int,
-                     params: SamplingParams, seed: int, finished: int) -> Chunk:
+                     params: SamplingParams, seed: int, finished: int, rows: list | None = None) -> Chunk:
         """A partial rollout's first part: decode under the weights loaded now until `finished` samples have
         finished, then park the rest (exported: rows with their tokens so far, prompts not yet started) for
         continue_batch under the next weights. Returns the finished samples, unscored."""
         t0 = time.perf_counter()
-        self.start(prompts, prompt_ids, k, params, seed)
+        self.start(prompts, prompt_ids, k, params, seed, rows=rows)
         out = self.advance(finished, score_own=False)
         if not out.done:
             state, pending, _ = self.export()
@@ -576,8 +577,9 @@ class MultiWorkerRollout:
         for j, w in enumerate(self.decoders):
             mine = list(range(j, n, D))
             args = ([request.prompts[i] for i in mine], mine, request.k, request.params, request.seed)
-            out.append(self.workers[w].decode_until.remote(request.iteration, *args, switch_after) if switch_after
-                       else self.workers[w].decode_batch.remote(*args))
+            rows = None if request.rows is None else [request.rows[i] for i in mine]
+            out.append(self.workers[w].decode_until.remote(request.iteration, *args, switch_after, rows)
+                       if switch_after else self.workers[w].decode_batch.remote(*args, rows))
         return out
 
     def submit_continue(self, batch: int, states: list | None = None) -> list:
@@ -608,7 +610,8 @@ class MultiWorkerRollout:
         return [x for c in chunks.values() for x in c.scored], chunks
 
     def generate(self, prompts: list[list[int]], k: int, params: SamplingParams, seed: int, lengths=None,
-                 prompt_ids: list[int] | None = None, migrate: bool = True, proximal: bool = False) -> Experience:
+                 prompt_ids: list[int] | None = None, migrate: bool = True, proximal: bool = False,
+                 rows: list | None = None) -> Experience:
         """generate_rollouts on the workers: the same samples and scores (to float tolerance), plus in exp.timing
         rollout seconds, scoring seconds, busy seconds per worker and the migration's cost (rows and tokens moved,
         re-prefill seconds, scoring seconds on freed workers). proximal: scored with the actor's own log-probs too
@@ -626,7 +629,8 @@ class MultiWorkerRollout:
         D = len(self.decoders)
         for j, w in enumerate(self.decoders):  # deal by position: global ids keep every sample's stream
             mine = list(range(j, len(prompts), D))
-            self.workers[w].start.remote([prompts[i] for i in mine], [ids[i] for i in mine], k, params, seed, lengths)
+            self.workers[w].start.remote([prompts[i] for i in mine], [ids[i] for i in mine], k, params, seed, lengths,
+                                         None if rows is None else [rows[i] for i in mine])
             unfinished[w] = len(mine) * k
         # each decoding worker stops at its pause point; once all have, the migration is planned on their counts
         pause = pause_points(unfinished, s.migrate_below, s.rows_per_worker) if migrate else None

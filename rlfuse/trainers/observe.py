@@ -48,14 +48,15 @@ def due(every: int, iteration: int) -> bool:
     return every > 0 and iteration % every == 0
 
 
-def evaluate_during(trainer, models, engine, prompts: list[list[int]], rl: RLConfig, seed: int, gold: bool) -> dict:
+def evaluate_during(trainer, models, engine, prompts: list[list[int]], rl: RLConfig, seed: int, gold: bool,
+                    rows: list | None = None) -> dict:
     """The before/after evaluation (same prompts, seed and temperature, so the points line up) on the actor as it is
     now, as eval/* metrics. The trained weights are pulled into this process first (a no-op without Ray) and copied
     into the engine, which the next iteration's sync overwrites anyway."""
     t = time.perf_counter()
     trainer.pull_into(models)
     sync_weights(engine, models.actor)
-    metrics, _ = evaluate(models, engine, prompts, rl, seed, gold)
+    metrics, _ = evaluate(models, engine, prompts, rl, seed, gold, rows)
     release_decode_copy(engine)
     return {f"eval/{k}": v for k, v in metrics.items()} | {"time/eval": time.perf_counter() - t}
 

@@ -130,6 +130,7 @@ def train_rl(cfg: Config, run_dir: Path, log=print, resume: bool = False, on_rea
     episodes = episode_settings(cfg, tok)  # None: single-turn completions
     run_prompts = build_prompts(cfg, models, task, log, episodes)
     train_prompts, held_prompts = run_prompts.train, run_prompts.held_out
+    held_rows = run_prompts.held_out_rows
     response_tokens = episodes.limits.max_tokens if episodes is not None else rl.max_new_tokens
     max_model_len = max(len(p) for p in train_prompts + held_prompts) + response_tokens  # vLLM's requests
     engine = build_generator(cfg, models, max_model_len, log)
@@ -166,8 +167,10 @@ def train_rl(cfg: Config, run_dir: Path, log=print, resume: bool = False, on_rea
         on_resumed(f"iteration {start}")
     sync_weights(engine, models.actor)
     with said_where("the held-out evaluation before RL"):
-        before = evaluate_before(out / "eval_before.json", models, engine, held_prompts, rl, seed + 12345, gold)
-        difficulty = prompt_difficulty(models, engine, train_prompts, rl, seed + 23456, out / "difficulty.json", log)
+        before = evaluate_before(out / "eval_before.json", models, engine, held_prompts, rl, seed + 12345, gold,
+                                 held_rows)
+        difficulty = prompt_difficulty(models, engine, train_prompts, rl, seed + 23456, out / "difficulty.json", log,
+                                       run_prompts.train_rows)
     release_decode_copy(engine)
     reset_reward_metrics(models.reward_fn)  # the evaluations' calls are not the first iteration's
     tracker = stage_tracker(cfg, out, from_step=start)
@@ -180,7 +183,7 @@ def train_rl(cfg: Config, run_dir: Path, log=print, resume: bool = False, on_rea
         why = "model.quantization (its layers compute in bf16)" if cfg.model.quantization != "none" else \
             f"rl.train_parallel={cfg.rl.train_parallel} (its stages train in fp32 for now)"
         log(f"[rl] warning: run.precision=bf16, but the update and scoring run without autocast with {why}")
-    requests = IterationRequests(train_prompts, difficulty, rl, params, seed)
+    requests = IterationRequests(train_prompts, difficulty, rl, params, seed, run_prompts.train_rows)
     health = health_watch(rl, out / "metrics.jsonl", start)  # the detectors, live: one line per finding per run
     # the tracker closes however the loop ends (a stop for divergence included): its sinks flush what they hold
     with closing(tracker), build_placement(cfg, run_dir, engine, scorer, fusion, trainer, requests, log,
@@ -224,7 +227,7 @@ def train_rl(cfg: Config, run_dir: Path, log=print, resume: bool = False, on_rea
                                  trained=bool(stats))
             row |= trainer.learning_rates() | group_metrics(exp, rl.k)
             if due(rl.eval_every, it + 1) and it + 1 < rl.iterations:  # the last one is the "after" evaluation
-                row |= evaluate_during(trainer, models, engine, held_prompts, rl, seed + 12345, gold)
+                row |= evaluate_during(trainer, models, engine, held_prompts, rl, seed + 12345, gold, held_rows)
                 reset_reward_metrics(models.reward_fn)  # the evaluation's calls are not the next iteration's
             if due(rl.log_samples_every, it + 1):
                 tracker.log_table(it + 1, "samples", sample_table(exp, tok, gold))
@@ -247,7 +250,7 @@ def train_rl(cfg: Config, run_dir: Path, log=print, resume: bool = False, on_rea
         trainer.pull_into(models)
     sync_weights(engine, models.actor)
     with said_where("the held-out evaluation after RL"):
-        after, after_texts = evaluate(models, engine, held_prompts, rl, seed + 12345, gold)
+        after, after_texts = evaluate(models, engine, held_prompts, rl, seed + 12345, gold, held_rows)
     save_trained_model(models.actor, tok, out, base=models.policy_source)
     return {"before": before, "after": after, "samples_after": after_texts, "prompts": run_prompts.info(),
             "seconds": earlier_s + time.perf_counter() - t_start}
@@ -263,15 +266,19 @@ class IterationRequests:
     rl: RLConfig
     params: SamplingParams
     seed: int
+    rows: list | None = None
+    """Episodes: the prompts' data rows (RunPrompts.train_rows), drawn with them."""
 
     def __call__(self, it: int, draw: int = 0) -> RolloutRequest:
         """draw >= 1: dynamic sampling's further prompt groups for iteration `it` (rl.dynamic_sampling), other
         prompts and sampling seeds for each draw, the same in every run."""
         rl = self.rl
-        prompts = prompt_batch(self.prompts, it, rl.prompts_per_iter, self.seed + 104_729 * draw, self.difficulty,
-                               rl.iterations, rl.curriculum_start)
+        picked = prompt_batch(list(range(len(self.prompts))), it, rl.prompts_per_iter, self.seed + 104_729 * draw,
+                              self.difficulty, rl.iterations, rl.curriculum_start)
         params = dataclasses.replace(self.params, temperature=iteration_temperature(rl, it))
-        return RolloutRequest(it, prompts, rl.k, params, self.seed * 1_000_003 + it + 1_000_000_007 * draw, draw)
+        rows = None if self.rows is None else [self.rows[i] for i in picked]
+        return RolloutRequest(it, [self.prompts[i] for i in picked], rl.k, params,
+                              self.seed * 1_000_003 + it + 1_000_000_007 * draw, draw, rows)
 
 
 def dynamically_sampled(exp: Experience, rollout, requests: IterationRequests, it: int, rl: RLConfig):
@@ -298,6 +305,9 @@ class RunPrompts:
     budget: int
     cut: int
     cut_held_out: int
+    train_rows: list | None = None
+    held_out_rows: list | None = None
+    """Episodes only: each prompt's data row (prompt, columns), which its rollouts carry (RolloutRequest.rows)."""
 
     def info(self) -> dict:
         """What rl/summary.json and the report say of the prompts."""
@@ -329,9 +339,12 @@ def build_prompts(cfg: Config, models: Models, task, log, episodes: Episodes | N
     train, cut = encode_prompts(tok, shown(train_rows), budget)
     held, cut_held = encode_prompts(tok, shown(held_rows), budget)
     attach_rows(models.reward_fn, train + held, train_rows + held_rows)
-    if episodes is not None:
-        episodes.rows = {tuple(ids): (r.prompt, r.columns) for ids, r in zip(train + held, train_rows + held_rows)}
+    as_rows = lambda rows: [(r.prompt, r.columns) for r in rows]
+    if episodes is not None:  # by token ids for callers without rows; a rollout hands each episode its own
+        episodes.rows = dict(zip(map(tuple, train + held), as_rows(train_rows + held_rows)))
     if cut or cut_held:  # left-truncated: the end of a prompt is what the response continues
         log(f"[rl] prompts cut to their last {budget} tokens: {cut} of {len(train)} train, {cut_held} of "
             f"{len(held)} held out")
-    return RunPrompts(train, held, budget, cut, cut_held)
+    if episodes is None:
+        return RunPrompts(train, held, budget, cut, cut_held)
+    return RunPrompts(train, held, budget, cut, cut_held, as_rows(train_rows), as_rows(held_rows))

@@ -311,6 +311,54 @@ class Counter_:
         return float(self.n == 3)
 
 
+class Hidden:
+    """A game whose prompt is the same for every row: only the row's hidden target tells the episodes apart."""
+
+    def reset(self, target, **row):
+        self.target = target
+
+    def step(self, text):
+        return "", 0.0, True
+
+    @property
+    def reward(self):
+        return float(self.target)
+
+
+def by_target(completions, target, **kwargs):
+    return [float(t) for t in target]
+
+
+def test_each_episode_plays_its_own_row_where_prompts_render_the_same():
+    from rlfuse.models.rewards import FunctionReward
+
+    episodes = Episodes(TOK, {}, Hidden, EpisodeLimits(max_tokens=2000, turn_tokens=400))
+    prompt_ids = ids(TOK.apply_chat_template(episode_prompt("Guess my number.", []), add_generation_prompt=True))
+    episodes.rows = {tuple(prompt_ids): ("Guess my number.", {"target": 50})}  # by token ids: one row for both
+    gen = EpisodeGenerator(Scripted({(0, 0): ["4"], (1, 0): ["4"]}), episodes)
+    rows = [("Guess my number.", {"target": 3}), ("Guess my number.", {"target": 7})]
+    out = sorted(gen.generate([prompt_ids, prompt_ids], 1, SamplingParams(max_new_tokens=400), seed=0, rows=rows),
+                 key=lambda s: s.prompt_id)
+    assert [s.episode.reward for s in out] == [3.0, 7.0]
+    assert FunctionReward([by_target], None, TOK)(out).tolist() == [3.0, 7.0]  # reward functions read it too
+    without = list(EpisodeGenerator(Scripted({(0, 0): ["4"]}), episodes).generate(
+        [prompt_ids], 1, SamplingParams(max_new_tokens=400), seed=0))
+    assert without[0].episode.reward == 50.0  # no rows given: found by the prompt's token ids
+
+
+def test_an_iterations_rows_are_drawn_with_its_prompts():
+    from rlfuse.config import load_config
+    from rlfuse.trainers.rl import IterationRequests
+
+    rl = load_config(None, ["rl.prompts_per_iter=4", "rl.k=4", "rl.mini_batch_size=16"]).rl
+    prompts, rows = [[i] for i in range(10)], [("same prompt", {"i": i}) for i in range(10)]
+    with_rows = IterationRequests(prompts, None, rl, SamplingParams(8), 3, rows)
+    for it, draw in ((0, 0), (5, 0), (5, 1)):
+        request = with_rows(it, draw)
+        assert [r[1]["i"] for r in request.rows] == [p[0] for p in request.prompts]
+        assert request.prompts == IterationRequests(prompts, None, rl, SamplingParams(8), 3)(it, draw).prompts
+
+
 def test_an_environment_whose_methods_are_the_tools():
     [s], prompt_ids = run({(0, 0): [call("increment", by=1) + END, call("increment", by=2) + END, "3" + END]},
                           tools={}, environment=Counter_)
