@@ -72,6 +72,36 @@ def test_episodes_train_through_the_cli(tiny_task, tmp_path, algo):
     assert any(not torch.equal(before[n], after[n]) for n in before if n in after)
 
 
+RECORDED = '''
+import os
+
+from rlfuse.data.guessing import GuessNumber
+
+
+class Recorded(GuessNumber):
+    """The guessing game, writing each episode's target to a file."""
+
+    def reset(self, target, **row):
+        super().reset(target, **row)
+        with open(os.environ["RLFUSE_TEST_TARGETS"], "a") as f:
+            f.write(f"{target}\\n")
+'''
+
+
+def test_every_guessing_game_plays_its_own_rows_target(tiny_task, tmp_path, monkeypatch):
+    """All the guessing game's rows render to one prompt text: each episode's environment still resets from its own
+    row (train and held-out), not from the one row its prompt's token ids would find."""
+    (tmp_path / "recorded.py").write_text(RECORDED)
+    targets = tmp_path / "targets.txt"
+    monkeypatch.setenv("RLFUSE_TEST_TARGETS", str(targets))
+    assert main(["rl", f"rl.sft_path={tiny_task.model_dir}", "rl.algo=grpo", f"run.dir={tmp_path / 'run'}",
+                 f"rl.environment={tmp_path / 'recorded.py'}:Recorded", "data.kind=guessing", "data.max_examples=200",
+                 *TINY, *EPISODES, "rl.iterations=1"]) == 0
+    seen = targets.read_text().split()
+    assert len(seen) == 4 * 2 + 2 * 4  # the iteration's 4 prompts x k = 2, the evaluation's 4 before and after
+    assert len(set(seen[:4])) > 1 and len(set(seen[4:12])) > 1  # held-out games, then the iteration's
+
+
 def _cmd(tiny_task, run_dir, env_spec):
     return [sys.executable, "-m", "rlfuse", "rl", f"rl.sft_path={tiny_task.model_dir}", "rl.algo=grpo",
             f"run.dir={run_dir}", env_spec, *TINY, *EPISODES, "rl.iterations=4"]
