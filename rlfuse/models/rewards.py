@@ -231,7 +231,8 @@ class FunctionReward:
                     out = fn(texts)
             else:
                 # an episode's own row (several rows may render to one prompt); else found by the prompt's ids
-                rows = [getattr(s.episode, "row", None) or self.rows.get(tuple(s.prompt_ids)) for s in samples]
+                rows = [getattr(getattr(s, "episode", None), "row", None) or self.rows.get(tuple(s.prompt_ids))
+                        for s in samples]
                 prompts = [r[0] if r else self.tokenizer.decode(s.prompt_ids, skip_special_tokens=True)
                            for r, s in zip(rows, samples)]
                 completions = [completion_of(s, p, c) for s, p, c in zip(samples, prompts, completions)]
@@ -313,11 +314,17 @@ def metrics_of_sums(tallies: list[dict | None]) -> dict[str, float]:
     return out
 
 
-def attach_rows(reward_fn, prompt_ids: list[list[int]], rows) -> None:
+def attach_rows(reward_fn, prompt_ids: list[list[int]], rows) -> int:
     """Give function rewards each prompt's row (data/stages.py PromptRow), keyed by the prompt's token ids as the
-    samples carry them; a reward model needs none."""
-    if isinstance(reward_fn, FunctionReward):
-        reward_fn.rows = {tuple(ids): (r.prompt, r.columns) for ids, r in zip(prompt_ids, rows)}
+    samples carry them; a reward model needs none. Returns how many rows share their prompt's tokens with a row of
+    other columns: a single-turn sample finds one row per prompt text (the last), so their functions read it."""
+    if not isinstance(reward_fn, FunctionReward):
+        return 0
+    reward_fn.rows = {tuple(ids): (r.prompt, r.columns) for ids, r in zip(prompt_ids, rows)}
+    columns: dict[tuple, list[dict]] = defaultdict(list)
+    for ids, r in zip(prompt_ids, rows):
+        columns[tuple(ids)].append(r.columns)
+    return sum(len(c) for c in columns.values() if any(x != c[0] for x in c[1:]))
 
 
 def reward_metrics(reward_fn) -> dict[str, float]:

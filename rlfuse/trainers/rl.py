@@ -338,7 +338,10 @@ def build_prompts(cfg: Config, models: Models, task, log, episodes: Episodes | N
         check_episode_template(tok, shown(train_rows[:1])[0], episodes)
     train, cut = encode_prompts(tok, shown(train_rows), budget)
     held, cut_held = encode_prompts(tok, shown(held_rows), budget)
-    attach_rows(models.reward_fn, train + held, train_rows + held_rows)
+    clashes = attach_rows(models.reward_fn, train + held, train_rows + held_rows)
+    if clashes and episodes is None:  # an episode carries its own row (RolloutRequest.rows); a completion does not
+        log(f"[rl] warning: {clashes} prompts read the same as another row's but have other columns; the reward "
+            "functions see one row per prompt text (the last): make each prompt's text distinct")
     as_rows = lambda rows: [(r.prompt, r.columns) for r in rows]
     if episodes is not None:  # by token ids for callers without rows; a rollout hands each episode its own
         episodes.rows = dict(zip(map(tuple, train + held), as_rows(train_rows + held_rows)))

@@ -60,6 +60,13 @@ def test_functions_get_prompts_completions_and_columns_by_name():
     assert reward_metrics(reward) == {}  # read once
 
 
+def test_rows_sharing_a_prompt_text_with_other_columns_are_counted():
+    reward = FunctionReward([correct], None, WordTokenizer())
+    same = [Row("What is it?", {"answer": "4"}), Row("What is it?", {"answer": "7"}), Row("What is 3+4?", {"answer": "7"})]
+    assert attach_rows(reward, [Q1, Q1, Q2], same) == 2
+    assert attach_rows(reward, [Q1, Q1, Q2], [same[0], same[0], same[2]]) == 0  # duplicates, same columns: harmless
+
+
 def test_tallies_of_several_scoring_workers_pool_into_one_process_means():
     # the samples above split over two Ray scoring workers: the pooled means are the one process's, not the mean of
     # each worker's means (is_number: 2/2 on the first, 0/1 on the second -> 2/3, not 1/2)
