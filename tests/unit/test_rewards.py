@@ -62,7 +62,8 @@ def test_functions_get_prompts_completions_and_columns_by_name():
 
 def test_rows_sharing_a_prompt_text_with_other_columns_are_counted():
     reward = FunctionReward([correct], None, WordTokenizer())
-    same = [Row("What is it?", {"answer": "4"}), Row("What is it?", {"answer": "7"}), Row("What is 3+4?", {"answer": "7"})]
+    same = [Row("What is it?", {"answer": "4"}), Row("What is it?", {"answer": "7"}),
+            Row("What is 3+4?", {"answer": "7"})]
     assert attach_rows(reward, [Q1, Q1, Q2], same) == 2
     assert attach_rows(reward, [Q1, Q1, Q2], [same[0], same[0], same[2]]) == 0  # duplicates, same columns: harmless
 
