@@ -398,28 +398,31 @@ class DecodeEngine:
         """One forward per sequence length (no padding inside a prefill), then each entry's KV repeated for its rows
         (a waiting prompt's k samples share their prompt's prefill, never re-run it). -> the new rows, their logits."""
         by_len: dict[int, list[_Entry]] = defaultdict(list)
-        continued = []  # (entry, its kept cache): only the tokens after it are prefilled
+        continued: dict[int, list[tuple[_Entry, Tensor]]] = defaultdict(list)  # by the number of new tokens
         for e in entries:
             kept = self._kept_cache_of(e)
             if kept is None:
                 by_len[len(e.ids)].append(e)
             else:
-                continued.append((e, kept))
+                continued[len(e.ids) - kept.shape[4]].append((e, kept))
         kv, attn, last, logits, order = None, [], [], [], []
-        passes = [(group, None) for _, group in sorted(by_len.items())] + [([e], c) for e, c in continued]
+        passes = [(group, None) for _, group in sorted(by_len.items())]
+        passes += [([e for e, _ in group], [c for _, c in group]) for _, group in sorted(continued.items())]
         for group, kept in passes:
-            held = 0 if kept is None else kept.shape[4]
-            ids = torch.tensor([e.ids[held:] for e in group], device=self.device)
-            past = {} if kept is None else with_cache(dynamic_cache(kept))
+            if kept is None:  # whole sequences of one length
+                ids = torch.tensor([e.ids for e in group], device=self.device)
+                mask, extra = torch.ones_like(ids, dtype=torch.bool), {}
+            else:  # the new tokens of each row over its kept cache, left-padded to the longest
+                ids, mask, extra = self._over_kept(group, kept)
             with self._forward():
-                out = self.model(input_ids=ids, use_cache=True, logits_to_keep=1, **past)
+                out = self.model(input_ids=ids, use_cache=True, logits_to_keep=1, **extra)
             self.stats.prefill_tokens += ids.numel()
             part = HFCacheKV(cache_of(out))
             if kv is None:
                 kv = part
             else:
                 kv.merge(part)
-            attn.append(torch.ones((len(group), held + ids.shape[1]), dtype=torch.bool, device=self.device))
+            attn.append(mask)
             last.append(ids[:, -1])
             logits.append(out.logits[:, -1].float())
             order += group
@@ -436,6 +439,25 @@ class DecodeEngine:
         keys = stream_keys(seed, as_tensor(lambda r: r["pid"]), as_tensor(lambda r: r["j"]))
         live = _Live(kv, attn, attn.sum(1), rep(torch.cat(last)), keys, as_tensor(lambda r: len(r["tokens"])), rows)
         return live, rep(torch.cat(logits))
+
+    def _over_kept(self, group: list[_Entry], kept: list[Tensor]) -> tuple[Tensor, Tensor, dict]:
+        """One forward's inputs for rows that continue their kept caches by as many new tokens each: the new token
+        ids, the (rows, width + new) mask of the caches left-padded to the widest, and the forward's keywords (that
+        mask, each row's own positions, the padded caches)."""
+        held = [c.shape[4] for c in kept]
+        width = max(held)
+        L, two, _, H, _, D = kept[0].shape
+        # zeros, not empty: a masked column still meets the attention's values (0 * NaN = NaN)
+        past = kept[0].new_zeros(L, two, len(kept), H, width, D)
+        for i, c in enumerate(kept):
+            past[:, :, i, :, width - held[i]:] = c[:, :, 0]
+        ids = torch.tensor([e.ids[n:] for e, n in zip(group, held)], device=self.device)
+        new = ids.shape[1]
+        mask = torch.ones((len(group), width + new), dtype=torch.bool, device=self.device)
+        for i, n in enumerate(held):
+            mask[i, : width - n] = False
+        positions = torch.tensor(held, device=self.device)[:, None] + torch.arange(new, device=self.device)
+        return ids, mask, {"attention_mask": mask.long(), "position_ids": positions, **with_cache(dynamic_cache(past))}
 
     def _kept_cache_of(self, e: _Entry) -> Tensor | None:
         """The kept cache an imported row continues (taken out of the store), or None: none kept, or its tokens are
