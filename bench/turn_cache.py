@@ -99,7 +99,7 @@ def rollouts(folder: str, prompts: int, k: int, rounds: int) -> dict:
 
 def report(res: dict, prompts: int, k: int, rounds: int) -> str:
     med = lambda mode, key: statistics.median(r[key] for r in res["runs"][mode])
-    rows = [[mode, f"{med(mode, 'seconds'):.1f}", med(mode, "prefill_tokens"), med(mode, "decode_steps"),
+    rows = [[mode, f"{med(mode, 'seconds'):.1f}", round(med(mode, "prefill_tokens")), round(med(mode, "decode_steps")),
              f"{med(mode, 'turns'):.2f}", f"{med(mode, 'found'):.0%}"] for mode in MODES]
     speedup = med("re-prefilled", "seconds") / med("kept", "seconds")
     m = machine()
@@ -146,8 +146,8 @@ def main() -> None:
     if a.smoke or a.model:
         return
     write_section("turn_cache", text, PAGE)
-    write_headline("turn_cache", f"{speedup:.2f}x faster multi-turn rollout (guessing game, 8 turns) with each turn's "
-                   "KV cache kept instead of re-prefilled; the same episodes", "rlfuse re-prefilling each turn",
+    write_headline("turn_cache", f"{speedup:.2f}x faster guessing-game rollout (64 episodes of up to 8 turns) with "
+                   "each turn's KV cache kept: only the answers are prefilled", "rlfuse re-prefilling each turn",
                    "python -m bench.turn_cache", machine_short(), today(),
                    what="Multi-turn rollout: a turn's cache kept", page=PAGE)
 
