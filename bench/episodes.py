@@ -4,8 +4,8 @@
     python -m bench.episodes --seeds 0           # one seed of each
     python -m bench.episodes --guess             # also configs/smollm2_guess.yaml (seed 0): turns to find the number
 
-Each run is `rlfuse run configs/<config>.yaml run.seed=S` (a finished run folder in bench/.work/real_model/ is read,
-not run again; a killed one resumes). The page reports, per seed and config, the held-out exact match of the SFT
+Each run is `rlfuse run configs/<config>.yaml run.seed=S` (a run whose readings are in bench/readings/ is read, not
+run again; a killed one resumes). The page reports, per seed and config, the held-out exact match of the SFT
 model and after GRPO, and with tools the share of episodes that called the calculator and of calls that were well
 formed, before and after; the minutes each seed took; one held-out episode before and after RL, every turn shown.
 The guessing game: the held-out games' turns, reward (1 / guesses when found) and the share cut at rl.max_turns,
@@ -19,7 +19,7 @@ import argparse
 import statistics
 
 from bench.common import md_table, write_headline, write_section
-from bench.real_model import describe_machine, finished, read_json, rl_threads, run, run_folder, stage_seconds
+from bench.real_model import finished, machines, ran_on, read_json, rl_threads, run, run_folder, stage_seconds
 
 SHOWN_CHARS = 1500
 """An episode shown on the page is cut after this many characters."""
@@ -44,14 +44,16 @@ FULL_THREADS = 2
 """Runs on this many torch threads (both cores to themselves) are held to MINUTES."""
 
 
-def calculator_section(seeds: list[int], finished_only: bool = False) -> tuple[str, str]:
+def calculator_section(seeds: list[int], finished_only: bool = False) -> tuple[str, str, str]:
+    """The page's section, the headline figure and the machine(s) the runs ran on."""
     rows, gains = [], {name: [] for name in CONFIGS}
-    after, minutes = {name: [] for name in CONFIGS}, []
+    after, minutes, ran = {name: [] for name in CONFIGS}, [], []
     for seed in seeds:
         for name, config in CONFIGS.items():
             if finished_only and not finished(run_folder(config, seed)):
                 continue
             d = run(config, seed)
+            ran.append(d)
             ev, secs = read_json(d / "eval.json"), stage_seconds(d)
             b, a = ev["before"], ev["after"]
             gains[name].append(a["reward_mean"] - b["reward_mean"])
@@ -61,11 +63,12 @@ def calculator_section(seeds: list[int], finished_only: bool = False) -> tuple[s
                 minutes.append(total)
             calls = lambda e: (f"{e['tool_calls']:.2f} / {e['tool_calls_valid']:.2f}" if "tool_calls" in e else "-")
             rows.append([name, seed, f"{b['reward_mean']:.3f}", f"{a['reward_mean']:.3f}",
-                         f"{a['reward_mean'] - b['reward_mean']:+.3f}", calls(b), calls(a), f"{total:.1f}", threads])
+                         f"{a['reward_mean'] - b['reward_mean']:+.3f}", calls(b), calls(a), f"{total:.1f}", threads,
+                         ran_on(d)["commit"]])
     mean = lambda xs: statistics.mean(xs) if xs else float("nan")
     n = min(len(after["tools"]), len(after["no tools"]))
     table = md_table(["config", "seed", "exact match, SFT model", "after GRPO", "gain",
-                      "calls per episode / well formed, before", "after", "minutes", "threads"], rows)
+                      "calls per episode / well formed, before", "after", "minutes", "threads", "commit"], rows)
     verdicts = [f"with tools: held-out exact match {mean(after['tools']):.3f} after GRPO against "
                 f"{mean(after['no tools']):.3f} without (mean of {n} seed(s))",
                 f"at most {max(minutes):.1f} minutes per run on {FULL_THREADS} threads (target <= {MINUTES}): "
@@ -76,7 +79,7 @@ def calculator_section(seeds: list[int], finished_only: bool = False) -> tuple[s
     flag = " --finished-only" if finished_only else ""
     text = (f"### configs/smollm2_calculator.yaml against tools off, seeds {ran}\n\n"
             f"Command: `python -m bench.episodes --seeds {' '.join(map(str, seeds))}{flag}` (each run `rlfuse run "
-            f"configs/<config>.yaml run.seed=S`). Machine: {describe_machine()}. Minutes compare only between runs "
+            f"configs/<config>.yaml run.seed=S`). Machine: {machines(ran)}. Minutes compare only between runs "
             "on as many threads (a run started beside another is given fewer).\n\n"
             f"{table}\n\n" + "\n".join(f"- {v}" for v in verdicts))
     figure = (f"exact match with a calculator tool {mean(after['tools']):.3f} vs {mean(after['no tools']):.3f} "
@@ -84,7 +87,7 @@ def calculator_section(seeds: list[int], finished_only: bool = False) -> tuple[s
     shown = next((row[1] for row in rows if row[0] == "tools"), None)
     if shown is not None:
         text += "\n\n" + episodes_shown(run(CONFIGS["tools"], shown), f"With tools, seed {shown}")
-    return text, figure
+    return text, figure, machines(ran)
 
 
 def guess_section(seed: int = 0) -> str:
@@ -96,8 +99,8 @@ def guess_section(seed: int = 0) -> str:
                               ("share cut at rl.max_turns", "truncated"))]
     return (f"### configs/smollm2_guess.yaml, seed {seed}\n\nCommand: `python -m bench.episodes --guess` (`rlfuse run "
             f"configs/smollm2_guess.yaml run.seed={seed}`), {sum(secs.values()) / 60:.1f} minutes on "
-            f"{rl_threads(d)} thread(s). Machine: "
-            f"{describe_machine()}. Held-out games ({b.get('n', '?')}), SFT model against after GRPO:\n\n"
+            f"{rl_threads(d)} thread(s), commit {ran_on(d)['commit']}. Machine: "
+            f"{machines([d])}. Held-out games ({b.get('n', '?')}), SFT model against after GRPO:\n\n"
             + md_table(["", "SFT model", "after GRPO"], rows) + "\n\n" + episodes_shown(d, "The guessing game"))
 
 
@@ -108,7 +111,7 @@ def main() -> None:
     ap.add_argument("--finished-only", action="store_true", help="report the finished runs; start none")
     ap.add_argument("--no-write", action="store_true", help="print the table; write no page or headline")
     a = ap.parse_args()
-    text, figure = calculator_section(a.seeds, a.finished_only)
+    text, figure, ran_on_machines = calculator_section(a.seeds, a.finished_only)
     print(text)
     guess_ready = not a.finished_only or finished(run_folder("smollm2_guess", a.seeds[0]))
     guess = guess_section(a.seeds[0]) if a.guess and guess_ready else None
@@ -120,7 +123,7 @@ def main() -> None:
         write_section("episodes_calculator", text, "episodes")
         write_headline("episodes_calculator", figure, "the same pipeline with tools off",
                        f"python -m bench.episodes --seeds {' '.join(map(str, a.seeds))}"
-                       + (" --finished-only" if a.finished_only else ""), describe_machine(),
+                       + (" --finished-only" if a.finished_only else ""), ran_on_machines,
                        what="Tool use learned on the real model (calculator task)", page="episodes")
 
 

@@ -4,8 +4,8 @@ rl.recipe grpo, dapo, gspo and dr_grpo (algos/policy_losses.py, config/algorithm
     python -m bench.losses                           # 4 recipes x seeds 0 1 2 (about 25 min a run on 2 cores)
     python -m bench.losses --recipes grpo dapo --seeds 0
 
-Each run is `rlfuse run configs/smollm2_math.yaml rl.recipe=R run.seed=S` (a finished folder in
-bench/.work/real_model/ is read, a killed one resumes). The page reports per recipe and seed the held-out exact match
+Each run is `rlfuse run configs/smollm2_math.yaml rl.recipe=R run.seed=S` (a run whose readings
+are in bench/readings/ is read, a killed one resumes). The page reports per recipe and seed the held-out exact match
 before and after, the policy entropy and mean response length at the first and last iteration, the refills dynamic
 sampling drew, the samples decoded, the share of trained groups whose rewards differ (the others carry no signal),
 and the minutes, with a figure of the reward, entropy, length and that share per iteration (mean over seeds); no

@@ -8,9 +8,10 @@
                                                       # (a Python with vLLM: docs/engines.md; about 70 min)
 
 Each run is `rlfuse run configs/<config>.yaml run.seed=S run.dir=bench/.work/real_model/<config>-s<S>` with
-run.threads set to the machine's cores (auto would take fewer when other work runs as the run starts); a run
-folder that already holds its eval.json is read, not run again (so an interrupted bench goes on where it stopped;
-delete the folder to measure afresh). Needs the model: `bash scripts/install.sh smollm2`; the hh config also the
+run.threads set to the machine's cores (auto would take fewer when other work runs as the run starts); a finished
+run's readings (its eval, summaries, metrics and samples, not its weights) are copied to bench/readings/<folder>/
+with the commit it ran at, and a run with readings there is read, not run again (so an interrupted bench goes on
+where it stopped, on this machine or a later one; delete both folders to measure afresh). Needs the model: `bash scripts/install.sh smollm2`; the hh config also the
 hh-rlhf file in ../shared/data.
 
 Math: held-out exact-match accuracy (200 problems never trained on, sampled at temperature 1) of the SFT model
@@ -26,9 +27,11 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import statistics
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import yaml
@@ -47,16 +50,58 @@ def run_folder(config: str, seed: int, engine: str | None = None, tag: str = "")
     return WORK / "real_model" / name
 
 
+READINGS = ROOT / "bench" / "readings"
+"""What the pages read of each finished run (not its weights), kept in the repository under the run folder's name:
+a table over seeds outlives the machine that ran its first seed. Delete both folders to measure a run afresh."""
+KEPT = ("eval.json", "config.yaml", "sft/summary.json", "rm/summary.json", "rl/summary.json", "rl/threads.txt",
+        "rl/metrics.jsonl", "rl/eval_before.json", "rl/samples_after.json")
+
+
 def finished(run_dir: Path) -> bool:
-    return (run_dir / "eval.json").exists()
+    """Whether the run in `run_dir` (bench/.work) finished here or its readings were kept before."""
+    return (run_dir / "eval.json").exists() or (READINGS / run_dir.name / "eval.json").exists()
+
+
+def source_commit() -> str:
+    """The commit the code was at, marked where rlfuse/ or configs/ had changes not committed."""
+    git = lambda *a: subprocess.run(["git", *a], cwd=ROOT, capture_output=True, text=True).stdout.strip()
+    commit = git("rev-parse", "--short", "HEAD") or "?"
+    return commit + ("+changes" if git("status", "--porcelain", "--", "rlfuse", "configs") else "")
+
+
+def keep_readings(run_dir: Path, commit: str) -> Path:
+    """Copy the KEPT files of a finished run to READINGS, with the commit it ran at; the copy's folder."""
+    kept = READINGS / run_dir.name
+    for rel in KEPT:
+        if (run_dir / rel).exists():
+            (kept / rel).parent.mkdir(parents=True, exist_ok=True)
+            shutil.copyfile(run_dir / rel, kept / rel)
+    ended = time.gmtime((run_dir / "eval.json").stat().st_mtime)
+    ran = {"commit": commit, "machine": describe_machine(), "finished": time.strftime("%Y-%m-%d %H:%M UTC", ended)}
+    (kept / "ran.json").write_text(json.dumps(ran, indent=1) + "\n")
+    return kept
+
+
+def ran_on(readings: Path) -> dict:
+    """The commit, machine and finishing time of the run whose readings these are ("?" where not known)."""
+    return {"commit": "?", "machine": "?", "finished": "?"} | read_json(readings / "ran.json")
+
+
+def machines(readings: list[Path]) -> str:
+    """The machine(s) the runs of a table ran on, for its header."""
+    return "; ".join(sorted({ran_on(d)["machine"] for d in readings})) or describe_machine()
 
 
 def run(config: str, seed: int, engine: str | None = None, extra: tuple[str, ...] = (), tag: str = "") -> Path:
-    """The run folder of `rlfuse run configs/<config>.yaml run.seed=seed` (rollout.engine=engine where given, and
-    the overrides `extra`, named by `tag` in the folder), run unless it already finished."""
+    """The readings (READINGS) of `rlfuse run configs/<config>.yaml run.seed=seed` (rollout.engine=engine where
+    given, and the overrides `extra`, named by `tag` in the folder), run unless it already finished."""
     run_dir = run_folder(config, seed, engine, tag)
     name = run_dir.name
+    if (READINGS / name / "eval.json").exists():
+        return READINGS / name
+    commit = "?"  # a run that finished in bench/.work before readings were kept: its commit is not known
     if not finished(run_dir):
+        commit = source_commit()
         run_dir.parent.mkdir(parents=True, exist_ok=True)
         resume = (run_dir / "config.yaml").exists()
         # a fresh run takes every core whatever the load at its start (auto would take fewer beside other work):
@@ -72,7 +117,7 @@ def run(config: str, seed: int, engine: str | None = None, extra: tuple[str, ...
         # a bench never does: at 1.6 GB each, a dozen filled the disk
         for kept in ("checkpoint.pt", "checkpoint.pt.prev"):
             (run_dir / "rl" / kept).unlink(missing_ok=True)
-    return run_dir
+    return keep_readings(run_dir, commit)
 
 
 def read_json(path: Path) -> dict:
