@@ -58,6 +58,14 @@ def previous_of(path: Path) -> Path:
     return path.with_name(path.name + ".prev")
 
 
+def checkpoint_bytes(path: Path) -> int:
+    """What a checkpoint holds on disk: its file and every companion beside it (the previous one, a sharded run's
+    shard folders, pipeline stage states, batches in flight), a file hard-linked twice counted once."""
+    files = [f for f in path.parent.glob(f"{path.name}*") for f in ([f] if f.is_file() else f.rglob("*"))]
+    sizes = {(st.st_dev, st.st_ino): st.st_size for st in (f.stat() for f in files if f.is_file())}
+    return sum(sizes.values())
+
+
 def keep_previous(path: Path) -> None:
     """The checkpoint about to be replaced stays as checkpoint.pt.prev (a hard link: no copy, and checkpoint.pt is
     never absent), so a damaged newest one can be stepped back from."""

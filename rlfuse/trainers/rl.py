@@ -48,7 +48,7 @@ from rlfuse.errors import said_where
 from rlfuse.evaluation import evaluate, evaluate_before, iteration_gold, prompt_difficulty, sampling_params
 from rlfuse.learn.advantages import compute_advantages
 from rlfuse.learn.batches import minibatches, truncated_masked, update_batches
-from rlfuse.learn.checkpoint import read_checkpoint
+from rlfuse.learn.checkpoint import checkpoint_bytes, read_checkpoint
 from rlfuse.learn.learners import build_learners
 from rlfuse.learn.update import BadSteps, count_abstained, count_nonfinite_rewards, stop_if_blown
 from rlfuse.metrics.audit import health_watch
@@ -252,6 +252,9 @@ def train_rl(cfg: Config, run_dir: Path, log=print, resume: bool = False, on_rea
     with said_where("the held-out evaluation after RL"):
         after, after_texts = evaluate(models, engine, held_prompts, rl, seed + 12345, gold, held_rows)
     save_trained_model(models.actor, tok, out, base=models.policy_source)
+    if ckpt.exists():  # weights and optimiser states, the last two: several times the model, said where they are
+        log(f"[rl] checkpoints kept to go on with `rlfuse rl --resume {run_dir} rl.iterations=N`: "
+            f"{checkpoint_bytes(ckpt) / 2**30:.2f} GiB in {ckpt}*; delete them if you will not")
     return {"before": before, "after": after, "samples_after": after_texts, "prompts": run_prompts.info(),
             "seconds": earlier_s + time.perf_counter() - t_start}
 

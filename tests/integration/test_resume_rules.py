@@ -1,14 +1,17 @@
 """`--resume` as a user meets it: settings the checkpoint depends on cannot change (refused with the list, nothing
 written), the changeable ones take effect for real (the learning rate too) and are noted in config.yaml with their
 iteration, a config file given with --resume is held to the same rules, a damaged or foreign checkpoint is one line
-that says how to step back, and resuming a run with no checkpoint says so."""
+that says how to step back, resuming a run with no checkpoint says so, and a finished run says what its kept
+checkpoints hold."""
 
 import json
+import os
 import shutil
 
 import pytest
 import torch
 
+from rlfuse.learn.checkpoint import checkpoint_bytes
 from test_run_folders import FAST, digest, one_line_error, rlfuse, rlfuse_here
 
 
@@ -17,6 +20,7 @@ def finished_run(tmp_path_factory):
     run_dir = tmp_path_factory.mktemp("resume") / "run"
     proc = rlfuse("run", f"run.dir={run_dir}", *FAST, "rl.ckpt_every=1")
     assert proc.returncode == 0, proc.stderr[-3000:]
+    (run_dir.parent / "stderr.txt").write_text(proc.stderr)
     return run_dir
 
 
@@ -98,3 +102,22 @@ def test_resuming_a_run_with_no_checkpoint_says_so(run_dir):
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "no RL checkpoint" in proc.stderr and "RL starts at iteration 0" in proc.stderr
     assert "# resumed at iteration 0: rl.clip 0.2 -> 0.3" in (run_dir / "config.yaml").read_text()
+
+
+def test_a_finished_run_says_where_its_checkpoints_are_and_their_size(finished_run):
+    said = [line for line in (finished_run.parent / "stderr.txt").read_text().splitlines() if "checkpoints kept" in line]
+    rl = finished_run / "rl"
+    size = sum((rl / name).stat().st_size for name in ("checkpoint.pt", "checkpoint.pt.prev"))
+    assert len(said) == 1 and f"{size / 2**30:.2f} GiB in {rl / 'checkpoint.pt'}*" in said[0], said
+    assert f"rlfuse rl --resume {finished_run} rl.iterations=N" in said[0]
+
+
+def test_checkpoint_bytes_counts_every_companion_once(tmp_path):
+    ckpt = tmp_path / "checkpoint.pt"
+    ckpt.write_bytes(b"x" * 100)
+    os.link(ckpt, tmp_path / "checkpoint.pt.prev")  # keep_previous's hard link: no second copy on disk
+    (tmp_path / "checkpoint.pt.inflight").write_bytes(b"y" * 10)
+    (tmp_path / "checkpoint.pt.shards-000002").mkdir()
+    (tmp_path / "checkpoint.pt.shards-000002" / "__0_0.distcp").write_bytes(b"z" * 7)
+    (tmp_path / "metrics.jsonl").write_bytes(b"w" * 1000)  # beside it, not the checkpoint's
+    assert checkpoint_bytes(ckpt) == 117
