@@ -96,6 +96,8 @@ def _rows(t: Tensor | None, idx: list[int], width: int | None) -> Tensor | None:
     return torch.nn.functional.pad(t, (0, max(0, width - t.shape[1])))[:, :width]
 
 
+ENGINE_COUNTS = ("decode_rows", "decode_steps", "prefill_tokens")
+"""exp.timing's counts of the engine's work (EngineStats), beside its seconds."""
 RATIOS_OF_A_BATCH = ("mean_length_generated", "tokens_next_version")
 """Timing entries of an asynchronous batch that are means or fractions, not seconds: not added up over parts."""
 
@@ -273,5 +275,6 @@ def generate_rollouts(engine: Generator, scorer: Scorer, prompts: list[list[int]
         "scoring_during_decode": in_decode,
         "decode_rows": engine.stats.decode_rows,
         "decode_steps": engine.stats.decode_steps,
+        "prefill_tokens": engine.stats.prefill_tokens,
     }
     return exp

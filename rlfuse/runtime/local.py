@@ -21,7 +21,7 @@ from rlfuse.models.shared import actor_decoding, eval_for_decoding
 from rlfuse.models.weights import merged_weights
 from rlfuse.plan.resolve import decoded_in, engine_choice
 from rlfuse.rollout.engine import DecodeEngine
-from rlfuse.rollout.fusion import Experience, FusionPolicy, generate_rollouts, scores_proximal
+from rlfuse.rollout.fusion import ENGINE_COUNTS, Experience, FusionPolicy, generate_rollouts, scores_proximal
 from rlfuse.rollout.generator import Generator
 from rlfuse.rollout.score import Scorer
 from rlfuse.rollout.state import RolloutRequest
@@ -74,7 +74,7 @@ class LocalRollout:
         return exp
 
     def metrics(self, exp: Experience) -> dict:
-        return {f"time/{k}": v for k, v in exp.timing.items() if not k.startswith("decode")}
+        return {f"time/{k}": v for k, v in exp.timing.items() if k not in ENGINE_COUNTS}
 
     def save_in_flight(self, path: Path, iteration: int) -> None:
         """Nothing is in flight between two iterations of the synchronous loop."""

@@ -71,6 +71,8 @@ class InFlight:
     decode_s: list[float] = field(default_factory=list)
     reference_s: float = 0.0
     """The generation workers' reference pass over the batch (inside decode_s)."""
+    prefill_tokens: int = 0
+    """The tokens the decoders prefilled for it (rollout/prefill_tokens; a part decoded before a resume uncounted)."""
     rss_mb: list = field(default_factory=list)
 
     @property
@@ -133,6 +135,7 @@ class AsyncRollout:
             busy = [sum(c.busy_s for c in chunks[j::D]) for j in range(D)]
             batch.decode_s = [a + b for a, b in zip(batch.decode_s, busy)] if batch.decode_s else busy
             batch.reference_s += sum(c.reference_s for c in chunks)
+            batch.prefill_tokens += sum(c.prefill_tokens for c in chunks)
             batch.rss_mb, batch.refs = [c.rss_mb for c in chunks[-D:]], []
         return batch
 
@@ -178,6 +181,7 @@ class AsyncRollout:
         exp.timing = {"rollout": time.perf_counter() - t0, "scoring": sum(c.score_s for c in chunks.values()),
                       "proximal": sum(c.proximal_s for c in chunks.values()), "wait_for_batch": t1 - t0,
                       "decode_s": sum(batch.decode_s), "reference_on_decoders": batch.reference_s,
+                      "prefill_tokens": batch.prefill_tokens,
                       "mean_length_generated": sum(generated) / len(generated),
                       "tokens_next_version": after / max(1, sum(generated)), "decode_rss_mb": batch.rss_mb,
                       "busy": {w: c.score_s for w, c in chunks.items()} | dict(zip(self.driver.decoders,

@@ -47,7 +47,8 @@ from rlfuse.plan.roles import derive_roles
 from rlfuse.plan.strategies import spec_from_config
 from rlfuse.rollout.engine import DecodeEngine, Sample, SamplingParams
 from rlfuse.rollout.episodes import EpisodeGenerator, Episodes
-from rlfuse.rollout.fusion import Experience, FusionPolicy, ScoringLoop, build_experience, scoring_shares
+from rlfuse.rollout.fusion import (ENGINE_COUNTS, Experience, FusionPolicy, ScoringLoop, build_experience,
+                                   scoring_shares)
 from rlfuse.rollout.generator import generate_from_rows
 from rlfuse.rollout.migration import pause_points, plan_migration
 from rlfuse.rollout.score import ScoredSample, Scorer
@@ -256,6 +257,8 @@ class Chunk:
     prefill_s: float = 0.0
     """Prefill seconds since the last import_rows (the re-prefill of the migrated and the keeper's own rows)."""
     decode_rows: int = 0
+    prefill_tokens: int = 0
+    """Tokens this worker's engine prefilled for the batch so far (the re-prefill of migrated rows included)."""
     proximal_s: float = 0.0
     """score(proximal=True): the seconds of the actor's pass among score_s."""
     reference_s: float = 0.0
@@ -302,7 +305,7 @@ class GenerationWorker:
             self.engine._prefill = timed_prefill
         self._loop: ScoringLoop | None = None
         """The generate-and-score loop over the engine's open iterator (rollout/fusion.py), None when none is open."""
-        self._unfinished, self._decode_rows = 0, 0
+        self._unfinished, self._decode_rows, self._prefill_tokens = 0, 0, 0
         self._parked: dict[int, EngineState] = {}
         """Partial rollouts: the unfinished rest of a batch (by iteration), waiting for the next weights."""
 
@@ -369,7 +372,7 @@ class GenerationWorker:
     def start(self, prompts: list[list[int]], prompt_ids: list[int], k: int, params: SamplingParams, seed: int,
               lengths=None, rows: list | None = None) -> None:
         self._open(generate_from_rows(self.engine, prompts, k, params, seed, lengths, prompt_ids, rows))
-        self._unfinished, self._decode_rows, self._prefill_s = len(prompts) * k, 0, 0.0
+        self._unfinished, self._decode_rows, self._prefill_tokens, self._prefill_s = len(prompts) * k, 0, 0, 0.0
 
     def _open(self, samples) -> None:
         """The loop over a new iterator of the engine (advance sets whether it scores the proximal log-probs)."""
@@ -395,6 +398,7 @@ class GenerationWorker:
         out.done = self._loop is None
         out.unfinished, out.prefill_s = self._unfinished, self._prefill_s
         out.decode_rows = self._decode_rows + self.engine.stats.decode_rows
+        out.prefill_tokens = self._prefill_tokens + self.engine.stats.prefill_tokens
         out.busy_s = time.perf_counter() - t0
         return out
 
@@ -405,7 +409,8 @@ class GenerationWorker:
         weights decode which batch is fixed by the order of the calls, never by timing)."""
         t0 = time.perf_counter()
         samples = list(generate_from_rows(self.engine, prompts, k, params, seed, None, prompt_ids, rows))
-        out = Chunk(unscored=samples, done=True, decode_rows=self.engine.stats.decode_rows)
+        out = Chunk(unscored=samples, done=True, decode_rows=self.engine.stats.decode_rows,
+                    prefill_tokens=self.engine.stats.prefill_tokens)
         self._take_reference(out, params.temperature)
         out.busy_s, out.rss_mb = time.perf_counter() - t0, self.rss_mb()
         return out
@@ -441,7 +446,7 @@ class GenerationWorker:
         drawn = {(r.prompt_id, r.sample_index): len(r.token_ids) for r in state.rows}
         before = {(x.prompt_id, x.sample_index) for x in state.finished}
         self._open(self.engine.resume(state))
-        self._unfinished = unfinished_in(state)
+        self._unfinished, self._decode_rows, self._prefill_tokens = unfinished_in(state), 0, 0  # this part's counts
         out = self.advance(2**62, score_own=False)  # to the end
         for x in out.unscored:
             if (x.prompt_id, x.sample_index) not in before:
@@ -459,12 +464,17 @@ class GenerationWorker:
         if state is not None:
             self._parked[batch] = state
 
+    def _count_engine_calls(self) -> None:
+        """The engine's counts restart with each generate/resume call: keep what the closing one did."""
+        self._decode_rows += self.engine.stats.decode_rows
+        self._prefill_tokens += self.engine.stats.prefill_tokens
+
     def export(self) -> tuple[EngineState, list[Sample], float]:
         """Hand out every unfinished row and waiting prompt (this worker then only scores), plus its finished samples
         not yet scored. -> (state, unscored samples, seconds)."""
         t = time.perf_counter()
         state = self.engine.export_state()
-        self._decode_rows += self.engine.stats.decode_rows
+        self._count_engine_calls()
         pending = self._loop.take_pending() if self._loop is not None else []
         self._loop, self._unfinished = None, 0
         return state, pending, time.perf_counter() - t
@@ -477,7 +487,7 @@ class GenerationWorker:
         if self._loop is not None:
             self.engine.extend(state)
         else:
-            self._decode_rows += self.engine.stats.decode_rows
+            self._count_engine_calls()
             self._open(self.engine.resume(state))
         self._unfinished += unfinished_in(state)
         self._prefill_s = 0.0
@@ -525,7 +535,7 @@ class _Tally:
     def __post_init__(self):
         self.busy_s = [0.0] * self.n_workers
         self.stats = {"rows_moved": 0, "tokens_moved": 0, "reprefill_s": 0.0, "scoring_on_freed_s": 0.0,
-                      "scoring_s": 0.0, "migrated_at_unfinished": 0, "decode_rows": 0}
+                      "scoring_s": 0.0, "migrated_at_unfinished": 0, "decode_rows": 0, "prefill_tokens": 0}
 
 
 class MultiWorkerRollout:
@@ -635,7 +645,7 @@ class MultiWorkerRollout:
         # each decoding worker stops at its pause point; once all have, the migration is planned on their counts
         pause = pause_points(unfinished, s.migrate_below, s.rows_per_worker) if migrate else None
         inflight: dict = {}  # object ref -> (worker, "advance" | "score")
-        freed, keepers, reprefill, last_rows = set(), set(), {}, [0] * W
+        freed, keepers, reprefill, last_rows, last_prefilled = set(), set(), {}, [0] * W, [0] * W
 
         def paused(w) -> bool:
             return pause is not None and unfinished[w] <= pause[w]
@@ -662,6 +672,8 @@ class MultiWorkerRollout:
                 unfinished[w] = chunk.unfinished
                 tally.stats["decode_rows"] += chunk.decode_rows - last_rows[w]
                 last_rows[w] = chunk.decode_rows
+                tally.stats["prefill_tokens"] += chunk.prefill_tokens - last_prefilled[w]
+                last_prefilled[w] = chunk.prefill_tokens
                 if w in keepers:
                     reprefill[w] = chunk.prefill_s
                 if not chunk.done and not paused(w):
@@ -693,9 +705,9 @@ class MultiWorkerRollout:
         exp = build_experience(tally.scored)
         wall = time.perf_counter() - t0
         exp.timing = {"rollout": wall, "scoring": tally.stats["scoring_s"], "migrated": float(bool(freed)),
-                      **{f"migration/{k}": v for k, v in tally.stats.items() if k not in ("scoring_s", "decode_rows")},
+                      **{f"migration/{k}": v for k, v in tally.stats.items() if k not in ("scoring_s", *ENGINE_COUNTS)},
                       **{f"busy/worker{w}": b for w, b in enumerate(tally.busy_s)},
-                      "decode_rows": tally.stats["decode_rows"]}
+                      **{k: v for k, v in tally.stats.items() if k in ENGINE_COUNTS}}
         if len(exp) != total:
             raise RuntimeError(f"multi-worker rollout returned {len(exp)} samples, expected {total}")
         return exp

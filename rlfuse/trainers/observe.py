@@ -81,6 +81,8 @@ def rollout_metrics(exp: Experience, kl, returns, kl_coef: float, max_new: int) 
         "rollout/prompt_lengths_distinct": len(set(prompt_lengths)),
         "rollout/prompt_length_max": max(prompt_lengths),
     }
+    if "prefill_tokens" in exp.timing:  # what the engine(s) prefilled: prompts, re-prefills, episodes' new turns
+        m["rollout/prefill_tokens"] = exp.timing["prefill_tokens"]
     if returns is not None and not m["reward/nonfinite"]:
         m["train/explained_variance"] = float(explained_variance(exp.values, returns, exp.mask))
     if exp.proximal_logprobs is not None:  # scored beside the sampler's: the train-inference gap

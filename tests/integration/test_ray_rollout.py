@@ -109,6 +109,7 @@ def test_two_workers_without_migration_equal_one_process(rollout, prompts, one_p
     exp = driver.generate(prompts, K, PARAMS, SEED, lengths=LENGTHS, migrate=False)
     assert exp.timing["migrated"] == 0 and exp.timing["migration/rows_moved"] == 0
     assert exp.timing["busy/worker0"] > 0 and exp.timing["busy/worker1"] > 0
+    assert exp.timing["prefill_tokens"] == one_process.timing["prefill_tokens"] > 0  # each prompt on one worker, once
     assert_same_experience(exp, one_process)
 
 
@@ -121,6 +122,7 @@ def test_two_workers_with_the_tail_migrated_equal_one_process(rollout, prompts, 
     assert t["migration/rows_moved"] >= 2 and t["migration/tokens_moved"] > t["migration/rows_moved"]
     assert 0 < t["migration/migrated_at_unfinished"] < len(TEXTS) * K
     assert t["migration/reprefill_s"] > 0 and t["migration/scoring_on_freed_s"] > 0
+    assert t["prefill_tokens"] >= one_process.timing["prefill_tokens"] + t["migration/tokens_moved"]  # moved: again
     assert_same_experience(exp, one_process)
 
 

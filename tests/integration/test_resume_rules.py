@@ -105,7 +105,8 @@ def test_resuming_a_run_with_no_checkpoint_says_so(run_dir):
 
 
 def test_a_finished_run_says_where_its_checkpoints_are_and_their_size(finished_run):
-    said = [line for line in (finished_run.parent / "stderr.txt").read_text().splitlines() if "checkpoints kept" in line]
+    stderr = (finished_run.parent / "stderr.txt").read_text()
+    said = [line for line in stderr.splitlines() if "checkpoints kept" in line]
     rl = finished_run / "rl"
     size = sum((rl / name).stat().st_size for name in ("checkpoint.pt", "checkpoint.pt.prev"))
     assert len(said) == 1 and f"{size / 2**30:.2f} GiB in {rl / 'checkpoint.pt'}*" in said[0], said

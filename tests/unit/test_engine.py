@@ -129,6 +129,8 @@ def test_fused_and_unfused_give_same_samples_and_scores(lm, tiny_task):
     a, b = out[True], out[False]
     assert a.response_ids == b.response_ids
     assert a.timing["scoring_during_decode"] > 0 and b.timing["scoring_during_decode"] == 0
+    # rollout/prefill_tokens: each prompt once, its 3 samples sharing its prefill
+    assert a.timing["prefill_tokens"] == b.timing["prefill_tokens"] == sum(map(len, prompts))
     for name in ("scores", "logprobs", "ref_logprobs", "values", "mask"):
         assert_close(getattr(a, name), getattr(b, name))
     # scorer's reference log-probs (same weights as the actor here) equal the engine's sampling log-probs
