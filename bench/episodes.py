@@ -46,48 +46,46 @@ FULL_THREADS = 2
 
 def calculator_section(seeds: list[int], finished_only: bool = False) -> tuple[str, str, str]:
     """The page's section, the headline figure and the machine(s) the runs ran on."""
-    rows, gains = [], {name: [] for name in CONFIGS}
-    after, minutes, ran = {name: [] for name in CONFIGS}, [], []
+    rows, after, minutes, dirs = [], {name: {} for name in CONFIGS}, [], []
     for seed in seeds:
         for name, config in CONFIGS.items():
             if finished_only and not finished(run_folder(config, seed)):
                 continue
             d = run(config, seed)
-            ran.append(d)
+            dirs.append(d)
             ev, secs = read_json(d / "eval.json"), stage_seconds(d)
             b, a = ev["before"], ev["after"]
-            gains[name].append(a["reward_mean"] - b["reward_mean"])
-            after[name].append(a["reward_mean"])
+            after[name][seed] = a["reward_mean"]
             total, threads = sum(secs.values()) / 60, rl_threads(d)
-            if threads == str(FULL_THREADS):
+            if threads == str(FULL_THREADS) and name == "tools":  # the issue's budget is the tool task's
                 minutes.append(total)
             calls = lambda e: (f"{e['tool_calls']:.2f} / {e['tool_calls_valid']:.2f}" if "tool_calls" in e else "-")
             rows.append([name, seed, f"{b['reward_mean']:.3f}", f"{a['reward_mean']:.3f}",
                          f"{a['reward_mean'] - b['reward_mean']:+.3f}", calls(b), calls(a), f"{total:.1f}", threads,
                          ran_on(d)["commit"]])
-    mean = lambda xs: statistics.mean(xs) if xs else float("nan")
-    n = min(len(after["tools"]), len(after["no tools"]))
+    paired = sorted(set(after["tools"]) & set(after["no tools"]))  # seeds with both runs: the comparison's
+    mean = lambda name: statistics.mean(after[name][seed] for seed in paired) if paired else float("nan")
     table = md_table(["config", "seed", "exact match, SFT model", "after GRPO", "gain",
                       "calls per episode / well formed, before", "after", "minutes", "threads", "commit"], rows)
-    verdicts = [f"with tools: held-out exact match {mean(after['tools']):.3f} after GRPO against "
-                f"{mean(after['no tools']):.3f} without (mean of {n} seed(s))",
-                f"at most {max(minutes):.1f} minutes per run on {FULL_THREADS} threads (target <= {MINUTES}): "
-                f"{'met' if max(minutes) <= MINUTES else 'missed'}" if minutes else
-                f"no run had {FULL_THREADS} threads (each was started beside another): no reading of the {MINUTES}-"
-                "minute target"]
-    ran = sorted({row[1] for row in rows})
+    verdicts = [f"with tools: held-out exact match {mean('tools'):.3f} after GRPO against {mean('no tools'):.3f} "
+                f"without (mean over seeds {paired})" if paired else "no seed has both runs yet: no comparison",
+                f"at most {max(minutes):.1f} minutes per run with tools on {FULL_THREADS} threads (target <= "
+                f"{MINUTES}): {'met' if max(minutes) <= MINUTES else 'missed'}" if minutes else
+                f"no run with tools had {FULL_THREADS} threads: no reading of the {MINUTES}-minute target"]
     flag = " --finished-only" if finished_only else ""
-    text = (f"### configs/smollm2_calculator.yaml against tools off, seeds {ran}\n\n"
+    text = (f"### configs/smollm2_calculator.yaml against tools off, seeds {sorted({row[1] for row in rows})}\n\n"
             f"Command: `python -m bench.episodes --seeds {' '.join(map(str, seeds))}{flag}` (each run `rlfuse run "
-            f"configs/<config>.yaml run.seed=S`). Machine: {machines(ran)}. Minutes compare only between runs "
+            f"configs/<config>.yaml run.seed=S`). Machine: {machines(dirs)}. Minutes compare only between runs "
             "on as many threads (a run started beside another is given fewer).\n\n"
             f"{table}\n\n" + "\n".join(f"- {v}" for v in verdicts))
-    figure = (f"exact match with a calculator tool {mean(after['tools']):.3f} vs {mean(after['no tools']):.3f} "
-              f"without, after GRPO ({n} seed(s))")
+    figure = (f"exact match with a calculator tool {mean('tools'):.3f} vs {mean('no tools'):.3f} without, after "
+              f"GRPO ({len(paired)} seed(s))" if paired else
+              f"exact match with a calculator tool after GRPO {statistics.mean(after['tools'].values()):.3f} "
+              f"({len(after['tools'])} seed(s); tools off not yet run)" if after["tools"] else "no run finished yet")
     shown = next((row[1] for row in rows if row[0] == "tools"), None)
     if shown is not None:
         text += "\n\n" + episodes_shown(run(CONFIGS["tools"], shown), f"With tools, seed {shown}")
-    return text, figure, machines(ran)
+    return text, figure, machines(dirs)
 
 
 def guess_section(seed: int = 0) -> str:
