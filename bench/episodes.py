@@ -44,6 +44,9 @@ FULL_THREADS = 2
 """Runs on this many torch threads (both cores to themselves) are held to MINUTES."""
 
 
+NONE_FINISHED = "no run finished yet"
+
+
 def calculator_section(seeds: list[int], finished_only: bool = False) -> tuple[str, str, str]:
     """The page's section, the headline figure and the machine(s) the runs ran on."""
     rows, after, minutes, dirs = [], {name: {} for name in CONFIGS}, [], []
@@ -81,7 +84,7 @@ def calculator_section(seeds: list[int], finished_only: bool = False) -> tuple[s
     figure = (f"exact match with a calculator tool {mean('tools'):.3f} vs {mean('no tools'):.3f} without, after "
               f"GRPO ({len(paired)} seed(s))" if paired else
               f"exact match with a calculator tool after GRPO {statistics.mean(after['tools'].values()):.3f} "
-              f"({len(after['tools'])} seed(s); tools off not yet run)" if after["tools"] else "no run finished yet")
+              f"({len(after['tools'])} seed(s); tools off not yet run)" if after["tools"] else NONE_FINISHED)
     shown = next((row[1] for row in rows if row[0] == "tools"), None)
     if shown is not None:
         text += "\n\n" + episodes_shown(run(CONFIGS["tools"], shown), f"With tools, seed {shown}")
@@ -97,7 +100,8 @@ def guess_section(seed: int = 0) -> str:
                               ("share cut at rl.max_turns", "truncated"))]
     return (f"### configs/smollm2_guess.yaml, seed {seed}\n\nCommand: `python -m bench.episodes --guess` (`rlfuse run "
             f"configs/smollm2_guess.yaml run.seed={seed}`), {sum(secs.values()) / 60:.1f} minutes on "
-            f"{rl_threads(d)} thread(s), commit {ran_on(d)['commit']}. Machine: "
+            f"{rl_threads(d)} thread(s) (wall time: longer where other work ran beside it), commit "
+            f"{ran_on(d)['commit']}. Machine: "
             f"{machines([d])}. Held-out games ({b.get('n', '?')}), SFT model against after GRPO:\n\n"
             + md_table(["", "SFT model", "after GRPO"], rows) + "\n\n" + episodes_shown(d, "The guessing game"))
 
@@ -110,14 +114,15 @@ def main() -> None:
     ap.add_argument("--no-write", action="store_true", help="print the table; write no page or headline")
     a = ap.parse_args()
     text, figure, ran_on_machines = calculator_section(a.seeds, a.finished_only)
+    calculator_ran = figure != NONE_FINISHED  # else the page and headline keep what they said
     print(text)
     guess_ready = not a.finished_only or finished(run_folder("smollm2_guess", a.seeds[0]))
     guess = guess_section(a.seeds[0]) if a.guess and guess_ready else None
     if guess:
         print(guess)
-    if not a.no_write:
-        if guess:
-            write_section("episodes_guess", guess, "episodes")
+    if not a.no_write and guess:
+        write_section("episodes_guess", guess, "episodes")
+    if not a.no_write and calculator_ran:
         write_section("episodes_calculator", text, "episodes")
         write_headline("episodes_calculator", figure, "the same pipeline with tools off",
                        f"python -m bench.episodes --seeds {' '.join(map(str, a.seeds))}"
