@@ -11,8 +11,8 @@ Each run is `rlfuse run configs/<config>.yaml run.seed=S run.dir=bench/.work/rea
 run.threads set to the machine's cores (auto would take fewer when other work runs as the run starts); a finished
 run's readings (its eval, summaries, metrics and samples, not its weights) are copied to bench/readings/<folder>/
 with the commit it ran at, and a run with readings there is read, not run again (so an interrupted bench goes on
-where it stopped, on this machine or a later one; delete both folders to measure afresh). Needs the model: `bash scripts/install.sh smollm2`; the hh config also the
-hh-rlhf file in ../shared/data.
+where it stopped, on this machine or a later one; delete both folders to measure afresh). Needs the model:
+`bash scripts/install.sh smollm2`; the hh config also the hh-rlhf file in ../shared/data.
 
 Math: held-out exact-match accuracy (200 problems never trained on, sampled at temperature 1) of the SFT model
 (before RL) and after GRPO, per seed; targets (issue 28): at least +25 points on average, each seed's gain larger
