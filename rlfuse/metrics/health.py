@@ -234,17 +234,37 @@ iterations: the group-relative advantage is zero almost everywhere and the run l
 GROUP_SUSTAIN = 3
 
 
+SOLVED_NEAR_BEST = 0.1
+"""Group collapse reads as solved where the smoothed reward rose and sits within 10% of that rise of its best so far:
+the groups agree because nearly every sample earns the top reward, not because the policy is stuck."""
+
+
 def group_collapse(rows: list[dict], facts: RunFacts) -> tuple[int, str] | None:
     """Groups whose k samples all score alike (reward/frac_zero_spread, GRPO and RLOO): too low a temperature, a
-    reward with too few values, or prompts all too easy or too hard."""
+    reward with too few values, or prompts all too easy or too hard. The strength says which side the reward is on:
+    a run that learned its training prompts collapses too, and may stop there."""
     xs, ys = smoothed(rows, "reward/frac_zero_spread")
     run = 0
     for i, y in enumerate(ys):
         run = run + 1 if y >= GROUP_COLLAPSE else 0
         if run >= GROUP_SUSTAIN:
             at = xs[i - GROUP_SUSTAIN + 1]
-            return at, f"{max(ys[i - GROUP_SUSTAIN + 1:]):.0%} of the groups have no reward spread"
+            return at, f"{max(ys[i - GROUP_SUSTAIN + 1:]):.0%} of the groups have no reward spread" + \
+                reward_when(rows, xs[i])
     return None
+
+
+def reward_when(rows: list[dict], step: int) -> str:
+    """', reward/mean X' at `step` (smoothed), adding that the prompts have become too easy where the reward rose
+    to its best so far (SOLVED_NEAR_BEST); '' where the run logs no reward."""
+    reward = [(x, y) for x, y in zip(*smoothed(rows, "reward/mean")) if x <= step]
+    if not reward:
+        return ""
+    start, now, best = reward[0][1], reward[-1][1], max(y for _, y in reward)
+    if now > start and best - now <= SOLVED_NEAR_BEST * (best - start):
+        return f", reward/mean {now:.3g} (from {start:.3g}): most training prompts are solved, so stop here or add " \
+               "harder ones"
+    return f", reward/mean {now:.3g}"
 
 
 DOMINANT_SHARE = 0.8

@@ -73,6 +73,18 @@ def test_group_collapse_needs_almost_every_group_for_three_iterations():
     assert group_collapse(rows_of(reward__mean=[1.0] * 5), RunFacts()) is None  # PPO: no groups
 
 
+def test_group_collapse_says_whether_the_prompts_were_learned_or_the_policy_is_stuck():
+    spread = [0.5, 0.7, 0.9, 1.0, 1.0, 1.0, 1.0]  # smoothed >= 0.95 from iteration 5; sustained 3: onset 5, at 7
+    solved = rows_of(reward__frac_zero_spread=spread, reward__mean=[0.6, 0.7, 0.8, 0.9, 1.0, 1.0, 1.0])
+    at, strength = group_collapse(solved, RunFacts())
+    # the reward at 7 (smoothed, 1.0) rose from 0.6 and is its best so far
+    assert at == 5 and "reward/mean 1 (from 0.6)" in strength and "solved" in strength
+    stuck = rows_of(reward__frac_zero_spread=spread, reward__mean=[0.0] * 7)
+    assert group_collapse(stuck, RunFacts())[1].endswith("no reward spread, reward/mean 0")
+    fell = rows_of(reward__frac_zero_spread=spread, reward__mean=[0.2, 0.9, 0.9, 0.9, 0.2, 0.2, 0.2])
+    assert "solved" not in group_collapse(fell, RunFacts())[1]  # 0.2 now, 0.9 at best: not near it
+
+
 def test_reward_dominance_reads_the_weights_and_the_reward_spread():
     fns = dict(reward__fn__gold=[0.5] * 12, reward__fn__bonus=[0.1, 0.1, 0.1, 0.5, 1, 2, 4, 6, 8, 8, 8, 8],
                reward__std=[1.0] * 12)
