@@ -7,10 +7,10 @@
 Each run is `rlfuse run configs/<config>.yaml run.seed=S` (a run whose readings are in bench/readings/ is read, not
 run again; a killed one resumes). The page reports, per seed and config, the held-out exact match of the SFT
 model and after GRPO, and with tools the share of episodes that called the calculator and of calls that were well
-formed, before and after; the minutes each seed took; one held-out episode before and after RL, every turn shown.
-The guessing game: the held-out games' turns, reward (1 / guesses when found) and the share cut at rl.max_turns,
-before and after GRPO. `--finished-only` reports the runs that have finished and starts none. Writes
-docs/benchmarks/episodes.md and its BENCHMARKS.md row.
+formed, before and after; the minutes each seed took; one held-out episode before and after RL (the first whose
+reward RL changed), every turn shown. The guessing game: the held-out games' turns, reward (1 / guesses when
+found) and the share cut at rl.max_turns, before and after GRPO. `--finished-only` reports the runs that have
+finished and starts none. Writes docs/benchmarks/episodes.md and its BENCHMARKS.md row.
 """
 
 from __future__ import annotations
@@ -25,17 +25,28 @@ SHOWN_CHARS = 1500
 """An episode shown on the page is cut after this many characters."""
 
 
+def reward_of(text: str) -> str | None:
+    """The reward an evaluated episode ends with ("... [reward 1]", rlfuse/evaluation.py), as written."""
+    tail = text.rstrip()
+    return tail[tail.rindex("[reward ") + 8:-1] if tail.endswith("]") and "[reward " in tail else None
+
+
 def episodes_shown(run_dir, title: str) -> str:
-    """The first held-out episode before RL (rl/eval_before.json) and after (rl/samples_after.json), every turn."""
+    """One held-out episode before RL (rl/eval_before.json) and after (rl/samples_after.json), every turn: the first
+    whose reward RL changed, else the first."""
     before = read_json(run_dir / "rl" / "eval_before.json").get("samples") or []
     after = read_json(run_dir / "rl" / "samples_after.json")
     after = after if isinstance(after, list) else after.get("samples", []) if isinstance(after, dict) else []
-    out = [f"{title}, the first held-out episode:"]
+    changed = [i for i, (b, a) in enumerate(zip(before, after)) if reward_of(str(b)) != reward_of(str(a))]
+    i = changed[0] if changed else 0
+    which = f"held-out episode {i + 1}, the first whose reward RL changed" if changed else "the first held-out episode"
+    out = [f"{title}, {which}:"]
     for when, texts in (("before RL", before), ("after RL", after)):
-        if texts:
-            text = str(texts[0])
+        if len(texts) > i:
+            text = str(texts[i])
             out.append(f"\n{when}:\n\n```text\n{text[:SHOWN_CHARS]}{' ...' if len(text) > SHOWN_CHARS else ''}\n```")
     return "\n".join(out)
+
 
 CONFIGS = {"tools": "smollm2_calculator", "no tools": "smollm2_calculator_notools"}
 MINUTES = 40
