@@ -217,7 +217,8 @@ ENTROPY_FLOOR = 0.05
 
 
 def entropy_collapse(rows: list[dict], facts: RunFacts) -> tuple[int, str] | None:
-    """The policy's per-token entropy falling to almost nothing: it samples one answer, exploration stops."""
+    """The policy's per-token entropy falling to almost nothing: it samples one answer, exploration stops (or, with
+    the reward at its best, reward_when, it has learned the one right answer to its training prompts)."""
     base = baseline(rows, "train/entropy")
     if not base:
         return None
@@ -225,7 +226,9 @@ def entropy_collapse(rows: list[dict], facts: RunFacts) -> tuple[int, str] | Non
     holds = [y <= ENTROPY_RATIO * base and y <= ENTROPY_FLOOR for y in ys]
     if (at := first_sustained(xs, holds, BASELINE)) is None:
         return None
-    return at, f"entropy {base:.3f} -> {min(ys):.4f} nats/token ({min(ys) / base:.0%} of the start)"
+    confirmed = xs[xs.index(at) + SUSTAIN - 1]
+    return at, f"entropy {base:.3f} -> {min(ys):.4f} nats/token ({min(ys) / base:.0%} of the start)" + \
+        reward_when(rows, confirmed)
 
 
 GROUP_COLLAPSE = 0.95
@@ -241,8 +244,8 @@ the groups agree because nearly every sample earns the top reward, not because t
 
 def group_collapse(rows: list[dict], facts: RunFacts) -> tuple[int, str] | None:
     """Groups whose k samples all score alike (reward/frac_zero_spread, GRPO and RLOO): too low a temperature, a
-    reward with too few values, or prompts all too easy or too hard. The strength says which side the reward is on:
-    a run that learned its training prompts collapses too, and may stop there."""
+    reward with too few values, or prompts all too easy or too hard. The strength gives the reward (reward_when): a
+    run that learned its training prompts collapses too, and may stop there."""
     xs, ys = smoothed(rows, "reward/frac_zero_spread")
     run = 0
     for i, y in enumerate(ys):
@@ -255,15 +258,15 @@ def group_collapse(rows: list[dict], facts: RunFacts) -> tuple[int, str] | None:
 
 
 def reward_when(rows: list[dict], step: int) -> str:
-    """', reward/mean X' at `step` (smoothed), adding that the prompts have become too easy where the reward rose
-    to its best so far (SOLVED_NEAR_BEST); '' where the run logs no reward."""
+    """', reward/mean X' at `step` (smoothed), adding that the prompts may be solved where the reward rose to its
+    best so far (SOLVED_NEAR_BEST); '' where the run logs no reward."""
     reward = [(x, y) for x, y in zip(*smoothed(rows, "reward/mean")) if x <= step]
     if not reward:
         return ""
     start, now, best = reward[0][1], reward[-1][1], max(y for _, y in reward)
     if now > start and best - now <= SOLVED_NEAR_BEST * (best - start):
-        return f", reward/mean {now:.3g} (from {start:.3g}): most training prompts are solved, so stop here or add " \
-               "harder ones"
+        return f", reward/mean {now:.3g} (from {start:.3g}), at its best: the training prompts may be solved (then " \
+               "stop here, or add harder ones)"
     return f", reward/mean {now:.3g}"
 
 

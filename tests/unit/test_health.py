@@ -61,6 +61,8 @@ def test_entropy_collapse_not_sharpening():
     collapse = [0.8, 0.8, 0.8, 0.5, 0.2, 0.05, 0.01, 0.005, 0.003, 0.002]
     at, strength = entropy_collapse(rows_of(train__entropy=collapse), RunFacts())
     assert at == 8 and "0.0033" in strength  # smoothed (0.01+0.005+0.003)/3 = 0.006 at 9; 8: 0.0217 <= 0.05, 0.12
+    learned = rows_of(train__entropy=collapse, reward__mean=[0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9, 1.0, 1.0, 1.0])
+    assert "reward/mean 0.967 (from 0.3)" in entropy_collapse(learned, RunFacts())[1]  # at 9: (0.9+1+1)/3
     sharpening = [0.45, 0.4, 0.42, 0.3, 0.25, 0.2, 0.12, 0.1, 0.09, 0.1, 0.08, 0.11]  # -> 20% of the start, 0.09
     assert entropy_collapse(rows_of(train__entropy=sharpening), RunFacts()) is None
 
