@@ -78,7 +78,7 @@ def test_async_run_trains_partial_rollouts_whole_with_importance_weights(async_r
         assert r["time/proximal_logprobs"] > 0
     for r in rows:  # every generated sample is trained: the two lengths agree
         assert r["rollout/mean_length_trained"] == pytest.approx(r["rollout/mean_length_generated"])
-        assert r["worker/1/rss_mb"] > 0 and r["time/decode"] > 0
+        assert r["worker/1/rss_mb"] > 0 and r["time/decode"] > 0 and r["rollout/prefill_tokens"] > 0
         # the generation worker took the reference's log-probs of what it decoded (inside its decoding time)
         assert 0 < r["time/reference_on_decoders"] < r["time/decode"]
     assert (run_dir / "rl" / "checkpoint.pt.inflight").exists()
@@ -106,6 +106,8 @@ def test_the_first_async_iteration_is_the_synchronous_single_processs(tiny_task,
     want, got = rows_of(tmp_path / "single")[0], rows_of(async_run)[0]
     for key in ("reward/mean", "rollout/length_mean", "reward/kl_k1"):
         assert got[key] == pytest.approx(want[key], abs=1e-6), key
+    # the generation worker prefilled each prompt once, its samples sharing it, as the single process did
+    assert got["rollout/prefill_tokens"] == want["rollout/prefill_tokens"] > 0
     assert got["train/policy_loss"] == pytest.approx(want["train/policy_loss"], abs=1e-5)
 
 
