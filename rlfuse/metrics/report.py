@@ -174,16 +174,22 @@ def warnings_section(rows: list[dict], eval_result: dict) -> list[str]:
             "</div>"]
 
 
-def health_section(run_dir: Path, rows: list[dict]) -> list[str]:
-    """The health detectors' findings (rlfuse audit): each one's onset (marked on the dashboard), strength and fix."""
+GOLD_DETECTOR = "proxy_gold_divergence"
+"""The health detector whose finding the reward-and-gold warning above it already spells out."""
+
+
+def health_section(run_dir: Path, rows: list[dict], gold_warned: bool = False) -> list[str]:
+    """The health detectors' findings (rlfuse audit): each one's onset (marked on the dashboard), strength and fix;
+    with gold_warned, the reward-versus-gold finding points to the warning above instead of repeating it."""
     if not rows:
         return []
     findings = audit(rows, run_facts(run_dir))
     if not findings:
         return [f"<p class=status>Health: none of the {len(DETECTORS)} detectors fired (<code>rlfuse audit</code>, "
                 "docs/health.md).</p>"]
-    items = "".join(f"<li><b>{html.escape(f.title)}</b> from iteration {f.onset}: {html.escape(f.strength)}. "
-                    f"{html.escape(f.advice)}</li>" for f in findings)
+    said = lambda f: ("see the warning above." if gold_warned and f.detector == GOLD_DETECTOR
+                      else f"{html.escape(f.strength)}. {html.escape(f.advice)}")
+    items = "".join(f"<li><b>{html.escape(f.title)}</b> from iteration {f.onset}: {said(f)}</li>" for f in findings)
     return [f"<div class=warning role=alert><b>Health: {len(findings)} of {len(DETECTORS)} detectors fired</b> "
             f"(onsets marked on the dashboard; <code>rlfuse audit</code>, docs/health.md)<ul>{items}</ul></div>"]
 
@@ -374,8 +380,8 @@ def build_page(run_dir: Path, figs: dict[str, Path | str], baseline_dir: Path | 
     base_rows = metric_rows(Path(baseline_dir) / "rl" / "metrics.jsonl") if baseline_dir else None
     parts = [f"<h1>rlfuse run <code>{html.escape(str(run_dir))}</code></h1>",
              status_line(run_dir, rows, run_settings(run_dir))]
-    parts += warnings_section(rows, eval_result)
-    parts += health_section(run_dir, rows)
+    warned = warnings_section(rows, eval_result)
+    parts += warned + health_section(run_dir, rows, gold_warned=bool(warned))
     if rows:
         parts.append(_cards(key_numbers(rows, eval_result, base_rows)))
     parts += dashboard_section(figs, with_evaluations(rows, eval_result))

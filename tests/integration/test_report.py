@@ -199,6 +199,14 @@ def test_the_warning_from_the_series_of_a_killed_run(tmp_path):
     assert WARNING in write_report(write_rows(tmp_path / "r", rows)).read_text()
 
 
+def test_the_health_panel_points_to_the_gold_warning_rather_than_repeating_it(tmp_path):
+    rows = [{"step": i, "reward/mean": 0.1 * i, "reward/gold_mean": 0.9 - 0.1 * i, "time/iteration": 1.0}
+            for i in range(1, 10)]
+    page = write_report(write_rows(tmp_path / "r", rows)).read_text()
+    assert WARNING in page and "<b>Reward up, gold down</b> from iteration" in page  # the detector fired too
+    assert "see the warning above." in page and page.lower().count("read the samples") == 1  # advice said once
+
+
 def test_the_health_panel_lists_findings_and_marks_their_onset(tmp_path):
     rows = [{"step": i, "reward/mean": 0.1, "time/iteration": 1.0, "train/entropy": 0.8 if i <= 3 else 0.001}
             for i in range(1, 12)]
