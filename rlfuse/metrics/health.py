@@ -238,8 +238,8 @@ GROUP_SUSTAIN = 3
 
 
 SOLVED_NEAR_BEST = 0.1
-"""Group collapse reads as solved where the smoothed reward rose and sits within 10% of that rise of its best so far:
-the groups agree because nearly every sample earns the top reward, not because the policy is stuck."""
+"""An entropy or group collapse may be a solved task where the smoothed reward rose and sits within 10% of that rise
+of its best so far: nearly every sample earns the top reward, rather than the policy being stuck."""
 
 
 def group_collapse(rows: list[dict], facts: RunFacts) -> tuple[int, str] | None:
