@@ -291,6 +291,7 @@ def run_pipeline(config: ConfigLike = None, run_dir: str | os.PathLike | None = 
     holding a run is refused unless overwrite=True (which removes it first). model/tokenizer/dataset as in train_sft,
     reward, tools and environment as in train_rl."""
     # torch and transformers load with the trainers, not with the API (`rlfuse --help` stays quick)
+    from rlfuse.trainers.rl import check_user_code
     from rlfuse.trainers.rl import train_rl as run_rl
     from rlfuse.trainers.rm import train_rm as run_rm
     from rlfuse.trainers.sft import train_sft as run_sft
@@ -306,6 +307,7 @@ def run_pipeline(config: ConfigLike = None, run_dir: str | os.PathLike | None = 
                             **(_resumed_dataset(dataset, folder) if resume else _dataset_override(dataset, folder)))
         _refuse_live_reward_on_workers(cfg)
         _refuse_toy_model_on_own_data(cfg)
+        check_user_code(cfg)  # a typo in a reward, tool or environment name stops the run now, not after SFT
         on_resumed = _resume_rules(cfg, folder, log) if resume else _start_new(cfg, folder, "run", overwrite, log)
         on_resumed = _first_call_only(on_resumed)  # the first stage that runs notes the changes in config.yaml
         # a stage killed part-way continues from its checkpoint; one that finished is kept

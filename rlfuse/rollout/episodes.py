@@ -39,7 +39,7 @@ from typing import Callable, Iterator
 from rlfuse.config.callables import load_callable
 from rlfuse.data.chat import encode_rendered, next_segment
 from rlfuse.data.tool_text import tool_schema, tools_prompt
-from rlfuse.errors import DataError, UserError, first_line
+from rlfuse.errors import ConfigError, DataError, UserError, first_line
 from rlfuse.rollout.engine import EngineStats
 from rlfuse.rollout.generator import Capabilities
 from rlfuse.rollout.state import EngineState, RowState, Sample, SamplingParams
@@ -133,6 +133,8 @@ class Episodes:
         tools = [load_callable(spec, "rl.tools") for spec in (rl.tools or "").split(",") if spec]
         limits = EpisodeLimits(rl.max_turns, rl.max_tool_calls, rl.response_limit, rl.max_new_tokens, rl.tool_timeout_s)
         environment = load_callable(rl.environment, "rl.environment") if rl.environment else None
+        if environment is not None:
+            check_environment_class(environment, rl.environment)
         return cls(tokenizer, {fn.__name__: fn for fn in tools}, environment, limits, overlap_tools=rl.overlap_tools)
 
     @functools.cached_property
@@ -192,6 +194,25 @@ def check_episode_template(tokenizer, prompt: list[dict], episodes: Episodes) ->
     except DataError as e:
         name = getattr(tokenizer, "name_or_path", "") or "the tokenizer"
         raise DataError(f"the chat template of {name}", e.problem, e.fix) from None
+
+
+def check_environment_class(env, spec: str) -> None:
+    """rl.environment names a class that each episode makes with no arguments and resets with its row; else one
+    ConfigError saying what it is instead (a function, a class without reset, or one whose __init__ needs arguments)."""
+    if not inspect.isclass(env):
+        raise ConfigError("rl.environment", f"{spec} is a {type(env).__name__}, not a class: each episode makes one "
+                          "instance of it", "name a class with reset(**row) and either step(text) or tool methods; "
+                          "plain tool functions go in rl.tools")
+    if not callable(getattr(env, "reset", None)):
+        raise ConfigError("rl.environment", f"{spec} has no reset method: each episode resets its instance with the "
+                          "prompt's data row", "add def reset(self, **row) (it may ignore the row)")
+    try:
+        inspect.signature(env).bind()
+    except TypeError as e:
+        raise ConfigError("rl.environment", f"{spec}() cannot be made without arguments ({e})",
+                          "give its __init__ defaults for every argument; reset(**row) receives the row") from None
+    except ValueError:  # no signature to read (a builtin): making one will say
+        pass
 
 
 def environment_tools_of_class(env_class) -> list[str]:

@@ -56,13 +56,13 @@ from rlfuse.metrics.flops import compute_meter_for_run
 from rlfuse.metrics.memory import MemoryMeter
 from rlfuse.metrics.progress import Progress
 from rlfuse.metrics.tracker import memory_metrics, stage_tracker
-from rlfuse.models.build import Models, build_models
+from rlfuse.models.build import Models, build_models, load_reward_function
 from rlfuse.models.device import dtype_name, setup_runtime
 from rlfuse.models.layout import keep_layout, kept_layout, layout_of
 from rlfuse.models.load import resolve_base_model, save_trained_model
 from rlfuse.models.prompt_workload import resolve_measured
 from rlfuse.models.quantize import choose_cpu_heap
-from rlfuse.models.rewards import attach_rows, reset_reward_metrics, reward_metrics
+from rlfuse.models.rewards import FunctionReward, attach_rows, reset_reward_metrics, reward_metrics
 from rlfuse.plan.planner import predicted_memory
 from rlfuse.rollout.episodes import EpisodeGenerator, Episodes, check_episode_template, episode_prompt
 from rlfuse.rollout.fusion import Experience, FusionPolicy, take_samples
@@ -316,6 +316,17 @@ class RunPrompts:
         """What rl/summary.json and the report say of the prompts."""
         return {"prompt_budget": self.budget, "prompts_truncated": self.cut, "prompts": len(self.train),
                 "eval_prompts_truncated": self.cut_held_out}
+
+
+def check_user_code(cfg: Config) -> None:
+    """What the RL stage would refuse of the user's own code, checked before SFT and the reward model train (minutes
+    to hours) rather than after them: reward functions that do not import or do not match rl.reward_weights, tools
+    whose JSON schemas cannot be built, an environment that is not a class with reset. Imports the user's modules."""
+    specs = [] if cfg.rl.reward in ("rm", "environment") else [s.strip() for s in cfg.rl.reward.split(",") if s]
+    if specs:
+        FunctionReward([load_reward_function(s) for s in specs], cfg.rl.reward_weights, tokenizer=None)
+    if cfg.rl.tools or cfg.rl.environment:
+        Episodes.from_config(cfg.rl, tokenizer=None).schemas  # noqa: B018 - built for the errors it raises
 
 
 def episode_settings(cfg: Config, tokenizer) -> Episodes | None:

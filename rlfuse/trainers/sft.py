@@ -16,7 +16,7 @@ import torch
 
 from rlfuse.algos.losses import sft_loss
 from rlfuse.config import Config
-from rlfuse.data.chat import set_chat_template
+from rlfuse.data.chat import require_template, set_chat_template
 from rlfuse.data.collate import encode, encode_sft, sft_batch
 from rlfuse.data.gold import gold_summary
 from rlfuse.data.prompts import check_max_length, model_context
@@ -78,6 +78,8 @@ def train_sft(cfg: Config, run_dir: Path, log=print, on_trained=None, resume: bo
     name, task = resolve_base_model(cfg, log)
     tokenizer = load_tokenizer(name)
     set_chat_template(tokenizer, cfg.data.chat_template)  # saved with the model: RL renders prompts with it
+    if cfg.rl.tools or cfg.rl.environment:  # RL renders each episode as a chat: say so before SFT trains, not after
+        require_template(tokenizer, "multi-turn episodes (rl.tools, rl.environment)")
     model = place(load_causal_lm(name, cfg.model, precision=cfg.run.precision, device=device), device)
     check_max_length(cfg.data.max_length, model_context(model.config))
     model.train()

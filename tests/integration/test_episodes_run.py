@@ -15,6 +15,7 @@ from safetensors.torch import load_file
 
 from conftest import ROOT, TINY
 from rlfuse.cli import main
+from test_run_folders import one_line_error, rlfuse_here
 
 GAME = '''
 import time
@@ -49,6 +50,22 @@ def game(tmp_path):
     path = tmp_path / "game.py"
     path.write_text(GAME)
     return f"rl.environment={path}:Echo"
+
+
+@pytest.mark.parametrize("setting,prefix,said", [
+    ("rl.tools=rlfuse.data.arithmetic:calculater", "config error: rl.tools:", "has no 'calculater'"),
+    ("rl.environment=rlfuse.data.arithmetic:calculator", "config error: rl.environment:", "not a class"),
+    ("rl.reward=rlfuse.data.gold:gold_rewards", "config error: rl.reward:", "has no 'gold_rewards'"),
+    # the default task's tokenizer has no chat template, which every episode is rendered with
+    ("rl.tools=rlfuse.data.arithmetic:calculator", "data error: multi-turn episodes", "data.chat_template=chatml"),
+])
+def test_a_run_whose_rl_stage_would_refuse_its_code_stops_before_sft(tiny_task, tmp_path, setting, prefix, said):
+    # these stopped the RL stage after SFT and the reward model had trained (minutes on the tiny task, hours on a
+    # real one)
+    proc = rlfuse_here("run", f"run.dir={tmp_path / 'run'}", *TINY, setting)
+    line = one_line_error(proc, 2, f"rlfuse run: {prefix}")
+    assert said in line and "[sft]" not in proc.stderr + proc.stdout
+    assert not (tmp_path / "run" / "sft" / "model").exists()
 
 
 @pytest.mark.parametrize("algo", ["ppo", "grpo"])

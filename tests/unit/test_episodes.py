@@ -485,6 +485,30 @@ def test_episode_settings_are_checked_before_anything_loads(overrides, field, fi
     assert e.value.field == field and fix in str(e.value), str(e.value)
 
 
+class NeedsLevel:
+    def __init__(self, level):
+        self.level = level
+
+    def reset(self, **row):
+        pass
+
+
+@pytest.mark.parametrize("spec,problem,fix", [
+    ("rlfuse.data.arithmetic:calculator", "is a function, not a class", "plain tool functions go in rl.tools"),
+    ("collections:OrderedDict", "has no reset method", "add def reset(self, **row)"),
+    ("test_episodes:NeedsLevel", "cannot be made without arguments", "give its __init__ defaults"),
+])
+def test_an_environment_that_is_not_a_class_with_reset_is_refused_as_it_loads(spec, problem, fix):
+    from rlfuse.config import load_config
+    from rlfuse.errors import ConfigError
+
+    cfg = load_config(None, [f"rl.environment={spec}"])  # the config is fine: the code it names is not
+    with pytest.raises(ConfigError) as e:
+        Episodes.from_config(cfg.rl, tokenizer=None)
+    assert e.value.field == "rl.environment" and problem in e.value.problem and fix in e.value.fix, str(e.value)
+    Episodes.from_config(load_config(None, ["rl.environment=rlfuse.data.guessing:GuessNumber"]).rl, tokenizer=None)
+
+
 def test_fused_scoring_of_episodes_gives_the_unfused_numbers(tiny):
     """An episode is scored as soon as it ends while others decode (rollout.fusion): the same episodes, rewards and
     reference log-probs as scoring them all at the end."""
