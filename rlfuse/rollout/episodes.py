@@ -135,6 +135,8 @@ class Episodes:
         environment = load_callable(rl.environment, "rl.environment") if rl.environment else None
         if environment is not None:
             check_environment_class(environment, rl.environment)
+        check_tool_names([fn.__name__ for fn in tools],
+                         environment_tools_of_class(environment) if environment and not gym_style(environment) else [])
         return cls(tokenizer, {fn.__name__: fn for fn in tools}, environment, limits, overlap_tools=rl.overlap_tools)
 
     @functools.cached_property
@@ -213,6 +215,21 @@ def check_environment_class(env, spec: str) -> None:
                           "give its __init__ defaults for every argument; reset(**row) receives the row") from None
     except ValueError:  # no signature to read (a builtin): making one will say
         pass
+
+
+def check_tool_names(tools: list[str], environment_tools: list[str]) -> None:
+    """The policy calls a tool by its name: each must be one it can write, and no two alike (one would be lost)."""
+    for name in tools:
+        if not name.isidentifier():
+            raise ConfigError("rl.tools", f"a tool named {name!r}: the policy calls tools by name",
+                              "define it with def and a name (a lambda has none)")
+    seen = set()
+    for name in tools + environment_tools:
+        if name in seen:
+            where = "rl.environment's methods and rl.tools" if name in environment_tools else "rl.tools"
+            raise ConfigError("rl.tools", f"two tools are named {name!r} in {where}",
+                              "rename one: the policy calls tools by name")
+        seen.add(name)
 
 
 def environment_tools_of_class(env_class) -> list[str]:

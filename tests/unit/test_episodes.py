@@ -16,10 +16,10 @@ from torch.testing import assert_close
 from rlfuse.algos.advantages import gae_advantages
 from rlfuse.algos.kl import kl_shaped_rewards
 from rlfuse.data.chat import CHATML, next_segment
-from rlfuse.errors import DataError, UserError
+from rlfuse.errors import ConfigError, DataError, UserError
 from rlfuse.rollout.engine import EngineStats
 from rlfuse.rollout.episodes import (EpisodeGenerator, EpisodeLimits, Episodes, check_episode_template,
-                                     episode_metrics, episode_prompt)
+                                     check_tool_names, environment_tools_of_class, episode_metrics, episode_prompt)
 from rlfuse.rollout.generator import ENGINES
 from rlfuse.rollout.state import EngineState, RowState, Sample, SamplingParams
 
@@ -478,7 +478,6 @@ def test_episode_logprobs_equal_one_forward_of_the_whole_episode(tiny):
 ])
 def test_episode_settings_are_checked_before_anything_loads(overrides, field, fix):
     from rlfuse.config import load_config
-    from rlfuse.errors import ConfigError
 
     with pytest.raises(ConfigError) as e:
         load_config(None, overrides)
@@ -500,13 +499,20 @@ class NeedsLevel:
 ])
 def test_an_environment_that_is_not_a_class_with_reset_is_refused_as_it_loads(spec, problem, fix):
     from rlfuse.config import load_config
-    from rlfuse.errors import ConfigError
 
     cfg = load_config(None, [f"rl.environment={spec}"])  # the config is fine: the code it names is not
     with pytest.raises(ConfigError) as e:
         Episodes.from_config(cfg.rl, tokenizer=None)
     assert e.value.field == "rl.environment" and problem in e.value.problem and fix in e.value.fix, str(e.value)
     Episodes.from_config(load_config(None, ["rl.environment=rlfuse.data.guessing:GuessNumber"]).rl, tokenizer=None)
+
+
+def test_tool_names_the_policy_cannot_call_or_that_clash_are_refused():
+    check_tool_names(["add", "calculator"], ["increment"])
+    with pytest.raises(ConfigError, match=r"rl.tools: a tool named '<lambda>'.* define it with def"):
+        check_tool_names(["<lambda>"], [])
+    with pytest.raises(ConfigError, match=r"rl.tools: two tools are named 'increment'.*rename one"):
+        check_tool_names(["increment"], environment_tools_of_class(Counter_))
 
 
 def test_fused_scoring_of_episodes_gives_the_unfused_numbers(tiny):
