@@ -12,7 +12,7 @@ import sys
 
 import pytest
 
-from conftest import ROOT, TINY
+from conftest import ROOT, TINY, reads_absent_shared_data
 
 TRAINING = {"run", "sft", "rm", "rl"}
 TINY_RL = ["rl.iterations=1", "rl.prompts_per_iter=4", "rl.mini_batch_size=4", "rl.micro_batch_size=4",
@@ -86,8 +86,8 @@ def test_every_readme_command_runs_in_a_fresh_folder(tmp_path):
         args = shlex.split(step)[1:]
         cwd = tmp_path
         if on_real_model(args):
-            if not real_model:
-                continue  # the real-model test says why it skips
+            if not real_model or any(reads_absent_shared_data(ROOT / a) for a in args if (ROOT / a).is_file()):
+                continue  # the real-model and shared-data tests say why they skip
             args, cwd = ["validate", *args[1:]], ROOT  # minutes a stage: its config is checked, as written
         args = tiny(args)
         done = subprocess.run([sys.executable, "-m", "rlfuse", *args], cwd=cwd, env=env, capture_output=True,
