@@ -25,6 +25,7 @@ def reads_absent_shared_data(config: Path) -> bool:
     elsewhere may not): its data cannot load, and the tests of that data skip with "shared data file"."""
     return "../shared/data/" in config.read_text() and not (config.parent.parent.parent / "shared" / "data").is_dir()
 
+
 # Tiny settings of the default task: a 2-layer, 64-dim GPT-2 on 400 reviews trains in seconds.
 TINY = ["data.num_reviews=400", "model.n_layer=2", "model.n_embd=64", "model.n_head=2", "data.max_length=96",
         "sft.steps=6", "sft.batch_size=8", "sft.micro_batch_size=4", "sft.eval_every=3", "sft.eval_samples=4",

@@ -460,6 +460,12 @@ class RLConfig:
         return self.max_new_tokens
 
     @property
+    def reward_functions(self) -> list[str]:
+        """rl.reward's functions (module:function or file.py:function); none for the reward model or the
+        environment's reward."""
+        return [] if self.reward in ("rm", "environment") else [x.strip() for x in self.reward.split(",")]
+
+    @property
     def kl_estimator_used(self) -> str:
         """kl_estimator, or the algorithm's default when it is null."""
         return self.kl_estimator or ALGORITHMS[self.algo].kl_estimator

@@ -326,7 +326,7 @@ def _validate_rl(cfg: Config) -> None:
         raise ConfigError("rl.skip_zero_advantage", f"the pipeline schedule (rl.train_parallel={rl.train_parallel}) "
                           f"runs a fixed number of micro-batches", "set rl.train_parallel=data or the option false")
     _episodes(cfg)
-    specs = [] if rl.reward in ("rm", "environment") else [x.strip() for x in rl.reward.split(",")]
+    specs = rl.reward_functions
     if specs:  # each function found now (no user code runs yet), a file path kept absolute
         rl.reward = ",".join(check_callable(x, "rl.reward") for x in specs)
     if rl.reward_weights is not None:

@@ -135,16 +135,14 @@ class Episodes:
         environment = load_callable(rl.environment, "rl.environment") if rl.environment else None
         if environment is not None:
             check_environment_class(environment, rl.environment)
-        check_tool_names([fn.__name__ for fn in tools],
-                         environment_tools_of_class(environment) if environment and not gym_style(environment) else [])
+        check_tool_names([fn.__name__ for fn in tools], environment_tool_names(environment))
         return cls(tokenizer, {fn.__name__: fn for fn in tools}, environment, limits, overlap_tools=rl.overlap_tools)
 
     @functools.cached_property
     def schemas(self) -> list[dict]:
         """The tools the prompt describes: the run's, and an environment's methods where it answers with tools."""
-        tools = dict(self.tools)
-        if self.environment is not None and not gym_style(self.environment):
-            tools |= {name: getattr(self.environment, name) for name in environment_tools_of_class(self.environment)}
+        tools = dict(self.tools) | {name: getattr(self.environment, name)
+                                    for name in environment_tool_names(self.environment)}
         return [tool_schema(fn) for fn in tools.values()]
 
     @property
@@ -230,6 +228,11 @@ def check_tool_names(tools: list[str], environment_tools: list[str]) -> None:
             raise ConfigError("rl.tools", f"two tools are named {name!r} in {where}",
                               "rename one: the policy calls tools by name")
         seen.add(name)
+
+
+def environment_tool_names(env_class) -> list[str]:
+    """The tools an rl.environment class answers with: none without one, or for a Gym-style one (step)."""
+    return environment_tools_of_class(env_class) if env_class is not None and not gym_style(env_class) else []
 
 
 def environment_tools_of_class(env_class) -> list[str]:

@@ -62,7 +62,7 @@ from rlfuse.models.layout import keep_layout, kept_layout, layout_of
 from rlfuse.models.load import resolve_base_model, save_trained_model
 from rlfuse.models.prompt_workload import resolve_measured
 from rlfuse.models.quantize import choose_cpu_heap
-from rlfuse.models.rewards import FunctionReward, attach_rows, reset_reward_metrics, reward_metrics
+from rlfuse.models.rewards import attach_rows, reset_reward_metrics, reward_metrics
 from rlfuse.plan.planner import predicted_memory
 from rlfuse.rollout.episodes import EpisodeGenerator, Episodes, check_episode_template, episode_prompt
 from rlfuse.rollout.fusion import Experience, FusionPolicy, take_samples
@@ -320,11 +320,11 @@ class RunPrompts:
 
 def check_user_code(cfg: Config) -> None:
     """What the RL stage would refuse of the user's own code, checked before SFT and the reward model train (minutes
-    to hours) rather than after them: reward functions that do not import or do not match rl.reward_weights, tools
-    whose JSON schemas cannot be built, an environment that is not a class with reset. Imports the user's modules."""
-    specs = [] if cfg.rl.reward in ("rm", "environment") else [s.strip() for s in cfg.rl.reward.split(",") if s]
-    if specs:
-        FunctionReward([load_reward_function(s) for s in specs], cfg.rl.reward_weights, tokenizer=None)
+    to hours) rather than after them: reward functions that do not import, tools whose JSON schemas cannot be built,
+    an environment that is not a class with reset. Imports the user's modules (config validation only looks them
+    up)."""
+    for spec in cfg.rl.reward_functions:
+        load_reward_function(spec)
     if cfg.rl.tools or cfg.rl.environment:
         Episodes.from_config(cfg.rl, tokenizer=None).schemas  # noqa: B018 - built for the errors it raises
 
